@@ -1,0 +1,75 @@
+# kvreplay: build, test and reproduce.
+#
+#   make setup    create .venv from the hashed locks (a no-op once done)
+#   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...")
+#   make paper    every experiment, then tables and figures  (PROFILE=cpu)
+#   make lab      JupyterLab on notebooks/
+#   make bench    timing benchmarks
+#   make clean    remove build/ and caches   (keeps data/ and .venv)
+#   make distclean  clean, and remove .venv too
+#
+# Every version comes from requirements.txt and requirements-data.txt, both
+# installed with --require-hashes; nothing unpinned is installed or upgraded
+# (pip stays the one `venv` ships). The lock is for CPython 3.11 on Linux
+# x86_64. torch is the CPU build 2.13.0+cpu, which is not on PyPI: pip must
+# see it through a find-links directory or the PyTorch CPU index, e.g.
+#   make setup PIPFLAGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# (on the project's machines pip's own configuration already points at it).
+
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+PROFILE ?= cpu
+PYTEST_ARGS ?=
+PIPFLAGS ?=
+LOCK_COMPILER ?= pip-compile
+STAMP   := $(VENV)/.stamp
+
+# Offline by contract; fixed hashing; no tokenizer thread pools fighting the
+# intra-op threads. Set in the environment to override.
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export PYTHONHASHSEED ?= 0
+
+.DEFAULT_GOAL := setup
+.PHONY: setup test paper lab bench clean distclean lock
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-data.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
+	  { echo "error: the lock is for CPython 3.11; run e.g. make setup PYTHON=python3.11" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --require-hashes -r requirements.txt $(PIPFLAGS)
+	$(PIP) install --no-deps --require-hashes -r requirements-data.txt $(PIPFLAGS)
+	$(PIP) install --no-deps --no-build-isolation -e . $(PIPFLAGS)
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvreplay)"
+	@touch $@
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+paper: setup
+	$(PY) -m kvreplay.paper --profile $(PROFILE)
+
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/
+
+bench: setup
+	$(PY) -m kvreplay.bench
+
+clean:
+	rm -rf build/ .pytest_cache/ lib/*.egg-info/
+	find . -path ./$(VENV) -prune -o -path ./.git -prune -o \
+	  \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -print0 | xargs -0 rm -rf
+
+distclean: clean
+	rm -rf $(VENV)
+
+# Regenerate the lock from requirements.in (needs pip-tools, which is not in
+# the project's venv on purpose; e.g. LOCK_COMPILER=/path/to/pip-compile).
+lock:
+	$(LOCK_COMPILER) --allow-unsafe --generate-hashes --no-emit-find-links \
+	  --no-emit-index-url --strip-extras \
+	  --output-file=requirements.txt requirements.in

@@ -1,0 +1,314 @@
+"""Decoders: the live multi-branch generator and the one shared suffix decoder (paper §3.1–3.2).
+
+Every forward call goes through :func:`forward`, which always passes an
+explicit boolean 4-D mask ``[batch, 1, q, k]`` (causal AND role visibility;
+no padding), explicit position IDs counting tokens from 0, and input
+embeddings plus role-embedding rows when the model has a role table.
+
+The physical batch is two duplicate copies of one problem. After every call
+the two rows' logits must agree bit for bit; otherwise :class:`~kvreplay.gates.GateError`
+(gate ``desync``) is raised and the row fails closed.
+
+Call schedule (DESIGN.md): the live generator processes the prompt block in
+one call, then exactly one token per call, forced delimiter tokens included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.nn.attention import sdpa_kernel
+from transformers import DynamicCache
+
+from .contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, Caps, attention_mask_4d
+from .gates import GateError
+from .models import LoadedModel, sdpa_backend_list
+
+BATCH = 2
+"""Physical batch: two duplicate copies of one problem."""
+
+
+@dataclasses.dataclass
+class Boundary:
+    """The decoder state at the merge boundary, for one construction.
+
+    Attributes:
+        construction: ``"live"``, ``"incremental"``, ``"prefill"``, or a
+            replica / transplant label.
+        ids: the boundary prefix z (flat token IDs of one copy, length |z|).
+        roles: ``[2, |z|]`` int64 raw roles of both copies.
+        cache: ``DynamicCache`` whose layers hold keys/values
+            ``[2, kv_heads, |z|, head_dim]`` in the model dtype.
+        logits: ``[2, vocab]`` next-token logits at the boundary (model dtype).
+        schedule: tokens per forward call that built the cache.
+    """
+
+    construction: str
+    ids: list[int]
+    roles: torch.Tensor
+    cache: DynamicCache
+    logits: torch.Tensor
+    schedule: list[int]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[2, |z|]`` position IDs (flat, from 0; no padding)."""
+        return torch.arange(len(self.ids)).expand(BATCH, -1)
+
+
+def forward(lm: LoadedModel, cache: DynamicCache, ids: torch.Tensor, roles_all: torch.Tensor, start: int) -> torch.Tensor:
+    """One forward call over ``q`` new tokens of the duplicate batch.
+
+    Args:
+        lm: the loaded model.
+        cache: cache holding the first ``start`` tokens; updated in place.
+        ids: ``[2, q]`` int64 token IDs of this call.
+        roles_all: ``[2, start + q]`` int64 raw roles of all tokens so far.
+        start: number of tokens already in the cache (= first position).
+
+    Returns:
+        ``[2, vocab]`` logits of the last token of the call, model dtype.
+
+    Raises:
+        GateError: gate ``desync`` if the two duplicate rows' logits differ.
+    """
+    q = ids.shape[1]
+    query_roles = roles_all[:, start:]
+    embeds = lm.model.get_input_embeddings()(ids)
+    if lm.role_table is not None:
+        embeds = embeds + lm.role_table[query_roles + ROLE_OFFSET]
+    mask = attention_mask_4d(query_roles, roles_all, start)
+    positions = torch.arange(start, start + q, device=ids.device).expand(ids.shape[0], q)
+    with sdpa_kernel(sdpa_backend_list(lm.sdpa_backends)):
+        out = lm.model(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    lm.calls += 1
+    logits = out.logits[:, -1, :]
+    if not torch.equal(logits[0], logits[1]):
+        raise GateError("desync", f"duplicate rows' logits differ after the call ending at position {start + q - 1}")
+    return logits
+
+
+def _as_batch(ids: Sequence[int], device) -> torch.Tensor:
+    return torch.tensor(list(ids), dtype=torch.long, device=device).unsqueeze(0).expand(BATCH, -1).contiguous()
+
+
+class BlockCursor:
+    """Structural logits mask and block state machine (paper §3.1).
+
+    Inside an open block the eligible tokens are non-special vocabulary and
+    the block's closing token; a closing delimiter is forced at the cap;
+    between blocks the next opening delimiter is forced token by token.
+    """
+
+    def __init__(self, fmt: BlockFormat, caps: Caps, role: int, forced: Sequence[tuple[int, int]] = ()):
+        self.fmt, self.caps = fmt, caps
+        self.role = role
+        self.count = 0
+        self.forced: deque[tuple[int, int]] = deque(forced)
+        self.done = False
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def in_content(self) -> bool:
+        """True when the next token is chosen by the model (an open block)."""
+        return not self.forced and not self.done
+
+    def _close(self) -> None:
+        closer = self.fmt.closers[self.role]
+        queue = [(t, self.role) for t in closer]
+        if self.role < ANSWER:
+            queue += [(t, self.role + 1) for t in self.fmt.openers[self.role + 1]]
+        self.forced.extend(queue)
+
+    def step(self, logits: torch.Tensor) -> tuple[int, int, float | None]:
+        """Choose the next token from one row's logits ``[vocab]``.
+
+        Returns:
+            ``(token, role, margin)``: the token, the raw role it belongs to,
+            and the top-1 minus top-2 logit margin over eligible tokens
+            (float32 units of the logits) when the model chose it, else None.
+        """
+        if self.in_content and self.count >= self.caps.for_role(self.role):
+            self._close()
+        if self.forced:
+            token, role = self.forced.popleft()
+            if not self.forced:
+                if role == ANSWER and token == self.fmt.closers[ANSWER][-1]:
+                    self.done = True
+                else:
+                    self.role, self.count = role, 0
+            return token, role, None
+        key = (self.role, logits.shape[-1])
+        if key not in self._masks:
+            self._masks[key] = self.fmt.content_mask(self.role, logits.device, logits.shape[-1])
+        masked = logits.float().masked_fill(~self._masks[key], float("-inf"))
+        top = torch.topk(masked, 2)
+        token = int(top.indices[0])
+        margin = float(top.values[0] - top.values[1])
+        role = self.role
+        if token == self.fmt.closers[self.role][0]:
+            self._close()
+            self.forced.popleft()
+            if not self.forced:  # one-token closer of the answer block
+                self.done = self.role == ANSWER
+        else:
+            self.count += 1
+        return token, role, margin
+
+
+def _run(
+    lm: LoadedModel,
+    cursor: BlockCursor,
+    cache: DynamicCache,
+    ids: list[int],
+    roles: torch.Tensor,
+    logits: torch.Tensor,
+    stop: Callable[[BlockCursor], bool],
+    margins: list | None = None,
+) -> tuple[list[int], torch.Tensor, torch.Tensor, int]:
+    """Greedy loop: choose, then feed one token per call, until ``stop``."""
+    new: list[int] = []
+    calls = 0
+    dev = logits.device
+    while not stop(cursor):
+        token, role, margin = cursor.step(logits[0])
+        new.append(token)
+        if margins is not None:
+            margins.append(margin)
+        roles = torch.cat([roles, torch.full((BATCH, 1), role, dtype=torch.long, device=dev)], dim=1)
+        if cursor.done:
+            break
+        start = len(ids) + len(new) - 1
+        logits = forward(lm, cache, torch.full((BATCH, 1), token, dtype=torch.long, device=dev), roles, start)
+        calls += 1
+    return new, roles, logits, calls
+
+
+@torch.inference_mode()
+def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: Caps) -> Boundary:
+    """Ordinary greedy multi-branch decoding up to the merge boundary (live construction).
+
+    Args:
+        prompt: token IDs of the prompt block (role 0).
+        caps: content caps; branches stop at ``caps.branch``.
+
+    Returns:
+        The live :class:`Boundary`: cache after the merge opener, with the
+        logits that choose the first merge content token.
+
+    Raises:
+        GateError: ``desync`` if the duplicates diverge.
+    """
+    dev = lm.device
+    ids = list(prompt)
+    roles = torch.full((BATCH, len(ids)), PROMPT, dtype=torch.long, device=dev)
+    cache = DynamicCache(config=lm.model.config)
+    logits = forward(lm, cache, _as_batch(ids, dev), roles, 0)
+    cursor = BlockCursor(fmt, caps, PROMPT, [(t, BRANCH1) for t in fmt.openers[BRANCH1]])
+    new, roles, logits, calls = _run(
+        lm, cursor, cache, ids, roles, logits, stop=lambda c: c.role == MERGE and c.in_content
+    )
+    return Boundary("live", ids + new, roles, cache, logits, [len(ids)] + [1] * calls)
+
+
+@torch.inference_mode()
+def build_incremental(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], *, where: str = "prefix") -> Boundary:
+    """Teacher-forced replay of the live call schedule (incremental construction).
+
+    The prompt block is processed in one call, then every later token of z
+    in its own call, exactly as :func:`decode_live` did.
+
+    Raises:
+        ContractError: if the prefix does not end at the boundary.
+        GateError: ``desync``.
+    """
+    parsed = fmt.boundary_parse(prefix, where=where)
+    dev = lm.device
+    ids = list(prefix)
+    roles = torch.tensor(parsed.roles, dtype=torch.long, device=dev).expand(BATCH, -1).contiguous()
+    batch = _as_batch(ids, dev)
+    p = parsed.prompt_len
+    cache = DynamicCache(config=lm.model.config)
+    logits = forward(lm, cache, batch[:, :p], roles[:, :p], 0)
+    for i in range(p, len(ids)):
+        logits = forward(lm, cache, batch[:, i : i + 1], roles[:, : i + 1], i)
+    return Boundary("incremental", ids, roles, cache, logits, [p] + [1] * (len(ids) - p))
+
+
+@torch.inference_mode()
+def build_prefill(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], *, where: str = "prefix") -> Boundary:
+    """One forward call over the whole prefix z (prefill construction).
+
+    Raises:
+        ContractError: if the prefix does not end at the boundary.
+        GateError: ``desync``.
+    """
+    parsed = fmt.boundary_parse(prefix, where=where)
+    dev = lm.device
+    ids = list(prefix)
+    roles = torch.tensor(parsed.roles, dtype=torch.long, device=dev).expand(BATCH, -1).contiguous()
+    cache = DynamicCache(config=lm.model.config)
+    logits = forward(lm, cache, _as_batch(ids, dev), roles, 0)
+    return Boundary("prefill", ids, roles, cache, logits, [len(ids)])
+
+
+@dataclasses.dataclass
+class Suffix:
+    """A decoded continuation from a boundary through the closed answer block.
+
+    Attributes:
+        tokens: every token after the boundary (merge content, merge closer,
+            answer opener, answer content, answer closer).
+        margins: per suffix step, top-1 minus top-2 eligible logit margin
+            when the model chose the token, ``None`` for forced tokens.
+        merge: merge content token IDs. answer: answer content token IDs.
+    """
+
+    tokens: list[int]
+    margins: list[float | None]
+    merge: list[int]
+    answer: list[int]
+
+
+@torch.inference_mode()
+def decode_suffix(lm: LoadedModel, fmt: BlockFormat, boundary: Boundary, caps: Caps) -> Suffix:
+    """The shared suffix decoder: continue any boundary state through merge and answer.
+
+    Every arm (live, replica, prefill, incremental, transplant) goes through
+    this one function with the same caps, schedule (one token per call),
+    masks, positions and duplicate batch. The boundary's cache is extended
+    in place (it is consumed); take replicas and summaries first.
+
+    Raises:
+        GateError: ``desync``.
+    """
+    cursor = BlockCursor(fmt, caps, MERGE)
+    margins: list = []
+    new, _, _, _ = _run(
+        lm, cursor, boundary.cache, boundary.ids, boundary.roles, boundary.logits, stop=lambda c: c.done, margins=margins
+    )
+    parsed = fmt.parse(boundary.ids + new, where=f"{boundary.construction} suffix")
+    full = boundary.ids + new
+    (m0, m1), (a0, a1) = parsed.content[MERGE], parsed.content[ANSWER]
+    return Suffix(new, margins, full[m0:m1], full[a0:a1])
+
+
+def first_eligible_argmax(fmt: BlockFormat, logits: torch.Tensor) -> int:
+    """Argmax of boundary logits ``[vocab]`` over tokens eligible in the open merge block."""
+    mask = fmt.content_mask(MERGE, logits.device, logits.shape[-1])
+    return int(logits.float().masked_fill(~mask, float("-inf")).argmax())
+
+
+def raw_argmax(logits: torch.Tensor) -> int:
+    """Unmasked argmax of boundary logits ``[vocab]`` (the paper's raw next-token argmax)."""
+    return int(logits.float().argmax())

@@ -1,0 +1,141 @@
+"""Fail-closed integrity gates (paper §3.5–3.7 and Table 3).
+
+Gates are conjunctive: every check must pass for a row's endpoints to be
+reported. Each check raises :class:`GateError` naming the gate, the row and
+the reason; runners record the failure in the ledger and go on (or abort, in
+preflight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+class GateError(RuntimeError):
+    """An integrity gate failed.
+
+    Attributes:
+        gate: the gate's name (``desync``, ``replica``, ``storage``,
+            ``functional_state``, ``dtype``, ``suffix_replica``,
+            ``provenance``, ``argmax``, ``preflight``, ``report``).
+        reason: what differed, and where.
+    """
+
+    def __init__(self, gate: str, reason: str):
+        super().__init__(f"gate {gate!r} failed: {reason}")
+        self.gate = gate
+        self.reason = reason
+
+
+def cache_tensors(cache) -> list[tuple[str, torch.Tensor]]:
+    """Inventory of a ``DynamicCache``: ``[("L00.key", [b, kv_heads, seq, head_dim]), ("L00.value", ...), ...]``."""
+    out = []
+    for i, layer in enumerate(cache.layers):
+        out.append((f"L{i:02d}.key", layer.keys))
+        out.append((f"L{i:02d}.value", layer.values))
+    return out
+
+
+def geometry(t: torch.Tensor) -> dict:
+    """Recorded geometry of a tensor: shape, stride, dtype, device, inference-tensor status."""
+    return {
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "dtype": str(t.dtype).replace("torch.", ""),
+        "device": str(t.device),
+        "inference": bool(t.is_inference()),
+    }
+
+
+def storages(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """Data pointers of the untyped storages behind the tensors."""
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def check_disjoint(groups: dict[str, Sequence[torch.Tensor]]) -> None:
+    """Every named group of tensors must use storage no other group uses.
+
+    Raises:
+        GateError: gate ``storage``, naming the two groups that share storage.
+    """
+    seen: dict[int, str] = {}
+    for name, tensors in groups.items():
+        for ptr in storages(tensors):
+            if ptr in seen and seen[ptr] != name:
+                raise GateError("storage", f"{name} aliases storage of {seen[ptr]}")
+            seen[ptr] = name
+
+
+def check_exact(name: str, a: Sequence[tuple[str, torch.Tensor]], b: Sequence[tuple[str, torch.Tensor]], gate: str = "replica") -> None:
+    """Two tensor inventories must be identical in names, geometry and every bit.
+
+    Raises:
+        GateError: naming the first tensor whose inventory, geometry or values differ.
+    """
+    names_a, names_b = [n for n, _ in a], [n for n, _ in b]
+    if names_a != names_b:
+        raise GateError(gate, f"{name}: tensor inventories differ ({len(names_a)} vs {len(names_b)} tensors)")
+    for (n, x), (_, y) in zip(a, b):
+        gx, gy = geometry(x), geometry(y)
+        if gx != gy:
+            raise GateError(gate, f"{name}: {n} geometry differs: {gx} vs {gy}")
+        if not torch.equal(x, y):
+            raise GateError(gate, f"{name}: {n} values differ")
+
+
+def check_duplicates(name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Rows 0 and 1 (the physical duplicates) must be bit-identical in every tensor.
+
+    Raises:
+        GateError: gate ``desync``.
+    """
+    for n, t in tensors:
+        if not torch.equal(t[0], t[1]):
+            raise GateError("desync", f"{name}: duplicate rows of {n} differ")
+
+
+def check_dtype(name: str, tensors: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    """Every tensor must have the run's dtype.
+
+    Raises:
+        GateError: gate ``dtype``.
+    """
+    for n, t in tensors:
+        if t.dtype != dtype:
+            raise GateError("dtype", f"{name}: {n} is {t.dtype}, expected {dtype}")
+
+
+def check_functional_state(states: dict[str, object]) -> None:
+    """All arms share token IDs, roles, positions and padding (none) exactly.
+
+    Args:
+        states: arm name -> :class:`~kvreplay.decode.Boundary`.
+
+    Raises:
+        GateError: gate ``functional_state``, naming the arm and the field.
+    """
+    items = list(states.items())
+    ref_name, ref = items[0]
+    for name, s in items[1:]:
+        if s.ids != ref.ids:
+            raise GateError("functional_state", f"{name}: token IDs differ from {ref_name}")
+        if s.roles.shape != ref.roles.shape or not torch.equal(s.roles, ref.roles):
+            raise GateError("functional_state", f"{name}: role array differs from {ref_name}")
+        if not torch.equal(s.positions, ref.positions):
+            raise GateError("functional_state", f"{name}: positions differ from {ref_name}")
+        for n, t in cache_tensors(s.cache):
+            if t.shape[-2] != len(s.ids):
+                raise GateError("functional_state", f"{name}: {n} holds {t.shape[-2]} positions, prefix has {len(s.ids)}")
+
+
+def check_equal_sequences(gate: str, name: str, a: Sequence[int], b: Sequence[int]) -> None:
+    """Two token sequences must be identical (suffix replicas, prefix identity).
+
+    Raises:
+        GateError: with the first differing index.
+    """
+    if list(a) != list(b):
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        raise GateError(gate, f"{name}: sequences differ at index {i} (lengths {len(a)}, {len(b)})")

@@ -1,0 +1,189 @@
+"""Append-only, resumable ledgers (paper §3.9 reproducibility release; DESIGN.md "Ledgers").
+
+A ledger is a folder ``data/ledgers/<profile>/<name>-<digest12>/`` keyed by the
+scientific config (its sha256 is the digest):
+
+- ``manifest.json``: schema version, the config and its digest, written once.
+  ``environment.json`` beside it holds the execution contract and a hash of
+  the library source; a mismatch on reuse warns "stale" but is allowed.
+- ``rows.jsonl``: one JSON record per finished row (per problem, holding all
+  of that problem's arms), appended and flushed as each row finishes. A crash
+  loses at most the row in flight; a partial last line is cut off on resume.
+- ``runlog.jsonl``: wall times and hosts (never in ``rows.jsonl``, so two runs
+  of the same config on the same machine give byte-identical rows).
+
+Records are serialized with sorted keys and no whitespace variation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+
+class LedgerError(RuntimeError):
+    """A ledger cannot be opened or appended to as requested."""
+
+
+def canonical_json(obj) -> str:
+    """Deterministic JSON: sorted keys, compact separators, UTF-8 kept."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
+
+
+def config_digest(config: dict) -> str:
+    """sha256 of the canonical JSON of a scientific config."""
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
+
+
+def library_digest() -> str:
+    """sha256 over the library's Python sources and formats (for the stale warning)."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.suffix in {".py", ".yaml"} and "__pycache__" not in p.parts:
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+class Ledger:
+    """One experiment's append-only ledger for one scientific config.
+
+    Args:
+        root: ``data/ledgers/<profile>`` (created if missing).
+        name: experiment and arm label, e.g. ``"exp1-bfloat16"``.
+        config: the scientific config (profile parameters, digests, dtype,
+            caps, contract flags); it decides the folder.
+        environment: the execution contract, stored beside the manifest.
+        key: record field that identifies a row (default ``problem_id``).
+
+    Raises:
+        LedgerError: if the folder holds a manifest for another config.
+    """
+
+    def __init__(self, root: str | Path, name: str, config: dict, environment: dict | None = None, key: str = "problem_id"):
+        self.config = config
+        self.digest = config_digest(config)
+        self.name = name
+        self.key = key
+        self.dir = Path(root) / f"{name}-{self.digest[:12]}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rows_path = self.dir / "rows.jsonl"
+        manifest = {"schema_version": SCHEMA_VERSION, "name": name, "config_digest": self.digest, "config": config}
+        mpath = self.dir / "manifest.json"
+        if mpath.exists():
+            old = json.loads(mpath.read_text())
+            if old.get("config_digest") != self.digest:
+                raise LedgerError(f"{mpath} belongs to config {old.get('config_digest')}, not {self.digest}")
+            if old.get("schema_version") != SCHEMA_VERSION:
+                raise LedgerError(f"{mpath} has schema {old.get('schema_version')}, this code writes {SCHEMA_VERSION}")
+        else:
+            mpath.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        env = {"execution_contract": environment or {}, "library_sha256": library_digest()}
+        epath = self.dir / "environment.json"
+        if epath.exists():
+            old_env = json.loads(epath.read_text())
+            keys = set(env) if environment is not None else {"library_sha256"}
+            changed = sorted(k for k in keys if old_env.get(k) != env.get(k))
+            if changed:
+                warnings.warn(f"ledger {self.dir.name} is stale: {changed} differ from when it was written; reusing its rows")
+        elif environment is not None:
+            epath.write_text(json.dumps(env, indent=1, sort_keys=True) + "\n")
+        self._repair()
+
+    def _repair(self) -> None:
+        """Cut a partial trailing line left by a crash mid-write."""
+        if not self.rows_path.exists():
+            return
+        data = self.rows_path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            cut = data.rfind(b"\n") + 1
+            with open(self.rows_path, "r+b") as f:
+                f.truncate(cut)
+
+    def records(self) -> list[dict]:
+        """All finished records, in the order they were appended."""
+        if not self.rows_path.exists():
+            return []
+        return [json.loads(line) for line in self.rows_path.read_text(encoding="utf-8").splitlines() if line]
+
+    def done_keys(self) -> set[str]:
+        return {r[self.key] for r in self.records()}
+
+    def append(self, record: dict) -> None:
+        """Append one finished record and flush it to disk.
+
+        Raises:
+            LedgerError: if a record with the same key is already present.
+        """
+        if record[self.key] in self.done_keys():
+            raise LedgerError(f"{self.rows_path}: {self.key}={record[self.key]} already recorded")
+        line = canonical_json(record) + "\n"
+        with open(self.rows_path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def log(self, **event) -> None:
+        """Append a wall-time/host event to ``runlog.jsonl`` (not part of the ledger bytes)."""
+        event.setdefault("time", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        event.setdefault("host", platform.node())
+        with open(self.dir / "runlog.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(event, sort_keys=True) + "\n")
+
+    def complete(self, keys: Iterable[str]) -> bool:
+        """True when every key has a record."""
+        return set(keys) <= self.done_keys()
+
+
+def run_rows(
+    ledger: Ledger,
+    items: list,
+    row_fn: Callable[[object], dict],
+    *,
+    key: Callable[[object], str],
+    preflight: int = 0,
+    progress: bool = True,
+    desc: str = "rows",
+) -> list[dict]:
+    """Map a pure per-row function over items in frozen order, appending each record.
+
+    Rows already in the ledger are skipped (resume). A record whose
+    ``gate_failure`` is set is kept, and the run goes on; but if it is one of
+    the first ``preflight`` items the whole arm is aborted.
+
+    Returns:
+        The ledger's records for ``items``, in item order.
+
+    Raises:
+        GateError: gate ``preflight`` when a preflight row fails a gate.
+    """
+    from tqdm.auto import tqdm
+
+    from .gates import GateError
+
+    done = {r[ledger.key]: r for r in ledger.records()}
+    todo = [it for it in items if key(it) not in done]
+    ledger.log(event="start", rows=len(items), todo=len(todo))
+    for i, it in enumerate(tqdm(items, desc=desc, disable=not progress)):
+        k = key(it)
+        if k not in done:
+            t0 = time.perf_counter()
+            rec = row_fn(it)
+            ledger.append(rec)
+            ledger.log(event="row", key=k, seconds=round(time.perf_counter() - t0, 3))
+            done[k] = rec
+        rec = done[k]
+        if i < preflight and rec.get("gate_failure"):
+            f = rec["gate_failure"]
+            raise GateError("preflight", f"preflight row {k} failed gate {f['gate']!r}: {f['reason']}; arm aborted")
+    ledger.log(event="end")
+    return [done[key(it)] for it in items]

