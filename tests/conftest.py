@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny random-weight Llama and Qwen2 models with an in-memory byte-level tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from kvreplay.contract import Caps, resolve_format
+from kvreplay.data import Problem
+from kvreplay.models import LoadedModel
+
+torch.set_num_threads(1)  # tiny models: one thread is fastest and avoids oversubscription
+
+CHATML = (
+    "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}"
+)
+
+# A short format so byte-level prompts stay small.
+TINY_FORMAT = {
+    "name": "tiny-test",
+    "kind": "chat_template",
+    "system": "S",
+    "question": "{question}\n{options}",
+    "branches": ["b1", "b2", "b3"],
+    "merge": "m",
+    "answer": "a",
+    "answer_prefix": "Ans:",
+}
+
+TINY_CAPS = Caps(branch=5, merge=6, answer=3)
+
+
+def make_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: 3 special tokens + 256 byte tokens, no merges."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    if chat_template:
+        tok.chat_template = CHATML
+    return tok
+
+
+def make_model(arch: str, vocab: int, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer random-weight causal LM (GQA: 4 heads, 2 KV heads, head dim 16)."""
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        m = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        m = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    else:
+        raise ValueError(arch)
+    m.config._attn_implementation = "sdpa"
+    # Random init gives near-uniform logits; sharpen them so greedy choices are well separated.
+    with torch.no_grad():
+        m.get_input_embeddings().weight.mul_(20.0)
+    return m.eval()
+
+
+def tiny_lm(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, role_table=None) -> LoadedModel:
+    tok = make_tokenizer()
+    m = make_model(arch, len(tok), seed).to(dtype)
+    return LoadedModel(model=m, tokenizer=tok, dtype=dtype, role_table=role_table, identity={"model": f"tiny-{arch}"})
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_format():
+    return lambda lm: resolve_format(lm.tokenizer, TINY_FORMAT)
+
+
+def tiny_problems(n: int = 3) -> list[Problem]:
+    out = []
+    for i in range(n):
+        out.append(
+            Problem(
+                problem_id=f"tiny-{i:02d}", source="test", source_line=i + 1, question=f"Q{i}?",
+                options=("x", "y", f"z{i}", "w"), answer="ABCD"[i % 4],
+            )
+        )
+    return out

@@ -1,0 +1,66 @@
+"""Append-only, resumable ledgers (DESIGN.md "Ledgers")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvreplay.ledger import Ledger, LedgerError, canonical_json
+
+WORKER = Path(__file__).with_name("ledger_worker.py")
+
+
+def _run(root, *args):
+    return subprocess.run([sys.executable, str(WORKER), str(root), *map(str, args)], capture_output=True, text=True)
+
+
+def test_killed_run_resumes_to_byte_identical_ledger(tmp_path):
+    straight = _run(tmp_path / "a")
+    assert straight.returncode == 0, straight.stderr
+    killed = _run(tmp_path / "b", 2)
+    assert killed.returncode != 0  # SIGKILL mid-write
+    (rows_b,) = (tmp_path / "b").glob("*/rows.jsonl")
+    assert not rows_b.read_bytes().endswith(b"\n")  # a torn last line is on disk
+    resumed = _run(tmp_path / "b")
+    assert resumed.returncode == 0, resumed.stderr
+    (rows_a,) = (tmp_path / "a").glob("*/rows.jsonl")
+    assert rows_a.read_bytes() == rows_b.read_bytes()
+    assert len(rows_a.read_text().splitlines()) == 4
+    log = [json.loads(x) for x in (rows_b.parent / "runlog.jsonl").read_text().splitlines()]
+    assert [e["todo"] for e in log if e["event"] == "start"] == [4, 2]  # the resume skipped finished rows
+
+
+def test_append_only_and_keyed(tmp_path):
+    led = Ledger(tmp_path, "x", {"a": 1})
+    led.append({"problem_id": "p1", "v": 1.5})
+    with pytest.raises(LedgerError, match="already recorded"):
+        led.append({"problem_id": "p1", "v": 2})
+    assert led.records() == [{"problem_id": "p1", "v": 1.5}]
+    assert led.complete(["p1"]) and not led.complete(["p1", "p2"])
+    other = Ledger(tmp_path, "x", {"a": 2})
+    assert other.dir != led.dir  # another config, another folder
+
+
+def test_manifest_mismatch_is_refused(tmp_path):
+    led = Ledger(tmp_path, "x", {"a": 1})
+    manifest = json.loads((led.dir / "manifest.json").read_text())
+    manifest["config_digest"] = "0" * 64
+    (led.dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(LedgerError, match="belongs to config"):
+        Ledger(tmp_path, "x", {"a": 1})
+
+
+def test_stale_environment_warns_but_reuses(tmp_path):
+    led = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"})
+    led.append({"problem_id": "p"})
+    with pytest.warns(UserWarning, match="stale"):
+        again = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "2"})
+    assert again.records() == [{"problem_id": "p"}]
+
+
+def test_canonical_json_is_stable():
+    assert canonical_json({"b": 1, "a": [1.0, None, "é"]}) == '{"a":[1.0,null,"é"],"b":1}'

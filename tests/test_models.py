@@ -1,0 +1,59 @@
+"""Loading any model through the one `model` parameter, offline (DESIGN.md "The embedded default model")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer
+
+from kvreplay import decode
+from kvreplay.contract import resolve_format
+from kvreplay.experiments import model_key
+from kvreplay.models import ModelLoadError, execution_contract, load_model
+
+
+@pytest.fixture
+def qwen_dir(tmp_path):
+    tok = make_tokenizer()
+    m = make_model("qwen2", len(tok))
+    m.save_pretrained(tmp_path / "tiny-qwen2")
+    tok.save_pretrained(tmp_path / "tiny-qwen2")
+    return tmp_path / "tiny-qwen2"
+
+
+def test_local_folder_loads_and_decodes(qwen_dir):
+    lm = load_model(str(qwen_dir), "float32")
+    assert type(lm.model).__name__ == "Qwen2ForCausalLM"
+    assert lm.identity["weights_sha256"] and lm.identity["layers"] == 2
+    fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
+    live = decode.decode_live(lm, fmt, fmt.prompt_ids("Q?", ["a", "b"]), TINY_CAPS)
+    assert live.cache.layers[0].keys.shape[:3] == (2, 2, len(live.ids))
+    bf = load_model(str(qwen_dir), "bfloat16")
+    assert bf.model.dtype == torch.bfloat16 and bf.identity["weights_sha256"] != lm.identity["weights_sha256"]
+    assert model_key(str(qwen_dir))["files"]["config.json"]
+
+
+def test_unknown_model_gives_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="unknown model"):
+        model_key(str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path), "float32")
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        load_model("no-such-org/no-such-model", "float32")
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        load_model("embedded", "float8")
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        load_model(str(tmp_path / "x.gguf"), "float32")
+
+
+def test_execution_contract_records_the_numerical_contract(qwen_dir):
+    lm = load_model(str(qwen_dir), "float32", sdpa_backends=("math",))
+    c = execution_contract(lm, threads=1)
+    assert c["tf32_matmul"] is False and c["tf32_cudnn"] is False
+    assert c["float32_matmul_precision"] == "highest"
+    assert c["dtype"] == "float32" and c["attn_implementation"] == "sdpa"
+    assert c["sdpa_backends_used"] == ["math"] and c["intra_op_threads"] == 1
+    for key in ("torch", "transformers", "device_name", "deterministic_algorithms", "sdpa_backends", "model"):
+        assert key in c
+    with pytest.raises(ValueError, match="unknown SDPA backend"):
+        load_model(str(qwen_dir), "float32", sdpa_backends=("fastest",))
