@@ -7,7 +7,7 @@ import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
 
 from kvreplay import caches, decode
-from kvreplay.experiments import RunSpec, exp1_row, exp1_summary
+from kvreplay.experiments import RunSpec, exp1_row, matrix_summary
 from kvreplay.gates import GateError, cache_tensors
 from kvreplay.ledger import Ledger, run_rows
 
@@ -120,9 +120,24 @@ def test_preflight_failure_aborts_and_full_run_failure_is_recorded(spec_factory,
     records = run_rows(ledger, problems, row, key=lambda p: p.problem_id, preflight=1, progress=False)
     assert [r["gate_failure"] is not None for r in records] == [False, True, False]
     with pytest.raises(GateError, match="report") as e:
-        exp1_summary(records, "float32", n_resamples=100)
+        matrix_summary(records, "float32", n_resamples=100)
     assert bad in str(e.value)
     ledger2 = Ledger(tmp_path, "exp1-test-preflight", {"k": 2})
     with pytest.raises(GateError, match="preflight"):
         run_rows(ledger2, problems, row, key=lambda p: p.problem_id, preflight=2, progress=False)
     assert len(ledger2.records()) == 2  # the failing preflight row is kept, nothing after it ran
+
+
+def test_experiment2_row_gates_and_endpoints(spec_factory):
+    from kvreplay.experiments import exp2_row
+
+    spec = spec_factory()
+    live_rec = exp1_row(spec, tiny_problems(1)[0])
+    rec = exp2_row(spec, tiny_problems(1)[0], live_rec["prefix"])
+    assert rec["gate_failure"] is None
+    assert set(rec["arms"]) == {"incremental", "incremental_replica", "prefill", "prefill_replica"}
+    # incremental replays the live schedule: it reproduces the live suffix and cache summaries exactly
+    assert rec["arms"]["incremental"]["suffix"] == live_rec["arms"]["live"]["suffix"]
+    assert rec["boundary"]["prefill_vs_incremental"] == live_rec["boundary"]["prefill_vs_live"]
+    bad = exp2_row(spec_factory(_alias), tiny_problems(1)[0], live_rec["prefix"])
+    assert bad["gate_failure"]["gate"] == "storage"

@@ -117,59 +117,95 @@ def comparison(ref: decode.Boundary, other: decode.Boundary, per_tensor: bool) -
     return out
 
 
-def exp1_row(spec: RunSpec, problem: Problem) -> dict:
-    """Experiment 1 for one problem: the matched four-arm matrix (paper §3.5).
+def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary) -> dict:
+    """The matched four-arm matrix around a reference boundary state (paper §3.5, §3.6).
 
-    Arms: ``live`` (the cache kept from greedy decoding to the boundary),
-    ``live_replica`` (deep copy, verified), ``prefill`` (one call over z) and
-    ``prefill_replica`` (an independent second call). All four continue
-    through :func:`kvreplay.decode.decode_suffix`.
+    Arms: the reference (``live`` in Experiment 1, ``incremental`` in
+    Experiment 2), its deep-copy replica (verified), ``prefill`` (one call over
+    z) and ``prefill_replica`` (an independent second call). Every arm
+    continues through :func:`kvreplay.decode.decode_suffix`.
+
+    Fills ``rec`` with ``boundary`` (drift of prefill against the reference,
+    per tensor, and of each replica pair), ``first_token``, ``raw_argmax``,
+    ``arms`` and ``endpoints``.
+
+    Raises:
+        GateError: the first gate that fails (callers record it).
+    """
+    lm, fmt = spec.lm, spec.fmt
+    r = ref.construction
+    z = ref.ids
+    states = {
+        r: ref,
+        f"{r}_replica": caches.live_replica(ref),
+        "prefill": decode.build_prefill(lm, fmt, z, where=problem.problem_id),
+    }
+    states["prefill_replica"] = decode.build_prefill(lm, fmt, z, where=problem.problem_id)
+    states["prefill_replica"].construction = "prefill_replica"
+    if spec.faults:
+        spec.faults(states)
+    boundary_gates(states, lm.dtype, [(r, f"{r}_replica"), ("prefill", "prefill_replica")])
+    key = f"prefill_vs_{r}"
+    rec["boundary"] = {
+        key: comparison(ref, states["prefill"], per_tensor=True),
+        f"{r}_replica": comparison(ref, states[f"{r}_replica"], per_tensor=False),
+        "prefill_replica": comparison(states["prefill"], states["prefill_replica"], per_tensor=False),
+    }
+    rec["first_token"] = {n: decode.first_eligible_argmax(fmt, s.logits[0]) for n, s in states.items()}
+    rec["raw_argmax"] = {n: decode.raw_argmax(s.logits[0]) for n, s in states.items()}
+    arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
+    for a, b in ((r, f"{r}_replica"), ("prefill", "prefill_replica")):
+        gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", arms[a].tokens, arms[b].tokens)
+    rec["arms"] = {n: _arm_record(spec, problem, s) for n, s in arms.items()}
+    rec["endpoints"] = {
+        "boundary_exact": rec["boundary"][key]["cache"]["exact"],
+        "logits_exact": rec["boundary"][key]["logits"]["exact"],
+        "first_token_agree": rec["first_token"][r] == rec["first_token"]["prefill"],
+        "suffix_differs": arms[r].tokens != arms["prefill"].tokens,
+        "merge_differs": arms[r].merge != arms["prefill"].merge,
+        "answer_differs": arms[r].answer != arms["prefill"].answer,
+        "label_differs": rec["arms"][r]["correct"] != rec["arms"]["prefill"]["correct"],
+        "first_divergence": first_divergence(arms[r].tokens, arms["prefill"].tokens),
+    }
+    return rec
+
+
+def exp1_row(spec: RunSpec, problem: Problem) -> dict:
+    """Experiment 1 for one problem: live decoding to the boundary, then the four-arm matrix (paper §3.5).
 
     Returns:
         The ledger record; on a gate failure, a record with ``gate_failure``
-        ``{"gate", "reason"}`` and the prefix if it was reached.
+        ``{"gate", "reason"}`` (and the prefix if the boundary was reached).
     """
-    lm, fmt = spec.lm, spec.fmt
     rec: dict = {"problem_id": problem.problem_id, "gate_failure": None}
     try:
-        prompt = fmt.prompt_ids(problem.question, problem.options)
-        live = decode.decode_live(lm, fmt, prompt, spec.caps)
-        z = live.ids
-        rec.update(prompt_len=len(prompt), prefix_len=len(z), prefix=z, schedule_calls=len(live.schedule))
-        states = {
-            "live": live,
-            "live_replica": caches.live_replica(live),
-            "prefill": decode.build_prefill(lm, fmt, z, where=problem.problem_id),
-        }
-        states["prefill_replica"] = decode.build_prefill(lm, fmt, z, where=problem.problem_id)
-        states["prefill_replica"].construction = "prefill_replica"
-        if spec.faults:
-            spec.faults(states)
-        boundary_gates(states, lm.dtype, [("live", "live_replica"), ("prefill", "prefill_replica")])
-        rec["boundary"] = {
-            "prefill_vs_live": comparison(live, states["prefill"], per_tensor=True),
-            "live_replica": comparison(live, states["live_replica"], per_tensor=False),
-            "prefill_replica": comparison(states["prefill"], states["prefill_replica"], per_tensor=False),
-        }
-        rec["first_token"] = {
-            n: decode.first_eligible_argmax(fmt, s.logits[0]) for n, s in states.items()
-        }
-        rec["raw_argmax"] = {n: decode.raw_argmax(s.logits[0]) for n, s in states.items()}
-        arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
-        for a, b in (("live", "live_replica"), ("prefill", "prefill_replica")):
-            gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", arms[a].tokens, arms[b].tokens)
-        rec["arms"] = {n: _arm_record(spec, problem, s) for n, s in arms.items()}
-        live_arm, pre_arm = rec["arms"]["live"], rec["arms"]["prefill"]
-        rec["endpoints"] = {
-            "boundary_exact": rec["boundary"]["prefill_vs_live"]["cache"]["exact"],
-            "logits_exact": rec["boundary"]["prefill_vs_live"]["logits"]["exact"],
-            "first_token_agree": rec["first_token"]["live"] == rec["first_token"]["prefill"],
-            "suffix_differs": arms["live"].tokens != arms["prefill"].tokens,
-            "merge_differs": arms["live"].merge != arms["prefill"].merge,
-            "answer_differs": arms["live"].answer != arms["prefill"].answer,
-            "label_differs": live_arm["correct"] != pre_arm["correct"],
-            "first_divergence": first_divergence(arms["live"].tokens, arms["prefill"].tokens),
-        }
+        prompt = spec.fmt.prompt_ids(problem.question, problem.options)
+        live = decode.decode_live(spec.lm, spec.fmt, prompt, spec.caps)
+        rec.update(prompt_len=len(prompt), prefix_len=len(live.ids), prefix=live.ids, schedule_calls=len(live.schedule))
+        matrix_row(spec, problem, rec, live)
+    except GateError as e:
+        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    return rec
+
+
+def exp2_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
+    """Experiment 2 for one fixed BF16 prefix at the run's precision (paper §3.6).
+
+    The incremental cache teacher-forces z through the live call schedule;
+    it and prefill then form the four-arm matrix.
+
+    Returns:
+        The ledger record (``gate_failure`` set on a gate failure).
+
+    Raises:
+        ContractError: if the prefix does not end at the boundary.
+    """
+    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None}
+    try:
+        inc = decode.build_incremental(spec.lm, spec.fmt, prefix, where=problem.problem_id)
+        parsed = spec.fmt.boundary_parse(prefix, where=problem.problem_id)
+        rec.update(prompt_len=parsed.prompt_len, prefix_len=len(prefix), prefix=list(prefix), schedule_calls=len(inc.schedule))
+        matrix_row(spec, problem, rec, inc)
     except GateError as e:
         rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
     return rec
@@ -186,12 +222,12 @@ def require_gates(records: Sequence[dict]) -> None:
         raise GateError("report", f"{len(failed)} row(s) failed integrity gates, endpoints withheld: {failed}")
 
 
-def _rate(k: int, n: int) -> str:
-    return wilson(k, n).pct() if n else "n/a"
+def matrix_summary(
+    records: Sequence[dict], dtype: str, ref: str = "live", seed: int = 20260729, n_resamples: int = 20000
+) -> dict:
+    """Endpoints of the four-arm matrix at one precision (paper §4.1, §4.2), from ledger records alone.
 
-
-def exp1_summary(records: Sequence[dict], dtype: str, seed: int = 20260729, n_resamples: int = 20000) -> dict:
-    """Experiment 1 endpoints for one precision (paper §4.1), from ledger records alone.
+    ``ref`` is the reference construction (``live`` or ``incremental``); prefill is compared against it.
 
     Returns:
         dict of counts, Wilson intervals (as :class:`~kvreplay.stats.Proportion`),
@@ -204,16 +240,17 @@ def exp1_summary(records: Sequence[dict], dtype: str, seed: int = 20260729, n_re
     require_gates(records)
     n = len(records)
     ep = [r["endpoints"] for r in records]
-    live_c = [r["arms"]["live"]["correct"] for r in records]
+    live_c = [r["arms"][ref]["correct"] for r in records]
     pre_c = [r["arms"]["prefill"]["correct"] for r in records]
     firsts = [e["first_divergence"] for e in ep if e["first_divergence"] is not None]
-    drifts = [r["boundary"]["prefill_vs_live"]["cache"]["rel_l2"] for r in records]
+    drifts = [r["boundary"][f"prefill_vs_{ref}"]["cache"]["rel_l2"] for r in records]
     replicas_exact = sum(
-        r["boundary"]["live_replica"]["cache"]["exact"] and r["boundary"]["prefill_replica"]["cache"]["exact"]
+        r["boundary"][f"{ref}_replica"]["cache"]["exact"] and r["boundary"]["prefill_replica"]["cache"]["exact"]
         for r in records
     )
     return {
         "dtype": dtype,
+        "ref": ref,
         "n": n,
         "replicas_exact": replicas_exact,
         "boundary_non_exact": sum(not e["boundary_exact"] for e in ep),
@@ -225,7 +262,7 @@ def exp1_summary(records: Sequence[dict], dtype: str, seed: int = 20260729, n_re
         "first_divergence_median": statistics.median(firsts) if firsts else None,
         "first_divergence_range": (min(firsts), max(firsts)) if firsts else None,
         "first_divergence_quartiles": statistics.quantiles(firsts, n=4) if len(firsts) >= 2 else None,
-        "accuracy_live": sum(live_c),
+        "accuracy_ref": sum(live_c),
         "accuracy_prefill": sum(pre_c),
         "accuracy_diff": paired_bootstrap(live_c, pre_c, n_resamples=n_resamples, seed=seed) if n >= 2 else None,
         "mcnemar": mcnemar_exact(live_c, pre_c),
@@ -235,8 +272,8 @@ def exp1_summary(records: Sequence[dict], dtype: str, seed: int = 20260729, n_re
     }
 
 
-def exp1_table(summaries: Sequence[dict], cross_precision_identical: tuple[int, int] | None) -> pd.DataFrame:
-    """Experiment 1 results table in the paper's terms, one column per precision."""
+def matrix_table(summaries: Sequence[dict], cross_precision_identical: tuple[int, int] | None) -> pd.DataFrame:
+    """Results table of the four-arm matrix in the paper's terms, one column per precision."""
     rows: dict[str, dict] = {}
     for s in summaries:
         col = s["dtype"]
@@ -258,11 +295,12 @@ def exp1_table(summaries: Sequence[dict], cross_precision_identical: tuple[int, 
         rows.setdefault("first divergence, tokens after boundary: median (range)", {})[col] = (
             f"{fd:g} ({s['first_divergence_range'][0]}–{s['first_divergence_range'][1]})" if fd is not None else "none"
         )
-        rows.setdefault("accuracy live / prefill", {})[col] = f"{s['accuracy_live']}/{n} vs {s['accuracy_prefill']}/{n}"
-        rows.setdefault("prefill − live accuracy, pts [95% bootstrap CI]", {})[col] = (
+        ref = s["ref"]
+        rows.setdefault(f"accuracy {ref} / prefill", {})[col] = f"{s['accuracy_ref']}/{n} vs {s['accuracy_prefill']}/{n}"
+        rows.setdefault(f"prefill − {ref} accuracy, pts [95% bootstrap CI]", {})[col] = (
             f"{100 * d.estimate:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]" if d else "n/a"
         )
-        rows.setdefault("McNemar (live-only vs prefill-only correct), exact p", {})[col] = (
+        rows.setdefault(f"McNemar ({ref}-only vs prefill-only correct), exact p", {})[col] = (
             f"{mc.b} vs {mc.c}, p = {mc.pvalue:.3g}"
         )
     if cross_precision_identical is not None:
@@ -336,24 +374,71 @@ def problems_digest(problems: Sequence[Problem]) -> str:
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
 
 
-def run_experiment1(
+@dataclasses.dataclass(frozen=True)
+class ArmSettings:
+    """Everything that fixes an arm's numerics besides its rows (part of every ledger key).
+
+    Attributes mirror the notebooks' parameters: ``profile``, ``dtype``,
+    ``caps``, ``model`` (``"embedded"``, folder, ``.gguf`` or cached hub id),
+    ``fmt`` (block format name or YAML path), ``role_table`` (path or None),
+    ``threads`` (intra-op threads), ``sdpa_backends``, ``preflight`` (rows).
+    """
+
+    profile: str
+    dtype: str
+    caps: Caps
+    model: str = "embedded"
+    fmt: str = "chat_multibranch"
+    role_table: str | None = None
+    threads: int = 2
+    sdpa_backends: tuple[str, ...] = ("math",)
+    preflight: int = 1
+
+    def config(self, experiment: str, problems: Sequence[Problem]) -> dict:
+        """The scientific config that keys the ledger."""
+        from .contract import load_spec
+
+        return {
+            "experiment": experiment,
+            "profile": self.profile,
+            "dtype": self.dtype,
+            "caps": dataclasses.asdict(self.caps),
+            "model": model_key(self.model),
+            "role_table": model_key(self.role_table) if self.role_table else None,
+            "format": load_spec(self.fmt),
+            "problems_sha256": problems_digest(problems),
+            "problem_ids": [p.problem_id for p in problems],
+            "threads": self.threads,
+            "sdpa_backends": list(self.sdpa_backends),
+            "preflight": self.preflight,
+            "batch": decode.BATCH,
+        }
+
+    def load(self) -> tuple[LoadedModel, BlockFormat]:
+        """Fix threads and seed, load the model at this precision, resolve the format."""
+        from .contract import resolve_format
+        from .models import load_model
+
+        torch.set_num_threads(self.threads)
+        torch.manual_seed(0)
+        lm = load_model(self.model, self.dtype, role_table=self.role_table, sdpa_backends=tuple(self.sdpa_backends))
+        return lm, resolve_format(lm.tokenizer, self.fmt)
+
+
+def run_arm(
+    name: str,
+    settings: ArmSettings,
     problems: Sequence[Problem],
+    row: Callable[[RunSpec, Problem], dict],
     *,
-    profile: str,
-    dtype: str,
-    caps: Caps,
-    model: str = "embedded",
-    fmt: str = "chat_multibranch",
-    role_table: str | None = None,
-    threads: int = 2,
-    sdpa_backends: Sequence[str] = ("math",),
-    preflight: int = 1,
     ledger_root: str | Path,
+    extra_config: dict | None = None,
     progress: bool = True,
     faults: Hook | None = None,
 ) -> tuple[list[dict], "Ledger"]:
-    """Run (or resume, or reuse) Experiment 1 at one precision; returns its records and ledger.
+    """Run, resume or reuse one experiment arm: ``row`` mapped over ``problems`` in frozen order.
 
+    The ledger lives in ``<ledger_root>/<profile>/<name>-<dtype>-<digest12>/``.
     A ledger already complete for this scientific config is read without
     loading the model.
 
@@ -361,42 +446,248 @@ def run_experiment1(
         GateError: ``preflight`` if a preflight row fails a gate.
         ModelLoadError, ContractError: bad model or problems, before any row.
     """
-    from .contract import load_spec
     from .ledger import Ledger, run_rows
-    from .models import execution_contract, load_model
+    from .models import execution_contract
 
-    config = {
-        "experiment": "exp1",
-        "profile": profile,
-        "dtype": dtype,
-        "caps": dataclasses.asdict(caps),
-        "model": model_key(model),
-        "role_table": model_key(role_table) if role_table else None,
-        "format": load_spec(fmt),
-        "problems_sha256": problems_digest(problems),
-        "problem_ids": [p.problem_id for p in problems],
-        "threads": threads,
-        "sdpa_backends": list(sdpa_backends),
-        "preflight": preflight,
-        "batch": decode.BATCH,
-    }
-    root = Path(ledger_root) / profile
+    config = settings.config(name, problems) | (extra_config or {})
+    root = Path(ledger_root) / settings.profile
     ids = [p.problem_id for p in problems]
-    probe = Ledger(root, f"exp1-{dtype}", config)
+    label = f"{name}-{settings.dtype}"
+    probe = Ledger(root, label, config)
     if probe.complete(ids):
         by_id = {r["problem_id"]: r for r in probe.records()}
         return [by_id[i] for i in ids], probe
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    lm = load_model(model, dtype, role_table=role_table, sdpa_backends=tuple(sdpa_backends))
-    from .contract import resolve_format
-
-    bf = resolve_format(lm.tokenizer, fmt)
+    lm, bf = settings.load()
     check_prompts(bf, problems)
-    ledger = Ledger(root, f"exp1-{dtype}", config, environment=execution_contract(lm, threads) | {"format_digest": bf.digest})
-    spec = RunSpec(lm=lm, fmt=bf, caps=caps, faults=faults)
+    ledger = Ledger(root, label, config, environment=execution_contract(lm, settings.threads) | {"format_digest": bf.digest})
+    spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults)
     records = run_rows(
-        ledger, list(problems), lambda p: exp1_row(spec, p), key=lambda p: p.problem_id,
-        preflight=preflight, progress=progress, desc=f"Experiment 1 {dtype}",
+        ledger, list(problems), lambda p: row(spec, p), key=lambda p: p.problem_id,
+        preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",
     )
     return records, ledger
+
+
+def run_experiment1(
+    problems: Sequence[Problem], settings: ArmSettings, *, ledger_root: str | Path, progress: bool = True,
+    faults: Hook | None = None,
+) -> tuple[list[dict], "Ledger"]:
+    """Experiment 1 (paper §3.5) at one precision: records and ledger (see :func:`run_arm`)."""
+    return run_arm("exp1", settings, problems, exp1_row, ledger_root=ledger_root, progress=progress, faults=faults)
+
+
+# ----------------------------------------------------------------------------- Experiment 2
+
+
+def read_prefix_bank(path: str | Path) -> tuple[list[dict], str]:
+    """Read the BF16 boundary-prefix bank written by notebook 01 and check its digest.
+
+    Returns:
+        ``(entries, sha256)``; each entry has ``problem_id``, ``prompt_len``, ``prefix``.
+
+    Raises:
+        FileNotFoundError: if notebook 01 has not written the bank for this profile.
+        GateError: gate ``provenance`` if the file does not match its manifest.
+    """
+    import hashlib
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no prefix bank at {path}: run notebook 01 (Experiment 1) for this profile first")
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    manifest = json.loads(Path(str(path) + ".manifest.json").read_text())
+    if manifest["sha256"] != digest:
+        raise GateError("provenance", f"{path} has sha256 {digest}, its manifest says {manifest['sha256']}")
+    return [json.loads(x) for x in data.decode().splitlines() if x], digest
+
+
+def run_experiment2(
+    problems: Sequence[Problem], prefixes: dict[str, list[int]], bank_sha256: str, settings: ArmSettings, *,
+    ledger_root: str | Path, progress: bool = True, faults: Hook | None = None,
+) -> tuple[list[dict], "Ledger"]:
+    """Experiment 2 (paper §3.6) at one precision on fixed prefixes: records and ledger.
+
+    Args:
+        problems: the problems, in the bank's source order.
+        prefixes: problem ID -> BF16 boundary prefix z (token IDs).
+        bank_sha256: digest of the prefix bank (part of the ledger key).
+    """
+    missing = [p.problem_id for p in problems if p.problem_id not in prefixes]
+    if missing:
+        raise GateError("provenance", f"prefix bank has no prefix for {missing}")
+    return run_arm(
+        "exp2", settings, problems, lambda spec, p: exp2_row(spec, p, prefixes[p.problem_id]),
+        ledger_root=ledger_root, extra_config={"prefix_bank_sha256": bank_sha256}, progress=progress, faults=faults,
+    )
+
+
+def precision_crossing(bf16: Sequence[dict], fp32: Sequence[dict], seed: int = 20260729, n_resamples: int = 20000) -> dict:
+    """Problem-paired FP32-minus-BF16 change in each disagreement indicator (paper §4.2).
+
+    Returns:
+        per indicator (``suffix``, ``answer``, ``label``): the paired bootstrap
+        difference (FP32 minus BF16; the paper reports the reduction, its
+        negative) and the exact McNemar test; plus ``prefix_identical``, the
+        number of rows whose integer prefix is identical across precisions.
+
+    Raises:
+        GateError: if rows are not paired by problem ID in the same order, or a row failed a gate.
+    """
+    require_gates(bf16)
+    require_gates(fp32)
+    if [r["problem_id"] for r in bf16] != [r["problem_id"] for r in fp32]:
+        raise GateError("report", "BF16 and FP32 rows are not paired in the same problem order")
+    out = {"n": len(bf16), "prefix_identical": sum(a["prefix"] == b["prefix"] for a, b in zip(bf16, fp32))}
+    for key in ("suffix", "answer", "label"):
+        a = [r["endpoints"][f"{key}_differs"] for r in bf16]
+        b = [r["endpoints"][f"{key}_differs"] for r in fp32]
+        out[key] = {
+            "change": paired_bootstrap(a, b, n_resamples=n_resamples, seed=seed) if len(a) >= 2 else None,
+            "mcnemar": mcnemar_exact(a, b),
+        }
+    return out
+
+
+def crossing_table(cross: dict) -> pd.DataFrame:
+    """Paired FP32 − BF16 change table (percentage points, bootstrap CI, McNemar)."""
+    rows = {}
+    for key, label in (("suffix", "suffix disagreement"), ("answer", "answer disagreement"), ("label", "correctness-label disagreement")):
+        c, m = cross[key]["change"], cross[key]["mcnemar"]
+        rows[label] = {
+            "FP32 − BF16, pts [95% bootstrap CI]": f"{100 * c.estimate:+.1f} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]" if c else "n/a",
+            "McNemar: BF16-only vs FP32-only, exact p": f"{m.b} vs {m.c}, p = {m.pvalue:.3g}",
+        }
+    rows["integer prefix identical across precision"] = {
+        "FP32 − BF16, pts [95% bootstrap CI]": f"{cross['prefix_identical']}/{cross['n']}",
+        "McNemar: BF16-only vs FP32-only, exact p": "",
+    }
+    return pd.DataFrame(rows).T
+
+
+# ----------------------------------------------------------------------------- Experiment 3
+
+
+def order_statistics(items: Sequence, k: int, key: Callable) -> list:
+    """``k`` evenly spaced order statistics of ``items`` sorted by ``key`` (outcome-blind selection).
+
+    Picks sorted positions ``round(i * (n - 1) / (k - 1))`` for ``i = 0..k-1``
+    (all items if ``k >= n``), returned in sorted order.
+    """
+    srt = sorted(items, key=key)
+    n = len(srt)
+    if k >= n:
+        return srt
+    if k == 1:
+        return [srt[(n - 1) // 2]]
+    idx = sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+    return [srt[i] for i in idx]
+
+
+def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> dict:
+    """Experiment 3 bridge for one problem (paper §3.7): new live boundary vs incremental from that prefix.
+
+    Both constructions get verified replicas and pass the state, storage and
+    duplicate gates; the endpoint (not a gate) is whether incremental equals
+    live bit for bit on every layer, in the boundary logits and in the suffix.
+
+    Returns:
+        The ledger record (``gate_failure`` set on a gate failure).
+    """
+    lm, fmt = spec.lm, spec.fmt
+    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None}
+    try:
+        live = decode.decode_live(lm, fmt, fmt.prompt_ids(problem.question, problem.options), spec.caps)
+        z = live.ids
+        rec.update(prefix_len=len(z), prefix=z, saved_prefix_len=len(saved_prefix), same_as_saved=z == list(saved_prefix))
+        states = {"live": live, "live_replica": caches.live_replica(live)}
+        states["incremental"] = decode.build_incremental(lm, fmt, z, where=problem.problem_id)
+        states["incremental_replica"] = caches.live_replica(states["incremental"])
+        if spec.faults:
+            spec.faults(states)
+        boundary_gates(states, lm.dtype, [("live", "live_replica"), ("incremental", "incremental_replica")])
+        cmp = comparison(live, states["incremental"], per_tensor=True)
+        arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
+        for a, b in (("live", "live_replica"), ("incremental", "incremental_replica")):
+            gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", arms[a].tokens, arms[b].tokens)
+        rec["boundary"] = {"incremental_vs_live": cmp}
+        rec["arms"] = {n: _arm_record(spec, problem, s) for n, s in arms.items()}
+        layers = {t["tensor"].split(".")[0] for t in cmp["tensors"]}
+        rec["endpoints"] = {
+            "cache_exact": cmp["cache"]["exact"],
+            "layers": len(layers),
+            "layers_exact": len(layers - {t["tensor"].split(".")[0] for t in cmp["tensors"] if not t["exact"]}),
+            "logits_exact": cmp["logits"]["exact"],
+            "suffix_exact": arms["live"].tokens == arms["incremental"].tokens,
+        }
+    except GateError as e:
+        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    return rec
+
+
+def _leaves(obj, prefix: str = "") -> dict[str, object]:
+    """Flatten nested dicts/lists into ``path -> scalar``."""
+    out: dict[str, object] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out.update(_leaves(v, f"{prefix}[{i}]"))
+    else:
+        out[prefix] = obj
+    return out
+
+
+AUDIT_ARMS = {"live": "incremental", "live_replica": "incremental_replica", "prefill": "prefill", "prefill_replica": "prefill_replica"}
+"""Experiment 1 arm -> the Experiment 2 arm that must reproduce it."""
+BOUNDARY_RENAME = {"prefill_vs_live": "prefill_vs_incremental", "live_replica": "incremental_replica"}
+
+
+def saved_ledger_audit(exp1: Sequence[dict], exp2: Sequence[dict]) -> dict:
+    """Deterministic join of the Experiment 1 and 2 BF16 ledgers by problem ID (paper §3.7 audit).
+
+    Compares problem order, prefix IDs, complete suffix arrays per arm
+    (:data:`AUDIT_ARMS`), and every scalar cache/logit summary leaf the two
+    ledgers share (Experiment 1's ``live`` names mapped to ``incremental``).
+
+    Returns:
+        counts: ``rows``, ``order_agrees``, ``prefix_agrees``, per-arm suffix
+        agreement, ``cache_leaves``/``logit_leaves`` (common leaves per row) and
+        the rows on which all of them agree.
+
+    Raises:
+        GateError: if either ledger has a failed row.
+    """
+    require_gates(exp1)
+    require_gates(exp2)
+    by2 = {r["problem_id"]: r for r in exp2}
+    rows = [(a, by2.get(a["problem_id"])) for a in exp1]
+    out = {
+        "rows": len(exp1),
+        "order_agrees": [r["problem_id"] for r in exp1] == [r["problem_id"] for r in exp2],
+        "prefix_agrees": sum(b is not None and a["prefix"] == b["prefix"] for a, b in rows),
+        "suffix_agrees": {
+            f"{x}→{y}": sum(b is not None and a["arms"][x]["suffix"] == b["arms"][y]["suffix"] for a, b in rows)
+            for x, y in AUDIT_ARMS.items()
+        },
+    }
+    cache_counts, logit_counts, cache_rows, logit_rows = set(), set(), 0, 0
+    for a, b in rows:
+        if b is None:
+            continue
+        renamed = {BOUNDARY_RENAME.get(k, k): v for k, v in a["boundary"].items()}
+        la = _leaves(renamed)
+        lb = _leaves(b["boundary"])
+        common = sorted(set(la) & set(lb))
+        cache = [k for k in common if ".logits." not in k]
+        logit = [k for k in common if ".logits." in k]
+        cache_counts.add(len(cache))
+        logit_counts.add(len(logit))
+        cache_rows += all(la[k] == lb[k] for k in cache)
+        logit_rows += all(la[k] == lb[k] for k in logit)
+    out.update(
+        cache_leaves=sorted(cache_counts), logit_leaves=sorted(logit_counts),
+        cache_leaves_agree_rows=cache_rows, logit_leaves_agree_rows=logit_rows,
+    )
+    return out

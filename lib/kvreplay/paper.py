@@ -25,6 +25,8 @@ from .paths import BUILD, FIGURES, LEDGERS, NOTEBOOKS, PARAMS
 
 CHAIN = [
     "01_experiment1_live_vs_prefill.ipynb",
+    "02_experiment2_fixed_prefix_precision.ipynb",
+    "03_experiment3_bridge_and_audit.ipynb",
 ]
 """Notebooks in dependency order (experiments, then tables, then figures)."""
 
