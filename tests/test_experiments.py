@@ -63,3 +63,66 @@ def test_bridge_row_is_exact_and_audit_joins(spec):
     assert b["gate_failure"] is None
     assert b["endpoints"]["cache_exact"] and b["endpoints"]["layers_exact"] == b["endpoints"]["layers"] == 2
     assert b["endpoints"]["logits_exact"] and b["endpoints"]["suffix_exact"] and b["same_as_saved"]
+
+
+def _transplant_spec(tiny_format, transplant_faults=None):
+    lm = tiny_lm("llama", torch.bfloat16)
+    return RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS, transplant_faults=transplant_faults)
+
+
+def test_transplant_row_outcomes(tiny_format):
+    from kvreplay.experiments import transplant_row, transplant_summary, localization_table
+
+    spec = _transplant_spec(tiny_format)
+    p = tiny_problems(1)[0]
+    prefix = exp1_row(spec, p)["prefix"]
+    rec = transplant_row(spec, p, prefix, "exact", sweep=True)
+    assert rec["gate_failure"] is None
+    names = list(rec["interventions"])
+    assert names[:5] == ["whole", "keys_only", "values_only", "first_half", "second_half"] and "layer_01" in names
+    whole = rec["interventions"]["whole"]
+    assert whole["prefill<-incremental"]["donated_tensors"] == 4 and whole["kind"] == "primary"
+    if rec["baseline"]["suffix_differs"]:
+        assert whole["prefill<-incremental"]["outcome"] in {"donor", "recipient", "third"}
+    else:
+        assert whole["prefill<-incremental"]["outcome"] in {"baseline", "third"}
+    # a whole transplant gives the recipient exactly the donor's cache, so it must follow the donor's suffix
+    assert whole["prefill<-incremental"]["suffix"] == rec["baseline"]["incremental"]
+    assert whole["incremental<-prefill"]["suffix"] == rec["baseline"]["prefill"]
+    s = transplant_summary([rec])
+    assert s["rows"] == 1 and s["divergent"] + s["exact"] == 1
+    assert not localization_table([rec]).empty or not rec["baseline"]["suffix_differs"]
+
+
+def _alias(state, recipient, donor, prov):
+    state.cache.layers[0].keys = donor.cache.layers[0].keys
+
+
+def _wrong_layer(state, recipient, donor, prov):
+    state.cache.layers[0].keys = donor.cache.layers[1].keys.clone()
+
+
+def _wrong_dtype(state, recipient, donor, prov):
+    state.cache.layers[1].values = state.cache.layers[1].values.to(torch.float32)
+
+
+@pytest.mark.parametrize("fault, gate", [(_alias, "storage"), (_wrong_layer, "provenance"), (_wrong_dtype, "dtype")])
+def test_faulty_transplant_is_caught(tiny_format, fault, gate):
+    from kvreplay.experiments import transplant_row
+
+    spec = _transplant_spec(tiny_format, transplant_faults=fault)
+    p = tiny_problems(1)[0]
+    prefix = exp1_row(spec, p)["prefix"]
+    rec = transplant_row(spec, p, prefix, "exact", sweep=False)
+    assert rec["gate_failure"] is not None and rec["gate_failure"]["gate"] == gate, rec["gate_failure"]
+
+
+def test_panel_is_frozen_by_stratum_and_length():
+    from kvreplay.experiments import freeze_transplant_panel
+
+    recs = [{"problem_id": f"p{i}", "gate_failure": None, "prefix_len": 100 + i, "endpoints": {"suffix_differs": i % 3 != 0}}
+            for i in range(12)]
+    panel = freeze_transplant_panel(recs, 3, 2)
+    assert [e["stratum"] for e in panel] == ["divergent"] * 3 + ["exact"] * 2
+    div = sorted((r for r in recs if r["endpoints"]["suffix_differs"]), key=lambda r: r["prefix_len"])
+    assert [e["problem_id"] for e in panel[:3]] == [div[0]["problem_id"], div[4]["problem_id"], div[7]["problem_id"]]

@@ -84,6 +84,21 @@ def test_experiments2_and_3_smoke(chain_run):
     assert json.loads((ledgers / "smoke" / "exp3_bridge_panel.json").read_text())["problem_ids"]
 
 
+def test_experiment4_smoke(chain_run):
+    root, ledgers, figures = chain_run
+    panel = json.loads((ledgers / "smoke" / "exp4_panel.json").read_text())["panel"]
+    assert len(panel) == SMOKE["n_divergent"] + SMOKE["n_exact"] or len(panel) <= SMOKE["n_rows"]
+    (rows,) = (ledgers / "smoke").glob("exp4-bfloat16-*/rows.jsonl")
+    records = [json.loads(x) for x in rows.read_text().splitlines()]
+    assert [r["problem_id"] for r in records] == [e["problem_id"] for e in panel]
+    assert all(r["gate_failure"] is None for r in records)
+    for r in records:  # a whole-cache transplant must reproduce its donor's suffix
+        assert r["interventions"]["whole"]["prefill<-incremental"]["suffix"] == r["baseline"]["incremental"]
+    table = pd.read_csv(figures / "smoke" / "exp4_table.csv", index_col=0)
+    assert "power note" in table.index
+    assert (figures / "smoke" / "exp4_transplants.png").stat().st_size > 0
+
+
 def test_finished_ledgers_are_reused(chain_run):
     root, ledgers, figures = chain_run
     before = {p: p.read_bytes() for p in (ledgers / "smoke").glob("*/*.jsonl")}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -57,3 +58,90 @@ def verify_replica(a: Boundary, b: Boundary) -> None:
 def clone_boundary(state: Boundary, construction: str) -> Boundary:
     """A relabeled copy with fresh storage (used to plant faults and to build transplants)."""
     return dataclasses.replace(live_replica(state), construction=construction)
+
+
+PARTS = ("key", "value")
+
+
+@torch.inference_mode()
+def transplant(
+    recipient: Boundary, donor: Boundary, *, layers: Sequence[int] | None = None, parts: Sequence[str] = PARTS,
+    label: str | None = None,
+) -> tuple[Boundary, list[dict]]:
+    """Replace chosen K/V tensors of a recipient state with storage-isolated copies from a donor (paper §3.8).
+
+    Everything else of the recipient is kept: token IDs, roles, positions,
+    boundary logits and every cache tensor not chosen. A copy is made of the
+    recipient first, so neither source is modified.
+
+    Args:
+        recipient, donor: boundary states over the same prefix, caches
+            ``[2, kv_heads, |z|, head_dim]`` per layer.
+        layers: layer indices to replace (default: all).
+        parts: ``("key",)``, ``("value",)`` or both.
+        label: construction name of the result.
+
+    Returns:
+        ``(state, provenance)``: the new state, and one provenance entry per
+        cache tensor ``{"tensor", "source", "layer", "part"}`` naming which
+        construction it came from.
+
+    Raises:
+        GateError: any transplant gate (see :func:`verify_transplant`).
+    """
+    n = len(recipient.cache.layers)
+    layers = list(range(n)) if layers is None else sorted(set(layers))
+    out = clone_boundary(recipient, label or f"{recipient.construction}<-{donor.construction}")
+    provenance = []
+    for i in range(n):
+        for part in PARTS:
+            chosen = i in layers and part in parts
+            if chosen:
+                setattr(out.cache.layers[i], _ATTR[part], getattr(donor.cache.layers[i], _ATTR[part]).clone())
+            provenance.append({"tensor": f"L{i:02d}.{part}", "source": donor.construction if chosen else recipient.construction,
+                               "layer": i, "part": part})
+    verify_transplant(out, recipient, donor, provenance)
+    return out, provenance
+
+
+_ATTR = {"key": "keys", "value": "values"}
+
+
+def verify_transplant(state: Boundary, recipient: Boundary, donor: Boundary, provenance: Sequence[dict]) -> None:
+    """Transplant gates: provenance, geometry, dtype, sequence length, no aliasing, kept recipient state.
+
+    Every cache tensor must equal (bit for bit, with identical shape, stride,
+    dtype and device) the tensor of the construction its provenance names,
+    hold |z| positions, and share storage with neither source. Token IDs,
+    roles and boundary logits must be the recipient's.
+
+    Raises:
+        GateError: gate ``provenance``, ``dtype``, ``functional_state`` or ``storage``.
+    """
+    from .gates import GateError, geometry
+
+    sources = {recipient.construction: dict(cache_tensors(recipient.cache)), donor.construction: dict(cache_tensors(donor.cache))}
+    mine = dict(cache_tensors(state.cache))
+    if len(provenance) != len(mine):
+        raise GateError("provenance", f"{state.construction}: {len(provenance)} provenance entries for {len(mine)} tensors")
+    for entry in provenance:
+        name = entry["tensor"]
+        src = sources[entry["source"]][name]
+        t = mine[name]
+        if t.dtype != src.dtype or t.dtype != recipient.logits.dtype:
+            raise GateError("dtype", f"{state.construction}: {name} is {t.dtype}, source {src.dtype}")
+        if geometry(t) != geometry(src):
+            raise GateError("provenance", f"{state.construction}: {name} geometry {geometry(t)} differs from {entry['source']}")
+        if t.shape[-2] != len(recipient.ids):
+            raise GateError("functional_state", f"{state.construction}: {name} holds {t.shape[-2]} positions, |z| = {len(recipient.ids)}")
+        if not torch.equal(t, src):
+            raise GateError("provenance", f"{state.construction}: {name} does not equal its claimed source {entry['source']}")
+    if state.ids != recipient.ids or not torch.equal(state.roles, recipient.roles):
+        raise GateError("functional_state", f"{state.construction}: token IDs or roles differ from the recipient")
+    if not torch.equal(state.logits, recipient.logits):
+        raise GateError("functional_state", f"{state.construction}: boundary logits are not the recipient's")
+    check_disjoint({
+        state.construction: [t for _, t in boundary_tensors(state)],
+        f"source {recipient.construction}": [t for _, t in boundary_tensors(recipient)],
+        f"source {donor.construction}": [t for _, t in boundary_tensors(donor)],
+    })

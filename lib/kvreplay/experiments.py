@@ -40,12 +40,16 @@ class RunSpec:
         faults: optional hook called with the boundary states right after
             they are built and before any gate runs; tests use it to plant
             faults through the same runner the notebooks use.
+        transplant_faults: optional hook called with
+            ``(transplanted_state, recipient, donor, provenance)`` before the
+            transplant gates run again (Experiment 4 tests).
     """
 
     lm: LoadedModel
     fmt: BlockFormat
     caps: Caps
     faults: Hook | None = None
+    transplant_faults: Callable | None = None
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -691,3 +695,165 @@ def saved_ledger_audit(exp1: Sequence[dict], exp2: Sequence[dict]) -> dict:
         cache_leaves_agree_rows=cache_rows, logit_leaves_agree_rows=logit_rows,
     )
     return out
+
+
+# ----------------------------------------------------------------------------- Experiment 4
+
+
+def freeze_transplant_panel(exp2_bf16: Sequence[dict], n_divergent: int, n_exact: int) -> list[dict]:
+    """Freeze the transplant panel from Experiment 2's BF16 rows before any transplant is decoded (paper §3.8).
+
+    Within the suffix-divergent and suffix-exact strata, takes evenly spaced
+    order statistics after sorting by prefix length, then problem ID.
+
+    Returns:
+        ``[{"problem_id", "stratum": "divergent" | "exact", "prefix_len"}, ...]``, divergent first.
+
+    Raises:
+        GateError: if a source row failed a gate.
+    """
+    require_gates(exp2_bf16)
+    out = []
+    for stratum, k in (("divergent", n_divergent), ("exact", n_exact)):
+        pool = [r for r in exp2_bf16 if r["endpoints"]["suffix_differs"] == (stratum == "divergent")]
+        for r in order_statistics(pool, k, key=lambda r: (r["prefix_len"], r["problem_id"])):
+            out.append({"problem_id": r["problem_id"], "stratum": stratum, "prefix_len": r["prefix_len"]})
+    return out
+
+
+def interventions(n_layers: int, sweep: bool) -> list[tuple[str, str, list[int], tuple[str, ...]]]:
+    """The transplant interventions: ``(name, primary|exploratory, layers, parts)``.
+
+    Whole-cache is the registered primary endpoint; key-only, value-only,
+    first/second half of the layers and (when ``sweep``) every single layer
+    are exploratory localization.
+    """
+    every = list(range(n_layers))
+    half = n_layers // 2
+    out = [("whole", "primary", every, ("key", "value"))]
+    out += [
+        ("keys_only", "exploratory", every, ("key",)),
+        ("values_only", "exploratory", every, ("value",)),
+        ("first_half", "exploratory", every[:half], ("key", "value")),
+        ("second_half", "exploratory", every[half:], ("key", "value")),
+    ]
+    if sweep:
+        out += [(f"layer_{i:02d}", "exploratory", [i], ("key", "value")) for i in every]
+    return out
+
+
+def _outcome(suffix: list[int], donor: list[int], recipient: list[int]) -> str:
+    if donor == recipient:
+        return "baseline" if suffix == donor else "third"
+    if suffix == donor:
+        return "donor"
+    if suffix == recipient:
+        return "recipient"
+    return "third"
+
+
+def transplant_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], stratum: str, sweep: bool) -> dict:
+    """Experiment 4 for one frozen panel row, BF16 (paper §3.8, plus the referee's localization).
+
+    Builds incremental and prefill states, each twice with disjoint storage,
+    continues the four baselines, then for every intervention in both
+    directions (recipient prefill <- donor incremental, and the reverse)
+    continues the transplanted state with the shared suffix decoder. The raw
+    next-token argmax must already agree between constructions (a gate).
+
+    Returns:
+        The ledger record; ``interventions[name][direction]`` holds ``outcome``
+        (``donor``, ``recipient``, ``third``, or ``baseline`` when the two
+        baselines agree) and the suffix.
+    """
+    lm, fmt = spec.lm, spec.fmt
+    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None, "stratum": stratum}
+    try:
+        inc = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id)
+        rec.update(prefix_len=len(prefix), prefix=list(prefix))
+        states = {
+            "incremental": inc,
+            "incremental_replica": caches.live_replica(inc),
+            "prefill": decode.build_prefill(lm, fmt, prefix, where=problem.problem_id),
+        }
+        states["prefill_replica"] = decode.build_prefill(lm, fmt, prefix, where=problem.problem_id)
+        states["prefill_replica"].construction = "prefill_replica"
+        if spec.faults:
+            spec.faults(states)
+        boundary_gates(states, lm.dtype, [("incremental", "incremental_replica"), ("prefill", "prefill_replica")])
+        a_inc, a_pre = decode.raw_argmax(inc.logits[0]), decode.raw_argmax(states["prefill"].logits[0])
+        if a_inc != a_pre:
+            raise GateError("argmax", f"raw next-token argmax differs between constructions ({a_inc} vs {a_pre})")
+        # pristine sources for the transplants; the four baseline states are consumed by decoding
+        src = {"incremental": caches.clone_boundary(inc, "incremental"), "prefill": caches.clone_boundary(states["prefill"], "prefill")}
+        base = {n: decode.decode_suffix(lm, fmt, s, spec.caps).tokens for n, s in states.items()}
+        for a, b in (("incremental", "incremental_replica"), ("prefill", "prefill_replica")):
+            gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", base[a], base[b])
+        rec["baseline"] = {"incremental": base["incremental"], "prefill": base["prefill"],
+                           "suffix_differs": base["incremental"] != base["prefill"]}
+        rec["interventions"] = {}
+        for name, kind, layers, parts in interventions(len(inc.cache.layers), sweep):
+            rec["interventions"][name] = {"kind": kind, "layers": layers, "parts": list(parts)}
+            for recipient, donor in (("prefill", "incremental"), ("incremental", "prefill")):
+                state, prov = caches.transplant(src[recipient], src[donor], layers=layers, parts=parts)
+                if spec.transplant_faults:
+                    spec.transplant_faults(state, src[recipient], src[donor], prov)
+                    caches.verify_transplant(state, src[recipient], src[donor], prov)
+                suffix = decode.decode_suffix(lm, fmt, state, spec.caps).tokens
+                rec["interventions"][name][f"{recipient}<-{donor}"] = {
+                    "outcome": _outcome(suffix, base[donor], base[recipient]),
+                    "suffix": suffix,
+                    "donated_tensors": sum(p["source"] == donor for p in prov),
+                }
+    except GateError as e:
+        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    return rec
+
+
+DIRECTIONS = ("prefill<-incremental", "incremental<-prefill")
+
+
+def transplant_summary(records: Sequence[dict]) -> dict:
+    """Experiment 4 endpoints (paper §4.4): donor recovery among divergent rows, third trajectories among exact rows.
+
+    Rows are grouped by their contemporaneous baselines (incremental vs
+    prefill suffix), as registered; ``prior_stratum_reproduced`` counts rows
+    whose frozen stratum the new baselines reproduce.
+
+    Raises:
+        GateError: if any row failed a gate.
+    """
+    require_gates(records)
+    div = [r for r in records if r["baseline"]["suffix_differs"]]
+    exact = [r for r in records if not r["baseline"]["suffix_differs"]]
+    whole = lambda r, d: r["interventions"]["whole"][d]["outcome"]  # noqa: E731
+    out = {
+        "rows": len(records),
+        "prior_stratum_reproduced": sum(r["baseline"]["suffix_differs"] == (r["stratum"] == "divergent") for r in records),
+        "divergent": len(div),
+        "exact": len(exact),
+        "recovery": {d: wilson(sum(whole(r, d) == "donor" for r in div), len(div)) if div else None for d in DIRECTIONS},
+        "joint_recovery": wilson(sum(all(whole(r, d) == "donor" for d in DIRECTIONS) for r in div), len(div)) if div else None,
+        "third_among_exact": wilson(sum(any(whole(r, d) == "third" for d in DIRECTIONS) for r in exact), len(exact)) if exact else None,
+    }
+    return out
+
+
+def localization_table(records: Sequence[dict]) -> pd.DataFrame:
+    """Per intervention and direction, how often the suffix follows the donor, the recipient, or neither (divergent rows)."""
+    require_gates(records)
+    div = [r for r in records if r["baseline"]["suffix_differs"]]
+    rows = []
+    names = list(records[0]["interventions"]) if records else []
+    for name in names:
+        have = [r for r in div if name in r["interventions"]]
+        if not have:
+            continue
+        for d in DIRECTIONS:
+            outcomes = [r["interventions"][name][d]["outcome"] for r in have]
+            rows.append({
+                "intervention": name, "kind": have[0]["interventions"][name]["kind"], "direction": d, "rows": len(have),
+                "follows donor": outcomes.count("donor"), "follows recipient": outcomes.count("recipient"),
+                "neither": outcomes.count("third"),
+            })
+    return pd.DataFrame(rows)

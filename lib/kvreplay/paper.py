@@ -27,6 +27,7 @@ CHAIN = [
     "01_experiment1_live_vs_prefill.ipynb",
     "02_experiment2_fixed_prefix_precision.ipynb",
     "03_experiment3_bridge_and_audit.ipynb",
+    "04_experiment4_cache_transplant.ipynb",
 ]
 """Notebooks in dependency order (experiments, then tables, then figures)."""
 
