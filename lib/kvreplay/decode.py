@@ -221,6 +221,14 @@ def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: 
     return Boundary("live", ids + new, roles, cache, logits, [len(ids)] + [1] * calls)
 
 
+def _fixed_prefix(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], where: str):
+    """IDs, ``[2, |z|]`` roles and token batch rebuilt from a boundary prefix, an empty cache, and the prompt length."""
+    parsed = fmt.boundary_parse(prefix, where=where)
+    roles = torch.tensor(parsed.roles, dtype=torch.long, device=lm.device).expand(BATCH, -1).contiguous()
+    ids = list(prefix)
+    return ids, roles, _as_batch(ids, lm.device), DynamicCache(config=lm.model.config), parsed.prompt_len
+
+
 @torch.inference_mode()
 def build_incremental(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], *, where: str = "prefix") -> Boundary:
     """Teacher-forced replay of the live call schedule (incremental construction).
@@ -232,13 +240,7 @@ def build_incremental(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], 
         ContractError: if the prefix does not end at the boundary.
         GateError: ``desync``.
     """
-    parsed = fmt.boundary_parse(prefix, where=where)
-    dev = lm.device
-    ids = list(prefix)
-    roles = torch.tensor(parsed.roles, dtype=torch.long, device=dev).expand(BATCH, -1).contiguous()
-    batch = _as_batch(ids, dev)
-    p = parsed.prompt_len
-    cache = DynamicCache(config=lm.model.config)
+    ids, roles, batch, cache, p = _fixed_prefix(lm, fmt, prefix, where)
     logits = forward(lm, cache, batch[:, :p], roles[:, :p], 0)
     for i in range(p, len(ids)):
         logits = forward(lm, cache, batch[:, i : i + 1], roles[:, : i + 1], i)
@@ -253,12 +255,8 @@ def build_prefill(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], *, w
         ContractError: if the prefix does not end at the boundary.
         GateError: ``desync``.
     """
-    parsed = fmt.boundary_parse(prefix, where=where)
-    dev = lm.device
-    ids = list(prefix)
-    roles = torch.tensor(parsed.roles, dtype=torch.long, device=dev).expand(BATCH, -1).contiguous()
-    cache = DynamicCache(config=lm.model.config)
-    logits = forward(lm, cache, _as_batch(ids, dev), roles, 0)
+    ids, roles, batch, cache, _ = _fixed_prefix(lm, fmt, prefix, where)
+    logits = forward(lm, cache, batch, roles, 0)
     return Boundary("prefill", ids, roles, cache, logits, [len(ids)])
 
 
