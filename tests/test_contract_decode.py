@@ -234,3 +234,22 @@ def test_problem_text_with_special_token_is_rejected(tiny_format):
     fmt = tiny_format(lm)
     with pytest.raises(ContractError, match="special token"):
         fmt.prompt_ids("What does <|im_end|> mean?", ["a", "b"])
+
+
+def test_format_without_answer_prefix_still_decodes_the_answer(arch):
+    """The answer opener may end with the same token as the closer ('\\n' in ChatML); the answer must still be decoded."""
+    spec = {k: v for k, v in TINY_FORMAT.items() if k != "answer_prefix"}
+    lm = tiny_lm(arch)
+    fmt = resolve_format(lm.tokenizer, spec)
+    assert fmt.openers[ANSWER][-1] == fmt.closers[ANSWER][-1]
+    live = _live(lm, fmt)
+    suffix = decode.decode_suffix(lm, fmt, live, TINY_CAPS)
+    assert fmt.parse(live.ids + suffix.tokens).complete
+    assert suffix.tokens[-len(fmt.closers[ANSWER]):] == list(fmt.closers[ANSWER])
+    assert len(suffix.tokens) > len(suffix.merge) + len(fmt.closers[MERGE]) + len(fmt.openers[ANSWER]) + len(fmt.closers[ANSWER]) - 1
+
+
+def test_format_missing_key_is_named():
+    spec = {k: v for k, v in TINY_FORMAT.items() if k != "merge"}
+    with pytest.raises(ContractError, match="lacks the key"):
+        resolve_format(make_tokenizer(), spec)

@@ -141,3 +141,21 @@ def test_experiment2_row_gates_and_endpoints(spec_factory):
     assert rec["boundary"]["prefill_vs_incremental"] == live_rec["boundary"]["prefill_vs_live"]
     bad = exp2_row(spec_factory(_alias), tiny_problems(1)[0], live_rec["prefix"])
     assert bad["gate_failure"]["gate"] == "storage"
+
+
+def _positions(states):
+    pos = states["prefill"].positions.clone()
+    pos[:, -1] += 1  # as if the last token had been fed at a shifted position
+    states["prefill"].positions = pos
+
+
+def test_shifted_positions_are_caught(spec_factory):
+    rec = exp1_row(spec_factory(_positions), tiny_problems(1)[0])
+    assert rec["gate_failure"]["gate"] == "functional_state"
+
+
+def test_live_positions_are_recorded_from_the_calls(spec_factory):
+    spec = spec_factory()
+    live = decode.decode_live(spec.lm, spec.fmt, spec.fmt.prompt_ids("Q?", ["a", "b"]), TINY_CAPS)
+    assert live.positions.shape == (2, len(live.ids))
+    assert torch.equal(live.positions[0], torch.arange(len(live.ids)))

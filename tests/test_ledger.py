@@ -64,3 +64,17 @@ def test_stale_environment_warns_but_reuses(tmp_path):
 
 def test_canonical_json_is_stable():
     assert canonical_json({"b": 1, "a": [1.0, None, "é"]}) == '{"a":[1.0,null,"é"],"b":1}'
+
+
+def test_stale_incomplete_ledger_refuses_to_resume(tmp_path, monkeypatch):
+    from kvreplay.ledger import run_rows
+
+    led = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"})
+    run_rows(led, ["p1"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False)
+    with pytest.warns(UserWarning, match="stale"):
+        again = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "2"})
+    with pytest.raises(LedgerError, match="refusing"):
+        run_rows(again, ["p1", "p2"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False)
+    assert run_rows(again, ["p1"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False) == [{"problem_id": "p1"}]
+    monkeypatch.setenv("KVREPLAY_ALLOW_STALE", "1")
+    assert len(run_rows(again, ["p1", "p2"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False)) == 2

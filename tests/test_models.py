@@ -36,9 +36,12 @@ def test_local_folder_loads_and_decodes(qwen_dir):
 def test_unknown_model_gives_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="unknown model"):
         model_key(str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "nope"), "float32")
+    assert model_key("gpt2") == {"model": "gpt2"}  # a hub id (loading it needs the local cache)
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(str(tmp_path), "float32")
-    with pytest.raises(ModelLoadError, match="cannot load model"):
+    with pytest.raises(ModelLoadError, match="no hub model of that id in the local cache"):
         load_model("no-such-org/no-such-model", "float32")
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         load_model("embedded", "float8")
@@ -52,7 +55,7 @@ def test_execution_contract_records_the_numerical_contract(qwen_dir):
     assert c["tf32_matmul"] is False and c["tf32_cudnn"] is False
     assert c["float32_matmul_precision"] == "highest"
     assert c["dtype"] == "float32" and c["attn_implementation"] == "sdpa"
-    assert c["sdpa_backends_used"] == ["math"] and c["intra_op_threads"] == 1
+    assert c["sdpa_backends_used"] == ["math"] and c["requested_threads"] == 1
     for key in ("torch", "transformers", "device_name", "deterministic_algorithms", "sdpa_backends", "model"):
         assert key in c
     with pytest.raises(ValueError, match="unknown SDPA backend"):

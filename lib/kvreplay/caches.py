@@ -35,6 +35,7 @@ def live_replica(state: Boundary) -> Boundary:
         cache=copy.deepcopy(state.cache),
         logits=state.logits.clone(),
         schedule=list(state.schedule),
+        positions=state.positions.clone(),
     )
     verify_replica(state, rep)
     return rep

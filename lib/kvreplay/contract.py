@@ -336,6 +336,13 @@ def resolve_format(tokenizer, fmt: str | Path | dict = "chat_multibranch") -> Bl
             special token.
     """
     spec = load_spec(fmt) if not isinstance(fmt, dict) else dict(fmt)
+    required = {"chat_template": ("name", "system", "question", "branches", "merge", "answer"),
+                "tokens": ("name", "question", "branches", "merge", "answer", "prompt_open", "prompt_close", "open", "close")}
+    if spec.get("kind") not in required:
+        raise ContractError(f"format {spec.get('name', fmt)!r}: 'kind' must be one of {sorted(required)}, got {spec.get('kind')!r}")
+    missing = [k for k in required[spec["kind"]] if k not in spec]
+    if missing:
+        raise ContractError(f"format {spec.get('name', fmt)!r} (kind {spec['kind']}) lacks the key(s) {missing}")
     special = _special_ids(tokenizer)
     openers: list[tuple[int, ...]] = [()]
     closers: list[tuple[int, ...]] = [()]

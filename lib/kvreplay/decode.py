@@ -23,7 +23,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
-from .contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, Caps, attention_mask_4d
+from .contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, Caps, ContractError, attention_mask_4d
 from .gates import GateError
 from .models import LoadedModel, sdpa_backend_list
 
@@ -44,6 +44,8 @@ class Boundary:
             ``[2, kv_heads, |z|, head_dim]`` in the model dtype.
         logits: ``[2, vocab]`` next-token logits at the boundary (model dtype).
         schedule: tokens per forward call that built the cache.
+        positions: ``[2, |z|]`` int64 position IDs actually passed to the
+            model, concatenated over the calls (flat from 0; no padding).
     """
 
     construction: str
@@ -52,14 +54,13 @@ class Boundary:
     cache: DynamicCache
     logits: torch.Tensor
     schedule: list[int]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """``[2, |z|]`` position IDs (flat, from 0; no padding)."""
-        return torch.arange(len(self.ids)).expand(BATCH, -1)
+    positions: torch.Tensor
 
 
-def forward(lm: LoadedModel, cache: DynamicCache, ids: torch.Tensor, roles_all: torch.Tensor, start: int) -> torch.Tensor:
+def forward(
+    lm: LoadedModel, cache: DynamicCache, ids: torch.Tensor, roles_all: torch.Tensor, start: int,
+    trace: list | None = None,
+) -> torch.Tensor:
     """One forward call over ``q`` new tokens of the duplicate batch.
 
     Args:
@@ -68,6 +69,7 @@ def forward(lm: LoadedModel, cache: DynamicCache, ids: torch.Tensor, roles_all: 
         ids: ``[2, q]`` int64 token IDs of this call.
         roles_all: ``[2, start + q]`` int64 raw roles of all tokens so far.
         start: number of tokens already in the cache (= first position).
+        trace: if given, the ``[2, q]`` position IDs of this call are appended to it.
 
     Returns:
         ``[2, vocab]`` logits of the last token of the call, model dtype.
@@ -82,6 +84,8 @@ def forward(lm: LoadedModel, cache: DynamicCache, ids: torch.Tensor, roles_all: 
         embeds = embeds + lm.role_table[query_roles + ROLE_OFFSET]
     mask = attention_mask_4d(query_roles, roles_all, start)
     positions = torch.arange(start, start + q, device=ids.device).expand(ids.shape[0], q)
+    if trace is not None:
+        trace.append(positions)
     with sdpa_kernel(sdpa_backend_list(lm.sdpa_backends)):
         out = lm.model(
             inputs_embeds=embeds,
@@ -116,6 +120,7 @@ class BlockCursor:
         self.count = 0
         self.forced: deque[tuple[int, int]] = deque(forced)
         self.done = False
+        self._answer_closing = False
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
@@ -126,6 +131,7 @@ class BlockCursor:
     def _close(self) -> None:
         closer = self.fmt.closers[self.role]
         queue = [(t, self.role) for t in closer]
+        self._answer_closing = self.role == ANSWER
         if self.role < ANSWER:
             queue += [(t, self.role + 1) for t in self.fmt.openers[self.role + 1]]
         self.forced.extend(queue)
@@ -143,7 +149,7 @@ class BlockCursor:
         if self.forced:
             token, role = self.forced.popleft()
             if not self.forced:
-                if role == ANSWER and token == self.fmt.closers[ANSWER][-1]:
+                if self._answer_closing:
                     self.done = True
                 else:
                     self.role, self.count = role, 0
@@ -175,6 +181,7 @@ def _run(
     logits: torch.Tensor,
     stop: Callable[[BlockCursor], bool],
     margins: list | None = None,
+    trace: list | None = None,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, int]:
     """Greedy loop: choose, then feed one token per call, until ``stop``."""
     new: list[int] = []
@@ -189,7 +196,7 @@ def _run(
         if cursor.done:
             break
         start = len(ids) + len(new) - 1
-        logits = forward(lm, cache, torch.full((BATCH, 1), token, dtype=torch.long, device=dev), roles, start)
+        logits = forward(lm, cache, torch.full((BATCH, 1), token, dtype=torch.long, device=dev), roles, start, trace)
         calls += 1
     return new, roles, logits, calls
 
@@ -213,12 +220,13 @@ def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: 
     ids = list(prompt)
     roles = torch.full((BATCH, len(ids)), PROMPT, dtype=torch.long, device=dev)
     cache = DynamicCache(config=lm.model.config)
-    logits = forward(lm, cache, _as_batch(ids, dev), roles, 0)
+    trace: list = []
+    logits = forward(lm, cache, _as_batch(ids, dev), roles, 0, trace)
     cursor = BlockCursor(fmt, caps, PROMPT, [(t, BRANCH1) for t in fmt.openers[BRANCH1]])
     new, roles, logits, calls = _run(
-        lm, cursor, cache, ids, roles, logits, stop=lambda c: c.role == MERGE and c.in_content
+        lm, cursor, cache, ids, roles, logits, stop=lambda c: c.role == MERGE and c.in_content, trace=trace
     )
-    return Boundary("live", ids + new, roles, cache, logits, [len(ids)] + [1] * calls)
+    return Boundary("live", ids + new, roles, cache, logits, [len(ids)] + [1] * calls, torch.cat(trace, dim=1))
 
 
 def _fixed_prefix(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], where: str):
@@ -241,10 +249,11 @@ def build_incremental(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], 
         GateError: ``desync``.
     """
     ids, roles, batch, cache, p = _fixed_prefix(lm, fmt, prefix, where)
-    logits = forward(lm, cache, batch[:, :p], roles[:, :p], 0)
+    trace: list = []
+    logits = forward(lm, cache, batch[:, :p], roles[:, :p], 0, trace)
     for i in range(p, len(ids)):
-        logits = forward(lm, cache, batch[:, i : i + 1], roles[:, : i + 1], i)
-    return Boundary("incremental", ids, roles, cache, logits, [p] + [1] * (len(ids) - p))
+        logits = forward(lm, cache, batch[:, i : i + 1], roles[:, : i + 1], i, trace)
+    return Boundary("incremental", ids, roles, cache, logits, [p] + [1] * (len(ids) - p), torch.cat(trace, dim=1))
 
 
 @torch.inference_mode()
@@ -256,8 +265,9 @@ def build_prefill(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], *, w
         GateError: ``desync``.
     """
     ids, roles, batch, cache, _ = _fixed_prefix(lm, fmt, prefix, where)
-    logits = forward(lm, cache, batch, roles, 0)
-    return Boundary("prefill", ids, roles, cache, logits, [len(ids)])
+    trace: list = []
+    logits = forward(lm, cache, batch, roles, 0, trace)
+    return Boundary("prefill", ids, roles, cache, logits, [len(ids)], torch.cat(trace, dim=1))
 
 
 @dataclasses.dataclass
@@ -296,6 +306,8 @@ def decode_suffix(lm: LoadedModel, fmt: BlockFormat, boundary: Boundary, caps: C
         lm, cursor, boundary.cache, boundary.ids, boundary.roles, boundary.logits, stop=lambda c: c.done, margins=margins
     )
     parsed = fmt.parse(boundary.ids + new, where=f"{boundary.construction} suffix")
+    if not parsed.complete:
+        raise ContractError(f"{boundary.construction} suffix: the answer block was not closed")
     full = boundary.ids + new
     (m0, m1), (a0, a1) = parsed.content[MERGE], parsed.content[ANSWER]
     return Suffix(new, margins, full[m0:m1], full[a0:a1])

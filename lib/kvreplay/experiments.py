@@ -208,7 +208,7 @@ def exp2_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
     try:
         inc = decode.build_incremental(spec.lm, spec.fmt, prefix, where=problem.problem_id)
         parsed = spec.fmt.boundary_parse(prefix, where=problem.problem_id)
-        rec.update(prompt_len=parsed.prompt_len, prefix_len=len(prefix), prefix=list(prefix), schedule_calls=len(inc.schedule))
+        rec.update(prompt_len=parsed.prompt_len, prefix_len=len(inc.ids), prefix=inc.ids, schedule_calls=len(inc.schedule))
         matrix_row(spec, problem, rec, inc)
     except GateError as e:
         rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
@@ -356,18 +356,18 @@ def model_key(model: str) -> dict:
     Raises:
         ModelLoadError: for an unknown path.
     """
-    from .models import EMBEDDED, EMBEDDED_SHA256, ModelLoadError, file_sha256
+    from .models import EMBEDDED, EMBEDDED_SHA256, ModelLoadError, file_sha256, looks_like_path
 
     if model == EMBEDDED:
         return {"model": EMBEDDED, "sha256": EMBEDDED_SHA256}
-    p = Path(model)
+    p = Path(model).expanduser()
     if p.is_file():
         return {"model": str(model), "sha256": file_sha256(p)}
     if p.is_dir():
         return {"model": p.name, "files": {f.name: file_sha256(f) for f in sorted(p.iterdir()) if f.is_file()}}
-    if "/" in model and not model.startswith((".", "/")):
-        return {"model": model}  # a hub id: must already be in the local cache
-    raise ModelLoadError(f"unknown model {model!r}: not 'embedded', a local folder, a .gguf file, or a hub id")
+    if looks_like_path(model) or model.endswith(".gguf"):
+        raise ModelLoadError(f"unknown model {model!r}: no such file or folder")
+    return {"model": model}  # a hub id: it must already be in the local cache (checked when loading)
 
 
 def problems_digest(problems: Sequence[Problem]) -> str:
@@ -457,10 +457,11 @@ def run_arm(
     root = Path(ledger_root) / settings.profile
     ids = [p.problem_id for p in problems]
     label = f"{name}-{settings.dtype}"
-    probe = Ledger(root, label, config)
-    if probe.complete(ids):
-        by_id = {r["problem_id"]: r for r in probe.records()}
-        return [by_id[i] for i in ids], probe
+    if Ledger.folder(root, label, config).is_dir():
+        probe = Ledger(root, label, config)
+        if probe.complete(ids):
+            by_id = {r["problem_id"]: r for r in probe.records()}
+            return [by_id[i] for i in ids], probe
     lm, bf = settings.load()
     check_prompts(bf, problems)
     ledger = Ledger(root, label, config, environment=execution_contract(lm, settings.threads) | {"format_digest": bf.digest})
@@ -695,6 +696,88 @@ def saved_ledger_audit(exp1: Sequence[dict], exp2: Sequence[dict]) -> dict:
         cache_leaves_agree_rows=cache_rows, logit_leaves_agree_rows=logit_rows,
     )
     return out
+
+
+def bridge_summary(records: Sequence[dict]) -> dict:
+    """Experiment 3 bridge endpoints (paper §4.3) from its ledger records.
+
+    Returns:
+        ``n``, ``layers_exact`` (rows bit-exact on every layer), ``logits_exact``,
+        ``suffix_exact``, ``same_as_saved``, ``prefix_len_range``, ``saved_prefix_len_range``.
+
+    Raises:
+        GateError: if any row failed a gate.
+    """
+    require_gates(records)
+    ep = [r["endpoints"] for r in records]
+    return {
+        "n": len(records),
+        "layers_exact": sum(e["layers_exact"] == e["layers"] for e in ep),
+        "layers": sorted({e["layers"] for e in ep}),
+        "logits_exact": sum(e["logits_exact"] for e in ep),
+        "suffix_exact": sum(e["suffix_exact"] for e in ep),
+        "same_as_saved": sum(r["same_as_saved"] for r in records),
+        "prefix_len_range": (min(r["prefix_len"] for r in records), max(r["prefix_len"] for r in records)),
+        "saved_prefix_len_range": (min(r["saved_prefix_len"] for r in records), max(r["saved_prefix_len"] for r in records)),
+    }
+
+
+def bridge_table(b: dict) -> pd.DataFrame:
+    """Experiment 3 bridge table (same rows as notebook 03 writes to ``exp3_bridge``)."""
+    n = b["n"]
+    return pd.DataFrame({"bridge (BF16)": {
+        "rows": str(n),
+        "all gates pass (replicas, state, storage, duplicates)": f"{n}/{n}",
+        "incremental bit-exact to live on every layer": f"{b['layers_exact']}/{n}",
+        "boundary logits exact": f"{b['logits_exact']}/{n}",
+        "complete suffix exact": f"{b['suffix_exact']}/{n}",
+        "new prefix length (tokens)": f"{b['prefix_len_range'][0]}–{b['prefix_len_range'][1]}",
+        "new prefix token-identical to the saved one": f"{b['same_as_saved']}/{n}",
+    }})
+
+
+def audit_table(audit: dict) -> pd.DataFrame:
+    """Experiment 3 saved-ledger audit table (same rows as notebook 03 writes to ``exp3_audit``)."""
+    n = audit["rows"]
+    return pd.DataFrame({"audit (BF16)": {
+        "rows joined by problem ID": str(n),
+        "problem IDs and order agree": "yes" if audit["order_agrees"] else "no",
+        "prefix IDs agree": f"{audit['prefix_agrees']}/{n}",
+        **{f"suffix reproduced: {k}": f"{v}/{n}" for k, v in audit["suffix_agrees"].items()},
+        "common scalar cache leaves per row": ", ".join(map(str, audit["cache_leaves"])),
+        "rows on which every cache leaf agrees": f"{audit['cache_leaves_agree_rows']}/{n}",
+        "common scalar logit leaves per row": ", ".join(map(str, audit["logit_leaves"])),
+        "rows on which every logit leaf agrees": f"{audit['logit_leaves_agree_rows']}/{n}",
+    }})
+
+
+def rate_text(p) -> str:
+    """``k/n (rate; Wilson CI)`` of a Proportion, or a note when the stratum is empty."""
+    return p.pct() if p is not None else "n/a (no rows in this stratum)"
+
+
+def transplant_table(s: dict, records: Sequence[dict]) -> pd.DataFrame:
+    """Experiment 4 registered endpoints with the power note (same rows as notebook 04 writes to ``exp4_table``).
+
+    Args:
+        s: :func:`~kvreplay.experiments.transplant_summary` of ``records``.
+        records: the Experiment 4 ledger records (their ``stratum`` is the frozen panel's).
+    """
+    ctl = wilson(0, s["exact"]) if s["exact"] else None
+    n_div = sum(r["stratum"] == "divergent" for r in records)
+    n_ex = sum(r["stratum"] == "exact" for r in records)
+    return pd.DataFrame({"whole-cache transplant (BF16)": {
+        "panel rows (frozen divergent + exact)": f"{s['rows']} ({n_div} + {n_ex})",
+        "frozen stratum reproduced by new baselines": f"{s['prior_stratum_reproduced']}/{s['rows']}",
+        "all gates pass (replicas, state, storage, argmax, provenance)": f"{s['rows']}/{s['rows']}",
+        "donor recovery, prefill <- incremental": rate_text(s["recovery"]["prefill<-incremental"]),
+        "donor recovery, incremental <- prefill": rate_text(s["recovery"]["incremental<-prefill"]),
+        "joint bidirectional recovery": rate_text(s["joint_recovery"]),
+        "third trajectory among exact controls": rate_text(s["third_among_exact"]),
+        "power note": (f"with {s['exact']} exact controls, 0 events would only exclude third-trajectory rates above "
+                       f"{100 * ctl.high:.1f}% (Wilson upper bound)" if ctl else "no exact controls"),
+    }})
+
 
 
 # ----------------------------------------------------------------------------- Experiment 4

@@ -108,7 +108,10 @@ def check_dtype(name: str, tensors: Sequence[tuple[str, torch.Tensor]], dtype: t
 
 
 def check_functional_state(states: dict[str, object]) -> None:
-    """All arms share token IDs, roles, positions and padding (none) exactly.
+    """All arms share token IDs, roles, the position IDs actually passed to the model, and cache lengths.
+
+    There is no padding in the duplicate design: every token is valid, which
+    the cache-length check (every layer holds exactly |z| positions) confirms.
 
     Args:
         states: arm name -> :class:`~kvreplay.decode.Boundary`.
@@ -123,8 +126,8 @@ def check_functional_state(states: dict[str, object]) -> None:
             raise GateError("functional_state", f"{name}: token IDs differ from {ref_name}")
         if s.roles.shape != ref.roles.shape or not torch.equal(s.roles, ref.roles):
             raise GateError("functional_state", f"{name}: role array differs from {ref_name}")
-        if not torch.equal(s.positions, ref.positions):
-            raise GateError("functional_state", f"{name}: positions differ from {ref_name}")
+        if s.positions.shape != ref.positions.shape or not torch.equal(s.positions, ref.positions):
+            raise GateError("functional_state", f"{name}: position IDs passed to the model differ from {ref_name}")
         for n, t in cache_tensors(s.cache):
             if t.shape[-2] != len(s.ids):
                 raise GateError("functional_state", f"{name}: {n} holds {t.shape[-2]} positions, prefix has {len(s.ids)}")

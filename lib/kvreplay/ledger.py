@@ -65,16 +65,27 @@ class Ledger:
         environment: the execution contract, stored beside the manifest.
         key: record field that identifies a row (default ``problem_id``).
 
+    Attributes:
+        stale: names of the environment fields (``execution_contract``,
+            ``library_sha256``) that differ from when the ledger was written;
+            empty when it is current. A stale ledger may be read (tables
+            regenerate from it) but :func:`run_rows` refuses to append to it.
+
     Raises:
         LedgerError: if the folder holds a manifest for another config.
     """
+
+    @staticmethod
+    def folder(root: str | Path, name: str, config: dict) -> Path:
+        """Where the ledger of this name and config lives (nothing is created)."""
+        return Path(root) / f"{name}-{config_digest(config)[:12]}"
 
     def __init__(self, root: str | Path, name: str, config: dict, environment: dict | None = None, key: str = "problem_id"):
         self.config = config
         self.digest = config_digest(config)
         self.name = name
         self.key = key
-        self.dir = Path(root) / f"{name}-{self.digest[:12]}"
+        self.dir = self.folder(root, name, config)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rows_path = self.dir / "rows.jsonl"
         manifest = {"schema_version": SCHEMA_VERSION, "name": name, "config_digest": self.digest, "config": config}
@@ -89,14 +100,16 @@ class Ledger:
             mpath.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         env = {"execution_contract": environment or {}, "library_sha256": library_digest()}
         epath = self.dir / "environment.json"
+        self.stale: list[str] = []
         if epath.exists():
             old_env = json.loads(epath.read_text())
             keys = set(env) if environment is not None else {"library_sha256"}
-            changed = sorted(k for k in keys if old_env.get(k) != env.get(k))
-            if changed:
-                warnings.warn(f"ledger {self.dir.name} is stale: {changed} differ from when it was written; reusing its rows")
+            self.stale = sorted(k for k in keys if old_env.get(k) != env.get(k))
+            if self.stale:
+                warnings.warn(f"ledger {self.dir.name} is stale: {self.stale} differ from when it was written")
         elif environment is not None:
             epath.write_text(json.dumps(env, indent=1, sort_keys=True) + "\n")
+        self._done: set[str] | None = None
         self._repair()
 
     def _repair(self) -> None:
@@ -116,7 +129,9 @@ class Ledger:
         return [json.loads(line) for line in self.rows_path.read_text(encoding="utf-8").splitlines() if line]
 
     def done_keys(self) -> set[str]:
-        return {r[self.key] for r in self.records()}
+        if self._done is None:
+            self._done = {r[self.key] for r in self.records()}
+        return self._done
 
     def append(self, record: dict) -> None:
         """Append one finished record and flush it to disk.
@@ -131,6 +146,7 @@ class Ledger:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+        self.done_keys().add(record[self.key])
 
     def log(self, **event) -> None:
         """Append a wall-time/host event to ``runlog.jsonl`` (not part of the ledger bytes)."""
@@ -165,6 +181,9 @@ def run_rows(
 
     Raises:
         GateError: gate ``preflight`` when a preflight row fails a gate.
+        LedgerError: if rows remain to compute in a stale ledger (rows made by
+            other code or another environment would mix); delete the folder,
+            or set ``KVREPLAY_ALLOW_STALE=1`` to append anyway.
     """
     from tqdm.auto import tqdm
 
@@ -172,6 +191,11 @@ def run_rows(
 
     done = {r[ledger.key]: r for r in ledger.records()}
     todo = [it for it in items if key(it) not in done]
+    if todo and done and ledger.stale and os.environ.get("KVREPLAY_ALLOW_STALE") != "1":
+        raise LedgerError(
+            f"{ledger.dir}: {len(done)} rows were written with a different {ledger.stale}; refusing to add "
+            f"{len(todo)} rows from this environment. Delete the folder to recompute, or set KVREPLAY_ALLOW_STALE=1."
+        )
     ledger.log(event="start", rows=len(items), todo=len(todo))
     for i, it in enumerate(tqdm(items, desc=desc, disable=not progress)):
         k = key(it)

@@ -58,6 +58,11 @@ def embedded_model_path() -> Path:
     return path
 
 
+def looks_like_path(model: str) -> bool:
+    """True for strings that can only mean a filesystem path (absolute, ``./``, ``../``, ``~``)."""
+    return model.startswith(("/", "./", "../", "~")) or model in (".", "..")
+
+
 def set_precision_flags(dtype: torch.dtype) -> None:
     """Disable TF32 everywhere (FP32 means FP32, paper §3.5) and keep float32 matmul at 'highest'."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -152,6 +157,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sdpa_backend_list(sdpa_backends)  # validate before the (slow) load
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -172,10 +178,13 @@ def load_model(
         source, kwargs["gguf_file"] = str(path.parent), path.name
         identity = {"model": model_str, "file_sha256": file_sha256(path)}
     else:
-        path = Path(model_str)
-        if path.exists() and not (path / "config.json").is_file():
-            raise ModelLoadError(f"model folder {path} has no config.json; not a Hugging Face checkpoint")
-        source = model_str
+        path = Path(model_str).expanduser()
+        if path.exists():
+            if not (path / "config.json").is_file():
+                raise ModelLoadError(f"model folder {path} has no config.json; not a Hugging Face checkpoint")
+        elif looks_like_path(model_str):
+            raise ModelLoadError(f"model path {model_str!r} does not exist")
+        source = str(path) if path.exists() else model_str
         identity = {"model": model_str}
     try:
         tok = AutoTokenizer.from_pretrained(source, **kwargs)
@@ -183,8 +192,9 @@ def load_model(
         m = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as e:
         raise ModelLoadError(
-            f"cannot load model {model_str!r} offline: give the embedded model, a local folder, or a cached hub id "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            f"cannot load model {model_str!r}: there is no local folder of that name and no hub model of that id in "
+            f"the local cache (nothing is downloaded). Give 'embedded', a local folder with config.json, a .gguf file, "
+            f"or a cached hub id. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from e
     m = m.to(device=device, dtype=torch_dtype).eval()
     m.generation_config.do_sample = False
@@ -201,7 +211,6 @@ def load_model(
         role_table_sha256=table_digest,
         dtype=dtype,
     )
-    sdpa_backend_list(sdpa_backends)  # validate early
     return LoadedModel(
         model=m, tokenizer=tok, dtype=torch_dtype, role_table=table, identity=identity, sdpa_backends=tuple(sdpa_backends)
     )
@@ -248,7 +257,8 @@ def execution_contract(lm: LoadedModel | None = None, threads: int | None = None
         "python": platform.python_version(),
         "device": str(dev),
         "device_name": device_name,
-        "intra_op_threads": threads if threads is not None else torch.get_num_threads(),
+        "intra_op_threads": torch.get_num_threads(),
+        "requested_threads": threads,
         "sdpa_backends": {
             "flash": torch.backends.cuda.flash_sdp_enabled(),
             "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),

@@ -28,6 +28,9 @@ CHAIN = [
     "02_experiment2_fixed_prefix_precision.ipynb",
     "03_experiment3_bridge_and_audit.ipynb",
     "04_experiment4_cache_transplant.ipynb",
+    "05_tables.ipynb",
+    "06_figures.ipynb",
+    "07_drift_explorer.ipynb",
 ]
 """Notebooks in dependency order (experiments, then tables, then figures)."""
 
@@ -45,35 +48,58 @@ def load_profile(profile: str) -> dict:
     return yaml.safe_load(path.read_text()) or {}
 
 
-def run_notebook(name: str, profile: str, params: dict, out_dir: Path, html: bool = True) -> Path:
+def declared_parameters(name: str, params: dict) -> dict:
+    """The subset of ``params`` that the notebook's ``parameters`` cell declares (no unknown-parameter noise)."""
+    import papermill as pm
+
+    declared = pm.inspect_notebook(str(NOTEBOOKS / name))
+    return {k: v for k, v in params.items() if k in declared}
+
+
+def run_notebook(name: str, profile: str, params: dict, out_dir: Path, html: bool = True, progress: bool = True) -> Path:
     """Execute one notebook with papermill into ``out_dir`` (atomically) and render HTML.
 
+    The executed copy is written to a hidden partial file and moved into
+    place only when every cell ran; on any failure (a failing cell, a dead
+    kernel, Ctrl-C) the partial copy goes to ``out_dir/failed/`` and any
+    earlier good copy and its HTML are removed, so nothing stale stays in place.
+
     Raises:
-        RuntimeError: naming the notebook and the failing cell.
+        RuntimeError: naming the notebook and, for a failing cell, the cell.
     """
     import papermill as pm
 
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / name
-    tmp = out_dir / f".{name}.partial"
+    tmp = out_dir / f".{Path(name).stem}.partial.ipynb"
     try:
         pm.execute_notebook(
-            str(NOTEBOOKS / name), str(tmp), parameters=params, cwd=str(NOTEBOOKS), kernel_name="python3",
-            progress_bar=True, report_mode=False,
+            str(NOTEBOOKS / name), str(tmp), parameters=declared_parameters(name, params), cwd=str(NOTEBOOKS),
+            kernel_name="python3", progress_bar=progress, report_mode=False,
         )
-    except pm.PapermillExecutionError as e:
+    except BaseException as e:
         failed = out_dir / "failed"
         failed.mkdir(exist_ok=True)
-        os.replace(tmp, failed / name)
-        raise RuntimeError(
-            f"{name} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); executed copy kept at {failed / name}"
-        ) from None
+        if tmp.exists():
+            os.replace(tmp, failed / name)
+        out.unlink(missing_ok=True)
+        out.with_suffix(".html").unlink(missing_ok=True)
+        if isinstance(e, pm.PapermillExecutionError):
+            where = f"cell {e.exec_count} ({e.ename}: {e.evalue})"
+        elif isinstance(e, KeyboardInterrupt):
+            raise
+        else:
+            where = f"{type(e).__name__}: {e}"
+        raise RuntimeError(f"{name} failed in {where}; executed copy kept at {failed / name}") from None
     os.replace(tmp, out)
+    html_path = out.with_suffix(".html")
     if html:
         from nbconvert import HTMLExporter
 
         body, _ = HTMLExporter().from_filename(str(out))
-        out.with_suffix(".html").write_text(body, encoding="utf-8")
+        html_path.write_text(body, encoding="utf-8")
+    else:
+        html_path.unlink(missing_ok=True)
     return out
 
 
@@ -83,10 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="notebook name prefixes to run (default: the whole chain)")
     ap.add_argument("--no-html", action="store_true")
     args = ap.parse_args(argv)
-    params = load_profile(args.profile)
+    try:
+        params = load_profile(args.profile)
+    except (FileNotFoundError, yaml.YAMLError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     params["profile"] = args.profile
     out_dir = BUILD / args.profile
     chain = [n for n in CHAIN if not args.only or any(n.startswith(p) for p in args.only)]
+    if not chain:
+        print(f"error: --only {args.only} matches no notebook of {CHAIN}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     for name in chain:
         t = time.perf_counter()
