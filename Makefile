@@ -4,7 +4,7 @@
 #   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...")
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu)
 #   make lab      JupyterLab on notebooks/
-#   make bench    timing benchmarks
+#   make bench    speed benchmark (kvreplay.bench: not written yet)
 #   make clean    remove build/ and caches   (keeps data/ and .venv)
 #   make distclean  clean, and remove .venv too
 #
