@@ -78,3 +78,21 @@ def test_stale_incomplete_ledger_refuses_to_resume(tmp_path, monkeypatch):
     assert run_rows(again, ["p1"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False) == [{"problem_id": "p1"}]
     monkeypatch.setenv("KVREPLAY_ALLOW_STALE", "1")
     assert len(run_rows(again, ["p1", "p2"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False)) == 2
+
+
+def test_parquet_export_is_columnar_and_deterministic(tmp_path):
+    import pandas as pd
+
+    from kvreplay.ledger import export_parquet
+
+    led = Ledger(tmp_path, "x", {"a": 1})
+    for i in range(3):
+        led.append({"problem_id": f"p{i}", "prefix": [1, 2, 3], "endpoints": {"suffix_differs": i == 1},
+                    "boundary": {"prefill_vs_live": {"cache": {"rel_l2": 0.1 * i},
+                                 "tensors": [{"tensor": "L00.key", "rel_l2": 0.2, "ref_geometry": {"shape": [2]}}]}}})
+    first = [p.read_bytes() for p in export_parquet(led.dir)]
+    assert first == [p.read_bytes() for p in export_parquet(led.dir)]
+    rows = pd.read_parquet(led.dir / "rows.parquet")
+    assert list(rows["endpoints.suffix_differs"]) == [False, True, False] and "prefix" not in rows
+    tensors = pd.read_parquet(led.dir / "tensors.parquet")
+    assert tensors.shape == (3, 4) and set(tensors["comparison"]) == {"prefill_vs_live"}

@@ -211,3 +211,46 @@ def run_rows(
             raise GateError("preflight", f"preflight row {k} failed gate {f['gate']!r}: {f['reason']}; arm aborted")
     ledger.log(event="end")
     return [done[key(it)] for it in items]
+
+
+def _flat_scalars(obj, prefix: str = "") -> dict:
+    """Scalar leaves of nested dicts as ``a.b.c`` columns; lists (token IDs, per-tensor rows) are left out."""
+    out: dict = {}
+    for k, v in obj.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat_scalars(v, name + "."))
+        elif not isinstance(v, list):
+            out[name] = v
+    return out
+
+
+def export_parquet(folder: str | Path) -> list[Path]:
+    """Columnar copies of a ledger for analysis (DESIGN.md "Ledgers"): ``rows.parquet`` and ``tensors.parquet``.
+
+    ``rows.parquet`` has one row per record with every scalar leaf as a
+    column (``boundary.prefill_vs_live.cache.rel_l2``, ``endpoints.suffix_differs``,
+    ...; token-ID lists are left out). ``tensors.parquet`` has one row per
+    record, comparison and cache tensor with the per-tensor drift summary.
+    Both are derived from ``rows.jsonl`` and rewritten on every call;
+    ``rows.jsonl`` stays the ledger of record.
+
+    Returns:
+        the paths written.
+    """
+    import pandas as pd
+
+    folder = Path(folder)
+    records = [json.loads(x) for x in (folder / "rows.jsonl").read_text(encoding="utf-8").splitlines() if x]
+    rows = pd.DataFrame([_flat_scalars(r) for r in records])
+    tensors = pd.DataFrame([
+        {"problem_id": r["problem_id"], "comparison": comp, **{k: v for k, v in t.items() if not isinstance(v, dict)}}
+        for r in records for comp, c in (r.get("boundary") or {}).items() for t in c.get("tensors", [])
+    ])
+    out = []
+    for name, df in (("rows", rows), ("tensors", tensors)):
+        if len(df):
+            path = folder / f"{name}.parquet"
+            df.to_parquet(path, index=False)
+            out.append(path)
+    return out
