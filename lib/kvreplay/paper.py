@@ -8,7 +8,9 @@ parameters. The executed copy and an HTML rendering go to
 notebooks themselves (``data/ledgers/<profile>/``, ``figures/<profile>/``).
 A notebook that fails stops the chain: its partial copy is moved to
 ``build/<profile>/failed/`` (never left in place of a good one) and the
-failing cell is named.
+failing cell is named. A notebook whose inputs (source, parameters, library
+source, the profile's ledgers) are unchanged since its last successful run is
+skipped; ``--force`` runs it anyway.
 """
 
 from __future__ import annotations
@@ -103,11 +105,32 @@ def run_notebook(name: str, profile: str, params: dict, out_dir: Path, html: boo
     return out
 
 
+def inputs_digest(name: str, profile: str, params: dict) -> str:
+    """sha256 of everything a notebook's outputs depend on: its source, its parameters, the library source,
+    and every ledger, panel and prefix-bank file of the profile (run logs and parquet copies excluded)."""
+    import hashlib
+
+    from .ledger import canonical_json, library_digest
+
+    h = hashlib.sha256()
+    h.update((NOTEBOOKS / name).read_bytes())
+    h.update(canonical_json(declared_parameters(name, params)).encode())
+    h.update(library_digest().encode())
+    root = Path(params.get("ledger_root") or LEDGERS) / profile
+    if root.is_dir():
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and f.suffix in {".jsonl", ".json"} and f.name != "runlog.jsonl":
+                h.update(str(f.relative_to(root)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.paper", description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="cpu")
     ap.add_argument("--only", nargs="*", help="notebook name prefixes to run (default: the whole chain)")
     ap.add_argument("--no-html", action="store_true")
+    ap.add_argument("--force", action="store_true", help="run every notebook even if its inputs are unchanged")
     args = ap.parse_args(argv)
     try:
         params = load_profile(args.profile)
@@ -120,16 +143,26 @@ def main(argv: list[str] | None = None) -> int:
     if not chain:
         print(f"error: --only {args.only} matches no notebook of {CHAIN}", file=sys.stderr)
         return 2
+    out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     for name in chain:
         t = time.perf_counter()
+        stamp = out_dir / f".{Path(name).stem}.inputs"
+        if not args.force and (out_dir / name).exists() and stamp.exists() and stamp.read_text() == inputs_digest(name, args.profile, params):
+            print(f"== {name}: up to date (source, parameters, library and ledgers unchanged), skipped", flush=True)
+            continue
         print(f"== {name} (profile {args.profile})", flush=True)
+        stamp.unlink(missing_ok=True)
         try:
             run_notebook(name, args.profile, params, out_dir, html=not args.no_html)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
+    # Stamp against the final state: a notebook reads only its own and earlier notebooks' ledgers, so the
+    # later notebooks' writes do not change its outputs.
+    for name in chain:
+        (out_dir / f".{Path(name).stem}.inputs").write_text(inputs_digest(name, args.profile, params))
     print(f"\nmake paper ({args.profile}) finished in {time.perf_counter() - t0:.0f} s")
     print(f"  executed notebooks and HTML: {out_dir}")
     print(f"  ledgers:                     {LEDGERS / args.profile}")
