@@ -22,6 +22,7 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 PROFILE ?= cpu
 PYTEST_ARGS ?=
+PAPER_ARGS ?=
 PIPFLAGS ?=
 LOCK_COMPILER ?= pip-compile
 STAMP   := $(VENV)/.stamp
@@ -51,7 +52,7 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 paper: setup
-	$(PY) -m kvreplay.paper --profile $(PROFILE)
+	$(PY) -m kvreplay.paper --profile $(PROFILE) $(PAPER_ARGS)
 
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/
