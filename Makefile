@@ -4,7 +4,7 @@
 #   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...")
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu)
 #   make lab      JupyterLab on the drift explorer (notebooks/07_drift_explorer.ipynb)
-#   make bench    speed benchmark (kvreplay.bench: not written yet)
+#   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
 #   make clean    remove build/ and caches   (keeps data/ and .venv)
 #   make distclean  clean, and remove .venv too
 #
