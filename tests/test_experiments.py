@@ -126,3 +126,20 @@ def test_panel_is_frozen_by_stratum_and_length():
     assert [e["stratum"] for e in panel] == ["divergent"] * 3 + ["exact"] * 2
     div = sorted((r for r in recs if r["endpoints"]["suffix_differs"]), key=lambda r: r["prefix_len"])
     assert [e["problem_id"] for e in panel[:3]] == [div[0]["problem_id"], div[4]["problem_id"], div[7]["problem_id"]]
+
+
+def test_fixed_prefixes_are_digest_and_order_checked(tmp_path):
+    from kvreplay.experiments import load_fixed_prefixes, write_prefix_bank
+
+    problems = tiny_problems(3)
+    recs = [{"problem_id": p.problem_id, "prompt_len": 2, "prefix": [1, 2, i]} for i, p in enumerate(problems[:2])]
+    path = tmp_path / "bank.jsonl"
+    write_prefix_bank(recs, path, "src")
+    fixed = load_fixed_prefixes(path, problems)
+    assert [p.problem_id for p in fixed.rows] == [p.problem_id for p in problems[:2]]
+    assert fixed.prefixes[problems[1].problem_id] == [1, 2, 1]
+    with pytest.raises(GateError, match="source order"):
+        load_fixed_prefixes(path, list(reversed(problems)))
+    path.write_text(path.read_text().replace("[1,2,0]", "[1,2,9]"))
+    with pytest.raises(GateError, match="manifest"):
+        load_fixed_prefixes(path, problems)

@@ -507,6 +507,42 @@ def read_prefix_bank(path: str | Path) -> tuple[list[dict], str]:
     return [json.loads(x) for x in data.decode().splitlines() if x], digest
 
 
+@dataclasses.dataclass(frozen=True)
+class FixedPrefixes:
+    """The BF16 prefix bank joined to its problems (what Experiments 2–4 consume).
+
+    Attributes:
+        entries: bank lines (``problem_id``, ``prompt_len``, ``prefix``) in source order.
+        sha256: the bank file's digest (part of every downstream ledger key).
+        rows: the problems, in the bank's (= the problem bank's) source order.
+        prefixes: problem ID -> boundary prefix z (token IDs).
+    """
+
+    entries: list[dict]
+    sha256: str
+    rows: list[Problem]
+    prefixes: dict[str, list[int]]
+
+
+def load_fixed_prefixes(path: str | Path, problems: Sequence[Problem]) -> FixedPrefixes:
+    """Read the digest-checked prefix bank and join it to ``problems``, with no outcome-based filtering.
+
+    Raises:
+        FileNotFoundError: if notebook 01 has not written the bank.
+        GateError: gate ``provenance`` if the bank fails its digest, names a
+            problem not in ``problems``, or is not in their source order.
+    """
+    entries, digest = read_prefix_bank(path)
+    by_id = {p.problem_id: p for p in problems}
+    unknown = [e["problem_id"] for e in entries if e["problem_id"] not in by_id]
+    if unknown:
+        raise GateError("provenance", f"{path} names problems not in the problem set: {unknown[:5]}")
+    rows = [by_id[e["problem_id"]] for e in entries]
+    if [p.problem_id for p in rows] != [p.problem_id for p in problems[: len(rows)]]:
+        raise GateError("provenance", f"{path} is not in the problem set's source order")
+    return FixedPrefixes(entries, digest, rows, {e["problem_id"]: e["prefix"] for e in entries})
+
+
 def run_experiment2(
     problems: Sequence[Problem], prefixes: dict[str, list[int]], bank_sha256: str, settings: ArmSettings, *,
     ledger_root: str | Path, progress: bool = True, faults: Hook | None = None,
