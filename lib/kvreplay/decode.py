@@ -57,6 +57,37 @@ class Boundary:
     positions: torch.Tensor
 
 
+def model_inputs(
+    lm: LoadedModel, ids: torch.Tensor, roles_all: torch.Tensor, start: int, role_table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs of one call: embeddings plus role rows, the explicit 4-D mask, position IDs.
+
+    The one place they are built: the decoders (:func:`forward`) and the
+    role-table training (:mod:`kvreplay.adapt`) both call it, so training sees
+    exactly the roles, visibility and positions the decoders use.
+
+    Args:
+        lm: the loaded model.
+        ids: ``[batch, q]`` int64 token IDs of this call.
+        roles_all: ``[batch, start + q]`` int64 raw roles of all tokens so far.
+        start: number of tokens before this call (= first position).
+        role_table: ``[14, hidden]`` role rows to add instead of ``lm.role_table``
+            (training passes its trainable table); ``None`` uses ``lm.role_table``.
+
+    Returns:
+        ``(embeds [batch, q, hidden], mask [batch, 1, q, start + q] bool, positions [batch, q] int64)``.
+    """
+    q = ids.shape[1]
+    query_roles = roles_all[:, start:]
+    embeds = lm.model.get_input_embeddings()(ids)
+    table = lm.role_table if role_table is None else role_table
+    if table is not None:
+        embeds = embeds + table[query_roles + ROLE_OFFSET]
+    mask = attention_mask_4d(query_roles, roles_all, start)
+    positions = torch.arange(start, start + q, device=ids.device).expand(ids.shape[0], q)
+    return embeds, mask, positions
+
+
 def forward(
     lm: LoadedModel, cache: DynamicCache, ids: torch.Tensor, roles_all: torch.Tensor, start: int,
     trace: list | None = None,
@@ -78,12 +109,7 @@ def forward(
         GateError: gate ``desync`` if the two duplicate rows' logits differ.
     """
     q = ids.shape[1]
-    query_roles = roles_all[:, start:]
-    embeds = lm.model.get_input_embeddings()(ids)
-    if lm.role_table is not None:
-        embeds = embeds + lm.role_table[query_roles + ROLE_OFFSET]
-    mask = attention_mask_4d(query_roles, roles_all, start)
-    positions = torch.arange(start, start + q, device=ids.device).expand(ids.shape[0], q)
+    embeds, mask, positions = model_inputs(lm, ids, roles_all, start)
     if trace is not None:
         trace.append(positions)
     with sdpa_kernel(sdpa_backend_list(lm.sdpa_backends)):

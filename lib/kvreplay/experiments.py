@@ -370,6 +370,26 @@ def model_key(model: str) -> dict:
     return {"model": model}  # a hub id: it must already be in the local cache (checked when loading)
 
 
+def role_table_key(path: str | Path) -> dict:
+    """Identity of a role-table file for ledger keys: its sha256, and its path relative to the repository
+    root when it lies inside it (so a clone elsewhere keys the same table the same way).
+
+    Raises:
+        ModelLoadError: if the file does not exist.
+    """
+    from .models import ModelLoadError, file_sha256
+    from .paths import ROOT
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ModelLoadError(f"role table not found: {path}")
+    try:
+        name = str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        name = str(path)
+    return {"model": name, "sha256": file_sha256(p)}
+
+
 def problems_digest(problems: Sequence[Problem]) -> str:
     """sha256 of the problems' content in frozen order."""
     import hashlib
@@ -408,7 +428,7 @@ class ArmSettings:
             "dtype": self.dtype,
             "caps": dataclasses.asdict(self.caps),
             "model": model_key(self.model),
-            "role_table": model_key(self.role_table) if self.role_table else None,
+            "role_table": role_table_key(self.role_table) if self.role_table else None,
             "format": load_spec(self.fmt),
             "problems_sha256": problems_digest(problems),
             "problem_ids": [p.problem_id for p in problems],
@@ -871,7 +891,9 @@ def _outcome(suffix: list[int], donor: list[int], recipient: list[int]) -> str:
     return "third"
 
 
-def transplant_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], stratum: str, sweep: bool) -> dict:
+def transplant_row(
+    spec: RunSpec, problem: Problem, prefix: Sequence[int], stratum: str, sweep: bool, primary_only: bool = False,
+) -> dict:
     """Experiment 4 for one frozen panel row, BF16 (paper §3.8, plus the referee's localization).
 
     Builds incremental and prefill states, each twice with disjoint storage,
@@ -879,6 +901,8 @@ def transplant_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], strat
     directions (recipient prefill <- donor incremental, and the reverse)
     continues the transplanted state with the shared suffix decoder. The raw
     next-token argmax must already agree between constructions (a gate).
+    With ``primary_only`` only the registered whole-cache transplant runs
+    (Experiment 5's six arms: four baselines and two transplants).
 
     Returns:
         The ledger record; ``interventions[name][direction]`` holds ``outcome``
@@ -912,6 +936,8 @@ def transplant_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], strat
                            "suffix_differs": base["incremental"] != base["prefill"]}
         rec["interventions"] = {}
         for name, kind, layers, parts in interventions(len(inc.cache.layers), sweep):
+            if primary_only and kind != "primary":
+                continue
             rec["interventions"][name] = {"kind": kind, "layers": layers, "parts": list(parts)}
             for recipient, donor in (("prefill", "incremental"), ("incremental", "prefill")):
                 state, prov = caches.transplant(src[recipient], src[donor], layers=layers, parts=parts)
