@@ -8,6 +8,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"
 BANK_DIR = DATA / "bank"
 LEDGERS = DATA / "ledgers"
+CHECKPOINTS = DATA / "checkpoints"
 FIGURES = ROOT / "figures"
 NOTEBOOKS = ROOT / "notebooks"
 PARAMS = NOTEBOOKS / "params"
