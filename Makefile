@@ -3,7 +3,7 @@
 #   make setup    create .venv from the hashed locks (a no-op once done)
 #   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...")
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu)
-#   make lab      JupyterLab on the drift explorer (notebooks/07_drift_explorer.ipynb)
+#   make lab      JupyterLab on the drift explorer (notebooks/08_drift_explorer.ipynb)
 #   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
 #   make clean    remove build/ and caches   (keeps data/ and .venv)
 #   make distclean  clean, and remove .venv too
@@ -55,7 +55,7 @@ paper: setup
 	$(PY) -m kvreplay.paper --profile $(PROFILE) $(PAPER_ARGS)
 
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/07_drift_explorer.ipynb
+	$(VENV)/bin/jupyter lab notebooks/08_drift_explorer.ipynb
 
 bench: setup
 	$(PY) -m kvreplay.bench

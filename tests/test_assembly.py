@@ -107,6 +107,20 @@ def transplant_record(pid: str, prefix: list[int]) -> dict:
             "prefix": prefix, "baseline": {"incremental": inc, "prefill": pre, "suffix_differs": div}, "interventions": ivs}
 
 
+def replication_record(pid: str, prefix: list[int]) -> dict:
+    """An Experiment 5 row: divergent rows recover in both directions; incremental correct except mmlu-cccc."""
+    rec = transplant_record(pid, prefix)
+    rec["stratum"] = "panel"
+    del rec["interventions"]["keys_only"]
+    rec["scores"] = {a: {"answer_text": "A", "predicted": "A", "correct": pid != "mmlu-cccc", "rule": "letter",
+                         "merge_len": 3, "answer_len": 1} for a in ("incremental", "prefill")}
+    return rec
+
+
+EXP5_CHECKPOINT = {"kind": "later role table (notebook 00)", "model": {"model": "embedded", "sha256": "a" * 64},
+                   "role_table_step": 64, "role_table_sha256": "e" * 64, "checkpoint_config_digest": "d" * 64}
+
+
 def _config(experiment: str, dtype: str, ids: list[str], **extra) -> dict:
     return {"experiment": experiment, "profile": PROFILE, "dtype": dtype, "caps": {"branch": 8, "merge": 8, "answer": 4},
             "model": {"model": "embedded", "sha256": "a" * 64}, "role_table": None, "format": {"name": "fmt"},
@@ -126,7 +140,7 @@ PREFIX = {pid: [1, 2, 3 + i, 4] for i, pid in enumerate(IDS)}
 
 
 def build_chain(root, skip: tuple[str, ...] = ()) -> dict[str, Ledger]:
-    """Synthetic ledgers for Experiments 1–4 (both precisions) plus the prefix bank, under ``root/synthetic``."""
+    """Synthetic ledgers for Experiments 1–5 (both precisions) plus the prefix bank, under ``root/synthetic``."""
     out = {}
     e1 = [matrix_record(p, "live", PREFIX[p], 0.01) for p in IDS]
     out["exp1-bfloat16"] = _write(root, "exp1", "bfloat16", e1)
@@ -145,6 +159,10 @@ def build_chain(root, skip: tuple[str, ...] = ()) -> dict[str, Ledger]:
         out["exp3-bfloat16"] = _write(root, "exp3", "bfloat16", [bridge_record(p, PREFIX[p]) for p in IDS[:2]], prefix_bank_sha256=sha)
     if "exp4-bfloat16" not in skip:
         out["exp4-bfloat16"] = _write(root, "exp4", "bfloat16", [transplant_record(p, PREFIX[p]) for p in IDS], prefix_bank_sha256=sha)
+    if "exp5-bfloat16" not in skip:
+        panel = [{"problem_id": p, "prefix_len": len(PREFIX[p])} for p in IDS]
+        out["exp5-bfloat16"] = _write(root, "exp5", "bfloat16", [replication_record(p, PREFIX[p]) for p in IDS],
+                                      prefix_bank_sha256=sha, panel=panel, checkpoint=EXP5_CHECKPOINT)
     return out
 
 
@@ -167,7 +185,8 @@ def test_load_profile_finds_every_ledger_in_frozen_order(chain):
     assert pl["exp1-bfloat16"].contract["device"] == "cpu"
 
 
-@pytest.mark.parametrize("missing", ["exp1-float32", "exp2-bfloat16", "exp2-float32", "exp3-bfloat16", "exp4-bfloat16"])
+@pytest.mark.parametrize("missing", ["exp1-float32", "exp2-bfloat16", "exp2-float32", "exp3-bfloat16", "exp4-bfloat16",
+                                     "exp5-bfloat16"])
 def test_missing_ledger_names_its_notebook(tmp_path, missing):
     build_chain(tmp_path, skip=(missing,))
     with pytest.raises(MissingLedgerError) as e:
@@ -232,10 +251,19 @@ def test_summarize_recomputes_every_endpoint(chain):
     t = R["transplant"]
     assert (t["divergent"], t["exact"]) == (2, 2)
     assert t["joint_recovery"].k == 2 and t["third_among_exact"].k == 0
+    r5 = R["replication"]
+    assert (r5["divergent"], r5["exact"], r5["joint_recovery"].k) == (2, 2, 2)
+    assert r5["interpretation"].label == "strong replication"  # n = 4: thresholds 1 divergent, 1 exact
+    assert (R["replication_accuracy"]["ckpt0"].k, R["replication_accuracy"]["later"].k) == (4, 3)
+    assert "later role table of notebook 00 (step 64" in R["replication_checkpoint"]
 
     tables = assemble.results_tables(pl, R)
     assert set(tables) == {"table_exp1_matrix", "table_exp2_matrix", "table_exp2_crossing", "table_exp3_bridge",
-                           "table_exp3_audit", "table5_exp4_transplant", "table_exp4_localization", "table_first_divergence"}
+                           "table_exp3_audit", "table5_exp4_transplant", "table_exp4_localization", "table_exp5_replication",
+                           "table_exp5_accuracy", "table_first_divergence"}
+    t5 = tables["table_exp5_replication"].iloc[:, 0]
+    assert t5["interpretation (frozen matrix)"] == "strong replication"
+    assert t5["incremental/prefill suffix divergence"].startswith("2/4")
     assert tables["table_exp1_matrix"].loc["suffix differs", "bfloat16"].startswith("2/4")
     assert tables["table_exp3_bridge"].loc["incremental bit-exact to live on every layer", "bridge (BF16)"] == "2/2"
     assert tables["table5_exp4_transplant"].loc["panel rows (frozen divergent + exact)"].iloc[0] == "4 (2 + 2)"
@@ -288,24 +316,25 @@ def test_vs_paper_and_artifact_map_cover_every_reference_endpoint(chain):
     R = assemble.summarize(pl, n_resamples=200)
     ids = [e["id"] for e in ref["endpoints"]]
     assert len(ids) == len(set(ids))
-    built = [i for i in ids if not i.startswith("exp5.")]
-    assert set(built) <= set(assemble.RUN_VALUES), set(built) - set(assemble.RUN_VALUES)
-    assert set(assemble.RUN_VALUES) <= set(ids)
+    assert set(ids) == set(assemble.RUN_VALUES), set(ids) ^ set(assemble.RUN_VALUES)
     vs = assemble.vs_paper_table(pl, R, ref)
     assert list(vs.index) == ids
-    assert all(vs.loc[i, "this run"] != assemble.NOT_RUN for i in built)
-    assert all(vs.loc[i, "this run"] == assemble.NOT_RUN for i in ids if i.startswith("exp5."))
+    assert all(vs.loc[i, "this run"] != assemble.NOT_RUN for i in ids)
+    assert vs.loc["exp5.interpretation", "this run"].startswith("strong replication (thresholds ≥ 1 divergent")
+    assert "later checkpoint" in vs.loc["exp5.divergence", "what differs"]
     assert vs.loc["exp1.bf16.suffix", "this run"].startswith("2/4")
     assert vs.loc["exp2.reduction.suffix", "this run"].startswith("50.0")  # reduction reported as positive, as the paper does
     assert "caps (8/8/4 vs 768/512/64)" in vs.loc["exp1.bf16.suffix", "what differs"]
     assert "4 MMLU vs 200 GPQA Main rows" in vs.loc["exp1.bf16.suffix", "what differs"]
-    amap = assemble.artifact_map(pl, ref, "notebooks/05_tables.ipynb", "notebooks/06_figures.ipynb")
+    amap = assemble.artifact_map(pl, ref, "notebooks/06_tables.ipynb", "notebooks/07_figures.ipynb")
     assert set(ids) <= set(amap.index)
     assert amap.loc["exp1.bf16.suffix", "ledger files"] == f"{PROFILE}/{pl['exp1-bfloat16'].dir.name}/rows.jsonl"
-    assert amap.loc["near_tie", "reproduced by"] == "notebooks/06_figures.ipynb"
+    assert amap.loc["near_tie", "reproduced by"] == "notebooks/07_figures.ipynb"
     assert amap.loc["exp4.joint_recovery", "ledger written by"] == "notebooks/04_experiment4_cache_transplant.ipynb"
+    assert amap.loc["exp5.accuracy", "ledger written by"] == (
+        "notebooks/02_experiment2_fixed_prefix_precision.ipynb; notebooks/05_experiment5_replication.ipynb")
     setup = assemble.setup_table(pl, ref)
-    assert setup.loc["rows, Exp 5", "this run"] == assemble.NOT_RUN
+    assert setup.loc["rows, Exp 5", "this run"] == "4"
 
 
 # ----------------------------------------------------------------------------- figure data

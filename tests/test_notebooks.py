@@ -22,6 +22,7 @@ SMOKE = yaml.safe_load((PARAMS / "smoke.yaml").read_text())
 
 
 def _execute(name, out_dir, ledgers, figures, **extra):
+    extra.setdefault("checkpoint_root", str(ledgers.parent / "checkpoints"))
     params = declared_parameters(name, dict(SMOKE, ledger_root=str(ledgers), figures_root=str(figures), **extra))
     return pm.execute_notebook(
         str(NOTEBOOKS / name), str(out_dir / name), parameters=params, cwd=str(NOTEBOOKS), kernel_name="python3",
@@ -45,6 +46,23 @@ def chain_run(tmp_path_factory):
     for name in CHAIN:
         _execute(name, root, ledgers, figures)
     return root, ledgers, figures
+
+
+def test_role_adaptation_smoke(chain_run):
+    root, ledgers, figures = chain_run
+    (folder,) = (root / "checkpoints").glob("role-table-smoke-*")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["base_model"]["unchanged_after_training"]
+    assert [manifest["checkpoints"][k]["step"] for k in ("early", "later")] == SMOKE["adapt_checkpoints"]
+    assert len(manifest["curve"]["train"]) == SMOKE["adapt_steps"]
+    pointer = json.loads((ledgers / "smoke" / "role_adaptation.json").read_text())
+    assert pointer["checkpoints"]["later"]["sha256"] == manifest["checkpoints"]["later"]["sha256"]
+    (rows,) = (ledgers / "smoke").glob("adapt_eval-float32-*/rows.jsonl")
+    assert len(rows.read_text().splitlines()) == SMOKE["n_adapt_eval"]
+    acc = pd.read_csv(figures / "smoke" / "adapt_accuracy.csv", index_col=0)
+    assert acc.iloc[:, 0]["problems"] == str(SMOKE["n_adapt_eval"])
+    for ext in ("png", "pdf"):
+        assert (figures / "smoke" / f"adapt_training_curve.{ext}").stat().st_size > 0
 
 
 def test_experiment1_smoke(chain_run):
@@ -100,8 +118,29 @@ def test_experiment4_smoke(chain_run):
     assert (figures / "smoke" / "exp4_transplants.png").stat().st_size > 0
 
 
+def test_experiment5_smoke(chain_run):
+    root, ledgers, figures = chain_run
+    panel_doc = json.loads((ledgers / "smoke" / "exp5_panel.json").read_text())
+    panel = panel_doc["panel"]
+    assert len(panel) == min(SMOKE["n_exp5"], SMOKE["n_rows"]) and panel_doc["checkpoint"]["kind"].startswith("later role table")
+    (folder,) = (ledgers / "smoke").glob("exp5-bfloat16-*")
+    records = [json.loads(x) for x in (folder / "rows.jsonl").read_text().splitlines()]
+    assert [r["problem_id"] for r in records] == [e["problem_id"] for e in panel]
+    assert all(r["gate_failure"] is None and list(r["interventions"]) == ["whole"] for r in records)
+    env = json.loads((folder / "environment.json").read_text())["execution_contract"]
+    assert env["model"]["role_table_sha256"] == panel_doc["checkpoint"]["role_table_sha256"]
+    table = pd.read_csv(figures / "smoke" / "exp5_table.csv", index_col=0).iloc[:, 0]
+    from kvreplay.replication import PRECEDENCE
+
+    assert table["interpretation (frozen matrix)"] in PRECEDENCE
+    assert table["thresholds (scaled to the panel)"].startswith("≥ 1 divergent and ≥ 1 exact rows for n = 2")
+    assert (figures / "smoke" / "exp5_replication.png").stat().st_size > 0
+    assert (figures / "smoke" / "exp5_accuracy.csv").stat().st_size > 0
+
+
 TABLES = ("table1_related_work", "table2_role_visibility", "table3_numerical_contract", "table_exp1_matrix",
           "table_exp2_matrix", "table_exp2_crossing", "table_exp3_bridge", "table_exp3_audit", "table5_exp4_transplant",
+          "table_exp5_replication", "table_exp5_accuracy",
           "table_first_divergence", "table_setup_vs_paper", "table_vs_paper", "table_artifact_map")
 FIGURES = ("fig1_design", "fig_first_divergence", "fig_layer_drift", "fig_transplants", "fig_near_tie")
 
@@ -112,11 +151,11 @@ def test_tables_smoke(chain_run):
     for stem in TABLES:
         for ext in ("csv", "md", "tex"):
             assert (out / f"{stem}.{ext}").stat().st_size > 0, f"{stem}.{ext}"
-    for mine, theirs in assemble.SAVED_BY_EXPERIMENTS.items():  # recomputed from the ledgers == what 01-04 wrote
+    for mine, theirs in assemble.SAVED_BY_EXPERIMENTS.items():  # recomputed from the ledgers == what 01-05 wrote
         if (out / f"{theirs}.csv").exists():
             assert (out / f"{mine}.csv").read_bytes() == (out / f"{theirs}.csv").read_bytes(), mine
     vs = pd.read_csv(out / "table_vs_paper.csv", index_col=0)
-    built = vs[vs["experiment"] <= 4]
+    built = vs[vs["experiment"] <= 5]
     assert (built["this run"] != assemble.NOT_RUN).all()
     amap = pd.read_csv(out / "table_artifact_map.csv", index_col=0)
     assert set(vs.index) <= set(amap.index)
@@ -133,20 +172,23 @@ def test_figures_smoke(chain_run):
 
 def test_explorer_rebuild_reproduces_the_ledger(chain_run):
     root, ledgers, figures = chain_run
-    text = (root / "07_drift_explorer.ipynb").read_text()
+    text = (root / "08_drift_explorer.ipynb").read_text()
     assert "rebuilt drift equals the ledger's: {'cache': True, 'logits': True, 'tensors': True}" in text
 
 
 def test_tables_notebook_names_the_missing_notebook(tmp_path):
     with pytest.raises(pm.PapermillExecutionError, match="01_experiment1_live_vs_prefill"):
-        _execute("05_tables.ipynb", tmp_path, tmp_path / "none", tmp_path / "figs")
+        _execute("06_tables.ipynb", tmp_path, tmp_path / "none", tmp_path / "figs")
     assert not (tmp_path / "figs").exists()  # nothing half-written
 
 
 def test_finished_ledgers_are_reused(chain_run):
     root, ledgers, figures = chain_run
-    before = {p: p.read_bytes() for p in (ledgers / "smoke").glob("*/*.jsonl")}
+    def state():
+        files = [*(ledgers / "smoke").glob("*/*.jsonl"), *(root / "checkpoints").glob("*/*")]
+        return {p: p.read_bytes() for p in files}
+
+    before = state()
     for name in CHAIN:
         _execute(name, root, ledgers, figures)
-    after = {p: p.read_bytes() for p in (ledgers / "smoke").glob("*/*.jsonl")}
-    assert before == after  # rows and run logs untouched: nothing was recomputed
+    assert before == state()  # rows, run logs and checkpoints untouched: nothing was recomputed or retrained

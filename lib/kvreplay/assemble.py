@@ -1,9 +1,9 @@
 """Paper assembly from ledgers alone (issue 5): tables, figure data, the artifact map and the drift explorer.
 
-Notebooks 05 (tables) and 06 (figures) load no model: everything they show is
+Notebooks 06 (tables) and 07 (figures) load no model: everything they show is
 recomputed from a profile's finished ledgers with the same summary functions
-the experiment notebooks use (:mod:`kvreplay.experiments`). Notebook 07 (the
-drift explorer) also reads the ledgers, and can rebuild the boundary caches of
+the experiment notebooks use (:mod:`kvreplay.experiments`, :mod:`kvreplay.replication`).
+Notebook 08 (the drift explorer) also reads the ledgers, and can rebuild the boundary caches of
 one row on demand (:func:`load_for_ledger`, :func:`rebuild_pair`).
 
 Ledgers are found by folder name, ``<ledger_root>/<profile>/<experiment>-<dtype>-<digest12>/``
@@ -11,7 +11,7 @@ Ledgers are found by folder name, ``<ledger_root>/<profile>/<experiment>-<dtype>
 experiment (an older config left behind), the one that belongs to the current
 chain is chosen by provenance, never by date: Experiment 1 BF16 is the ledger
 the prefix bank names as its source; Experiment 1 FP32 has the same config
-except its dtype; Experiments 2–4 carry the prefix bank's sha256 in their
+except its dtype; Experiments 2–5 carry the prefix bank's sha256 in their
 config. A missing, incomplete or ambiguous ledger raises
 :class:`MissingLedgerError` naming the notebook that writes it.
 
@@ -36,6 +36,8 @@ from .experiments import (  # noqa: F401  (bridge/audit/transplant tables are re
 )
 from .ledger import canonical_json
 from .paths import DATA
+from .replication import accuracy_table as replication_accuracy_table
+from .replication import accuracy_vs_checkpoint0, describe_checkpoint, replication_summary, replication_table
 from .stats import wilson
 
 PAPER_DATA = DATA / "paper"
@@ -56,7 +58,7 @@ class LedgerSpec:
     """Which ledger an assembly needs and which notebook writes it.
 
     Attributes:
-        experiment: folder-name prefix (``exp1`` ... ``exp4``).
+        experiment: folder-name prefix (``exp1`` ... ``exp5``).
         dtype: ``bfloat16`` or ``float32``.
         notebook: the notebook that writes it (under ``notebooks/``).
         what: one line for error messages and the artifact map.
@@ -77,6 +79,7 @@ _NB = {
     "exp2": "02_experiment2_fixed_prefix_precision.ipynb",
     "exp3": "03_experiment3_bridge_and_audit.ipynb",
     "exp4": "04_experiment4_cache_transplant.ipynb",
+    "exp5": "05_experiment5_replication.ipynb",
 }
 LEDGER_SPECS: dict[str, LedgerSpec] = {
     s.key: s
@@ -87,6 +90,7 @@ LEDGER_SPECS: dict[str, LedgerSpec] = {
         LedgerSpec("exp2", "float32", _NB["exp2"], "Experiment 2, fixed-prefix matrix, FP32"),
         LedgerSpec("exp3", "bfloat16", _NB["exp3"], "Experiment 3, live/incremental bridge, BF16"),
         LedgerSpec("exp4", "bfloat16", _NB["exp4"], "Experiment 4, cache transplants, BF16"),
+        LedgerSpec("exp5", "bfloat16", _NB["exp5"], "Experiment 5, replication on a later checkpoint, BF16"),
     )
 }
 """Every ledger the paper assembly reads, keyed ``<experiment>-<dtype>``."""
@@ -261,7 +265,7 @@ def find_chain_ledger(root: str | Path, profile: str, key: str) -> LoadedLedger:
     Experiment 1 BF16 is the ledger the BF16 prefix bank names as its source
     (the only finished one if there is no bank yet); Experiment 1 at another
     precision has the same config as Experiment 1 BF16 except its dtype;
-    Experiments 2–4 carry the bank's sha256 in their config.
+    Experiments 2–5 carry the bank's sha256 in their config.
 
     Raises:
         MissingLedgerError: naming the notebook that writes the missing ledger.
@@ -292,8 +296,8 @@ def load_profile(root: str | Path, profile: str, precisions: Sequence[str] = ("b
     """Find and read every ledger the paper assembly needs for one profile (no model is loaded).
 
     Needs Experiments 1 and 2 at each of ``precisions`` (which must include
-    ``bfloat16``: the prefix bank is BF16), Experiment 3 and Experiment 4,
-    each chosen by :func:`find_chain_ledger`.
+    ``bfloat16``: the prefix bank is BF16), Experiments 3, 4 and 5, each
+    chosen by :func:`find_chain_ledger`.
 
     Raises:
         MissingLedgerError: naming the notebook to run for the first ledger that is missing.
@@ -306,7 +310,7 @@ def load_profile(root: str | Path, profile: str, precisions: Sequence[str] = ("b
         raise MissingLedgerError(
             f"no BF16 prefix bank at {root / profile / PREFIX_BANK}: {_run_hint(LEDGER_SPECS['exp1-bfloat16'], profile)}"
         )
-    keys = [k for k, s in LEDGER_SPECS.items() if s.experiment in ("exp3", "exp4") or s.dtype in precisions]
+    keys = [k for k, s in LEDGER_SPECS.items() if s.experiment in ("exp3", "exp4", "exp5") or s.dtype in precisions]
     led = {k: find_chain_ledger(root, profile, k) for k in keys}
     return ProfileLedgers(root=root, profile=profile, prefix_bank_sha256=_bank(root, profile)["sha256"], ledgers=led)
 
@@ -315,7 +319,7 @@ def load_profile(root: str | Path, profile: str, precisions: Sequence[str] = ("b
 
 
 def summarize(pl: ProfileLedgers, *, seed: int = 20260729, n_resamples: int = 20000) -> dict:
-    """Every endpoint of Experiments 1–4 recomputed from the ledgers with the library's summary functions.
+    """Every endpoint of Experiments 1–5 recomputed from the ledgers with the library's summary functions.
 
     Returns:
         ``exp1`` / ``exp2``: dtype -> :func:`~kvreplay.experiments.matrix_summary`;
@@ -323,6 +327,9 @@ def summarize(pl: ProfileLedgers, *, seed: int = 20260729, n_resamples: int = 20
         ``crossing``: :func:`~kvreplay.experiments.precision_crossing` or None;
         ``bridge``: :func:`bridge_summary`; ``audit``: :func:`~kvreplay.experiments.saved_ledger_audit`;
         ``transplant``: :func:`~kvreplay.experiments.transplant_summary`;
+        ``replication``: :func:`~kvreplay.replication.replication_summary`;
+        ``replication_accuracy``: :func:`~kvreplay.replication.accuracy_vs_checkpoint0`;
+        ``replication_checkpoint``: the replication checkpoint's description (from the Exp 5 ledger key);
         ``rows``: rows per ledger key.
 
     Raises:
@@ -343,6 +350,9 @@ def summarize(pl: ProfileLedgers, *, seed: int = 20260729, n_resamples: int = 20
     out["bridge"] = bridge_summary(pl.records("exp3-bfloat16"))
     out["audit"] = saved_ledger_audit(pl.records("exp1-bfloat16"), pl.records("exp2-bfloat16"))
     out["transplant"] = transplant_summary(pl.records("exp4-bfloat16"))
+    out["replication"] = replication_summary(pl.records("exp5-bfloat16"))
+    out["replication_accuracy"] = accuracy_vs_checkpoint0(pl.records("exp2-bfloat16"), pl.records("exp5-bfloat16"), **kw)
+    out["replication_checkpoint"] = describe_checkpoint(pl["exp5-bfloat16"].config["checkpoint"])
     out["rows"] = {k: len(v.records) for k, v in pl.ledgers.items()}
     return out
 
@@ -352,7 +362,8 @@ def results_tables(pl: ProfileLedgers, results: dict) -> dict[str, pd.DataFrame]
 
     Keys: ``table_exp1_matrix``, ``table_exp2_matrix``, ``table_exp2_crossing`` (both
     precisions only), ``table_exp3_bridge``, ``table_exp3_audit``,
-    ``table5_exp4_transplant``, ``table_exp4_localization``, ``table_first_divergence``.
+    ``table5_exp4_transplant``, ``table_exp4_localization``, ``table_exp5_replication``,
+    ``table_exp5_accuracy``, ``table_first_divergence``.
     """
     cross2 = results["crossing"]
     out = {
@@ -368,6 +379,8 @@ def results_tables(pl: ProfileLedgers, results: dict) -> dict[str, pd.DataFrame]
     out["table5_exp4_transplant"] = transplant_table(results["transplant"], pl.records("exp4-bfloat16"))
     loc = localization_table(pl.records("exp4-bfloat16"))
     out["table_exp4_localization"] = loc.set_index(["intervention", "direction"]) if len(loc) else loc
+    out["table_exp5_replication"] = replication_table(results["replication"], results["replication_checkpoint"])
+    out["table_exp5_accuracy"] = replication_accuracy_table(results["replication_accuracy"])
     out["table_first_divergence"] = first_divergence_table(results)
     return out
 
@@ -380,6 +393,8 @@ SAVED_BY_EXPERIMENTS = {
     "table_exp3_audit": "exp3_audit",
     "table5_exp4_transplant": "exp4_table",
     "table_exp4_localization": "exp4_localization",
+    "table_exp5_replication": "exp5_table",
+    "table_exp5_accuracy": "exp5_accuracy",
 }
 """Assembly table -> the stem the experiment notebook wrote for the same table (they must agree)."""
 
@@ -621,6 +636,11 @@ RUN_VALUES: dict[str, Callable[[dict], str]] = {
     "exp4.recovery.incremental_from_prefill": lambda R: rate_text(R["transplant"]["recovery"]["incremental<-prefill"]),
     "exp4.joint_recovery": lambda R: rate_text(R["transplant"]["joint_recovery"]),
     "exp4.third_among_exact": lambda R: rate_text(R["transplant"]["third_among_exact"]),
+    "exp5.divergence": lambda R: R["replication"]["divergence"].pct(),
+    "exp5.joint_recovery": lambda R: rate_text(R["replication"]["joint_recovery"]),
+    "exp5.third_among_exact": lambda R: rate_text(R["replication"]["third_among_exact"]),
+    "exp5.interpretation": lambda R: (lambda i: f"{i.label} (thresholds ≥ {i.min_divergent} divergent, ≥ {i.min_exact} "
+                                                f"exact for n = {i.n})")(R["replication"]["interpretation"]),
 }
 """Reference endpoint id (``reference.yaml``) -> this run's value, from :func:`summarize`'s results."""
 
@@ -656,6 +676,7 @@ def setup_of_run(pl: ProfileLedgers) -> dict:
             "exp3": len(pl.records("exp3-bfloat16")),
             "exp3_audit": len(led.records),
             "exp4": len(pl.records("exp4-bfloat16")),
+            "exp5": len(pl.records("exp5-bfloat16")),
         },
     }
 
@@ -680,7 +701,7 @@ def setup_table(pl: ProfileLedgers, reference: dict) -> pd.DataFrame:
 
 def what_differs(experiment: int, run: dict, paper: dict) -> str:
     """Short note of what separates this run from the paper for one experiment's endpoints."""
-    if experiment not in (1, 2, 3, 4):
+    if experiment not in (1, 2, 3, 4, 5):
         return f"experiment {experiment} not built yet"
     key = f"exp{experiment}"
     parts = []
@@ -694,6 +715,8 @@ def what_differs(experiment: int, run: dict, paper: dict) -> str:
     if rc != pc:
         parts.append(f"caps ({rc['branch']}/{rc['merge']}/{rc['answer']} vs {pc['branch']}/{pc['merge']}/{pc['answer']})")
     parts.append(f"hardware ({run['hardware']} vs {paper['hardware']})")
+    if experiment == 5:
+        parts.append("later checkpoint (role rows trained here on OpenBookQA vs the paper's later training checkpoint)")
     return "; ".join(parts)
 
 
@@ -906,6 +929,35 @@ ARTIFACTS: list[dict] = [
      "ledgers": ("exp4-bfloat16",),
      "fields": "interventions.<name>.<direction>.outcome, interventions.<name>.kind",
      "function": "experiments.localization_table", "table": "table_exp4_localization, fig_transplants"},
+    # Experiment 5
+    {"id": "exp5.panel", "statistic": "outcome-blind panel: order statistics of prefix length (file exp5_panel.json)",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "problem_id, prefix_len; manifest.json config.panel, config.prefix_bank_sha256, config.checkpoint",
+     "function": "replication.freeze_replication_panel", "table": "table_exp5_replication"},
+    {"id": "exp5.divergence",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "baseline.suffix_differs (baseline.incremental vs baseline.prefill)",
+     "function": "replication.replication_summary -> stats.wilson", "table": "table_exp5_replication"},
+    {"id": "exp5.recovery", "statistic": "donor recovery per direction among divergent rows (Exp 5)",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "interventions.whole.<direction>.outcome, baseline.suffix_differs",
+     "function": "replication.replication_summary -> stats.wilson", "table": "table_exp5_replication"},
+    {"id": "exp5.joint_recovery",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "interventions.whole.<both directions>.outcome == donor, baseline.suffix_differs",
+     "function": "replication.replication_summary -> stats.wilson", "table": "table_exp5_replication"},
+    {"id": "exp5.third_among_exact",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "interventions.whole.<direction>.outcome == third, baseline.suffix_differs == false",
+     "function": "replication.replication_summary -> stats.wilson", "table": "table_exp5_replication"},
+    {"id": "exp5.interpretation",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "the counts above and the panel size",
+     "function": "replication.interpret (scaled_thresholds, PRECEDENCE)", "table": "table_exp5_replication"},
+    {"id": "exp5.accuracy", "statistic": "decoded accuracy on the panel, later checkpoint vs checkpoint 0 (secondary)",
+     "ledgers": ("exp2-bfloat16", "exp5-bfloat16"),
+     "fields": "exp2 arms.incremental.correct; exp5 scores.incremental.correct (paired by problem_id)",
+     "function": "replication.accuracy_vs_checkpoint0 -> stats.mcnemar_exact", "table": "table_exp5_accuracy"},
     # contract tables
     {"id": "table2", "statistic": "Table 2, role visibility",
      "ledgers": (),
@@ -1118,8 +1170,14 @@ def load_for_ledger(led: LoadedLedger, model: str | None = None):
     c = led.config
     torch.set_num_threads(c["threads"])
     role = c.get("role_table")
-    lm = load_model(model_for_ledger(led, model), c["dtype"], role_table=role["model"] if role else None,
-                    sdpa_backends=tuple(c["sdpa_backends"]))
+    table = None
+    if role:
+        from .paths import ROOT
+
+        table = Path(role["model"]) if Path(role["model"]).is_absolute() else ROOT / role["model"]
+    lm = load_model(model_for_ledger(led, model), c["dtype"], role_table=table, sdpa_backends=tuple(c["sdpa_backends"]))
+    if role and lm.identity["role_table_sha256"] != role["sha256"]:
+        raise GateError("provenance", f"role table {table} has sha256 {lm.identity['role_table_sha256']}, the ledger keyed {role['sha256']}")
     fmt = resolve_format(lm.tokenizer, c["format"])
     want = led.contract.get("format_digest")
     if want and fmt.digest != want:

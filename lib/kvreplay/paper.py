@@ -26,15 +26,17 @@ import yaml
 from .paths import BUILD, FIGURES, LEDGERS, NOTEBOOKS, PARAMS
 
 CHAIN = [
+    "00_role_adaptation.ipynb",
     "01_experiment1_live_vs_prefill.ipynb",
     "02_experiment2_fixed_prefix_precision.ipynb",
     "03_experiment3_bridge_and_audit.ipynb",
     "04_experiment4_cache_transplant.ipynb",
-    "05_tables.ipynb",
-    "06_figures.ipynb",
-    "07_drift_explorer.ipynb",
+    "05_experiment5_replication.ipynb",
+    "06_tables.ipynb",
+    "07_figures.ipynb",
+    "08_drift_explorer.ipynb",
 ]
-"""Notebooks in dependency order (experiments, then tables, then figures)."""
+"""Notebooks in dependency order (the checkpoint family, experiments, then tables, then figures)."""
 
 
 def load_profile(profile: str) -> dict:
@@ -107,7 +109,8 @@ def run_notebook(name: str, profile: str, params: dict, out_dir: Path, html: boo
 
 def inputs_digest(name: str, profile: str, params: dict) -> str:
     """sha256 of everything a notebook's outputs depend on: its source, its parameters, the library source,
-    and every ledger, panel and prefix-bank file of the profile (run logs and parquet copies excluded)."""
+    every ledger, panel and prefix-bank file of the profile (run logs and parquet copies excluded), and the
+    role-table checkpoint files the profile's pointer names."""
     import hashlib
 
     from .ledger import canonical_json, library_digest
@@ -122,6 +125,17 @@ def inputs_digest(name: str, profile: str, params: dict) -> str:
             if f.is_file() and f.suffix in {".jsonl", ".json"} and f.name != "runlog.jsonl":
                 h.update(str(f.relative_to(root)).encode())
                 h.update(f.read_bytes())
+    pointer = root / "role_adaptation.json"  # the checkpoint family lives outside the ledgers (data/checkpoints)
+    if pointer.is_file():
+        from .adapt import read_pointer
+
+        folder, _ = read_pointer(pointer)
+        for name in ("manifest.json", *sorted(p.name for p in folder.glob("*.pt"))) if folder.is_dir() else ():
+            f = folder / name
+            h.update(name.encode())
+            h.update(f.read_bytes() if f.is_file() else b"missing")
+        if not folder.is_dir():
+            h.update(b"checkpoint folder missing")
     return h.hexdigest()
 
 
