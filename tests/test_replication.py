@@ -123,9 +123,12 @@ def test_replication_row_runs_exactly_six_arms(spec, monkeypatch):
     table = replication.replication_table(s, "tiny + role table")
     assert table.iloc[:, 0]["interpretation (frozen matrix)"] == s["interpretation"].label
     exp2 = [{"problem_id": p.problem_id, "gate_failure": None,
-             "arms": {"incremental": {"correct": not rec["scores"]["incremental"]["correct"], "predicted": "Z"}}}]
+             "arms": {"incremental": {"correct": not rec["scores"]["incremental"]["correct"], "predicted": "Z",
+                                      "suffix": [1, 2, 3]}}}]
     acc = replication.accuracy_vs_checkpoint0(exp2, [rec], n_resamples=100)
     assert acc["mcnemar"].b + acc["mcnemar"].c == 1 and acc["answers_differ"] == 1
+    assert acc["suffix_len"]["ckpt0"] == (3, 3, 3) and acc["suffix_len"]["later"][0] == len(rec["baseline"]["incremental"])
+    assert "vs" in replication.accuracy_table(acc).iloc[:, 0]["incremental suffix length, median (range), checkpoint 0 vs later"]
     with pytest.raises(GateError, match="missing"):
         replication.accuracy_vs_checkpoint0([], [rec])
 

@@ -755,7 +755,8 @@ def run_letter_eval(
 
 def accuracy_summary(records: Sequence[dict], a: str = "ckpt0", b: str = "later", *, seed: int = 20260729,
                      n_resamples: int = 20000) -> dict:
-    """Accuracy of checkpoints ``a`` and ``b`` (Wilson), their paired difference (bootstrap, b minus a) and exact McNemar."""
+    """Accuracy of checkpoints ``a`` and ``b`` (Wilson), their paired difference (bootstrap, b minus a), exact McNemar,
+    and how often each predicts each letter (a letter prior shows up there) beside the gold letters."""
     from .stats import mcnemar_exact, paired_bootstrap, wilson
 
     ca = [r["checkpoints"][a]["correct"] for r in records]
@@ -764,7 +765,16 @@ def accuracy_summary(records: Sequence[dict], a: str = "ckpt0", b: str = "later"
     return {"n": n, "a": a, "b": b, "acc_a": wilson(sum(ca), n), "acc_b": wilson(sum(cb), n),
             "diff": paired_bootstrap(ca, cb, n_resamples=n_resamples, seed=seed) if n >= 2 else None,
             "mcnemar": mcnemar_exact(ca, cb),
-            "predicted_same": sum(r["checkpoints"][a]["predicted"] == r["checkpoints"][b]["predicted"] for r in records)}
+            "predicted_same": sum(r["checkpoints"][a]["predicted"] == r["checkpoints"][b]["predicted"] for r in records),
+            "letters": {name: _letter_counts(r["checkpoints"][name]["predicted"] for r in records) for name in (a, b)}
+            | {"gold": _letter_counts(r["gold"] for r in records)}}
+
+
+def _letter_counts(letters) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for L in letters:
+        counts[L] = counts.get(L, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def accuracy_table(s: dict, labels: dict[str, str]) -> "pd.DataFrame":  # noqa: F821
@@ -780,4 +790,10 @@ def accuracy_table(s: dict, labels: dict[str, str]) -> "pd.DataFrame":  # noqa: 
             f"{100 * d.estimate:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]" if d else "n/a"),
         "McNemar: checkpoint-0-only vs later-only correct, exact p": f"{m.b} vs {m.c}, p = {m.pvalue:.3g}",
         "same predicted letter": f"{s['predicted_same']}/{s['n']}",
+        **{f"predicted letters, {labels[k]}": _letters_text(s["letters"][k]) for k in (s["a"], s["b"])},
+        "gold letters": _letters_text(s["letters"]["gold"]),
     }})
+
+
+def _letters_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{L} {n}" for L, n in counts.items())

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -355,7 +356,9 @@ def accuracy_vs_checkpoint0(exp2_bf16: Sequence[dict], exp5: Sequence[dict], *, 
 
     Returns:
         ``n``, ``ckpt0``/``later`` (Wilson), ``diff`` (paired bootstrap, later minus checkpoint 0),
-        ``mcnemar`` (``b``: checkpoint-0-only correct, ``c``: later-only correct), ``answers_differ``.
+        ``mcnemar`` (``b``: checkpoint-0-only correct, ``c``: later-only correct), ``answers_differ``,
+        and ``suffix_len`` (checkpoint -> median, min, max of the incremental suffix length in tokens
+        after the boundary: a shorter suffix leaves fewer steps at which two constructions can part).
 
     Raises:
         GateError: if a row failed a gate or a panel row is missing from Experiment 2.
@@ -373,9 +376,12 @@ def accuracy_vs_checkpoint0(exp2_bf16: Sequence[dict], exp5: Sequence[dict], *, 
     n = len(exp5)
     diff_answer = sum(by_id[r["problem_id"]]["arms"]["incremental"]["predicted"] != r["scores"]["incremental"]["predicted"]
                       for r in exp5)
+    lengths = {"ckpt0": [len(by_id[r["problem_id"]]["arms"]["incremental"]["suffix"]) for r in exp5],
+               "later": [len(r["baseline"]["incremental"]) for r in exp5]}
     return {"n": n, "ckpt0": wilson(sum(a), n), "later": wilson(sum(b), n),
             "diff": paired_bootstrap(a, b, n_resamples=n_resamples, seed=seed) if n >= 2 else None,
-            "mcnemar": mcnemar_exact(a, b), "answers_differ": diff_answer}
+            "mcnemar": mcnemar_exact(a, b), "answers_differ": diff_answer,
+            "suffix_len": {k: (statistics.median(v), min(v), max(v)) for k, v in lengths.items()}}
 
 
 def accuracy_table(acc: dict) -> pd.DataFrame:
@@ -389,6 +395,8 @@ def accuracy_table(acc: dict) -> pd.DataFrame:
             f"{100 * d.estimate:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]" if d else "n/a"),
         "McNemar: checkpoint-0-only vs later-only correct, exact p": f"{m.b} vs {m.c}, p = {m.pvalue:.3g}",
         "predicted answer differs": f"{acc['answers_differ']}/{acc['n']}",
+        "incremental suffix length, median (range), checkpoint 0 vs later": " vs ".join(
+            f"{m:g} ({lo}–{hi})" for m, lo, hi in (acc["suffix_len"]["ckpt0"], acc["suffix_len"]["later"])),
     }})
 
 
