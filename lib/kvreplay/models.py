@@ -148,7 +148,7 @@ class ExecutionContract:
         torch.use_deterministic_algorithms(det)
         torch.backends.cudnn.deterministic = det
         torch.backends.cudnn.benchmark = False
-        if kind == "cuda":
+        if kind == "cuda" and torch.device(self.device).index is not None:
             torch.cuda.set_device(torch.device(self.device))
 
 
