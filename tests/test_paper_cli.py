@@ -1,8 +1,8 @@
 """The `make paper` driver's command line: clear errors for bad input."""
 
-from kvreplay.paper import main
 import pytest
 
+from kvreplay.paper import main
 
 
 def test_unknown_profile_and_empty_selection_exit_2(capsys):
@@ -39,6 +39,11 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
     assert len(ran) == 4
     assert paper.main(["--profile", "mini", "--only", "01", "--force"]) == 0
     assert len(ran) == 5
+    # a profile that names its notebooks (a partial reference run) runs only those by default
+    (params / "mini.yaml").write_text(f"profile: mini\nledger_root: {tmp_path / 'ledgers'}\nnotebooks: ['03']\n")
+    ran.clear()
+    assert paper.main(["--profile", "mini", "--force"]) == 0
+    assert [n[:2] for n in ran] == ["03"]
 
 
 def test_inprocess_engine_injects_parameters_and_names_the_failing_cell(tmp_path):

@@ -195,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.ledger_root:
         params["ledger_root"] = str(Path(args.ledger_root).resolve())
     out_dir = BUILD / args.profile
-    chain = [n for n in CHAIN if not args.only or any(n.startswith(p) for p in args.only)]
+    # a profile may name the notebooks it runs (e.g. a reference run that covered only some experiments)
+    selected = args.only or params.get("notebooks")
+    chain = [n for n in CHAIN if not selected or any(n.startswith(p) for p in selected)]
     if not chain:
-        print(f"error: --only {args.only} matches no notebook of {CHAIN}", file=sys.stderr)
+        print(f"error: --only / notebooks {selected} matches no notebook of {CHAIN}", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
