@@ -159,3 +159,25 @@ def test_live_positions_are_recorded_from_the_calls(spec_factory):
     live = decode.decode_live(spec.lm, spec.fmt, spec.fmt.prompt_ids("Q?", ["a", "b"]), TINY_CAPS)
     assert live.positions.shape == (2, len(live.ids))
     assert torch.equal(live.positions[0], torch.arange(len(live.ids)))
+
+
+def test_a_desync_on_any_single_call_is_caught(spec_factory):
+    """The greedy loop reads each call's duplicate check with the next choice; none may slip through, the last included."""
+    spec = spec_factory()
+    prompt = spec.fmt.prompt_ids("Q?", ["a", "b"])
+    decode.decode_live(spec.lm, spec.fmt, prompt, TINY_CAPS)
+    n_calls = spec.lm.calls
+    real = spec.lm.model.forward
+    for k in range(1, n_calls + 1):
+        start = spec.lm.calls
+
+        def skewed(*args, _k=k, _start=start, **kwargs):
+            out = real(*args, **kwargs)
+            if spec.lm.calls - _start == _k - 1:
+                out.logits[1, -1, 5] += 1e-3
+            return out
+
+        spec.lm.model.forward = skewed
+        with pytest.raises(GateError, match="desync"):
+            decode.decode_live(spec.lm, spec.fmt, prompt, TINY_CAPS)
+    spec.lm.model.forward = real

@@ -65,6 +65,7 @@ def test_execution_contract_records_the_numerical_contract(qwen_dir):
 def test_bench_runs_and_reports_ratios(qwen_dir):
     from kvreplay.bench import run
 
-    table = run(model=str(qwen_dir), dtype="float32", tokens=4, repeats=1, threads=1, caps=(3, 4, 2))
+    table = run(model=str(qwen_dir), dtype="float32", tokens=4, repeats=1, threads=1, caps=(3, 4, 2), workers=2)
+    assert table.loc["2 workers / one process (throughput ratio)", "value"] > 0
     assert table.loc["suffix decoder / generate (per-token ratio)", "value"] > 0
     assert table.loc["Experiment 1 rows per hour, one process", "value"] > 0

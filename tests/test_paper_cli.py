@@ -1,5 +1,7 @@
 """The `make paper` driver's command line: clear errors for bad input."""
 
+import pytest
+
 from kvreplay.paper import main
 
 
@@ -37,6 +39,33 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
     assert len(ran) == 4
     assert paper.main(["--profile", "mini", "--only", "01", "--force"]) == 0
     assert len(ran) == 5
+    # a profile that names its notebooks (a partial reference run) runs only those by default
+    (params / "mini.yaml").write_text(f"profile: mini\nledger_root: {tmp_path / 'ledgers'}\nnotebooks: ['03']\n")
+    ran.clear()
+    assert paper.main(["--profile", "mini", "--force"]) == 0
+    assert [n[:2] for n in ran] == ["03"]
+
+
+def test_inprocess_engine_injects_parameters_and_names_the_failing_cell(tmp_path):
+    import json
+
+    from kvreplay.paper import run_inprocess
+
+    def cell(src, tags=()):
+        return {"cell_type": "code", "metadata": {"tags": list(tags)}, "source": src, "outputs": [], "execution_count": None}
+
+    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "markdown", "metadata": {}, "source": "# t"},
+        cell("n_rows = 2\nprofile = 'smoke'\n", ["parameters"]),
+        cell("from pathlib import Path\nPath('out.txt').write_text(f'{profile} {n_rows}')\n"),
+        cell("assert n_rows < 10, 'too many rows'\n"),
+    ]}
+    path = tmp_path / "t.ipynb"
+    path.write_text(json.dumps(nb))
+    run_inprocess(path, {"n_rows": 3, "profile": "cpu", "undeclared": 1})
+    assert (tmp_path / "out.txt").read_text() == "cpu 3"  # written with the notebook folder as cwd
+    with pytest.raises(RuntimeError, match=r"t.ipynb failed in code cell 3 \(AssertionError: too many rows\)"):
+        run_inprocess(path, {"n_rows": 30})
 
 
 def test_chain_order_and_checkpoint_files_enter_the_stamp(tmp_path):

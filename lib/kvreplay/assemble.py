@@ -1153,29 +1153,35 @@ def model_for_ledger(led: LoadedLedger, model: str | None = None) -> str:
 
 
 def load_for_ledger(led: LoadedLedger, model: str | None = None):
-    """Load the ledger's model and block format exactly as its config says (dtype, threads, SDPA backends, role table).
+    """Load the ledger's model and block format exactly as its config says (dtype, threads, SDPA backends, role table,
+    and the execution contract's device, determinism and TF32: a ledger computed on CUDA needs a CUDA device).
 
     Returns:
         ``(LoadedModel, BlockFormat)``.
 
     Raises:
         GateError: gate ``provenance`` if the resolved format's digest differs from the ledger's.
+        ModelLoadError: the ledger was computed on CUDA and this machine has none.
     """
-    import torch
-
     from .contract import resolve_format
     from .gates import GateError
     from .models import load_model
 
+    from .models import ExecutionContract
+
     c = led.config
-    torch.set_num_threads(c["threads"])
+    execution = c.get("execution", {})
+    contract = ExecutionContract(
+        device=execution.get("device", "cpu"), sdpa_backends=tuple(c["sdpa_backends"]),
+        deterministic=execution.get("deterministic"), allow_tf32=execution.get("allow_tf32", False), threads=c["threads"],
+    )
     role = c.get("role_table")
     table = None
     if role:
         from .paths import ROOT
 
         table = Path(role["model"]) if Path(role["model"]).is_absolute() else ROOT / role["model"]
-    lm = load_model(model_for_ledger(led, model), c["dtype"], role_table=table, sdpa_backends=tuple(c["sdpa_backends"]))
+    lm = load_model(model_for_ledger(led, model), c["dtype"], role_table=table, contract=contract)
     if role and lm.identity["role_table_sha256"] != role["sha256"]:
         raise GateError("provenance", f"role table {table} has sha256 {lm.identity['role_table_sha256']}, the ledger keyed {role['sha256']}")
     fmt = resolve_format(lm.tokenizer, c["format"])

@@ -22,6 +22,7 @@ are rebuilt from the IDs by one parser, :meth:`BlockFormat.parse`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -62,11 +63,17 @@ def visibility_matrix(device: torch.device | str = "cpu") -> torch.Tensor:
         role ``q`` may attend to a key of raw role ``k`` (raw roles, before the
         +8 role-embedding offset).
     """
-    v = torch.zeros(6, 6, dtype=torch.bool, device=device)
+    return _visibility(str(torch.device(device))).clone()
+
+
+@functools.cache
+def _visibility(device: str) -> torch.Tensor:
+    """Table 2 built once per device (read-only; :func:`attention_mask_4d` indexes it every call)."""
+    v = torch.zeros(6, 6, dtype=torch.bool)
     for q, keys in VISIBILITY.items():
         for k in keys:
             v[q, k] = True
-    return v
+    return v.to(device)
 
 
 def attention_mask_4d(query_roles: torch.Tensor, key_roles: torch.Tensor, query_start: int) -> torch.Tensor:
@@ -84,10 +91,12 @@ def attention_mask_4d(query_roles: torch.Tensor, key_roles: torch.Tensor, query_
     Returns:
         ``[batch, 1, q, k]`` bool mask, true where attention is allowed.
     """
-    vis = visibility_matrix(query_roles.device)
+    vis = _visibility(str(query_roles.device))
     allowed = vis[query_roles.unsqueeze(-1), key_roles.unsqueeze(-2)]  # [b, q, k]
     q = query_roles.shape[-1]
     k = key_roles.shape[-1]
+    if q == 1 and k == query_start + 1:  # one new token sees every earlier position: causality adds nothing
+        return allowed.unsqueeze(1)
     q_pos = torch.arange(query_start, query_start + q, device=query_roles.device)
     k_pos = torch.arange(k, device=query_roles.device)
     causal = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q, k]

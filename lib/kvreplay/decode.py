@@ -16,6 +16,7 @@ one call, then exactly one token per call, forced delimiter tokens included.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -90,7 +91,7 @@ def model_inputs(
 
 def forward(
     lm: LoadedModel, cache: DynamicCache, ids: torch.Tensor, roles_all: torch.Tensor, start: int,
-    trace: list | None = None,
+    trace: list | None = None, *, check: bool = True,
 ) -> torch.Tensor:
     """One forward call over ``q`` new tokens of the duplicate batch.
 
@@ -101,6 +102,9 @@ def forward(
         roles_all: ``[2, start + q]`` int64 raw roles of all tokens so far.
         start: number of tokens already in the cache (= first position).
         trace: if given, the ``[2, q]`` position IDs of this call are appended to it.
+        check: compare the duplicate rows now (a host sync). The greedy loop
+            passes ``False`` and reads :func:`rows_in_sync` together with the
+            chosen token, so a decode step costs one sync.
 
     Returns:
         ``[2, vocab]`` logits of the last token of the call, model dtype.
@@ -112,7 +116,7 @@ def forward(
     embeds, mask, positions = model_inputs(lm, ids, roles_all, start)
     if trace is not None:
         trace.append(positions)
-    with sdpa_kernel(sdpa_backend_list(lm.sdpa_backends)):
+    with sdpa_kernel(_backends(lm.sdpa_backends)):
         out = lm.model(
             inputs_embeds=embeds,
             attention_mask=mask,
@@ -123,9 +127,23 @@ def forward(
         )
     lm.calls += 1
     logits = out.logits[:, -1, :]
-    if not torch.equal(logits[0], logits[1]):
-        raise GateError("desync", f"duplicate rows' logits differ after the call ending at position {start + q - 1}")
+    if check and not torch.equal(logits[0], logits[1]):
+        raise _desync(start + q - 1)
     return logits
+
+
+def rows_in_sync(logits: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on the logits' device: the two duplicate rows ``[2, vocab]`` are equal (as ``torch.equal``)."""
+    return (logits[0] == logits[1]).all()
+
+
+def _desync(position: int) -> GateError:
+    return GateError("desync", f"duplicate rows' logits differ after the call ending at position {position}")
+
+
+@functools.cache
+def _backends(names: tuple[str, ...]) -> list:
+    return sdpa_backend_list(names)
 
 
 def _as_batch(ids: Sequence[int], device) -> torch.Tensor:
@@ -162,13 +180,19 @@ class BlockCursor:
             queue += [(t, self.role + 1) for t in self.fmt.openers[self.role + 1]]
         self.forced.extend(queue)
 
-    def step(self, logits: torch.Tensor) -> tuple[int, int, float | None]:
+    def step(self, logits: torch.Tensor, in_sync: torch.Tensor | None = None) -> tuple[int, int, float | None, bool]:
         """Choose the next token from one row's logits ``[vocab]``.
 
+        Args:
+            in_sync: optional 0-d bool tensor (the duplicate-row check of the
+                call that produced ``logits``), read in the same host transfer
+                as the chosen token.
+
         Returns:
-            ``(token, role, margin)``: the token, the raw role it belongs to,
-            and the top-1 minus top-2 logit margin over eligible tokens
-            (float32 units of the logits) when the model chose it, else None.
+            ``(token, role, margin, in_sync)``: the token, the raw role it
+            belongs to, the top-1 minus top-2 logit margin over eligible tokens
+            (float32 units of the logits) when the model chose it, else None,
+            and the value of ``in_sync`` (True when none was given).
         """
         if self.in_content and self.count >= self.caps.for_role(self.role):
             self._close()
@@ -179,14 +203,18 @@ class BlockCursor:
                     self.done = True
                 else:
                     self.role, self.count = role, 0
-            return token, role, None
+            return token, role, None, True if in_sync is None else bool(in_sync)
         key = (self.role, logits.shape[-1])
         if key not in self._masks:
+            if logits.shape[-1] > 1 << 24:
+                raise ContractError(f"vocabulary of {logits.shape[-1]} tokens: token IDs would not be exact in float32")
             self._masks[key] = self.fmt.content_mask(self.role, logits.device, logits.shape[-1])
         masked = logits.float().masked_fill(~self._masks[key], float("-inf"))
         top = torch.topk(masked, 2)
-        token = int(top.indices[0])
-        margin = float(top.values[0] - top.values[1])
+        flag = torch.ones((), device=logits.device) if in_sync is None else in_sync.float()
+        # one host transfer per step: token (exact in float32 below 2**24), float32 margin, sync flag
+        t, margin, ok = torch.stack([top.indices[0].float(), top.values[0] - top.values[1], flag]).tolist()
+        token = int(t)
         role = self.role
         if token == self.fmt.closers[self.role][0]:
             self._close()
@@ -195,7 +223,7 @@ class BlockCursor:
                 self.done = self.role == ANSWER
         else:
             self.count += 1
-        return token, role, margin
+        return token, role, margin, ok == 1.0
 
 
 def _run(
@@ -209,12 +237,21 @@ def _run(
     margins: list | None = None,
     trace: list | None = None,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, int]:
-    """Greedy loop: choose, then feed one token per call, until ``stop``."""
+    """Greedy loop: choose, then feed one token per call, until ``stop``.
+
+    The duplicate-row check of each call is read with the next choice (one
+    host sync per step); a desync raises before its logits are used.
+    """
     new: list[int] = []
     calls = 0
     dev = logits.device
+    pending: torch.Tensor | None = None  # duplicate check of the last call, not read yet
+    last = len(ids) - 1
     while not stop(cursor):
-        token, role, margin = cursor.step(logits[0])
+        token, role, margin, ok = cursor.step(logits[0], pending)
+        if not ok:
+            raise _desync(last)
+        pending = None
         new.append(token)
         if margins is not None:
             margins.append(margin)
@@ -222,8 +259,12 @@ def _run(
         if cursor.done:
             break
         start = len(ids) + len(new) - 1
-        logits = forward(lm, cache, torch.full((BATCH, 1), token, dtype=torch.long, device=dev), roles, start, trace)
+        logits = forward(lm, cache, torch.full((BATCH, 1), token, dtype=torch.long, device=dev), roles, start, trace,
+                         check=False)
+        pending, last = rows_in_sync(logits), start
         calls += 1
+    if pending is not None and not bool(pending):
+        raise _desync(last)
     return new, roles, logits, calls
 
 

@@ -22,7 +22,7 @@ from .contract import BlockFormat, Caps, ContractError
 from .data import Problem
 from .gates import GateError
 from .ledger import canonical_json
-from .models import LoadedModel
+from .models import ExecutionContract, LoadedModel
 from .scoring import score_answer
 from .stats import mcnemar_exact, paired_bootstrap, wilson
 
@@ -405,7 +405,11 @@ class ArmSettings:
     Attributes mirror the notebooks' parameters: ``profile``, ``dtype``,
     ``caps``, ``model`` (``"embedded"``, folder, ``.gguf`` or cached hub id),
     ``fmt`` (block format name or YAML path), ``role_table`` (path or None),
-    ``threads`` (intra-op threads), ``sdpa_backends``, ``preflight`` (rows).
+    ``threads`` (intra-op threads), ``sdpa_backends``, ``preflight`` (rows),
+    and the CUDA side of the contract (:class:`~kvreplay.models.ExecutionContract`):
+    ``device``, ``deterministic``, ``allow_tf32``. ``workers`` is how many
+    row-parallel processes run the arm; it is not part of the key, because
+    the rows are identical bit for bit however many workers compute them.
     """
 
     profile: str
@@ -417,12 +421,23 @@ class ArmSettings:
     threads: int = 2
     sdpa_backends: tuple[str, ...] = ("math",)
     preflight: int = 1
+    device: str = "cpu"
+    deterministic: bool | None = None
+    allow_tf32: bool = False
+    workers: int = 1
+
+    def contract(self, device: str | None = None) -> ExecutionContract:
+        """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
+        return ExecutionContract(
+            device=device or self.device, sdpa_backends=tuple(self.sdpa_backends), deterministic=self.deterministic,
+            allow_tf32=self.allow_tf32, threads=self.threads,
+        )
 
     def config(self, experiment: str, problems: Sequence[Problem]) -> dict:
-        """The scientific config that keys the ledger."""
+        """The scientific config that keys the ledger (CPU defaults add no key, so CPU ledgers keep their digests)."""
         from .contract import load_spec
 
-        return {
+        config = {
             "experiment": experiment,
             "profile": self.profile,
             "dtype": self.dtype,
@@ -437,15 +452,20 @@ class ArmSettings:
             "preflight": self.preflight,
             "batch": decode.BATCH,
         }
+        execution = self.contract().key()
+        if execution:
+            config["execution"] = execution
+        return config
 
-    def load(self) -> tuple[LoadedModel, BlockFormat]:
-        """Fix threads and seed, load the model at this precision, resolve the format."""
+    def load(self, device: str | None = None) -> tuple[LoadedModel, BlockFormat]:
+        """Apply the execution contract, fix the seed, load the model at this precision, resolve the format."""
         from .contract import resolve_format
         from .models import load_model
 
-        torch.set_num_threads(self.threads)
+        contract = self.contract(device)
+        contract.apply()
         torch.manual_seed(0)
-        lm = load_model(self.model, self.dtype, role_table=self.role_table, sdpa_backends=tuple(self.sdpa_backends))
+        lm = load_model(self.model, self.dtype, role_table=self.role_table, contract=contract)
         return lm, resolve_format(lm.tokenizer, self.fmt)
 
 
@@ -486,6 +506,17 @@ def run_arm(
     check_prompts(bf, problems)
     ledger = Ledger(root, label, config, environment=execution_contract(lm, settings.threads) | {"format_digest": bf.digest})
     spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults)
+    todo = [p for p in problems if p.problem_id not in ledger.done_keys()]
+    if settings.workers > 1 and len(todo) > 1:
+        from .parallel import RowPool
+
+        with RowPool(settings, row, workers=min(settings.workers, len(todo)), faults=faults) as pool:
+            ledger.log(event="workers", workers=pool.workers, devices=pool.devices)
+            records = run_rows(
+                ledger, list(problems), None, key=lambda p: p.problem_id, mapper=pool.map,
+                preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype} x{pool.workers}",
+            )
+        return records, ledger
     records = run_rows(
         ledger, list(problems), lambda p: row(spec, p), key=lambda p: p.problem_id,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",

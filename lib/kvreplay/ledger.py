@@ -163,18 +163,28 @@ class Ledger:
 def run_rows(
     ledger: Ledger,
     items: list,
-    row_fn: Callable[[object], dict],
+    row_fn: Callable[[object], dict] | None,
     *,
     key: Callable[[object], str],
     preflight: int = 0,
     progress: bool = True,
     desc: str = "rows",
+    mapper: Callable[[list], Iterable[dict]] | None = None,
 ) -> list[dict]:
     """Map a pure per-row function over items in frozen order, appending each record.
 
     Rows already in the ledger are skipped (resume). A record whose
     ``gate_failure`` is set is kept, and the run goes on; but if it is one of
     the first ``preflight`` items the whole arm is aborted.
+
+    Args:
+        row_fn: item -> record, run in this process (ignored when ``mapper`` is given).
+        mapper: items -> records *in the same order*, e.g. a
+            :class:`kvreplay.parallel.RowPool` computing rows in worker
+            processes. Records are appended in item order as they arrive, so
+            the ledger's bytes equal a sequential run's, and an interrupted
+            parallel run resumes like a sequential one. Preflight rows are
+            mapped (and checked) before any other row is started.
 
     Returns:
         The ledger's records for ``items``, in item order.
@@ -196,19 +206,40 @@ def run_rows(
             f"{ledger.dir}: {len(done)} rows were written with a different {ledger.stale}; refusing to add "
             f"{len(todo)} rows from this environment. Delete the folder to recompute, or set KVREPLAY_ALLOW_STALE=1."
         )
-    ledger.log(event="start", rows=len(items), todo=len(todo))
-    for i, it in enumerate(tqdm(items, desc=desc, disable=not progress)):
-        k = key(it)
-        if k not in done:
-            t0 = time.perf_counter()
-            rec = row_fn(it)
-            ledger.append(rec)
-            ledger.log(event="row", key=k, seconds=round(time.perf_counter() - t0, 3))
-            done[k] = rec
+    if mapper is None:
+        if row_fn is None:
+            raise ValueError("run_rows needs row_fn or mapper")
+        mapper = lambda its: (row_fn(it) for it in its)  # noqa: E731
+    ledger.log(event="start", rows=len(items), todo=len(todo), mapper=type(mapper).__name__)
+
+    def check_preflight(i, k):
         rec = done[k]
         if i < preflight and rec.get("gate_failure"):
             f = rec["gate_failure"]
             raise GateError("preflight", f"preflight row {k} failed gate {f['gate']!r}: {f['reason']}; arm aborted")
+
+    bar = tqdm(total=len(items), desc=desc, disable=not progress)
+    position = {key(it): i for i, it in enumerate(items)}
+    for i, it in enumerate(items[:preflight]):  # preflight rows already in the ledger
+        if key(it) in done:
+            check_preflight(i, key(it))
+    bar.update(len(items) - len(todo))
+    first = [it for it in todo if position[key(it)] < preflight]
+    for chunk in (first, todo[len(first):]):
+        if not chunk:
+            continue
+        t0 = time.perf_counter()
+        for it, rec in zip(chunk, mapper(chunk), strict=True):
+            k = key(it)
+            if rec.get(ledger.key) != k:
+                raise LedgerError(f"{ledger.dir}: the mapper returned row {rec.get(ledger.key)!r} where {k!r} was due")
+            ledger.append(rec)
+            ledger.log(event="row", key=k, seconds=round(time.perf_counter() - t0, 3))
+            t0 = time.perf_counter()
+            done[k] = rec
+            bar.update(1)
+            check_preflight(position[k], k)
+    bar.close()
     ledger.log(event="end")
     return [done[key(it)] for it in items]
 

@@ -63,11 +63,93 @@ def looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~")) or model in (".", "..")
 
 
-def set_precision_flags(dtype: torch.dtype) -> None:
-    """Disable TF32 everywhere (FP32 means FP32, paper §3.5) and keep float32 matmul at 'highest'."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+def set_precision_flags(dtype: torch.dtype, allow_tf32: bool = False) -> None:
+    """TF32 off everywhere unless asked (FP32 means FP32, paper §3.5); float32 matmul precision 'highest' then."""
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
+    torch.set_float32_matmul_precision("high" if allow_tf32 else "highest")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionContract:
+    """Device and kernel choices that fix a run's numerics (paper §3.5, Table 3); applied in one place.
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Row-parallel workers
+            replace the index; the ledger key holds only the device type.
+        sdpa_backends: SDPA backends every forward call may use. The default
+            ``("math",)`` keeps the two duplicate rows of a step in sync on
+            every machine we tried: the fused flash kernel desynced them on a
+            2-thread CPU, and cuDNN attention on an H200.
+        deterministic: ``torch.use_deterministic_algorithms`` and cuDNN
+            deterministic mode; ``None`` means on for CUDA and off for CPU
+            (the CPU kernels used here are deterministic already).
+        allow_tf32: TF32 for float32 matmuls and convolutions (default off:
+            the paper's FP32 arm is true FP32).
+        cublas_workspace_config: exported as ``CUBLAS_WORKSPACE_CONFIG`` on
+            CUDA when deterministic (cuBLAS needs it for reproducible GEMMs).
+        threads: intra-op CPU threads (``torch.set_num_threads``); ``None``
+            leaves torch's choice.
+    """
+
+    device: str = "cpu"
+    sdpa_backends: tuple[str, ...] = ("math",)
+    deterministic: bool | None = None
+    allow_tf32: bool = False
+    cublas_workspace_config: str = ":4096:8"
+    threads: int | None = None
+
+    @property
+    def device_type(self) -> str:
+        """``"cpu"``, ``"cuda"``, ... (raises ValueError naming the device for a string torch cannot parse)."""
+        try:
+            return torch.device(self.device).type
+        except RuntimeError as e:
+            raise ValueError(f"unknown device {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'") from e
+
+    def resolved_deterministic(self) -> bool:
+        return self.device_type == "cuda" if self.deterministic is None else bool(self.deterministic)
+
+    def key(self) -> dict:
+        """Entries for a ledger's scientific config: empty for the CPU default, so CPU keys stay as they were."""
+        out: dict = {}
+        if self.device_type != "cpu":
+            out["device"] = self.device_type
+            out["cublas_workspace_config"] = self.cublas_workspace_config if self.resolved_deterministic() else None
+        if self.resolved_deterministic() != (self.device_type == "cuda"):
+            out["deterministic"] = self.resolved_deterministic()
+        if self.allow_tf32:
+            out["allow_tf32"] = True
+        return out
+
+    def apply(self) -> None:
+        """Set threads, TF32, matmul precision, deterministic flags and the cuBLAS workspace.
+
+        Raises:
+            ValueError: unknown SDPA backend, or unknown device type.
+            ModelLoadError: ``cuda`` asked for but not available.
+        """
+        sdpa_backend_list(self.sdpa_backends)
+        kind = self.device_type
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError(f"device {self.device!r} asked for, but torch {torch.__version__} sees no CUDA device")
+        det = self.resolved_deterministic()
+        if kind == "cuda" and det:
+            current = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+            if current not in (None, self.cublas_workspace_config):
+                raise ValueError(f"CUBLAS_WORKSPACE_CONFIG is {current!r} in the environment, the contract asks for "
+                                 f"{self.cublas_workspace_config!r}")
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = self.cublas_workspace_config
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        set_precision_flags(torch.float32, self.allow_tf32)
+        torch.use_deterministic_algorithms(det)
+        torch.backends.cudnn.deterministic = det
+        torch.backends.cudnn.benchmark = False
+        if kind == "cuda" and torch.device(self.device).index is not None:
+            torch.cuda.set_device(torch.device(self.device))
 
 
 @dataclasses.dataclass
@@ -87,6 +169,7 @@ class LoadedModel:
             ``("math",)``: on a 2-thread CPU the fused flash kernel makes the
             two duplicate rows differ in FP32 (the desync gate caught it), as
             the cuDNN backend does on an H200.
+        contract: the :class:`ExecutionContract` applied when loading.
         calls: number of forward calls made through :func:`kvreplay.decode.forward`
             (tests count them to prove a replica is a second call).
     """
@@ -97,6 +180,7 @@ class LoadedModel:
     role_table: torch.Tensor | None
     identity: dict
     sdpa_backends: tuple[str, ...] = ("math",)
+    contract: ExecutionContract | None = None
     calls: int = 0
 
     @property
@@ -139,6 +223,7 @@ def load_model(
     device: str = "cpu",
     role_table: str | Path | None = None,
     sdpa_backends: tuple[str, ...] = ("math",),
+    contract: ExecutionContract | None = None,
 ) -> LoadedModel:
     """Load a causal LM for the experiments (paper §3.5 numerical contract).
 
@@ -147,9 +232,12 @@ def load_model(
             folder with a Hugging Face checkpoint, a ``.gguf`` file, or a hub
             id already in the local cache.
         dtype: ``"bfloat16"`` or ``"float32"`` (TF32 is always off).
-        device: torch device string.
+        device: torch device string (ignored when ``contract`` is given).
         role_table: optional ``[14, hidden]`` role-embedding file.
-        sdpa_backends: SDPA backends allowed in every call (see :class:`LoadedModel`).
+        sdpa_backends: SDPA backends allowed in every call (see :class:`LoadedModel`;
+            ignored when ``contract`` is given).
+        contract: the full :class:`ExecutionContract`; applied before loading.
+            Default: ``ExecutionContract(device, sdpa_backends)``.
 
     Raises:
         ModelLoadError: unknown model, digest mismatch, or no offline copy.
@@ -157,11 +245,13 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sdpa_backend_list(sdpa_backends)  # validate before the (slow) load
+    if contract is None:
+        contract = ExecutionContract(device=device, sdpa_backends=tuple(sdpa_backends))
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
-    set_precision_flags(torch_dtype)
+    contract.apply()  # validates before the (slow) load
+    device, sdpa_backends = contract.device, tuple(contract.sdpa_backends)
     kwargs: dict = {}
     model_str = str(model)
     if model_str == EMBEDDED:
@@ -212,7 +302,8 @@ def load_model(
         dtype=dtype,
     )
     return LoadedModel(
-        model=m, tokenizer=tok, dtype=torch_dtype, role_table=table, identity=identity, sdpa_backends=tuple(sdpa_backends)
+        model=m, tokenizer=tok, dtype=torch_dtype, role_table=table, identity=identity, sdpa_backends=tuple(sdpa_backends),
+        contract=contract,
     )
 
 
@@ -271,11 +362,19 @@ def execution_contract(lm: LoadedModel | None = None, threads: int | None = None
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     }
+    if dev.type == "cuda":
+        contract["cudnn_deterministic"] = torch.backends.cudnn.deterministic
+        contract["cudnn_benchmark"] = torch.backends.cudnn.benchmark
+        contract["cuda_runtime"] = torch.version.cuda
+        contract["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(dev)))
     if lm is not None:
         contract["dtype"] = str(lm.dtype).replace("torch.", "")
         contract["attn_implementation"] = lm.model.config._attn_implementation
         contract["sdpa_backends_used"] = list(lm.sdpa_backends)
         contract["model"] = lm.identity
+        if lm.contract is not None:
+            contract["contract"] = dataclasses.asdict(lm.contract) | {
+                "sdpa_backends": list(lm.contract.sdpa_backends), "deterministic_resolved": lm.contract.resolved_deterministic()}
     return contract
 
 

@@ -11,6 +11,12 @@ A notebook that fails stops the chain: its partial copy is moved to
 failing cell is named. A notebook whose inputs (source, parameters, library
 source, the profile's ledgers) are unchanged since its last successful run is
 skipped; ``--force`` runs it anyway.
+
+``--engine inprocess`` runs the notebooks' code cells in this Python process
+instead of a Jupyter kernel, for machines that have the scientific stack but
+no Jupyter (the lent GPU machine): ledgers, tables and figures are written as
+usual, but no executed notebook, HTML or up-to-date stamp, so a later
+papermill run executes every notebook (reusing the finished ledgers).
 """
 
 from __future__ import annotations
@@ -107,6 +113,51 @@ def run_notebook(name: str, profile: str, params: dict, out_dir: Path, html: boo
     return out
 
 
+def code_cells(path: Path) -> list[tuple[list[str], str]]:
+    """``(tags, source)`` of every code cell of a notebook file (read as JSON, no Jupyter needed)."""
+    import json
+
+    nb = json.loads(Path(path).read_text(encoding="utf-8"))
+    out = []
+    for c in nb["cells"]:
+        if c["cell_type"] == "code":
+            src = c["source"] if isinstance(c["source"], str) else "".join(c["source"])
+            out.append((c.get("metadata", {}).get("tags", []), src))
+    return out
+
+
+def run_inprocess(path: Path, params: dict) -> None:
+    """Execute a notebook's code cells in one fresh namespace of this process, parameters injected as papermill would.
+
+    The names assigned in the cell tagged ``parameters`` are the declared
+    parameters; values of ``params`` for those names are assigned right after
+    it. Cells run with the notebook's folder as working directory.
+
+    Raises:
+        RuntimeError: naming the notebook and the failing cell (1-based among code cells).
+    """
+    import ast
+
+    cells = code_cells(path)
+    ns: dict = {"__name__": "__main__"}
+    cwd = os.getcwd()
+    os.chdir(Path(path).parent)
+    try:
+        for i, (tags, src) in enumerate(cells, 1):
+            try:
+                exec(compile(src, f"{Path(path).name}, code cell {i}", "exec"), ns)
+                if "parameters" in tags:
+                    declared = {t.id for node in ast.parse(src).body if isinstance(node, ast.Assign)
+                                for t in node.targets if isinstance(t, ast.Name)}
+                    ns.update({k: v for k, v in params.items() if k in declared})
+            except Exception as e:
+                raise RuntimeError(f"{Path(path).name} failed in code cell {i} ({type(e).__name__}: {e})") from e
+    finally:
+        os.chdir(cwd)
+        if "matplotlib.pyplot" in sys.modules:
+            sys.modules["matplotlib.pyplot"].close("all")
+
+
 def inputs_digest(name: str, profile: str, params: dict) -> str:
     """sha256 of everything a notebook's outputs depend on: its source, its parameters, the library source,
     every ledger, panel and prefix-bank file of the profile (run logs and parquet copies excluded), and the
@@ -145,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="notebook name prefixes to run (default: the whole chain)")
     ap.add_argument("--no-html", action="store_true")
     ap.add_argument("--force", action="store_true", help="run every notebook even if its inputs are unchanged")
+    ap.add_argument("--ledger-root", default=None, help="write and read ledgers under this folder instead of data/ledgers")
+    ap.add_argument("--engine", choices=["papermill", "inprocess"], default="papermill",
+                    help="inprocess: run code cells in this process (no Jupyter; writes no executed notebooks)")
     args = ap.parse_args(argv)
     try:
         params = load_profile(args.profile)
@@ -152,13 +206,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     params["profile"] = args.profile
+    if args.ledger_root:
+        params["ledger_root"] = str(Path(args.ledger_root).resolve())
     out_dir = BUILD / args.profile
-    chain = [n for n in CHAIN if not args.only or any(n.startswith(p) for p in args.only)]
+    # a profile may name the notebooks it runs (e.g. a reference run that covered only some experiments)
+    selected = args.only or params.get("notebooks")
+    chain = [n for n in CHAIN if not selected or any(n.startswith(p) for p in selected)]
     if not chain:
-        print(f"error: --only {args.only} matches no notebook of {CHAIN}", file=sys.stderr)
+        print(f"error: --only / notebooks {selected} matches no notebook of {CHAIN}", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    if args.engine == "inprocess":
+        import matplotlib
+
+        matplotlib.use("Agg")
+        for name in chain:
+            t = time.perf_counter()
+            print(f"== {name} (profile {args.profile}, in process)", flush=True)
+            (out_dir / f".{Path(name).stem}.inputs").unlink(missing_ok=True)
+            try:
+                run_inprocess(NOTEBOOKS / name, params)
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
+        print(f"\nin-process run ({args.profile}) finished in {time.perf_counter() - t0:.0f} s; ledgers: {LEDGERS / args.profile}")
+        return 0
     for name in chain:
         t = time.perf_counter()
         stamp = out_dir / f".{Path(name).stem}.inputs"

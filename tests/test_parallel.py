@@ -1,0 +1,118 @@
+"""Row-parallel workers and the execution contract (issue 7): same bytes as a sequential run, resumable, fail-closed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_problems
+
+from kvreplay.data import load_bank
+from kvreplay.experiments import ArmSettings, exp1_row, run_arm, run_experiment1
+from kvreplay.gates import GateError
+from kvreplay.ledger import Ledger
+from kvreplay.models import ExecutionContract, ModelLoadError, execution_contract, load_model
+from kvreplay.parallel import worker_devices
+from kvreplay.paths import LEDGERS
+
+
+@pytest.fixture
+def tiny_arm(tmp_path):
+    tok = make_tokenizer()
+    make_model("llama", len(tok)).save_pretrained(tmp_path / "tiny-llama")
+    tok.save_pretrained(tmp_path / "tiny-llama")
+    fmt = tmp_path / "tiny.yaml"
+    fmt.write_text(yaml.safe_dump(TINY_FORMAT))
+
+    def settings(**kw):
+        base = dict(profile="t", dtype="float32", caps=TINY_CAPS, model=str(tmp_path / "tiny-llama"), fmt=str(fmt),
+                    threads=1, preflight=1)
+        return ArmSettings(**(base | kw))
+
+    return settings
+
+
+def test_workers_give_the_sequential_ledger_bytes_and_resume(tmp_path, tiny_arm):
+    problems = tiny_problems(5)
+    seq, led_seq = run_experiment1(problems, tiny_arm(), ledger_root=tmp_path / "seq", progress=False)
+    par, led_par = run_experiment1(problems, tiny_arm(workers=2), ledger_root=tmp_path / "par", progress=False)
+    assert led_seq.dir.name == led_par.dir.name  # workers are not part of the scientific key
+    assert led_par.rows_path.read_bytes() == led_seq.rows_path.read_bytes()
+    assert par == seq
+    events = [json.loads(x) for x in (led_par.dir / "runlog.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "workers" and e["workers"] == 2 for e in events)
+    # resume: keep two finished rows (and half of a third, as a crash mid-write leaves it), finish with workers
+    lines = led_par.rows_path.read_bytes().splitlines(keepends=True)
+    led_par.rows_path.write_bytes(b"".join(lines[:2]) + lines[2][:17])
+    again, _ = run_experiment1(problems, tiny_arm(workers=3), ledger_root=tmp_path / "par", progress=False)
+    assert led_par.rows_path.read_bytes() == led_seq.rows_path.read_bytes()
+    assert again == seq
+
+
+def test_workers_stop_at_a_failing_preflight_row(tmp_path, tiny_arm):
+    def plant(states):  # runs inside the workers (sent with cloudpickle)
+        with torch.inference_mode():
+            states["live_replica"].logits[:, 0] += 1.0
+
+    with pytest.raises(GateError, match="preflight"):
+        run_arm("exp1", tiny_arm(workers=2, preflight=2), tiny_problems(4), exp1_row,
+                ledger_root=tmp_path, progress=False, faults=plant)
+    (folder,) = (tmp_path / "t").iterdir()
+    rows = [json.loads(x) for x in (folder / "rows.jsonl").read_text().splitlines()]
+    assert [r["problem_id"] for r in rows] == ["tiny-00"]  # aborted before any non-preflight row was started
+    assert rows[0]["gate_failure"]["gate"].startswith("replica")
+
+
+def test_worker_devices():
+    assert worker_devices("cpu", 3) == ["cpu", "cpu", "cpu"]
+    assert worker_devices("cuda:1", 2) == ["cuda:1", "cuda:1"]
+    with pytest.raises(ValueError, match="at least 1"):
+        worker_devices("cpu", 0)
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(ValueError, match="no CUDA device"):
+            worker_devices("cuda", 2)
+
+
+def test_cpu_contract_adds_nothing_to_committed_ledger_keys():
+    """The CUDA parameters must not move CPU ledgers: the committed cpu ledger's folder is found again."""
+    from kvreplay.contract import Caps
+
+    params = yaml.safe_load((LEDGERS.parent.parent / "notebooks" / "params" / "cpu.yaml").read_text())
+    rows = load_bank()[: params["n_rows"]]
+    s = ArmSettings(profile="cpu", dtype="bfloat16", caps=Caps(params["cap_branch"], params["cap_merge"], params["cap_answer"]),
+                    threads=params["threads"], preflight=params["preflight"], workers=4)
+    config = s.config("exp1", rows)
+    assert "execution" not in config
+    assert Ledger.folder(LEDGERS / "cpu", "exp1-bfloat16", config).is_dir()
+    cuda = ArmSettings(profile="cpu", dtype="bfloat16", caps=s.caps, device="cuda").config("exp1", rows)
+    assert cuda["execution"] == {"device": "cuda", "cublas_workspace_config": ":4096:8"}
+    tf32 = ArmSettings(profile="cpu", dtype="float32", caps=s.caps, device="cuda", allow_tf32=True, deterministic=False)
+    assert tf32.config("exp1", rows)["execution"] == {"device": "cuda", "cublas_workspace_config": None,
+                                                       "deterministic": False, "allow_tf32": True}
+
+
+def test_contract_is_applied_and_recorded(tmp_path, tiny_arm):
+    c = ExecutionContract()
+    assert c.key() == {} and c.resolved_deterministic() is False
+    assert ExecutionContract(device="cuda:0").resolved_deterministic() is True
+    lm, _ = tiny_arm(deterministic=True).load()
+    try:
+        rec = execution_contract(lm, 1)
+        assert torch.are_deterministic_algorithms_enabled() and rec["deterministic_algorithms"] is True
+        assert rec["contract"]["deterministic_resolved"] is True and rec["contract"]["device"] == "cpu"
+        assert rec["contract"]["sdpa_backends"] == ["math"] and rec["contract"]["allow_tf32"] is False
+        assert rec["tf32_matmul"] is False and rec["float32_matmul_precision"] == "highest"
+    finally:
+        ExecutionContract().apply()
+    rec = execution_contract(tiny_arm().load()[0], 1)
+    assert rec["deterministic_algorithms"] is False and rec["contract"]["deterministic_resolved"] is False
+    with pytest.raises(ValueError, match="unknown device"):
+        ExecutionContract(device="tpu").apply()
+    with pytest.raises(ValueError, match="unknown SDPA backend"):
+        ExecutionContract(sdpa_backends=("fastest",)).apply()
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="sees no CUDA device"):
+            load_model("embedded", "bfloat16", contract=ExecutionContract(device="cuda"))
