@@ -179,3 +179,25 @@ def test_letter_tokens_refuses_an_ambiguous_tokenizer():
     assert len(set(letters.values())) == 4
     with pytest.raises(ContractError):
         adapt.letter_tokens(fmt, ["A", "AB"])
+
+
+def test_load_checkpoint_model_checks_the_table_and_the_base(tmp_path, monkeypatch):
+    import kvreplay.models as models
+
+    folder, manifest, _ = _train(tmp_path)
+    later = adapt.checkpoint(folder, "later")
+    loaded = {}
+
+    def fake_load(model, dtype, role_table=None, sdpa_backends=("math",), **kw):
+        loaded.update(model=model, dtype=dtype, role_table=role_table)
+        return dataclasses.replace(tiny_lm("llama", torch.float32), identity={"role_table_sha256": models.file_sha256(role_table)})
+
+    monkeypatch.setattr(models, "load_model", fake_load)
+    lm = adapt.load_checkpoint_model(folder, "later", "bfloat16")
+    assert loaded == {"model": "tiny", "dtype": "bfloat16", "role_table": later.path}
+    assert lm.identity["role_table_sha256"] == later.sha256
+    with pytest.raises(adapt.CheckpointError, match="not the base"):
+        adapt.load_checkpoint_model(folder, "later", model="embedded")  # the table was keyed to another base model
+    torch.save(torch.zeros(14, 64), later.path)
+    with pytest.raises(adapt.CheckpointError, match="sha256"):
+        adapt.load_checkpoint_model(folder, "later")

@@ -595,7 +595,7 @@ def load_checkpoint_model(folder: str | Path, which: str = "later", dtype: str =
     ck = checkpoint(folder, which)
     base = model or ck.base_model["model"]
     key = ck.base_model["key"]
-    if model is not None and key.get("sha256") and model_key(model) != key:
+    if model is not None and model_key(model) != key:
         raise CheckpointError(f"model {model!r} is not the base the role table was trained on ({key})")
     lm = load_model(base, dtype, role_table=ck.path, sdpa_backends=sdpa_backends)
     if lm.identity["role_table_sha256"] != ck.sha256:
