@@ -5,6 +5,7 @@
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu)
 #   make lab      JupyterLab on the drift explorer (notebooks/08_drift_explorer.ipynb)
 #   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
+#                 (BENCH_ARGS="--device cuda --workers 8"; see python -m kvreplay.bench -h)
 #   make clean    remove build/ and caches   (keeps data/ and .venv)
 #   make distclean  clean, and remove .venv too
 #
@@ -23,6 +24,7 @@ PIP     := $(PY) -m pip
 PROFILE ?= cpu
 PYTEST_ARGS ?=
 PAPER_ARGS ?=
+BENCH_ARGS ?=
 PIPFLAGS ?=
 LOCK_COMPILER ?= pip-compile
 STAMP   := $(VENV)/.stamp
@@ -58,7 +60,7 @@ lab: setup
 	$(VENV)/bin/jupyter lab notebooks/08_drift_explorer.ipynb
 
 bench: setup
-	$(PY) -m kvreplay.bench
+	$(PY) -m kvreplay.bench $(BENCH_ARGS)
 
 clean:
 	rm -rf build/ .pytest_cache/ lib/*.egg-info/

@@ -87,3 +87,16 @@ def test_chain_order_and_checkpoint_files_enter_the_stamp(tmp_path):
     d2 = digest()
     table.unlink()
     assert len({d1, d2, digest()}) == 3
+
+
+def test_a_malformed_notebooks_key_is_refused(tmp_path, monkeypatch, capsys):
+    from kvreplay import paper
+
+    params = tmp_path / "params"
+    params.mkdir()
+    monkeypatch.setattr(paper, "PARAMS", params)
+    monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
+    for bad in ('"01"', "1", "[]"):
+        (params / "mini.yaml").write_text(f"profile: mini\nnotebooks: {bad}\n")
+        assert paper.main(["--profile", "mini"]) == 2
+        assert "`notebooks` must be a non-empty list" in capsys.readouterr().err

@@ -116,3 +116,15 @@ def test_contract_is_applied_and_recorded(tmp_path, tiny_arm):
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="sees no CUDA device"):
             load_model("embedded", "bfloat16", contract=ExecutionContract(device="cuda"))
+
+
+def test_bad_worker_counts_and_a_worker_that_cannot_start(tmp_path, tiny_arm):
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="workers must be"):
+            tiny_arm(workers=bad)
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(RuntimeError, match=r"row worker \(pid \d+, device cpu\) failed to start: ModelLoadError"):
+        run_experiment1(tiny_problems(3), tiny_arm(workers=2, model=str(broken)), ledger_root=tmp_path, progress=False)
+    assert not any((tmp_path / "t").glob("*/rows.jsonl"))  # nothing was computed

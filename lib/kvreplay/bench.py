@@ -43,11 +43,16 @@ def _median_time(fn, repeats: int) -> float:
 
 def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repeats: int = 3, threads: int = 2,
         caps: tuple[int, int, int] = (48, 160, 12), device: str = "cpu", workers: int = 2,
-        rows: int | None = None) -> pd.DataFrame:
+        rows: int | None = None, worker_threads: int | None = None) -> pd.DataFrame:
     """Measure and return the benchmark table (one row per quantity, seconds and ratios).
 
     ``workers`` <= 1 skips the row-parallel measurement; ``rows`` rows (default
     two per worker) are timed both in one process and in the workers.
+    ``worker_threads`` (default: ``threads // workers`` on CPU, so the workers
+    share the cores the single process had; ``threads`` on CUDA) are each
+    worker's intra-op threads. The warm-up maps one row per worker after the
+    pool starts; the pool hands rows to whichever worker is free, so a worker
+    still loading then is not waited for.
     """
     from .caches import live_replica
     from .contract import Caps
@@ -94,7 +99,11 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
         for p in timed:
             exp1_row(spec, p)
         t_seq = time.perf_counter() - t0
-        with RowPool(settings, exp1_row, workers=workers) as pool:
+        import dataclasses
+
+        if worker_threads is None:
+            worker_threads = threads if lm.device.type == "cuda" else max(1, threads // workers)
+        with RowPool(dataclasses.replace(settings, threads=worker_threads), exp1_row, workers=workers) as pool:
             list(pool.map(bank[1 + n : 1 + n + workers]))  # start-up and one warm-up row per worker
             t0 = time.perf_counter()
             list(pool.map(timed))
@@ -113,7 +122,7 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     }
     if t_seq is not None:
         rows[f"Experiment 1 rows per hour, one process ({n} rows)"] = round(3600 * n / t_seq, 1)
-        rows[f"Experiment 1 rows per hour, {workers} workers (same {n} rows)"] = round(3600 * n / t_par, 1)
+        rows[f"Experiment 1 rows per hour, {workers} workers x {worker_threads} thread(s) (same {n} rows)"] = round(3600 * n / t_par, 1)
         rows[f"{workers} workers / one process (throughput ratio)"] = round(t_seq / t_par, 2)
     rows["peak resident memory of this process (MiB)"] = round(peak_mib)
     if lm.device.type == "cuda":
@@ -130,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--workers", type=int, default=2, help="row-parallel processes for the rows-per-hour ratio (1: skip)")
+    ap.add_argument("--worker-threads", type=int, default=None, help="intra-op threads per worker (default: threads // workers on CPU)")
     ap.add_argument("--rows", type=int, default=None, help="rows timed for the rows-per-hour ratio (default 2 per worker)")
     ap.add_argument("--caps", type=int, nargs=3, default=(48, 160, 12), metavar=("BRANCH", "MERGE", "ANSWER"))
     args = ap.parse_args(argv)
     table = run(args.model, args.dtype, args.tokens, args.repeats, args.threads, tuple(args.caps), args.device, args.workers,
-                args.rows)
+                args.rows, args.worker_threads)
     print(table.to_markdown())
     return 0
 

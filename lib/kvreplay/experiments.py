@@ -426,6 +426,10 @@ class ArmSettings:
     allow_tf32: bool = False
     workers: int = 1
 
+    def __post_init__(self):
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be a whole number of at least 1, got {self.workers!r}")
+
     def contract(self, device: str | None = None) -> ExecutionContract:
         """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
         return ExecutionContract(
@@ -491,7 +495,6 @@ def run_arm(
         ModelLoadError, ContractError: bad model or problems, before any row.
     """
     from .ledger import Ledger, run_rows
-    from .models import execution_contract
 
     config = settings.config(name, problems) | (extra_config or {})
     root = Path(ledger_root) / settings.profile
@@ -502,26 +505,44 @@ def run_arm(
         if probe.complete(ids):
             by_id = {r["problem_id"]: r for r in probe.records()}
             return [by_id[i] for i in ids], probe
-    lm, bf = settings.load()
-    check_prompts(bf, problems)
-    ledger = Ledger(root, label, config, environment=execution_contract(lm, settings.threads) | {"format_digest": bf.digest})
-    spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults)
-    todo = [p for p in problems if p.problem_id not in ledger.done_keys()]
+    done = Ledger(root, label, config).done_keys() if Ledger.folder(root, label, config).is_dir() else set()
+    todo = [p for p in problems if p.problem_id not in done]
     if settings.workers > 1 and len(todo) > 1:
+        # the workers load the model; this process loads none (a second copy would sit on the first GPU)
         from .parallel import RowPool
 
         with RowPool(settings, row, workers=min(settings.workers, len(todo)), faults=faults) as pool:
+            environment = pool.prepare(problems)  # prompts checked and contract recorded inside a worker
+            ledger = Ledger(root, label, config, environment=environment)
             ledger.log(event="workers", workers=pool.workers, devices=pool.devices)
             records = run_rows(
                 ledger, list(problems), None, key=lambda p: p.problem_id, mapper=pool.map,
                 preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype} x{pool.workers}",
             )
         return records, ledger
+    lm, bf = settings.load()
+    check_prompts(bf, problems)
+    ledger = Ledger(root, label, config, environment=arm_environment(lm, bf, settings))
+    spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults)
     records = run_rows(
         ledger, list(problems), lambda p: row(spec, p), key=lambda p: p.problem_id,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",
     )
     return records, ledger
+
+
+def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings) -> dict:
+    """What a ledger's ``environment.json`` records for an arm: the execution contract as applied, and the format digest.
+
+    The contract's ``device`` is the arm's setting (``"cuda"``), not a worker's
+    GPU, so a ledger's environment does not depend on which worker recorded it.
+    """
+    from .models import execution_contract
+
+    env = execution_contract(lm, settings.threads) | {"format_digest": fmt.digest}
+    if "contract" in env:
+        env["contract"]["device"] = settings.device
+    return env
 
 
 def run_experiment1(

@@ -8,7 +8,9 @@ scientific config (its sha256 is the digest):
   the library source; a mismatch on reuse warns "stale" but is allowed.
 - ``rows.jsonl``: one JSON record per finished row (per problem, holding all
   of that problem's arms), appended and flushed as each row finishes. A crash
-  loses at most the row in flight; a partial last line is cut off on resume.
+  loses at most the row in flight (with row-parallel workers: the rows in
+  flight and any finished after the first unfinished one, since rows are
+  appended in order); a partial last line is cut off on resume.
 - ``runlog.jsonl``: wall times and hosts (never in ``rows.jsonl``, so two runs
   of the same config on the same machine give byte-identical rows).
 

@@ -76,7 +76,8 @@ class ExecutionContract:
 
     Attributes:
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Row-parallel workers
-            replace the index; the ledger key holds only the device type.
+            spread ``"cuda"`` over the visible GPUs (an explicit ``"cuda:N"``
+            pins them all); the ledger key holds only the device type.
         sdpa_backends: SDPA backends every forward call may use. The default
             ``("math",)`` keeps the two duplicate rows of a step in sync on
             every machine we tried: the fused flash kernel desynced them on a

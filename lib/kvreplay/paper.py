@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-html", action="store_true")
     ap.add_argument("--force", action="store_true", help="run every notebook even if its inputs are unchanged")
     ap.add_argument("--ledger-root", default=None, help="write and read ledgers under this folder instead of data/ledgers")
+    ap.add_argument("--figures-root", default=None, help="write tables and figures under this folder instead of figures/")
     ap.add_argument("--engine", choices=["papermill", "inprocess"], default="papermill",
                     help="inprocess: run code cells in this process (no Jupyter; writes no executed notebooks)")
     args = ap.parse_args(argv)
@@ -208,9 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     params["profile"] = args.profile
     if args.ledger_root:
         params["ledger_root"] = str(Path(args.ledger_root).resolve())
+    if args.figures_root:
+        params["figures_root"] = str(Path(args.figures_root).resolve())
+    ledgers = Path(params.get("ledger_root") or LEDGERS) / args.profile
+    figures = Path(params.get("figures_root") or FIGURES) / args.profile
     out_dir = BUILD / args.profile
     # a profile may name the notebooks it runs (e.g. a reference run that covered only some experiments)
     selected = args.only or params.get("notebooks")
+    if not args.only and "notebooks" in params:
+        if not (isinstance(selected, list) and selected and all(isinstance(x, str) and x for x in selected)):
+            print(f"error: profile {args.profile!r}: `notebooks` must be a non-empty list of notebook name prefixes "
+                  f"such as [\"01\", \"06\"], got {selected!r}", file=sys.stderr)
+            return 2
     chain = [n for n in CHAIN if not selected or any(n.startswith(p) for p in selected)]
     if not chain:
         print(f"error: --only / notebooks {selected} matches no notebook of {CHAIN}", file=sys.stderr)
@@ -231,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
             print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
-        print(f"\nin-process run ({args.profile}) finished in {time.perf_counter() - t0:.0f} s; ledgers: {LEDGERS / args.profile}")
+        print(f"\nin-process run ({args.profile}) finished in {time.perf_counter() - t0:.0f} s; ledgers: {ledgers}; "
+              f"tables and figures: {figures}")
         return 0
     for name in chain:
         t = time.perf_counter()
@@ -253,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / f".{Path(name).stem}.inputs").write_text(inputs_digest(name, args.profile, params))
     print(f"\nmake paper ({args.profile}) finished in {time.perf_counter() - t0:.0f} s")
     print(f"  executed notebooks and HTML: {out_dir}")
-    print(f"  ledgers:                     {LEDGERS / args.profile}")
-    print(f"  tables and figures:          {FIGURES / args.profile}")
+    print(f"  ledgers:                     {ledgers}")
+    print(f"  tables and figures:          {figures}")
     return 0
 
 

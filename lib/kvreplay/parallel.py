@@ -47,18 +47,41 @@ def worker_devices(device: str, workers: int) -> list[str]:
 
 
 def _init(settings_blob: bytes, row_blob: bytes, devices, lock) -> None:
-    from .experiments import RunSpec
+    device = "?"
+    # before torch is imported here: idle OpenMP threads of many workers must not spin on shared cores
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        from .experiments import RunSpec
 
-    settings, faults = pickle.loads(settings_blob)
-    with lock:
-        device = devices.pop(0) if len(devices) else settings.device
-    lm, fmt = settings.load(device)
-    _WORKER["spec"] = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, faults=faults)
-    _WORKER["row"] = pickle.loads(row_blob)
+        settings, faults = pickle.loads(settings_blob)
+        with lock:
+            device = devices.pop(0) if len(devices) else settings.device
+        lm, fmt = settings.load(device)
+        _WORKER.update(spec=RunSpec(lm=lm, fmt=fmt, caps=settings.caps, faults=faults), settings=settings,
+                       row=pickle.loads(row_blob), device=device)
+    except BaseException as e:  # keep it: the first task re-raises it in the caller, instead of a broken pool
+        _WORKER.update(error=e, device=device)
+
+
+def _ready() -> None:
+    if "error" in _WORKER:
+        e = _WORKER["error"]
+        raise RuntimeError(f"row worker (pid {os.getpid()}, device {_WORKER['device']}) failed to start: "
+                           f"{type(e).__name__}: {e}") from e
 
 
 def _task(item) -> dict:
+    _ready()
     return _WORKER["row"](_WORKER["spec"], item)
+
+
+def _prepare(problems) -> dict:
+    from .experiments import arm_environment, check_prompts
+
+    _ready()
+    spec = _WORKER["spec"]
+    check_prompts(spec.fmt, problems)
+    return arm_environment(spec.lm, spec.fmt, _WORKER["settings"])
 
 
 class RowPool:
@@ -85,19 +108,27 @@ class RowPool:
         self._manager = manager
         shared = manager.list(self.devices)
         lock = manager.Lock()
-        env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        os.environ.update(env)  # spawned workers inherit it: idle OpenMP threads must not spin on shared cores
         self._pool = cf.ProcessPoolExecutor(
             max_workers=self.workers, mp_context=ctx, initializer=_init,
             initargs=(cloudpickle.dumps((settings, faults)), cloudpickle.dumps(row), shared, lock),
         )
+
+    def prepare(self, problems) -> dict:
+        """In one worker: check every prompt against the block contract and return the ledger environment.
+
+        Raises:
+            ContractError: a problem violates the contract (before any row is computed);
+            RuntimeError: a worker failed to start (its cause is named).
+        """
+        return self._pool.submit(_prepare, list(problems)).result()
 
     def map(self, items: Iterable) -> Iterator[dict]:
         """Records for ``items``, computed in the workers, yielded in item order.
 
         Raises:
             whatever a row raised (after the rows before it were yielded);
-            ``concurrent.futures.process.BrokenProcessPool`` if a worker died.
+            RuntimeError naming the cause if a worker failed to start;
+            ``concurrent.futures.process.BrokenProcessPool`` if a worker process died.
         """
         return self._pool.map(_task, list(items), chunksize=1)
 

@@ -2,9 +2,9 @@
 
 Usage: ``python -m kvreplay.probe --device cuda [--rows 2] [--caps 32 64 8] [--out probe.json]``.
 
-For each setting in :data:`SETTINGS` (the safe default contract, and the
-variants seen to desync: all SDPA backends with cuDNN allowed and
-deterministic algorithms off, the fused flash/efficient kernels alone) runs
+For each setting in :data:`SETTINGS` (the default contract, all SDPA backends
+with cuDNN allowed and deterministic algorithms off, cuDNN attention alone,
+and the memory-efficient kernel alone with deterministic algorithms) runs
 Experiment 1 rows (live decoding, then the four-arm matrix, BF16 and FP32) and
 reports, per setting and precision, how many rows passed every gate, which
 gate stopped the others, and whether BF16 prefill drifted from live. The
@@ -20,7 +20,7 @@ import sys
 import time
 
 SETTINGS = {
-    "contract default (math SDPA, deterministic)": {"sdpa_backends": ("math",), "deterministic": None},
+    "contract default (math SDPA; deterministic on CUDA)": {"sdpa_backends": ("math",), "deterministic": None},
     "all SDPA backends incl. cuDNN, nondeterministic": {"sdpa_backends": ("cudnn", "flash", "efficient", "math"), "deterministic": False},
     "cuDNN SDPA only, nondeterministic": {"sdpa_backends": ("cudnn",), "deterministic": False},
     "efficient SDPA, deterministic": {"sdpa_backends": ("efficient",), "deterministic": True},
