@@ -125,6 +125,6 @@ def test_bad_worker_counts_and_a_worker_that_cannot_start(tmp_path, tiny_arm):
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
-    with pytest.raises(RuntimeError, match=r"row worker \(pid \d+, device cpu\) failed to start: ModelLoadError"):
+    with pytest.raises(RuntimeError, match=r"row worker \(pid \d+, device cpu\) failed to start: ModelLoadError: cannot load the model at .*broken-model. \(it exists"):
         run_experiment1(tiny_problems(3), tiny_arm(workers=2, model=str(broken)), ledger_root=tmp_path, progress=False)
     assert not any((tmp_path / "t").glob("*/rows.jsonl"))  # nothing was computed

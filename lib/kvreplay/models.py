@@ -282,10 +282,13 @@ def load_model(
         # GGUF weights are dequantized in float32, then cast: the same bits in every run.
         m = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as e:
+        cause = f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        if Path(source).exists():
+            raise ModelLoadError(f"cannot load the model at {source!r} (it exists but transformers cannot load it) {cause}") from e
         raise ModelLoadError(
             f"cannot load model {model_str!r}: there is no local folder of that name and no hub model of that id in "
             f"the local cache (nothing is downloaded). Give 'embedded', a local folder with config.json, a .gguf file, "
-            f"or a cached hub id. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            f"or a cached hub id. {cause}"
         ) from e
     m = m.to(device=device, dtype=torch_dtype).eval()
     m.generation_config.do_sample = False
