@@ -500,12 +500,13 @@ def run_arm(
     root = Path(ledger_root) / settings.profile
     ids = [p.problem_id for p in problems]
     label = f"{name}-{settings.dtype}"
+    done: set[str] = set()
     if Ledger.folder(root, label, config).is_dir():
         probe = Ledger(root, label, config)
         if probe.complete(ids):
             by_id = {r["problem_id"]: r for r in probe.records()}
             return [by_id[i] for i in ids], probe
-    done = Ledger(root, label, config).done_keys() if Ledger.folder(root, label, config).is_dir() else set()
+        done = probe.done_keys()
     todo = [p for p in problems if p.problem_id not in done]
     if settings.workers > 1 and len(todo) > 1:
         # the workers load the model; this process loads none (a second copy would sit on the first GPU)
