@@ -9,7 +9,7 @@ The physical batch is two duplicate copies of one problem. After every call
 the two rows' logits must agree bit for bit; otherwise :class:`~kvreplay.gates.GateError`
 (gate ``desync``) is raised and the row fails closed.
 
-Call schedule (DESIGN.md): the live generator processes the prompt block in
+Call schedule: the live generator processes the prompt block in
 one call, then exactly one token per call, forced delimiter tokens included.
 """
 
@@ -91,7 +91,7 @@ def model_inputs(
 
 def forward(
     lm: LoadedModel, cache: DynamicCache, ids: torch.Tensor, roles_all: torch.Tensor, start: int,
-    trace: list | None = None, *, check: bool = True,
+    trace: list | None = None, *, check: bool = True, readout: "FP32Readout | None" = None,
 ) -> torch.Tensor:
     """One forward call over ``q`` new tokens of the duplicate batch.
 
@@ -102,34 +102,76 @@ def forward(
         roles_all: ``[2, start + q]`` int64 raw roles of all tokens so far.
         start: number of tokens already in the cache (= first position).
         trace: if given, the ``[2, q]`` position IDs of this call are appended to it.
-        check: compare the duplicate rows now (a host sync). The greedy loop
-            passes ``False`` and reads :func:`rows_in_sync` together with the
-            chosen token, so a decode step costs one sync.
+        check: check the logits now (a host sync): finite, and the duplicate
+            rows equal. The greedy loop passes ``False`` and reads both checks
+            together with the chosen token, so a decode step costs one sync.
+        readout: when given, the final norm and LM head run in float32 on the
+            model-dtype hidden state (:class:`FP32Readout`, an exploratory
+            control); the KV cache is written exactly as without it.
 
     Returns:
-        ``[2, vocab]`` logits of the last token of the call, model dtype.
+        ``[2, vocab]`` logits of the last token of the call: model dtype, or
+        float32 with ``readout``.
 
     Raises:
-        GateError: gate ``desync`` if the two duplicate rows' logits differ.
+        GateError: gate ``nonfinite`` if a logit is NaN or infinite (checked
+            first: NaN rows never compare equal), then ``desync`` if the two
+            duplicate rows' logits differ.
     """
     q = ids.shape[1]
     embeds, mask, positions = model_inputs(lm, ids, roles_all, start)
     if trace is not None:
         trace.append(positions)
+    kwargs = dict(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     with sdpa_kernel(_backends(lm.sdpa_backends)):
-        out = lm.model(
-            inputs_embeds=embeds,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        if readout is None:
+            logits = lm.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
+        else:
+            logits = readout(lm, kwargs)
     lm.calls += 1
-    logits = out.logits[:, -1, :]
-    if check and not torch.equal(logits[0], logits[1]):
-        raise _desync(start + q - 1)
+    if check:
+        if not bool(torch.isfinite(logits).all()):
+            raise _nonfinite(start + q - 1)
+        if not torch.equal(logits[0], logits[1]):
+            raise _desync(start + q - 1)
     return logits
+
+
+class FP32Readout:
+    """Final norm and LM head in float32 on the model-dtype hidden state (an exploratory control).
+
+    The transformer body runs as usual in the model's dtype and writes the
+    same KV cache; only the last step -- the final RMS norm and the LM head,
+    which turn the ``[2, hidden]`` hidden state into ``[2, vocab]`` logits --
+    runs on float32 copies of their weights. Decoding the same BF16 boundary
+    caches with it separates cache drift from BF16 logit granularity: BF16
+    logits near the top are spaced 0.125 apart, so exact ties are common.
+
+    Supports models whose final norm is ``model.model.norm`` (Llama, Qwen2,
+    Mistral families) and whose LM head is the output embedding.
+
+    Raises:
+        ContractError: if the model has no ``model.model.norm``.
+    """
+
+    def __init__(self, lm: LoadedModel):
+        import copy
+
+        base = getattr(lm.model, "model", None)
+        if base is None or not hasattr(base, "norm"):
+            raise ContractError(f"{type(lm.model).__name__}: no final norm at model.model.norm; FP32 readout unsupported")
+        self.norm = copy.deepcopy(base.norm).float()
+        self.head = copy.deepcopy(lm.model.get_output_embeddings()).float()
+
+    def __call__(self, lm: LoadedModel, kwargs: dict) -> torch.Tensor:
+        base = lm.model.model
+        norm = base.norm
+        base.norm = torch.nn.Identity()  # the body returns the pre-norm hidden state
+        try:
+            hidden = base(**kwargs).last_hidden_state[:, -1, :]
+        finally:
+            base.norm = norm
+        return self.head(self.norm(hidden.float()))
 
 
 def rows_in_sync(logits: torch.Tensor) -> torch.Tensor:
@@ -139,6 +181,10 @@ def rows_in_sync(logits: torch.Tensor) -> torch.Tensor:
 
 def _desync(position: int) -> GateError:
     return GateError("desync", f"duplicate rows' logits differ after the call ending at position {position}")
+
+
+def _nonfinite(position: int) -> GateError:
+    return GateError("nonfinite", f"NaN or infinite logits after the call ending at position {position}")
 
 
 @functools.cache
@@ -181,39 +227,53 @@ class BlockCursor:
         self.forced.extend(queue)
 
     def step(self, logits: torch.Tensor, in_sync: torch.Tensor | None = None) -> tuple[int, int, float | None, bool]:
-        """Choose the next token from one row's logits ``[vocab]``.
+        """Choose the next token from one row's logits ``[vocab]`` (greedy, Hugging Face semantics).
+
+        The token is the argmax over the eligible logits; on an exact tie the
+        lowest token ID wins (``torch.argmax`` returns the first maximal
+        index, as ``generate(do_sample=False)`` does). The margin is the
+        top-1 minus top-2 eligible logit, so an exact tie has margin 0.
 
         Args:
             in_sync: optional 0-d bool tensor (the duplicate-row check of the
                 call that produced ``logits``), read in the same host transfer
-                as the chosen token.
+                as the chosen token and the finiteness check.
 
         Returns:
             ``(token, role, margin, in_sync)``: the token, the raw role it
             belongs to, the top-1 minus top-2 logit margin over eligible tokens
             (float32 units of the logits) when the model chose it, else None,
             and the value of ``in_sync`` (True when none was given).
+
+        Raises:
+            GateError: gate ``nonfinite`` if ``logits`` hold NaN or infinity.
         """
         if self.in_content and self.count >= self.caps.for_role(self.role):
             self._close()
+        flag = torch.ones((), device=logits.device) if in_sync is None else in_sync.float()
+        finite = torch.isfinite(logits).all().float()
         if self.forced:
+            ok, fin = torch.stack([flag, finite]).tolist()
+            if fin != 1.0:
+                raise GateError("nonfinite", "NaN or infinite logits at a forced step")
             token, role = self.forced.popleft()
             if not self.forced:
                 if self._answer_closing:
                     self.done = True
                 else:
                     self.role, self.count = role, 0
-            return token, role, None, True if in_sync is None else bool(in_sync)
+            return token, role, None, ok == 1.0
         key = (self.role, logits.shape[-1])
         if key not in self._masks:
             if logits.shape[-1] > 1 << 24:
                 raise ContractError(f"vocabulary of {logits.shape[-1]} tokens: token IDs would not be exact in float32")
             self._masks[key] = self.fmt.content_mask(self.role, logits.device, logits.shape[-1])
         masked = logits.float().masked_fill(~self._masks[key], float("-inf"))
-        top = torch.topk(masked, 2)
-        flag = torch.ones((), device=logits.device) if in_sync is None else in_sync.float()
-        # one host transfer per step: token (exact in float32 below 2**24), float32 margin, sync flag
-        t, margin, ok = torch.stack([top.indices[0].float(), top.values[0] - top.values[1], flag]).tolist()
+        top = torch.topk(masked, 2).values
+        # one host transfer per step: token (exact in float32 below 2**24), float32 margin, sync and finiteness flags
+        t, margin, ok, fin = torch.stack([masked.argmax().float(), top[0] - top[1], flag, finite]).tolist()
+        if fin != 1.0:
+            raise GateError("nonfinite", "NaN or infinite logits at a model-chosen step")
         token = int(t)
         role = self.role
         if token == self.fmt.closers[self.role][0]:
@@ -236,6 +296,7 @@ def _run(
     stop: Callable[[BlockCursor], bool],
     margins: list | None = None,
     trace: list | None = None,
+    readout: FP32Readout | None = None,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, int]:
     """Greedy loop: choose, then feed one token per call, until ``stop``.
 
@@ -260,7 +321,7 @@ def _run(
             break
         start = len(ids) + len(new) - 1
         logits = forward(lm, cache, torch.full((BATCH, 1), token, dtype=torch.long, device=dev), roles, start, trace,
-                         check=False)
+                         check=False, readout=readout)
         pending, last = rows_in_sync(logits), start
         calls += 1
     if pending is not None and not bool(pending):
@@ -305,11 +366,14 @@ def _fixed_prefix(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], wher
 
 
 @torch.inference_mode()
-def build_incremental(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], *, where: str = "prefix") -> Boundary:
+def build_incremental(
+    lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], *, where: str = "prefix", readout: FP32Readout | None = None,
+) -> Boundary:
     """Teacher-forced replay of the live call schedule (incremental construction).
 
     The prompt block is processed in one call, then every later token of z
-    in its own call, exactly as :func:`decode_live` did.
+    in its own call, exactly as :func:`decode_live` did. With ``readout`` the
+    boundary logits come from :class:`FP32Readout` (the cache is the same).
 
     Raises:
         ContractError: if the prefix does not end at the boundary.
@@ -317,15 +381,17 @@ def build_incremental(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], 
     """
     ids, roles, batch, cache, p = _fixed_prefix(lm, fmt, prefix, where)
     trace: list = []
-    logits = forward(lm, cache, batch[:, :p], roles[:, :p], 0, trace)
+    logits = forward(lm, cache, batch[:, :p], roles[:, :p], 0, trace, readout=readout)
     for i in range(p, len(ids)):
-        logits = forward(lm, cache, batch[:, i : i + 1], roles[:, : i + 1], i, trace)
+        logits = forward(lm, cache, batch[:, i : i + 1], roles[:, : i + 1], i, trace, readout=readout)
     return Boundary("incremental", ids, roles, cache, logits, [p] + [1] * (len(ids) - p), torch.cat(trace, dim=1))
 
 
 @torch.inference_mode()
-def build_prefill(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], *, where: str = "prefix") -> Boundary:
-    """One forward call over the whole prefix z (prefill construction).
+def build_prefill(
+    lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], *, where: str = "prefix", readout: FP32Readout | None = None,
+) -> Boundary:
+    """One forward call over the whole prefix z (prefill construction); ``readout`` as in :func:`build_incremental`.
 
     Raises:
         ContractError: if the prefix does not end at the boundary.
@@ -333,7 +399,7 @@ def build_prefill(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], *, w
     """
     ids, roles, batch, cache, _ = _fixed_prefix(lm, fmt, prefix, where)
     trace: list = []
-    logits = forward(lm, cache, batch, roles, 0, trace)
+    logits = forward(lm, cache, batch, roles, 0, trace, readout=readout)
     return Boundary("prefill", ids, roles, cache, logits, [len(ids)], torch.cat(trace, dim=1))
 
 
@@ -356,21 +422,27 @@ class Suffix:
 
 
 @torch.inference_mode()
-def decode_suffix(lm: LoadedModel, fmt: BlockFormat, boundary: Boundary, caps: Caps) -> Suffix:
+def decode_suffix(
+    lm: LoadedModel, fmt: BlockFormat, boundary: Boundary, caps: Caps, *, readout: FP32Readout | None = None,
+) -> Suffix:
     """The shared suffix decoder: continue any boundary state through merge and answer.
 
     Every arm (live, replica, prefill, incremental, transplant) goes through
     this one function with the same caps, schedule (one token per call),
     masks, positions and duplicate batch. The boundary's cache is extended
-    in place (it is consumed); take replicas and summaries first.
+    in place (it is consumed); take replicas and summaries first. With
+    ``readout`` every step's logits come from :class:`FP32Readout` (the
+    exploratory FP32-readout control; the boundary's logits should come from
+    a construction built with the same readout).
 
     Raises:
-        GateError: ``desync``.
+        GateError: ``nonfinite``, ``desync``.
     """
     cursor = BlockCursor(fmt, caps, MERGE)
     margins: list = []
     new, _, _, _ = _run(
-        lm, cursor, boundary.cache, boundary.ids, boundary.roles, boundary.logits, stop=lambda c: c.done, margins=margins
+        lm, cursor, boundary.cache, boundary.ids, boundary.roles, boundary.logits, stop=lambda c: c.done, margins=margins,
+        readout=readout,
     )
     parsed = fmt.parse(boundary.ids + new, where=f"{boundary.construction} suffix")
     if not parsed.complete:
@@ -381,11 +453,11 @@ def decode_suffix(lm: LoadedModel, fmt: BlockFormat, boundary: Boundary, caps: C
 
 
 def first_eligible_argmax(fmt: BlockFormat, logits: torch.Tensor) -> int:
-    """Argmax of boundary logits ``[vocab]`` over tokens eligible in the open merge block."""
+    """Argmax of boundary logits ``[vocab]`` over tokens eligible in the open merge block (lowest ID on a tie)."""
     mask = fmt.content_mask(MERGE, logits.device, logits.shape[-1])
     return int(logits.float().masked_fill(~mask, float("-inf")).argmax())
 
 
 def raw_argmax(logits: torch.Tensor) -> int:
-    """Unmasked argmax of boundary logits ``[vocab]`` (the paper's raw next-token argmax)."""
+    """Unmasked argmax of boundary logits ``[vocab]`` (the paper's raw next-token argmax; lowest ID on a tie)."""
     return int(logits.float().argmax())

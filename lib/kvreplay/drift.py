@@ -80,15 +80,17 @@ def logit_summary(ref: torch.Tensor, other: torch.Tensor, top_k: int = 5) -> dic
 
     Returns:
         the :func:`tensor_drift` fields plus ``argmax_ref``, ``argmax_other``,
-        ``argmax_agree``, ``margin_ref``/``margin_other`` (top-1 minus top-2, raw
-        logits, row 0) and the top-k token IDs of each.
+        ``argmax_agree`` (argmax: lowest token ID on an exact tie),
+        ``margin_ref``/``margin_other`` (top-1 minus top-2, raw logits, row 0)
+        and the top-k token IDs of each.
     """
     out = tensor_drift("logits", ref, other)
     tr, to = torch.topk(ref[0].float(), top_k), torch.topk(other[0].float(), top_k)
+    a_ref, a_other = int(ref[0].float().argmax()), int(other[0].float().argmax())
     out.update(
-        argmax_ref=int(tr.indices[0]),
-        argmax_other=int(to.indices[0]),
-        argmax_agree=int(tr.indices[0]) == int(to.indices[0]),
+        argmax_ref=a_ref,
+        argmax_other=a_other,
+        argmax_agree=a_ref == a_other,
         margin_ref=float(tr.values[0] - tr.values[1]),
         margin_other=float(to.values[0] - to.values[1]),
         topk_ref=[int(i) for i in tr.indices],
