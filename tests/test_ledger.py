@@ -54,12 +54,26 @@ def test_manifest_mismatch_is_refused(tmp_path):
         Ledger(tmp_path, "x", {"a": 1})
 
 
-def test_stale_environment_warns_but_reuses(tmp_path):
-    led = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"})
+def test_other_environment_warns_but_reuses_and_is_not_stale(tmp_path):
+    led = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=3)
     led.append({"problem_id": "p"})
-    with pytest.warns(UserWarning, match="stale"):
-        again = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "2"})
+    with pytest.warns(UserWarning, match="computed in another environment .torch differ"):
+        again = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "2"}, row_algorithm=3)
     assert again.records() == [{"problem_id": "p"}]
+    assert again.stale == [] and again.other_environment == ["torch"]
+
+
+def test_row_algorithm_version_decides_staleness(tmp_path):
+    import warnings
+
+    Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same version, same environment: silent, whatever the library source
+        same = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=3)
+    assert same.stale == [] and same.other_environment == []
+    with pytest.warns(UserWarning, match="stale: written by row algorithm 3, this code computes version 4"):
+        newer = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=4)
+    assert newer.stale == ["row_algorithm"]
 
 
 def test_canonical_json_is_stable():
@@ -69,11 +83,15 @@ def test_canonical_json_is_stable():
 def test_stale_incomplete_ledger_refuses_to_resume(tmp_path, monkeypatch):
     from kvreplay.ledger import run_rows
 
-    led = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"})
+    led = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=1)
     run_rows(led, ["p1"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False)
     with pytest.warns(UserWarning, match="stale"):
-        again = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "2"})
-    with pytest.raises(LedgerError, match="refusing"):
+        stale = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=2)
+    with pytest.raises(LedgerError, match="another row-algorithm version; refusing"):
+        run_rows(stale, ["p1", "p2"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False)
+    with pytest.warns(UserWarning, match="another environment"):
+        again = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "2"}, row_algorithm=1)
+    with pytest.raises(LedgerError, match="in another environment .torch differ.; refusing"):
         run_rows(again, ["p1", "p2"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False)
     assert run_rows(again, ["p1"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False) == [{"problem_id": "p1"}]
     monkeypatch.setenv("KVREPLAY_ALLOW_STALE", "1")

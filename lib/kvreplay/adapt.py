@@ -722,7 +722,7 @@ def run_letter_eval(
         ``(records in problem order, ledger)``. A finished ledger is read without loading the model.
     """
     from .contract import load_spec, resolve_format
-    from .experiments import model_key, problems_digest
+    from .experiments import ROW_ALGORITHM, model_key, problems_digest
     from .ledger import Ledger, run_rows
     from .models import execution_contract, load_model
 
@@ -736,7 +736,7 @@ def run_letter_eval(
     root = Path(ledger_root) / profile
     ids = [p.problem_id for p in problems]
     if Ledger.folder(root, "adapt_eval-float32", config).is_dir():
-        probe = Ledger(root, "adapt_eval-float32", config)
+        probe = Ledger(root, "adapt_eval-float32", config, row_algorithm=ROW_ALGORITHM["adapt_eval"])
         if probe.complete(ids):
             by_id = {r["problem_id"]: r for r in probe.records()}
             return [by_id[i] for i in ids], probe
@@ -747,7 +747,8 @@ def run_letter_eval(
     bf = resolve_format(lm.tokenizer, fmt)
     hidden = lm.model.config.hidden_size
     loaded = {name: load_table(path, hidden) for name, (path, _) in tables.items()}
-    ledger = Ledger(root, "adapt_eval-float32", config, environment=execution_contract(lm, threads) | {"format_digest": bf.digest})
+    ledger = Ledger(root, "adapt_eval-float32", config, environment=execution_contract(lm, threads) | {"format_digest": bf.digest},
+                    row_algorithm=ROW_ALGORITHM["adapt_eval"])
     records = run_rows(ledger, list(problems), lambda p: letter_row(lm, bf, loaded, p), key=lambda p: p.problem_id,
                        progress=progress, desc="answer-letter accuracy")
     return records, ledger

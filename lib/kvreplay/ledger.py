@@ -1,11 +1,18 @@
-"""Append-only, resumable ledgers (paper §3.9 reproducibility release; DESIGN.md "Ledgers").
+"""Append-only, resumable ledgers (paper §3.9 reproducibility release).
 
 A ledger is a folder ``data/ledgers/<profile>/<name>-<digest12>/`` keyed by the
 scientific config (its sha256 is the digest):
 
 - ``manifest.json``: schema version, the config and its digest, written once.
-  ``environment.json`` beside it holds the execution contract and a hash of
-  the library source; a mismatch on reuse warns "stale" but is allowed.
+  ``environment.json`` beside it holds the execution contract (device, CPU
+  kind and kernel ISA, torch and transformers versions, flags, model identity),
+  the experiment's **row-algorithm version** and, for information, a hash of
+  the library source. On reuse, a different row-algorithm version makes the
+  ledger *stale* (its rows were computed by a different algorithm); a
+  different execution contract prints "computed in another environment".
+  Either may be read (tables regenerate from it); neither may be appended to,
+  so rows of two algorithms or two environments never mix. A refactor that
+  changes no bit of any row keeps the version, so it stales nothing.
 - ``rows.jsonl``: one JSON record per finished row (per problem, holding all
   of that problem's arms), appended and flushed as each row finishes. A crash
   loses at most the row in flight (with row-parallel workers: the rows in
@@ -46,7 +53,7 @@ def config_digest(config: dict) -> str:
 
 
 def library_digest() -> str:
-    """sha256 over the library's Python sources and formats (for the stale warning)."""
+    """sha256 over the library's Python sources and formats (recorded for information; staleness is the row-algorithm version)."""
     root = Path(__file__).resolve().parent
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):
@@ -66,12 +73,17 @@ class Ledger:
             caps, contract flags); it decides the folder.
         environment: the execution contract, stored beside the manifest.
         key: record field that identifies a row (default ``problem_id``).
+        row_algorithm: the experiment's row-algorithm version (an int bumped
+            whenever a golden row's bytes change); ``None`` when only reading.
 
     Attributes:
-        stale: names of the environment fields (``execution_contract``,
-            ``library_sha256``) that differ from when the ledger was written;
-            empty when it is current. A stale ledger may be read (tables
-            regenerate from it) but :func:`run_rows` refuses to append to it.
+        stale: ``["row_algorithm"]`` when the ledger was written by another
+            row-algorithm version (or records none), else empty.
+        other_environment: the execution-contract fields that differ from
+            when the ledger was written (e.g. ``device_name``,
+            ``cpu_capability``, ``torch``); empty when they agree or when no
+            environment was given. A stale ledger, or one computed in another
+            environment, may be read but :func:`run_rows` refuses to append to it.
 
     Raises:
         LedgerError: if the folder holds a manifest for another config.
@@ -82,7 +94,8 @@ class Ledger:
         """Where the ledger of this name and config lives (nothing is created)."""
         return Path(root) / f"{name}-{config_digest(config)[:12]}"
 
-    def __init__(self, root: str | Path, name: str, config: dict, environment: dict | None = None, key: str = "problem_id"):
+    def __init__(self, root: str | Path, name: str, config: dict, environment: dict | None = None, key: str = "problem_id",
+                 row_algorithm: int | None = None):
         self.config = config
         self.digest = config_digest(config)
         self.name = name
@@ -100,15 +113,22 @@ class Ledger:
                 raise LedgerError(f"{mpath} has schema {old.get('schema_version')}, this code writes {SCHEMA_VERSION}")
         else:
             mpath.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        env = {"execution_contract": environment or {}, "library_sha256": library_digest()}
+        env = {"execution_contract": environment or {}, "library_sha256": library_digest(), "row_algorithm": row_algorithm}
         epath = self.dir / "environment.json"
         self.stale: list[str] = []
+        self.other_environment: list[str] = []
         if epath.exists():
             old_env = json.loads(epath.read_text())
-            keys = set(env) if environment is not None else {"library_sha256"}
-            self.stale = sorted(k for k in keys if old_env.get(k) != env.get(k))
-            if self.stale:
-                warnings.warn(f"ledger {self.dir.name} is stale: {self.stale} differ from when it was written")
+            if row_algorithm is not None and old_env.get("row_algorithm") != row_algorithm:
+                self.stale = ["row_algorithm"]
+                warnings.warn(f"ledger {self.dir.name} is stale: written by row algorithm "
+                              f"{old_env.get('row_algorithm')}, this code computes version {row_algorithm}")
+            if environment is not None:
+                old_c = old_env.get("execution_contract", {})
+                self.other_environment = sorted(k for k in set(old_c) | set(environment) if old_c.get(k) != environment.get(k))
+                if self.other_environment:
+                    warnings.warn(f"ledger {self.dir.name} was computed in another environment "
+                                  f"({', '.join(self.other_environment)} differ)")
         elif environment is not None:
             epath.write_text(json.dumps(env, indent=1, sort_keys=True) + "\n")
         self._done: set[str] | None = None
@@ -193,9 +213,10 @@ def run_rows(
 
     Raises:
         GateError: gate ``preflight`` when a preflight row fails a gate.
-        LedgerError: if rows remain to compute in a stale ledger (rows made by
-            other code or another environment would mix); delete the folder,
-            or set ``KVREPLAY_ALLOW_STALE=1`` to append anyway.
+        LedgerError: if rows remain to compute in a stale ledger or one
+            computed in another environment (rows of two algorithms or two
+            environments would mix); delete the folder, or set
+            ``KVREPLAY_ALLOW_STALE=1`` to append anyway.
     """
     from tqdm.auto import tqdm
 
@@ -203,10 +224,12 @@ def run_rows(
 
     done = {r[ledger.key]: r for r in ledger.records()}
     todo = [it for it in items if key(it) not in done]
-    if todo and done and ledger.stale and os.environ.get("KVREPLAY_ALLOW_STALE") != "1":
+    if todo and done and (ledger.stale or ledger.other_environment) and os.environ.get("KVREPLAY_ALLOW_STALE") != "1":
+        why = ("by another row-algorithm version" if ledger.stale
+               else f"in another environment ({', '.join(ledger.other_environment)} differ)")
         raise LedgerError(
-            f"{ledger.dir}: {len(done)} rows were written with a different {ledger.stale}; refusing to add "
-            f"{len(todo)} rows from this environment. Delete the folder to recompute, or set KVREPLAY_ALLOW_STALE=1."
+            f"{ledger.dir}: {len(done)} rows were computed {why}; refusing to add {len(todo)} rows from this "
+            f"code and environment. Delete the folder to recompute, or set KVREPLAY_ALLOW_STALE=1."
         )
     if mapper is None:
         if row_fn is None:
@@ -259,7 +282,7 @@ def _flat_scalars(obj, prefix: str = "") -> dict:
 
 
 def export_parquet(folder: str | Path) -> list[Path]:
-    """Columnar copies of a ledger for analysis (DESIGN.md "Ledgers"): ``rows.parquet`` and ``tensors.parquet``.
+    """Columnar copies of a ledger for analysis: ``rows.parquet`` and ``tensors.parquet``.
 
     ``rows.parquet`` has one row per record with every scalar leaf as a
     column (``boundary.prefill_vs_live.cache.rel_l2``, ``endpoints.suffix_differs``,

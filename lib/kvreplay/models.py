@@ -332,10 +332,12 @@ def sdpa_backend_list(names: tuple[str, ...]) -> list:
 
 
 def execution_contract(lm: LoadedModel | None = None, threads: int | None = None) -> dict:
-    """The execution contract recorded in every manifest (DESIGN.md, paper Table 3).
+    """The execution contract recorded in every ledger's environment (paper Table 3).
 
     Returns a JSON-serializable dict: torch/transformers versions, device
-    name, dtype, attention implementation, SDPA backends enabled, TF32 and
+    name, the CPU's kernel ISA (torch's CPU capability, e.g. ``AVX512``, and
+    the BF16-relevant CPU flags: AMX, AVX-512-BF16, AVX2 -- BF16 bits depend on
+    them), dtype, attention implementation, SDPA backends enabled, TF32 and
     matmul-precision flags, deterministic-algorithms flag, intra-op threads,
     and the model identity when a model is given.
     """
@@ -352,6 +354,9 @@ def execution_contract(lm: LoadedModel | None = None, threads: int | None = None
         "python": platform.python_version(),
         "device": str(dev),
         "device_name": device_name,
+        "cpu_name": _cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_isa_flags": cpu_isa_flags(),
         "intra_op_threads": torch.get_num_threads(),
         "requested_threads": threads,
         "sdpa_backends": {
@@ -380,6 +385,22 @@ def execution_contract(lm: LoadedModel | None = None, threads: int | None = None
             contract["contract"] = dataclasses.asdict(lm.contract) | {
                 "sdpa_backends": list(lm.contract.sdpa_backends), "deterministic_resolved": lm.contract.resolved_deterministic()}
     return contract
+
+
+CPU_ISA_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+"""CPU flags that decide which BF16 and FP32 kernels oneDNN and ATen pick (recorded, never used to choose)."""
+
+
+def cpu_isa_flags() -> list[str]:
+    """The :data:`CPU_ISA_FLAGS` this CPU reports in ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in CPU_ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
 
 
 def _cpu_name() -> str:
