@@ -4,6 +4,8 @@
 #   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...")
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu)
 #   make lab      JupyterLab on the drift explorer (notebooks/08_drift_explorer.ipynb)
+#   make verify   recompute committed rows of each experiment and compare bit for bit
+#                 (VERIFY_ARGS="--profile cpu --rows 1"; see python -m kvreplay.verify -h)
 #   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
 #                 (BENCH_ARGS="--device cuda --workers 8"; see python -m kvreplay.bench -h)
 #   make clean    remove build/ and caches   (keeps data/ and .venv)
@@ -25,6 +27,7 @@ PROFILE ?= cpu
 PYTEST_ARGS ?=
 PAPER_ARGS ?=
 BENCH_ARGS ?=
+VERIFY_ARGS ?=
 PIPFLAGS ?=
 LOCK_COMPILER ?= pip-compile
 STAMP   := $(VENV)/.stamp
@@ -36,7 +39,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export PYTHONHASHSEED ?= 0
 
 .DEFAULT_GOAL := setup
-.PHONY: setup test paper lab bench clean distclean lock
+.PHONY: setup test paper lab bench verify clean distclean lock
 
 setup: $(STAMP)
 
@@ -61,6 +64,9 @@ lab: setup
 
 bench: setup
 	$(PY) -m kvreplay.bench $(BENCH_ARGS)
+
+verify: setup
+	$(PY) -m kvreplay.verify --profile $(PROFILE) $(VERIFY_ARGS)
 
 clean:
 	rm -rf build/ .pytest_cache/ lib/*.egg-info/

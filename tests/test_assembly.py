@@ -48,9 +48,13 @@ def _logits(rel: float) -> dict:
                             "margin_other": 1.0, "topk_ref": [5, 6], "topk_other": [5, 6]}
 
 
-def _arm(suffix: list[int], correct: bool) -> dict:
-    return {"suffix": suffix, "margins": MARGINS[: len(suffix)], "merge_len": 3, "answer_len": 1, "answer_text": "A",
-            "predicted": "A", "correct": correct, "rule": "letter"}
+TIED = "mmlu-aaaa"
+"""The divergent row whose first divergence is tie-initiated (its prefill arm's margin there is exactly 0)."""
+
+
+def _arm(suffix: list[int], correct: bool, margins: list | None = None, predicted: str = "A") -> dict:
+    return {"suffix": suffix, "margins": (margins or MARGINS)[: len(suffix)], "merge_len": 3, "answer_len": 1,
+            "answer_text": predicted, "predicted": predicted, "correct": correct, "rule": "letter"}
 
 
 def matrix_record(pid: str, ref: str, prefix: list[int], rel: float) -> dict:
@@ -59,6 +63,8 @@ def matrix_record(pid: str, ref: str, prefix: list[int], rel: float) -> dict:
     base = [10, 11, 12, 13, 14, 15]
     other = base[:3] + [99, 98, 97] if div else list(base)
     c_ref, c_pre = True, not (div and pid == "mmlu-cccc")
+    tied = MARGINS[:3] + [0.0] + MARGINS[4:] if pid == TIED else MARGINS
+    pred = "B" if not c_pre else "A"
     return {
         "problem_id": pid, "gate_failure": None, "prompt_len": 2, "prefix_len": len(prefix), "prefix": prefix,
         "schedule_calls": len(prefix) - 1,
@@ -70,11 +76,12 @@ def matrix_record(pid: str, ref: str, prefix: list[int], rel: float) -> dict:
         },
         "first_token": {a: 10 for a in (ref, f"{ref}_replica", "prefill", "prefill_replica")},
         "raw_argmax": {a: 10 for a in (ref, f"{ref}_replica", "prefill", "prefill_replica")},
-        "arms": {ref: _arm(base, c_ref), f"{ref}_replica": _arm(base, c_ref), "prefill": _arm(other, c_pre),
-                 "prefill_replica": _arm(other, c_pre)},
+        "arms": {ref: _arm(base, c_ref), f"{ref}_replica": _arm(base, c_ref), "prefill": _arm(other, c_pre, tied, pred),
+                 "prefill_replica": _arm(other, c_pre, tied, pred)},
         "endpoints": {"boundary_exact": rel == 0, "logits_exact": rel == 0, "first_token_agree": True, "suffix_differs": div,
-                      "merge_differs": div, "answer_differs": False, "label_differs": c_ref != c_pre,
-                      "first_divergence": 3 if div else None},
+                      "merge_differs": div, "answer_differs": not c_pre, "letter_differs": pred != "A",
+                      "label_differs": c_ref != c_pre, "first_divergence": 3 if div else None,
+                      "tie_initiated": (pid == TIED) if div else None},
     }
 
 
@@ -104,7 +111,10 @@ def transplant_record(pid: str, prefix: list[int]) -> dict:
             iv[d] = {"outcome": outcome, "suffix": suffix, "donated_tensors": 4}
         ivs[name] = iv
     return {"problem_id": pid, "gate_failure": None, "stratum": "divergent" if div else "exact", "prefix_len": len(prefix),
-            "prefix": prefix, "baseline": {"incremental": inc, "prefill": pre, "suffix_differs": div}, "interventions": ivs}
+            "prefix": prefix, "baseline": {"incremental": inc, "prefill": pre, "suffix_differs": div,
+                                           "margins": {"incremental": [1.0, 0.5, 0.5], "prefill": [1.0, 0.0 if pid == TIED else 0.5, 0.5]},
+                                           "first_divergence": 1 if div else None, "tie_initiated": (pid == TIED) if div else None},
+            "interventions": ivs}
 
 
 def replication_record(pid: str, prefix: list[int]) -> dict:
@@ -153,7 +163,8 @@ def build_chain(root, skip: tuple[str, ...] = ()) -> dict[str, Ledger]:
             if d == "float32":  # FP32: no decoded disagreement
                 for r in recs:
                     r["arms"]["prefill"] = r["arms"]["prefill_replica"] = r["arms"]["incremental"]
-                    r["endpoints"].update(suffix_differs=False, merge_differs=False, label_differs=False, first_divergence=None)
+                    r["endpoints"].update(suffix_differs=False, merge_differs=False, answer_differs=False, letter_differs=False,
+                                          label_differs=False, first_divergence=None, tie_initiated=None)
             out[f"exp2-{d}"] = _write(root, "exp2", d, recs, prefix_bank_sha256=sha)
     if "exp3-bfloat16" not in skip:
         out["exp3-bfloat16"] = _write(root, "exp3", "bfloat16", [bridge_record(p, PREFIX[p]) for p in IDS[:2]], prefix_bank_sha256=sha)
@@ -253,7 +264,8 @@ def test_summarize_recomputes_every_endpoint(chain):
     assert t["joint_recovery"].k == 2 and t["third_among_exact"].k == 0
     r5 = R["replication"]
     assert (r5["divergent"], r5["exact"], r5["joint_recovery"].k) == (2, 2, 2)
-    assert r5["interpretation"].label == "strong replication"  # n = 4: thresholds 1 divergent, 1 exact
+    assert r5["interpretation"].label == "divergence-underpowered"  # the paper's absolute thresholds: 12 and 6
+    assert r5["interpretation_scaled"].label == "strong replication"  # secondary, scaled to n = 4: 1 and 1
     assert (R["replication_accuracy"]["ckpt0"].k, R["replication_accuracy"]["later"].k) == (4, 3)
     assert "later role table of notebook 00 (step 64" in R["replication_checkpoint"]
 
@@ -262,13 +274,15 @@ def test_summarize_recomputes_every_endpoint(chain):
                            "table_exp3_audit", "table5_exp4_transplant", "table_exp4_localization", "table_exp5_replication",
                            "table_exp5_accuracy", "table_first_divergence"}
     t5 = tables["table_exp5_replication"].iloc[:, 0]
-    assert t5["interpretation (frozen matrix)"] == "strong replication"
+    assert t5["interpretation (frozen matrix)"] == "divergence-underpowered"
+    assert t5["secondary: interpretation with thresholds scaled to the panel"].startswith("strong replication")
     assert t5["incremental/prefill suffix divergence"].startswith("2/4")
     assert tables["table_exp1_matrix"].loc["suffix differs", "bfloat16"].startswith("2/4")
     assert tables["table_exp3_bridge"].loc["incremental bit-exact to live on every layer", "bridge (BF16)"] == "2/2"
     assert tables["table5_exp4_transplant"].loc["panel rows (frozen divergent + exact)"].iloc[0] == "4 (2 + 2)"
     loc = tables["table_exp4_localization"]
-    assert loc.loc[("keys_only", "prefill<-incremental"), "neither"] == 2
+    assert loc.loc[("keys_only", "divergent", "prefill<-incremental"), "new (third) trajectory"] == 2
+    assert loc.loc[("keys_only", "exact", "prefill<-incremental"), "stays on the shared baseline"] == 2  # controls included
     fd = tables["table_first_divergence"]
     assert fd.loc["Exp 1 prefill vs live, bfloat16", "median"] == "3"
     assert fd.loc["Exp 2 prefill vs incremental, float32", "divergent rows"] == 0
@@ -320,7 +334,7 @@ def test_vs_paper_and_artifact_map_cover_every_reference_endpoint(chain):
     vs = assemble.vs_paper_table(pl, R, ref)
     assert list(vs.index) == ids
     assert all(vs.loc[i, "this run"] != assemble.NOT_RUN for i in ids)
-    assert vs.loc["exp5.interpretation", "this run"].startswith("strong replication (thresholds ≥ 1 divergent")
+    assert vs.loc["exp5.interpretation", "this run"].startswith("divergence-underpowered (thresholds ≥ 12 divergent")
     assert "later checkpoint" in vs.loc["exp5.divergence", "what differs"]
     assert vs.loc["exp1.bf16.suffix", "this run"].startswith("2/4")
     assert vs.loc["exp2.reduction.suffix", "this run"].startswith("50.0")  # reduction reported as positive, as the paper does
@@ -346,13 +360,17 @@ def test_divergence_margins_label_steps_and_drop_after_divergence(chain):
     df = assemble.divergence_margins(recs, "live")
     div = df[df.problem_id == "mmlu-aaaa"]
     assert list(div.step) == [0, 2, 3]  # step 1 forced (no margin), steps 4+ after the divergence
-    assert list(div.kind) == ["shared", "shared", "first divergence"]
-    assert div.loc[div.kind == "first divergence", "margin"].item() == 0.01
+    # the tied prefill arm (margin exactly 0) decides: the smaller margin of the two arms at the first divergence
+    assert list(div.kind) == ["shared", "shared", "first divergence, exact tie"]
+    assert div.loc[div.kind == "first divergence, exact tie", "margin"].item() == 0.0
+    other = df[df.problem_id == "mmlu-cccc"]
+    assert other.loc[other.step == 3, "kind"].item() == "first divergence, margin > 0"
+    assert other.loc[other.step == 3, "margin"].item() == 0.01
     same = df[df.problem_id == "mmlu-bbbb"]
     assert list(same.step) == [0, 2, 3, 4, 5] and set(same.kind) == {"shared"}
     pct = assemble.margin_percentiles(df)
     # shared margins: 2 per divergent row, 5 per identical row; 0.01 also occurs at step 3 of the 2 identical rows
-    assert pct == [pytest.approx(100 * 2 / 14)] * 2
+    assert pct == [0.0, pytest.approx(100 * 2 / 14)]
 
 
 def test_first_divergence_frame_and_transplant_outcomes(chain):

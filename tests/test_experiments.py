@@ -28,7 +28,9 @@ def test_first_divergence():
 
 def _rec(pid, suffix, answer, label, prefix=(1, 2)):
     return {"problem_id": pid, "gate_failure": None, "prefix": list(prefix),
-            "endpoints": {"suffix_differs": suffix, "answer_differs": answer, "label_differs": label}}
+            "arms": {"incremental": {"correct": True}, "prefill": {"correct": not label}},
+            "endpoints": {"suffix_differs": suffix, "answer_differs": answer, "letter_differs": answer,
+                          "label_differs": label}}
 
 
 def test_precision_crossing_counts_direction():
@@ -38,6 +40,11 @@ def test_precision_crossing_counts_direction():
     assert c["prefix_identical"] == 10
     assert c["suffix"]["change"].estimate == pytest.approx(-0.8)
     assert (c["suffix"]["mcnemar"].b, c["suffix"]["mcnemar"].c) == (8, 0)
+    assert c["letter"]["change"].estimate == pytest.approx(-0.3)
+    # accuracy effect of prefill (prefill minus incremental): -10 pts in BF16 (p0 wrong), 0 in FP32
+    e = c["accuracy_effect"]
+    assert e["bfloat16"] == pytest.approx(-0.1) and e["float32"] == 0
+    assert e["change"].estimate == pytest.approx(0.1)
     with pytest.raises(GateError, match="paired"):
         precision_crossing(bf, list(reversed(fp)))
 

@@ -44,7 +44,7 @@ def chain_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("chain")
     ledgers, figures = root / "ledgers", root / "figures"
     for name in CHAIN:
-        _execute(name, root, ledgers, figures)
+        _execute(name, root, ledgers, figures, **({"rebuild": True} if name.startswith("08") else {}))
     return root, ledgers, figures
 
 
@@ -98,6 +98,8 @@ def test_experiments2_and_3_smoke(chain_run):
     m = SMOKE["n_rows"]
     assert audit.loc["suffix reproduced: live→incremental", "audit (BF16)"] == f"{m}/{m}"
     assert audit.loc["rows on which every cache leaf agrees", "audit (BF16)"] == f"{m}/{m}"
+    controls = pd.read_csv(figures / "smoke" / "exp2_controls.csv", index_col=0).iloc[:, 0]
+    assert controls["rows"] == str(m) and "FP32 readout" in " ".join(controls.index)
     crossing = pd.read_csv(figures / "smoke" / "exp2_crossing.csv", index_col=0)
     assert crossing.loc["integer prefix identical across precision"].iloc[0] == f"{m}/{m}"
     assert json.loads((ledgers / "smoke" / "exp3_bridge_panel.json").read_text())["problem_ids"]
@@ -133,7 +135,9 @@ def test_experiment5_smoke(chain_run):
     from kvreplay.replication import PRECEDENCE
 
     assert table["interpretation (frozen matrix)"] in PRECEDENCE
-    assert table["thresholds (scaled to the panel)"].startswith("≥ 1 divergent and ≥ 1 exact rows for n = 2")
+    assert table["thresholds (the paper's, absolute)"].startswith("≥ 12 divergent and ≥ 6 exact rows")
+    assert table["interpretation (frozen matrix)"] == "divergence-underpowered"  # 2 rows can never reach 12 divergent
+    assert "≥ 1 divergent and ≥ 1 exact rows for n = 2" in table["secondary: interpretation with thresholds scaled to the panel"]
     assert (figures / "smoke" / "exp5_replication.png").stat().st_size > 0
     assert (figures / "smoke" / "exp5_accuracy.csv").stat().st_size > 0
 
@@ -192,3 +196,63 @@ def test_finished_ledgers_are_reused(chain_run):
     for name in CHAIN:
         _execute(name, root, ledgers, figures)
     assert before == state()  # rows, run logs and checkpoints untouched: nothing was recomputed or retrained
+
+
+# ----------------------------------------------------------------------------- unfavourable outcomes are reported
+
+
+def _copy_chain(chain_run, tmp_path):
+    import shutil
+
+    root, ledgers, figures = chain_run
+    new = tmp_path / "edited"
+    shutil.copytree(ledgers, new / "ledgers")
+    shutil.copytree(root / "checkpoints", new / "checkpoints")
+    return new, new / "ledgers", new / "figures"
+
+
+def _edit_rows(folder, edit):
+    """Rewrite a finished ledger's rows (its manifest, and so its key, unchanged): a synthetic outcome."""
+    path = folder / "rows.jsonl"
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    edit(records)
+    path.write_text("".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in records))
+
+
+def _fail_recovery(records):
+    """Row 0 becomes divergent, and its prefill <- incremental transplant keeps the recipient's suffix."""
+    r = records[0]
+    inc = r["baseline"]["incremental"]
+    pre = inc[:1] + [t + 1 for t in inc[1:]]
+    r["baseline"].update(prefill=pre, suffix_differs=True, first_divergence=1, tie_initiated=False)
+    r["interventions"]["whole"]["prefill<-incremental"].update(outcome="recipient", suffix=pre)
+    r["interventions"]["whole"]["incremental<-prefill"].update(outcome="donor", suffix=pre)
+
+
+def test_a_transplant_recovery_failure_is_reported_not_asserted(chain_run, tmp_path):
+    root, ledgers, figures = _copy_chain(chain_run, tmp_path)
+    (exp4,) = (ledgers / "smoke").glob("exp4-bfloat16-*")
+    (exp5,) = (ledgers / "smoke").glob("exp5-bfloat16-*")
+    _edit_rows(exp4, _fail_recovery)
+    _edit_rows(exp5, _fail_recovery)
+    for name in ("04_experiment4_cache_transplant.ipynb", "05_experiment5_replication.ipynb"):
+        _execute(name, root, ledgers, figures)
+    t4 = pd.read_csv(figures / "smoke" / "exp4_table.csv", index_col=0).iloc[:, 0]
+    assert t4.filter(like="donor recovery, prefill <- incremental").iloc[0].startswith("0/1")
+    t5 = pd.read_csv(figures / "smoke" / "exp5_table.csv", index_col=0).iloc[:, 0]
+    assert t5["interpretation (frozen matrix)"] == "checkpoint-sensitive recovery"
+    assert "not the donor's: 1" in (root / "05_experiment5_replication.ipynb").read_text()
+
+
+def test_fp32_drift_above_bf16_is_reported_not_asserted(chain_run, tmp_path):
+    root, ledgers, figures = _copy_chain(chain_run, tmp_path)
+
+    def inflate(records):
+        for r in records:
+            for t in r["boundary"]["prefill_vs_incremental"]["tensors"]:
+                t["rel_l2"] = 1.0
+
+    for folder in (ledgers / "smoke").glob("exp2-float32-*"):
+        _edit_rows(folder, inflate)
+    _execute("07_figures.ipynb", root, ledgers, figures)
+    assert "FP32 NOT below BF16" in (root / "07_figures.ipynb").read_text()

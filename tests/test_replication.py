@@ -25,27 +25,35 @@ def test_thresholds_scale_with_the_panel_and_round_up(n, expected):
     assert scaled_thresholds(n) == expected
 
 
-@pytest.mark.parametrize("counts, label", [
-    ((48, 42, 6, 42, 0), STRONG),
-    ((48, 43, 5, 43, 0), CONDITIONAL),               # the paper's outcome
-    ((48, 43, 5, 42, 0), CHECKPOINT_SENSITIVE),
-    ((48, 40, 8, 40, 1), PROCEDURAL),
-    ((48, 11, 37, 11, 0), UNDERPOWERED),
-    ((16, 4, 12, 4, 0), STRONG),                      # exactly at the scaled thresholds (4, 2)
-    ((16, 3, 13, 3, 0), UNDERPOWERED),
-    ((16, 15, 1, 15, 0), CONDITIONAL),
-    ((16, 0, 16, 0, 0), UNDERPOWERED),                # no divergent row: recovery is vacuous
+@pytest.mark.parametrize("counts, label, scaled", [
+    ((48, 42, 6, 42, 0), STRONG, False),
+    ((48, 43, 5, 43, 0), CONDITIONAL, False),               # the paper's outcome
+    ((48, 43, 5, 42, 0), CHECKPOINT_SENSITIVE, False),
+    ((48, 40, 8, 40, 1), PROCEDURAL, False),
+    ((48, 11, 37, 11, 0), UNDERPOWERED, False),
+    # the primary verdict keeps the paper's absolute 12 and 6 whatever the panel size
+    ((16, 4, 12, 4, 0), UNDERPOWERED, False),
+    ((16, 4, 12, 4, 0), STRONG, True),                      # secondary: exactly at the scaled thresholds (4, 2)
+    ((16, 3, 13, 3, 0), UNDERPOWERED, True),
+    ((16, 15, 1, 15, 0), CONDITIONAL, True),
+    ((16, 12, 4, 12, 0), CONDITIONAL, False),
+    ((16, 0, 16, 0, 0), UNDERPOWERED, False),               # no divergent row: recovery is vacuous
+    ((200, 12, 188, 12, 0), STRONG, False),
+    ((200, 12, 188, 12, 0), UNDERPOWERED, True),            # scaled to 200 rows: 50 divergent needed
     # precedence
-    ((48, 40, 8, 30, 1), PROCEDURAL),                 # a procedural failure voids the recovery evidence
-    ((48, 3, 45, 2, 0), CHECKPOINT_SENSITIVE),        # an observed recovery failure needs no power
-    ((2, 1, 1, 1, 0), STRONG),                        # smoke: thresholds (1, 1)
-    ((2, 2, 0, 2, 0), CONDITIONAL),
+    ((48, 40, 8, 30, 1), PROCEDURAL, False),                # a procedural failure voids the recovery evidence
+    ((48, 3, 45, 2, 0), CHECKPOINT_SENSITIVE, False),       # an observed recovery failure needs no power
+    ((2, 1, 1, 1, 0), UNDERPOWERED, False),                 # smoke: far below the paper's thresholds
+    ((2, 1, 1, 1, 0), STRONG, True),                        # ... though "strong" once scaled to (1, 1)
+    ((2, 2, 0, 2, 0), CONDITIONAL, True),
 ])
-def test_every_label_and_its_precedence(counts, label):
+def test_every_label_and_its_precedence(counts, label, scaled):
     n, div, ex, rec, novel = counts
-    got = interpret(n, div, ex, rec, novel)
+    got = interpret(n, div, ex, rec, novel, scaled=scaled)
     assert got.label == label, got
-    assert got.reason and f"n = {n}" in got.thresholds_text()
+    assert got.scaled is scaled and got.reason and f"n = {n}" in got.thresholds_text()
+    if not scaled:
+        assert (got.min_divergent, got.min_exact) == (12, 6)
 
 
 def test_interpret_rejects_inconsistent_counts():

@@ -378,7 +378,7 @@ def results_tables(pl: ProfileLedgers, results: dict) -> dict[str, pd.DataFrame]
     out["table_exp3_audit"] = audit_table(results["audit"])
     out["table5_exp4_transplant"] = transplant_table(results["transplant"], pl.records("exp4-bfloat16"))
     loc = localization_table(pl.records("exp4-bfloat16"))
-    out["table_exp4_localization"] = loc.set_index(["intervention", "direction"]) if len(loc) else loc
+    out["table_exp4_localization"] = loc.set_index(["intervention", "stratum", "direction"]) if len(loc) else loc
     out["table_exp5_replication"] = replication_table(results["replication"], results["replication_checkpoint"])
     out["table_exp5_accuracy"] = replication_accuracy_table(results["replication_accuracy"])
     out["table_first_divergence"] = first_divergence_table(results)
@@ -420,6 +420,8 @@ def first_divergence_table(results: dict) -> pd.DataFrame:
             rows[f"{label}, {d}"] = {
                 "rows": s["n"],
                 "divergent rows": s["suffix"].k,
+                "tie-initiated": s["tie_initiated"],
+                "not tie-initiated": s["suffix"].k - s["tie_initiated"],
                 "min": rng[0] if rng else "",
                 "Q1": f"{q[0]:g}" if q else "",
                 "median": f"{s['first_divergence_median']:g}" if s["first_divergence_median"] is not None else "",
@@ -639,8 +641,9 @@ RUN_VALUES: dict[str, Callable[[dict], str]] = {
     "exp5.divergence": lambda R: R["replication"]["divergence"].pct(),
     "exp5.joint_recovery": lambda R: rate_text(R["replication"]["joint_recovery"]),
     "exp5.third_among_exact": lambda R: rate_text(R["replication"]["third_among_exact"]),
-    "exp5.interpretation": lambda R: (lambda i: f"{i.label} (thresholds ≥ {i.min_divergent} divergent, ≥ {i.min_exact} "
-                                                f"exact for n = {i.n})")(R["replication"]["interpretation"]),
+    "exp5.interpretation": lambda R: (lambda i, j: f"{i.label} (thresholds ≥ {i.min_divergent} divergent, ≥ {i.min_exact} "
+                                                   f"exact, as the paper; n = {i.n}); scaled to the panel: {j.label}")(
+        R["replication"]["interpretation"], R["replication"]["interpretation_scaled"]),
 }
 """Reference endpoint id (``reference.yaml``) -> this run's value, from :func:`summarize`'s results."""
 
@@ -925,7 +928,7 @@ ARTIFACTS: list[dict] = [
      "fields": "interventions.whole.*.outcome on rows with baseline.suffix_differs false",
      "function": "experiments.transplant_summary -> stats.wilson", "table": "table5_exp4_transplant, fig_transplants"},
     {"id": "exp4.localization",
-     "statistic": "partial transplants (keys, values, halves, single layers): follows donor / recipient / neither",
+     "statistic": "partial transplants (keys, values, halves, single layers), divergent rows and exact controls: follows donor / recipient / stays on the baseline / new trajectory",
      "ledgers": ("exp4-bfloat16",),
      "fields": "interventions.<name>.<direction>.outcome, interventions.<name>.kind",
      "function": "experiments.localization_table", "table": "table_exp4_localization, fig_transplants"},
@@ -953,7 +956,7 @@ ARTIFACTS: list[dict] = [
     {"id": "exp5.interpretation",
      "ledgers": ("exp5-bfloat16",),
      "fields": "the counts above and the panel size",
-     "function": "replication.interpret (scaled_thresholds, PRECEDENCE)", "table": "table_exp5_replication"},
+     "function": "replication.interpret (absolute thresholds 12 and 6, PRECEDENCE; scaled_thresholds secondary)", "table": "table_exp5_replication"},
     {"id": "exp5.accuracy", "statistic": "decoded accuracy on the panel, later checkpoint vs checkpoint 0 (secondary)",
      "ledgers": ("exp2-bfloat16", "exp5-bfloat16"),
      "fields": "exp2 arms.incremental.correct; exp5 scores.incremental.correct (paired by problem_id)",
@@ -1022,12 +1025,15 @@ def first_divergence_frame(groups: Mapping[str, Sequence[dict]]) -> pd.DataFrame
 
 
 def divergence_margins(records: Sequence[dict], ref: str) -> pd.DataFrame:
-    """Top-1 minus top-2 eligible-logit margins of the reference arm, by step kind (the near-tie figure).
+    """Top-1 minus top-2 eligible-logit margins by step kind (the near-tie figure).
 
-    For each row, the reference arm's margin at every model-chosen suffix step
-    (forced tokens have no margin) is labeled ``first divergence`` at the step
-    where the reference and prefill suffixes first differ, ``shared`` at every
-    earlier step and at every step of a row whose suffixes never differ.
+    For each row, every model-chosen suffix step (forced tokens have no
+    margin) before the first divergence is ``shared`` (the reference arm's
+    margin; both arms share that history), as is every step of a row whose
+    suffixes never differ. At the first divergence the margin is the smaller
+    of the reference and prefill arms' margins (the arm closer to a tie), and
+    the kind is ``first divergence, exact tie`` when it is exactly 0 (a
+    tie-initiated divergence) and ``first divergence, margin > 0`` otherwise.
     Steps after the first divergence are dropped: the two trajectories no
     longer share a history there.
 
@@ -1042,13 +1048,21 @@ def divergence_margins(records: Sequence[dict], ref: str) -> pd.DataFrame:
     for r in records:
         fd = r["endpoints"]["first_divergence"]
         margins = r["arms"][ref]["margins"]
+        other = r["arms"]["prefill"]["margins"]
         stop = len(margins) if fd is None else min(fd + 1, len(margins))
         for i in range(stop):
             m = margins[i]
-            if m is None:
+            if i == fd:
+                both = [x for x in (m, other[i] if i < len(other) else None) if x is not None]
+                if not both:
+                    continue
+                m = min(both)
+                kind = "first divergence, exact tie" if m == 0 else "first divergence, margin > 0"
+            elif m is None:
                 continue
-            rows.append({"problem_id": r["problem_id"], "step": i, "margin": m,
-                         "kind": "first divergence" if i == fd else "shared"})
+            else:
+                kind = "shared"
+            rows.append({"problem_id": r["problem_id"], "step": i, "margin": m, "kind": kind})
     return pd.DataFrame(rows, columns=["problem_id", "step", "margin", "kind"])
 
 
@@ -1057,7 +1071,7 @@ def margin_percentiles(df: pd.DataFrame) -> list[float]:
     shared = df.loc[df["kind"] == "shared", "margin"].to_numpy()
     if not len(shared):
         return []
-    return [float(100 * (shared <= m).mean()) for m in df.loc[df["kind"] == "first divergence", "margin"]]
+    return [float(100 * (shared <= m).mean()) for m in df.loc[df["kind"].str.startswith("first divergence"), "margin"]]
 
 
 def transplant_outcomes(records: Sequence[dict]) -> pd.DataFrame:

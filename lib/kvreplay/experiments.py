@@ -43,6 +43,10 @@ class RunSpec:
         transplant_faults: optional hook called with
             ``(transplanted_state, recipient, donor, provenance)`` before the
             transplant gates run again (Experiment 4 tests).
+        equivalence_ids: problem IDs on which a run in a lower precision also
+            checks construction equivalence in float32 (the arm's preflight
+            rows; :func:`construction_equivalence`). Float32 runs check it on
+            every row from the row's own comparison.
     """
 
     lm: LoadedModel
@@ -50,6 +54,19 @@ class RunSpec:
     caps: Caps
     faults: Hook | None = None
     transplant_faults: Callable | None = None
+    equivalence_ids: frozenset = frozenset()
+
+
+ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
+"""Row-algorithm version of each experiment, recorded in every ledger's environment.
+
+Bump an experiment's number whenever a committed golden row of it would no
+longer recompute byte for byte (a change to what a row computes or records);
+a ledger written by another number is *stale*. A refactor that changes no bit
+keeps the numbers. Version 2 (all experiments): greedy argmax with the lowest
+token ID winning an exact tie, the ``nonfinite`` and ``equivalence`` gates,
+tie accounting and predicted-letter endpoints in the records.
+"""
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -60,6 +77,47 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     if list(a) == list(b):
         return None
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def is_tie(margins: Sequence[float | None], step: int | None) -> bool:
+    """True when ``margins[step]`` is exactly 0: the greedy choice at that step was an exact tie of the top two logits.
+
+    Forced steps (margin ``None``) and steps past the end are not ties.
+    """
+    return step is not None and step < len(margins) and margins[step] is not None and margins[step] == 0.0
+
+
+def tie_initiated(margins_a: Sequence[float | None], margins_b: Sequence[float | None], step: int | None) -> bool | None:
+    """Whether a first divergence at ``step`` is *tie-initiated*: either arm's margin there is exactly 0.
+
+    Returns ``None`` when there is no divergence (``step`` is None).
+    """
+    if step is None:
+        return None
+    return is_tie(margins_a, step) or is_tie(margins_b, step)
+
+
+def divergence_endpoints(a: "decode.Suffix", b: "decode.Suffix", rec_a: dict, rec_b: dict) -> dict:
+    """Disagreement endpoints of two arms' suffixes (paper §4.1), with tie accounting and the predicted letter.
+
+    Returns:
+        ``suffix_differs``, ``merge_differs``, ``answer_differs`` (any answer
+        token differs), ``letter_differs`` (the extracted answer letter
+        differs), ``label_differs`` (correctness differs), ``first_divergence``
+        (tokens after the boundary, or None), ``tie_initiated`` (either arm's
+        top-1 minus top-2 margin is exactly 0 at the first divergent step;
+        None without a divergence).
+    """
+    fd = first_divergence(a.tokens, b.tokens)
+    return {
+        "suffix_differs": a.tokens != b.tokens,
+        "merge_differs": a.merge != b.merge,
+        "answer_differs": a.answer != b.answer,
+        "letter_differs": rec_a["predicted"] != rec_b["predicted"],
+        "label_differs": rec_a["correct"] != rec_b["correct"],
+        "first_divergence": fd,
+        "tie_initiated": tie_initiated(a.margins, b.margins, fd),
+    }
 
 
 def check_prompts(fmt: BlockFormat, problems: Sequence[Problem]) -> None:
@@ -92,7 +150,7 @@ def _arm_record(spec: RunSpec, problem: Problem, suffix: decode.Suffix) -> dict:
 
 
 def boundary_gates(states: dict[str, decode.Boundary], dtype: torch.dtype, pairs: Sequence[tuple[str, str]]) -> None:
-    """All boundary gates of a row, in a fixed order (dtype, functional state, desync, replicas, storage).
+    """All boundary gates of a row, in a fixed order (dtype, non-finite, functional state, desync, replicas, storage).
 
     Args:
         states: arm name -> boundary state.
@@ -104,6 +162,8 @@ def boundary_gates(states: dict[str, decode.Boundary], dtype: torch.dtype, pairs
     """
     for name, s in states.items():
         gates.check_dtype(name, caches.boundary_tensors(s), dtype)
+    for name, s in states.items():
+        gates.check_finite(name, caches.boundary_tensors(s))
     gates.check_functional_state(states)
     for name, s in states.items():
         gates.check_duplicates(name, caches.boundary_tensors(s))
@@ -119,6 +179,72 @@ def comparison(ref: decode.Boundary, other: decode.Boundary, per_tensor: bool) -
     if per_tensor:
         out["tensors"] = rows
     return out
+
+
+_FP32_COPIES: dict[int, LoadedModel] = {}
+
+
+def float32_copy(lm: LoadedModel) -> LoadedModel:
+    """A float32 copy of a loaded model (same weights, upcast exactly), made once per model and kept."""
+    import copy
+
+    if lm.dtype == torch.float32:
+        return lm
+    key = id(lm.model)
+    if key not in _FP32_COPIES:
+        _FP32_COPIES.clear()  # one model at a time
+        table = None if lm.role_table is None else lm.role_table.float()
+        _FP32_COPIES[key] = dataclasses.replace(lm, model=copy.deepcopy(lm.model).float(), dtype=torch.float32,
+                                                role_table=table)
+    return _FP32_COPIES[key]
+
+
+def construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
+    """Construction-equivalence gate in float32 for one prefix (a check that the constructions compute one function).
+
+    Builds the incremental (live call schedule, teacher-forced) and prefill
+    boundary caches of ``prefix`` with a float32 copy of the run's model and
+    requires their whole-cache relative L2 to stay within
+    :data:`kvreplay.gates.EQUIVALENCE_TOLERANCE`: in float32 two correct
+    constructions differ only by rounding, so a larger drift is a bug in a
+    construction (wrong positions, roles or mask in one call), whatever the
+    run's precision.
+
+    Returns:
+        ``{"dtype": "float32", "compared": "prefill_vs_incremental", "rel_l2", "tolerance"}`` for the ledger.
+
+    Raises:
+        GateError: gate ``equivalence`` (or ``nonfinite``, ``desync`` from the decoders).
+    """
+    lm32 = float32_copy(spec.lm)
+    inc = decode.build_incremental(lm32, spec.fmt, prefix, where=problem.problem_id)
+    pre = decode.build_prefill(lm32, spec.fmt, prefix, where=problem.problem_id)
+    for name, s in (("incremental (float32 check)", inc), ("prefill (float32 check)", pre)):
+        gates.check_finite(name, caches.boundary_tensors(s))
+    rel = drift.aggregate(drift.cache_drift(gates.cache_tensors(inc.cache), gates.cache_tensors(pre.cache)))["rel_l2"]
+    gates.check_equivalence("prefill vs incremental (float32 copy of the model)", rel)
+    return {"dtype": "float32", "compared": "prefill_vs_incremental", "rel_l2": rel,
+            "tolerance": gates.EQUIVALENCE_TOLERANCE}
+
+
+def equivalence_record(spec: RunSpec, problem: Problem, prefix: Sequence[int], own: dict | None = None,
+                       own_name: str = "") -> dict | None:
+    """The construction-equivalence check of one row, or None when this row is not checked.
+
+    A float32 run checks every row from its own comparison ``own`` (whole-cache
+    drift of prefill against the reference); a lower-precision run checks its
+    :attr:`RunSpec.equivalence_ids` rows with :func:`construction_equivalence`.
+
+    Raises:
+        GateError: gate ``equivalence``.
+    """
+    if spec.lm.dtype == torch.float32 and own is not None:
+        rel = own["cache"]["rel_l2"]
+        gates.check_equivalence(f"{own_name} (float32 run)", rel)
+        return {"dtype": "float32", "compared": own_name, "rel_l2": rel, "tolerance": gates.EQUIVALENCE_TOLERANCE}
+    if problem.problem_id in spec.equivalence_ids:
+        return construction_equivalence(spec, problem, prefix)
+    return None
 
 
 def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary) -> dict:
@@ -155,6 +281,7 @@ def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary)
         f"{r}_replica": comparison(ref, states[f"{r}_replica"], per_tensor=False),
         "prefill_replica": comparison(states["prefill"], states["prefill_replica"], per_tensor=False),
     }
+    rec["equivalence"] = equivalence_record(spec, problem, z, rec["boundary"][key], key)
     rec["first_token"] = {n: decode.first_eligible_argmax(fmt, s.logits[0]) for n, s in states.items()}
     rec["raw_argmax"] = {n: decode.raw_argmax(s.logits[0]) for n, s in states.items()}
     arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
@@ -165,11 +292,7 @@ def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary)
         "boundary_exact": rec["boundary"][key]["cache"]["exact"],
         "logits_exact": rec["boundary"][key]["logits"]["exact"],
         "first_token_agree": rec["first_token"][r] == rec["first_token"]["prefill"],
-        "suffix_differs": arms[r].tokens != arms["prefill"].tokens,
-        "merge_differs": arms[r].merge != arms["prefill"].merge,
-        "answer_differs": arms[r].answer != arms["prefill"].answer,
-        "label_differs": rec["arms"][r]["correct"] != rec["arms"]["prefill"]["correct"],
-        "first_divergence": first_divergence(arms[r].tokens, arms["prefill"].tokens),
+        **divergence_endpoints(arms[r], arms["prefill"], rec["arms"][r], rec["arms"]["prefill"]),
     }
     return rec
 
@@ -234,8 +357,10 @@ def matrix_summary(
     ``ref`` is the reference construction (``live`` or ``incremental``); prefill is compared against it.
 
     Returns:
-        dict of counts, Wilson intervals (as :class:`~kvreplay.stats.Proportion`),
-        the live-vs-prefill accuracy difference (prefill minus live, bootstrap),
+        dict of counts, Wilson intervals (as :class:`~kvreplay.stats.Proportion`)
+        for suffix, merge, answer-block, predicted-letter and label
+        disagreement, ``tie_initiated`` (divergent rows whose first divergence
+        is tie-initiated), the live-vs-prefill accuracy difference (prefill minus live, bootstrap),
         McNemar on correctness, first-divergence median/range and drift.
 
     Raises:
@@ -262,7 +387,9 @@ def matrix_summary(
         "suffix": wilson(sum(e["suffix_differs"] for e in ep), n),
         "merge": wilson(sum(e["merge_differs"] for e in ep), n),
         "answer": wilson(sum(e["answer_differs"] for e in ep), n),
+        "letter": wilson(sum(e["letter_differs"] for e in ep), n),
         "label": wilson(sum(e["label_differs"] for e in ep), n),
+        "tie_initiated": sum(bool(e["tie_initiated"]) for e in ep),
         "first_divergence_median": statistics.median(firsts) if firsts else None,
         "first_divergence_range": (min(firsts), max(firsts)) if firsts else None,
         "first_divergence_quartiles": statistics.quantiles(firsts, n=4) if len(firsts) >= 2 else None,
@@ -292,9 +419,12 @@ def matrix_table(summaries: Sequence[dict], cross_precision_identical: tuple[int
         rows.setdefault("median relative L2 cache drift [range]", {})[col] = (
             f"{s['drift_median']:.3g} [{s['drift_range'][0]:.3g}, {s['drift_range'][1]:.3g}]"
         )
-        for key, label in (("suffix", "suffix differs"), ("merge", "merge differs"), ("answer", "answer differs"),
+        for key, label in (("suffix", "suffix differs"), ("merge", "merge differs"),
+                           ("answer", "answer block differs (any token)"), ("letter", "predicted letter differs"),
                            ("label", "correctness label differs")):
             rows.setdefault(label, {})[col] = s[key].pct()
+        rows.setdefault("suffix differs: tie-initiated / not (either arm's top-1 − top-2 margin exactly 0 at the first "
+                        "divergent step)", {})[col] = f"{s['tie_initiated']} / {s['suffix'].k - s['tie_initiated']}"
         fd = s["first_divergence_median"]
         rows.setdefault("first divergence, tokens after boundary: median (range)", {})[col] = (
             f"{fd:g} ({s['first_divergence_range'][0]}–{s['first_divergence_range'][1]})" if fd is not None else "none"
@@ -486,9 +616,12 @@ def run_arm(
 ) -> tuple[list[dict], "Ledger"]:
     """Run, resume or reuse one experiment arm: ``row`` mapped over ``problems`` in frozen order.
 
-    The ledger lives in ``<ledger_root>/<profile>/<name>-<dtype>-<digest12>/``.
-    A ledger already complete for this scientific config is read without
-    loading the model.
+    The ledger lives in ``<ledger_root>/<profile>/<name>-<dtype>-<digest12>/``
+    and records :data:`ROW_ALGORITHM` ``[name]``. A ledger already complete
+    for this scientific config is read without loading the model. The first
+    ``settings.preflight`` rows are preflight rows: a gate failure there
+    aborts the arm, and in a run below float32 they also carry the float32
+    construction-equivalence gate (:func:`construction_equivalence`).
 
     Raises:
         GateError: ``preflight`` if a preflight row fails a gate.
@@ -500,21 +633,24 @@ def run_arm(
     root = Path(ledger_root) / settings.profile
     ids = [p.problem_id for p in problems]
     label = f"{name}-{settings.dtype}"
+    version = ROW_ALGORITHM.get(name)
     done: set[str] = set()
     if Ledger.folder(root, label, config).is_dir():
-        probe = Ledger(root, label, config)
+        probe = Ledger(root, label, config, row_algorithm=version)
         if probe.complete(ids):
             by_id = {r["problem_id"]: r for r in probe.records()}
             return [by_id[i] for i in ids], probe
         done = probe.done_keys()
     todo = [p for p in problems if p.problem_id not in done]
+    equivalence_ids = frozenset(ids[: settings.preflight])
     if settings.workers > 1 and len(todo) > 1:
         # the workers load the model; this process loads none (a second copy would sit on the first GPU)
         from .parallel import RowPool
 
-        with RowPool(settings, row, workers=min(settings.workers, len(todo)), faults=faults) as pool:
+        with RowPool(settings, row, workers=min(settings.workers, len(todo)), faults=faults,
+                     equivalence_ids=equivalence_ids) as pool:
             environment = pool.prepare(problems)  # prompts checked and contract recorded inside a worker
-            ledger = Ledger(root, label, config, environment=environment)
+            ledger = Ledger(root, label, config, environment=environment, row_algorithm=version)
             ledger.log(event="workers", workers=pool.workers, devices=pool.devices)
             records = run_rows(
                 ledger, list(problems), None, key=lambda p: p.problem_id, mapper=pool.map,
@@ -523,8 +659,8 @@ def run_arm(
         return records, ledger
     lm, bf = settings.load()
     check_prompts(bf, problems)
-    ledger = Ledger(root, label, config, environment=arm_environment(lm, bf, settings))
-    spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults)
+    ledger = Ledger(root, label, config, environment=arm_environment(lm, bf, settings), row_algorithm=version)
+    spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids)
     records = run_rows(
         ledger, list(problems), lambda p: row(spec, p), key=lambda p: p.problem_id,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",
@@ -640,10 +776,14 @@ def precision_crossing(bf16: Sequence[dict], fp32: Sequence[dict], seed: int = 2
     """Problem-paired FP32-minus-BF16 change in each disagreement indicator (paper §4.2).
 
     Returns:
-        per indicator (``suffix``, ``answer``, ``label``): the paired bootstrap
-        difference (FP32 minus BF16; the paper reports the reduction, its
-        negative) and the exact McNemar test; plus ``prefix_identical``, the
-        number of rows whose integer prefix is identical across precisions.
+        per indicator (``suffix``, ``answer``, ``letter``, ``label``): the
+        paired bootstrap difference (FP32 minus BF16; the paper reports the
+        reduction, its negative) and the exact McNemar test; ``accuracy_effect``:
+        the accuracy effect of the construction (prefill minus reference
+        accuracy) in each precision and its problem-paired change FP32 minus
+        BF16 (bootstrap; the paper: -1.0 pts [-5.5, +3.5]); plus
+        ``prefix_identical``, the number of rows whose integer prefix is
+        identical across precisions.
 
     Raises:
         GateError: if rows are not paired by problem ID in the same order, or a row failed a gate.
@@ -653,7 +793,15 @@ def precision_crossing(bf16: Sequence[dict], fp32: Sequence[dict], seed: int = 2
     if [r["problem_id"] for r in bf16] != [r["problem_id"] for r in fp32]:
         raise GateError("report", "BF16 and FP32 rows are not paired in the same problem order")
     out = {"n": len(bf16), "prefix_identical": sum(a["prefix"] == b["prefix"] for a, b in zip(bf16, fp32))}
-    for key in ("suffix", "answer", "label"):
+    ref = next(k for k in bf16[0]["arms"] if not k.startswith("prefill") and not k.endswith("_replica")) if bf16 else None
+    effect = {d: [int(r["arms"]["prefill"]["correct"]) - int(r["arms"][ref]["correct"]) for r in rows]
+              for d, rows in (("bfloat16", bf16), ("float32", fp32))}
+    out["accuracy_effect"] = {
+        "bfloat16": sum(effect["bfloat16"]) / len(bf16), "float32": sum(effect["float32"]) / len(fp32),
+        "change": paired_bootstrap(effect["bfloat16"], effect["float32"], n_resamples=n_resamples, seed=seed)
+        if len(bf16) >= 2 else None,
+    }
+    for key in ("suffix", "answer", "letter", "label"):
         a = [r["endpoints"][f"{key}_differs"] for r in bf16]
         b = [r["endpoints"][f"{key}_differs"] for r in fp32]
         out[key] = {
@@ -666,12 +814,20 @@ def precision_crossing(bf16: Sequence[dict], fp32: Sequence[dict], seed: int = 2
 def crossing_table(cross: dict) -> pd.DataFrame:
     """Paired FP32 − BF16 change table (percentage points, bootstrap CI, McNemar)."""
     rows = {}
-    for key, label in (("suffix", "suffix disagreement"), ("answer", "answer disagreement"), ("label", "correctness-label disagreement")):
+    for key, label in (("suffix", "suffix disagreement"), ("answer", "answer-block disagreement (any token)"),
+                       ("letter", "predicted-letter disagreement"), ("label", "correctness-label disagreement")):
         c, m = cross[key]["change"], cross[key]["mcnemar"]
         rows[label] = {
             "FP32 − BF16, pts [95% bootstrap CI]": f"{100 * c.estimate:+.1f} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]" if c else "n/a",
             "McNemar: BF16-only vs FP32-only, exact p": f"{m.b} vs {m.c}, p = {m.pvalue:.3g}",
         }
+    e = cross["accuracy_effect"]
+    c = e["change"]
+    rows["accuracy effect of prefill (prefill − reference accuracy)"] = {
+        "FP32 − BF16, pts [95% bootstrap CI]": (f"{100 * c.estimate:+.1f} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]" if c else "n/a")
+        + f" (BF16 {100 * e['bfloat16']:+.1f}, FP32 {100 * e['float32']:+.1f})",
+        "McNemar: BF16-only vs FP32-only, exact p": "",
+    }
     rows["integer prefix identical across precision"] = {
         "FP32 − BF16, pts [95% bootstrap CI]": f"{cross['prefix_identical']}/{cross['n']}",
         "McNemar: BF16-only vs FP32-only, exact p": "",
@@ -721,6 +877,7 @@ def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> 
             spec.faults(states)
         boundary_gates(states, lm.dtype, [("live", "live_replica"), ("incremental", "incremental_replica")])
         cmp = comparison(live, states["incremental"], per_tensor=True)
+        rec["equivalence"] = equivalence_record(spec, problem, z)
         arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
         for a, b in (("live", "live_replica"), ("incremental", "incremental_replica")):
             gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", arms[a].tokens, arms[b].tokens)
@@ -879,10 +1036,13 @@ def transplant_table(s: dict, records: Sequence[dict]) -> pd.DataFrame:
         "panel rows (frozen divergent + exact)": f"{s['rows']} ({n_div} + {n_ex})",
         "frozen stratum reproduced by new baselines": f"{s['prior_stratum_reproduced']}/{s['rows']}",
         "all gates pass (replicas, state, storage, argmax, provenance)": f"{s['rows']}/{s['rows']}",
-        "donor recovery, prefill <- incremental": rate_text(s["recovery"]["prefill<-incremental"]),
-        "donor recovery, incremental <- prefill": rate_text(s["recovery"]["incremental<-prefill"]),
-        "joint bidirectional recovery": rate_text(s["joint_recovery"]),
+        "divergent rows (contemporaneous baselines): tie-initiated / not": f"{s['tie_initiated']} / {s['divergent'] - s['tie_initiated']}",
+        "donor recovery, prefill <- incremental (integrity check)": rate_text(s["recovery"]["prefill<-incremental"]),
+        "donor recovery, incremental <- prefill (integrity check)": rate_text(s["recovery"]["incremental<-prefill"]),
+        "joint bidirectional recovery (integrity check)": rate_text(s["joint_recovery"]),
         "third trajectory among exact controls": rate_text(s["third_among_exact"]),
+        "why recovery is an integrity check": ("token IDs, roles and positions are gated equal, so after a whole K/V swap "
+                                               "the recipient must follow the donor unless decoding is nondeterministic"),
         "power note": (f"with {s['exact']} exact controls, 0 events would only exclude third-trajectory rates above "
                        f"{100 * ctl.high:.1f}% (Wilson upper bound)" if ctl else "no exact controls"),
     }})
@@ -980,13 +1140,18 @@ def transplant_row(
         a_inc, a_pre = decode.raw_argmax(inc.logits[0]), decode.raw_argmax(states["prefill"].logits[0])
         if a_inc != a_pre:
             raise GateError("argmax", f"raw next-token argmax differs between constructions ({a_inc} vs {a_pre})")
+        rec["equivalence"] = equivalence_record(spec, problem, prefix)
         # pristine sources for the transplants; the four baseline states are consumed by decoding
         src = {"incremental": caches.clone_boundary(inc, "incremental"), "prefill": caches.clone_boundary(states["prefill"], "prefill")}
-        base = {n: decode.decode_suffix(lm, fmt, s, spec.caps).tokens for n, s in states.items()}
+        suffixes = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
+        base = {n: x.tokens for n, x in suffixes.items()}
         for a, b in (("incremental", "incremental_replica"), ("prefill", "prefill_replica")):
             gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", base[a], base[b])
+        fd = first_divergence(base["incremental"], base["prefill"])
         rec["baseline"] = {"incremental": base["incremental"], "prefill": base["prefill"],
-                           "suffix_differs": base["incremental"] != base["prefill"]}
+                           "margins": {n: suffixes[n].margins for n in ("incremental", "prefill")},
+                           "suffix_differs": base["incremental"] != base["prefill"], "first_divergence": fd,
+                           "tie_initiated": tie_initiated(suffixes["incremental"].margins, suffixes["prefill"].margins, fd)}
         rec["interventions"] = {}
         for name, kind, layers, parts in interventions(len(inc.cache.layers), sweep):
             if primary_only and kind != "primary":
@@ -1033,25 +1198,232 @@ def transplant_summary(records: Sequence[dict]) -> dict:
         "recovery": {d: wilson(sum(whole(r, d) == "donor" for r in div), len(div)) if div else None for d in DIRECTIONS},
         "joint_recovery": wilson(sum(all(whole(r, d) == "donor" for d in DIRECTIONS) for r in div), len(div)) if div else None,
         "third_among_exact": wilson(sum(any(whole(r, d) == "third" for d in DIRECTIONS) for r in exact), len(exact)) if exact else None,
+        "tie_initiated": sum(bool(r["baseline"].get("tie_initiated")) for r in div),
     }
     return out
 
 
 def localization_table(records: Sequence[dict]) -> pd.DataFrame:
-    """Per intervention and direction, how often the suffix follows the donor, the recipient, or neither (divergent rows)."""
+    """Per intervention, direction and stratum: how often the suffix follows the donor, the recipient, or neither.
+
+    Divergent rows (the two baselines part) show which part of the cache
+    carries the trajectory; exact rows (the baselines agree) are the controls:
+    there a partial transplant should leave the shared baseline (``baseline``),
+    and a new trajectory (``third``) means the intervention itself moves the
+    decoder.
+    """
     require_gates(records)
-    div = [r for r in records if r["baseline"]["suffix_differs"]]
     rows = []
     names = list(records[0]["interventions"]) if records else []
-    for name in names:
-        have = [r for r in div if name in r["interventions"]]
-        if not have:
-            continue
-        for d in DIRECTIONS:
-            outcomes = [r["interventions"][name][d]["outcome"] for r in have]
-            rows.append({
-                "intervention": name, "kind": have[0]["interventions"][name]["kind"], "direction": d, "rows": len(have),
-                "follows donor": outcomes.count("donor"), "follows recipient": outcomes.count("recipient"),
-                "neither": outcomes.count("third"),
-            })
+    for stratum, want in (("divergent", True), ("exact", False)):
+        group = [r for r in records if r["baseline"]["suffix_differs"] == want]
+        for name in names:
+            have = [r for r in group if name in r["interventions"]]
+            if not have:
+                continue
+            for d in DIRECTIONS:
+                outcomes = [r["interventions"][name][d]["outcome"] for r in have]
+                rows.append({
+                    "intervention": name, "kind": have[0]["interventions"][name]["kind"], "stratum": stratum,
+                    "direction": d, "rows": len(have), "follows donor": outcomes.count("donor"),
+                    "follows recipient": outcomes.count("recipient"), "stays on the shared baseline": outcomes.count("baseline"),
+                    "new (third) trajectory": outcomes.count("third"),
+                })
     return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------- exploratory controls (Experiment 2 prefixes)
+
+
+def _row_seed(seed: int, problem_id: str) -> int:
+    import hashlib
+
+    return int(hashlib.sha256(f"{seed}:{problem_id}".encode()).hexdigest()[:15], 16)
+
+
+@torch.inference_mode()
+def null_perturbation(state: decode.Boundary, reference: decode.Boundary, seed: int) -> tuple[decode.Boundary, dict]:
+    """A copy of ``state`` perturbed like ``reference`` differs from it, but at random places (exploratory control).
+
+    Let ``n`` be the number of elements of one duplicate row in which the two
+    boundary caches differ, and ``|Δ|`` their absolute differences (float32).
+    The copy gets ``n`` uniformly random element positions (drawn over all K
+    and V tensors of one row, with replacement), each shifted by a magnitude
+    drawn from ``|Δ|`` with a random sign, computed in float32 and rounded to
+    the cache dtype; both duplicate rows get the same change. The boundary
+    logits stay ``state``'s. Seeded (``torch.Generator``), so reruns are identical.
+
+    Args:
+        state: the boundary to perturb (``[2, kv_heads, |z|, head_dim]`` K/V per layer); not modified.
+        reference: the other construction of the same boundary (same inventory and shapes).
+        seed: generator seed.
+
+    Returns:
+        ``(perturbed copy, record)`` with ``elements_target`` (n), ``elements_changed`` (after rounding),
+        ``rel_l2`` (whole-cache relative L2 of the perturbation) and ``real_rel_l2`` (of ``reference``).
+    """
+    inv_s, inv_r = gates.cache_tensors(state.cache), gates.cache_tensors(reference.cache)
+    deltas = torch.cat([(r[0].float() - s[0].float())[r[0] != s[0]].abs().flatten() for (_, s), (_, r) in zip(inv_s, inv_r)])
+    out = caches.clone_boundary(state, "null_perturbation")
+    gen = torch.Generator().manual_seed(seed)
+    n = int(deltas.numel())
+    targets = [t for _, t in gates.cache_tensors(out.cache)]
+    sizes = torch.tensor([t[0].numel() for t in targets])
+    if n:
+        flat = torch.randint(int(sizes.sum()), (n,), generator=gen)
+        mags = deltas[torch.randint(n, (n,), generator=gen)]
+        signs = torch.randint(2, (n,), generator=gen).float() * 2 - 1
+        bounds = torch.cumsum(sizes, 0)
+        which = torch.bucketize(flat, bounds, right=True)
+        for i, t in enumerate(targets):
+            sel = which == i
+            if not bool(sel.any()):
+                continue
+            local = (flat[sel] - (bounds[i] - sizes[i])).to(t.device)
+            row = t[0].reshape(-1).float()
+            row.index_add_(0, local, (signs[sel] * mags[sel]).to(t.device))
+            new = row.to(t.dtype).reshape(t[0].shape)
+            t[0].copy_(new)
+            t[1].copy_(new)
+    agg = drift.aggregate(drift.cache_drift(inv_s, gates.cache_tensors(out.cache)))
+    real = drift.aggregate(drift.cache_drift(inv_s, inv_r))
+    return out, {"seed": seed, "elements_target": n, "elements_changed": agg["n_diff"] // 2, "rel_l2": agg["rel_l2"],
+                 "real_rel_l2": real["rel_l2"]}
+
+
+def _pair(a: decode.Suffix, b: decode.Suffix, names: tuple[str, str]) -> dict:
+    fd = first_divergence(a.tokens, b.tokens)
+    return {names[0]: a.tokens, names[1]: b.tokens, "margins": {names[0]: a.margins, names[1]: b.margins},
+            "suffix_differs": a.tokens != b.tokens, "first_divergence": fd,
+            "tie_initiated": tie_initiated(a.margins, b.margins, fd)}
+
+
+def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: int = 20260729) -> dict:
+    """Two exploratory controls on one fixed BF16 prefix that separate causes of a divergence.
+
+    * **FP32 readout**: incremental and prefill are built again with
+      :class:`~kvreplay.decode.FP32Readout` (their caches must equal the plain
+      builds' bit for bit, gate ``readout``) and continued with the final norm
+      and LM head in float32: does the suffix still part once BF16 logit
+      granularity (and its exact ties) is taken away, on the same BF16 caches?
+    * **Matched null perturbation** (:func:`null_perturbation`): the
+      incremental cache perturbed at as many elements as really differ from
+      prefill, with magnitudes drawn from this row's observed ``|Δ|`` at random
+      places: how often does a cache change of that size move the trajectory?
+
+    Both are compared with the plain BF16 baselines (incremental vs prefill),
+    decoded here too. Gates: dtype, non-finite, functional state, duplicates
+    in sync, disjoint storage, readout caches identical to the plain ones.
+
+    Returns:
+        The ledger record: ``baseline``, ``fp32_readout`` (each: both suffixes,
+        margins, ``suffix_differs``, ``first_divergence``, ``tie_initiated``)
+        and ``null_perturbation`` (its record, ``suffix``, ``moved``,
+        ``first_divergence``, ``tie_initiated``); ``gate_failure`` on a gate failure.
+    """
+    lm, fmt = spec.lm, spec.fmt
+    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None, "prefix_len": len(prefix)}
+    try:
+        readout = decode.FP32Readout(lm)
+        states = {
+            "incremental": decode.build_incremental(lm, fmt, prefix, where=problem.problem_id),
+            "prefill": decode.build_prefill(lm, fmt, prefix, where=problem.problem_id),
+        }
+        states["incremental_fp32_readout"] = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id, readout=readout)
+        states["prefill_fp32_readout"] = decode.build_prefill(lm, fmt, prefix, where=problem.problem_id, readout=readout)
+        if spec.faults:
+            spec.faults(states)
+        for name, s in states.items():
+            gates.check_dtype(name, [(n, t) for n, t in gates.cache_tensors(s.cache)], lm.dtype)
+            gates.check_finite(name, caches.boundary_tensors(s))
+            gates.check_duplicates(name, caches.boundary_tensors(s))
+        gates.check_functional_state(states)
+        for c in ("incremental", "prefill"):
+            gates.check_exact(f"{c} vs {c}_fp32_readout caches", gates.cache_tensors(states[c].cache),
+                              gates.cache_tensors(states[f"{c}_fp32_readout"].cache), gate="readout")
+        null, null_rec = null_perturbation(states["incremental"], states["prefill"], _row_seed(seed, problem.problem_id))
+        gates.check_disjoint({n: [t for _, t in gates.cache_tensors(s.cache)] for n, s in {**states, "null": null}.items()})
+        plain = {c: decode.decode_suffix(lm, fmt, states[c], spec.caps) for c in ("incremental", "prefill")}
+        fp32 = {c: decode.decode_suffix(lm, fmt, states[f"{c}_fp32_readout"], spec.caps, readout=readout)
+                for c in ("incremental", "prefill")}
+        moved = decode.decode_suffix(lm, fmt, null, spec.caps)
+        rec["baseline"] = _pair(plain["incremental"], plain["prefill"], ("incremental", "prefill"))
+        rec["fp32_readout"] = _pair(fp32["incremental"], fp32["prefill"], ("incremental", "prefill"))
+        fd = first_divergence(plain["incremental"].tokens, moved.tokens)
+        rec["null_perturbation"] = null_rec | {
+            "suffix": moved.tokens, "margins": moved.margins, "moved": fd is not None, "first_divergence": fd,
+            "tie_initiated": tie_initiated(plain["incremental"].margins, moved.margins, fd),
+        }
+    except GateError as e:
+        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    return rec
+
+
+def controls_summary(records: Sequence[dict]) -> dict:
+    """Endpoints of the exploratory controls from their ledger records.
+
+    Returns:
+        ``n``; ``baseline``, ``fp32_readout``, ``null_moved`` (Wilson over all
+        rows); ``*_ties`` (tie-initiated first divergences among them);
+        ``fp32_readout_among_divergent`` (rows whose plain BF16 baselines part
+        and that still part under FP32 readout, with the number of such rows);
+        ``null_moved_among_exact``; medians of the perturbation size against
+        the real construction difference.
+
+    Raises:
+        GateError: if a row failed a gate.
+    """
+    require_gates(records)
+    n = len(records)
+    div = [r for r in records if r["baseline"]["suffix_differs"]]
+    ex = [r for r in records if not r["baseline"]["suffix_differs"]]
+    count = lambda rows, f: sum(bool(f(r)) for r in rows)  # noqa: E731
+    return {
+        "n": n,
+        "baseline": wilson(count(records, lambda r: r["baseline"]["suffix_differs"]), n),
+        "baseline_ties": count(div, lambda r: r["baseline"]["tie_initiated"]),
+        "fp32_readout": wilson(count(records, lambda r: r["fp32_readout"]["suffix_differs"]), n),
+        "fp32_readout_ties": count(records, lambda r: r["fp32_readout"]["tie_initiated"]),
+        "fp32_readout_among_divergent": wilson(count(div, lambda r: r["fp32_readout"]["suffix_differs"]), len(div)) if div else None,
+        "null_moved": wilson(count(records, lambda r: r["null_perturbation"]["moved"]), n),
+        "null_ties": count(records, lambda r: r["null_perturbation"]["tie_initiated"]),
+        "null_moved_among_exact": wilson(count(ex, lambda r: r["null_perturbation"]["moved"]), len(ex)) if ex else None,
+        "null_elements_median": statistics.median(r["null_perturbation"]["elements_changed"] for r in records),
+        "real_elements_median": statistics.median(r["null_perturbation"]["elements_target"] for r in records),
+        "null_rel_l2_median": statistics.median(r["null_perturbation"]["rel_l2"] for r in records),
+        "real_rel_l2_median": statistics.median(r["null_perturbation"]["real_rel_l2"] for r in records),
+    }
+
+
+def controls_table(c: dict) -> pd.DataFrame:
+    """The exploratory controls table (labelled exploratory: not in the paper)."""
+    n = c["n"]
+    return pd.DataFrame({"exploratory controls (BF16 caches, fixed prefixes)": {
+        "rows": str(n),
+        "plain BF16: incremental vs prefill suffix differs": c["baseline"].pct(),
+        "  of which tie-initiated": f"{c['baseline_ties']}/{c['baseline'].k}",
+        "FP32 readout (same BF16 caches; final norm and LM head in float32): suffix differs": c["fp32_readout"].pct(),
+        "  of which tie-initiated": f"{c['fp32_readout_ties']}/{c['fp32_readout'].k}",
+        "  among rows whose plain BF16 suffixes differ": rate_text(c["fp32_readout_among_divergent"]),
+        "matched null perturbation of the incremental cache: trajectory moved": c["null_moved"].pct(),
+        "  of which tie-initiated": f"{c['null_ties']}/{c['null_moved'].k}",
+        "  among rows whose plain BF16 suffixes agree": rate_text(c["null_moved_among_exact"]),
+        "elements changed per row, median: null vs real (one duplicate row)":
+            f"{c['null_elements_median']:g} vs {c['real_elements_median']:g}",
+        "whole-cache relative L2, median: null vs real": f"{c['null_rel_l2_median']:.3g} vs {c['real_rel_l2_median']:.3g}",
+    }})
+
+
+def run_controls(
+    problems: Sequence[Problem], prefixes: dict[str, list[int]], bank_sha256: str, settings: ArmSettings, *,
+    ledger_root: str | Path, seed: int = 20260729, progress: bool = True, faults: Hook | None = None,
+) -> tuple[list[dict], "Ledger"]:
+    """The exploratory controls (:func:`controls_row`) on the fixed BF16 prefixes: records and ledger ``exp2_controls``."""
+    missing = [p.problem_id for p in problems if p.problem_id not in prefixes]
+    if missing:
+        raise GateError("provenance", f"prefix bank has no prefix for {missing}")
+    return run_arm(
+        "exp2_controls", settings, problems, lambda spec, p: controls_row(spec, p, prefixes[p.problem_id], seed),
+        ledger_root=ledger_root, extra_config={"prefix_bank_sha256": bank_sha256, "seed": seed}, progress=progress,
+        faults=faults,
+    )

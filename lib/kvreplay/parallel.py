@@ -46,7 +46,7 @@ def worker_devices(device: str, workers: int) -> list[str]:
     return [device] * workers
 
 
-def _init(settings_blob: bytes, row_blob: bytes, devices, lock) -> None:
+def _init(settings_blob: bytes, row_blob: bytes, devices, lock, equivalence_ids=frozenset()) -> None:
     device = "?"
     # before torch is imported here: idle OpenMP threads of many workers must not spin on shared cores
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -57,7 +57,8 @@ def _init(settings_blob: bytes, row_blob: bytes, devices, lock) -> None:
         with lock:
             device = devices.pop(0) if len(devices) else settings.device
         lm, fmt = settings.load(device)
-        _WORKER.update(spec=RunSpec(lm=lm, fmt=fmt, caps=settings.caps, faults=faults), settings=settings,
+        _WORKER.update(spec=RunSpec(lm=lm, fmt=fmt, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids),
+                       settings=settings,
                        row=pickle.loads(row_blob), device=device)
     except BaseException as e:  # keep it: the first task re-raises it in the caller, instead of a broken pool
         _WORKER.update(error=e, device=device)
@@ -93,12 +94,14 @@ class RowPool:
             unless ``workers`` is given).
         row: ``(RunSpec, item) -> record``, the same function a sequential run uses.
         faults: optional boundary-state hook passed into each worker's RunSpec (tests).
+        equivalence_ids: problem IDs that carry the float32 construction-equivalence gate (the preflight rows).
 
     Use as a context manager; ``pool.map(items)`` yields records in item order.
     Worker start-up (contract, model load) happens once per worker.
     """
 
-    def __init__(self, settings, row: Callable, *, workers: int | None = None, faults: Callable | None = None):
+    def __init__(self, settings, row: Callable, *, workers: int | None = None, faults: Callable | None = None,
+                 equivalence_ids: frozenset = frozenset()):
         import cloudpickle
 
         self.workers = workers or settings.workers
@@ -110,7 +113,7 @@ class RowPool:
         lock = manager.Lock()
         self._pool = cf.ProcessPoolExecutor(
             max_workers=self.workers, mp_context=ctx, initializer=_init,
-            initargs=(cloudpickle.dumps((settings, faults)), cloudpickle.dumps(row), shared, lock),
+            initargs=(cloudpickle.dumps((settings, faults)), cloudpickle.dumps(row), shared, lock, frozenset(equivalence_ids)),
         )
 
     def prepare(self, problems) -> dict:

@@ -1,4 +1,4 @@
-"""Experiment 5: the outcome-blind replication on a later checkpoint (paper §4.5; issue 6).
+"""Experiment 5: the outcome-blind replication on a later checkpoint (paper §4.5).
 
 The transplant result of Experiment 4 is replicated on a distinct later
 checkpoint of the same family (by default the later role table of notebook
@@ -19,7 +19,10 @@ checkpoint of the same family (by default the later role table of notebook
    the (contemporaneously) divergent rows; a new trajectory among the
    naturally exact rows; Wilson 95% intervals on each eligible set.
 4. **Interpretation** (:func:`interpret`): the paper's frozen matrix, applied
-   mechanically with its thresholds scaled to the panel size.
+   mechanically with its absolute thresholds (12 divergent, 6 exact rows) --
+   the primary verdict. A secondary verdict with the thresholds scaled to the
+   panel size (``ceil(12 n / 48)``, ``ceil(6 n / 48)``) is reported beside it,
+   named so; it is not the paper's rule.
 5. **Secondary**: decoded accuracy of the later checkpoint's incremental arm
    against checkpoint 0's (Experiment 2's BF16 incremental arm) on the same
    fixed prefixes and caps, with an exact McNemar test.
@@ -66,9 +69,9 @@ Why this order (the paper lists the labels but not how they combine):
    not follow its donor in both directions is an observed counterexample; it
    needs no power, so it outranks the power labels.
 3. *divergence-underpowered*: complete recovery on fewer divergent rows than
-   the scaled threshold is not a replication.
+   the threshold is not a replication.
 4. *conditional replication, underpowered control stratum*: everything held,
-   but fewer exact controls than the scaled threshold.
+   but fewer exact controls than the threshold.
 5. *strong replication*: everything held with both strata at or above threshold.
 """
 
@@ -91,8 +94,10 @@ class Interpretation:
     Attributes:
         label: one of :data:`PRECEDENCE`.
         reason: the counts that decided it, in words.
-        n: panel rows; min_divergent, min_exact: the scaled thresholds.
+        n: panel rows; min_divergent, min_exact: the thresholds applied.
         divergent, exact, recovered, novel: the counts the matrix reads.
+        scaled: True when the thresholds were scaled to the panel (the
+            secondary verdict), False for the paper's absolute 12 and 6.
     """
 
     label: str
@@ -104,14 +109,21 @@ class Interpretation:
     exact: int
     recovered: int
     novel: int
+    scaled: bool = False
 
     def thresholds_text(self) -> str:
-        return (f"≥ {self.min_divergent} divergent and ≥ {self.min_exact} exact rows for n = {self.n} "
-                f"(paper: 12 and 6 for n = 48; scaled as ceil(12·n/48), ceil(6·n/48))")
+        if self.scaled:
+            return (f"≥ {self.min_divergent} divergent and ≥ {self.min_exact} exact rows for n = {self.n} "
+                    f"(scaled to the panel as ceil(12·n/48), ceil(6·n/48); secondary, not the paper's rule)")
+        return f"≥ {self.min_divergent} divergent and ≥ {self.min_exact} exact rows (the paper's frozen thresholds; n = {self.n})"
 
 
-def interpret(n: int, divergent: int, exact: int, recovered: int, novel: int) -> Interpretation:
+def interpret(n: int, divergent: int, exact: int, recovered: int, novel: int, *, scaled: bool = False) -> Interpretation:
     """Apply the frozen interpretation matrix mechanically (see :data:`PRECEDENCE` for the order).
+
+    The primary verdict uses the paper's absolute thresholds (12 divergent and
+    6 exact rows, whatever the panel size); ``scaled=True`` gives the secondary
+    verdict with :func:`scaled_thresholds`.
 
     Args:
         n: panel rows (``divergent + exact``).
@@ -125,7 +137,7 @@ def interpret(n: int, divergent: int, exact: int, recovered: int, novel: int) ->
     """
     if divergent + exact != n or not 0 <= recovered <= divergent or not 0 <= novel <= exact:
         raise ValueError(f"inconsistent counts: n={n}, divergent={divergent}, exact={exact}, recovered={recovered}, novel={novel}")
-    t_div, t_ex = scaled_thresholds(n)
+    t_div, t_ex = scaled_thresholds(n) if scaled else (REFERENCE_DIVERGENT, REFERENCE_EXACT)
     if novel:
         label, why = PROCEDURAL, f"{novel} of {exact} exact control(s) took a new trajectory after a transplant"
     elif recovered < divergent:
@@ -138,7 +150,7 @@ def interpret(n: int, divergent: int, exact: int, recovered: int, novel: int) ->
     else:
         label, why = STRONG, (f"recovery on all {divergent} divergent rows (≥ {t_div}) in both directions and no new "
                               f"trajectory among {exact} exact controls (≥ {t_ex})")
-    return Interpretation(label, why, n, t_div, t_ex, divergent, exact, recovered, novel)
+    return Interpretation(label, why, n, t_div, t_ex, divergent, exact, recovered, novel, scaled)
 
 
 # ----------------------------------------------------------------------------- the outcome-blind panel
@@ -309,7 +321,10 @@ def replication_summary(records: Sequence[dict]) -> dict:
     Returns:
         ``rows``, ``divergent``, ``exact``; ``divergence`` (Wilson over all rows); ``recovery`` per
         direction and ``joint_recovery`` among divergent rows; ``third_among_exact`` (a new trajectory
-        among exact rows; Wilson, None for an empty stratum); ``interpretation``; ``prefix_len_range``.
+        among exact rows; Wilson, None for an empty stratum); ``interpretation`` (the paper's absolute
+        thresholds: the primary verdict); ``interpretation_scaled`` (thresholds scaled to the panel:
+        secondary); ``tie_initiated`` (divergent rows whose first divergence is tie-initiated);
+        ``prefix_len_range``.
 
     Raises:
         GateError: if any row failed a gate (endpoints are withheld).
@@ -324,13 +339,15 @@ def replication_summary(records: Sequence[dict]) -> dict:
         "divergence": wilson(t["divergent"], n),
         "recovery": t["recovery"], "joint_recovery": t["joint_recovery"], "third_among_exact": t["third_among_exact"],
         "interpretation": interpret(n, t["divergent"], t["exact"], recovered, novel),
+        "interpretation_scaled": interpret(n, t["divergent"], t["exact"], recovered, novel, scaled=True),
+        "tie_initiated": t["tie_initiated"],
         "prefix_len_range": (min(r["prefix_len"] for r in records), max(r["prefix_len"] for r in records)),
     }
 
 
 def replication_table(s: dict, checkpoint: str) -> pd.DataFrame:
-    """Experiment 5 table: endpoints with Wilson intervals, the scaled thresholds and the verdict."""
-    i = s["interpretation"]
+    """Experiment 5 table: endpoints with Wilson intervals, the primary verdict (absolute thresholds) and the scaled one."""
+    i, j = s["interpretation"], s["interpretation_scaled"]
     ctl = wilson(0, s["exact"]) if s["exact"] else None
     lo, hi = s["prefix_len_range"]
     return pd.DataFrame({"Experiment 5 (BF16, later checkpoint)": {
@@ -338,13 +355,16 @@ def replication_table(s: dict, checkpoint: str) -> pd.DataFrame:
         "panel rows (order statistics of prefix length)": f"{s['rows']} (prefixes {lo}–{hi} tokens)",
         "all gates pass (replicas, state, storage, argmax, provenance)": f"{s['rows']}/{s['rows']}",
         "incremental/prefill suffix divergence": s["divergence"].pct(),
-        "donor recovery, prefill <- incremental": rate_text(s["recovery"]["prefill<-incremental"]),
-        "donor recovery, incremental <- prefill": rate_text(s["recovery"]["incremental<-prefill"]),
-        "joint bidirectional recovery": rate_text(s["joint_recovery"]),
+        "of which tie-initiated (either arm's top-1 minus top-2 margin exactly 0 at the first divergent step)":
+            f"{s['tie_initiated']}/{s['divergent']}",
+        "donor recovery, prefill <- incremental (integrity check)": rate_text(s["recovery"]["prefill<-incremental"]),
+        "donor recovery, incremental <- prefill (integrity check)": rate_text(s["recovery"]["incremental<-prefill"]),
+        "joint bidirectional recovery (integrity check)": rate_text(s["joint_recovery"]),
         "new trajectory among exact controls": rate_text(s["third_among_exact"]),
-        "thresholds (scaled to the panel)": i.thresholds_text(),
+        "thresholds (the paper's, absolute)": i.thresholds_text(),
         "interpretation (frozen matrix)": i.label,
         "decided by": i.reason,
+        "secondary: interpretation with thresholds scaled to the panel": f"{j.label} ({j.thresholds_text()})",
         "power note": (f"with {s['exact']} exact controls, 0 events would only exclude new-trajectory rates above "
                        f"{100 * ctl.high:.1f}% (Wilson upper bound)" if ctl else "no exact controls"),
     }})

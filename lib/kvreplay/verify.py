@@ -1,0 +1,260 @@
+"""Recompute committed ledger rows and compare them with the ledger bit for bit (``make verify``).
+
+A reviewer's check, and the golden-row test of the row-algorithm versions:
+for each experiment ledger of a profile, rebuild the arm's settings from the
+ledger's own manifest (model, dtype, caps, format, threads, SDPA backends,
+execution contract), recompute a few of its rows with the same per-row
+function the notebooks use, and compare each recomputed record with the
+committed line byte for byte (canonical JSON).
+
+BF16 bits depend on the CPU's kernels (AMX, AVX-512-BF16, AVX2 pick different
+oneDNN paths) and on the torch build, so a byte comparison is only owed where
+the environment matches the one that wrote the ledger (same CPU capability and
+ISA flags, device name, torch version and threads). Elsewhere the check falls
+back to what must hold anywhere -- every gate passes, and in float32 the token
+IDs (prefix and every suffix) are identical -- and says what it skipped.
+
+Usage::
+
+    python -m kvreplay.verify --profile cpu --rows 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .ledger import canonical_json
+
+ENVIRONMENT_KEYS = ("device_name", "cpu_capability", "cpu_isa_flags", "torch", "intra_op_threads")
+"""Execution-contract fields that must match for a byte-for-byte comparison to be owed."""
+
+
+@dataclasses.dataclass
+class RowCheck:
+    """The verdict on one recomputed row.
+
+    Attributes:
+        ledger: the ledger folder's name; problem_id: the row.
+        mode: ``"bytes"`` (same environment: the record must be identical) or
+            ``"portable"`` (another environment: gates and float32 tokens only).
+        ok: whether every owed check held.
+        parted: where the recomputed record first parts from the committed one
+            (a dotted path such as ``arms.prefill.suffix[12]``), or None.
+        detail: a one-line account (what was compared, what was skipped).
+    """
+
+    ledger: str
+    problem_id: str
+    mode: str
+    ok: bool
+    parted: str | None
+    detail: str
+
+
+def _leaves(obj, prefix: str = "") -> dict:
+    out: dict = {}
+    if isinstance(obj, dict):
+        for k in sorted(obj):
+            out.update(_leaves(obj[k], f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out.update(_leaves(v, f"{prefix}[{i}]"))
+        if not obj:
+            out[prefix] = []
+    else:
+        out[prefix] = obj
+    return out
+
+
+def first_difference(a: dict, b: dict) -> str | None:
+    """The first dotted leaf path (in sorted order) whose value differs between two records, or None."""
+    la, lb = _leaves(a), _leaves(b)
+    for k in sorted(set(la) | set(lb)):
+        if la.get(k, KeyError) != lb.get(k, KeyError):
+            return k
+    return None
+
+
+def same_environment(recorded: dict, current: dict) -> list[str]:
+    """The :data:`ENVIRONMENT_KEYS` that differ between a ledger's recorded contract and this machine's."""
+    return [k for k in ENVIRONMENT_KEYS if recorded.get(k) != current.get(k)]
+
+
+def _token_fields(rec: dict) -> dict:
+    """Every token-ID list of a record (prefix and suffixes), by dotted path."""
+    return {k: v for k, v in _leaves(rec).items() if ("suffix" in k or k.startswith("prefix[") or "baseline." in k)
+            and ("margins" not in k)}
+
+
+def settings_from_manifest(folder: Path):
+    """The :class:`~kvreplay.experiments.ArmSettings` that wrote a ledger, from its manifest and environment.
+
+    Raises:
+        ValueError: for a model the manifest does not name as loadable here (only the embedded model, a
+            role table inside the repository and a local path are supported).
+    """
+    from .contract import Caps
+    from .experiments import ArmSettings
+    from .paths import ROOT
+
+    config = json.loads((folder / "manifest.json").read_text())["config"]
+    model = config["model"]["model"]
+    role_table = config.get("role_table")
+    execution = config.get("execution", {})
+    return ArmSettings(
+        profile=config["profile"], dtype=config["dtype"], caps=Caps(**config["caps"]), model=model,
+        fmt=config["format"], role_table=str(ROOT / role_table["model"]) if role_table else None,
+        threads=config["threads"], sdpa_backends=tuple(config["sdpa_backends"]), preflight=config["preflight"],
+        device=execution.get("device", "cpu"), deterministic=execution.get("deterministic"),
+        allow_tf32=execution.get("allow_tf32", False),
+    ), config
+
+
+def _bank_prefixes(folder: Path, config: dict) -> dict[str, list[int]]:
+    from .experiments import read_prefix_bank
+    from .gates import GateError
+
+    entries, digest = read_prefix_bank(folder.parent / "prefix_bank_bf16.jsonl")
+    if config.get("prefix_bank_sha256") not in (None, digest):
+        raise GateError("provenance", f"{folder.name} was computed from prefix bank {config['prefix_bank_sha256'][:12]}, "
+                        f"the profile's bank is {digest[:12]}")
+    return {e["problem_id"]: e["prefix"] for e in entries}
+
+
+def row_function(folder: Path, config: dict):
+    """``(RunSpec, Problem, committed record) -> record``: the per-row function that wrote this ledger.
+
+    Raises:
+        ValueError: for an experiment this module cannot recompute.
+    """
+    from . import experiments as ex
+    from . import replication
+
+    name = config["experiment"]
+    if name == "exp1":
+        return lambda spec, p, rec: ex.exp1_row(spec, p)
+    if name == "exp2":
+        return lambda spec, p, rec: ex.exp2_row(spec, p, rec["prefix"])
+    bank = _bank_prefixes(folder, config)
+    if name == "exp2_controls":
+        return lambda spec, p, rec: ex.controls_row(spec, p, bank[p.problem_id], config["seed"])
+    if name == "exp3":
+        return lambda spec, p, rec: ex.bridge_row(spec, p, bank[p.problem_id])
+    if name == "exp4":
+        return lambda spec, p, rec: ex.transplant_row(
+            spec, p, bank[p.problem_id], rec["stratum"], sweep=any(k.startswith("layer_") for k in rec["interventions"]))
+    if name == "exp5":
+        return lambda spec, p, rec: replication.replication_row(spec, p, bank[p.problem_id])
+    raise ValueError(f"{folder.name}: cannot recompute rows of experiment {name!r}")
+
+
+def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", problems=None) -> list[RowCheck]:
+    """Recompute ``rows`` committed rows of one ledger and compare them with the committed lines.
+
+    Args:
+        folder: the ledger folder.
+        rows: how many rows to recompute.
+        pick: ``"shortest"`` (rows with the shortest prefix first: the cheapest) or ``"first"`` (ledger order).
+        problems: the problem set (default: the frozen bank).
+
+    Returns:
+        One :class:`RowCheck` per recomputed row.
+
+    Raises:
+        ValueError: an experiment this module cannot recompute; MissingLedgerError-like ``FileNotFoundError``
+            when the folder is not a ledger.
+    """
+    import torch
+
+    from .data import load_bank
+    from .experiments import ROW_ALGORITHM, RunSpec, check_prompts
+    from .models import execution_contract
+
+    folder = Path(folder)
+    if not (folder / "manifest.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a ledger (no manifest.json)")
+    settings, config = settings_from_manifest(folder)
+    env = json.loads((folder / "environment.json").read_text())
+    lines = [x for x in (folder / "rows.jsonl").read_text(encoding="utf-8").splitlines() if x]
+    committed = [json.loads(x) for x in lines]
+    order = sorted(range(len(committed)), key=lambda i: (committed[i].get("prefix_len", 0), i)) if pick == "shortest" \
+        else list(range(len(committed)))
+    chosen = order[:rows]
+    if env.get("row_algorithm") != ROW_ALGORITHM.get(config["experiment"]):
+        return [RowCheck(folder.name, committed[i]["problem_id"], "stale", False, None,
+                         f"written by row algorithm {env.get('row_algorithm')}, this code computes "
+                         f"{ROW_ALGORITHM.get(config['experiment'])}: not comparable") for i in chosen]
+    by_id = {p.problem_id: p for p in (problems if problems is not None else load_bank())}
+    fn = row_function(folder, config)
+    lm, fmt = settings.load()
+    check_prompts(fmt, [by_id[committed[i]["problem_id"]] for i in chosen])
+    spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, equivalence_ids=frozenset(config["problem_ids"][: settings.preflight]))
+    differs = same_environment(env["execution_contract"], execution_contract(lm, settings.threads))
+    out = []
+    for i in chosen:
+        old = committed[i]
+        new = fn(spec, by_id[old["problem_id"]], old)
+        if not differs:
+            ok = canonical_json(new) == lines[i]
+            parted = None if ok else first_difference(old, new)
+            detail = "byte-identical" if ok else f"differs first at {parted}"
+            out.append(RowCheck(folder.name, old["problem_id"], "bytes", ok, parted, detail))
+            continue
+        checks, parted = [], None
+        gates_ok = new.get("gate_failure") is None and old.get("gate_failure") is None
+        checks.append(f"gates {'pass' if gates_ok else 'FAIL: ' + str(new.get('gate_failure'))}")
+        ok = gates_ok
+        if lm.dtype == torch.float32:
+            a, b = _token_fields(old), _token_fields(new)
+            tok_ok = a == b
+            if not tok_ok:
+                parted = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
+            checks.append("float32 token IDs " + ("identical" if tok_ok else f"differ first at {parted}"))
+            ok = ok and tok_ok
+        else:
+            checks.append("BF16 bits not compared")
+        out.append(RowCheck(folder.name, old["problem_id"], "portable", ok, parted,
+                            f"{'; '.join(checks)} (another environment: {', '.join(differs)} differ)"))
+    return out
+
+
+def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only: Sequence[str] = ()) -> list[RowCheck]:
+    """:func:`verify_ledger` on every recomputable experiment ledger of a profile (``only``: name prefixes)."""
+    from .experiments import ROW_ALGORITHM
+
+    out = []
+    for folder in sorted(Path(ledger_root, profile).iterdir()):
+        if not (folder / "manifest.json").is_file():
+            continue
+        name = json.loads((folder / "manifest.json").read_text())["config"].get("experiment")
+        if name not in ROW_ALGORITHM or name == "adapt_eval" or (only and not any(folder.name.startswith(o) for o in only)):
+            continue
+        out.extend(verify_ledger(folder, rows))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .paths import LEDGERS
+
+    ap = argparse.ArgumentParser(prog="python -m kvreplay.verify", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--rows", type=int, default=1, help="rows recomputed per ledger (shortest prefixes first)")
+    ap.add_argument("--ledger-root", default=str(LEDGERS))
+    ap.add_argument("--only", nargs="*", default=(), help="ledger name prefixes, e.g. exp1-bfloat16 exp3")
+    args = ap.parse_args(argv)
+    results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only)
+    for r in results:
+        print(f"{'OK  ' if r.ok else 'FAIL'} {r.mode:8s} {r.ledger:40s} {r.problem_id:24s} {r.detail}")
+    bad = [r for r in results if not r.ok]
+    print(f"{len(results) - len(bad)} of {len(results)} recomputed rows match"
+          + ("" if not bad else f"; {len(bad)} do not"))
+    return 1 if bad or not results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""One provenance per profile, and committed rows that recompute byte for byte (the golden-row test).
+
+The row-algorithm version of each experiment (``experiments.ROW_ALGORITHM``)
+is recorded in every ledger. A refactor that changes no bit keeps it; a change
+to what a row computes bumps it, and this test then fails until the committed
+ledgers are recomputed. BF16 bits depend on the CPU kind, so the byte
+comparison runs where the environment matches the committed one (the machine
+that wrote them: CI's); elsewhere each row is checked for what must hold
+anywhere, and the test says what it skipped.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvreplay.experiments import ROW_ALGORITHM
+from kvreplay.paths import LEDGERS
+
+COMMITTED = "cpu"
+
+
+def _ledgers(profile: str):
+    for folder in sorted((LEDGERS / profile).iterdir()):
+        if (folder / "manifest.json").is_file():
+            yield folder, json.loads((folder / "manifest.json").read_text())["config"]["experiment"], \
+                json.loads((folder / "environment.json").read_text())
+
+
+def test_the_committed_profile_is_one_code_version_with_no_copied_rows():
+    found = {}
+    for folder, experiment, env in _ledgers(COMMITTED):
+        found[folder.name] = env.get("row_algorithm")
+        assert env.get("row_algorithm") == ROW_ALGORITHM[experiment], (
+            f"{folder.name} was written by row algorithm {env.get('row_algorithm')}, the code computes "
+            f"{ROW_ALGORITHM[experiment]}: recompute the {COMMITTED} profile")
+        assert "salvag" not in (folder / "runlog.jsonl").read_text(), f"{folder.name}: rows copied from another ledger"
+    assert {name.split("-")[0] for name in found} == set(ROW_ALGORITHM), found
+
+
+def test_every_profile_is_written_by_one_version_per_experiment():
+    for profile in (p.name for p in LEDGERS.iterdir() if p.is_dir()):
+        states = {env.get("row_algorithm") == ROW_ALGORITHM.get(exp) for _, exp, env in _ledgers(profile)}
+        assert len(states) <= 1, f"profile {profile} mixes current and stale ledgers"
+
+
+@pytest.mark.notebook
+def test_one_committed_row_per_experiment_recomputes(capsys):
+    from kvreplay.verify import verify_profile
+
+    results = verify_profile(LEDGERS, COMMITTED, rows=1)
+    with capsys.disabled():
+        for r in results:
+            print(f"\n  golden row {r.ledger} {r.problem_id}: {r.mode}, {r.detail}", end="")
+    assert {r.ledger.rsplit("-", 1)[0] for r in results} == {
+        "exp1-bfloat16", "exp1-float32", "exp2-bfloat16", "exp2-float32", "exp2_controls-bfloat16", "exp3-bfloat16",
+        "exp4-bfloat16", "exp5-bfloat16"}
+    bad = [r for r in results if not r.ok]
+    assert not bad, bad
