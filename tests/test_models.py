@@ -9,7 +9,7 @@ from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer
 from kvreplay import decode
 from kvreplay.contract import resolve_format
 from kvreplay.experiments import model_key
-from kvreplay.models import ModelLoadError, execution_contract, load_model
+from kvreplay.models import ExecutionContract, ModelLoadError, execution_contract, load_model
 
 
 @pytest.fixture
@@ -69,3 +69,11 @@ def test_bench_runs_and_reports_ratios(qwen_dir):
     assert table.loc["2 workers / one process (throughput ratio)", "value"] > 0
     assert table.loc["suffix decoder / generate (per-token ratio)", "value"] > 0
     assert table.loc["Experiment 1 rows per hour, one process", "value"] > 0
+
+
+@pytest.mark.parametrize("backend", ["efficient", "cudnn"])
+def test_cuda_only_sdpa_backend_is_refused_on_cpu(backend):
+    contract = ExecutionContract(device="cpu", sdpa_backends=("math", backend))
+    with pytest.raises(ValueError, match=rf"SDPA backend\(s\) \['{backend}'\] cannot run on device 'cpu'"):
+        contract.apply()
+    ExecutionContract(device="cpu", sdpa_backends=("math", "flash")).apply()  # both exist on CPU

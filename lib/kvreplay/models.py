@@ -25,6 +25,9 @@ EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110d
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
+DEVICE_SDPA_BACKENDS = {"cpu": ("math", "flash"), "cuda": ("math", "flash", "efficient", "cudnn")}
+"""SDPA backends torch implements per device type (the memory-efficient and cuDNN kernels exist only on CUDA)."""
+
 
 class ModelLoadError(RuntimeError):
     """The requested model cannot be found, verified or loaded offline."""
@@ -81,7 +84,8 @@ class ExecutionContract:
         sdpa_backends: SDPA backends every forward call may use. The default
             ``("math",)`` keeps the two duplicate rows of a step in sync on
             every machine we tried: the fused flash kernel desynced them on a
-            2-thread CPU, and cuDNN attention on an H200.
+            2-thread CPU, and cuDNN attention on an H200. :meth:`apply` refuses
+            backends the device lacks (see :data:`DEVICE_SDPA_BACKENDS`).
         deterministic: ``torch.use_deterministic_algorithms`` and cuDNN
             deterministic mode; ``None`` means on for CUDA and off for CPU
             (the CPU kernels used here are deterministic already).
@@ -127,13 +131,21 @@ class ExecutionContract:
         """Set threads, TF32, matmul precision, deterministic flags and the cuBLAS workspace.
 
         Raises:
-            ValueError: unknown SDPA backend, or unknown device type.
+            ValueError: unknown SDPA backend, unknown device type, or an SDPA
+                backend that torch does not implement on the device (on CPU only
+                ``math`` and ``flash`` exist; ``efficient`` and ``cudnn`` are CUDA-only).
             ModelLoadError: ``cuda`` asked for but not available.
         """
         sdpa_backend_list(self.sdpa_backends)
         kind = self.device_type
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+        unsupported = [b for b in self.sdpa_backends if b not in DEVICE_SDPA_BACKENDS[kind]]
+        if unsupported:
+            raise ValueError(
+                f"SDPA backend(s) {unsupported} cannot run on device {self.device!r}: on {kind} torch implements only "
+                f"{list(DEVICE_SDPA_BACKENDS[kind])}; choose sdpa_backends among those"
+            )
         if kind == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError(f"device {self.device!r} asked for, but torch {torch.__version__} sees no CUDA device")
         det = self.resolved_deterministic()
