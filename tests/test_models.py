@@ -9,7 +9,9 @@ from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer
 from kvreplay import decode
 from kvreplay.contract import resolve_format
 from kvreplay.experiments import model_key
-from kvreplay.models import ExecutionContract, ModelLoadError, execution_contract, load_model
+from kvreplay.models import (
+    ExecutionContract, ModelLoadError, cache_refusal, execution_contract, load_model,
+)
 
 
 @pytest.fixture
@@ -77,3 +79,55 @@ def test_cuda_only_sdpa_backend_is_refused_on_cpu(backend):
     with pytest.raises(ValueError, match=rf"SDPA backend\(s\) \['{backend}'\] cannot run on device 'cpu'"):
         contract.apply()
     ExecutionContract(device="cpu", sdpa_backends=("math", "flash")).apply()  # both exist on CPU
+
+
+def _save(model, tmp_path, name):
+    tok = make_tokenizer()
+    model.save_pretrained(tmp_path / name)
+    tok.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+def test_sliding_window_model_is_refused_at_load(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(make_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
+    folder = _save(MistralForCausalLM(config), tmp_path, "tiny-mistral")
+    with pytest.raises(ModelLoadError, match=r"tiny-mistral.*sliding_window=32.*evicted from the KV cache.*full attention"):
+        load_model(str(folder), "float32")
+
+
+def test_linear_attention_model_is_refused_at_load(tmp_path):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=len(make_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+    )
+    folder = _save(Qwen3NextForCausalLM(config), tmp_path, "tiny-qwen3-next")
+    with pytest.raises(ModelLoadError, match=r"tiny-qwen3-next.*linear_attention \(layer 0 of 2\).*no KV cache"):
+        load_model(str(folder), "float32")
+
+
+def test_cache_refusal_reads_the_layer_types_and_the_cache_layers():
+    from transformers import LlamaConfig, Qwen2Config
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    assert cache_refusal(LlamaConfig(**small)) is None
+    # Qwen2 configs carry sliding_window while use_sliding_window=False: not used, so fine
+    assert cache_refusal(Qwen2Config(**small, sliding_window=32, use_sliding_window=False)) is None
+    used = Qwen2Config(**small, sliding_window=32, use_sliding_window=True, max_window_layers=1)
+    assert used.layer_types == ["full_attention", "sliding_attention"]
+    assert "sliding_window=32 (layer 1 of 2" in cache_refusal(used)
+    chunked = LlamaConfig(**small)
+    chunked.layer_types = ["full_attention", "chunked_attention"]
+    chunked.attention_chunk_size = 16
+    assert "attention_chunk_size=16" in cache_refusal(chunked)
+    odd = LlamaConfig(**small)
+    odd.layer_types = ["full_attention", "deepseek_sparse_attention"]
+    assert "deepseek_sparse_attention" in cache_refusal(odd)

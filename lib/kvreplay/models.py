@@ -253,7 +253,9 @@ def load_model(
             Default: ``ExecutionContract(device, sdpa_backends)``.
 
     Raises:
-        ModelLoadError: unknown model, digest mismatch, or no offline copy.
+        ModelLoadError: unknown model, digest mismatch, or no offline copy; a
+            model whose KV cache the protocol cannot audit (sliding-window,
+            linear-attention or hybrid layers, see :func:`cache_refusal`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -302,6 +304,7 @@ def load_model(
             f"the local cache (nothing is downloaded). Give 'embedded', a local folder with config.json, a .gguf file, "
             f"or a cached hub id. {cause}"
         ) from e
+    check_cache_auditable(m, model_str)
     m = m.to(device=device, dtype=torch_dtype).eval()
     m.generation_config.do_sample = False
     table, table_digest = load_role_table(role_table, m.config.hidden_size, torch_dtype)
@@ -321,6 +324,97 @@ def load_model(
         model=m, tokenizer=tok, dtype=torch_dtype, role_table=table, identity=identity, sdpa_backends=tuple(sdpa_backends),
         contract=contract,
     )
+
+
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
+_RECURRENT_TYPES = ("linear_attention", "conv", "hybrid", "mamba", "recurrent")
+_WORKS = ("Use a model whose every decoder layer is full attention with a plain key/value cache, e.g. a Llama, "
+          "a Qwen2/Qwen2.5 with use_sliding_window=false, or a Mistral whose config has sliding_window=null.")
+
+
+def cache_refusal(config) -> str | None:
+    """Why this protocol cannot audit the KV cache of a model with this config, or ``None`` when it can.
+
+    The protocol compares the caches of different constructions (live,
+    incremental, prefill, replicas) element by element, layer by layer,
+    so every decoder layer must keep one key and one value tensor
+    ``[batch, kv_heads, seq, head_dim]`` holding every position so far.
+    Refused: sliding-window or chunked attention that is actually used (the
+    layer types say so, or ``sliding_window`` / ``attention_chunk_size`` is set
+    and no ``layer_types`` are given, which is how ``transformers`` builds the
+    cache), linear-attention / recurrent / hybrid layers, any other non
+    ``full_attention`` layer type, and any layer of ``DynamicCache(config=...)``
+    that is not a plain ``DynamicLayer`` (or fewer cache layers than decoder
+    layers, as with KV sharing across layers).
+
+    Args:
+        config: the model's ``transformers`` config (its decoder text config is used).
+
+    Returns:
+        A sentence naming the offending setting and why it breaks the
+        comparison, or ``None``.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    text = config.get_text_config(decoder=True)
+    n_layers = getattr(text, "num_hidden_layers", None)
+    window = getattr(text, "sliding_window", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is None:  # transformers' own inference when a config gives no layer types
+        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else "full_attention"
+        layer_types = [kind] * (n_layers or 0)
+    layer_types = list(layer_types)
+
+    def where(kinds) -> str:
+        idx = [i for i, t in enumerate(layer_types) if t in kinds]
+        return f"layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
+
+    sliding = [t for t in layer_types if t in _SLIDING_TYPES]
+    if sliding:
+        setting = f"attention_chunk_size={chunk}" if "chunked_attention" in sliding else f"sliding_window={window}"
+        return (f"{setting} ({where(_SLIDING_TYPES)} of {len(layer_types)} use {'/'.join(sorted(set(sliding)))}): "
+                f"positions older than the window are evicted from the KV cache, so caches of different "
+                f"constructions cannot be compared element by element")
+    recurrent = [t for t in layer_types if t in _RECURRENT_TYPES]
+    if recurrent:
+        return (f"layer_types include {'/'.join(sorted(set(recurrent)))} ({where(_RECURRENT_TYPES)} of "
+                f"{len(layer_types)}): a linear-attention / recurrent layer keeps a running state instead of per-token "
+                f"keys and values, so there is no KV cache to compare element by element")
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        return (f"layer_types include {other} ({where(other)}): only full_attention layers keep a plain "
+                f"per-token KV cache this protocol can compare")
+    try:
+        cache = DynamicCache(config=config)
+    except Exception as e:  # an exotic layer type transformers cannot even build a cache for
+        return f"DynamicCache(config=...) cannot be built for it ({type(e).__name__}: {e})"
+    odd = [(i, type(layer).__name__) for i, layer in enumerate(cache.layers) if type(layer) is not DynamicLayer]
+    if odd:
+        i, name = odd[0]
+        return (f"DynamicCache(config=...) builds a {name} for layer {i} (and {len(odd) - 1} more), not a plain "
+                f"key/value DynamicLayer, so its cache cannot be compared element by element")
+    if n_layers is not None and len(cache.layers) != n_layers:
+        return (f"DynamicCache(config=...) holds {len(cache.layers)} cache layers for {n_layers} decoder layers "
+                f"(keys and values shared across layers), so caches cannot be compared layer by layer")
+    return None
+
+
+def check_cache_auditable(model: torch.nn.Module, name: str) -> None:
+    """Refuse, at load and before any row, a model whose KV cache this protocol cannot audit (see :func:`cache_refusal`).
+
+    Args:
+        model: the loaded ``transformers`` causal LM.
+        name: how the user named the model (``model`` argument of :func:`load_model`).
+
+    Raises:
+        ModelLoadError: naming the model, the reason and what would work.
+    """
+    reason = cache_refusal(model.config)
+    if reason is not None:
+        raise ModelLoadError(f"model {name!r} ({type(model).__name__}) cannot be audited by this protocol: {reason}. "
+                             f"{_WORKS}")
 
 
 def sdpa_backend_list(names: tuple[str, ...]) -> list:
