@@ -201,6 +201,12 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
+def context_length(config) -> int | None:
+    """Positions the model supports: ``max_position_embeddings`` of its decoder text config, or ``None`` if it has none."""
+    value = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return int(value) if value is not None else None
+
+
 def weights_sha256(model: torch.nn.Module) -> str:
     """sha256 over every parameter and buffer (name, dtype, shape, bytes) in name order."""
     h = hashlib.sha256()
@@ -535,7 +541,7 @@ def self_check(lm: "LoadedModel") -> dict:
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = _self_check_ids(lm.tokenizer, vocab)
     n, j, first = len(ids), SELF_CHECK_HIDDEN, SELF_CHECK_FIRST_CALL
-    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    context = context_length(model.config)
     gap = max(1, min(SELF_CHECK_GAP, context - n)) if context else SELF_CHECK_GAP
     backends = sdpa_backend_list(tuple(lm.sdpa_backends))
     name = lm.identity.get("model", type(model).__name__)
