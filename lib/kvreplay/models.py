@@ -82,9 +82,10 @@ class ExecutionContract:
             spread ``"cuda"`` over the visible GPUs (an explicit ``"cuda:N"``
             pins them all); the ledger key holds only the device type.
         sdpa_backends: SDPA backends every forward call may use. The default
-            ``("math",)`` keeps the two duplicate rows of a step in sync on
-            every machine we tried: the fused flash kernel desynced them on a
-            2-thread CPU, and cuDNN attention on an H200. :meth:`apply` refuses
+            ``("math",)`` kept the two duplicate rows of a step in sync on
+            every machine we tried; the fused flash kernel desynced them once on
+            a 2-core CPU (FP32, decode step 1; not reproduced later), and a
+            backend set with cuDNN attention on an H200 (BF16). :meth:`apply` refuses
             backends the device lacks (see :data:`DEVICE_SDPA_BACKENDS`).
         deterministic: ``torch.use_deterministic_algorithms`` and cuDNN
             deterministic mode; ``None`` means on for CUDA and off for CPU
@@ -179,9 +180,9 @@ class LoadedModel:
             weight digest in this dtype, role-table digest.
         sdpa_backends: SDPA backends every forward call may use (names of
             ``torch.nn.attention.SDPBackend``, lower case). The default is
-            ``("math",)``: on a 2-thread CPU the fused flash kernel makes the
-            two duplicate rows differ in FP32 (the desync gate caught it), as
-            the cuDNN backend does on an H200.
+            ``("math",)``: the fused flash kernel once made the two duplicate
+            rows differ on a 2-core CPU in FP32 (the desync gate caught it; not
+            reproduced later), and a backend set with cuDNN did on an H200 in BF16.
         contract: the :class:`ExecutionContract` applied when loading.
         calls: number of forward calls made through :func:`kvreplay.decode.forward`
             (tests count them to prove a replica is a second call).
