@@ -88,6 +88,7 @@ MALFORMED: list[tuple[str, Any, str, str]] = [
     ("answer not str", {**GOOD_ROW, "answer": 1}, "answer", "expected a string"),
     ("answer letter out of range", {**GOOD_ROW, "answer": "E. 4"}, "answer", "not among options A..D"),
     ("answer text disagrees", {**GOOD_ROW, "answer": "B. 5"}, "answer", "disagrees with option B"),
+    ("lone surrogate", {**GOOD_ROW, "question": "bad \ud800 q?"}, "question", "not valid Unicode: lone surrogate U+D800"),
 ]
 
 
@@ -344,6 +345,13 @@ USER_BAD: list[tuple[str, Any, str | None, str]] = [
     ("answer lowercase", _user_row(3, answer="a"), "answer", "single capital letter"),
     ("answer is text", _user_row(3, answer="yes"), "answer", "single capital letter"),
     ("bad source_line", _user_row(3, source_line=0), "source_line", "integer >= 1"),
+    ("lone surrogate in question",  # the JSON escape \ud800 loads as a str that cannot be encoded as UTF-8
+     r'{"problem_id": "s1", "question": "bad \ud800 text?", "options": ["a", "b"], "answer": "A"}', "question",
+     "problem 's1': not valid Unicode: lone surrogate U+D800 at character 4"),
+    ("lone surrogate in option", r'{"problem_id": "s2", "question": "q?", "options": ["a", "b\udc80"], "answer": "A"}',
+     "options", "problem 's2': option B is not valid Unicode: lone surrogate U+DC80"),
+    ("lone surrogate in source", r'{"problem_id": "s3", "source": "x\udfff", "question": "q?", "options": ["a", "b"], '
+     r'"answer": "A"}', "source", "problem 's3': not valid Unicode"),
 ]
 
 
@@ -358,6 +366,26 @@ def test_load_problems_names_bad_line(tmp_path: Path, name: str, bad: Any, field
     if field is not None:
         assert f"field '{field}'" in msg
     assert needle in msg, msg
+
+
+def test_load_problems_names_undecodable_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "bytes.jsonl"
+    good = json.dumps(_user_row(1)).encode()
+    bad = b'{"problem_id": "x1", "question": "bad \xff text?", "options": ["a", "b"], "answer": "A"}'
+    path.write_bytes(good + b"\n" + bad + b"\n")
+    with pytest.raises(D.MalformedProblemError) as ei:
+        D.load_problems(path)
+    assert str(ei.value) == (f"{path} line 2: problem 'x1': not valid UTF-8 (invalid start byte: byte 0xff at byte "
+                             f"{bad.index(0xFF)} of the line)")
+    path.write_bytes(good + b"\n\xff\xfe not even JSON\n")  # no readable ID: file and line still named
+    with pytest.raises(D.MalformedProblemError, match=r"line 2: not valid UTF-8 \(invalid start byte: byte 0xff at byte 0"):
+        D.load_problems(path)
+
+
+def test_load_problems_keeps_valid_escaped_astral_characters(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "emoji.jsonl", [r'{"problem_id": "e1", "question": "smile \ud83d\ude00?", '
+                                                    r'"options": ["a", "b"], "answer": "A"}'])
+    assert D.load_problems(path)[0].question == "smile \U0001F600?"
 
 
 def test_load_problems_empty_file(tmp_path: Path) -> None:

@@ -150,3 +150,72 @@ def test_fixed_prefixes_are_digest_and_order_checked(tmp_path):
     path.write_text(path.read_text().replace("[1,2,0]", "[1,2,9]"))
     with pytest.raises(GateError, match="manifest"):
         load_fixed_prefixes(path, problems)
+
+
+def test_max_sequence_length_bounds_a_decoded_sequence(tiny_format):
+    from kvreplay import decode
+    from kvreplay.contract import ANSWER, BRANCH1
+
+    lm = tiny_lm("llama")
+    fmt = tiny_format(lm)
+    prompt = fmt.prompt_ids("Q?", ["a", "b"])
+    live = decode.decode_live(lm, fmt, prompt, TINY_CAPS)
+    full = live.ids + decode.decode_suffix(lm, fmt, live, TINY_CAPS).tokens
+    parsed = fmt.parse(full)
+    content = sum(end - start for start, end in (parsed.content[r] for r in range(BRANCH1, ANSWER + 1)))
+    assert len(full) == len(prompt) + fmt.delimiter_tokens() + content  # the delimiters are counted right
+    bound = fmt.max_sequence_length(len(prompt), TINY_CAPS)
+    assert len(full) <= bound == len(full) - content + 3 * TINY_CAPS.branch + TINY_CAPS.merge + TINY_CAPS.answer
+
+
+def test_check_prompts_refuses_a_sequence_longer_than_the_context(tiny_format):
+    from kvreplay.contract import ContractError
+    from kvreplay.data import Problem
+    from kvreplay.experiments import check_prompts
+
+    fmt = tiny_format(tiny_lm("llama"))
+    short = tiny_problems(1)
+    need = fmt.max_sequence_length(len(fmt.prompt_ids(short[0].question, short[0].options)), TINY_CAPS)
+    check_prompts(fmt, short, need, caps=TINY_CAPS)  # exactly enough positions
+    check_prompts(fmt, short)  # no context given: only the block contract is checked
+    with pytest.raises(ContractError, match=rf"problem tiny-00 \(test line 1\): its full sequence can need {need} "
+                                            rf"positions .* the model has only {need - 1}"):
+        check_prompts(fmt, short, need - 1, caps=TINY_CAPS)
+    with pytest.raises(ValueError, match="needs the caps"):
+        check_prompts(fmt, short, 100)
+    long = Problem("long-1", "test", 7, " ".join(["word"] * 400) + "?", ("x", "y"), "A")
+    with pytest.raises(ContractError, match=r"problem long-1 \(test line 7\)"):
+        check_prompts(fmt, short + [long], 2048, caps=TINY_CAPS)
+
+
+@pytest.fixture
+def short_context_arm(tmp_path):
+    import yaml
+    from conftest import TINY_FORMAT, make_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvreplay.experiments import ArmSettings
+
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )).save_pretrained(tmp_path / "tiny-llama-256")
+    tok.save_pretrained(tmp_path / "tiny-llama-256")
+    fmt = tmp_path / "tiny.yaml"
+    fmt.write_text(yaml.safe_dump(TINY_FORMAT))
+    return lambda **kw: ArmSettings(**(dict(profile="t", dtype="float32", caps=TINY_CAPS,
+                                            model=str(tmp_path / "tiny-llama-256"), fmt=str(fmt), threads=1) | kw))
+
+
+def test_run_arm_refuses_a_too_long_problem_before_any_ledger_exists(tmp_path, short_context_arm):
+    from kvreplay.contract import ContractError
+    from kvreplay.data import Problem
+    from kvreplay.experiments import run_experiment1
+
+    long = Problem("long-1", "test", 3, " ".join(["word"] * 400) + "?", ("x", "y"), "A")
+    with pytest.raises(ContractError, match=r"problem long-1 \(test line 3\): its full sequence can need \d+ positions"
+                                            r".*only 256 \(max_position_embeddings\)"):
+        run_experiment1(tiny_problems(2) + [long], short_context_arm(), ledger_root=tmp_path / "ledgers", progress=False)
+    assert not (tmp_path / "ledgers").exists()

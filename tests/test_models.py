@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer
+from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm
 
 from kvreplay import decode
 from kvreplay.contract import resolve_format
 from kvreplay.experiments import model_key
-from kvreplay.models import ModelLoadError, execution_contract, load_model
+from kvreplay.models import (
+    SELF_CHECK_RATIO, ExecutionContract, ModelLoadError, cache_refusal, execution_contract, load_model, self_check,
+)
 
 
 @pytest.fixture
@@ -69,3 +71,142 @@ def test_bench_runs_and_reports_ratios(qwen_dir):
     assert table.loc["2 workers / one process (throughput ratio)", "value"] > 0
     assert table.loc["suffix decoder / generate (per-token ratio)", "value"] > 0
     assert table.loc["Experiment 1 rows per hour, one process", "value"] > 0
+
+
+@pytest.mark.parametrize("backend", ["efficient", "cudnn"])
+def test_cuda_only_sdpa_backend_is_refused_on_cpu(backend):
+    contract = ExecutionContract(device="cpu", sdpa_backends=("math", backend))
+    with pytest.raises(ValueError, match=rf"SDPA backend\(s\) \['{backend}'\] cannot run on device 'cpu'"):
+        contract.apply()
+    ExecutionContract(device="cpu", sdpa_backends=("math", "flash")).apply()  # both exist on CPU
+
+
+def _save(model, tmp_path, name):
+    tok = make_tokenizer()
+    model.save_pretrained(tmp_path / name)
+    tok.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_self_check_passes_on_models_that_honour_mask_and_positions(arch, dtype):
+    result = self_check(tiny_lm(arch, dtype))
+    assert result["passed"] and result["dtype"] == str(dtype).removeprefix("torch.")
+    assert result["hidden_vs_visible"] > 0.05  # hiding one token moves the last logits clearly
+    assert result["hidden_vs_removed"] <= SELF_CHECK_RATIO * result["hidden_vs_visible"]
+    assert result["hidden_vs_shifted_steps"] > 0 and result["shifted_vs_shifted_steps"] > 0  # positions matter
+    assert result["schedule"][0] > 1 and result["schedule"][1:] == [1] * (result["tokens"] - result["schedule"][0])
+
+
+def test_load_model_records_the_self_check(qwen_dir):
+    lm = load_model(str(qwen_dir), "bfloat16")
+    check = lm.identity["self_check"]
+    assert check["passed"] and check["dtype"] == "bfloat16" and check["hidden_vs_visible"] > 0
+    assert execution_contract(lm)["model"]["self_check"] == check  # lands in every ledger's environment
+
+
+def _ignoring(model, **replace):
+    """Wrap ``model.forward`` so the given keyword arguments are replaced (by value or by a function of the call)."""
+    forward = model.forward
+
+    def patched(*args, **kwargs):
+        for key, value in replace.items():
+            kwargs[key] = value(kwargs) if callable(value) else value
+        return forward(*args, **kwargs)
+
+    model.forward = patched
+    return model
+
+
+def _arange_positions(kwargs):
+    past = kwargs["past_key_values"].get_seq_length()
+    q = kwargs["inputs_embeds"].shape[1]
+    return torch.arange(past, past + q).unsqueeze(0)
+
+
+def test_self_check_fails_when_the_4d_mask_is_ignored(arch):
+    lm = tiny_lm(arch)
+    _ignoring(lm.model, attention_mask=None)  # transformers then builds its own causal mask
+    with pytest.raises(ModelLoadError, match=r"ignores the explicit attention mask or position IDs it is given \(hiding a token with the mask changed nothing\).*transformers"):
+        self_check(lm)
+
+
+def test_self_check_fails_when_position_ids_are_ignored(arch):
+    lm = tiny_lm(arch)
+    _ignoring(lm.model, position_ids=_arange_positions)
+    with pytest.raises(ModelLoadError, match=r"ignores the explicit attention mask or position IDs it is given \(moving "
+                                             r"the position IDs of the one-token calls changed nothing; moving the "
+                                             r"position IDs inside the multi-token call changed nothing\)"):
+        self_check(lm)
+
+
+@pytest.mark.parametrize("calls", ["one-token", "multi-token"])
+def test_self_check_fails_when_position_ids_are_ignored_in_one_kind_of_call(calls):
+    lm = tiny_lm("qwen2")
+    one = calls == "one-token"
+    _ignoring(lm.model, position_ids=lambda kw: _arange_positions(kw) if (kw["inputs_embeds"].shape[1] == 1) == one
+              else kw["position_ids"])
+    with pytest.raises(ModelLoadError, match=f"moving the position IDs (of|inside) the {calls} call"):
+        self_check(lm)
+
+
+def test_self_check_fails_when_the_mask_is_ignored_only_in_one_token_calls():
+    lm = tiny_lm("llama")
+    _ignoring(lm.model, attention_mask=lambda kw: None if kw["inputs_embeds"].shape[1] == 1 else kw["attention_mask"])
+    with pytest.raises(ModelLoadError, match="does not match removing it"):
+        self_check(lm)
+
+
+def test_load_model_refuses_a_model_that_ignores_the_mask(tmp_path, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    folder = _save(make_model("llama", len(make_tokenizer())), tmp_path, "tiny-llama")
+    forward = LlamaForCausalLM.forward
+    monkeypatch.setattr(LlamaForCausalLM, "forward", lambda self, *a, **kw: forward(self, *a, **(kw | {"attention_mask": None})))
+    with pytest.raises(ModelLoadError, match=r"tiny-llama.*failed the load self-check.*cannot audit"):
+        load_model(str(folder), "float32")
+
+
+def test_sliding_window_model_is_refused_at_load(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(make_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
+    folder = _save(MistralForCausalLM(config), tmp_path, "tiny-mistral")
+    with pytest.raises(ModelLoadError, match=r"tiny-mistral.*sliding_window=32.*evicted from the KV cache.*full attention"):
+        load_model(str(folder), "float32")
+
+
+def test_linear_attention_model_is_refused_at_load(tmp_path):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=len(make_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+    )
+    folder = _save(Qwen3NextForCausalLM(config), tmp_path, "tiny-qwen3-next")
+    with pytest.raises(ModelLoadError, match=r"tiny-qwen3-next.*linear_attention \(layer 0 of 2\).*no KV cache"):
+        load_model(str(folder), "float32")
+
+
+def test_cache_refusal_reads_the_layer_types_and_the_cache_layers():
+    from transformers import LlamaConfig, Qwen2Config
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    assert cache_refusal(LlamaConfig(**small)) is None
+    # Qwen2 configs carry sliding_window while use_sliding_window=False: not used, so fine
+    assert cache_refusal(Qwen2Config(**small, sliding_window=32, use_sliding_window=False)) is None
+    used = Qwen2Config(**small, sliding_window=32, use_sliding_window=True, max_window_layers=1)
+    assert used.layer_types == ["full_attention", "sliding_attention"]
+    assert "sliding_window=32 (layer 1 of 2" in cache_refusal(used)
+    chunked = LlamaConfig(**small)
+    chunked.layer_types = ["full_attention", "chunked_attention"]
+    chunked.attention_chunk_size = 16
+    assert "attention_chunk_size=16" in cache_refusal(chunked)
+    odd = LlamaConfig(**small)
+    odd.layer_types = ["full_attention", "deepseek_sparse_attention"]
+    assert "deepseek_sparse_attention" in cache_refusal(odd)

@@ -128,3 +128,13 @@ def test_bad_worker_counts_and_a_worker_that_cannot_start(tmp_path, tiny_arm):
     with pytest.raises(RuntimeError, match=r"row worker \(pid \d+, device cpu\) failed to start: ModelLoadError: cannot load the model at .*broken-model. \(it exists"):
         run_experiment1(tiny_problems(3), tiny_arm(workers=2, model=str(broken)), ledger_root=tmp_path, progress=False)
     assert not any((tmp_path / "t").glob("*/rows.jsonl"))  # nothing was computed
+
+
+def test_workers_refuse_a_problem_longer_than_the_context_before_any_ledger_exists(tmp_path, tiny_arm):
+    from kvreplay.contract import ContractError
+    from kvreplay.data import Problem
+
+    long = Problem("long-1", "test", 9, " ".join(["word"] * 450) + "?", ("x", "y"), "A")  # > 2048 byte tokens
+    with pytest.raises(ContractError, match=r"problem long-1 \(test line 9\).*only 2048 \(max_position_embeddings\)"):
+        run_experiment1(tiny_problems(2) + [long], tiny_arm(workers=2), ledger_root=tmp_path / "ledgers", progress=False)
+    assert not (tmp_path / "ledgers").exists()

@@ -193,6 +193,27 @@ class BlockFormat:
             return tok(text, add_special_tokens=False).input_ids
         return list(_ids(tok, self.spec["prompt_open"])) + content_ids + list(_ids(tok, self.spec["prompt_close"]))
 
+    def delimiter_tokens(self) -> int:
+        """Number of tokens in all opening and closing delimiters of blocks 1..5 together (each appears once per sequence)."""
+        return sum(len(self.openers[r]) + len(self.closers[r]) for r in range(BRANCH1, ANSWER + 1))
+
+    def max_sequence_length(self, prompt_len: int, caps: Caps) -> int:
+        """Tokens of the longest full sequence this format can produce for a prompt: an upper bound on positions.
+
+        prompt + every opening and closing delimiter + 3 x ``caps.branch`` +
+        ``caps.merge`` + ``caps.answer`` (a block's content stops at its cap,
+        after which its closing delimiter is forced). Every position ID of a
+        row (live, incremental, prefill, replicas and suffixes) is below it.
+
+        Args:
+            prompt_len: tokens of the prompt block (role 0).
+            caps: the content caps.
+
+        Returns:
+            The length in tokens (int).
+        """
+        return prompt_len + self.delimiter_tokens() + 3 * caps.branch + caps.merge + caps.answer
+
     # ----------------------------------------------------------------- parse
     def parse(self, ids: Sequence[int], *, where: str = "sequence") -> Parsed:
         """Rebuild roles and block spans from token IDs (the one parser).

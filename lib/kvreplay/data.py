@@ -202,6 +202,31 @@ def content_id(question: str, options: Sequence[str], *, prefix: str) -> str:
     return f"{prefix}-{_sha256_bytes(canonical.encode('utf-8'))[:16]}"
 
 
+def _unicode_fault(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode (a lone surrogate, e.g. from a JSON escape ``\\ud800``), or ``None``.
+
+    Such a string loads from JSON but cannot be encoded as UTF-8, so it would
+    fail later (tokenizer, hashing, ledger) with a bare ``UnicodeEncodeError``.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        return (f"not valid Unicode: lone surrogate U+{code:04X} at character {exc.start} "
+                f"(a JSON escape such as \\u{code:04x} that encodes no character)")
+    return None
+
+
+def _id_of_undecodable(line: bytes) -> str | None:
+    """The ``problem_id`` of a line that is not valid UTF-8, read with replacement characters, when it has one."""
+    try:
+        row = json.loads(line.decode("utf-8", errors="replace"))
+    except json.JSONDecodeError:
+        return None
+    pid = row.get("problem_id") if isinstance(row, dict) else None
+    return pid if isinstance(pid, str) and _PROBLEM_ID_RE.fullmatch(pid) else None
+
+
 def _check_problem(
     location: str,
     line: int | None,
@@ -215,11 +240,19 @@ def _check_problem(
 ) -> None:
     """Check the invariants every :class:`Problem` satisfies.
 
-    :raises MalformedProblemError: naming ``location``/``line`` and the field.
+    Every text field must be valid Unicode (no lone surrogates).
+
+    :raises MalformedProblemError: naming ``location``/``line``, the field and,
+        for invalid Unicode, the problem ID.
     """
 
     def bad(fld: str, reason: str) -> MalformedProblemError:
         return MalformedProblemError(location, line, fld, reason)
+
+    def unicode(fld: str, text: str) -> None:
+        fault = _unicode_fault(text)
+        if fault is not None:
+            raise bad(fld, f"problem {problem_id!r}: {fault}")
 
     if not isinstance(problem_id, str) or not _PROBLEM_ID_RE.fullmatch(problem_id):
         raise bad(
@@ -229,12 +262,14 @@ def _check_problem(
         )
     if not isinstance(source, str) or not source.strip():
         raise bad("source", f"expected a non-empty string, got {source!r}")
+    unicode("source", source)
     if isinstance(source_line, bool) or not isinstance(source_line, int) or source_line < 1:
         raise bad("source_line", f"expected an integer >= 1, got {source_line!r}")
     if not isinstance(question, str):
         raise bad("question", f"expected a string, got {type(question).__name__}")
     if not question.strip():
         raise bad("question", "empty question")
+    unicode("question", question)
     if not isinstance(options, (list, tuple)):
         raise bad("options", f"expected a list of strings, got {type(options).__name__}")
     if not MIN_OPTIONS <= len(options) <= MAX_OPTIONS:
@@ -243,6 +278,9 @@ def _check_problem(
     for i, opt in enumerate(options):
         if not isinstance(opt, str):
             raise bad("options", f"option {LETTERS[i]} is not a string ({type(opt).__name__})")
+        fault = _unicode_fault(opt)
+        if fault is not None:
+            raise bad("options", f"problem {problem_id!r}: option {LETTERS[i]} is {fault}")
         if not opt.strip():
             raise bad("options", f"option {LETTERS[i]} is empty")
         key = opt.strip()
@@ -468,8 +506,8 @@ def parse_source_row(
     order; the first failure is reported):
 
     * the row is not a JSON object;
-    * a required field (``question``, ``options``, ``answer``) is missing or
-      not a string (extra fields are ignored);
+    * a required field (``question``, ``options``, ``answer``) is missing,
+      not a string, or not valid Unicode (a lone surrogate); extra fields are ignored;
     * ``question`` is empty after stripping whitespace;
     * ``options``, after stripping outer whitespace and splitting on ``"\\n"``,
       is not one line per option with line *i* starting with the *i*-th letter
@@ -503,6 +541,9 @@ def parse_source_row(
             raise MalformedProblemError(
                 source, line_no, key, f"expected a string, got {type(raw[key]).__name__}"
             )
+        fault = _unicode_fault(raw[key])
+        if fault is not None:
+            raise MalformedProblemError(source, line_no, key, fault)
     question = raw["question"].strip()
     if not question:
         raise MalformedProblemError(source, line_no, "question", "empty question")
@@ -832,7 +873,9 @@ def load_problems(path: str | Path) -> list[Problem]:
     :raises FileNotFoundError: if ``path`` does not exist.
     :raises MalformedProblemError: naming ``path``, the line and the field, for
         invalid UTF-8/JSON, a non-object row, missing/unknown/invalid fields,
-        a duplicate ``problem_id``, or a file with no problems.
+        text that is not valid Unicode (a lone surrogate such as the JSON
+        escape ``\\ud800``), a duplicate ``problem_id``, or a file with no
+        problems; the problem ID too where it can be read.
     """
     path = Path(path)
     loc = str(path)
@@ -845,7 +888,12 @@ def load_problems(path: str | Path) -> list[Problem]:
         try:
             text = raw_line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise MalformedProblemError(loc, line_no, None, f"not valid UTF-8 ({exc.reason})") from None
+            pid = _id_of_undecodable(raw_line)
+            who = f"problem {pid!r}: " if pid else ""
+            raise MalformedProblemError(
+                loc, line_no, None,
+                f"{who}not valid UTF-8 ({exc.reason}: byte 0x{raw_line[exc.start]:02x} at byte {exc.start} of the line)",
+            ) from None
         try:
             row = json.loads(text)
         except json.JSONDecodeError as exc:

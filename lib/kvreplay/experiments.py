@@ -22,7 +22,7 @@ from .contract import BlockFormat, Caps, ContractError
 from .data import Problem
 from .gates import GateError
 from .ledger import canonical_json
-from .models import ExecutionContract, LoadedModel
+from .models import ExecutionContract, LoadedModel, context_length
 from .scoring import score_answer
 from .stats import mcnemar_exact, paired_bootstrap, wilson
 
@@ -120,17 +120,46 @@ def divergence_endpoints(a: "decode.Suffix", b: "decode.Suffix", rec_a: dict, re
     }
 
 
-def check_prompts(fmt: BlockFormat, problems: Sequence[Problem]) -> None:
+def check_prompts(
+    fmt: BlockFormat, problems: Sequence[Problem], max_positions: int | None = None, *, caps: Caps | None = None,
+) -> None:
     """Build every prompt before a run so a bad problem fails before any row is decoded.
 
+    With ``max_positions`` (the model's context, ``max_position_embeddings``)
+    and ``caps``, also refuse a problem whose longest full sequence
+    (:meth:`BlockFormat.max_sequence_length`: prompt + every delimiter +
+    3 x branch cap + merge cap + answer cap, in tokens) needs more positions
+    than the model has.
+
+    Args:
+        fmt: the resolved block format.
+        problems: the arm's problems.
+        max_positions: positions the model supports, or ``None`` to skip the length check.
+        caps: content caps; required when ``max_positions`` is given.
+
     Raises:
-        ContractError: naming the problem ID.
+        ContractError: naming the problem ID and its source line (and, for the
+            length check, the positions needed and available).
+        ValueError: ``max_positions`` given without ``caps``.
     """
+    if max_positions is not None and caps is None:
+        raise ValueError("check_prompts: max_positions needs the caps to bound the sequence length")
     for p in problems:
         try:
-            fmt.prompt_ids(p.question, p.options)
+            ids = fmt.prompt_ids(p.question, p.options)
         except ContractError as e:
             raise ContractError(f"problem {p.problem_id} (line {p.source_line}): {e}") from e
+        if max_positions is None:
+            continue
+        need = fmt.max_sequence_length(len(ids), caps)
+        if need > max_positions:
+            raise ContractError(
+                f"problem {p.problem_id} ({p.source} line {p.source_line}): its full sequence can need {need} "
+                f"positions (prompt {len(ids)} tokens + delimiters {fmt.delimiter_tokens()} + 3 x branch cap "
+                f"{caps.branch} + merge cap {caps.merge} + answer cap {caps.answer}), but the model has only "
+                f"{max_positions} (max_position_embeddings). Shorten the question, lower the caps, or leave the "
+                f"problem out."
+            )
 
 
 def _arm_record(spec: RunSpec, problem: Problem, suffix: decode.Suffix) -> dict:
@@ -625,7 +654,9 @@ def run_arm(
 
     Raises:
         GateError: ``preflight`` if a preflight row fails a gate.
-        ModelLoadError, ContractError: bad model or problems, before any row.
+        ModelLoadError, ContractError: bad model or problems (a prompt that
+            breaks the block contract, or a sequence longer than the model's
+            context), before any row and before the ledger folder is created.
     """
     from .ledger import Ledger, run_rows
 
@@ -658,7 +689,7 @@ def run_arm(
             )
         return records, ledger
     lm, bf = settings.load()
-    check_prompts(bf, problems)
+    check_prompts(bf, problems, context_length(lm.model.config), caps=settings.caps)  # before the ledger folder exists
     ledger = Ledger(root, label, config, environment=arm_environment(lm, bf, settings), row_algorithm=version)
     spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids)
     records = run_rows(

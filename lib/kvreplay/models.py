@@ -25,6 +25,9 @@ EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110d
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
+DEVICE_SDPA_BACKENDS = {"cpu": ("math", "flash"), "cuda": ("math", "flash", "efficient", "cudnn")}
+"""SDPA backends torch implements per device type (the memory-efficient and cuDNN kernels exist only on CUDA)."""
+
 
 class ModelLoadError(RuntimeError):
     """The requested model cannot be found, verified or loaded offline."""
@@ -79,9 +82,11 @@ class ExecutionContract:
             spread ``"cuda"`` over the visible GPUs (an explicit ``"cuda:N"``
             pins them all); the ledger key holds only the device type.
         sdpa_backends: SDPA backends every forward call may use. The default
-            ``("math",)`` keeps the two duplicate rows of a step in sync on
-            every machine we tried: the fused flash kernel desynced them on a
-            2-thread CPU, and cuDNN attention on an H200.
+            ``("math",)`` kept the two duplicate rows of a step in sync on
+            every machine we tried; the fused flash kernel desynced them once on
+            a 2-core CPU (FP32, decode step 1; not reproduced later), and a
+            backend set with cuDNN attention on an H200 (BF16). :meth:`apply` refuses
+            backends the device lacks (see :data:`DEVICE_SDPA_BACKENDS`).
         deterministic: ``torch.use_deterministic_algorithms`` and cuDNN
             deterministic mode; ``None`` means on for CUDA and off for CPU
             (the CPU kernels used here are deterministic already).
@@ -127,13 +132,21 @@ class ExecutionContract:
         """Set threads, TF32, matmul precision, deterministic flags and the cuBLAS workspace.
 
         Raises:
-            ValueError: unknown SDPA backend, or unknown device type.
+            ValueError: unknown SDPA backend, unknown device type, or an SDPA
+                backend that torch does not implement on the device (on CPU only
+                ``math`` and ``flash`` exist; ``efficient`` and ``cudnn`` are CUDA-only).
             ModelLoadError: ``cuda`` asked for but not available.
         """
         sdpa_backend_list(self.sdpa_backends)
         kind = self.device_type
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+        unsupported = [b for b in self.sdpa_backends if b not in DEVICE_SDPA_BACKENDS[kind]]
+        if unsupported:
+            raise ValueError(
+                f"SDPA backend(s) {unsupported} cannot run on device {self.device!r}: on {kind} torch implements only "
+                f"{list(DEVICE_SDPA_BACKENDS[kind])}; choose sdpa_backends among those"
+            )
         if kind == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError(f"device {self.device!r} asked for, but torch {torch.__version__} sees no CUDA device")
         det = self.resolved_deterministic()
@@ -167,9 +180,9 @@ class LoadedModel:
             weight digest in this dtype, role-table digest.
         sdpa_backends: SDPA backends every forward call may use (names of
             ``torch.nn.attention.SDPBackend``, lower case). The default is
-            ``("math",)``: on a 2-thread CPU the fused flash kernel makes the
-            two duplicate rows differ in FP32 (the desync gate caught it), as
-            the cuDNN backend does on an H200.
+            ``("math",)``: the fused flash kernel once made the two duplicate
+            rows differ on a 2-core CPU in FP32 (the desync gate caught it; not
+            reproduced later), and a backend set with cuDNN did on an H200 in BF16.
         contract: the :class:`ExecutionContract` applied when loading.
         calls: number of forward calls made through :func:`kvreplay.decode.forward`
             (tests count them to prove a replica is a second call).
@@ -187,6 +200,12 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def context_length(config) -> int | None:
+    """Positions the model supports: ``max_position_embeddings`` of its decoder text config, or ``None`` if it has none."""
+    value = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return int(value) if value is not None else None
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -241,7 +260,12 @@ def load_model(
             Default: ``ExecutionContract(device, sdpa_backends)``.
 
     Raises:
-        ModelLoadError: unknown model, digest mismatch, or no offline copy.
+        ModelLoadError: unknown model, digest mismatch, or no offline copy; a
+            model whose KV cache the protocol cannot audit (sliding-window,
+            linear-attention or hybrid layers, see :func:`cache_refusal`); a
+            model that fails :func:`self_check` (ignores the explicit 4-D mask
+            or position IDs). The self-check's distances are kept in
+            ``identity["self_check"]``, so every ledger's environment records them.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -290,6 +314,7 @@ def load_model(
             f"the local cache (nothing is downloaded). Give 'embedded', a local folder with config.json, a .gguf file, "
             f"or a cached hub id. {cause}"
         ) from e
+    check_cache_auditable(m, model_str)
     m = m.to(device=device, dtype=torch_dtype).eval()
     m.generation_config.do_sample = False
     table, table_digest = load_role_table(role_table, m.config.hidden_size, torch_dtype)
@@ -305,10 +330,265 @@ def load_model(
         role_table_sha256=table_digest,
         dtype=dtype,
     )
-    return LoadedModel(
+    lm = LoadedModel(
         model=m, tokenizer=tok, dtype=torch_dtype, role_table=table, identity=identity, sdpa_backends=tuple(sdpa_backends),
         contract=contract,
     )
+    identity["self_check"] = self_check(lm)
+    return lm
+
+
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
+_RECURRENT_TYPES = ("linear_attention", "conv", "hybrid", "mamba", "recurrent")
+_WORKS = ("Use a model whose every decoder layer is full attention with a plain key/value cache, e.g. a Llama, "
+          "a Qwen2/Qwen2.5 with use_sliding_window=false, or a Mistral whose config has sliding_window=null.")
+
+
+def cache_refusal(config) -> str | None:
+    """Why this protocol cannot audit the KV cache of a model with this config, or ``None`` when it can.
+
+    The protocol compares the caches of different constructions (live,
+    incremental, prefill, replicas) element by element, layer by layer,
+    so every decoder layer must keep one key and one value tensor
+    ``[batch, kv_heads, seq, head_dim]`` holding every position so far.
+    Refused: sliding-window or chunked attention that is actually used (the
+    layer types say so, or ``sliding_window`` / ``attention_chunk_size`` is set
+    and no ``layer_types`` are given, which is how ``transformers`` builds the
+    cache), linear-attention / recurrent / hybrid layers, any other non
+    ``full_attention`` layer type, and any layer of ``DynamicCache(config=...)``
+    that is not a plain ``DynamicLayer`` (or fewer cache layers than decoder
+    layers, as with KV sharing across layers).
+
+    Args:
+        config: the model's ``transformers`` config (its decoder text config is used).
+
+    Returns:
+        A sentence naming the offending setting and why it breaks the
+        comparison, or ``None``.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    text = config.get_text_config(decoder=True)
+    n_layers = getattr(text, "num_hidden_layers", None)
+    window = getattr(text, "sliding_window", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is None:  # transformers' own inference when a config gives no layer types
+        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else "full_attention"
+        layer_types = [kind] * (n_layers or 0)
+    layer_types = list(layer_types)
+
+    def where(kinds) -> str:
+        idx = [i for i, t in enumerate(layer_types) if t in kinds]
+        return f"layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
+
+    sliding = [t for t in layer_types if t in _SLIDING_TYPES]
+    if sliding:
+        setting = f"attention_chunk_size={chunk}" if "chunked_attention" in sliding else f"sliding_window={window}"
+        return (f"{setting} ({where(_SLIDING_TYPES)} of {len(layer_types)} use {'/'.join(sorted(set(sliding)))}): "
+                f"positions older than the window are evicted from the KV cache, so caches of different "
+                f"constructions cannot be compared element by element")
+    recurrent = [t for t in layer_types if t in _RECURRENT_TYPES]
+    if recurrent:
+        return (f"layer_types include {'/'.join(sorted(set(recurrent)))} ({where(_RECURRENT_TYPES)} of "
+                f"{len(layer_types)}): a linear-attention / recurrent layer keeps a running state instead of per-token "
+                f"keys and values, so there is no KV cache to compare element by element")
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        return (f"layer_types include {other} ({where(other)}): only full_attention layers keep a plain "
+                f"per-token KV cache this protocol can compare")
+    try:
+        cache = DynamicCache(config=config)
+    except Exception as e:  # an exotic layer type transformers cannot even build a cache for
+        return f"DynamicCache(config=...) cannot be built for it ({type(e).__name__}: {e})"
+    odd = [(i, type(layer).__name__) for i, layer in enumerate(cache.layers) if type(layer) is not DynamicLayer]
+    if odd:
+        i, name = odd[0]
+        return (f"DynamicCache(config=...) builds a {name} for layer {i} (and {len(odd) - 1} more), not a plain "
+                f"key/value DynamicLayer, so its cache cannot be compared element by element")
+    if n_layers is not None and len(cache.layers) != n_layers:
+        return (f"DynamicCache(config=...) holds {len(cache.layers)} cache layers for {n_layers} decoder layers "
+                f"(keys and values shared across layers), so caches cannot be compared layer by layer")
+    return None
+
+
+def check_cache_auditable(model: torch.nn.Module, name: str) -> None:
+    """Refuse, at load and before any row, a model whose KV cache this protocol cannot audit (see :func:`cache_refusal`).
+
+    Args:
+        model: the loaded ``transformers`` causal LM.
+        name: how the user named the model (``model`` argument of :func:`load_model`).
+
+    Raises:
+        ModelLoadError: naming the model, the reason and what would work.
+    """
+    reason = cache_refusal(model.config)
+    if reason is not None:
+        raise ModelLoadError(f"model {name!r} ({type(model).__name__}) cannot be audited by this protocol: {reason}. "
+                             f"{_WORKS}")
+
+
+SELF_CHECK_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
+SELF_CHECK_TOKENS = 8
+"""Length of the self-check sequence (token IDs of :data:`SELF_CHECK_TEXT`, specials left out)."""
+SELF_CHECK_HIDDEN = 2
+"""Index of the token the self-check hides with the 4-D mask (inside the first, multi-token call)."""
+SELF_CHECK_FIRST_CALL = 5
+"""Tokens in the self-check's first call; each later token gets its own one-token cached call."""
+SELF_CHECK_RATIO = 0.1
+"""Pass when distance(hidden, removed) <= this fraction of distance(hidden, visible) (see :func:`self_check`)."""
+SELF_CHECK_GAP = 64
+"""Positions the self-check's *shifted* runs add to some position IDs."""
+
+
+def _self_check_ids(tokenizer, vocab: int) -> list[int]:
+    """:data:`SELF_CHECK_TOKENS` ordinary token IDs (no special token, below the embedding size ``vocab``)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids = [t for t in tokenizer(SELF_CHECK_TEXT, add_special_tokens=False).input_ids if t not in special and t < vocab]
+    if len(ids) < SELF_CHECK_TOKENS:  # an unusual tokenizer: spread fixed IDs over the vocabulary instead
+        ids = [t for t in range(vocab // 3, vocab, max(1, vocab // 50)) if t not in special]
+    if len(ids) < SELF_CHECK_TOKENS:
+        raise ModelLoadError(f"self-check: the vocabulary of {vocab} entries has fewer than {SELF_CHECK_TOKENS} "
+                             f"ordinary tokens")
+    return ids[:SELF_CHECK_TOKENS]
+
+
+def _self_check_run(model: torch.nn.Module, ids: list[int], positions: list[int], hidden: int | None,
+                    first: int, backends: list) -> tuple[torch.Tensor, object]:
+    """One self-check decode: a ``first``-token call, then one-token cached calls, as the decoders make them.
+
+    Args:
+        ids: token IDs of one row (batch 1), length n.
+        positions: the position ID of each token (length n).
+        hidden: index into ``ids`` of a token no later query may attend to
+            (the 4-D mask hides it), or ``None``.
+        first: tokens in the first call.
+
+    Returns:
+        ``(logits [vocab] float32 of the last token, the DynamicCache)``.
+    """
+    from torch.nn.attention import sdpa_kernel
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    n = len(ids)
+    visible = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # [query, key]: causal
+    if hidden is not None:
+        visible[hidden + 1 :, hidden] = False
+    embeds = model.get_input_embeddings()(torch.tensor([ids], device=dev))  # [1, n, hidden], model dtype
+    pos = torch.tensor([positions], dtype=torch.long, device=dev)
+    cache = DynamicCache(config=model.config)
+    out = None
+    for s, e in [(0, first)] + [(i, i + 1) for i in range(first, n)]:
+        with sdpa_kernel(backends):
+            out = model(inputs_embeds=embeds[:, s:e], attention_mask=visible[s:e, :e][None, None].contiguous(),
+                        position_ids=pos[:, s:e], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1].float(), cache
+
+
+def self_check(lm: "LoadedModel") -> dict:
+    """Prove on a few tokens that the model honours the explicit 4-D mask and position IDs it is given.
+
+    Five short decodes, each a multi-token first call followed by one-token
+    cached calls with ``inputs_embeds``, a bool 4-D ``attention_mask
+    [1, 1, q, k]``, explicit ``position_ids [1, q]``, a
+    ``DynamicCache(config=...)`` and ``use_cache=True`` (the calls the decoders
+    make), under the loaded model's SDPA backends, dtype and device. With n =
+    :data:`SELF_CHECK_TOKENS` tokens, j = :data:`SELF_CHECK_HIDDEN` and a
+    position gap g (:data:`SELF_CHECK_GAP`, less if the context is shorter):
+
+    * **hidden**: positions 0..n-1, token j hidden by the mask from every later query;
+    * **removed**: the same tokens without token j, at their original
+      positions (the position IDs skip j);
+    * **visible**: as *hidden*, with token j visible (plain causal mask);
+    * **shifted_steps**: as *hidden*, the position IDs of the one-token calls moved g later;
+    * **shifted**: as *hidden*, every position ID after j moved g later (so it
+      differs from *shifted_steps* only inside the multi-token call).
+
+    A model that honours the mask gives *hidden* and *removed* the same last
+    logits up to rounding and *visible* different ones; one that ignores the
+    mask gives *visible* = *hidden*. A model that ignores the position IDs of
+    the one-token calls gives *shifted_steps* = *hidden*, one that ignores them
+    in the multi-token call gives *shifted* = *shifted_steps* (the same
+    computation, so the distance is exactly 0). With ``d`` the max absolute
+    difference of the last logits in float32, the check passes when
+    ``d(hidden, visible) > 0``, ``d(hidden, removed) <= SELF_CHECK_RATIO *
+    d(hidden, visible)``, ``d(hidden, shifted_steps) > 0`` and
+    ``d(shifted, shifted_steps) > 0``: no threshold depends on the dtype. The
+    *hidden* cache must also hold plain ``keys``/``values``
+    ``[1, kv_heads, n, head_dim]`` in every layer.
+
+    Args:
+        lm: the loaded model (its role table is not used: the check concerns
+            attention and positions, not roles).
+
+    Returns:
+        JSON-serializable dict: ``passed`` (True), ``hidden_vs_removed``,
+        ``hidden_vs_visible``, ``hidden_vs_shifted_steps``,
+        ``shifted_vs_shifted_steps`` (float, logit units), ``threshold``,
+        ``tokens``, ``hidden_index``, ``gap``, ``schedule`` (tokens per call),
+        ``dtype``, ``sdpa_backends``.
+
+    Raises:
+        ModelLoadError: the model ignores the explicit mask or position IDs
+            (or its cache is not plain keys/values), naming the model, the
+            distances and the ``transformers`` / ``torch`` versions.
+    """
+    import transformers
+    from transformers.cache_utils import DynamicLayer
+
+    model = lm.model
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = _self_check_ids(lm.tokenizer, vocab)
+    n, j, first = len(ids), SELF_CHECK_HIDDEN, SELF_CHECK_FIRST_CALL
+    context = context_length(model.config)
+    gap = max(1, min(SELF_CHECK_GAP, context - n)) if context else SELF_CHECK_GAP
+    backends = sdpa_backend_list(tuple(lm.sdpa_backends))
+    name = lm.identity.get("model", type(model).__name__)
+    keep = [i for i in range(n) if i != j]
+    with torch.inference_mode():
+        hidden, cache = _self_check_run(model, ids, list(range(n)), j, first, backends)
+        removed, _ = _self_check_run(model, [ids[i] for i in keep], keep, None, first - 1, backends)
+        visible, _ = _self_check_run(model, ids, list(range(n)), None, first, backends)
+        steps, _ = _self_check_run(model, ids, [i + gap * (i >= first) for i in range(n)], j, first, backends)
+        shifted, _ = _self_check_run(model, ids, [i + gap * (i > j) for i in range(n)], j, first, backends)
+        d = {"hidden_vs_removed": hidden - removed, "hidden_vs_visible": hidden - visible,
+             "hidden_vs_shifted_steps": hidden - steps, "shifted_vs_shifted_steps": shifted - steps}
+        d = {k: float(v.abs().max()) for k, v in d.items()}
+    for i, layer in enumerate(cache.layers):
+        keys = getattr(layer, "keys", None)
+        if type(layer) is not DynamicLayer or not isinstance(keys, torch.Tensor) or keys.shape[-2] != n:
+            shape = tuple(keys.shape) if isinstance(keys, torch.Tensor) else None
+            raise ModelLoadError(
+                f"model {name!r} failed the load self-check: after {n} tokens, cache layer {i} is a "
+                f"{type(layer).__name__} with keys of shape {shape}, not a plain key/value layer holding all {n} "
+                f"positions; this protocol cannot audit its KV cache. {_WORKS}")
+    faults = [  # comparisons are False for NaN distances, so NaN logits fail too
+        ("hiding a token with the mask changed nothing", not d["hidden_vs_visible"] > 0),
+        ("hiding a token with the mask does not match removing it at the same position IDs",
+         d["hidden_vs_visible"] > 0 and not d["hidden_vs_removed"] <= SELF_CHECK_RATIO * d["hidden_vs_visible"]),
+        ("moving the position IDs of the one-token calls changed nothing", not d["hidden_vs_shifted_steps"] > 0),
+        ("moving the position IDs inside the multi-token call changed nothing", not d["shifted_vs_shifted_steps"] > 0),
+    ]
+    faults = [what for what, bad in faults if bad]
+    if faults:
+        measured = ", ".join(f"{k.replace('_vs_', ' vs ').replace('_', ' ')} = {v:.4g}" for k, v in d.items())
+        raise ModelLoadError(
+            f"model {name!r} failed the load self-check: the model ignores the explicit attention mask or position "
+            f"IDs it is given ({'; '.join(faults)}). Hiding token {j} of {n} with the 4-D mask should give the same "
+            f"last logits as removing it and skipping its position ID, different ones from leaving it visible, and "
+            f"moving position IDs {gap} later should change them; measured max |logit difference|: {measured} (a "
+            f"pass needs hidden vs removed <= {SELF_CHECK_RATIO} x hidden vs visible, and the other three > 0). With "
+            f"transformers {transformers.__version__}, torch {torch.__version__}, attention implementation "
+            f"{getattr(model.config, '_attn_implementation', None)!r} and SDPA backends {list(lm.sdpa_backends)}, "
+            f"this protocol cannot audit this model: every decoder call relies on the explicit 4-D mask and "
+            f"position IDs.")
+    return {
+        "passed": True, **d, "threshold": SELF_CHECK_RATIO, "tokens": n, "hidden_index": j, "gap": gap,
+        "schedule": [first] + [1] * (n - first), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "sdpa_backends": list(lm.sdpa_backends),
+    }
 
 
 def sdpa_backend_list(names: tuple[str, ...]) -> list:

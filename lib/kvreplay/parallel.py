@@ -78,10 +78,11 @@ def _task(item) -> dict:
 
 def _prepare(problems) -> dict:
     from .experiments import arm_environment, check_prompts
+    from .models import context_length
 
     _ready()
     spec = _WORKER["spec"]
-    check_prompts(spec.fmt, problems)
+    check_prompts(spec.fmt, problems, context_length(spec.lm.model.config), caps=spec.caps)
     return arm_environment(spec.lm, spec.fmt, _WORKER["settings"])
 
 
@@ -117,10 +118,11 @@ class RowPool:
         )
 
     def prepare(self, problems) -> dict:
-        """In one worker: check every prompt against the block contract and return the ledger environment.
+        """In one worker: check every prompt against the block contract and the model's context, return the ledger environment.
 
         Raises:
-            ContractError: a problem violates the contract (before any row is computed);
+            ContractError: a problem violates the contract or its sequence can
+                exceed the model's context (before any row is computed);
             RuntimeError: a worker failed to start (its cause is named).
         """
         return self._pool.submit(_prepare, list(problems)).result()

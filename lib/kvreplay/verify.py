@@ -173,7 +173,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
 
     from .data import load_bank
     from .experiments import ROW_ALGORITHM, RunSpec, check_prompts
-    from .models import execution_contract
+    from .models import context_length, execution_contract
 
     folder = Path(folder)
     if not (folder / "manifest.json").is_file():
@@ -192,7 +192,8 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     by_id = {p.problem_id: p for p in (problems if problems is not None else load_bank())}
     fn = row_function(folder, config)
     lm, fmt = settings.load()
-    check_prompts(fmt, [by_id[committed[i]["problem_id"]] for i in chosen])
+    check_prompts(fmt, [by_id[committed[i]["problem_id"]] for i in chosen], context_length(lm.model.config),
+                  caps=settings.caps)
     spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, equivalence_ids=frozenset(config["problem_ids"][: settings.preflight]))
     differs = same_environment(env["execution_contract"], execution_contract(lm, settings.threads))
     out = []
