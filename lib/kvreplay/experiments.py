@@ -223,7 +223,7 @@ def float32_copy(lm: LoadedModel) -> LoadedModel:
     if key not in _FP32_COPIES:
         _FP32_COPIES.clear()  # one model at a time
         table = None if lm.role_table is None else lm.role_table.float()
-        _FP32_COPIES[key] = dataclasses.replace(lm, model=copy.deepcopy(lm.model).float(), dtype=torch.float32,
+        _FP32_COPIES[key] = dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(dtype=torch.float32), dtype=torch.float32,
                                                 role_table=table)
     return _FP32_COPIES[key]
 
