@@ -185,7 +185,7 @@ class RowCache(Cache):
         return n
 
     def to_dynamic(self, first: int, n: int, config) -> DynamicCache:
-        """A ``DynamicCache`` holding copies of rows ``first, first + 1``, positions ``0..n-1`` (``[2, kv_heads, n, head_dim]``)."""
+        """A ``DynamicCache`` of copies of rows ``first, first + 1``, positions ``0..n-1``: ``[2, kv_heads, n, head_dim]``."""
         out = DynamicCache(config=config)
         for i, layer in enumerate(self.layers):
             out.update(layer.keys[first : first + 2, :, :n].clone(), layer.values[first : first + 2, :, :n].clone(), i)
@@ -433,7 +433,8 @@ def _check(stats: list[list[float]], row: int, where: str, position: int) -> Non
     if stats[3][row] != 1.0 or stats[3][row + 1] != 1.0:
         raise GateError("nonfinite", f"{where}: non-finite logits after the step ending at position {position}")
     if stats[2][row] != 1.0:
-        raise GateError("desync", f"{where}: duplicate rows' logits differ after the step ending at position {position}")
+        raise GateError("desync",
+                        f"{where}: duplicate rows' logits differ after the step ending at position {position}")
 
 
 def _drive(
