@@ -138,8 +138,10 @@ def bench(outdir: Path, n: int) -> dict:
         lm = tiny_lm("llama", torch.bfloat16)
         fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
     res: dict = {"load_s": time.perf_counter() - t0, "contract": execution_contract(lm)}
-    problems = load_bank()[:n]
-    prompts = [fmt.prompt_ids(p.question, p.options) for p in problems]
+    prompt_max = int(os.environ.get("ENGINE_BENCH_PROMPT_MAX", "0"))  # keep bank problems with prompts this short
+    prompts = [fmt.prompt_ids(p.question, p.options) for p in load_bank()]
+    prompts = [p for p in prompts if not prompt_max or len(p) <= prompt_max][:n]
+    res["prompt_max"] = prompt_max or None
     caps = Caps(branch=16, merge=64, answer=8)
     res["caps"] = {"branch": caps.branch, "merge": caps.merge, "answer": caps.answer}
     live_len = engine.live_length_bound(fmt, caps, max(len(p) for p in prompts)) + 1
