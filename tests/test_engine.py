@@ -173,3 +173,13 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="on_gate_error"):
         engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, on_gate_error="ignore")
     assert engine.decode_suffixes(lm, fmt, [], TINY_CAPS) == []
+
+
+def test_choice_stats_tie_goes_to_lowest_id_and_mask_applies():
+    logits = torch.tensor([[1.0, 5.0, 2.0, 5.0, 9.0], [1.0, 5.0, 2.0, 5.0, 9.0],
+                           [0.0, 1.0, 3.0, 2.0, 0.5], [0.0, 1.0, 3.0, float("nan"), 0.5]])
+    eligible = torch.tensor([[True, True, True, True, False]] * 2 + [[True] * 5] * 2)
+    token, margin, same, finite = engine.choice_stats(logits, eligible).tolist()
+    assert token[:2] == [1.0, 1.0] and margin[:2] == [0.0, 0.0]  # exact tie 1 vs 3: lowest ID; 4 is masked out
+    assert token[2] == 2.0 and margin[2] == 1.0
+    assert same == [1.0, 1.0, 0.0, 0.0] and finite == [1.0, 1.0, 1.0, 0.0]

@@ -185,7 +185,11 @@ class RowCache(Cache):
         return n
 
     def to_dynamic(self, first: int, n: int, config) -> DynamicCache:
-        """A ``DynamicCache`` of copies of rows ``first, first + 1``, positions ``0..n-1``: ``[2, kv_heads, n, head_dim]``."""
+        """A ``DynamicCache`` of copies of rows ``first, first + 1``, positions ``0..n-1``.
+
+        Returns:
+            a cache whose layers hold ``[2, kv_heads, n, head_dim]`` in the model dtype.
+        """
         out = DynamicCache(config=config)
         for i, layer in enumerate(self.layers):
             out.update(layer.keys[first : first + 2, :, :n].clone(), layer.values[first : first + 2, :, :n].clone(), i)
@@ -467,7 +471,7 @@ def _drive(
             raise err
         results[job.index] = err
 
-    def advance(slot: int, chosen: int, margin: float, logits: torch.Tensor | None) -> None:
+    def advance(slot: int, chosen: int, margin: float) -> None:
         """Take the next token of the job in ``slot`` and stage its feed (or finish the job)."""
         job = slots[slot]
         token, role, m = job.cursor.take(chosen, margin)
@@ -498,7 +502,7 @@ def _drive(
                 except GateError as err:
                     fail(slot, err)
                     continue
-                advance(slot, int(stats[0][0]), stats[1][0], None)
+                advance(slot, int(stats[0][0]), stats[1][0])
         if all(j is None for j in slots):
             break
         logits, stats = engine.step()
@@ -516,7 +520,7 @@ def _drive(
                 slots[slot] = None
                 engine.set_idle(slot)
             else:
-                advance(slot, int(stats[0][r]), stats[1][r], None)
+                advance(slot, int(stats[0][r]), stats[1][r])
     return results
 
 
