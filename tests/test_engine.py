@@ -1,0 +1,185 @@
+"""Batched decode engine (static per-row KV cache, batched one-token step) on tiny random-weight models, CPU.
+
+What must hold and is asserted here:
+- at batch shape B=1 (two rows) the engine chooses the same tokens as the ``DynamicCache`` decoders of
+  :mod:`kvreplay.decode` (FP32); margins, logits and caches are compared within a tolerance, since the
+  static cache's key dimension (``max_len``) may change the kernels' reduction order;
+- at a fixed batch shape (rows, ``max_len``) a problem's tokens, margins, boundary caches and logits are
+  bit-identical whatever its companions and its slot, with slots reused, and from run to run;
+- planted desync and non-finite faults are caught and named.
+Across batch shapes the bits may differ; nothing here asserts they do not.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
+
+from kvreplay import caches, decode, engine, gates
+from kvreplay.contract import MERGE, PROMPT, resolve_format
+from kvreplay.gates import GateError
+
+MAX_SUFFIX = 200  # fixed max_len of the suffix runs compared bit for bit (batch shape = rows x MAX_SUFFIX)
+MAX_LIVE = 220
+
+
+@functools.cache
+def _setup(arch: str, dtype: torch.dtype = torch.float32, role_table: bool = False):
+    """Model, format, six prompts of different lengths and their live boundaries (``decode.decode_live``)."""
+    table = None
+    if role_table:
+        g = torch.Generator().manual_seed(3)
+        table = (torch.randn(14, 64, generator=g) * 2.0).to(dtype)
+    lm = tiny_lm(arch, dtype, role_table=table)
+    fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
+    prompts = [fmt.prompt_ids("Q" + "xyz"[i % 3] * (2 * i) + "?", ("x", "y", f"z{i}", "w")) for i in range(6)]
+    lives = [decode.decode_live(lm, fmt, p, TINY_CAPS) for p in prompts]
+    return lm, fmt, prompts, lives
+
+
+def _replicas(states):
+    return [caches.live_replica(s) for s in states]
+
+
+def _same_suffix(a: decode.Suffix, b: decode.Suffix) -> bool:
+    """Tokens, margins (exact float equality) and blocks identical."""
+    return (a.tokens, a.margins, a.merge, a.answer) == (b.tokens, b.margins, b.merge, b.answer)
+
+
+def test_batch1_suffix_tokens_equal_decode_suffix(arch):
+    lm, fmt, prompts, lives = _setup(arch)
+    states = [*lives[:3], decode.build_incremental(lm, fmt, lives[3].ids), decode.build_prefill(lm, fmt, lives[4].ids)]
+    before = [[t.clone() for _, t in gates.cache_tensors(s.cache)] for s in states]
+    got = engine.decode_suffixes(lm, fmt, states, TINY_CAPS, batch=1)
+    want = [decode.decode_suffix(lm, fmt, s, TINY_CAPS) for s in _replicas(states)]
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens and g.merge == w.merge and g.answer == w.answer
+        assert [m is None for m in g.margins] == [m is None for m in w.margins]
+        assert [m for m in g.margins if m is not None] == pytest.approx([m for m in w.margins if m is not None],
+                                                                      rel=1e-5, abs=1e-5)
+    # the boundaries are copied, not consumed
+    for s, b in zip(states, before):
+        assert all(torch.equal(t, u) for (_, t), u in zip(gates.cache_tensors(s.cache), b))
+
+
+def test_batch1_with_role_table_equals_decode_suffix():
+    lm, fmt, _, lives = _setup("llama", role_table=True)
+    got = engine.decode_suffixes(lm, fmt, lives[:2], TINY_CAPS, batch=1)
+    want = [decode.decode_suffix(lm, fmt, s, TINY_CAPS) for s in _replicas(lives[:2])]
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+
+
+def test_batch1_live_equals_decode_live(arch):
+    lm, fmt, prompts, lives = _setup(arch)
+    got = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, batch=1)
+    for g, w in zip(got, lives):
+        assert g.ids == w.ids and g.schedule == w.schedule
+        assert torch.equal(g.roles, w.roles) and torch.equal(g.positions, w.positions)
+        torch.testing.assert_close(g.logits, w.logits, rtol=1e-5, atol=1e-5)
+        for (n, a), (_, b) in zip(gates.cache_tensors(g.cache), gates.cache_tensors(w.cache)):
+            assert a.shape == b.shape == (2, 2, len(w.ids), 16), n
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=n)
+    # an engine boundary feeds the one-problem suffix decoder like any other
+    s = decode.decode_suffix(lm, fmt, caches.live_replica(got[0]), TINY_CAPS)
+    assert s.tokens == decode.decode_suffix(lm, fmt, caches.live_replica(lives[0]), TINY_CAPS).tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_companions_and_slot_leave_a_problem_bit_identical(arch, dtype):
+    lm, fmt, prompts, lives = _setup(arch, dtype)
+    x = lives[0]
+    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, batch=3, max_len=MAX_SUFFIX)
+    b = engine.decode_suffixes(lm, fmt, [lives[5], lives[4], x], TINY_CAPS, batch=3, max_len=MAX_SUFFIX)
+    assert _same_suffix(a[0], b[2])  # slot 0 with companions 1, 2 == slot 2 with companions 5, 4
+    la = engine.decode_lives(lm, fmt, [prompts[0], prompts[1], prompts[2]], TINY_CAPS, batch=3, max_len=MAX_LIVE)
+    lb = engine.decode_lives(lm, fmt, [prompts[5], prompts[4], prompts[0]], TINY_CAPS, batch=3, max_len=MAX_LIVE)
+    assert la[0].ids == lb[2].ids
+    gates.check_exact("slot 0 vs slot 2", caches.boundary_tensors(la[0]), caches.boundary_tensors(lb[2]))
+
+
+def test_slot_reuse_and_per_row_positions_equal_one_problem_runs():
+    lm, fmt, prompts, lives = _setup("llama")
+    assert len({len(p) for p in prompts}) == len(prompts)  # every row of a batch is at its own position
+    calls = lm.calls
+    many = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, batch=2, max_len=MAX_SUFFIX)  # 6 problems, 2 slots
+    steps = lm.calls - calls
+    alone = [engine.decode_suffixes(lm, fmt, [s], TINY_CAPS, batch=2, max_len=MAX_SUFFIX)[0] for s in lives]
+    assert all(_same_suffix(m, o) for m, o in zip(many, alone))
+    assert steps < sum(len(s.tokens) for s in many)  # problems shared steps
+    again = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, batch=2, max_len=MAX_SUFFIX)
+    assert all(_same_suffix(m, g) for m, g in zip(many, again))  # deterministic
+    live_many = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, batch=2, max_len=MAX_LIVE)
+    assert len({len(b.ids) for b in live_many}) > 1
+    for p, m in zip(prompts, live_many):
+        one = engine.decode_lives(lm, fmt, [p], TINY_CAPS, batch=2, max_len=MAX_LIVE)[0]
+        assert m.ids == one.ids
+        gates.check_exact("reused slot vs alone", caches.boundary_tensors(m), caches.boundary_tensors(one))
+
+
+def test_step_writes_each_row_at_its_own_position():
+    lm, fmt, _, lives = _setup("qwen2")
+    eng = engine.StepEngine(lm, fmt, batch=2, max_len=MAX_SUFFIX)
+    lengths = [eng.admit(s, b.cache, b.roles) for s, b in enumerate(lives[1:5:3])]
+    assert lengths[0] != lengths[1]
+    for s, n in enumerate(lengths):
+        eng.set_row_pair(s, 100 + s, n, MERGE, MERGE)
+    eng.step()
+    keys = eng.cache.layers[0].keys
+    for s, n in enumerate(lengths):
+        rows = keys[2 * s : 2 * s + 2]
+        assert rows[:, :, n].abs().sum() > 0 and torch.equal(rows[0], rows[1])
+        assert rows[:, :, n + 1 :].abs().sum() == 0  # nothing beyond the row's own position
+    assert eng.roles[0, lengths[0]] == MERGE and eng.roles[2, lengths[1]] == MERGE
+    assert eng.roles[0, lengths[0] + 1] == PROMPT  # zero padding
+
+
+def test_planted_faults_are_caught_and_stay_in_their_row():
+    lm, fmt, _, lives = _setup("llama")
+    clean = engine.decode_suffixes(lm, fmt, [lives[3], lives[0]], TINY_CAPS, batch=2, max_len=MAX_SUFFIX)
+    desync = caches.clone_boundary(lives[1], "desync")
+    nonfinite = caches.clone_boundary(lives[5], "nonfinite")
+    bad_logits = caches.clone_boundary(lives[2], "inf-logits")
+    with torch.inference_mode():
+        desync.cache.layers[0].keys[1, :, 5] += 0.25  # one duplicate row only
+        # both rows (they agree, but are not finite); the step writes NaN keys/values of layer 1 at position 156
+        nonfinite.cache.layers[0].values[:, :, 3] = float("nan")
+        bad_logits.logits[:, 7] = float("inf")
+    with pytest.raises(GateError, match="desync") as err:
+        engine.decode_suffixes(lm, fmt, [lives[0], desync], TINY_CAPS, batch=2, max_len=MAX_SUFFIX)
+    assert err.value.gate == "desync" and "problem 1" in err.value.reason
+    got = engine.decode_suffixes(lm, fmt, [lives[3], desync, nonfinite, lives[0]], TINY_CAPS, batch=2,
+                                 max_len=MAX_SUFFIX, on_gate_error="return")
+    assert isinstance(got[1], GateError) and got[1].gate == "desync"
+    assert isinstance(got[2], GateError) and got[2].gate == "nonfinite"
+    # the companion is unaffected, and the slot the NaN problem left (NaN beyond position 146) is cleared
+    # before the shorter problem 3 reuses it: masked NaN would still poison its attention
+    assert len(lives[0].ids) < len(lives[5].ids)
+    assert _same_suffix(got[0], clean[0]) and _same_suffix(got[3], clean[1])
+    with pytest.raises(GateError, match="nonfinite"):
+        engine.decode_suffixes(lm, fmt, [bad_logits], TINY_CAPS, batch=1)
+
+
+def test_bad_arguments_are_refused():
+    lm, fmt, _, lives = _setup("llama")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, step_path="graph")
+    with pytest.raises(ValueError, match="unknown step path"):
+        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, step_path="compiled")
+    with pytest.raises(ValueError, match="max_len"):
+        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, max_len=len(lives[0].ids) + 3)
+    with pytest.raises(ValueError, match="on_gate_error"):
+        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, on_gate_error="ignore")
+    assert engine.decode_suffixes(lm, fmt, [], TINY_CAPS) == []
+
+
+def test_choice_stats_tie_goes_to_lowest_id_and_mask_applies():
+    logits = torch.tensor([[1.0, 5.0, 2.0, 5.0, 9.0], [1.0, 5.0, 2.0, 5.0, 9.0],
+                           [0.0, 1.0, 3.0, 2.0, 0.5], [0.0, 1.0, 3.0, float("nan"), 0.5]])
+    eligible = torch.tensor([[True, True, True, True, False]] * 2 + [[True] * 5] * 2)
+    token, margin, same, finite = engine.choice_stats(logits, eligible).tolist()
+    assert token[:2] == [1.0, 1.0] and margin[:2] == [0.0, 0.0]  # exact tie 1 vs 3: lowest ID; 4 is masked out
+    assert token[2] == 2.0 and margin[2] == 1.0
+    assert same == [1.0, 1.0, 0.0, 0.0] and finite == [1.0, 1.0, 1.0, 0.0]
