@@ -1245,7 +1245,10 @@ def localization_table(records: Sequence[dict]) -> pd.DataFrame:
     """
     require_gates(records)
     rows = []
-    names = list(records[0]["interventions"]) if records else []
+    coarse = ("whole", "keys_only", "values_only", "first_half", "second_half")
+    # a fixed order, whether the records come from memory or from a ledger (whose JSON keys are sorted)
+    names = sorted({n for r in records for n in r["interventions"]},
+                   key=lambda n: (coarse.index(n), "") if n in coarse else (len(coarse), n))
     for stratum, want in (("divergent", True), ("exact", False)):
         group = [r for r in records if r["baseline"]["suffix_differs"] == want]
         for name in names:
