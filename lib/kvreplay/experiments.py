@@ -378,6 +378,17 @@ def require_gates(records: Sequence[dict]) -> None:
         raise GateError("report", f"{len(failed)} row(s) failed integrity gates, endpoints withheld: {failed}")
 
 
+def _with_derived_endpoints(rec: dict, ref: str) -> dict:
+    """A row's endpoints; rows of row-algorithm version 1 (which recorded neither ``letter_differs`` nor
+    ``tie_initiated``) get them derived from the arms' recorded predictions and margins, as version 2 computes them."""
+    ep = rec["endpoints"]
+    if "letter_differs" in ep and "tie_initiated" in ep:
+        return ep
+    a, b = rec["arms"][ref], rec["arms"]["prefill"]
+    return ep | {"letter_differs": a["predicted"] != b["predicted"],
+                 "tie_initiated": tie_initiated(a["margins"], b["margins"], ep["first_divergence"])}
+
+
 def matrix_summary(
     records: Sequence[dict], dtype: str, ref: str = "live", seed: int = 20260729, n_resamples: int = 20000
 ) -> dict:
@@ -397,7 +408,7 @@ def matrix_summary(
     """
     require_gates(records)
     n = len(records)
-    ep = [r["endpoints"] for r in records]
+    ep = [_with_derived_endpoints(r, ref) for r in records]
     live_c = [r["arms"][ref]["correct"] for r in records]
     pre_c = [r["arms"]["prefill"]["correct"] for r in records]
     firsts = [e["first_divergence"] for e in ep if e["first_divergence"] is not None]
