@@ -1,4 +1,4 @@
-"""Append-only, resumable ledgers (DESIGN.md "Ledgers")."""
+"""Append-only, resumable ledgers."""
 
 from __future__ import annotations
 

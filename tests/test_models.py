@@ -1,4 +1,4 @@
-"""Loading any model through the one `model` parameter, offline (DESIGN.md "The embedded default model")."""
+"""Loading any model through the one `model` parameter, offline (the embedded model, local folders, GGUF files)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Row-parallel workers and the execution contract (issue 7): same bytes as a sequential run, resumable, fail-closed."""
+"""Row-parallel workers and the execution contract: same bytes as a sequential run, resumable, fail-closed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A later checkpoint of the same family: role-table adaptation (paper §3.1 role rows; §4.5 / issue 6).
+"""A later checkpoint of the same family: role-table adaptation (paper §3.1 role rows; §4.5).
 
 The paper's checkpoints carry role-embedding rows 8..13 learned by a training
 update, and Experiment 5 replicates the transplant result on a distinct later

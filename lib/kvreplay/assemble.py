@@ -1,4 +1,4 @@
-"""Paper assembly from ledgers alone (issue 5): tables, figure data, the artifact map and the drift explorer.
+"""Paper assembly from ledgers alone: tables, figure data, the artifact map and the drift explorer.
 
 Notebooks 06 (tables) and 07 (figures) load no model: everything they show is
 recomputed from a profile's finished ledgers with the same summary functions
