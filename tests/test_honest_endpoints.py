@@ -242,6 +242,7 @@ def test_controls_row_fp32_readout_and_null_perturbation(tiny_format):
     assert s["n"] == 3 and s["baseline"].n == 3
     table = controls_table(s)
     assert table.shape[1] == 1 and "FP32 readout" in " ".join(table.index)
+    assert table.index.is_unique and len(table) == 11
 
 
 def test_null_perturbation_matches_the_count_and_sizes_of_a_real_difference(tiny_format):

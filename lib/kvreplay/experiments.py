@@ -1446,13 +1446,13 @@ def controls_table(c: dict) -> pd.DataFrame:
     return pd.DataFrame({"exploratory controls (BF16 caches, fixed prefixes)": {
         "rows": str(n),
         "plain BF16: incremental vs prefill suffix differs": c["baseline"].pct(),
-        "  of which tie-initiated": f"{c['baseline_ties']}/{c['baseline'].k}",
+        "plain BF16: of which tie-initiated": f"{c['baseline_ties']}/{c['baseline'].k}",
         "FP32 readout (same BF16 caches; final norm and LM head in float32): suffix differs": c["fp32_readout"].pct(),
-        "  of which tie-initiated": f"{c['fp32_readout_ties']}/{c['fp32_readout'].k}",
-        "  among rows whose plain BF16 suffixes differ": rate_text(c["fp32_readout_among_divergent"]),
+        "FP32 readout: of which tie-initiated": f"{c['fp32_readout_ties']}/{c['fp32_readout'].k}",
+        "FP32 readout: still differs among rows whose plain BF16 suffixes differ": rate_text(c["fp32_readout_among_divergent"]),
         "matched null perturbation of the incremental cache: trajectory moved": c["null_moved"].pct(),
-        "  of which tie-initiated": f"{c['null_ties']}/{c['null_moved'].k}",
-        "  among rows whose plain BF16 suffixes agree": rate_text(c["null_moved_among_exact"]),
+        "null perturbation: of which tie-initiated": f"{c['null_ties']}/{c['null_moved'].k}",
+        "null perturbation: moved among rows whose plain BF16 suffixes agree": rate_text(c["null_moved_among_exact"]),
         "elements changed per row, median: null vs real (one duplicate row)":
             f"{c['null_elements_median']:g} vs {c['real_elements_median']:g}",
         "whole-cache relative L2, median: null vs real": f"{c['null_rel_l2_median']:.3g} vs {c['real_rel_l2_median']:.3g}",
