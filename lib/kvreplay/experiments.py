@@ -1454,7 +1454,7 @@ def controls_table(c: dict) -> pd.DataFrame:
         "null perturbation: of which tie-initiated": f"{c['null_ties']}/{c['null_moved'].k}",
         "null perturbation: moved among rows whose plain BF16 suffixes agree": rate_text(c["null_moved_among_exact"]),
         "elements changed per row, median: null vs real (one duplicate row)":
-            f"{c['null_elements_median']:g} vs {c['real_elements_median']:g}",
+            f"{c['null_elements_median']:,.0f} vs {c['real_elements_median']:,.0f}",
         "whole-cache relative L2, median: null vs real": f"{c['null_rel_l2_median']:.3g} vs {c['real_rel_l2_median']:.3g}",
     }})
 
