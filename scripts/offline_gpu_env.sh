@@ -7,7 +7,7 @@
 #               --platform manylinux2014_x86_64 -d .whl gguf==0.19.0 ipython==9.18.1 (+ ipython's
 #               pure-Python dependencies at the versions in requirements.txt)
 #   .gguf/    G=$(.venv/bin/python -c "from kvreplay.models import embedded_model_path as p; print(p())")
-#             mkdir -p .gguf/a .gguf/b; head -c 58720256 $G > .gguf/a/part1; tail -c +58720257 $G > .gguf/b/part2
+#             mkdir -p .gguf/a .gguf/b; head -c 50331648 $G > .gguf/a/part1; tail -c +50331649 $G > .gguf/b/part2
 # One transfer carries at most 64 MiB, so part1 goes in a first call (copied to /tmp/kv/gguf/,
 # which lasts while the machine stays warm) and part2 in the next.
 #
