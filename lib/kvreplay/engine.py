@@ -60,6 +60,9 @@ STEP_PATHS = ("eager", "graph")
 
 _STAT_ROWS = 4  # chosen token, margin, duplicate rows equal, row finite
 
+VERIFIED_STEPS = [0]
+"""Steps this process has checked against the eager step (``verify_steps``), all engines together."""
+
 
 # ---------------------------------------------------------------------------------------------------- KV cache
 class RowLayer(CacheLayerMixin):
@@ -411,6 +414,7 @@ class StepEngine:
             raise GateError("graph_equals_eager",
                             f"step {self.steps} ({self.step_path} vs eager): keys/values written differ")
         self.verified += 1
+        VERIFIED_STEPS[0] += 1
 
     def check_valid_length(self, slot: int, n: int, roles: Sequence[int], where: str) -> None:
         """Functional state of a slot's rows in the padded static cache: exactly ``n`` valid positions.

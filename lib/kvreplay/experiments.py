@@ -985,6 +985,8 @@ def run_arm(
         ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",
     )
+    if mapper is not None and mapper.checks:
+        ledger.log(event="gates", checks=mapper.checks)
     return records, ledger
 
 
@@ -1024,6 +1026,7 @@ class BatchedRows:
         self.composition_id = composition_id
         self.held: dict[str, dict] = {}
         self.chunks: list[list[str]] = []
+        self.checks: list[dict] = []  # the preflight gates passed: gate, problem, seconds, steps checked
 
     def __call__(self, items) -> Iterator[dict]:
         for it in items:
@@ -1048,13 +1051,25 @@ class BatchedRows:
         run = self.spec.engine
         verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
         spec = dataclasses.replace(self.spec, engine=dataclasses.replace(run, verify_steps=verify), memo=self.spec.memo)
+        import time
+
+        from . import engine
+
+        t0, verified0 = time.perf_counter(), engine.VERIFIED_STEPS[0]
         alone = self.chunk(spec, [problem])[0]
+        seconds = round(time.perf_counter() - t0, 3)
+        if verify:
+            self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
+                                "steps_checked": engine.VERIFIED_STEPS[0] - verified0, "seconds": seconds})
         if canonical_json(alone) != canonical_json(record):
             a, b = _leaves(alone), _leaves(record)
             where = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
             raise GateError("composition", f"problem {problem.problem_id}: its record computed alone (B={run.batch}, "
                             f"max_len={run.max_len}, other slots idle) differs from its record in a chunk of {size} "
                             f"problems, first at {where!r}; a problem's bits depend on its companions")
+        self.checks.append({"gate": "composition", "problem_id": problem.problem_id, "chunk": size,
+                            "batch": run.batch, "max_len": run.max_len, "seconds": seconds})
+
 
 
 def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, run: "EngineRun | None" = None) -> dict:
