@@ -17,7 +17,14 @@ resident memory, and peak GPU memory on CUDA. Times are medians over
 ``generate`` runs with the library's default SDPA backend choice, our decoder
 with the pinned contract (``math``), so the ratio includes that choice.
 ``--device cuda`` measures on the GPU under the CUDA execution contract
-(deterministic algorithms, TF32 off).
+(deterministic algorithms, TF32 off), and adds a second table (:func:`engine_table`):
+ms per problem-step of today's decoder (eager, a duplicate batch of 2 rows)
+against the batched engine's CUDA-graph step at B = 1, 8, 32, 64 problems
+(:func:`kvreplay.engine.decode_suffixes`), Hugging Face ``generate`` with its
+own static cache (``cache_implementation="static"``) and, when it works on the
+host, with the model's forward compiled (``torch.compile``, reported if it
+fails), plus Experiment 1 rows per hour with the batched runner
+(:func:`kvreplay.experiments.exp1_chunk`, graph path) at the given caps sets.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import time
 
 import pandas as pd
 import torch
+
+from .contract import Caps
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -130,6 +139,122 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     return pd.DataFrame({"value": rows})
 
 
+def _sync(lm) -> None:
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
+
+
+def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8, 32, 64), branch_cap: int = 48,
+                 exp1_caps: tuple[tuple[int, int, int], ...] = ((48, 160, 12),), exp1_batch: int = 64,
+                 exp1_rows: int | None = None, compile_: bool = True, repeats: int = 3,
+                 step_path: str = "graph") -> pd.DataFrame:
+    """The GPU section of ``make bench``: ms per problem-step of each decode path, and batched Experiment 1 rows/hour.
+
+    Boundaries: live boundaries of the first ``max(batches)`` bank problems at
+    branch cap ``branch_cap`` (engine, graph path, B = ``max(batches)``).
+    Every suffix decode runs merge content to ``tokens`` (cap) and a one-token
+    answer from those boundaries; ms per problem-step is the decode's wall time
+    divided by the tokens its problems decoded (a step of B problems counts B).
+    ``max_len`` is the longest boundary plus the suffix bound for every engine
+    run. Today's decoder and ``generate`` decode one problem (a duplicate batch
+    of 2 rows); ``generate`` times are for ``tokens`` new tokens with its own
+    prefill subtracted (median of ``repeats``). Experiment 1 rows per hour:
+    :func:`kvreplay.experiments.exp1_chunk` on ``exp1_rows`` problems (default
+    ``exp1_batch``) at each caps set, graph path, B = ``exp1_batch``, the first
+    chunk of each caps set timed whole (two graph captures, ~0.3 s each, included). ``step_path="eager"``
+    runs the engine's op-by-op step instead (any device; a dry run of this code).
+
+    Returns:
+        One row per measurement: ``path``, ``B`` (problems per step), ``rows`` (physical), ``ms per problem-step``
+        or ``rows per hour``, and ``note`` (a failure's message).
+
+    Raises:
+        ValueError: the graph path with a model not on CUDA.
+    """
+    from . import engine
+    from .caches import live_replica
+    from .contract import Caps
+    from .data import load_bank
+    from .decode import decode_suffix
+    from .experiments import EngineRun, RunSpec, exp1_chunk
+
+    if step_path == "graph" and lm.device.type != "cuda":
+        raise ValueError("engine_table's graph path needs a CUDA model")
+    label = "graph" if step_path == "graph" else "engine eager step"
+    bank = load_bank()
+    n = max(batches)
+    caps = Caps(branch=branch_cap, merge=tokens, answer=1)
+    prompts = [fmt.prompt_ids(p.question, p.options) for p in bank[:n]]
+    lives = engine.decode_lives(lm, fmt, prompts, caps, batch=n, step_path=step_path)
+    max_len = max(len(b.ids) for b in lives) + engine.suffix_length_bound(fmt, caps)
+    out = []
+
+    def timed(fn):
+        _sync(lm)
+        t = time.perf_counter()
+        r = fn()
+        _sync(lm)
+        return time.perf_counter() - t, r
+
+    today = []
+    for b in lives[:repeats]:
+        t, s = timed(lambda: decode_suffix(lm, fmt, live_replica(b), caps))
+        today.append(1e3 * t / len(s.tokens))
+    out.append({"path": "decode.decode_suffix (today: eager, DynamicCache)", "B": 1, "rows": 2,
+                "ms per problem-step": round(statistics.median(today), 2)})
+    for B in batches:
+        states = lives[: max(B, min(n, 2 * B)) if B > 1 else repeats]
+        engine.decode_suffixes(lm, fmt, states[:B], caps, batch=B, step_path=step_path, max_len=max_len)  # capture
+        t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, batch=B, step_path=step_path,
+                                                      max_len=max_len))
+        steps = sum(len(s.tokens) for s in got)
+        out.append({"path": f"engine.decode_suffixes, {label}", "B": B, "rows": 2 * B,
+                    "ms per problem-step": round(1e3 * t / steps, 2), "note": f"{len(states)} problems, max_len {max_len}"})
+    z = lives[0].ids
+    ids = torch.tensor([z, z], device=lm.device)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=lm.tokenizer.pad_token_id or 0)
+
+    def hf(k, **extra):
+        with torch.inference_mode():
+            lm.model.generate(ids, max_new_tokens=k, min_new_tokens=k, **kw, **extra)
+
+    def per_token(label, **extra):
+        try:
+            hf(2, **extra)  # warm-up (a static cache is allocated, a compiled forward traced)
+            t_n = _median_time(lambda: (hf(tokens + 1, **extra), _sync(lm)), repeats)
+            t_1 = _median_time(lambda: (hf(1, **extra), _sync(lm)), repeats)
+            out.append({"path": label, "B": 1, "rows": 2, "ms per problem-step": round(1e3 * (t_n - t_1) / tokens, 2)})
+        except Exception as e:  # reported, not raised: the bench measures what works on the host
+            out.append({"path": label, "B": 1, "rows": 2, "note": f"failed: {type(e).__name__}: {str(e)[:200]}"})
+
+    per_token("HF generate, dynamic cache")
+    per_token("HF generate, static cache", cache_implementation="static")
+    if compile_:
+        forward = lm.model.forward
+        try:
+            t0 = time.perf_counter()
+            lm.model.forward = torch.compile(forward, mode="reduce-overhead")
+            per_token("HF generate, static cache + torch.compile (reduce-overhead)", cache_implementation="static")
+            out[-1]["note"] = (out[-1].get("note", "") + f" compile + runs {time.perf_counter() - t0:.0f} s").strip()
+        except Exception as e:
+            out.append({"path": "HF generate, static cache + torch.compile", "B": 1, "rows": 2,
+                        "note": f"failed: {type(e).__name__}: {str(e)[:200]}"})
+        finally:
+            lm.model.forward = forward
+    for c in exp1_caps:
+        rows = exp1_rows or exp1_batch
+        group = bank[1 : 1 + rows]
+        c_caps = Caps(*c)
+        need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), c_caps) for p in group + bank[:1])
+        spec = RunSpec(lm=lm, fmt=fmt, caps=c_caps, engine=EngineRun(step_path, exp1_batch, need))
+        t, recs = timed(lambda: exp1_chunk(spec, group))
+        failed = sum(r["gate_failure"] is not None for r in recs)
+        out.append({"path": f"Experiment 1 batched runner, {label}, caps {tuple(c)}", "B": exp1_batch, "rows": 2 * exp1_batch,
+                    "rows per hour": round(3600 * len(group) / t, 1),
+                    "note": f"{len(group)} rows in {t:.1f} s, max_len {need}, {failed} gate failures"})
+    return pd.DataFrame(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded")
@@ -142,10 +267,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-threads", type=int, default=None, help="intra-op threads per worker (default: threads // workers on CPU)")
     ap.add_argument("--rows", type=int, default=None, help="rows timed for the rows-per-hour ratio (default 2 per worker)")
     ap.add_argument("--caps", type=int, nargs=3, default=(48, 160, 12), metavar=("BRANCH", "MERGE", "ANSWER"))
+    ap.add_argument("--engine", action=argparse.BooleanOptionalAction, default=None,
+                    help="the GPU section (engine_table); default on with a CUDA device")
+    ap.add_argument("--exp1-caps", type=int, nargs=3, action="append", metavar=("BRANCH", "MERGE", "ANSWER"),
+                    help="caps of a batched Experiment 1 rows-per-hour run (repeatable; default 48 160 12 and 768 512 64)")
+    ap.add_argument("--exp1-batch", type=int, default=64, help="problems per batched step of those runs")
+    ap.add_argument("--exp1-rows", type=int, default=None, help="rows timed per caps set (default: --exp1-batch)")
+    ap.add_argument("--no-compile", action="store_true", help="skip generate with torch.compile")
     args = ap.parse_args(argv)
     table = run(args.model, args.dtype, args.tokens, args.repeats, args.threads, tuple(args.caps), args.device, args.workers,
                 args.rows, args.worker_threads)
     print(table.to_markdown())
+    if args.engine or (args.engine is None and torch.device(args.device).type == "cuda"):
+        from .experiments import ArmSettings
+
+        settings = ArmSettings(profile="bench", dtype=args.dtype, caps=Caps(*args.caps), model=args.model,
+                               threads=args.threads, device=args.device)
+        lm, fmt = settings.load()
+        caps_sets = tuple(tuple(c) for c in (args.exp1_caps or [(48, 160, 12), (768, 512, 64)]))
+        print(engine_table(lm, fmt, tokens=args.tokens, branch_cap=args.caps[0], exp1_caps=caps_sets,
+                           exp1_batch=args.exp1_batch, exp1_rows=args.exp1_rows, compile_=not args.no_compile,
+                           repeats=args.repeats).to_markdown(index=False))
     return 0
 
 

@@ -60,6 +60,9 @@ STEP_PATHS = ("eager", "graph")
 
 _STAT_ROWS = 4  # chosen token, margin, duplicate rows equal, row finite
 
+VERIFIED_STEPS = [0]
+"""Steps this process has checked against the eager step (``verify_steps``), all engines together."""
+
 
 # ---------------------------------------------------------------------------------------------------- KV cache
 class RowLayer(CacheLayerMixin):
@@ -240,19 +243,29 @@ class StepEngine:
         batch: problems per step ``B`` (``2B`` rows).
         max_len: positions per row (the cache's key dimension).
         step_path: ``"eager"`` or ``"graph"`` (CUDA only; captured at the first step).
+        verify_steps: the first ``verify_steps`` steps are each computed a second
+            time by the eager step on the same inputs, and the two must agree bit
+            for bit in every row's logits, choice statistics and the keys/values
+            written (gate ``graph_equals_eager``; on the graph path this checks the
+            replayed graph against the op-by-op step). The step is idempotent for
+            fixed inputs, so a passing check changes no bit of the run.
 
     Raises:
-        ValueError: unknown step path, ``graph`` off CUDA, ``batch < 1`` or ``max_len < 1``.
+        ValueError: unknown step path, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1`` or ``verify_steps < 0``.
         ContractError: a vocabulary of 2**24 tokens or more.
     """
 
-    def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager"):
+    def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
+                 verify_steps: int = 0):
         if step_path not in STEP_PATHS:
             raise ValueError(f"unknown step path {step_path!r}; use one of {STEP_PATHS}")
         if step_path == "graph" and lm.device.type != "cuda":
             raise ValueError(f"step path 'graph' needs a CUDA device, the model is on {lm.device}")
         if batch < 1 or max_len < 1:
             raise ValueError(f"batch and max_len must be at least 1, got {batch} and {max_len}")
+        if verify_steps < 0:
+            raise ValueError(f"verify_steps must be at least 0, got {verify_steps}")
+        self.verify_steps, self.verified = verify_steps, 0
         self.lm, self.fmt, self.batch, self.max_len, self.step_path = lm, fmt, batch, max_len, step_path
         self.rows = rows = 2 * batch
         dev = lm.device
@@ -375,9 +388,63 @@ class StepEngine:
             logits, stats = self._out
         else:
             logits, stats = self._compute()
+        if self.steps < self.verify_steps:
+            self._verify(logits, stats)
         self.lm.calls += 1
         self.steps += 1
         return logits, stats.tolist()
+
+    def _written(self) -> list[torch.Tensor]:
+        """Keys and values at every row's current write position: per layer ``[rows, kv_heads, 1, head_dim]``."""
+        return [t.gather(2, layer._index) for layer in self.cache.layers for t in (layer.keys, layer.values)]
+
+    def _verify(self, logits: torch.Tensor, stats: torch.Tensor) -> None:
+        """Recompute this step eagerly on the same inputs; require identical logits, statistics and keys/values.
+
+        Raises:
+            GateError: gate ``graph_equals_eager``, naming the step and what differed.
+        """
+        first = (logits.clone(), stats.clone(), [t.clone() for t in self._written()])
+        again = self._compute()
+        second = (again[0], again[1], self._written())
+        for name, a, b in zip(("logits", "choice statistics"), first[:2], second[:2]):
+            if not torch.equal(a, b):
+                raise GateError("graph_equals_eager", f"step {self.steps} ({self.step_path} vs eager): {name} differ")
+        if not all(torch.equal(a, b) for a, b in zip(first[2], second[2])):
+            raise GateError("graph_equals_eager",
+                            f"step {self.steps} ({self.step_path} vs eager): keys/values written differ")
+        self.verified += 1
+        VERIFIED_STEPS[0] += 1
+
+    def check_valid_length(self, slot: int, n: int, roles: Sequence[int], where: str) -> None:
+        """Functional state of a slot's rows in the padded static cache: exactly ``n`` valid positions.
+
+        Positions ``0..n-1`` must carry the problem's raw roles ``roles[:n]``;
+        every position from ``n`` to ``max_len - 1`` must be padding: role 0 and
+        keys/values exactly zero in every layer (never written, so what the
+        mask hides is nothing), in both duplicate rows.
+
+        Args:
+            slot: the problem's slot (rows ``2*slot``, ``2*slot + 1``).
+            n: positions the problem has written (its valid length).
+            roles: raw roles of at least ``n`` tokens.
+
+        Raises:
+            GateError: gate ``functional_state``.
+        """
+        r = 2 * slot
+        want = torch.zeros(self.max_len, dtype=torch.long, device=self.roles.device)
+        want[:n] = torch.tensor(list(roles[:n]), dtype=torch.long, device=want.device)
+        bad = [(self.roles[r : r + 2] != want).any()]
+        for layer in self.cache.layers:
+            bad += [layer.keys[r : r + 2, :, n:].ne(0).any(), layer.values[r : r + 2, :, n:].ne(0).any()]
+        flags = torch.stack(bad).tolist()
+        if flags[0]:
+            raise GateError("functional_state", f"{where}: the engine's role row differs from the problem's "
+                            f"roles within its valid length {n} or is not padding beyond it")
+        if any(flags[1:]):
+            raise GateError("functional_state", f"{where}: keys/values written beyond the valid length {n} "
+                            f"(positions the mask hides must be untouched padding)")
 
     def first_choice(self, logits: torch.Tensor, choice_role: int) -> list[list[float]]:
         """:func:`choice_stats` of a duplicate pair's logits ``[2, vocab]`` (from a prefill), read to the host."""
@@ -479,6 +546,11 @@ def _drive(
         job.margins.append(m)
         job.roles.append(role)
         if job.cursor.done:
+            try:  # the last token was chosen, not fed: |ids| + |new| - 1 positions written
+                engine.check_valid_length(slot, len(job.ids) + len(job.new) - 1, job.roles, f"problem {job.index}")
+            except GateError as err:
+                fail(slot, err)
+                return
             results[job.index] = finish(job, slot, None)
             slots[slot] = None
             engine.set_idle(slot)
@@ -516,6 +588,11 @@ def _drive(
                 fail(slot, err)
                 continue
             if job.finishing:
+                try:  # every token was fed
+                    engine.check_valid_length(slot, len(job.ids) + len(job.new), job.roles, f"problem {job.index}")
+                except GateError as err:
+                    fail(slot, err)
+                    continue
                 results[job.index] = finish(job, slot, logits[r : r + 2].clone())
                 slots[slot] = None
                 engine.set_idle(slot)
@@ -536,12 +613,12 @@ def live_length_bound(fmt: BlockFormat, caps: Caps, prompt_len: int) -> int:
     return prompt_len + branches + len(fmt.openers[MERGE])
 
 
-def _engine(lm, fmt, batch, step_path, max_len, need: int) -> StepEngine:
+def _engine(lm, fmt, batch, step_path, max_len, need: int, verify_steps: int = 0) -> StepEngine:
     if max_len is None:
         max_len = need
     if need > max_len:
         raise ValueError(f"max_len={max_len} is shorter than the {need} positions the longest problem may need")
-    return StepEngine(lm, fmt, batch, max_len, step_path)
+    return StepEngine(lm, fmt, batch, max_len, step_path, verify_steps)
 
 
 # -------------------------------------------------------------------------------------------- the decoders
@@ -556,6 +633,7 @@ def decode_suffixes(
     step_path: str = "eager",
     max_len: int | None = None,
     on_gate_error: str = "raise",
+    verify_steps: int = 0,
 ) -> list:
     """The shared suffix decoder for many boundary states at once (batched :func:`kvreplay.decode.decode_suffix`).
 
@@ -581,21 +659,24 @@ def decode_suffixes(
         on_gate_error: ``"raise"`` stops at the first failed gate; ``"return"``
             puts the :class:`~kvreplay.gates.GateError` in that problem's place
             and goes on with the others.
+        verify_steps: steps checked against the eager step (:class:`StepEngine`).
 
     Returns:
         One :class:`~kvreplay.decode.Suffix` per boundary, in order (or a
         ``GateError`` with ``on_gate_error="return"``).
 
     Raises:
-        GateError: ``desync`` (a problem's duplicate rows' logits differ) or
-            ``nonfinite`` (non-finite logits), with ``on_gate_error="raise"``.
+        GateError: ``desync`` (a problem's duplicate rows' logits differ),
+            ``nonfinite`` (non-finite logits) or ``functional_state`` (a row's
+            valid length, :meth:`StepEngine.check_valid_length`), with
+            ``on_gate_error="raise"``; ``graph_equals_eager`` always raises.
         ContractError: a suffix did not close its answer block.
         ValueError: bad ``batch``, ``step_path``, ``max_len`` or cache geometry.
     """
     if not boundaries:
         return []
     need = max(len(b.ids) for b in boundaries) + suffix_length_bound(fmt, caps)
-    engine = _engine(lm, fmt, batch, step_path, max_len, need)
+    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps)
 
     def admit(index: int, slot: int):
         b = boundaries[index]
@@ -627,6 +708,7 @@ def decode_lives(
     step_path: str = "eager",
     max_len: int | None = None,
     on_gate_error: str = "raise",
+    verify_steps: int = 0,
 ) -> list:
     """Live multi-branch decoding of many prompts at once (batched :func:`kvreplay.decode.decode_live`).
 
@@ -638,7 +720,7 @@ def decode_lives(
     Args:
         prompts: token IDs of each prompt block (role 0).
         caps: content caps (branches stop at ``caps.branch``).
-        batch, step_path, max_len, on_gate_error: as in :func:`decode_suffixes`
+        batch, step_path, max_len, on_gate_error, verify_steps: as in :func:`decode_suffixes`
             (``max_len`` defaults to the longest prompt plus :func:`live_length_bound`'s blocks).
 
     Returns:
@@ -649,13 +731,13 @@ def decode_lives(
         A ``GateError`` in a prompt's place with ``on_gate_error="return"``.
 
     Raises:
-        GateError: ``desync`` or ``nonfinite`` with ``on_gate_error="raise"``.
+        GateError: as in :func:`decode_suffixes`.
         ValueError: as in :func:`decode_suffixes`.
     """
     if not prompts:
         return []
     need = live_length_bound(fmt, caps, max(len(p) for p in prompts)) + 1
-    engine = _engine(lm, fmt, batch, step_path, max_len, need)
+    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps)
     dev = lm.device
 
     def admit(index: int, slot: int):
@@ -677,3 +759,70 @@ def decode_lives(
         return Boundary("live", z, roles, cache, logits, schedule, positions)
 
     return _drive(engine, len(prompts), admit, lambda c: c.role == MERGE and c.in_content, finish, on_gate_error)
+
+
+@torch.inference_mode()
+def build_incrementals(
+    lm: LoadedModel,
+    fmt: BlockFormat,
+    prefixes: Sequence[Sequence[int]],
+    *,
+    batch: int = 8,
+    step_path: str = "eager",
+    max_len: int | None = None,
+    on_gate_error: str = "raise",
+    verify_steps: int = 0,
+) -> list:
+    """Teacher-forced replay of the live call schedule through the engine (batched incremental construction).
+
+    Each prefix z is rebuilt exactly as :func:`decode_lives` built it: the
+    prompt block in one forward call of the duplicate pair, then every later
+    token of z fed in its own batched step with its raw role, up to the merge
+    opener; the logits of the step after the last token are the boundary
+    logits. At the same batch shape (``batch``, ``max_len``) and slot, an
+    engine-live boundary and the incremental rebuild of its prefix must be
+    bit-identical (the bridge under the engine): every input of every step is
+    the same, and a problem's bits do not depend on its companions.
+
+    Args:
+        prefixes: boundary prefixes z (token IDs ending right after the merge opener).
+        batch, step_path, max_len, on_gate_error, verify_steps: as in
+            :func:`decode_suffixes` (``max_len`` defaults to the longest prefix plus one).
+
+    Returns:
+        One ``"incremental"`` :class:`~kvreplay.decode.Boundary` per prefix,
+        laid out as :func:`decode_lives` lays out its boundaries (a
+        ``GateError`` in its place with ``on_gate_error="return"``).
+
+    Raises:
+        ContractError: a prefix that does not end at the boundary.
+        GateError, ValueError: as in :func:`decode_suffixes`.
+    """
+    if not prefixes:
+        return []
+    parsed = [fmt.boundary_parse(z, where=f"prefix {i}") for i, z in enumerate(prefixes)]
+    need = max(len(z) for z in prefixes) + 1
+    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps)
+    dev = lm.device
+    free = Caps(branch=1 << 30, merge=1 << 30, answer=1 << 30)  # every token is forced: no cap applies
+
+    def admit(index: int, slot: int):
+        z, p = list(prefixes[index]), parsed[index].prompt_len
+        roles = torch.full((decode.BATCH, p), PROMPT, dtype=torch.long, device=dev)
+        cache = DynamicCache(config=lm.model.config)
+        logits = decode.forward(lm, cache, decode._as_batch(z[:p], dev), roles, 0)
+        engine.admit(slot, cache, roles)
+        cursor = _Cursor(fmt, free, PROMPT, list(zip(z[p:], parsed[index].roles[p:])))
+        return _Job(index, cursor, z[:p], [PROMPT] * p), logits
+
+    def finish(job: _Job, slot: int, logits):
+        z = job.ids + job.new
+        if z != list(prefixes[job.index]):
+            raise ContractError(f"prefix {job.index}: teacher forcing stopped at {len(z)} tokens, not at its boundary")
+        n = len(z)
+        roles = torch.tensor(job.roles, dtype=torch.long, device=dev).expand(decode.BATCH, -1).contiguous()
+        positions = torch.arange(n, device=dev).expand(decode.BATCH, -1).contiguous()
+        cache = engine.cache.to_dynamic(2 * slot, n, lm.model.config)
+        return Boundary("incremental", z, roles, cache, logits, [len(job.ids)] + [1] * len(job.new), positions)
+
+    return _drive(engine, len(prefixes), admit, lambda c: c.role == MERGE and c.in_content, finish, on_gate_error)

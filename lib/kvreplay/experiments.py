@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -47,6 +47,13 @@ class RunSpec:
             checks construction equivalence in float32 (the arm's preflight
             rows; :func:`construction_equivalence`). Float32 runs check it on
             every row from the row's own comparison.
+        engine: the batch shape and step path of a batched runner
+            (:class:`EngineRun`); ``None`` for the one-problem decoders of
+            :mod:`kvreplay.decode`.
+        memo: float32 construction-equivalence records already computed in
+            this run, by problem ID and prefix (a batched runner computes a
+            preflight problem twice for the composition gate; the check does
+            not depend on the batch, so it runs once).
     """
 
     lm: LoadedModel
@@ -55,6 +62,31 @@ class RunSpec:
     faults: Hook | None = None
     transplant_faults: Callable | None = None
     equivalence_ids: frozenset = frozenset()
+    engine: "EngineRun | None" = None
+    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRun:
+    """How a batched runner drives :mod:`kvreplay.engine` (resolved from :class:`ArmSettings`).
+
+    Attributes:
+        step_path: the engine's step path, ``"eager"`` or ``"graph"``.
+        batch: problems per batched step ``B`` (``2B`` rows).
+        max_len: positions per row (the static cache's key dimension).
+        verify_steps: steps of each engine checked against the eager step
+            (gate ``graph_equals_eager``; 0 = none).
+    """
+
+    step_path: str
+    batch: int
+    max_len: int
+    verify_steps: int = 0
+
+    def kwargs(self) -> dict:
+        """Keyword arguments of :func:`kvreplay.engine.decode_lives` / ``decode_suffixes`` / ``build_incrementals``."""
+        return {"batch": self.batch, "step_path": self.step_path, "max_len": self.max_len,
+                "verify_steps": self.verify_steps}
 
 
 ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
@@ -239,14 +271,40 @@ def construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[i
     construction (wrong positions, roles or mask in one call), whatever the
     run's precision.
 
+    In a batched run (``spec.engine`` set) the float32 incremental cache is
+    rebuilt through the engine (:func:`kvreplay.engine.build_incrementals`,
+    the run's step path and ``max_len``, one problem per step), which is the
+    construction the run's own live boundaries come from; the result is kept
+    in ``spec.memo``.
+
     Returns:
         ``{"dtype": "float32", "compared": "prefill_vs_incremental", "rel_l2", "tolerance"}`` for the ledger.
 
     Raises:
         GateError: gate ``equivalence`` (or ``nonfinite``, ``desync`` from the decoders).
     """
+    key = (problem.problem_id, tuple(prefix))
+    if key in spec.memo:
+        if isinstance(spec.memo[key], GateError):
+            raise spec.memo[key]
+        return dict(spec.memo[key])
+    try:
+        out = _construction_equivalence(spec, problem, prefix)
+    except GateError as e:
+        spec.memo[key] = e
+        raise
+    spec.memo[key] = out
+    return dict(out)
+
+
+def _construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
     lm32 = float32_copy(spec.lm)
-    inc = decode.build_incremental(lm32, spec.fmt, prefix, where=problem.problem_id)
+    if spec.engine is None:
+        inc = decode.build_incremental(lm32, spec.fmt, prefix, where=problem.problem_id)
+    else:
+        from . import engine
+
+        inc = engine.build_incrementals(lm32, spec.fmt, [prefix], **(spec.engine.kwargs() | {"batch": 1}))[0]
     pre = decode.build_prefill(lm32, spec.fmt, prefix, where=problem.problem_id)
     for name, s in (("incremental (float32 check)", inc), ("prefill (float32 check)", pre)):
         gates.check_finite(name, caches.boundary_tensors(s))
@@ -291,6 +349,24 @@ def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary)
     Raises:
         GateError: the first gate that fails (callers record it).
     """
+    states = matrix_states(spec, problem, rec, ref)
+    arms = {n: decode.decode_suffix(spec.lm, spec.fmt, s, spec.caps) for n, s in states.items()}
+    return matrix_arms(spec, problem, rec, ref.construction, arms)
+
+
+def matrix_states(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary) -> dict[str, decode.Boundary]:
+    """The four boundary states of the matrix, gated and summarised (:func:`matrix_row` up to the suffixes).
+
+    Builds the reference's replica and the two prefill calls, runs the fault
+    hook and :func:`boundary_gates`, and fills ``rec`` with ``boundary``,
+    ``equivalence``, ``first_token`` and ``raw_argmax``.
+
+    Returns:
+        arm name -> boundary state (caches ``[2, kv_heads, |z|, head_dim]``), in the arms' order.
+
+    Raises:
+        GateError: the first gate that fails.
+    """
     lm, fmt = spec.lm, spec.fmt
     r = ref.construction
     z = ref.ids
@@ -313,10 +389,26 @@ def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary)
     rec["equivalence"] = equivalence_record(spec, problem, z, rec["boundary"][key], key)
     rec["first_token"] = {n: decode.first_eligible_argmax(fmt, s.logits[0]) for n, s in states.items()}
     rec["raw_argmax"] = {n: decode.raw_argmax(s.logits[0]) for n, s in states.items()}
-    arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
+    return states
+
+
+def matrix_arms(spec: RunSpec, problem: Problem, rec: dict, r: str, arms: dict[str, decode.Suffix]) -> dict:
+    """The matrix's suffix gates and endpoints from the four arms' suffixes (:func:`matrix_row` after decoding).
+
+    Args:
+        r: the reference construction (``live`` or ``incremental``).
+        arms: arm name -> its :class:`~kvreplay.decode.Suffix`, in the arms' order.
+
+    Returns:
+        ``rec``, with ``arms`` and ``endpoints``.
+
+    Raises:
+        GateError: ``suffix_replica``.
+    """
     for a, b in ((r, f"{r}_replica"), ("prefill", "prefill_replica")):
         gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", arms[a].tokens, arms[b].tokens)
     rec["arms"] = {n: _arm_record(spec, problem, s) for n, s in arms.items()}
+    key = f"prefill_vs_{r}"
     rec["endpoints"] = {
         "boundary_exact": rec["boundary"][key]["cache"]["exact"],
         "logits_exact": rec["boundary"][key]["logits"]["exact"],
@@ -365,6 +457,104 @@ def exp2_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
     except GateError as e:
         rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
     return rec
+
+
+def _failure(e: GateError) -> dict:
+    return {"gate": e.gate, "reason": e.reason}
+
+
+def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, heads: Sequence[Callable]) -> list[dict]:
+    """The four-arm matrix of a chunk of problems, suffixes decoded together through the engine.
+
+    Per problem, in order: its reference boundary (or the ``GateError`` that
+    stopped it), ``heads[i](rec, ref)`` (the experiment's prefix fields),
+    :func:`matrix_states` (replica, the two prefill calls and every boundary
+    gate, as one problem at a time); then every arm of every problem still
+    clean continues through :func:`kvreplay.engine.decode_suffixes` in one
+    batched decode (``spec.engine``), and :func:`matrix_arms` finishes each
+    record. A record has exactly the keys :func:`matrix_row` gives it; a
+    gate failure of one problem (boundary, suffix) is recorded in its record
+    only, the first failing arm in the arms' order.
+
+    Returns:
+        One record per problem, in order.
+
+    Raises:
+        ContractError: a suffix did not close its answer block.
+    """
+    from . import engine
+
+    recs: list[dict] = [{"problem_id": p.problem_id, "gate_failure": None} for p in problems]
+    pending: list[tuple[int, dict]] = []
+    for i, (p, ref, head, rec) in enumerate(zip(problems, refs, heads, recs)):
+        try:
+            if isinstance(ref, GateError):
+                raise ref
+            head(rec, ref)
+            pending.append((i, matrix_states(spec, p, rec, ref)))
+        except GateError as e:
+            rec["gate_failure"] = _failure(e)
+    flat = [s for _, states in pending for s in states.values()]
+    suffixes = engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.caps, on_gate_error="return",
+                                      **spec.engine.kwargs())
+    k = 0
+    for i, states in pending:
+        arms = dict(zip(states, suffixes[k : k + len(states)]))
+        k += len(states)
+        rec = recs[i]
+        try:
+            for s in arms.values():
+                if isinstance(s, GateError):
+                    raise s
+            matrix_arms(spec, problems[i], rec, refs[i].construction, arms)
+        except GateError as e:
+            rec["gate_failure"] = _failure(e)
+    return recs
+
+
+def exp1_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[dict]:
+    """Experiment 1 for a chunk of problems through the batched engine (the records of :func:`exp1_row`).
+
+    Live boundaries of the whole chunk come from :func:`kvreplay.engine.decode_lives`;
+    then :func:`matrix_chunk`. Bits may differ from :func:`exp1_row` (another
+    cache layout and batch shape: the ledger key says which), the layout does not.
+
+    Raises:
+        ContractError: a prompt that breaks the block contract, or an unclosed answer block.
+    """
+    from . import engine
+
+    prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
+    lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.caps, on_gate_error="return", **spec.engine.kwargs())
+
+    def head(prompt):
+        return lambda rec, live: rec.update(prompt_len=len(prompt), prefix_len=len(live.ids), prefix=live.ids,
+                                            schedule_calls=len(live.schedule))
+
+    return matrix_chunk(spec, problems, lives, [head(x) for x in prompts])
+
+
+def exp2_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[dict]:
+    """Experiment 2 for a chunk of fixed prefixes through the batched engine (the records of :func:`exp2_row`).
+
+    The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`
+    (teacher forcing of the live call schedule), then :func:`matrix_chunk`.
+
+    Raises:
+        ContractError: a prefix that does not end at the boundary.
+    """
+    from . import engine
+
+    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine.kwargs())
+
+    def head(prefix, pid):
+        def fill(rec, inc):
+            parsed = spec.fmt.boundary_parse(prefix, where=pid)
+            rec.update(prompt_len=parsed.prompt_len, prefix_len=len(inc.ids), prefix=inc.ids,
+                       schedule_calls=len(inc.schedule))
+        return fill
+
+    return matrix_chunk(spec, problems, incs, [head(z, p.problem_id) for z, p in zip(prefixes, problems)])
 
 
 def require_gates(records: Sequence[dict]) -> None:
@@ -568,6 +758,13 @@ def problems_digest(problems: Sequence[Problem]) -> str:
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
 
 
+ARM_STEP_PATHS = ("eager", "engine-eager", "graph")
+"""Decode paths of an arm: :mod:`kvreplay.decode` (reference), the engine's op-by-op step, its CUDA graph."""
+
+GRAPH_CHECK_STEPS = 256
+"""Steps of each engine (live, suffix) of the composition run checked against the eager step on the graph path."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ArmSettings:
     """Everything that fixes an arm's numerics besides its rows (part of every ledger key).
@@ -580,6 +777,32 @@ class ArmSettings:
     ``device``, ``deterministic``, ``allow_tf32``. ``workers`` is how many
     row-parallel processes run the arm; it is not part of the key, because
     the rows are identical bit for bit however many workers compute them.
+
+    The decode path is part of the contract too:
+
+    * ``step_path``: ``"eager"`` (default, the reference): one problem at a
+      time through :mod:`kvreplay.decode` (``DynamicCache``, one forward call
+      per token); ``"engine-eager"``: the batched engine
+      (:mod:`kvreplay.engine`) with its op-by-op step (runs on the CPU);
+      ``"graph"``: the engine with its step replayed as a CUDA graph (CUDA only).
+    * ``batch``: problems per batched step ``B`` (the engine's ``2B`` rows);
+    * ``max_len``: positions per row of the engine's static cache, or ``None``
+      for the arm's bound: the longest full sequence any of the arm's problems
+      can reach (:meth:`~kvreplay.contract.BlockFormat.max_sequence_length`
+      of its prompt at the caps), so one arm has one batch shape.
+
+    The engine's bits depend on the batch shape ``(B, max_len)`` and differ
+    from the eager path's, so a non-eager step path adds
+    ``{"engine": {"step_path", "batch", "max_len"}}`` to the ledger key (the
+    policy name ``"longest_sequence"`` for ``max_len=None``; the resolved
+    length is recorded in the environment). The defaults add nothing.
+    ``batch`` and ``max_len`` are refused with the eager path (they would not
+    be used). Every arm of an experiment should run under the same contract.
+
+    Raises:
+        ValueError: ``workers`` below 1 or not whole; an unknown step path;
+            ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len``
+            below 2; a batch shape given with ``step_path="eager"``.
     """
 
     profile: str
@@ -595,10 +818,47 @@ class ArmSettings:
     deterministic: bool | None = None
     allow_tf32: bool = False
     workers: int = 1
+    step_path: str = "eager"
+    batch: int = 8
+    max_len: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be a whole number of at least 1, got {self.workers!r}")
+        if self.step_path not in ARM_STEP_PATHS:
+            raise ValueError(f"unknown step path {self.step_path!r}; use one of {ARM_STEP_PATHS}")
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch (problems per step) must be a whole number of at least 1, got {self.batch!r}")
+        if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 2):
+            raise ValueError(f"max_len must be None or a whole number of at least 2, got {self.max_len!r}")
+        if self.step_path == "eager" and (self.batch != 8 or self.max_len is not None):
+            raise ValueError("batch and max_len are the engine's batch shape: they need step_path 'engine-eager' "
+                             "or 'graph' (the eager path decodes one problem at a time)")
+        if self.step_path == "graph" and self.contract().device_type != "cuda":
+            raise ValueError(f"step path 'graph' replays CUDA graphs: it needs device 'cuda', not {self.device!r}")
+
+    def engine_key(self) -> dict | None:
+        """The ledger-key entry of the decode path: ``None`` for the eager path, else step path and batch shape."""
+        if self.step_path == "eager":
+            return None
+        return {"step_path": self.step_path, "batch": self.batch,
+                "max_len": self.max_len if self.max_len is not None else "longest_sequence"}
+
+    def engine_run(self, fmt: BlockFormat, problems: Sequence[Problem]) -> "EngineRun | None":
+        """The resolved engine settings of a batched arm (``None`` on the eager path).
+
+        Raises:
+            ContractError: a prompt breaks the block contract.
+            ValueError: a fixed ``max_len`` shorter than the longest sequence a problem can reach.
+        """
+        if self.step_path == "eager":
+            return None
+        need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), self.caps) for p in problems)
+        if self.max_len is not None and self.max_len < need:
+            raise ValueError(f"max_len={self.max_len} is shorter than the {need} positions the arm's longest problem "
+                             f"can reach at caps {dataclasses.astuple(self.caps)}")
+        return EngineRun("graph" if self.step_path == "graph" else "eager", self.batch,
+                         self.max_len if self.max_len is not None else need)
 
     def contract(self, device: str | None = None) -> ExecutionContract:
         """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
@@ -629,6 +889,8 @@ class ArmSettings:
         execution = self.contract().key()
         if execution:
             config["execution"] = execution
+        if self.engine_key() is not None:
+            config["engine"] = self.engine_key()
         return config
 
     def load(self, device: str | None = None) -> tuple[LoadedModel, BlockFormat]:
@@ -653,8 +915,16 @@ def run_arm(
     extra_config: dict | None = None,
     progress: bool = True,
     faults: Hook | None = None,
+    chunk: Callable[[RunSpec, Sequence[Problem]], list[dict]] | None = None,
 ) -> tuple[list[dict], "Ledger"]:
     """Run, resume or reuse one experiment arm: ``row`` mapped over ``problems`` in frozen order.
+
+    With a non-eager ``settings.step_path`` the arm runs through the batched
+    engine instead: ``chunk(spec, problems)`` (e.g. :func:`exp1_chunk`)
+    computes the records of up to ``settings.batch`` problems at a time
+    (:class:`BatchedRows`), appended in problem order as in a sequential run;
+    the first preflight problem also passes the ``composition`` gate (and,
+    on the graph path, ``graph_equals_eager``).
 
     The ledger lives in ``<ledger_root>/<profile>/<name>-<dtype>-<digest12>/``
     and records :data:`ROW_ALGORITHM` ``[name]``. A ledger already complete
@@ -664,12 +934,24 @@ def run_arm(
     construction-equivalence gate (:func:`construction_equivalence`).
 
     Raises:
-        GateError: ``preflight`` if a preflight row fails a gate.
+        GateError: ``preflight`` if a preflight row fails a gate; ``composition``
+            or ``graph_equals_eager`` (batched arms) before any row is appended.
         ModelLoadError, ContractError: bad model or problems (a prompt that
             breaks the block contract, or a sequence longer than the model's
             context), before any row and before the ledger folder is created.
+        ValueError: a non-eager step path for an experiment without a batched
+            runner (``chunk`` None), or with ``workers > 1``; a ``max_len``
+            too short for the arm's problems.
     """
     from .ledger import Ledger, run_rows
+
+    if settings.step_path != "eager":
+        if chunk is None:
+            raise ValueError(f"experiment {name!r} has no batched runner: step path {settings.step_path!r} is "
+                             f"refused (use step_path='eager'; batched runners exist for exp1 and exp2)")
+        if settings.workers > 1:
+            raise ValueError(f"step path {settings.step_path!r} batches problems in one process: use workers=1, "
+                             f"not {settings.workers}")
 
     config = settings.config(name, problems) | (extra_config or {})
     root = Path(ledger_root) / settings.profile
@@ -701,26 +983,121 @@ def run_arm(
         return records, ledger
     lm, bf = settings.load()
     check_prompts(bf, problems, context_length(lm.model.config), caps=settings.caps)  # before the ledger folder exists
-    ledger = Ledger(root, label, config, environment=arm_environment(lm, bf, settings), row_algorithm=version)
-    spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids)
+    run = settings.engine_run(bf, problems)
+    ledger = Ledger(root, label, config, environment=arm_environment(lm, bf, settings, run), row_algorithm=version)
+    spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids, engine=run)
+    if run is None:
+        mapper, row_fn = None, (lambda p: row(spec, p))
+    else:
+        first = problems[0].problem_id if settings.preflight > 0 and problems else None
+        mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first), None
+        ledger.log(event="engine", **dataclasses.asdict(run))
     records = run_rows(
-        ledger, list(problems), lambda p: row(spec, p), key=lambda p: p.problem_id,
+        ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",
     )
+    if mapper is not None and mapper.checks:
+        ledger.log(event="gates", checks=mapper.checks)
     return records, ledger
 
 
-def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings) -> dict:
+class BatchedRows:
+    """A :func:`kvreplay.ledger.run_rows` mapper that computes rows a chunk of ``B`` problems at a time.
+
+    Called with items in problem order, it yields their records in that
+    order. Each chunk is the next ``spec.engine.batch`` problems of ``todo``
+    (the arm's rows still to compute) from the first item not computed yet,
+    so the preflight call computes its chunk's other problems ahead; their
+    records are held and yielded (and appended) only when
+    :func:`~kvreplay.ledger.run_rows` asks for them, after the preflight rows
+    passed. A problem's bits do not depend on which chunk it falls in (the
+    batch shape is the arm's), which the ``composition`` gate checks.
+
+    Composition gate: when a chunk holds ``composition_id`` (the first
+    preflight problem), that problem's record is computed again alone (a
+    chunk of one at the same ``B`` and ``max_len``, the other slots idle) and
+    must equal its record inside the chunk, byte for byte in canonical JSON.
+    On the graph path that alone run also checks the first
+    :data:`GRAPH_CHECK_STEPS` steps of each engine against the eager step
+    (gate ``graph_equals_eager``).
+
+    Args:
+        spec: the arm's run spec (``spec.engine`` set).
+        chunk: ``(spec, problems) -> records`` (:func:`exp1_chunk`, ...).
+        todo: the problems to compute, in order.
+        composition_id: problem ID of the composition gate, or ``None``.
+
+    Raises (while iterating):
+        GateError: ``composition`` or ``graph_equals_eager``.
+    """
+
+    def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None):
+        self.spec, self.chunk, self.todo = spec, chunk, list(todo)
+        self.position = {p.problem_id: i for i, p in enumerate(self.todo)}
+        self.composition_id = composition_id
+        self.held: dict[str, dict] = {}
+        self.chunks: list[list[str]] = []
+        self.checks: list[dict] = []  # the preflight gates passed: gate, problem, seconds, steps checked
+
+    def __call__(self, items) -> Iterator[dict]:
+        for it in items:
+            if it.problem_id not in self.held:
+                start = self.position[it.problem_id]
+                group = [p for p in self.todo[start : start + self.spec.engine.batch] if p.problem_id not in self.held]
+                records = self.chunk(self.spec, group)
+                self.chunks.append([p.problem_id for p in group])
+                ids = [p.problem_id for p in group]
+                if self.composition_id in ids:
+                    i = ids.index(self.composition_id)
+                    self.check_composition(group[i], records[i], len(group))
+                self.held.update(zip(ids, records))
+            yield self.held.pop(it.problem_id)
+
+    def check_composition(self, problem: Problem, record: dict, size: int) -> None:
+        """The composition gate (and, on the graph path, ``graph_equals_eager``) on one problem.
+
+        Raises:
+            GateError: ``composition`` naming the first differing leaf, or ``graph_equals_eager``.
+        """
+        run = self.spec.engine
+        verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
+        spec = dataclasses.replace(self.spec, engine=dataclasses.replace(run, verify_steps=verify), memo=self.spec.memo)
+        import time
+
+        from . import engine
+
+        t0, verified0 = time.perf_counter(), engine.VERIFIED_STEPS[0]
+        alone = self.chunk(spec, [problem])[0]
+        seconds = round(time.perf_counter() - t0, 3)
+        if verify:
+            self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
+                                "steps_checked": engine.VERIFIED_STEPS[0] - verified0, "seconds": seconds})
+        if canonical_json(alone) != canonical_json(record):
+            a, b = _leaves(alone), _leaves(record)
+            where = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
+            raise GateError("composition", f"problem {problem.problem_id}: its record computed alone (B={run.batch}, "
+                            f"max_len={run.max_len}, other slots idle) differs from its record in a chunk of {size} "
+                            f"problems, first at {where!r}; a problem's bits depend on its companions")
+        self.checks.append({"gate": "composition", "problem_id": problem.problem_id, "chunk": size,
+                            "batch": run.batch, "max_len": run.max_len, "seconds": seconds})
+
+
+
+def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, run: "EngineRun | None" = None) -> dict:
     """What a ledger's ``environment.json`` records for an arm: the execution contract as applied, and the format digest.
 
     The contract's ``device`` is the arm's setting (``"cuda"``), not a worker's
     GPU, so a ledger's environment does not depend on which worker recorded it.
+    A batched arm adds ``engine``: its step path, ``batch`` and the resolved
+    ``max_len`` (the eager path adds nothing).
     """
     from .models import execution_contract
 
     env = execution_contract(lm, settings.threads) | {"format_digest": fmt.digest}
     if "contract" in env:
         env["contract"]["device"] = settings.device
+    if run is not None:
+        env["engine"] = {"step_path": settings.step_path, "batch": run.batch, "max_len": run.max_len}
     return env
 
 
@@ -728,8 +1105,9 @@ def run_experiment1(
     problems: Sequence[Problem], settings: ArmSettings, *, ledger_root: str | Path, progress: bool = True,
     faults: Hook | None = None,
 ) -> tuple[list[dict], "Ledger"]:
-    """Experiment 1 (paper §3.5) at one precision: records and ledger (see :func:`run_arm`)."""
-    return run_arm("exp1", settings, problems, exp1_row, ledger_root=ledger_root, progress=progress, faults=faults)
+    """Experiment 1 (paper §3.5) at one precision: records and ledger (see :func:`run_arm`; batched: :func:`exp1_chunk`)."""
+    return run_arm("exp1", settings, problems, exp1_row, ledger_root=ledger_root, progress=progress, faults=faults,
+                   chunk=exp1_chunk)
 
 
 # ----------------------------------------------------------------------------- Experiment 2
@@ -811,6 +1189,7 @@ def run_experiment2(
     return run_arm(
         "exp2", settings, problems, lambda spec, p: exp2_row(spec, p, prefixes[p.problem_id]),
         ledger_root=ledger_root, extra_config={"prefix_bank_sha256": bank_sha256}, progress=progress, faults=faults,
+        chunk=lambda spec, ps: exp2_chunk(spec, ps, [prefixes[p.problem_id] for p in ps]),
     )
 
 

@@ -20,7 +20,7 @@ class GateError(RuntimeError):
         gate: the gate's name (``nonfinite``, ``desync``, ``replica``,
             ``storage``, ``functional_state``, ``dtype``, ``equivalence``,
             ``suffix_replica``, ``provenance``, ``argmax``, ``preflight``,
-            ``report``).
+            ``report``; batched runs: ``composition``, ``graph_equals_eager``).
         reason: what differed, and where.
     """
 
@@ -158,6 +158,10 @@ def check_functional_state(states: dict[str, object]) -> None:
 
     There is no padding in the duplicate design: every token is valid, which
     the cache-length check (every layer holds exactly |z| positions) confirms.
+    The batched engine's static cache pads every row to ``max_len``; its
+    boundaries are copied out at their valid length, and each row's valid
+    length is checked in place by :meth:`kvreplay.engine.StepEngine.check_valid_length`
+    (roles and untouched zero keys/values beyond it).
 
     Args:
         states: arm name -> :class:`~kvreplay.decode.Boundary`.

@@ -1,0 +1,209 @@
+"""Batched experiment runner (step path and batch shape in the contract) on tiny random-weight models, CPU.
+
+The engine's op-by-op step (``step_path="engine-eager"``) runs the batched logic on the CPU; the CUDA-graph
+path is checked on a GPU (``graph_equals_eager``). Asserted here:
+- batched Experiment 1 and 2 records have exactly the eager runner's layout and pass every gate;
+- a batched arm resumed after a cut (other chunk boundaries) writes byte-identical ledgers;
+- the composition gate aborts an arm whose problems' bits depend on their companions, before any row is written;
+- the step path and batch shape join the ledger key; the defaults add nothing; refusals are clear;
+- the bridge under the engine: incremental rebuilt by teacher forcing == engine-live, bit for bit;
+- the per-step eager check and the valid-length (padding) gate catch planted faults.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm, tiny_problems
+
+from kvreplay import caches, engine, gates
+from kvreplay.contract import MERGE, resolve_format
+from kvreplay.data import Problem
+from kvreplay.experiments import (
+    ArmSettings, bridge_row, run_arm, run_experiment1, run_experiment2,
+)
+from kvreplay.gates import GateError
+from kvreplay.ledger import config_digest
+
+
+@pytest.fixture
+def tiny_arm(tmp_path):
+    tok = make_tokenizer()
+    make_model("llama", len(tok)).save_pretrained(tmp_path / "tiny-llama")
+    tok.save_pretrained(tmp_path / "tiny-llama")
+    fmt = tmp_path / "tiny.yaml"
+    fmt.write_text(yaml.safe_dump(TINY_FORMAT))
+
+    def settings(**kw):
+        base = dict(profile="t", dtype="float32", caps=TINY_CAPS, model=str(tmp_path / "tiny-llama"), fmt=str(fmt),
+                    threads=1, preflight=1)
+        return ArmSettings(**(base | kw))
+
+    return settings
+
+
+def _problems(n: int) -> list[Problem]:
+    """Problems with prompts of different lengths (rows of one batch sit at different positions)."""
+    return [Problem(f"p-{i:02d}", "test", i + 1, "Q" + "xyz"[i % 3] * (3 * i) + "?", ("x", "y", f"z{i}", "w"), "ABCD"[i % 4])
+            for i in range(n)]
+
+
+def _paths(obj, prefix: str = "") -> set[str]:
+    """Every key path of nested dicts (list items share their list's path)."""
+    out = {prefix}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out |= _paths(v, f"{prefix}.{k}")
+    elif isinstance(obj, list):
+        for v in obj:
+            out |= _paths(v, f"{prefix}[]")
+    return out
+
+
+def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tiny_arm):
+    problems = _problems(5)
+    eager, led_e = run_experiment1(problems, tiny_arm(), ledger_root=tmp_path, progress=False)
+    batched, led_b = run_experiment1(problems, tiny_arm(step_path="engine-eager", batch=2), ledger_root=tmp_path,
+                                     progress=False)
+    assert led_b.dir != led_e.dir  # another decode path, another key
+    assert [r["problem_id"] for r in batched] == [p.problem_id for p in problems]
+    assert all(r["gate_failure"] is None for r in eager + batched)
+    for a, b in zip(eager, batched):
+        assert _paths(a) == _paths(b)
+        assert b["equivalence"]["compared"] == "prefill_vs_live" and b["equivalence"]["rel_l2"] <= 1e-4
+        assert b["boundary"]["live_replica"]["cache"]["exact"] and b["boundary"]["prefill_replica"]["cache"]["exact"]
+        assert b["arms"]["live"]["suffix"] == b["arms"]["live_replica"]["suffix"]
+        assert b["schedule_calls"] == len(b["prefix"]) - b["prompt_len"] + 1
+    env = json.loads((led_b.dir / "environment.json").read_text())["execution_contract"]
+    assert env["engine"]["step_path"] == "engine-eager" and env["engine"]["batch"] == 2
+    fmt = resolve_format(make_tokenizer(), TINY_FORMAT)
+    bound = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), TINY_CAPS) for p in problems)
+    assert env["engine"]["max_len"] == bound  # the arm's one batch shape: its longest possible sequence
+    assert "engine" not in json.loads((led_e.dir / "environment.json").read_text())["execution_contract"]
+    events = [json.loads(x) for x in (led_b.dir / "runlog.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "engine" and e["batch"] == 2 and e["step_path"] == "eager" for e in events)
+    # Experiment 2 on the batched runner: fixed prefixes, incremental rebuilt through the engine
+    prefixes = {r["problem_id"]: r["prefix"] for r in eager}
+    two, _ = run_experiment2(problems[:3], prefixes, "bank", tiny_arm(step_path="engine-eager", batch=2),
+                             ledger_root=tmp_path, progress=False)
+    two_eager, _ = run_experiment2(problems[:3], prefixes, "bank", tiny_arm(), ledger_root=tmp_path, progress=False)
+    for a, b in zip(two_eager, two):
+        assert a["gate_failure"] is None and b["gate_failure"] is None
+        assert _paths(a) == _paths(b) and b["prefix"] == a["prefix"] and "prefill_vs_incremental" in b["boundary"]
+
+
+def test_batched_arm_resumes_to_identical_bytes_with_other_chunks(tmp_path, tiny_arm):
+    problems = _problems(5)
+    settings = tiny_arm(step_path="engine-eager", batch=2)
+    first, led = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
+    full = led.rows_path.read_bytes()
+    lines = full.splitlines(keepends=True)
+    led.rows_path.write_bytes(b"".join(lines[:3]) + lines[3][:25])  # a cut mid-write: chunks now {3, 4}, not {2, 3}, {4}
+    again, led2 = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
+    assert led2.dir == led.dir and led2.rows_path.read_bytes() == full
+    assert again == first
+
+
+def test_composition_gate_aborts_on_a_companion_dependent_fault(tmp_path, tiny_arm, monkeypatch):
+    clean = engine.StepEngine._compute
+
+    def leaky(self):  # planted: every row's logits scaled by the number of rows in use (companions leak in)
+        logits, _ = clean(self)
+        logits = logits * (1 + 1e-3 * (self.inputs[1] > 0).sum())
+        return logits, engine.choice_stats(logits, self._eligible[self.inputs[3]])
+
+    monkeypatch.setattr(engine.StepEngine, "_compute", leaky)
+    with pytest.raises(GateError, match="composition") as err:
+        run_experiment1(_problems(4), tiny_arm(step_path="engine-eager", batch=2), ledger_root=tmp_path, progress=False)
+    assert "p-00" in err.value.reason and "B=2" in err.value.reason
+    assert not any(f.read_bytes() for f in (tmp_path / "t").glob("*/rows.jsonl"))  # nothing was appended
+
+
+def test_step_path_and_batch_shape_join_the_key_and_defaults_add_nothing(tmp_path, tiny_arm):
+    problems = tiny_problems(2)
+    base = tiny_arm().config("exp1", problems)
+    assert "engine" not in base
+    keys = {
+        "default": base,
+        "engine-eager B=2": tiny_arm(step_path="engine-eager", batch=2).config("exp1", problems),
+        "engine-eager B=3": tiny_arm(step_path="engine-eager", batch=3).config("exp1", problems),
+        "engine-eager B=2 max_len 400": tiny_arm(step_path="engine-eager", batch=2, max_len=400).config("exp1", problems),
+    }
+    assert keys["engine-eager B=2"]["engine"] == {"step_path": "engine-eager", "batch": 2, "max_len": "longest_sequence"}
+    assert len({config_digest(c) for c in keys.values()}) == len(keys)
+    for c in keys.values():  # nothing else moves
+        assert {k: v for k, v in c.items() if k != "engine"} == base
+    with pytest.raises(ValueError, match="engine's batch shape"):
+        tiny_arm(batch=4)
+    with pytest.raises(ValueError, match="engine's batch shape"):
+        tiny_arm(max_len=300)
+    with pytest.raises(ValueError, match="needs device 'cuda'"):
+        tiny_arm(step_path="graph")
+    with pytest.raises(ValueError, match="unknown step path"):
+        tiny_arm(step_path="fast")
+    with pytest.raises(ValueError, match="batch"):
+        tiny_arm(step_path="engine-eager", batch=0)
+    # experiments without a batched runner refuse a batched path rather than silently run eager
+    with pytest.raises(ValueError, match="no batched runner"):
+        run_arm("exp3", tiny_arm(step_path="engine-eager"), problems, lambda s, p: bridge_row(s, p, []),
+                ledger_root=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="workers=1"):
+        run_experiment1(problems, tiny_arm(step_path="engine-eager", workers=2), ledger_root=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="shorter than"):
+        run_experiment1(problems, tiny_arm(step_path="engine-eager", max_len=40), ledger_root=tmp_path, progress=False)
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.fixture(scope="module")
+def lives():
+    lm = tiny_lm("qwen2", torch.bfloat16)
+    fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
+    prompts = [fmt.prompt_ids("Q" + "ab"[i % 2] * (4 * i) + "?", ("x", "y", f"z{i}", "w")) for i in range(4)]
+    return lm, fmt, prompts, engine.decode_lives(lm, fmt, prompts, TINY_CAPS, batch=3, max_len=200)
+
+
+def test_bridge_under_the_engine_incremental_equals_live_bit_for_bit(lives):
+    lm, fmt, prompts, live = lives
+    prefixes = [b.ids for b in live]
+    # same batch shape, other slots and companions (reversed order)
+    inc = engine.build_incrementals(lm, fmt, prefixes[::-1], batch=3, max_len=200)[::-1]
+    for a, b in zip(live, inc):
+        assert b.construction == "incremental" and a.ids == b.ids and a.schedule == b.schedule
+        assert torch.equal(a.roles, b.roles) and torch.equal(a.positions, b.positions)
+        gates.check_exact("engine live vs engine incremental", caches.boundary_tensors(a), caches.boundary_tensors(b))
+    with pytest.raises(Exception, match="boundary"):
+        engine.build_incrementals(lm, fmt, [prefixes[0][:-1]], batch=3, max_len=200)
+
+
+def test_per_step_eager_check_and_valid_length_gate_catch_planted_faults(lives, monkeypatch):
+    lm, fmt, prompts, live = lives
+    eng = engine.StepEngine(lm, fmt, batch=2, max_len=200, verify_steps=3)
+    n = eng.admit(0, live[1].cache, live[1].roles)
+    eng.set_row_pair(0, 100, n, MERGE, MERGE)
+    eng.step()
+    assert eng.verified == 1
+    roles = live[1].roles[0].tolist() + [MERGE]
+    eng.check_valid_length(0, n + 1, roles, "clean")
+    with pytest.raises(GateError, match="functional_state"):
+        eng.check_valid_length(0, n, roles, "one short")  # position n was written: not padding
+    with torch.inference_mode():
+        eng.cache.layers[1].values[1, :, n + 4] = 0.5  # a write beyond the valid length, one duplicate row
+    with pytest.raises(GateError, match="beyond the valid length"):
+        eng.check_valid_length(0, n + 1, roles, "planted")
+    clean = engine.StepEngine._compute
+    calls = []
+
+    def flaky(self):  # planted: the second computation of a step differs in one logit
+        logits, stats = clean(self)
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            logits = logits.clone()
+            logits[0, 5] += 1
+        return logits, stats
+
+    monkeypatch.setattr(engine.StepEngine, "_compute", flaky)
+    with pytest.raises(GateError, match="graph_equals_eager"):
+        engine.decode_suffixes(lm, fmt, live[:2], TINY_CAPS, batch=2, max_len=200, verify_steps=2)
