@@ -256,13 +256,7 @@ class BlockCursor:
             ok, fin = torch.stack([flag, finite]).tolist()
             if fin != 1.0:
                 raise GateError("nonfinite", "NaN or infinite logits at a forced step")
-            token, role = self.forced.popleft()
-            if not self.forced:
-                if self._answer_closing:
-                    self.done = True
-                else:
-                    self.role, self.count = role, 0
-            return token, role, None, ok == 1.0
+            return (*self.take(-1, 0.0), ok == 1.0)
         key = (self.role, logits.shape[-1])
         if key not in self._masks:
             if logits.shape[-1] > 1 << 24:
@@ -274,16 +268,35 @@ class BlockCursor:
         t, margin, ok, fin = torch.stack([masked.argmax().float(), top[0] - top[1], flag, finite]).tolist()
         if fin != 1.0:
             raise GateError("nonfinite", "NaN or infinite logits at a model-chosen step")
-        token = int(t)
+        return (*self.take(int(t), margin), ok == 1.0)
+
+    def take(self, chosen: int, margin: float) -> tuple[int, int, float | None]:
+        """Advance the block state machine by one token: the next forced token if any, else ``chosen``.
+
+        The one transition every decoder uses (:meth:`step` here, the batched
+        engine with a token chosen on the device). Call it after the content cap
+        was applied (as :meth:`step` does first).
+
+        Returns:
+            ``(token, raw role it belongs to, margin or None for a forced token)``.
+        """
+        if self.forced:
+            token, role = self.forced.popleft()
+            if not self.forced:
+                if self._answer_closing:
+                    self.done = True
+                else:
+                    self.role, self.count = role, 0
+            return token, role, None
         role = self.role
-        if token == self.fmt.closers[self.role][0]:
+        if chosen == self.fmt.closers[self.role][0]:
             self._close()
             self.forced.popleft()
             if not self.forced:  # one-token closer of the answer block
                 self.done = self.role == ANSWER
         else:
             self.count += 1
-        return token, role, margin, ok == 1.0
+        return chosen, role, margin
 
 
 def _run(

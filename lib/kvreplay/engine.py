@@ -457,7 +457,7 @@ class _Cursor(BlockCursor):
     """:class:`BlockCursor` split in two halves around a batched step.
 
     :meth:`prepare` applies the cap before the logits exist (so the step knows
-    the structural mask); :meth:`take` consumes the forced queue or accepts the
+    the structural mask); :meth:`BlockCursor.take` consumes the forced queue or accepts the
     token chosen on the device. Together they make the transitions of
     :meth:`BlockCursor.step`.
     """
@@ -467,26 +467,6 @@ class _Cursor(BlockCursor):
         if self.in_content and self.count >= self.caps.for_role(self.role):
             self._close()
         return self.role
-
-    def take(self, chosen: int, margin: float) -> tuple[int, int, float | None]:
-        """The next token: the forced one if any, else ``chosen``. Returns ``(token, role, margin or None)``."""
-        if self.forced:
-            token, role = self.forced.popleft()
-            if not self.forced:
-                if self._answer_closing:
-                    self.done = True
-                else:
-                    self.role, self.count = role, 0
-            return token, role, None
-        role = self.role
-        if chosen == self.fmt.closers[self.role][0]:
-            self._close()
-            self.forced.popleft()
-            if not self.forced:
-                self.done = self.role == ANSWER
-        else:
-            self.count += 1
-        return chosen, role, margin
 
 
 @dataclasses.dataclass
