@@ -1045,7 +1045,7 @@ def bridge_table(b: dict) -> pd.DataFrame:
 
 
 def audit_table(audit: dict) -> pd.DataFrame:
-    """Experiment 3 saved-ledger audit table (same rows as notebook 03 writes to ``exp3_audit``)."""
+    """Experiment 3 saved-ledger audit table (same rows as notebook 03 writes to ``table_exp3_audit``)."""
     n = audit["rows"]
     return pd.DataFrame({"audit (BF16)": {
         "rows joined by problem ID": str(n),
