@@ -844,8 +844,8 @@ def precision_crossing(bf16: Sequence[dict], fp32: Sequence[dict], seed: int = 2
         if len(bf16) >= 2 else None,
     }
     for key in ("suffix", "answer", "letter", "label"):
-        a = [r["endpoints"][f"{key}_differs"] for r in bf16]
-        b = [r["endpoints"][f"{key}_differs"] for r in fp32]
+        a = [_with_derived_endpoints(r, ref)[f"{key}_differs"] for r in bf16]  # version-1 rows: derived, as elsewhere
+        b = [_with_derived_endpoints(r, ref)[f"{key}_differs"] for r in fp32]
         out[key] = {
             "change": paired_bootstrap(a, b, n_resamples=n_resamples, seed=seed) if len(a) >= 2 else None,
             "mcnemar": mcnemar_exact(a, b),
