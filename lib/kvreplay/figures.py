@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import LogFormatterSciNotation, MaxNLocator
 
 OUTCOME_COLORS = {"donor": "#55a868", "recipient": "#c44e52", "third": "#8172b2", "baseline": "#999999"}
 """Colour of each transplant outcome (the suffix follows the donor, the recipient, neither, or the shared baseline)."""
@@ -61,10 +61,21 @@ def log_with_exact(ax, values, floor: float | None = None) -> float:
     ax.set_yscale("log")
     ax.set_ylim(floor / 3, top * 3)
     ax.axhspan(floor / 3, floor * 3, color="0.93", zorder=0, lw=0)
-    if (v == 0).any() or not (v > 0).any():
-        ax.text(0.005, floor, "0 (exact)", transform=ax.get_yaxis_transform(), fontsize=7, color="0.35",
-                va="center", ha="left")
+    ax.yaxis.set_major_formatter(_ExactFormatter(floor))
     return floor
+
+
+class _ExactFormatter(LogFormatterSciNotation):
+    """Log-axis labels, with the tick at the exact-zero floor labelled ``0 (exact)`` instead of its power of ten."""
+
+    def __init__(self, floor: float, label: str = "0 (exact)"):
+        super().__init__()
+        self.floor, self.label = floor, label
+
+    def __call__(self, x, pos=None):
+        if x > 0 and abs(math.log10(x) - math.log10(self.floor)) < 1e-9:
+            return self.label
+        return super().__call__(x, pos)
 
 
 def at_floor(values, floor: float) -> np.ndarray:
@@ -480,7 +491,7 @@ def near_tie(margin_sets: Mapping[str, pd.DataFrame], *, title: str):
         top = allm.max() if len(allm) and allm.max() > 0 else floor * 10
         ax.set_xlim(floor / 3, top * 3)
         ax.axvspan(floor / 3, floor * 3, color="0.93", zorder=0, lw=0)
-        ax.text(floor, 1.0, "0 (tie)", ha="center", va="bottom", fontsize=7, color="0.35")
+        ax.xaxis.set_major_formatter(_ExactFormatter(floor, "0 (tie)"))
         ax.set_ylim(-0.08, 1.05)
         ax.set_xlabel("top-1 minus top-2 eligible logit margin (reference arm)")
         ax.set_ylabel("cumulative share of steps")
