@@ -105,10 +105,21 @@ def browser(lab):
     driver.quit()
 
 
+SHOTS = Path(os.environ.get("KVREPLAY_SCREENSHOTS") or Path(os.environ.get("TMPDIR", "/tmp")) / "kvreplay-browser")
+
+
 def _wait(driver, what, timeout, message):
+    """Wait for ``what``; on a timeout save a screenshot and name any error the notebook shows."""
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.5).until(what, message=message)
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.5).until(what, message=message)
+    except TimeoutException:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(SHOTS / "failure.png"))
+        errors = [e.text[-1500:] for e in driver.find_elements("css selector", "[data-mime-type='application/vnd.jupyter.stderr']")]
+        raise AssertionError(f"{message} (screenshot {SHOTS / 'failure.png'}); notebook errors: {errors[-3:]}") from None
 
 
 def _status(driver) -> str:
@@ -123,7 +134,7 @@ def _figure_src(driver) -> str:
 
 def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path):
     url, token = lab
-    shots = Path(os.environ.get("KVREPLAY_SCREENSHOTS") or tmp_path)
+    shots = SHOTS
     shots.mkdir(parents=True, exist_ok=True)
     d = browser
     d.get(f"{url}/lab/tree/08_drift_explorer.ipynb?token={token}")

@@ -245,14 +245,13 @@ class Explorer:
         return next(r for r in self.ledger.records if r["problem_id"] == self.row_picker.value)
 
     def _fill_rows(self, problem: str | None = None) -> None:
+        keep = problem or self.row_picker.value
         recs = [r for r in self.ledger.records if not r.get("gate_failure")]
         options = [(row_status(r, self.comparison), r["problem_id"]) for r in recs]
-        keep = problem or self.row_picker.value
         ids = [v for _, v in options]
         first_div = next((r["problem_id"] for r in recs if r.get("endpoints", {}).get("suffix_differs")), ids[0] if ids else None)
-        with self.row_picker.hold_trait_notifications():
-            self.row_picker.options = options
-            self.row_picker.value = keep if keep in ids else first_div
+        self.row_picker.options = options  # resets the value to the first option; observers are quiet here
+        self.row_picker.value = keep if keep in ids else first_div
 
     # -- events
     def _on_pair(self, _change) -> None:
