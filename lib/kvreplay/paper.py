@@ -218,6 +218,9 @@ def write_index(entries: list[dict], profile: str, folder: Path, html_folder: Pa
         files = ", ".join(f"[{x}]({rel_fig}/{e['stem']}{x})" for x in e["files"].split())
         lines.append(f"| `{e['stem']}` | {e['kind']} | [{e['notebook']}]({e['notebook']}), code cell {e['cell']} "
                      f"({e['heading']}) | {files} |")
+    missing = [n for n in CHAIN if not (folder / n).is_file()]
+    if missing:
+        lines += ["", f"Not executed into this folder yet: {', '.join(missing)} (`make paper PROFILE={profile}` writes them)."]
     written = []
     folder.mkdir(parents=True, exist_ok=True)
     md = folder / "README.md"
