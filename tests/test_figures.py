@@ -86,7 +86,9 @@ def test_source_stamp_sits_below_every_axis(tmp_path):
     ax.plot([0, 1], [0, 1])
     ax.set_xlabel("a long x label that used to collide with the stamp")
     save_figure(fig, tmp_path / "f", source="notebooks/x.ipynb", show=False)
-    r = fig.canvas.get_renderer()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    r = FigureCanvasAgg(fig).get_renderer()
     stamp = next(t for t in fig.texts if t.get_text().startswith("source:"))
     assert stamp.get_window_extent(r).y1 <= ax.get_tightbbox(r).y0 + 1e-6
     assert (tmp_path / "f.png").stat().st_size and (tmp_path / "f.pdf").stat().st_size

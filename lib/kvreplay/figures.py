@@ -582,9 +582,7 @@ def drift_heatmaps(maps: Mapping[tuple[str, str], pd.DataFrame], tokens: Sequenc
     if vmax <= vmin:
         vmax = vmin * 10
     norm = LogNorm(vmin=vmin, vmax=vmax)
-    cmap = plt.get_cmap("magma").copy()
-    cmap.set_under("white")
-    cmap.set_bad("0.85")
+    cmap = plt.get_cmap("magma").with_extremes(under="white", bad="0.85")
     n_pos = maps[(kinds[0], "position")].shape[1]
     lo, hi = window if window else (0, n_pos)
     lo, hi = max(0, lo), min(n_pos, hi)
@@ -653,9 +651,7 @@ def explorer_view(maps: Mapping[tuple[str, str], pd.DataFrame], detail: np.ndarr
     vmin, vmax = (good.min(), good.max()) if len(good) else (1e-12, 1e-11)
     vmax = vmax if vmax > vmin else vmin * 10
     norm = LogNorm(vmin=vmin, vmax=vmax)
-    cmap = plt.get_cmap("magma").copy()
-    cmap.set_under("white")
-    cmap.set_bad("0.85")
+    cmap = plt.get_cmap("magma").with_extremes(under="white", bad="0.85")
     n = pos_map.shape[1]
     fig = plt.figure(figsize=(13, 7.6), constrained_layout=True)
     gs = fig.add_gridspec(2, 2, width_ratios=[1, 5], height_ratios=[1.25, 1])

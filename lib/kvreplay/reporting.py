@@ -108,6 +108,10 @@ def save_figure(fig, stem: str | Path, *, source: str, show: bool = True) -> lis
 
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
+    if not hasattr(fig.canvas, "get_renderer"):  # a figure whose canvas has no renderer (closed, or a non-Agg backend)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(fig)
     renderer = fig.canvas.get_renderer()
     box = fig.get_tightbbox(renderer)  # inches
     y = (box.y0 - 0.04) / fig.get_figheight()
