@@ -180,7 +180,10 @@ def artifact_index(folder: Path, chain: list[str]) -> list[dict]:
         path = folder / name
         if not path.is_file():
             continue
-        nb = nbformat.read(str(path), as_version=4)
+        try:
+            nb = nbformat.read(str(path), as_version=4)
+        except Exception:  # not a notebook (e.g. a placeholder): nothing to index
+            continue
         heading, n_code = "", 0
         for c in nb.cells:
             if c.cell_type == "markdown":
