@@ -247,9 +247,21 @@ def quiet_loading():
     was_enabled, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    try:  # the GGUF de-quantization bar is a plain tqdm that ignores the flag above
+        import functools
+
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    except ImportError:
+        gguf_utils = gguf_tqdm = None
     try:
         yield
     finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
         hf_logging.set_verbosity(level)
         if was_enabled:
             hf_logging.enable_progress_bar()
