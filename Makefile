@@ -2,8 +2,8 @@
 #
 #   make setup    create .venv from the hashed locks (a no-op once done)
 #   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...")
-#   make paper    every experiment, then tables and figures  (PROFILE=cpu)
-#   make lab      JupyterLab on the drift explorer (notebooks/08_drift_explorer.ipynb)
+#   make paper    every experiment, then tables and figures  (PROFILE=cpu; also writes executed/cpu/)
+#   make lab      JupyterLab on the drift explorer (notebooks/08_drift_explorer.ipynb; --allow-root as root)
 #   make verify   recompute committed rows of each experiment and compare bit for bit
 #                 (VERIFY_ARGS="--profile cpu --rows 1"; see python -m kvreplay.verify -h)
 #   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
@@ -59,8 +59,11 @@ test: setup
 paper: setup
 	$(PY) -m kvreplay.paper --profile $(PROFILE) $(PAPER_ARGS)
 
+# --allow-root only when running as root (containers, CI): Jupyter refuses root without it.
+LAB_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root,)
+
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/08_drift_explorer.ipynb
+	$(VENV)/bin/jupyter lab $(LAB_ROOT) notebooks/08_drift_explorer.ipynb
 
 bench: setup
 	$(PY) -m kvreplay.bench $(BENCH_ARGS)

@@ -385,18 +385,33 @@ def results_tables(pl: ProfileLedgers, results: dict) -> dict[str, pd.DataFrame]
     return out
 
 
-SAVED_BY_EXPERIMENTS = {
-    "table_exp1_matrix": "exp1_table",
-    "table_exp2_matrix": "exp2_table",
-    "table_exp2_crossing": "exp2_crossing",
-    "table_exp3_bridge": "exp3_bridge",
-    "table_exp3_audit": "exp3_audit",
-    "table5_exp4_transplant": "exp4_table",
-    "table_exp4_localization": "exp4_localization",
-    "table_exp5_replication": "exp5_table",
-    "table_exp5_accuracy": "exp5_accuracy",
+TABLES_BY_EXPERIMENTS = {
+    "table_exp1_matrix": "01_experiment1_live_vs_prefill.ipynb",
+    "table_exp2_matrix": "02_experiment2_fixed_prefix_precision.ipynb",
+    "table_exp2_crossing": "02_experiment2_fixed_prefix_precision.ipynb",
+    "table_exp3_bridge": "03_experiment3_bridge_and_audit.ipynb",
+    "table_exp3_audit": "03_experiment3_bridge_and_audit.ipynb",
+    "table5_exp4_transplant": "04_experiment4_cache_transplant.ipynb",
+    "table_exp4_localization": "04_experiment4_cache_transplant.ipynb",
+    "table_exp5_replication": "05_experiment5_replication.ipynb",
+    "table_exp5_accuracy": "05_experiment5_replication.ipynb",
 }
-"""Assembly table -> the stem the experiment notebook wrote for the same table (they must agree)."""
+"""Results table -> the experiment notebook that writes it (once). Notebook 06 recomputes each from the
+ledger rows and checks it is byte-identical to the written CSV; it writes only the tables not listed here."""
+
+TABLE_CAPTIONS = {
+    "table_exp1_matrix": "Experiment 1: matched live/prefill matrix",
+    "table_exp2_matrix": "Experiment 2: fixed-prefix 2x2, prefill vs incremental per precision",
+    "table_exp2_crossing": "Experiment 2: paired FP32 minus BF16 change in disagreement",
+    "table_exp3_bridge": "Experiment 3: live/incremental bridge",
+    "table_exp3_audit": "Experiment 3: saved-ledger audit",
+    "table5_exp4_transplant": "Table 5 / Experiment 4: whole-cache transplantation (registered endpoints)",
+    "table_exp4_localization": "Experiment 4 (exploratory): partial transplants, divergent rows and exact controls",
+    "table_exp5_replication": "Experiment 5: outcome-blind replication on a later checkpoint (frozen interpretation matrix)",
+    "table_exp5_accuracy": "Experiment 5 (secondary): decoded accuracy, later checkpoint vs checkpoint 0, same prefixes",
+    "table_first_divergence": "First divergence, tokens after the boundary: quartiles (referee minor comment 3)",
+}
+"""Caption of every results table (the experiment notebooks and notebook 06 use the same text)."""
 
 
 def same_as_saved(df: pd.DataFrame, csv: str | Path) -> bool | None:
@@ -1353,13 +1368,14 @@ def load_tokenizer(model: str):
 
     from transformers import AutoTokenizer
 
-    from .models import EMBEDDED, embedded_model_path
+    from .models import EMBEDDED, embedded_model_path, quiet_loading
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if model == EMBEDDED:
-        p = embedded_model_path()
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    if str(model).endswith(".gguf"):
-        p = Path(model)
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return AutoTokenizer.from_pretrained(model)
+    with quiet_loading():
+        if model == EMBEDDED:
+            p = embedded_model_path()
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        if str(model).endswith(".gguf"):
+            p = Path(model)
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return AutoTokenizer.from_pretrained(model)

@@ -1223,8 +1223,8 @@ def precision_crossing(bf16: Sequence[dict], fp32: Sequence[dict], seed: int = 2
         if len(bf16) >= 2 else None,
     }
     for key in ("suffix", "answer", "letter", "label"):
-        a = [r["endpoints"][f"{key}_differs"] for r in bf16]
-        b = [r["endpoints"][f"{key}_differs"] for r in fp32]
+        a = [_with_derived_endpoints(r, ref)[f"{key}_differs"] for r in bf16]  # version-1 rows: derived, as elsewhere
+        b = [_with_derived_endpoints(r, ref)[f"{key}_differs"] for r in fp32]
         out[key] = {
             "change": paired_bootstrap(a, b, n_resamples=n_resamples, seed=seed) if len(a) >= 2 else None,
             "mcnemar": mcnemar_exact(a, b),
@@ -1424,7 +1424,7 @@ def bridge_table(b: dict) -> pd.DataFrame:
 
 
 def audit_table(audit: dict) -> pd.DataFrame:
-    """Experiment 3 saved-ledger audit table (same rows as notebook 03 writes to ``exp3_audit``)."""
+    """Experiment 3 saved-ledger audit table (same rows as notebook 03 writes to ``table_exp3_audit``)."""
     n = audit["rows"]
     return pd.DataFrame({"audit (BF16)": {
         "rows joined by problem ID": str(n),

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -182,6 +183,51 @@ class Ledger:
         return set(keys) <= self.done_keys()
 
 
+TERMINAL_PROGRESS = "KVREPLAY_TERMINAL_PROGRESS"
+"""Environment variable: when ``1`` (``make paper`` sets it for its kernels), row bars are also drawn on the
+process's own stderr, i.e. the terminal that runs ``make paper``, not only in the notebook."""
+
+
+class _Bars:
+    """Several tqdm bars updated together (the notebook's and the terminal's)."""
+
+    def __init__(self, bars):
+        self.bars = bars
+
+    def update(self, n: int = 1) -> None:
+        for b in self.bars:
+            b.update(n)
+
+    def close(self) -> None:
+        for b in self.bars:
+            b.close()
+
+
+def row_bar(total: int, done: int, desc: str, progress: bool = True):
+    """A progress bar over ``total`` rows of which ``done`` are already in the ledger.
+
+    With nothing left to compute it draws no bar and prints one line (``desc: n/n rows in the
+    ledger, none computed``). Otherwise a tqdm bar (a widget in a notebook), and, when
+    :data:`TERMINAL_PROGRESS` is ``1``, a text bar on ``sys.__stderr__`` as well.
+
+    Returns:
+        an object with ``update(n)`` and ``close()``.
+    """
+    if not progress:
+        return _Bars([])
+    if done >= total:
+        print(f"{desc}: {done}/{total} rows in the ledger, none computed")
+        return _Bars([])
+    from tqdm.auto import tqdm
+
+    bars = [tqdm(total=total, initial=done, desc=desc, unit="row")]
+    if os.environ.get(TERMINAL_PROGRESS) == "1" and sys.__stderr__ is not None:
+        from tqdm.std import tqdm as text_tqdm
+
+        bars.append(text_tqdm(total=total, initial=done, desc=f"   {desc}", unit="row", file=sys.__stderr__, leave=True))
+    return _Bars(bars)
+
+
 def run_rows(
     ledger: Ledger,
     items: list,
@@ -218,8 +264,6 @@ def run_rows(
             environments would mix); delete the folder, or set
             ``KVREPLAY_ALLOW_STALE=1`` to append anyway.
     """
-    from tqdm.auto import tqdm
-
     from .gates import GateError
 
     done = {r[ledger.key]: r for r in ledger.records()}
@@ -243,12 +287,11 @@ def run_rows(
             f = rec["gate_failure"]
             raise GateError("preflight", f"preflight row {k} failed gate {f['gate']!r}: {f['reason']}; arm aborted")
 
-    bar = tqdm(total=len(items), desc=desc, disable=not progress)
+    bar = row_bar(len(items), len(items) - len(todo), desc, progress)
     position = {key(it): i for i, it in enumerate(items)}
     for i, it in enumerate(items[:preflight]):  # preflight rows already in the ledger
         if key(it) in done:
             check_preflight(i, key(it))
-    bar.update(len(items) - len(todo))
     first = [it for it in todo if position[key(it)] < preflight]
     for chunk in (first, todo[len(first):]):
         if not chunk:

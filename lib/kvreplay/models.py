@@ -9,6 +9,8 @@ downloaded, ``HF_HUB_OFFLINE=1``) works through the same ``model`` argument.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import hashlib
 import importlib.util
@@ -236,6 +238,35 @@ def load_role_table(path: str | Path | None, hidden: int, dtype: torch.dtype) ->
     return table.to(dtype), file_sha256(p)
 
 
+@contextlib.contextmanager
+def quiet_loading():
+    """Within the block, transformers and huggingface_hub draw no progress bars and log only errors
+    (GGUF de-quantization and weight-loading bars would otherwise fill the executed notebooks)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:  # the GGUF de-quantization bar is a plain tqdm that ignores the flag above
+        import functools
+
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    except ImportError:
+        gguf_utils = gguf_tqdm = None
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        hf_logging.set_verbosity(level)
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(
     model: str | Path = EMBEDDED,
     dtype: str = "bfloat16",
@@ -302,9 +333,10 @@ def load_model(
         source = str(path) if path.exists() else model_str
         identity = {"model": model_str}
     try:
-        tok = AutoTokenizer.from_pretrained(source, **kwargs)
-        # GGUF weights are dequantized in float32, then cast: the same bits in every run.
-        m = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
+        with quiet_loading():
+            tok = AutoTokenizer.from_pretrained(source, **kwargs)
+            # GGUF weights are dequantized in float32, then cast: the same bits in every run.
+            m = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as e:
         cause = f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         if Path(source).exists():

@@ -12,6 +12,17 @@ failing cell is named. A notebook whose inputs (source, parameters, library
 source, the profile's ledgers) are unchanged since its last successful run is
 skipped; ``--force`` runs it anyway.
 
+For the profile whose ledgers are committed (:data:`EXECUTED_PROFILES`, ``cpu``)
+the executed notebooks are also written, without volatile metadata, to
+``executed/<profile>/`` (committed: a reviewer reads them without running
+anything), with ``executed/<profile>/README.md``, an index linking each table
+and figure to the notebook cell that makes it; ``build/<profile>/index.html`` is
+the same index for the HTML renderings, which show outputs with the code hidden.
+``--executed`` writes them for any profile, ``--no-executed`` for none.
+
+While a notebook runs, one progress bar counts its cells; rows that are
+computed (not read from a finished ledger) get a row bar with counts below it.
+
 ``--engine inprocess`` runs the notebooks' code cells in this Python process
 instead of a Jupyter kernel, for machines that have the scientific stack but
 no Jupyter (the lent GPU machine): ledgers, tables and figures are written as
@@ -23,13 +34,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from .paths import BUILD, FIGURES, LEDGERS, NOTEBOOKS, PARAMS
+from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, PARAMS
+
+EXECUTED_PROFILES = ("cpu",)
+"""Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (the committed default profile)."""
+
+RUN_PARAMETERS = {"interactive": False}
+"""Parameters every headless run passes (to the notebooks that declare them): no widgets in executed copies."""
 
 CHAIN = [
     "00_role_adaptation.ipynb",
@@ -85,7 +103,8 @@ def run_notebook(name: str, profile: str, params: dict, out_dir: Path, html: boo
     try:
         pm.execute_notebook(
             str(NOTEBOOKS / name), str(tmp), parameters=declared_parameters(name, params), cwd=str(NOTEBOOKS),
-            kernel_name="python3", progress_bar=progress, report_mode=False,
+            kernel_name="python3", report_mode=False, extra_arguments=["--IPKernelApp.log_level=ERROR"],
+            progress_bar={"desc": f"{Path(name).stem[:24]:<24}", "leave": True} if progress else False,
         )
     except BaseException as e:
         failed = out_dir / "failed"
@@ -104,13 +123,128 @@ def run_notebook(name: str, profile: str, params: dict, out_dir: Path, html: boo
     os.replace(tmp, out)
     html_path = out.with_suffix(".html")
     if html:
-        from nbconvert import HTMLExporter
-
-        body, _ = HTMLExporter().from_filename(str(out))
-        html_path.write_text(body, encoding="utf-8")
+        html_path.write_text(render_html(out), encoding="utf-8")
     else:
         html_path.unlink(missing_ok=True)
     return out
+
+
+def render_html(path: Path) -> str:
+    """HTML of an executed notebook for reading: markdown and outputs, code cells' input hidden."""
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
+    body, _ = exporter.from_filename(str(path))
+    return body
+
+
+VOLATILE_METADATA = ("papermill", "execution")
+"""Notebook and cell metadata keys that change on every run (timings, dates); dropped from committed copies."""
+
+
+def clean_executed(src: Path, dest: Path) -> Path:
+    """Copy an executed notebook to ``dest`` without volatile metadata (run dates and durations).
+
+    Returns:
+        ``dest``.
+    """
+    import nbformat
+
+    nb = nbformat.read(str(src), as_version=4)
+    for key in VOLATILE_METADATA:
+        nb.metadata.pop(key, None)
+    for c in nb.cells:
+        for key in VOLATILE_METADATA:
+            c.metadata.pop(key, None)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(dest))
+    return dest
+
+
+SAVED_MARK = re.compile(r"^\[saved (table|figure) ([\w.-]+): ([^\]]*)\]", re.M)
+"""The line :func:`kvreplay.reporting.save_table` / ``save_figure`` print in a notebook for each file set they write."""
+
+
+def artifact_index(folder: Path, chain: list[str]) -> list[dict]:
+    """Where each table and figure is made: scan executed notebooks' outputs for the ``[saved ...]`` lines.
+
+    Returns:
+        one dict per artifact: ``kind`` (table/figure), ``stem``, ``files`` (suffixes), ``notebook``,
+        ``cell`` (1-based code-cell number), ``cell_id`` (the nbformat cell id), ``heading`` (the nearest
+        markdown heading above the cell).
+    """
+    import nbformat
+
+    out = []
+    for name in chain:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            nb = nbformat.read(str(path), as_version=4)
+        except Exception:  # not a notebook (e.g. a placeholder): nothing to index
+            continue
+        heading, n_code = "", 0
+        for c in nb.cells:
+            if c.cell_type == "markdown":
+                for line in c.source.splitlines():
+                    if line.startswith("#"):
+                        heading = line.lstrip("#").strip()
+                        break
+                continue
+            if c.cell_type != "code":
+                continue
+            n_code += 1
+            text = "".join(o.get("text", "") for o in c.get("outputs", []) if o.get("output_type") == "stream")
+            for kind, stem, files in SAVED_MARK.findall(text):
+                out.append({"kind": kind, "stem": stem, "files": files, "notebook": name, "cell": n_code,
+                            "cell_id": c.get("id"), "heading": heading})
+    return out
+
+
+def write_index(entries: list[dict], profile: str, folder: Path, html_folder: Path | None) -> list[Path]:
+    """Write the one-page index of tables and figures: ``<folder>/README.md`` and ``<html_folder>/index.html``.
+
+    Returns:
+        the paths written.
+    """
+    import html as H
+
+    rel_fig = f"../../figures/{profile}"
+    lines = [f"# Executed notebooks, profile `{profile}`", "",
+             "Each notebook here was executed headlessly by `make paper` (`python -m kvreplay.paper --profile "
+             f"{profile}`) from the clean sources in `notebooks/`; every table and figure is inline. They are "
+             "re-executed whenever the ledgers are recomputed. Below: every table and figure, the notebook cell that "
+             "makes it (code cells counted from 1, the injected-parameters cell included) and its files.", "",
+             "| artifact | kind | made by | files |", "|---|---|---|---|"]
+    for e in entries:
+        files = ", ".join(f"[{x}]({rel_fig}/{e['stem']}{x})" for x in e["files"].split())
+        lines.append(f"| `{e['stem']}` | {e['kind']} | [{e['notebook']}]({e['notebook']}), code cell {e['cell']} "
+                     f"({e['heading']}) | {files} |")
+    missing = [n for n in CHAIN if not (folder / n).is_file()]
+    if missing:
+        lines += ["", f"Not executed into this folder yet: {', '.join(missing)} (`make paper PROFILE={profile}` writes them)."]
+    written = []
+    folder.mkdir(parents=True, exist_ok=True)
+    md = folder / "README.md"
+    md.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    written.append(md)
+    if html_folder is not None:
+        rows = "".join(
+            f"<tr><td><code>{H.escape(e['stem'])}</code></td><td>{e['kind']}</td>"
+            f"<td><a href=\"{Path(e['notebook']).stem}.html#cell-id={e['cell_id']}\">{H.escape(e['notebook'])}, code cell {e['cell']}</a>"
+            f" ({H.escape(e['heading'])})</td><td>{H.escape(e['files'])}</td></tr>" for e in entries)
+        page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvreplay, profile {profile}</title>"
+                "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}td,th{padding:2px 8px;text-align:left}"
+                "tr:nth-child(even){background:#f4f4f4}</style></head><body>"
+                f"<h1>kvreplay: tables and figures, profile <code>{profile}</code></h1>"
+                "<p>Each link opens the executed notebook (code hidden) at the cell that makes the artifact.</p>"
+                f"<table><tr><th>artifact</th><th>kind</th><th>made by</th><th>files</th></tr>{rows}</table></body></html>")
+        html_folder.mkdir(parents=True, exist_ok=True)
+        idx = html_folder / "index.html"
+        idx.write_text(page, encoding="utf-8")
+        written.append(idx)
+    return written
 
 
 def code_cells(path: Path) -> list[tuple[list[str], str]]:
@@ -198,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="run every notebook even if its inputs are unchanged")
     ap.add_argument("--ledger-root", default=None, help="write and read ledgers under this folder instead of data/ledgers")
     ap.add_argument("--figures-root", default=None, help="write tables and figures under this folder instead of figures/")
+    ap.add_argument("--executed", action="store_true", help=f"also write executed/<profile>/ (default only for {EXECUTED_PROFILES})")
+    ap.add_argument("--no-executed", action="store_true", help="do not write executed/<profile>/")
     ap.add_argument("--engine", choices=["papermill", "inprocess"], default="papermill",
                     help="inprocess: run code cells in this process (no Jupyter; writes no executed notebooks)")
     args = ap.parse_args(argv)
@@ -207,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     params["profile"] = args.profile
+    params.update(RUN_PARAMETERS)
     if args.ledger_root:
         params["ledger_root"] = str(Path(args.ledger_root).resolve())
     if args.figures_root:
@@ -244,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nin-process run ({args.profile}) finished in {time.perf_counter() - t0:.0f} s; ledgers: {ledgers}; "
               f"tables and figures: {figures}")
         return 0
+    from .ledger import TERMINAL_PROGRESS
+
+    os.environ[TERMINAL_PROGRESS] = "1"  # kernels inherit it: computed rows get a row bar in this terminal
+    executed = (args.executed or args.profile in EXECUTED_PROFILES) and not args.no_executed
     for name in chain:
         t = time.perf_counter()
         stamp = out_dir / f".{Path(name).stem}.inputs"
@@ -258,12 +399,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
+        if executed:
+            clean_executed(out_dir / name, EXECUTED / args.profile / name)
     # Stamp against the final state: a notebook reads only its own and earlier notebooks' ledgers, so the
     # later notebooks' writes do not change its outputs.
     for name in chain:
         (out_dir / f".{Path(name).stem}.inputs").write_text(inputs_digest(name, args.profile, params))
+    entries = artifact_index(out_dir, CHAIN)
+    write_index(entries, args.profile, out_dir, out_dir)
+    if executed:
+        write_index(artifact_index(EXECUTED / args.profile, CHAIN), args.profile, EXECUTED / args.profile, None)
     print(f"\nmake paper ({args.profile}) finished in {time.perf_counter() - t0:.0f} s")
-    print(f"  executed notebooks and HTML: {out_dir}")
+    print(f"  executed notebooks and HTML: {out_dir} (index: {out_dir / 'index.html'})")
+    if executed:
+        print(f"  committed executed copies:   {EXECUTED / args.profile} (index: README.md)")
     print(f"  ledgers:                     {ledgers}")
     print(f"  tables and figures:          {figures}")
     return 0

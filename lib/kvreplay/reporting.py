@@ -13,35 +13,118 @@ from pathlib import Path
 import pandas as pd
 
 
+LATEX_UNICODE = {
+    "…": r"\ldots{}", "–": "--", "—": "---", "−": "$-$", "→": r"$\rightarrow$", "←": r"$\leftarrow$",
+    "≥": r"$\geq$", "≤": r"$\leq$", "·": r"$\cdot$", "×": r"$\times$", "±": r"$\pm$", "Δ": r"$\Delta$",
+    "‖": r"$\|$", "≈": r"$\approx$", "≠": r"$\neq$", "√": r"$\surd$", "°": r"$^{\circ}$", "²": r"$^{2}$",
+    "α": r"$\alpha$", "β": r"$\beta$", "μ": r"$\mu$", "σ": r"$\sigma$", "‘": "`", "’": "'", "“": "``", "”": "''",
+    "\u00a0": "~", "✓": "yes", "✗": "no",
+}
+"""Unicode characters that tables may hold, and their LaTeX spelling (applied after pandas' own escaping)."""
+
+
+_LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def latex_escape(text: str) -> str:
+    """Escape LaTeX's special characters and spell Unicode as LaTeX (for captions and other free text).
+
+    Raises:
+        ValueError: as :func:`latex_text`.
+    """
+    return latex_text("".join(_LATEX_SPECIAL.get(ch, ch) for ch in str(text)))
+
+
+def latex_text(text: str) -> str:
+    """Map the non-ASCII characters of already-escaped LaTeX text to LaTeX commands.
+
+    Raises:
+        ValueError: naming a non-ASCII character that has no LaTeX spelling in :data:`LATEX_UNICODE`
+            (a table must not write raw Unicode into a ``.tex`` file).
+    """
+    out = []
+    for ch in text:
+        if ord(ch) < 128:
+            out.append(ch)
+        elif ch in LATEX_UNICODE:
+            out.append(LATEX_UNICODE[ch])
+        else:
+            raise ValueError(f"no LaTeX spelling for {ch!r} (U+{ord(ch):04X}); add it to kvreplay.reporting.LATEX_UNICODE")
+    return "".join(out)
+
+
 def save_table(df: pd.DataFrame, stem: str | Path, *, caption: str, source: str) -> list[Path]:
     """Write ``df`` to ``<stem>.csv``, ``<stem>.md`` and ``<stem>.tex``.
 
-    The Markdown file starts with the caption and the producing notebook.
+    The Markdown file starts with the caption and the producing notebook; ``[saved table <stem>: .csv .md .tex]``
+    is printed (the index of executed notebooks reads it). The
+    LaTeX table is escaped (special characters by pandas, Unicode by
+    :func:`latex_text`), captioned, and labelled ``tab:<stem name>``.
 
     Returns:
         the three paths written.
+
+    Raises:
+        ValueError: a cell or caption with a character :func:`latex_text` cannot spell.
     """
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     csv, md, tex = stem.with_suffix(".csv"), stem.with_suffix(".md"), stem.with_suffix(".tex")
+    latex = latex_text(df.to_latex(caption=latex_escape(caption), label=f"tab:{stem.name}", escape=True))
     df.to_csv(csv)
     md.write_text(f"**{caption}** (made by `{source}`)\n\n{df.to_markdown()}\n", encoding="utf-8")
-    tex.write_text(
-        f"% made by {source}\n" + df.to_latex(caption=caption, escape=True), encoding="utf-8"
-    )
+    tex.write_text(f"% made by {source}\n" + latex, encoding="utf-8")
+    print(f"[saved table {stem.name}: .csv .md .tex]")  # the executed notebooks' index finds the cell by this line
     return [csv, md, tex]
 
 
-def save_figure(fig, stem: str | Path, *, source: str) -> list[Path]:
-    """Save a matplotlib figure as PNG (150 dpi) and PDF, stamped with its source notebook, then close it."""
+def _in_kernel() -> bool:
+    """Whether this code runs in a Jupyter kernel (where a figure can be shown inline)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and hasattr(ip, "kernel")
+
+
+def save_figure(fig, stem: str | Path, *, source: str, show: bool = True) -> list[Path]:
+    """Save a matplotlib figure as PNG (150 dpi) and PDF, stamped with its source notebook; show it inline; close it.
+
+    Prints ``[saved figure <stem>: .png .pdf]`` (the index of executed notebooks reads it). The ``source:`` stamp is placed below everything the figure draws (its
+    tight bounding box), so it never overlaps tick or axis labels.
+
+    Args:
+        fig: the figure.
+        stem: path without suffix; ``.png`` and ``.pdf`` are written.
+        source: the producing notebook, stamped and written into the files' metadata.
+        show: display the figure in the notebook's output (only inside a Jupyter kernel).
+
+    Returns:
+        the two paths written.
+    """
     import matplotlib.pyplot as plt
 
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    fig.text(0.995, 0.005, f"source: {source}", ha="right", va="bottom", fontsize=6, color="0.5")
+    if not hasattr(fig.canvas, "get_renderer"):  # a figure whose canvas has no renderer (closed, or a non-Agg backend)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(fig)
+    renderer = fig.canvas.get_renderer()
+    box = fig.get_tightbbox(renderer)  # inches
+    y = (box.y0 - 0.04) / fig.get_figheight()
+    x = box.x1 / fig.get_figwidth()
+    fig.text(x, y, f"source: {source}", ha="right", va="top", fontsize=6, color="0.5")
     png, pdf = stem.with_suffix(".png"), stem.with_suffix(".pdf")
     fig.savefig(png, dpi=150, bbox_inches="tight", metadata={"Software": source})
     fig.savefig(pdf, bbox_inches="tight", metadata={"Creator": source, "CreationDate": None})
+    print(f"[saved figure {stem.name}: .png .pdf]")  # the executed notebooks' index finds the cell by this line
+    if show and _in_kernel():
+        from IPython.display import Image, display
+
+        display(Image(filename=str(png), width=min(900, int(fig.get_figwidth() * 80))))
     plt.close(fig)
     return [png, pdf]
 
@@ -59,3 +142,39 @@ def drift_by_layer(records: Sequence[dict], comparison: str = "prefill_vs_live")
             rows.append({"layer": int(layer[1:]), "kind": kind, "rel_l2": t["rel_l2"]})
     df = pd.DataFrame(rows)
     return df.groupby(["layer", "kind"], as_index=False)["rel_l2"].median()
+
+
+def _short(x, n: int = 12):
+    return f"{x[:n]}…" if isinstance(x, str) and len(x) > n else x
+
+
+def contract_frame(environments: dict[str, dict]) -> pd.DataFrame:
+    """The execution contract of one or more ledgers (their ``environment.json``) as a compact table.
+
+    Args:
+        environments: column label (e.g. a precision or ledger name) -> the parsed
+            ``environment.json`` (with an ``execution_contract`` key, or the contract itself).
+
+    Returns:
+        DataFrame indexed by field (software, device, threads, dtype, SDPA, determinism, TF32,
+        model identity; digests cut to 12 hex digits, complete in the files), one column per input.
+    """
+    cols = {}
+    for label, env in environments.items():
+        c = env.get("execution_contract", env)
+        m = c.get("model", {})
+        cols[label] = {
+            "torch / transformers / python": f"{c.get('torch')} / {c.get('transformers')} / {c.get('python')}",
+            "device": f"{c.get('device')} ({c.get('device_name')})",
+            "intra-op threads": c.get("intra_op_threads"),
+            "dtype": c.get("dtype"),
+            "attention / SDPA backends used": f"{c.get('attn_implementation')} / {', '.join(c.get('sdpa_backends_used') or []) or '—'}",
+            "deterministic algorithms / TF32 (matmul, cuDNN)": f"{c.get('deterministic_algorithms')} / {c.get('tf32_matmul')}, {c.get('tf32_cudnn')}",
+            "model": f"{m.get('model')} ({m.get('architecture')}, {m.get('layers')} layers, {m.get('kv_heads')} KV heads)",
+            "model file sha256": _short(m.get("file_sha256")),
+            "weights sha256": _short(m.get("weights_sha256")),
+            "role table sha256": _short(m.get("role_table_sha256")) or "none",
+            "format digest": _short(c.get("format_digest")),
+            "library sha256 (when written)": _short(env.get("library_sha256")),
+        }
+    return pd.DataFrame(cols)

@@ -1,0 +1,182 @@
+"""The drift explorer in a real browser: JupyterLab on notebooks/08_drift_explorer.ipynb, driven in headless Chromium.
+
+Starts ``jupyter lab`` (``--allow-root`` as root) on a free port, opens the explorer, runs all cells on
+its defaults (the committed ``cpu`` ledgers: "runs as is"), waits for the ipywidgets controls and the
+first figure, then flips the K/V switch and moves the layer slider and waits for a new figure after
+each change. Screenshots go to ``$KVREPLAY_SCREENSHOTS`` (default: the test's temp folder).
+
+Needs Debian's ``chromium`` and ``chromium-driver``: skipped with a message when they are missing,
+except under CI (``CI=true``), where a missing browser is a failure (``.ci/run`` installs it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvreplay.paths import ROOT
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _need_browser():
+    if CHROMIUM and DRIVER:
+        return
+    msg = ("headless Chromium not found (needs Debian's `chromium` and `chromium-driver`: "
+           "apt-get install -y chromium chromium-driver)")
+    if IN_CI:
+        pytest.fail(msg + "; CI must run the browser test")
+    pytest.skip(msg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on the repository (token auth, app exposed for scripted commands); yields its URL."""
+    _need_browser()
+    tmp = tmp_path_factory.mktemp("lab")
+    # the server serves a copy of the explorer (JupyterLab autosaves: the clean source in notebooks/ stays untouched)
+    (tmp / "root").mkdir()
+    shutil.copy(ROOT / "notebooks" / "08_drift_explorer.ipynb", tmp / "root")
+    settings = tmp / "settings" / "@jupyterlab" / "docmanager-extension"
+    settings.mkdir(parents=True)
+    (settings / "plugin.jupyterlab-settings").write_text('{"autosave": false}')
+    port, token = _free_port(), "kvreplay-browser-test"
+    env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(tmp / "ws"),
+               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "lib"), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp / 'root'}", "--LabApp.expose_app_in_browser=True",
+           "--LabApp.news_url=", "--ServerApp.open_browser=False"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    log = open(tmp / "lab.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited: {(tmp / 'lab.log').read_text()[-3000:]}")
+            time.sleep(1)
+    else:
+        proc.terminate()
+        raise RuntimeError("jupyter lab did not start in 120 s")
+    yield url, token
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser(lab):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1500,1300"):
+        opts.add_argument(a)
+    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
+    yield driver
+    driver.quit()
+
+
+SHOTS = Path(os.environ.get("KVREPLAY_SCREENSHOTS") or Path(os.environ.get("TMPDIR", "/tmp")) / "kvreplay-browser")
+
+
+def _wait(driver, what, timeout, message):
+    """Wait for ``what``; on a timeout save a screenshot and name any error the notebook shows."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.5).until(what, message=message)
+    except TimeoutException:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(SHOTS / "failure.png"))
+        errors = [e.text[-1500:] for e in driver.find_elements("css selector", "[data-mime-type='application/vnd.jupyter.stderr']")]
+        raise AssertionError(f"{message} (screenshot {SHOTS / 'failure.png'}); notebook errors: {errors[-3:]}") from None
+
+
+def _status(driver) -> str:
+    els = driver.find_elements("css selector", ".kvreplay-status")
+    return els[0].text if els else ""
+
+
+def _figure_src(driver) -> str:
+    imgs = driver.find_elements("css selector", ".kvreplay-explorer .jp-OutputArea-output img")
+    return imgs[-1].get_attribute("src")[-200:] if imgs else ""
+
+
+def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path):
+    url, token = lab
+    shots = SHOTS
+    shots.mkdir(parents=True, exist_ok=True)
+    d = browser
+    d.get(f"{url}/lab/tree/08_drift_explorer.ipynb?token={token}")
+    _wait(d, lambda d: d.execute_script("return !!(window.jupyterapp && document.querySelector('.jp-Notebook'))"), 120,
+          "JupyterLab did not open the notebook")
+    _wait(d, lambda d: d.execute_script(
+        "const w = window.jupyterapp.shell.currentWidget; return !!(w && w.sessionContext && w.sessionContext.session"
+        " && w.sessionContext.session.kernel && w.sessionContext.session.kernel.status === 'idle')"), 180, "the kernel did not start")
+    d.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    t0 = time.time()
+    _wait(d, lambda d: d.find_elements("css selector", ".kvreplay-explorer .widget-dropdown select"), 600,
+          "the explorer's widgets did not render")
+    _wait(d, lambda d: "drawn in" in _status(d) and _figure_src(d), 900, "no figure after the first rebuild")
+    first = time.time() - t0
+    explorer = d.find_element("css selector", ".kvreplay-explorer")
+    d.execute_script("arguments[0].scrollIntoView()", explorer)
+    d.save_screenshot(str(shots / "explorer_first_draw.png"))
+    labels = " ".join(e.text for e in d.find_elements("css selector", ".kvreplay-explorer .widget-label"))
+    for name in ("arm pair", "row", "layer", "KV head", "K / V"):
+        assert name in labels, f"control {name!r} missing: {labels}"
+    options = [o.text for o in d.find_elements("css selector", ".kvreplay-explorer .widget-dropdown select option")]
+    assert any("diverges at token" in o or "same suffix" in o for o in options), options[:5]
+
+    def change(action, label):
+        before_src, before_status = _figure_src(d), _status(d)
+        t = time.time()
+        action()
+        _wait(d, lambda d: _figure_src(d) != before_src and _status(d) != before_status and "drawn in" in _status(d), 120,
+              f"no new figure after {label}")
+        return time.time() - t
+
+    value_button = next(b for b in d.find_elements("css selector", ".kvreplay-explorer .widget-toggle-buttons button")
+                        if b.text.strip() == "value")
+    kv_s = change(value_button.click, "the K/V switch")
+    d.save_screenshot(str(shots / "explorer_values.png"))
+    handle = d.find_elements("css selector", ".kvreplay-explorer .widget-slider .noUi-handle")[0]
+    from selenium.webdriver.common.keys import Keys
+
+    slider_s = change(lambda: (handle.click(), handle.send_keys(Keys.ARROW_RIGHT)), "moving the layer slider")
+    d.save_screenshot(str(shots / "explorer_layer_slider.png"))
+    status = _status(d)
+    (shots / "timings.txt").write_text(
+        f"first rebuild and draw {first:.1f} s; K/V switch {kv_s:.2f} s; layer slider {slider_s:.2f} s (browser round trip); "
+        f"kernel status: {status}\n")
+    print(f"first rebuild+draw {first:.1f} s; K/V switch {kv_s:.2f} s; slider {slider_s:.2f} s; {status}")
