@@ -41,6 +41,8 @@ problem admitted.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -65,6 +67,25 @@ VERIFIED_STEPS = [0]
 
 
 # ---------------------------------------------------------------------------------------------------- KV cache
+@contextlib.contextmanager
+def _unique_index_writes():
+    """Within the block, CUDA ``scatter_`` uses its plain kernel even under deterministic algorithms.
+
+    The deterministic variant sorts the indices so that duplicates are written in a fixed order; the
+    engine's writes have one index per (row, head, feature), so both kernels write the same values to the
+    same places, and the plain one skips a sort per layer and step. On CPU nothing changes.
+    """
+    was = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    if was:
+        torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        if was:
+            torch.use_deterministic_algorithms(True, warn_only=warn_only)
+
+
 class RowLayer(CacheLayerMixin):
     """One layer of :class:`RowCache`: static keys/values written at a position per row.
 
@@ -99,8 +120,9 @@ class RowLayer(CacheLayerMixin):
         """
         if key_states.shape[-2] != 1:
             raise ValueError(f"RowCache takes one token per row and step, got {key_states.shape[-2]}")
-        self.keys.scatter_(2, self._index, key_states)
-        self.values.scatter_(2, self._index, value_states)
+        with _unique_index_writes():
+            self.keys.scatter_(2, self._index, key_states)
+            self.values.scatter_(2, self._index, value_states)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -218,7 +240,8 @@ def choice_stats(logits: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
     masked = logits.float().masked_fill(~eligible, float("-inf"))
     idx = masked.argmax(-1)
     top1 = masked.gather(1, idx[:, None]).squeeze(1)
-    top2 = masked.scatter(1, idx[:, None], float("-inf")).amax(-1)
+    with _unique_index_writes():  # one index per row
+        top2 = masked.scatter(1, idx[:, None], float("-inf")).amax(-1)
     pair = logits.reshape(rows // 2, 2, vocab)
     same = (pair[:, 0] == pair[:, 1]).all(-1)
     same = same[:, None].expand(rows // 2, 2).reshape(rows)
@@ -340,7 +363,8 @@ class StepEngine:
     def _compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         lm = self.lm
         token, pos, qrole, crole = self.inputs
-        self.roles.scatter_(1, pos[:, None], qrole[:, None])
+        with _unique_index_writes():  # one position per row
+            self.roles.scatter_(1, pos[:, None], qrole[:, None])
         allowed = self._vis[qrole[:, None], self.roles] & (self._k[None, :] <= pos[:, None])  # [rows, max_len]
         embeds = lm.model.get_input_embeddings()(token[:, None])
         if lm.role_table is not None:

@@ -162,6 +162,10 @@ class ExecutionContract:
             torch.set_num_threads(self.threads)
         set_precision_flags(torch.float32, self.allow_tf32)
         torch.use_deterministic_algorithms(det)
+        if kind == "cuda":
+            # Deterministic mode also fills every new allocation with NaN (a debugging aid that changes no
+            # result of a correct kernel) at a launch per tensor: most of a small model's step time.
+            torch.utils.deterministic.fill_uninitialized_memory = not det
         torch.backends.cudnn.deterministic = det
         torch.backends.cudnn.benchmark = False
         if kind == "cuda" and torch.device(self.device).index is not None:
@@ -686,6 +690,7 @@ def execution_contract(lm: LoadedModel | None = None, threads: int | None = None
     if dev.type == "cuda":
         contract["cudnn_deterministic"] = torch.backends.cudnn.deterministic
         contract["cudnn_benchmark"] = torch.backends.cudnn.benchmark
+        contract["fill_uninitialized_memory"] = torch.utils.deterministic.fill_uninitialized_memory
         contract["cuda_runtime"] = torch.version.cuda
         contract["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(dev)))
     if lm is not None:
