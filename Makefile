@@ -7,7 +7,7 @@
 #   make verify   recompute committed rows of each experiment and compare bit for bit
 #                 (VERIFY_ARGS="--profile cpu --rows 1"; see python -m kvreplay.verify -h)
 #   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
-#                 (BENCH_ARGS="--device cuda --workers 8"; see python -m kvreplay.bench -h)
+#                 (BENCH_ARGS="--device cuda --workers 2": 2 Ray row actors; see python -m kvreplay.bench -h)
 #   make clean    remove build/ and caches   (keeps data/ and .venv)
 #   make distclean  clean, and remove .venv too
 #

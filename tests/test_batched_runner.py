@@ -150,8 +150,6 @@ def test_step_path_and_batch_shape_join_the_key_and_defaults_add_nothing(tmp_pat
     with pytest.raises(ValueError, match="no batched runner"):
         run_arm("exp3", tiny_arm(step_path="engine-eager"), problems, lambda s, p: bridge_row(s, p, []),
                 ledger_root=tmp_path, progress=False)
-    with pytest.raises(ValueError, match="workers=1"):
-        run_experiment1(problems, tiny_arm(step_path="engine-eager", workers=2), ledger_root=tmp_path, progress=False)
     with pytest.raises(ValueError, match="shorter than"):
         run_experiment1(problems, tiny_arm(step_path="engine-eager", max_len=40), ledger_root=tmp_path, progress=False)
     assert not (tmp_path / "t").exists()

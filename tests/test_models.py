@@ -65,10 +65,16 @@ def test_execution_contract_records_the_numerical_contract(qwen_dir):
 
 
 def test_bench_runs_and_reports_ratios(qwen_dir):
+    import ray
+
     from kvreplay.bench import run
 
     table = run(model=str(qwen_dir), dtype="float32", tokens=4, repeats=1, threads=1, caps=(3, 4, 2), workers=2)
-    assert table.loc["2 workers / one process (throughput ratio)", "value"] > 0
+    assert table.loc["2 actors / one process (throughput ratio)", "value"] > 0
+    assert table.loc["Ray cluster", "value"] == "local, started here"
+    assert not ray.is_initialized()  # the bench shut down the cluster it started
+    assert table.loc["Ray cluster start-up or join (s)", "value"] > 0
+    assert table.loc["2 Ray actors start-up, model loaded (s)", "value"] > 0
     assert table.loc["suffix decoder / generate (per-token ratio)", "value"] > 0
     assert table.loc["Experiment 1 rows per hour, one process", "value"] > 0
 

@@ -1,22 +1,36 @@
-"""Row-parallel workers and the execution contract: same bytes as a sequential run, resumable, fail-closed."""
+"""Rows on Ray actors and the execution contract: same bytes as a sequential run, resumable, fail-closed.
+
+One local Ray cluster (2 CPUs) serves the whole module; each arm starts its own actors (one thread each)
+and kills them when it ends.
+"""
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
+import ray
 import torch
 import yaml
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_problems
 
+from kvreplay import parallel
 from kvreplay.data import load_bank
-from kvreplay.experiments import ArmSettings, exp1_row, run_arm, run_experiment1
+from kvreplay.experiments import ROW_ALGORITHM, ArmSettings, exp1_row, run_arm, run_experiment1
 from kvreplay.gates import GateError
-from kvreplay.ledger import Ledger
+from kvreplay.ledger import Ledger, run_rows
 from kvreplay.models import ExecutionContract, ModelLoadError, execution_contract, load_model
-from kvreplay.parallel import worker_devices
+from kvreplay.parallel import RowActors, actor_resources
 from kvreplay.paths import LEDGERS
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    parallel.shutdown()  # a cluster another module left (e.g. the bench's) would have other resources
+    info = parallel.connect(num_cpus=2)
+    assert info["started"] and info["resources"]["CPU"] == 2
+    yield info
+    parallel.shutdown()
 
 
 @pytest.fixture
@@ -35,25 +49,44 @@ def tiny_arm(tmp_path):
     return settings
 
 
-def test_workers_give_the_sequential_ledger_bytes_and_resume(tmp_path, tiny_arm):
+def _events(ledger) -> list[dict]:
+    return [json.loads(x) for x in (ledger.dir / "runlog.jsonl").read_text().splitlines()]
+
+
+def test_actors_give_the_sequential_ledger_bytes_and_resume(tmp_path, tiny_arm, cluster):
     problems = tiny_problems(5)
     seq, led_seq = run_experiment1(problems, tiny_arm(), ledger_root=tmp_path / "seq", progress=False)
     par, led_par = run_experiment1(problems, tiny_arm(workers=2), ledger_root=tmp_path / "par", progress=False)
     assert led_seq.dir.name == led_par.dir.name  # workers are not part of the scientific key
     assert led_par.rows_path.read_bytes() == led_seq.rows_path.read_bytes()
     assert par == seq
-    events = [json.loads(x) for x in (led_par.dir / "runlog.jsonl").read_text().splitlines()]
-    assert any(e["event"] == "workers" and e["workers"] == 2 for e in events)
-    # resume: keep two finished rows (and half of a third, as a crash mid-write leaves it), finish with workers
+    # the contract was applied in the actors as in this process: the recorded flags agree
+    assert (led_par.dir / "environment.json").read_bytes() == (led_seq.dir / "environment.json").read_bytes()
+    (start,) = [e for e in _events(led_par) if e["event"] == "workers"]
+    assert start["workers"] == 2 and start["devices"] == ["cpu", "cpu"] and start["ray"] == cluster["address"]
+    # resume: keep two finished rows (and half of a third, as a crash mid-write leaves it), finish on actors
     lines = led_par.rows_path.read_bytes().splitlines(keepends=True)
     led_par.rows_path.write_bytes(b"".join(lines[:2]) + lines[2][:17])
-    again, _ = run_experiment1(problems, tiny_arm(workers=3), ledger_root=tmp_path / "par", progress=False)
+    again, _ = run_experiment1(problems, tiny_arm(workers=2), ledger_root=tmp_path / "par", progress=False)
     assert led_par.rows_path.read_bytes() == led_seq.rows_path.read_bytes()
     assert again == seq
 
 
-def test_workers_stop_at_a_failing_preflight_row(tmp_path, tiny_arm):
-    def plant(states):  # runs inside the workers (sent with cloudpickle)
+def test_batched_actors_give_the_sequential_batched_ledger_bytes(tmp_path, tiny_arm, cluster):
+    """Each actor computes whole chunks of the engine; the composition gate runs in the actor holding the first chunk."""
+    problems = tiny_problems(5)
+    arm = dict(step_path="engine-eager", batch=2)
+    seq, led_seq = run_experiment1(problems, tiny_arm(**arm), ledger_root=tmp_path / "seq", progress=False)
+    par, led_par = run_experiment1(problems, tiny_arm(**arm, workers=2), ledger_root=tmp_path / "par", progress=False)
+    assert led_seq.dir.name == led_par.dir.name
+    assert led_par.rows_path.read_bytes() == led_seq.rows_path.read_bytes() and par == seq
+    assert (led_par.dir / "environment.json").read_bytes() == (led_seq.dir / "environment.json").read_bytes()
+    (gates,) = [e["checks"] for e in _events(led_par) if e["event"] == "gates"]
+    assert [(c["gate"], c["problem_id"], c["chunk"]) for c in gates] == [("composition", "tiny-00", 2)]
+
+
+def test_actors_stop_at_a_failing_preflight_row(tmp_path, tiny_arm, cluster):
+    def plant(states):  # runs inside the actors (this module is sent by value)
         with torch.inference_mode():
             states["live_replica"].logits[:, 0] += 1.0
 
@@ -66,14 +99,50 @@ def test_workers_stop_at_a_failing_preflight_row(tmp_path, tiny_arm):
     assert rows[0]["gate_failure"]["gate"].startswith("replica")
 
 
-def test_worker_devices():
-    assert worker_devices("cpu", 3) == ["cpu", "cpu", "cpu"]
-    assert worker_devices("cuda:1", 2) == ["cuda:1", "cuda:1"]
+def test_a_killed_actor_loses_no_finished_row(tmp_path, tiny_arm, cluster):
+    """Actor 1 is killed for good (its rows go to actor 0); actor 0 is killed mid-run, restarted by Ray, its row retried."""
+    problems = tiny_problems(6)
+    _, led_seq = run_experiment1(problems, tiny_arm(), ledger_root=tmp_path / "seq", progress=False)
+    settings = tiny_arm(workers=2)
+    with RowActors(settings, exp1_row, equivalence_ids=frozenset({"tiny-00"})) as pool:
+        environment, run = pool.prepare(problems)
+        ledger = Ledger(tmp_path / "par" / "t", "exp1-float32", settings.config("exp1", problems),
+                        environment=environment, row_algorithm=ROW_ALGORITHM["exp1"])
+        mapper = pool.mapper(problems, key=lambda p: p.problem_id, run=run)
+        first_pid = pool.info[0]["pid"]
+        ray.kill(pool.actors[1], no_restart=True)
+
+        def killing(items):
+            for i, rec in enumerate(mapper(items)):
+                if i == 0:
+                    ray.kill(pool.actors[0], no_restart=False)  # mid-run; it holds the next row
+                yield rec
+
+        run_rows(ledger, problems, None, key=lambda p: p.problem_id, mapper=killing, preflight=0, progress=False)
+        assert ray.get(pool.actors[0].ready.remote())["pid"] != first_pid  # Ray restarted it (the model reloaded)
+    assert ledger.dir.name == led_seq.dir.name
+    assert ledger.rows_path.read_bytes() == led_seq.rows_path.read_bytes()
+    assert [(e["event"], e["actor"]) for e in pool.events] == [("actor_lost", 1)]
+
+
+def test_actor_resources_and_cluster_limits(tmp_path, tiny_arm, cluster):
+    assert actor_resources("cpu", 3, 2, 0) == {"num_cpus": 2, "num_gpus": 0}
+    assert actor_resources("cuda", 2, 1, 2) == {"num_cpus": 1, "num_gpus": 1.0}
+    assert actor_resources("cuda", 4, 1, 2) == {"num_cpus": 1, "num_gpus": 0.5}
+    assert actor_resources("cuda", 15, 1, 1) == {"num_cpus": 1, "num_gpus": 0.0666}  # 15 shares fit on one GPU
     with pytest.raises(ValueError, match="at least 1"):
-        worker_devices("cpu", 0)
-    if torch.cuda.device_count() == 0:
-        with pytest.raises(ValueError, match="no CUDA device"):
-            worker_devices("cuda", 2)
+        actor_resources("cpu", 0, 1, 0)
+    with pytest.raises(ValueError, match="pins one GPU"):
+        actor_resources("cuda:1", 2, 1, 2)
+    with pytest.raises(ValueError, match="no GPU"):
+        actor_resources("cuda", 2, 1, 0)
+    # more actors than the cluster's CPUs: refused before any actor or ledger exists (Ray would wait forever)
+    with pytest.raises(ValueError, match=r"3 row actors need 3 CPUs \(1 each\), but the Ray cluster at .* has 2"):
+        run_experiment1(tiny_problems(3), tiny_arm(workers=3), ledger_root=tmp_path, progress=False)
+    with pytest.raises(RuntimeError, match="connected to the Ray cluster at .*, not '127.0.0.1:1'"):
+        run_experiment1(tiny_problems(3), tiny_arm(workers=2, ray_address="127.0.0.1:1"), ledger_root=tmp_path,
+                        progress=False)
+    assert not (tmp_path / "t").exists()
 
 
 def test_cpu_contract_adds_nothing_to_committed_ledger_keys():
@@ -83,7 +152,8 @@ def test_cpu_contract_adds_nothing_to_committed_ledger_keys():
     params = yaml.safe_load((LEDGERS.parent.parent / "notebooks" / "params" / "cpu.yaml").read_text())
     rows = load_bank()[: params["n_rows"]]
     s = ArmSettings(profile="cpu", dtype="bfloat16", caps=Caps(params["cap_branch"], params["cap_merge"], params["cap_answer"]),
-                    threads=params["threads"], preflight=params["preflight"], workers=4)
+                    threads=params["threads"], preflight=params["preflight"], workers=4,
+                    ray_address="auto")
     config = s.config("exp1", rows)
     assert "execution" not in config
     assert Ledger.folder(LEDGERS / "cpu", "exp1-bfloat16", config).is_dir()
@@ -118,19 +188,22 @@ def test_contract_is_applied_and_recorded(tmp_path, tiny_arm):
             load_model("embedded", "bfloat16", contract=ExecutionContract(device="cuda"))
 
 
-def test_bad_worker_counts_and_a_worker_that_cannot_start(tmp_path, tiny_arm):
+def test_bad_worker_counts_and_an_actor_that_cannot_start(tmp_path, tiny_arm, cluster):
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="workers must be"):
             tiny_arm(workers=bad)
+    for bad in ("", 6379):
+        with pytest.raises(ValueError, match="ray_address must be"):
+            tiny_arm(ray_address=bad)
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
-    with pytest.raises(RuntimeError, match=r"row worker \(pid \d+, device cpu\) failed to start: ModelLoadError: cannot load the model at .*broken-model. \(it exists"):
+    with pytest.raises(RuntimeError, match=r"row actor \(pid \d+, device cpu\) failed to start: ModelLoadError: cannot load the model at .*broken-model. \(it exists"):
         run_experiment1(tiny_problems(3), tiny_arm(workers=2, model=str(broken)), ledger_root=tmp_path, progress=False)
     assert not any((tmp_path / "t").glob("*/rows.jsonl"))  # nothing was computed
 
 
-def test_workers_refuse_a_problem_longer_than_the_context_before_any_ledger_exists(tmp_path, tiny_arm):
+def test_actors_refuse_a_problem_longer_than_the_context_before_any_ledger_exists(tmp_path, tiny_arm, cluster):
     from kvreplay.contract import ContractError
     from kvreplay.data import Problem
 

@@ -9,9 +9,11 @@ step) against ``model.generate`` (greedy, same model, same duplicate batch of
 two, same number of new tokens, default causal mask), whose prefill is timed
 separately and subtracted; (2) one-call prefill time of the boundary prefix;
 (3) one Experiment 1 row (four arms) at the given caps, as rows per hour;
-(4) Experiment 1 rows per hour with ``--workers`` row-parallel processes
-(:class:`kvreplay.parallel.RowPool`, timed after every worker has loaded the
-model and finished one warm-up row), and its ratio to one process; (5) peak
+(4) Experiment 1 rows per hour with ``--workers`` Ray row actors
+(:class:`kvreplay.parallel.RowActors` on a local Ray cluster, or the one in
+``$RAY_ADDRESS``; timed after every actor has loaded the model and finished
+one warm-up row), and its ratio to one process, with the cluster's start-up
+and the actors' start-up (model loaded) reported apart; (5) peak
 resident memory, and peak GPU memory on CUDA. Times are medians over
 ``--repeats``. Nothing is asserted: speed is reported, never tested.
 ``generate`` runs with the library's default SDPA backend choice, our decoder
@@ -55,13 +57,17 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
         rows: int | None = None, worker_threads: int | None = None) -> pd.DataFrame:
     """Measure and return the benchmark table (one row per quantity, seconds and ratios).
 
-    ``workers`` <= 1 skips the row-parallel measurement; ``rows`` rows (default
-    two per worker) are timed both in one process and in the workers.
-    ``worker_threads`` (default: ``threads // workers`` on CPU, so the workers
+    ``workers`` <= 1 skips the row-actor measurement; ``rows`` rows (default
+    two per actor) are timed both in one process and on the actors.
+    ``worker_threads`` (default: ``threads // workers`` on CPU, so the actors
     share the cores the single process had; ``threads`` on CUDA) are each
-    worker's intra-op threads. The warm-up maps one row per worker after the
-    pool starts; the pool hands rows to whichever worker is free, so a worker
-    still loading then is not waited for.
+    actor's intra-op threads. After the actors start, a warm-up maps one row
+    per actor; the timed rows are then spread over the actors, at most
+    :data:`kvreplay.parallel.DEPTH` in flight on each. A local Ray cluster
+    started here is shut down at the end.
+
+    Raises:
+        ValueError: more actors than the Ray cluster can hold (see :class:`kvreplay.parallel.RowActors`).
     """
     from .caches import live_replica
     from .contract import Caps
@@ -99,7 +105,9 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     t_row = _median_time(lambda: exp1_row(RunSpec(lm=lm, fmt=fmt, caps=settings.caps), problem), 1)
     t_seq = None
     if workers > 1:
-        from .parallel import RowPool
+        import dataclasses
+
+        from .parallel import RowActors, shutdown
 
         spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps)
         n = rows or 2 * workers
@@ -108,15 +116,21 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
         for p in timed:
             exp1_row(spec, p)
         t_seq = time.perf_counter() - t0
-        import dataclasses
-
         if worker_threads is None:
             worker_threads = threads if lm.device.type == "cuda" else max(1, threads // workers)
-        with RowPool(dataclasses.replace(settings, threads=worker_threads), exp1_row, workers=workers) as pool:
-            list(pool.map(bank[1 + n : 1 + n + workers]))  # start-up and one warm-up row per worker
+
+        def pid(p):
+            return p.problem_id
+
+        with RowActors(dataclasses.replace(settings, threads=worker_threads), exp1_row, workers=workers) as pool:
+            startup, started, address = pool.startup, pool.cluster["started"], pool.cluster["address"]
+            warm = bank[1 + n : 1 + n + workers]
+            list(pool.mapper(warm, key=pid)(warm))  # one warm-up row per actor
             t0 = time.perf_counter()
-            list(pool.map(timed))
+            list(pool.mapper(timed, key=pid)(timed))
             t_par = time.perf_counter() - t0
+        if started:
+            shutdown()
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     device = torch.cuda.get_device_name() if lm.device.type == "cuda" else "cpu"
     rows = {
@@ -131,8 +145,11 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     }
     if t_seq is not None:
         rows[f"Experiment 1 rows per hour, one process ({n} rows)"] = round(3600 * n / t_seq, 1)
-        rows[f"Experiment 1 rows per hour, {workers} workers x {worker_threads} thread(s) (same {n} rows)"] = round(3600 * n / t_par, 1)
-        rows[f"{workers} workers / one process (throughput ratio)"] = round(t_seq / t_par, 2)
+        rows[f"Experiment 1 rows per hour, {workers} Ray actors x {worker_threads} thread(s) (same {n} rows)"] = round(3600 * n / t_par, 1)
+        rows[f"{workers} actors / one process (throughput ratio)"] = round(t_seq / t_par, 2)
+        rows["Ray cluster"] = "local, started here" if started else f"joined at {address}"
+        rows["Ray cluster start-up or join (s)"] = startup["ray_s"]
+        rows[f"{workers} Ray actors start-up, model loaded (s)"] = startup["actors_s"]
     rows["peak resident memory of this process (MiB)"] = round(peak_mib)
     if lm.device.type == "cuda":
         rows["peak GPU memory of this process (MiB)"] = round(torch.cuda.max_memory_allocated() / 2**20)
@@ -263,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    ap.add_argument("--workers", type=int, default=2, help="row-parallel processes for the rows-per-hour ratio (1: skip)")
-    ap.add_argument("--worker-threads", type=int, default=None, help="intra-op threads per worker (default: threads // workers on CPU)")
-    ap.add_argument("--rows", type=int, default=None, help="rows timed for the rows-per-hour ratio (default 2 per worker)")
+    ap.add_argument("--workers", type=int, default=2, help="Ray row actors for the rows-per-hour ratio (1: skip)")
+    ap.add_argument("--worker-threads", type=int, default=None, help="intra-op threads per actor (default: threads // workers on CPU)")
+    ap.add_argument("--rows", type=int, default=None, help="rows timed for the rows-per-hour ratio (default 2 per actor)")
     ap.add_argument("--caps", type=int, nargs=3, default=(48, 160, 12), metavar=("BRANCH", "MERGE", "ANSWER"))
     ap.add_argument("--engine", action=argparse.BooleanOptionalAction, default=None,
                     help="the GPU section (engine_table); default on with a CUDA device")

@@ -774,9 +774,15 @@ class ArmSettings:
     ``fmt`` (block format name or YAML path), ``role_table`` (path or None),
     ``threads`` (intra-op threads), ``sdpa_backends``, ``preflight`` (rows),
     and the CUDA side of the contract (:class:`~kvreplay.models.ExecutionContract`):
-    ``device``, ``deterministic``, ``allow_tf32``. ``workers`` is how many
-    row-parallel processes run the arm; it is not part of the key, because
-    the rows are identical bit for bit however many workers compute them.
+    ``device``, ``deterministic``, ``allow_tf32``.
+
+    Where the rows run is not part of the key, because the rows are identical
+    bit for bit however many actors compute them: ``workers`` is the number of
+    Ray row actors (:mod:`kvreplay.parallel`; on CUDA one per GPU, sharing the
+    GPUs when there are more actors than GPUs; 1 = in this process, without
+    Ray), and ``ray_address`` an existing Ray cluster to run them on
+    (``"auto"``, ``"host:port"`` or ``"ray://host:10001"``; ``None``: the one
+    in ``$RAY_ADDRESS``, else a local cluster started for them).
 
     The decode path is part of the contract too:
 
@@ -800,7 +806,8 @@ class ArmSettings:
     be used). Every arm of an experiment should run under the same contract.
 
     Raises:
-        ValueError: ``workers`` below 1 or not whole; an unknown step path;
+        ValueError: ``workers`` below 1 or not whole; ``ray_address`` not a
+            non-empty string or None; an unknown step path;
             ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len``
             below 2; a batch shape given with ``step_path="eager"``.
     """
@@ -821,10 +828,14 @@ class ArmSettings:
     step_path: str = "eager"
     batch: int = 8
     max_len: int | None = None
+    ray_address: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be a whole number of at least 1, got {self.workers!r}")
+        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address):
+            raise ValueError(f"ray_address must be None or a Ray cluster address such as 'auto' or 'host:6379', "
+                             f"got {self.ray_address!r}")
         if self.step_path not in ARM_STEP_PATHS:
             raise ValueError(f"unknown step path {self.step_path!r}; use one of {ARM_STEP_PATHS}")
         if not isinstance(self.batch, int) or self.batch < 1:
@@ -926,6 +937,12 @@ def run_arm(
     the first preflight problem also passes the ``composition`` gate (and,
     on the graph path, ``graph_equals_eager``).
 
+    With ``settings.workers > 1`` (and more than one row, or chunk, to
+    compute) the rows run on Ray actors (:class:`kvreplay.parallel.RowActors`:
+    one per GPU or CPU worker, each with its own model; on the batched path
+    each computes whole chunks), and this process loads no model; records are
+    appended in problem order, so the ledger's bytes equal a sequential run's.
+
     The ledger lives in ``<ledger_root>/<profile>/<name>-<dtype>-<digest12>/``
     and records :data:`ROW_ALGORITHM` ``[name]``. A ledger already complete
     for this scientific config is read without loading the model. The first
@@ -940,18 +957,17 @@ def run_arm(
             breaks the block contract, or a sequence longer than the model's
             context), before any row and before the ledger folder is created.
         ValueError: a non-eager step path for an experiment without a batched
-            runner (``chunk`` None), or with ``workers > 1``; a ``max_len``
-            too short for the arm's problems.
+            runner (``chunk`` None); a ``max_len`` too short for the arm's
+            problems; ``workers`` the Ray cluster cannot hold (too few CPUs
+            or GPUs), or an explicit ``cuda:N`` with ``workers > 1``.
+        RuntimeError: a row actor failed to start (its cause is named), or
+            every row actor died (finished rows stay in the ledger).
     """
     from .ledger import Ledger, run_rows
 
-    if settings.step_path != "eager":
-        if chunk is None:
-            raise ValueError(f"experiment {name!r} has no batched runner: step path {settings.step_path!r} is "
-                             f"refused (use step_path='eager'; batched runners exist for exp1 and exp2)")
-        if settings.workers > 1:
-            raise ValueError(f"step path {settings.step_path!r} batches problems in one process: use workers=1, "
-                             f"not {settings.workers}")
+    if settings.step_path != "eager" and chunk is None:
+        raise ValueError(f"experiment {name!r} has no batched runner: step path {settings.step_path!r} is "
+                         f"refused (use step_path='eager'; batched runners exist for exp1 and exp2)")
 
     config = settings.config(name, problems) | (extra_config or {})
     root = Path(ledger_root) / settings.profile
@@ -967,19 +983,31 @@ def run_arm(
         done = probe.done_keys()
     todo = [p for p in problems if p.problem_id not in done]
     equivalence_ids = frozenset(ids[: settings.preflight])
-    if settings.workers > 1 and len(todo) > 1:
-        # the workers load the model; this process loads none (a second copy would sit on the first GPU)
-        from .parallel import RowPool
+    first = problems[0].problem_id if settings.preflight > 0 and problems else None  # composition gate (batched)
+    groups = len(todo) if settings.step_path == "eager" else -(-len(todo) // settings.batch)
+    if settings.workers > 1 and groups > 1:
+        # the actors load the model; this process loads none (a second copy would sit on the first GPU)
+        from .parallel import RowActors
 
-        with RowPool(settings, row, workers=min(settings.workers, len(todo)), faults=faults,
-                     equivalence_ids=equivalence_ids) as pool:
-            environment = pool.prepare(problems)  # prompts checked and contract recorded inside a worker
+        with RowActors(settings, row, chunk=chunk, workers=min(settings.workers, groups), faults=faults,
+                       equivalence_ids=equivalence_ids) as pool:
+            environment, run = pool.prepare(problems)  # prompts checked and contract recorded inside an actor
             ledger = Ledger(root, label, config, environment=environment, row_algorithm=version)
-            ledger.log(event="workers", workers=pool.workers, devices=pool.devices)
-            records = run_rows(
-                ledger, list(problems), None, key=lambda p: p.problem_id, mapper=pool.map,
-                preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype} x{pool.workers}",
-            )
+            ledger.log(event="workers", workers=pool.workers, devices=pool.devices, ray=pool.cluster["address"],
+                       ray_started=pool.cluster["started"], startup_s=pool.startup)
+            if run is not None:
+                ledger.log(event="engine", **dataclasses.asdict(run))
+            mapper = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first)
+            try:
+                records = run_rows(
+                    ledger, list(problems), None, key=lambda p: p.problem_id, mapper=mapper,
+                    preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype} x{pool.workers}",
+                )
+            finally:
+                for event in pool.events:
+                    ledger.log(**event)
+            if mapper.checks:
+                ledger.log(event="gates", checks=mapper.checks)
         return records, ledger
     lm, bf = settings.load()
     check_prompts(bf, problems, context_length(lm.model.config), caps=settings.caps)  # before the ledger folder exists
@@ -989,7 +1017,6 @@ def run_arm(
     if run is None:
         mapper, row_fn = None, (lambda p: row(spec, p))
     else:
-        first = problems[0].problem_id if settings.preflight > 0 and problems else None
         mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first), None
         ledger.log(event="engine", **dataclasses.asdict(run))
     records = run_rows(

@@ -29,6 +29,9 @@ class GateError(RuntimeError):
         self.gate = gate
         self.reason = reason
 
+    def __reduce__(self):  # picklable with its two arguments (rows computed in Ray actors raise it across processes)
+        return type(self), (self.gate, self.reason)
+
 
 def cache_tensors(cache) -> list[tuple[str, torch.Tensor]]:
     """Inventory of a ``DynamicCache``: ``[("L00.key", [b, kv_heads, seq, head_dim]), ("L00.value", ...), ...]``."""

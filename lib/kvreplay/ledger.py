@@ -15,9 +15,9 @@ scientific config (its sha256 is the digest):
   changes no bit of any row keeps the version, so it stales nothing.
 - ``rows.jsonl``: one JSON record per finished row (per problem, holding all
   of that problem's arms), appended and flushed as each row finishes. A crash
-  loses at most the row in flight (with row-parallel workers: the rows in
-  flight and any finished after the first unfinished one, since rows are
-  appended in order); a partial last line is cut off on resume.
+  loses at most the row in flight (with row actors: the rows in flight and
+  any finished after the first unfinished one, since rows are appended in
+  order); a partial last line is cut off on resume.
 - ``runlog.jsonl``: wall times and hosts (never in ``rows.jsonl``, so two runs
   of the same config on the same machine give byte-identical rows).
 
@@ -247,9 +247,9 @@ def run_rows(
 
     Args:
         row_fn: item -> record, run in this process (ignored when ``mapper`` is given).
-        mapper: items -> records *in the same order*, e.g. a
-            :class:`kvreplay.parallel.RowPool` computing rows in worker
-            processes. Records are appended in item order as they arrive, so
+        mapper: items -> records *in the same order*, e.g. the mapper of
+            :class:`kvreplay.parallel.RowActors` computing rows on Ray
+            actors. Records are appended in item order as they arrive, so
             the ledger's bytes equal a sequential run's, and an interrupted
             parallel run resumes like a sequential one. Preflight rows are
             mapped (and checked) before any other row is started.

@@ -80,9 +80,10 @@ class ExecutionContract:
     """Device and kernel choices that fix a run's numerics (paper §3.5, Table 3); applied in one place.
 
     Attributes:
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Row-parallel workers
-            spread ``"cuda"`` over the visible GPUs (an explicit ``"cuda:N"``
-            pins them all); the ledger key holds only the device type.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Ray row actors
+            (:mod:`kvreplay.parallel`) each get their own GPU for ``"cuda"``
+            (an explicit ``"cuda:N"`` runs in one process only); the ledger
+            key holds only the device type.
         sdpa_backends: SDPA backends every forward call may use. The default
             ``("math",)`` kept the two duplicate rows of a step in sync on
             every machine we tried; the fused flash kernel desynced them once on
