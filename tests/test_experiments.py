@@ -29,7 +29,7 @@ def test_first_divergence():
 def _rec(pid, suffix, answer, label, prefix=(1, 2)):
     return {"problem_id": pid, "gate_failure": None, "prefix": list(prefix),
             "arms": {"incremental": {"correct": True}, "prefill": {"correct": not label}},
-            "endpoints": {"suffix_differs": suffix, "answer_differs": answer, "letter_differs": answer,
+            "endpoints": {"suffix_differs": suffix, "answer_differs": answer, "letter_differs": answer, "tie_initiated": False,
                           "label_differs": label}}
 
 
