@@ -100,3 +100,24 @@ def test_a_malformed_notebooks_key_is_refused(tmp_path, monkeypatch, capsys):
         (params / "mini.yaml").write_text(f"profile: mini\nnotebooks: {bad}\n")
         assert paper.main(["--profile", "mini"]) == 2
         assert "`notebooks` must be a non-empty list" in capsys.readouterr().err
+
+
+def test_executed_copies_do_not_depend_on_the_run_or_the_checkout(tmp_path):
+    import nbformat
+
+    from kvreplay.paper import clean_executed
+    from kvreplay.paths import ROOT
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["papermill"] = {"start_time": "2026-11-30T00:00:00"}
+    cell = nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["injected-parameters"], "execution": {"iopub.status.busy": "2026-11-30T00:00:00"}})
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"{ROOT}/data/ledgers/cpu/exp4_panel.json\n"),
+                    nbformat.v4.new_output("execute_result", data={"text/plain": f"'{ROOT}/figures/cpu'"}, execution_count=1)]
+    nb.cells = [cell]
+    src = tmp_path / "run.ipynb"
+    nbformat.write(nb, str(src))
+    out = nbformat.read(str(clean_executed(src, tmp_path / "clean.ipynb")), as_version=4)
+    c = out.cells[0]
+    assert c["id"] == "injected-parameters" and "execution" not in c.metadata and "papermill" not in out.metadata
+    assert c.outputs[0]["text"] == "data/ledgers/cpu/exp4_panel.json\n"
+    assert c.outputs[1]["data"]["text/plain"] == "'figures/cpu'"

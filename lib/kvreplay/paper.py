@@ -143,19 +143,36 @@ VOLATILE_METADATA = ("papermill", "execution")
 
 
 def clean_executed(src: Path, dest: Path) -> Path:
-    """Copy an executed notebook to ``dest`` without volatile metadata (run dates and durations).
+    """Copy an executed notebook to ``dest`` without what changes from run to run or checkout to checkout.
+
+    Dropped: volatile metadata (run dates and durations). Made fixed: the id of
+    the cell papermill injects (a fresh random id on every run), and this
+    checkout's absolute path in text outputs (written relative to the
+    repository root), so re-executing on unchanged ledgers, anywhere, rewrites
+    the same file.
 
     Returns:
         ``dest``.
     """
     import nbformat
 
+    from .paths import ROOT
+
+    prefix = f"{ROOT}/"
     nb = nbformat.read(str(src), as_version=4)
     for key in VOLATILE_METADATA:
         nb.metadata.pop(key, None)
     for c in nb.cells:
         for key in VOLATILE_METADATA:
             c.metadata.pop(key, None)
+        if "injected-parameters" in c.metadata.get("tags", []):
+            c["id"] = "injected-parameters"
+        for out in c.get("outputs", []):
+            if "text" in out:
+                out["text"] = out["text"].replace(prefix, "")
+            for mime in ("text/plain", "text/markdown", "text/html"):
+                if mime in out.get("data", {}):
+                    out["data"][mime] = out["data"][mime].replace(prefix, "")
     dest.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, str(dest))
     return dest
