@@ -977,7 +977,10 @@ def run_arm(
     done: set[str] = set()
     if Ledger.folder(root, label, config).is_dir():
         probe = Ledger(root, label, config, row_algorithm=version)
-        if probe.complete(ids):
+        if probe.complete(ids):  # nothing to compute: no model, no actors; the one line a finished ledger gets
+            from .ledger import row_bar
+
+            row_bar(len(ids), len(ids), f"{name} {settings.dtype}", progress)
             by_id = {r["problem_id"]: r for r in probe.records()}
             return [by_id[i] for i in ids], probe
         done = probe.done_keys()
