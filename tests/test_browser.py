@@ -122,14 +122,17 @@ def _wait(driver, what, timeout, message):
         raise AssertionError(f"{message} (screenshot {SHOTS / 'failure.png'}); notebook errors: {errors[-3:]}") from None
 
 
+# Both read the page in one script call: the explorer replaces its status line and figure while it redraws,
+# so an element found in one WebDriver call may be gone (stale) by the next.
 def _status(driver) -> str:
-    els = driver.find_elements("css selector", ".kvreplay-status")
-    return els[0].text if els else ""
+    return driver.execute_script(
+        "const e = document.querySelector('.kvreplay-status'); return e ? e.textContent : '';")
 
 
 def _figure_src(driver) -> str:
-    imgs = driver.find_elements("css selector", ".kvreplay-explorer .jp-OutputArea-output img")
-    return imgs[-1].get_attribute("src")[-200:] if imgs else ""
+    return driver.execute_script(
+        "const i = document.querySelectorAll('.kvreplay-explorer .jp-OutputArea-output img');"
+        " return i.length ? i[i.length - 1].getAttribute('src').slice(-200) : '';")
 
 
 def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path):
