@@ -124,7 +124,7 @@ def tiny(outdir: Path) -> dict:
 
 
 def bench(outdir: Path, n: int) -> dict:
-    from kvreplay.data import load_bank
+    from kvreplay.problems import load_bank
     from kvreplay.models import execution_contract, load_model
 
     t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``):
 
 * ``python3 scripts/gpu_exp1_batched.py tiny OUTDIR`` — the tiny random-weight Llama of ``tests/conftest.py``
-  on CUDA, FP32 and BF16: :func:`kvreplay.experiments.run_experiment1` on the graph path (B=2; the composition
+  on CUDA, FP32 and BF16: :func:`kvreplay.experiments.live_vs_prefill.run_experiment1` on the graph path (B=2; the composition
   and graph-equals-eager preflight gates run), the same arm on the engine's eager path (whole ledgers compared
   byte for byte), and the bridge under the engine (engine-live == teacher-forced incremental, bit for bit).
   Writes ``OUTDIR/tiny.json``.
@@ -63,8 +63,9 @@ def tiny(out: Path) -> dict:
 
     from kvreplay import caches, engine, gates
     from kvreplay.contract import resolve_format
-    from kvreplay.data import Problem
-    from kvreplay.experiments import ArmSettings, run_experiment1
+    from kvreplay.problems import Problem
+    from kvreplay.experiments.live_vs_prefill import run_experiment1
+    from kvreplay.runner import ArmSettings
 
     tmp = Path(tempfile.mkdtemp())
     tok = make_tokenizer()
@@ -131,8 +132,9 @@ def tiny(out: Path) -> dict:
 def paper(out: Path, budget: float, n_rows: int, batch: int) -> dict:
     from kvreplay import bench
     from kvreplay.contract import Caps
-    from kvreplay.data import load_bank
-    from kvreplay.experiments import ArmSettings, run_experiment1
+    from kvreplay.problems import load_bank
+    from kvreplay.experiments.live_vs_prefill import run_experiment1
+    from kvreplay.runner import ArmSettings
 
     res: dict = {"device": NAME, "torch": torch.__version__, "budget_s": budget,
                  "rows": n_rows, "batch": batch, "sections": {}}

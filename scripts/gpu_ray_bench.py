@@ -65,9 +65,10 @@ def steady(events: list[dict], skip: int) -> dict:
 
 
 def arm(label: str, workers: int, problems, batch: int, out: Path, scratch: Path) -> dict:
-    from kvreplay import parallel
+    from kvreplay.runner import actors as parallel
     from kvreplay.contract import Caps
-    from kvreplay.experiments import ArmSettings, run_experiment1
+    from kvreplay.experiments.live_vs_prefill import run_experiment1
+    from kvreplay.runner import ArmSettings
 
     settings = ArmSettings(profile="raybench", dtype="bfloat16", caps=Caps(*CAPS), device=DEVICE, step_path=STEP_PATH,
                            batch=batch, preflight=1, threads=1, workers=workers, **MODEL)
@@ -106,7 +107,7 @@ def main() -> None:
     args = [int(x) for x in sys.argv[2:5]]
     rows, batch, gpus = args + [80, 16, 2][len(args):]
     out.mkdir(parents=True, exist_ok=True)
-    from kvreplay.data import load_bank
+    from kvreplay.problems import load_bank
 
     found = torch.cuda.device_count() if DEVICE == "cuda" else gpus
     res: dict = {"device": DEVICE, "torch": torch.__version__, "gpus_visible": found, "rows": rows, "batch": batch,

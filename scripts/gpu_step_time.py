@@ -6,8 +6,9 @@ Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``):
 """
 import cProfile, pstats, time, torch, sys
 from kvreplay.contract import Caps
-from kvreplay.data import load_bank
-from kvreplay.experiments import ArmSettings, RunSpec, exp1_row
+from kvreplay.problems import load_bank
+from kvreplay.experiments.live_vs_prefill import exp1_row
+from kvreplay.runner import ArmSettings, RunSpec
 from kvreplay import decode
 s = ArmSettings(profile="p", dtype="bfloat16", caps=Caps(16, 32, 4), device="cuda", threads=int(sys.argv[1]))
 lm, fmt = s.load()

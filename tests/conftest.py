@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
 from kvreplay.contract import Caps, resolve_format
-from kvreplay.data import Problem
 from kvreplay.models import LoadedModel
+from kvreplay.problems import Problem
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and avoids oversubscription
 

@@ -13,10 +13,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems  # noqa: E402
-
 from kvreplay.contract import resolve_format  # noqa: E402
-from kvreplay.experiments import RunSpec, exp1_row  # noqa: E402
-from kvreplay.ledger import Ledger, run_rows  # noqa: E402
+from kvreplay.experiments.live_vs_prefill import exp1_row
+from kvreplay.ledger.store import Ledger, run_rows  # noqa: E402
+from kvreplay.runner import RunSpec  # noqa: E402
 
 root = Path(sys.argv[1])
 kill_at = int(sys.argv[2]) if len(sys.argv) > 2 else None

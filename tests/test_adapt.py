@@ -7,12 +7,11 @@ import dataclasses
 import pytest
 import torch
 from conftest import TINY_FORMAT, tiny_lm, tiny_problems
-from transformers import DynamicCache
-
 from kvreplay import adapt, decode
 from kvreplay.contract import ANSWER, BRANCH1, MERGE, ContractError, resolve_format
-from kvreplay.data import Problem
 from kvreplay.models import weights_sha256
+from kvreplay.problems import Problem
+from transformers import DynamicCache
 
 CFG = adapt.AdaptConfig(name="test", model="tiny", fmt=TINY_FORMAT, n_train=4, n_heldout=2, steps=4, checkpoints=(2, 4),
                         eval_every=2, threads=1)
@@ -136,7 +135,7 @@ def test_training_data_must_be_disjoint_from_the_bank():
 
 
 def test_openbookqa_split_is_outcome_blind_and_disjoint_from_the_mmlu_bank():
-    from kvreplay.data import load_bank
+    from kvreplay.problems import load_bank
 
     rows, sha = adapt.load_source("openbookqa")
     assert len(rows) == 500 and len(sha) == 64
@@ -192,7 +191,7 @@ def test_load_checkpoint_model_checks_the_table_and_the_base(tmp_path, monkeypat
         loaded.update(model=model, dtype=dtype, role_table=role_table)
         return dataclasses.replace(tiny_lm("llama", torch.float32), identity={"role_table_sha256": models.file_sha256(role_table)})
 
-    monkeypatch.setattr(models, "load_model", fake_load)
+    monkeypatch.setattr(adapt, "load_model", fake_load)  # adapt binds load_model at import
     lm = adapt.load_checkpoint_model(folder, "later", "bfloat16")
     assert loaded == {"model": "tiny", "dtype": "bfloat16", "role_table": later.path}
     assert lm.identity["role_table_sha256"] == later.sha256

@@ -13,13 +13,46 @@ import math
 import pandas as pd
 import pytest
 import torch
-
-from kvreplay import assemble
-from kvreplay.assemble import MissingLedgerError
 from kvreplay.contract import VISIBILITY
-from kvreplay.experiments import write_prefix_bank
 from kvreplay.gates import GateError
-from kvreplay.ledger import Ledger
+from kvreplay.ledger.lookup import (
+    LEDGER_SPECS,
+    PREFIX_BANK,
+    MissingLedgerError,
+    load_profile,
+)
+from kvreplay.ledger.prefix_bank import write_prefix_bank
+from kvreplay.ledger.store import Ledger
+from kvreplay.rebuild import (
+    comparison_arms,
+    drift_maps,
+    fingerprint_matches,
+    model_for_ledger,
+    pick_row,
+    suffix_alignment,
+    token_text,
+    topk_frame,
+)
+from kvreplay.report.frames import (
+    divergence_margins,
+    first_divergence_frame,
+    layer_drift_frame,
+    margin_percentiles,
+    transplant_outcomes,
+)
+from kvreplay.report.paper_tables import (
+    NOT_RUN,
+    RUN_VALUES,
+    artifact_map,
+    contract_table,
+    load_reference,
+    related_work_table,
+    run_value,
+    setup_table,
+    visibility_frame,
+    vs_paper_table,
+)
+from kvreplay.report.summary import results_tables, same_as_saved, summarize
 
 PROFILE = "synthetic"
 IDS = ["mmlu-aaaa", "mmlu-bbbb", "mmlu-cccc", "mmlu-dddd"]
@@ -154,7 +187,7 @@ def build_chain(root, skip: tuple[str, ...] = ()) -> dict[str, Ledger]:
     out = {}
     e1 = [matrix_record(p, "live", PREFIX[p], 0.01) for p in IDS]
     out["exp1-bfloat16"] = _write(root, "exp1", "bfloat16", e1)
-    sha = write_prefix_bank(e1, root / PROFILE / assemble.PREFIX_BANK, out["exp1-bfloat16"].dir.name)
+    sha = write_prefix_bank(e1, root / PROFILE / PREFIX_BANK, out["exp1-bfloat16"].dir.name)
     if "exp1-float32" not in skip:
         out["exp1-float32"] = _write(root, "exp1", "float32", [matrix_record(p, "live", PREFIX[p], 1e-6) for p in IDS])
     for d, rel in (("bfloat16", 0.01), ("float32", 1e-6)):
@@ -187,8 +220,8 @@ def chain(tmp_path):
 
 def test_load_profile_finds_every_ledger_in_frozen_order(chain):
     root, written = chain
-    pl = assemble.load_profile(root, PROFILE)
-    assert list(pl.ledgers) == list(assemble.LEDGER_SPECS)
+    pl = load_profile(root, PROFILE)
+    assert list(pl.ledgers) == list(LEDGER_SPECS)
     assert pl.precisions == ["bfloat16", "float32"]
     for k, led in pl.ledgers.items():
         assert led.dir == written[k].dir
@@ -201,14 +234,14 @@ def test_load_profile_finds_every_ledger_in_frozen_order(chain):
 def test_missing_ledger_names_its_notebook(tmp_path, missing):
     build_chain(tmp_path, skip=(missing,))
     with pytest.raises(MissingLedgerError) as e:
-        assemble.load_profile(tmp_path, PROFILE)
-    assert assemble.LEDGER_SPECS[missing].notebook in str(e.value)
+        load_profile(tmp_path, PROFILE)
+    assert LEDGER_SPECS[missing].notebook in str(e.value)
     assert missing in str(e.value)
 
 
 def test_missing_profile_or_bank_names_notebook_01(tmp_path):
     with pytest.raises(MissingLedgerError, match="01_experiment1_live_vs_prefill"):
-        assemble.load_profile(tmp_path, PROFILE)
+        load_profile(tmp_path, PROFILE)
 
 
 def test_unfinished_ledger_is_reported_with_its_progress(chain):
@@ -217,7 +250,7 @@ def test_unfinished_ledger_is_reported_with_its_progress(chain):
     lines = rows.read_text().splitlines(keepends=True)
     rows.write_text("".join(lines[:-1]) + lines[-1][:10])  # last row cut mid-write
     with pytest.raises(MissingLedgerError, match=r"unfinished .*3/4 rows.*04_experiment4"):
-        assemble.load_profile(root, PROFILE)
+        load_profile(root, PROFILE)
 
 
 def test_stale_ledger_of_another_config_is_ignored_but_two_matching_are_ambiguous(chain):
@@ -225,24 +258,24 @@ def test_stale_ledger_of_another_config_is_ignored_but_two_matching_are_ambiguou
     sha = written["exp2-bfloat16"].config["prefix_bank_sha256"]
     _write(root, "exp2", "bfloat16", [matrix_record(p, "incremental", PREFIX[p], 0.01) for p in IDS],
            prefix_bank_sha256="0" * 64)  # an older bank: not part of this chain
-    pl = assemble.load_profile(root, PROFILE)
+    pl = load_profile(root, PROFILE)
     assert pl["exp2-bfloat16"].dir == written["exp2-bfloat16"].dir
     _write(root, "exp2", "bfloat16", [matrix_record(p, "incremental", PREFIX[p], 0.01) for p in IDS],
            prefix_bank_sha256=sha, preflight=2)  # same bank, another config
     with pytest.raises(MissingLedgerError, match="2 finished"):
-        assemble.load_profile(root, PROFILE)
+        load_profile(root, PROFILE)
 
 
 def test_precisions_must_include_bf16_and_may_skip_fp32(tmp_path):
     build_chain(tmp_path, skip=("exp1-float32", "exp2-float32"))
-    pl = assemble.load_profile(tmp_path, PROFILE, precisions=("bfloat16",))
+    pl = load_profile(tmp_path, PROFILE, precisions=("bfloat16",))
     assert pl.precisions == ["bfloat16"]
-    results = assemble.summarize(pl, n_resamples=200)
+    results = summarize(pl, n_resamples=200)
     assert results["crossing"] is None
-    assert "table_exp2_crossing" not in assemble.results_tables(pl, results)
-    assert assemble.run_value(results, "exp2.fp32.suffix") == assemble.NOT_RUN
+    assert "table_exp2_crossing" not in results_tables(pl, results)
+    assert run_value(results, "exp2.fp32.suffix") == NOT_RUN
     with pytest.raises(ValueError, match="bfloat16"):
-        assemble.load_profile(tmp_path, PROFILE, precisions=("float32",))
+        load_profile(tmp_path, PROFILE, precisions=("float32",))
 
 
 # ----------------------------------------------------------------------------- results and tables
@@ -250,8 +283,8 @@ def test_precisions_must_include_bf16_and_may_skip_fp32(tmp_path):
 
 def test_summarize_recomputes_every_endpoint(chain):
     root, _ = chain
-    pl = assemble.load_profile(root, PROFILE)
-    R = assemble.summarize(pl, n_resamples=500)
+    pl = load_profile(root, PROFILE)
+    R = summarize(pl, n_resamples=500)
     assert R["exp1"]["bfloat16"]["suffix"].k == 2 and R["exp1"]["bfloat16"]["n"] == 4
     assert R["exp1"]["bfloat16"]["label"].k == 1
     assert R["exp1_cross"] == (4, 4)
@@ -269,7 +302,7 @@ def test_summarize_recomputes_every_endpoint(chain):
     assert (R["replication_accuracy"]["ckpt0"].k, R["replication_accuracy"]["later"].k) == (4, 3)
     assert "later role table of notebook 00 (step 64" in R["replication_checkpoint"]
 
-    tables = assemble.results_tables(pl, R)
+    tables = results_tables(pl, R)
     assert set(tables) == {"table_exp1_matrix", "table_exp2_matrix", "table_exp2_crossing", "table_exp3_bridge",
                            "table_exp3_audit", "table5_exp4_transplant", "table_exp4_localization", "table_exp5_replication",
                            "table_exp5_accuracy", "table_first_divergence"}
@@ -294,30 +327,30 @@ def test_gate_failure_withholds_endpoints(chain):
     recs = [json.loads(x) for x in rows.read_text().splitlines()]
     recs[1] = {"problem_id": recs[1]["problem_id"], "gate_failure": {"gate": "desync", "reason": "planted"}, "prefix": recs[1]["prefix"]}
     rows.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    pl = assemble.load_profile(root, PROFILE)
+    pl = load_profile(root, PROFILE)
     with pytest.raises(GateError, match="desync"):
-        assemble.summarize(pl, n_resamples=100)
+        summarize(pl, n_resamples=100)
 
 
 def test_same_as_saved_compares_csv_bytes(tmp_path):
     df = pd.DataFrame({"a": {"x": "1/2"}})
-    assert assemble.same_as_saved(df, tmp_path / "none.csv") is None
+    assert same_as_saved(df, tmp_path / "none.csv") is None
     df.to_csv(tmp_path / "t.csv")
-    assert assemble.same_as_saved(df, tmp_path / "t.csv") is True
-    assert assemble.same_as_saved(pd.DataFrame({"a": {"x": "2/2"}}), tmp_path / "t.csv") is False
+    assert same_as_saved(df, tmp_path / "t.csv") is True
+    assert same_as_saved(pd.DataFrame({"a": {"x": "2/2"}}), tmp_path / "t.csv") is False
 
 
 def test_paper_tables_from_data_and_code(chain):
     root, _ = chain
-    pl = assemble.load_profile(root, PROFILE)
-    ref = assemble.load_reference()
-    t1 = assemble.related_work_table()
+    pl = load_profile(root, PROFILE)
+    ref = load_reference()
+    t1 = related_work_table()
     assert len(t1) >= 5 and {"studies", "overlap", "separation"} <= set(t1.columns)
-    t2 = assemble.visibility_frame()
+    t2 = visibility_frame()
     assert list(t2["raw role"]) == sorted(VISIBILITY)
     assert "branch" not in t2.loc["answer", "may attend to"]  # the answer never sees branch tokens
-    t3 = assemble.contract_table(pl, ref)
-    assert list(t3.columns) == ["paper", *assemble.LEDGER_SPECS]
+    t3 = contract_table(pl, ref)
+    assert list(t3.columns) == ["paper", *LEDGER_SPECS]
     assert t3.loc["boundary cache tensor", "exp1-bfloat16"].startswith("[2, 1, |z|, 4]")
     assert t3.loc["caps branch / merge / answer", "paper"] == "768 / 512 / 64"
     assert t3.loc["BF16 prefix bank sha256 (first 16 hex)", "exp2-float32"] != "—"
@@ -325,29 +358,29 @@ def test_paper_tables_from_data_and_code(chain):
 
 def test_vs_paper_and_artifact_map_cover_every_reference_endpoint(chain):
     root, _ = chain
-    pl = assemble.load_profile(root, PROFILE)
-    ref = assemble.load_reference()
-    R = assemble.summarize(pl, n_resamples=200)
+    pl = load_profile(root, PROFILE)
+    ref = load_reference()
+    R = summarize(pl, n_resamples=200)
     ids = [e["id"] for e in ref["endpoints"]]
     assert len(ids) == len(set(ids))
-    assert set(ids) == set(assemble.RUN_VALUES), set(ids) ^ set(assemble.RUN_VALUES)
-    vs = assemble.vs_paper_table(pl, R, ref)
+    assert set(ids) == set(RUN_VALUES), set(ids) ^ set(RUN_VALUES)
+    vs = vs_paper_table(pl, R, ref)
     assert list(vs.index) == ids
-    assert all(vs.loc[i, "this run"] != assemble.NOT_RUN for i in ids)
+    assert all(vs.loc[i, "this run"] != NOT_RUN for i in ids)
     assert vs.loc["exp5.interpretation", "this run"].startswith("divergence-underpowered (thresholds ≥ 12 divergent")
     assert "later checkpoint" in vs.loc["exp5.divergence", "what differs"]
     assert vs.loc["exp1.bf16.suffix", "this run"].startswith("2/4")
     assert vs.loc["exp2.reduction.suffix", "this run"].startswith("50.0")  # reduction reported as positive, as the paper does
     assert "caps (8/8/4 vs 768/512/64)" in vs.loc["exp1.bf16.suffix", "what differs"]
     assert "4 MMLU vs 200 GPQA Main rows" in vs.loc["exp1.bf16.suffix", "what differs"]
-    amap = assemble.artifact_map(pl, ref, "notebooks/06_tables.ipynb", "notebooks/07_figures.ipynb")
+    amap = artifact_map(pl, ref, "notebooks/06_tables.ipynb", "notebooks/07_figures.ipynb")
     assert set(ids) <= set(amap.index)
     assert amap.loc["exp1.bf16.suffix", "ledger files"] == f"{PROFILE}/{pl['exp1-bfloat16'].dir.name}/rows.jsonl"
     assert amap.loc["near_tie", "reproduced by"] == "notebooks/07_figures.ipynb"
     assert amap.loc["exp4.joint_recovery", "ledger written by"] == "notebooks/04_experiment4_cache_transplant.ipynb"
     assert amap.loc["exp5.accuracy", "ledger written by"] == (
         "notebooks/02_experiment2_fixed_prefix_precision.ipynb; notebooks/05_experiment5_replication.ipynb")
-    setup = assemble.setup_table(pl, ref)
+    setup = setup_table(pl, ref)
     assert setup.loc["rows, Exp 5", "this run"] == "4"
 
 
@@ -356,8 +389,8 @@ def test_vs_paper_and_artifact_map_cover_every_reference_endpoint(chain):
 
 def test_divergence_margins_label_steps_and_drop_after_divergence(chain):
     root, _ = chain
-    recs = assemble.load_profile(root, PROFILE).records("exp1-bfloat16")
-    df = assemble.divergence_margins(recs, "live")
+    recs = load_profile(root, PROFILE).records("exp1-bfloat16")
+    df = divergence_margins(recs, "live")
     div = df[df.problem_id == "mmlu-aaaa"]
     assert list(div.step) == [0, 2, 3]  # step 1 forced (no margin), steps 4+ after the divergence
     # the tied prefill arm (margin exactly 0) decides: the smaller margin of the two arms at the first divergence
@@ -368,17 +401,17 @@ def test_divergence_margins_label_steps_and_drop_after_divergence(chain):
     assert other.loc[other.step == 3, "margin"].item() == 0.01
     same = df[df.problem_id == "mmlu-bbbb"]
     assert list(same.step) == [0, 2, 3, 4, 5] and set(same.kind) == {"shared"}
-    pct = assemble.margin_percentiles(df)
+    pct = margin_percentiles(df)
     # shared margins: 2 per divergent row, 5 per identical row; 0.01 also occurs at step 3 of the 2 identical rows
     assert pct == [0.0, pytest.approx(100 * 2 / 14)]
 
 
 def test_first_divergence_frame_and_transplant_outcomes(chain):
     root, _ = chain
-    pl = assemble.load_profile(root, PROFILE)
-    fd = assemble.first_divergence_frame({"a": pl.records("exp1-bfloat16"), "b": pl.records("exp2-float32")})
+    pl = load_profile(root, PROFILE)
+    fd = first_divergence_frame({"a": pl.records("exp1-bfloat16"), "b": pl.records("exp2-float32")})
     assert list(fd.group) == ["a", "a"] and set(fd.first_divergence) == {3}
-    out = assemble.transplant_outcomes(pl.records("exp4-bfloat16"))
+    out = transplant_outcomes(pl.records("exp4-bfloat16"))
     whole = out[(out.intervention == "whole") & (out.stratum == "divergent")]
     assert set(whole.outcome) == {"donor"} and whole.rows.sum() == 4  # 2 rows x 2 directions
     assert out[(out.stratum == "exact")].outcome.unique().tolist() == ["baseline"]
@@ -390,16 +423,16 @@ def test_first_divergence_frame_and_transplant_outcomes(chain):
 
 def test_comparison_arms_and_pick_row(chain):
     root, _ = chain
-    assert assemble.comparison_arms("exp1", "prefill_vs_live") == ("live", "prefill")
-    assert assemble.comparison_arms("exp2", "incremental_replica") == ("incremental", "incremental_replica")
+    assert comparison_arms("exp1", "prefill_vs_live") == ("live", "prefill")
+    assert comparison_arms("exp2", "incremental_replica") == ("incremental", "incremental_replica")
     with pytest.raises(ValueError, match="prefill_vs_incremental"):
-        assemble.comparison_arms("exp2", "prefill_vs_live")
-    recs = assemble.load_profile(root, PROFILE).records("exp1-bfloat16")
-    assert assemble.pick_row(recs, None, "exp1")["problem_id"] == "mmlu-aaaa"
-    assert assemble.pick_row(recs, "mmlu-dddd", "exp1")["problem_id"] == "mmlu-dddd"
+        comparison_arms("exp2", "prefill_vs_live")
+    recs = load_profile(root, PROFILE).records("exp1-bfloat16")
+    assert pick_row(recs, None, "exp1")["problem_id"] == "mmlu-aaaa"
+    assert pick_row(recs, "mmlu-dddd", "exp1")["problem_id"] == "mmlu-dddd"
     with pytest.raises(KeyError, match="mmlu-aaaa"):
-        assemble.pick_row(recs, "nope", "exp1")
-    df = assemble.layer_drift_frame(recs[0]["boundary"]["prefill_vs_live"]["tensors"])
+        pick_row(recs, "nope", "exp1")
+    df = layer_drift_frame(recs[0]["boundary"]["prefill_vs_live"]["tensors"])
     assert list(df.layer) == [0, 0, 1, 1] and list(df.kind) == ["key", "value"] * 2
 
 
@@ -408,7 +441,7 @@ def test_drift_maps_per_head_and_position():
     ref = [(f"L{i:02d}.{k}", torch.randn(2, 3, 5, 4, generator=g)) for i in range(2) for k in ("key", "value")]
     other = [(n, t.clone()) for n, t in ref]
     other[0][1][:, 1, 2, :] += 1.0  # L00.key: head 1, position 2
-    maps = assemble.drift_maps(ref, other)
+    maps = drift_maps(ref, other)
     head, pos = maps[("key", "head")], maps[("key", "position")]
     assert head.shape == (2, 3) and pos.shape == (2, 5)
     r = ref[0][1][0].double()
@@ -417,15 +450,15 @@ def test_drift_maps_per_head_and_position():
     assert head.drop(index=0).eq(0).all().all() and (head.loc[0].drop(1) == 0).all()
     assert maps[("value", "head")].eq(0).all().all()
     zero = [(n, torch.zeros_like(t)) for n, t in ref]
-    assert math.isnan(assemble.drift_maps(zero, zero)[("key", "head")].iloc[0, 0])
+    assert math.isnan(drift_maps(zero, zero)[("key", "head")].iloc[0, 0])
 
 
 def test_fingerprint_matches_after_json_round_trip():
     led = {"cache": {"exact": False, "rel_l2": 0.1}, "logits": {"topk_ref": [1, 2]}}
     rebuilt = {"cache": {"exact": False, "rel_l2": 0.1}, "logits": {"topk_ref": (1, 2)}, "tensors": []}
-    assert assemble.fingerprint_matches(led, rebuilt) == {"cache": True, "logits": True}
+    assert fingerprint_matches(led, rebuilt) == {"cache": True, "logits": True}
     rebuilt["cache"]["rel_l2"] = 0.1000001
-    assert assemble.fingerprint_matches(led, rebuilt)["cache"] is False
+    assert fingerprint_matches(led, rebuilt)["cache"] is False
 
 
 class _Tok:
@@ -435,24 +468,24 @@ class _Tok:
 
 def test_suffix_alignment_and_topk_frame():
     a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9]
-    al = assemble.suffix_alignment(_Tok(), a, b, MARGINS, MARGINS, first=3, before=2, after=1)
+    al = suffix_alignment(_Tok(), a, b, MARGINS, MARGINS, first=3, before=2, after=1)
     assert list(al.index) == [1, 2, 3, 4]
     assert list(al.same) == [True, True, False, False]
     assert al.loc[3, "reference"] == "<4>" and al.loc[3, "other"] == "<9>"
-    assert assemble.token_text(_Tok(), 0) == "\\n"
-    assert len(assemble.suffix_alignment(_Tok(), a, a, MARGINS, MARGINS, first=None)) == 6
+    assert token_text(_Tok(), 0) == "\\n"
+    assert len(suffix_alignment(_Tok(), a, a, MARGINS, MARGINS, first=None)) == 6
     ref = torch.tensor([0.0, 5.0, 4.0, 1.0])
     oth = torch.tensor([0.0, 4.0, 5.0, 1.0])
-    tk = assemble.topk_frame(_Tok(), ref, oth, k=1)
+    tk = topk_frame(_Tok(), ref, oth, k=1)
     assert list(tk.index) == [1, 2]
     assert tk.loc[2, "other - reference"] == 1.0 and tk.loc[1, "rank (other)"] == 2
 
 
 def test_model_for_ledger(chain):
     root, _ = chain
-    led = assemble.load_profile(root, PROFILE)["exp1-bfloat16"]
-    assert assemble.model_for_ledger(led) == "embedded"
-    assert assemble.model_for_ledger(led, "/x/y.gguf") == "/x/y.gguf"
+    led = load_profile(root, PROFILE)["exp1-bfloat16"]
+    assert model_for_ledger(led) == "embedded"
+    assert model_for_ledger(led, "/x/y.gguf") == "/x/y.gguf"
     led.manifest["config"]["model"] = {"model": "mine", "files": {"config.json": "0"}}
     with pytest.raises(ValueError, match="pass its path"):
-        assemble.model_for_ledger(led)
+        model_for_ledger(led)

@@ -17,16 +17,23 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm, tiny_problems
-
+from conftest import (
+    TINY_CAPS,
+    TINY_FORMAT,
+    make_model,
+    make_tokenizer,
+    tiny_lm,
+    tiny_problems,
+)
 from kvreplay import caches, engine, gates
 from kvreplay.contract import MERGE, resolve_format
-from kvreplay.data import Problem
-from kvreplay.experiments import (
-    ArmSettings, bridge_row, run_arm, run_experiment1, run_experiment2,
-)
+from kvreplay.experiments.bridge import bridge_row
+from kvreplay.experiments.fixed_prefix import run_experiment2
+from kvreplay.experiments.live_vs_prefill import run_experiment1
 from kvreplay.gates import GateError
-from kvreplay.ledger import config_digest
+from kvreplay.ledger.store import config_digest
+from kvreplay.problems import Problem
+from kvreplay.runner import ArmSettings, run_arm
 
 
 @pytest.fixture

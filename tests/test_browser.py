@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from kvreplay.paths import ROOT
 
 pytestmark = pytest.mark.browser

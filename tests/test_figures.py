@@ -1,4 +1,4 @@
-"""kvreplay.figures and the table/figure writers of kvreplay.reporting, on synthetic frames (no model, no ledger)."""
+"""kvreplay.report.figures and the table/figure writers of kvreplay.report.files, on synthetic frames (no model, no ledger)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
-
-from kvreplay import figures  # noqa: E402
-from kvreplay.reporting import contract_frame, latex_escape, save_figure, save_table  # noqa: E402
+from kvreplay.report import figures  # noqa: E402
+from kvreplay.report.files import contract_frame, latex_escape, save_figure, save_table  # noqa: E402
 
 
 def _layers():

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
-
 from kvreplay import caches, decode
-from kvreplay.experiments import RunSpec, exp1_row, matrix_summary
+from kvreplay.experiments.live_vs_prefill import exp1_row
+from kvreplay.experiments.matrix import matrix_summary
 from kvreplay.gates import GateError, cache_tensors
-from kvreplay.ledger import Ledger, run_rows
+from kvreplay.ledger.store import Ledger, run_rows
+from kvreplay.runner import RunSpec
 
 
 @pytest.fixture
@@ -129,7 +130,7 @@ def test_preflight_failure_aborts_and_full_run_failure_is_recorded(spec_factory,
 
 
 def test_experiment2_row_gates_and_endpoints(spec_factory):
-    from kvreplay.experiments import exp2_row
+    from kvreplay.experiments.fixed_prefix import exp2_row
 
     spec = spec_factory()
     live_rec = exp1_row(spec, tiny_problems(1)[0])

@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from kvreplay.experiments import ROW_ALGORITHM
 from kvreplay.paths import LEDGERS
+from kvreplay.runner import ROW_ALGORITHM
 
 COMMITTED = "cpu"
 PENDING: set[str] = set()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
-
 from kvreplay import decode
 from kvreplay.contract import BRANCH1, Caps, resolve_format
-from kvreplay.experiments import (
-    RunSpec, controls_row, controls_summary, controls_table, exp1_row, exp2_row, is_tie, tie_initiated,
-)
+from kvreplay.experiments.controls import controls_row, controls_summary, controls_table
+from kvreplay.experiments.endpoints import is_tie, tie_initiated
+from kvreplay.experiments.fixed_prefix import exp2_row
+from kvreplay.experiments.live_vs_prefill import exp1_row
 from kvreplay.gates import EQUIVALENCE_TOLERANCE, GateError
+from kvreplay.runner import RunSpec
 
 # ----------------------------------------------------------------------------- greedy = argmax, lowest ID on a tie
 
@@ -44,8 +45,8 @@ class _StructuralMask:
 
 
 def _branch1_matches_generate(lm, fmt, prompt, caps):
-    from transformers import LogitsProcessorList
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import LogitsProcessorList
 
     live = decode.decode_live(lm, fmt, prompt, caps)
     parsed = fmt.boundary_parse(live.ids)
@@ -78,8 +79,8 @@ def test_live_branch1_equals_hf_greedy_generate_on_a_tiny_model(arch, tiny_forma
 
 @pytest.mark.notebook
 def test_live_branch1_equals_hf_greedy_generate_on_the_embedded_model():
-    from kvreplay.data import load_bank
     from kvreplay.models import load_model
+    from kvreplay.problems import load_bank
 
     lm = load_model("embedded", "float32")
     fmt = resolve_format(lm.tokenizer, "chat_multibranch")
@@ -166,13 +167,14 @@ def test_a_construction_fault_fails_closed_in_either_precision(tiny_format, pref
 
 
 def test_preflight_rows_carry_the_equivalence_gate_through_the_runner(tmp_path, monkeypatch, prefill_sees_shifted_positions):
-    from kvreplay import experiments
-    from kvreplay.experiments import ArmSettings, run_experiment1
+    from kvreplay.runner import spec as runner  # ArmSettings.config looks model_key up there
+    from kvreplay.experiments.live_vs_prefill import run_experiment1
+    from kvreplay.runner import ArmSettings
 
     lm = tiny_lm("llama", torch.bfloat16)
     monkeypatch.setattr(ArmSettings, "load", lambda self, device=None: (lm, resolve_format(lm.tokenizer, _tiny_spec())))
-    monkeypatch.setattr(experiments, "model_key", lambda model: {"model": "tiny"})
-    monkeypatch.setattr(experiments.ArmSettings, "config", lambda self, name, problems: {"experiment": name, "t": 1})
+    monkeypatch.setattr(runner, "model_key", lambda model: {"model": "tiny"})
+    monkeypatch.setattr(ArmSettings, "config", lambda self, name, problems: {"experiment": name, "t": 1})
     settings = ArmSettings(profile="t", dtype="bfloat16", caps=TINY_CAPS, preflight=1)
     with pytest.raises(GateError, match="preflight row tiny-00 failed gate 'equivalence'"):
         run_experiment1(tiny_problems(2), settings, ledger_root=tmp_path, progress=False)
@@ -247,7 +249,7 @@ def test_controls_row_fp32_readout_and_null_perturbation(tiny_format):
 
 def test_null_perturbation_matches_the_count_and_sizes_of_a_real_difference(tiny_format):
     from kvreplay import caches
-    from kvreplay.experiments import null_perturbation
+    from kvreplay.experiments.controls import null_perturbation
     from kvreplay.gates import cache_tensors
 
     lm = tiny_lm("llama", torch.bfloat16)

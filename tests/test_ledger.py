@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kvreplay.ledger import Ledger, LedgerError, canonical_json
+from kvreplay.ledger.store import Ledger, LedgerError, canonical_json
 
 WORKER = Path(__file__).with_name("ledger_worker.py")
 
@@ -81,7 +80,7 @@ def test_canonical_json_is_stable():
 
 
 def test_stale_incomplete_ledger_refuses_to_resume(tmp_path, monkeypatch):
-    from kvreplay.ledger import run_rows
+    from kvreplay.ledger.store import run_rows
 
     led = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=1)
     run_rows(led, ["p1"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False)
@@ -100,8 +99,7 @@ def test_stale_incomplete_ledger_refuses_to_resume(tmp_path, monkeypatch):
 
 def test_parquet_export_is_columnar_and_deterministic(tmp_path):
     import pandas as pd
-
-    from kvreplay.ledger import export_parquet
+    from kvreplay.ledger.store import export_parquet
 
     led = Ledger(tmp_path, "x", {"a": 1})
     for i in range(3):

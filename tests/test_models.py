@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm
-
 from kvreplay import decode
 from kvreplay.contract import resolve_format
-from kvreplay.experiments import model_key
 from kvreplay.models import (
-    SELF_CHECK_RATIO, ExecutionContract, ModelLoadError, cache_refusal, execution_contract, load_model, self_check,
+    SELF_CHECK_RATIO,
+    ExecutionContract,
+    ModelLoadError,
+    cache_refusal,
+    execution_contract,
+    load_model,
+    self_check,
 )
+from kvreplay.runner import model_key
 
 
 @pytest.fixture
@@ -66,7 +71,6 @@ def test_execution_contract_records_the_numerical_contract(qwen_dir):
 
 def test_bench_runs_and_reports_ratios(qwen_dir):
     import ray
-
     from kvreplay.bench import run
 
     table = run(model=str(qwen_dir), dtype="float32", tokens=4, repeats=1, threads=1, caps=(3, 4, 2), workers=2)

@@ -12,10 +12,10 @@ import pandas as pd
 import papermill as pm
 import pytest
 import yaml
-
-from kvreplay import assemble
 from kvreplay.paper import CHAIN, declared_parameters
 from kvreplay.paths import NOTEBOOKS, PARAMS
+from kvreplay.report.paper_tables import NOT_RUN
+from kvreplay.report.summary import TABLES_BY_EXPERIMENTS
 
 pytestmark = pytest.mark.notebook
 SMOKE = yaml.safe_load((PARAMS / "smoke.yaml").read_text())
@@ -137,7 +137,7 @@ def test_experiment5_smoke(chain_run):
     env = json.loads((folder / "environment.json").read_text())["execution_contract"]
     assert env["model"]["role_table_sha256"] == panel_doc["checkpoint"]["role_table_sha256"]
     table = pd.read_csv(figures / "smoke" / "table_exp5_replication.csv", index_col=0).iloc[:, 0]
-    from kvreplay.replication import PRECEDENCE
+    from kvreplay.experiments.replication import PRECEDENCE
 
     assert table["interpretation (frozen matrix)"] in PRECEDENCE
     assert table["thresholds (the paper's, absolute)"].startswith("≥ 12 divergent and ≥ 6 exact rows")
@@ -160,7 +160,7 @@ def test_tables_smoke(chain_run):
     for stem in TABLES:
         for ext in ("csv", "md", "tex"):
             assert (out / f"{stem}.{ext}").stat().st_size > 0, f"{stem}.{ext}"
-    for stem, notebook in assemble.TABLES_BY_EXPERIMENTS.items():  # written once, by the experiment notebook
+    for stem, notebook in TABLES_BY_EXPERIMENTS.items():  # written once, by the experiment notebook
         assert f"(made by `notebooks/{notebook}`)" in (out / f"{stem}.md").read_text(), stem
     old_names = ("exp1_table", "exp2_table", "exp2_crossing", "exp3_bridge", "exp3_audit", "exp4_table", "exp4_localization",
                  "exp5_table", "exp5_accuracy")
@@ -173,7 +173,7 @@ def test_tables_smoke(chain_run):
         assert f"\\label{{tab:{tex.stem}}}" in text, tex.name
     vs = pd.read_csv(out / "table_vs_paper.csv", index_col=0)
     built = vs[vs["experiment"] <= 5]
-    assert (built["this run"] != assemble.NOT_RUN).all()
+    assert (built["this run"] != NOT_RUN).all()
     amap = pd.read_csv(out / "table_artifact_map.csv", index_col=0)
     assert set(vs.index) <= set(amap.index)
     t2 = pd.read_csv(out / "table2_role_visibility.csv", index_col=0)

@@ -1,7 +1,6 @@
 """The `make paper` driver's command line: clear errors for bad input."""
 
 import pytest
-
 from kvreplay.paper import main
 
 
@@ -104,7 +103,6 @@ def test_a_malformed_notebooks_key_is_refused(tmp_path, monkeypatch, capsys):
 
 def test_executed_copies_do_not_depend_on_the_run_or_the_checkout(tmp_path):
     import nbformat
-
     from kvreplay.paper import clean_executed
     from kvreplay.paths import ROOT
 

@@ -13,15 +13,20 @@ import ray
 import torch
 import yaml
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_problems
-
-from kvreplay import parallel
-from kvreplay.data import load_bank
-from kvreplay.experiments import ROW_ALGORITHM, ArmSettings, exp1_row, run_arm, run_experiment1
+from kvreplay.experiments.live_vs_prefill import exp1_row, run_experiment1
 from kvreplay.gates import GateError
-from kvreplay.ledger import Ledger, run_rows
-from kvreplay.models import ExecutionContract, ModelLoadError, execution_contract, load_model
-from kvreplay.parallel import RowActors, actor_resources
+from kvreplay.ledger.store import Ledger, run_rows
+from kvreplay.models import (
+    ExecutionContract,
+    ModelLoadError,
+    execution_contract,
+    load_model,
+)
 from kvreplay.paths import LEDGERS
+from kvreplay.problems import load_bank
+from kvreplay.runner import ROW_ALGORITHM, ArmSettings, run_arm
+from kvreplay.runner import actors as parallel
+from kvreplay.runner.actors import RowActors, actor_resources
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +210,7 @@ def test_bad_worker_counts_and_an_actor_that_cannot_start(tmp_path, tiny_arm, cl
 
 def test_actors_refuse_a_problem_longer_than_the_context_before_any_ledger_exists(tmp_path, tiny_arm, cluster):
     from kvreplay.contract import ContractError
-    from kvreplay.data import Problem
+    from kvreplay.problems import Problem
 
     long = Problem("long-1", "test", 9, " ".join(["word"] * 450) + "?", ("x", "y"), "A")  # > 2048 byte tokens
     with pytest.raises(ContractError, match=r"problem long-1 \(test line 9\).*only 2048 \(max_position_embeddings\)"):

@@ -1,4 +1,4 @@
-"""Experiment 5 (kvreplay.replication): the frozen interpretation matrix, the outcome-blind panel, six arms per row."""
+"""Experiment 5 (kvreplay.experiments.replication): the frozen interpretation matrix, the outcome-blind panel, six arms per row."""
 
 from __future__ import annotations
 
@@ -8,13 +8,22 @@ import json
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
-
-from kvreplay import adapt, decode, replication
-from kvreplay.experiments import RunSpec, exp1_row, load_fixed_prefixes, write_prefix_bank
-from kvreplay.gates import GateError
-from kvreplay.replication import (
-    CHECKPOINT_SENSITIVE, CONDITIONAL, PROCEDURAL, STRONG, UNDERPOWERED, interpret, scaled_thresholds,
+from kvreplay import adapt, decode
+from kvreplay.experiments import replication
+from kvreplay.experiments.fixed_prefix import load_fixed_prefixes
+from kvreplay.experiments.live_vs_prefill import exp1_row
+from kvreplay.experiments.replication import (
+    CHECKPOINT_SENSITIVE,
+    CONDITIONAL,
+    PROCEDURAL,
+    STRONG,
+    UNDERPOWERED,
+    interpret,
+    scaled_thresholds,
 )
+from kvreplay.gates import GateError
+from kvreplay.ledger.prefix_bank import write_prefix_bank
+from kvreplay.runner import RunSpec
 
 # ----------------------------------------------------------------------------- thresholds and labels
 
@@ -158,7 +167,7 @@ def test_failed_gate_withholds_the_verdict(spec):
 def _tiny_family(tmp_path):
     cfg = adapt.AdaptConfig(name="t", model="embedded", fmt=TINY_FORMAT, n_train=2, n_heldout=1, steps=2,
                             checkpoints=(1, 2), eval_every=1, threads=1)
-    from kvreplay.experiments import model_key
+    from kvreplay.runner import model_key
 
     folder, manifest = adapt.ensure_checkpoints(cfg, tmp_path / "ck", bank=[], problems=tiny_problems(3), progress=False,
                                                 loader=lambda: tiny_lm("llama", torch.float32), base_key=model_key("embedded"))
@@ -188,9 +197,9 @@ def test_resolve_checkpoint(tmp_path):
 
 
 def test_role_table_ledger_key_is_location_independent(tmp_path):
-    from kvreplay.experiments import role_table_key
     from kvreplay.models import ModelLoadError
     from kvreplay.paths import ROOT
+    from kvreplay.runner import role_table_key
 
     f = tmp_path / "t.pt"
     torch.save(torch.zeros(14, 4), f)

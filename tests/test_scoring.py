@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvreplay.scoring import Score, score_answer, score_multiple_choice, score_numeric
 
 OPTIONS = ["London", "Paris", "Berlin", "Rome"]

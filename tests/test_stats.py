@@ -6,7 +6,6 @@ import warnings
 
 import numpy as np
 import pytest
-
 from kvreplay.stats import (
     McNemar,
     PairedDifference,
@@ -15,7 +14,6 @@ from kvreplay.stats import (
     paired_bootstrap,
     wilson,
 )
-
 
 # ---------------------------------------------------------------- Wilson
 

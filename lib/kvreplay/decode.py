@@ -24,7 +24,17 @@ import torch
 from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
-from .contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, Caps, ContractError, attention_mask_4d
+from .contract import (
+    ANSWER,
+    BRANCH1,
+    MERGE,
+    PROMPT,
+    ROLE_OFFSET,
+    BlockFormat,
+    Caps,
+    ContractError,
+    attention_mask_4d,
+)
 from .gates import GateError
 from .models import LoadedModel, sdpa_backend_list
 

@@ -42,7 +42,6 @@ problem admitted.
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -52,7 +51,17 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import decode
-from .contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, Caps, ContractError, visibility_matrix
+from .contract import (
+    ANSWER,
+    BRANCH1,
+    MERGE,
+    PROMPT,
+    ROLE_OFFSET,
+    BlockFormat,
+    Caps,
+    ContractError,
+    visibility_matrix,
+)
 from .decode import BlockCursor, Boundary, Suffix
 from .gates import GateError
 from .models import LoadedModel

@@ -18,8 +18,23 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import assemble
 from .contract import ROLE_NAMES
+from .experiments.matrix import comparison as compare_states
+from .gates import cache_tensors
+from .ledger.lookup import LoadedLedger, MissingLedgerError, find_chain_ledger
+from .models import load_tokenizer
+from .rebuild import (
+    COMPARISONS,
+    comparison_arms,
+    drift_maps,
+    fingerprint_matches,
+    load_for_ledger,
+    model_for_ledger,
+    rebuild_pair,
+    token_text,
+)
+from .report import figures
+from .report.frames import layer_drift_frame
 
 PRECISIONS = ("bfloat16", "float32")
 
@@ -28,36 +43,36 @@ _TOKENIZERS: dict = {}
 _PAIRS: dict = {}
 
 
-def _model_key(led: assemble.LoadedLedger, model: str | None) -> tuple:
+def _model_key(led: LoadedLedger, model: str | None) -> tuple:
     c = led.config
     role = (c.get("role_table") or {}).get("sha256")
-    return (assemble.model_for_ledger(led, model), c["dtype"], role, c["threads"], tuple(c["sdpa_backends"]),
+    return (model_for_ledger(led, model), c["dtype"], role, c["threads"], tuple(c["sdpa_backends"]),
             led.contract.get("format_digest"))
 
 
-def model_for(led: assemble.LoadedLedger, model: str | None = None):
-    """The ledger's model and block format, loaded once per kernel (:func:`kvreplay.assemble.load_for_ledger`).
+def model_for(led: LoadedLedger, model: str | None = None):
+    """The ledger's model and block format, loaded once per kernel (:func:`kvreplay.rebuild.load_for_ledger`).
 
     Returns:
         ``(LoadedModel, BlockFormat)``.
 
     Raises:
-        as :func:`kvreplay.assemble.load_for_ledger`.
+        as :func:`kvreplay.rebuild.load_for_ledger`.
     """
     key = _model_key(led, model)
     if key not in _MODELS:
-        _MODELS[key] = assemble.load_for_ledger(led, model)
+        _MODELS[key] = load_for_ledger(led, model)
     return _MODELS[key]
 
 
-def tokenizer_for(led: assemble.LoadedLedger, model: str | None = None):
+def tokenizer_for(led: LoadedLedger, model: str | None = None):
     """The ledger's tokenizer alone (no weights), loaded once per kernel; the loaded model's if there is one."""
     key = _model_key(led, model)
     if key in _MODELS:
         return _MODELS[key][0].tokenizer
-    name = assemble.model_for_ledger(led, model)
+    name = model_for_ledger(led, model)
     if name not in _TOKENIZERS:
-        _TOKENIZERS[name] = assemble.load_tokenizer(name)
+        _TOKENIZERS[name] = load_tokenizer(name)
     return _TOKENIZERS[name]
 
 
@@ -68,9 +83,9 @@ class RebuiltPair:
     Attributes:
         ref, other: :class:`~kvreplay.decode.Boundary` states (caches ``[2, kv_heads, |z|, head_dim]`` per layer).
         tensors: ``(ref inventory, other inventory)`` from :func:`kvreplay.gates.cache_tensors`.
-        maps: :func:`kvreplay.assemble.drift_maps` (per head and per position, keys and values).
-        summary: :func:`kvreplay.experiments.comparison` of the pair (per tensor).
-        fingerprint: :func:`kvreplay.assemble.fingerprint_matches` against the ledger's summary.
+        maps: :func:`kvreplay.rebuild.drift_maps` (per head and per position, keys and values).
+        summary: :func:`kvreplay.experiments.matrix.comparison` of the pair (per tensor).
+        fingerprint: :func:`kvreplay.rebuild.fingerprint_matches` against the ledger's summary.
         tokens: token text of each position of z.
         blocks: block name -> first position in z.
         seconds: ``{"model": s, "rebuild": s}`` wall times (model 0 when it was cached).
@@ -87,44 +102,42 @@ class RebuiltPair:
     seconds: dict[str, float]
 
 
-def rebuild(led: assemble.LoadedLedger, row: dict, comparison: str, model: str | None = None, progress=None) -> RebuiltPair:
+def rebuild(led: LoadedLedger, row: dict, comparison: str, model: str | None = None, progress=None) -> RebuiltPair:
     """Rebuild (or return the cached) boundary pair of ``row`` for ``comparison``.
 
     Args:
         led: the row's ledger (Experiment 1 or 2).
         row: the ledger record.
-        comparison: a key of ``row["boundary"]`` (see :data:`kvreplay.assemble.COMPARISONS`).
+        comparison: a key of ``row["boundary"]`` (see :data:`kvreplay.rebuild.COMPARISONS`).
         model: overrides the ledger's model path (local folders).
         progress: optional callable ``(step: int, of: int, what: str)`` told before each stage.
 
     Raises:
-        GateError, ModelLoadError, ContractError: as :func:`kvreplay.assemble.rebuild_pair`.
+        GateError, ModelLoadError, ContractError: as :func:`kvreplay.rebuild.rebuild_pair`.
     """
     key = (str(led.dir), row["problem_id"], comparison, model)
     if key in _PAIRS:
         return _PAIRS[key]
-    from .experiments import comparison as compare_states
-    from .gates import cache_tensors
 
     tell = progress or (lambda *a: None)
     experiment = led.key.split("-")[0]
-    ref_arm, other_arm = assemble.comparison_arms(experiment, comparison)
+    ref_arm, other_arm = comparison_arms(experiment, comparison)
     t0 = time.perf_counter()
     cached = _model_key(led, model) in _MODELS
     tell(0, 4, "model cached" if cached else "loading the ledger's model")
     lm, fmt = model_for(led, model)
     t1 = time.perf_counter()
     tell(1, 4, f"rebuilding {ref_arm} and {other_arm} from z ({len(row['prefix'])} tokens)")
-    a, b = assemble.rebuild_pair(lm, fmt, row["prefix"], ref_arm, other_arm, where=row["problem_id"])
+    a, b = rebuild_pair(lm, fmt, row["prefix"], ref_arm, other_arm, where=row["problem_id"])
     tell(2, 4, "comparing the two caches")
     summary = compare_states(a, b, per_tensor=True)
     inv = (cache_tensors(a.cache), cache_tensors(b.cache))
     tell(3, 4, "drift maps per head and position")
-    maps = assemble.drift_maps(*inv)
+    maps = drift_maps(*inv)
     roles = fmt.parse(row["prefix"]).roles
     blocks = {ROLE_NAMES[r]: list(roles).index(r) for r in sorted(set(roles))}
-    tokens = [assemble.token_text(lm.tokenizer, t) for t in row["prefix"]]
-    pair = RebuiltPair(a, b, inv, maps, summary, assemble.fingerprint_matches(row["boundary"][comparison], summary),
+    tokens = [token_text(lm.tokenizer, t) for t in row["prefix"]]
+    pair = RebuiltPair(a, b, inv, maps, summary, fingerprint_matches(row["boundary"][comparison], summary),
                        tokens, blocks, {"model": 0.0 if cached else t1 - t0, "rebuild": time.perf_counter() - t1})
     tell(4, 4, "done")
     _PAIRS[key] = pair
@@ -168,18 +181,18 @@ def row_status(row: dict, comparison: str) -> str:
     return f"{row['problem_id']} · {suffix} · {exact}"
 
 
-def available_pairs(ledger_root: str | Path, profile: str) -> dict[str, tuple[assemble.LoadedLedger, str]]:
+def available_pairs(ledger_root: str | Path, profile: str) -> dict[str, tuple[LoadedLedger, str]]:
     """Every (experiment, precision, comparison) whose finished ledger exists for the profile.
 
     Returns:
         label (e.g. ``"exp1 bfloat16: prefill vs live"``) -> ``(ledger, comparison)``; empty if none.
     """
     out = {}
-    for experiment, comps in assemble.COMPARISONS.items():
+    for experiment, comps in COMPARISONS.items():
         for precision in PRECISIONS:
             try:
-                led = assemble.find_chain_ledger(ledger_root, profile, f"{experiment}-{precision}")
-            except (assemble.MissingLedgerError, KeyError):
+                led = find_chain_ledger(ledger_root, profile, f"{experiment}-{precision}")
+            except (MissingLedgerError, KeyError):
                 continue
             for comp, (ref, other) in comps.items():
                 out[f"{experiment} {precision}: {other} vs {ref}"] = (led, comp)
@@ -195,7 +208,7 @@ class Explorer:
     wall time, also shown in the status line.
 
     Raises:
-        assemble.MissingLedgerError: if the profile has no Experiment 1 or 2 ledger.
+        MissingLedgerError: if the profile has no Experiment 1 or 2 ledger.
     """
 
     def __init__(self, ledger_root: str | Path, profile: str, *, model: str | None = None, pair: str | None = None,
@@ -205,7 +218,7 @@ class Explorer:
         self.model = model
         self.pairs = available_pairs(ledger_root, profile)
         if not self.pairs:
-            raise assemble.MissingLedgerError(
+            raise MissingLedgerError(
                 f"no Experiment 1 or 2 ledger for profile {profile!r} under {ledger_root}; run notebooks 01 and 02 "
                 f"(make paper PROFILE={profile}) or pick a profile with committed ledgers")
         self.last_draw_s = None
@@ -233,7 +246,7 @@ class Explorer:
 
     # -- state
     @property
-    def ledger(self) -> assemble.LoadedLedger:
+    def ledger(self) -> LoadedLedger:
         return self.pairs[self.pair_picker.value][0]
 
     @property
@@ -281,15 +294,14 @@ class Explorer:
         import matplotlib.pyplot as plt
         from IPython.display import display
 
-        from . import figures
 
         row, comp = self.row, self.comparison
-        ref, other = assemble.comparison_arms(self.ledger.key.split("-")[0], comp)
+        ref, other = comparison_arms(self.ledger.key.split("-")[0], comp)
         summary = row["boundary"][comp]
         with self.summary_out:
             self.summary_out.clear_output(wait=True)
             if "tensors" in summary:
-                fig = figures.explorer_layers(assemble.layer_drift_frame(summary["tensors"]),
+                fig = figures.explorer_layers(layer_drift_frame(summary["tensors"]),
                                               title=f"{row['problem_id']}: {other} vs {ref}, {self.ledger.config['dtype']} (ledger)")
                 display(_png(fig))
             else:
@@ -308,7 +320,6 @@ class Explorer:
         import matplotlib.pyplot as plt
         from IPython.display import display
 
-        from . import figures
 
         t0 = time.perf_counter()
         row, comp = self.row, self.comparison
@@ -316,7 +327,7 @@ class Explorer:
         pair = _PAIRS.get(key)
         if pair is None:
             return
-        ref, other = assemble.comparison_arms(self.ledger.key.split("-")[0], comp)
+        ref, other = comparison_arms(self.ledger.key.split("-")[0], comp)
         detail = head_position_drift(pair, self.layer.value, self.head.value, self.kind.value)
         fig = figures.explorer_view(pair.maps, detail, pair.tokens, pair.blocks, layer=self.layer.value, head=self.head.value,
                                     kind=self.kind.value, title=f"{row['problem_id']}: {other} vs {ref}, {self.ledger.config['dtype']}")
@@ -339,7 +350,7 @@ class Explorer:
         return self.widget
 
 
-def rows_frame(led: assemble.LoadedLedger, comparison: str) -> pd.DataFrame:
+def rows_frame(led: LoadedLedger, comparison: str) -> pd.DataFrame:
     """The rows of a ledger with their divergence status (the list the row picker offers).
 
     Returns:

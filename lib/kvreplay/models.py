@@ -10,7 +10,6 @@ downloaded, ``HF_HUB_OFFLINE=1``) works through the same ``model`` argument.
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import hashlib
 import importlib.util
@@ -81,7 +80,7 @@ class ExecutionContract:
 
     Attributes:
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Ray row actors
-            (:mod:`kvreplay.parallel`) each get their own GPU for ``"cuda"``
+            (:mod:`kvreplay.runner.actors`) each get their own GPU for ``"cuda"``
             (an explicit ``"cuda:N"`` runs in one process only); the ledger
             key holds only the device type.
         sdpa_backends: SDPA backends every forward call may use. The default
@@ -729,3 +728,21 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def load_tokenizer(model: str):
+    """The tokenizer alone (no weights), for decoding ledger token IDs when nothing is rebuilt."""
+    import os
+
+    from transformers import AutoTokenizer
+
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with quiet_loading():
+        if model == EMBEDDED:
+            p = embedded_model_path()
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        if str(model).endswith(".gguf"):
+            p = Path(model)
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return AutoTokenizer.from_pretrained(model)

@@ -41,7 +41,9 @@ from pathlib import Path
 
 import yaml
 
-from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, PARAMS
+from .adapt import read_pointer
+from .ledger.store import TERMINAL_PROGRESS, canonical_json, library_digest
+from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, PARAMS, ROOT
 
 EXECUTED_PROFILES = ("cpu",)
 """Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (the committed default profile)."""
@@ -156,7 +158,6 @@ def clean_executed(src: Path, dest: Path) -> Path:
     """
     import nbformat
 
-    from .paths import ROOT
 
     prefix = f"{ROOT}/"
     nb = nbformat.read(str(src), as_version=4)
@@ -179,7 +180,7 @@ def clean_executed(src: Path, dest: Path) -> Path:
 
 
 SAVED_MARK = re.compile(r"^\[saved (table|figure) ([\w.-]+): ([^\]]*)\]", re.M)
-"""The line :func:`kvreplay.reporting.save_table` / ``save_figure`` print in a notebook for each file set they write."""
+"""The line :func:`kvreplay.report.files.save_table` / ``save_figure`` print in a notebook for each file set they write."""
 
 
 def artifact_index(folder: Path, chain: list[str]) -> list[dict]:
@@ -315,7 +316,6 @@ def inputs_digest(name: str, profile: str, params: dict) -> str:
     role-table checkpoint files the profile's pointer names."""
     import hashlib
 
-    from .ledger import canonical_json, library_digest
 
     h = hashlib.sha256()
     h.update((NOTEBOOKS / name).read_bytes())
@@ -329,7 +329,6 @@ def inputs_digest(name: str, profile: str, params: dict) -> str:
                 h.update(f.read_bytes())
     pointer = root / "role_adaptation.json"  # the checkpoint family lives outside the ledgers (data/checkpoints)
     if pointer.is_file():
-        from .adapt import read_pointer
 
         folder, _ = read_pointer(pointer)
         for name in ("manifest.json", *sorted(p.name for p in folder.glob("*.pt"))) if folder.is_dir() else ():
@@ -398,7 +397,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nin-process run ({args.profile}) finished in {time.perf_counter() - t0:.0f} s; ledgers: {ledgers}; "
               f"tables and figures: {figures}")
         return 0
-    from .ledger import TERMINAL_PROGRESS
 
     os.environ[TERMINAL_PROGRESS] = "1"  # kernels inherit it: computed rows get a row bar in this terminal
     executed = (args.executed or args.profile in EXECUTED_PROFILES) and not args.no_executed

@@ -19,6 +19,11 @@ import json
 import sys
 import time
 
+from .contract import Caps
+from .experiments.live_vs_prefill import exp1_row
+from .problems import load_bank
+from .runner import ArmSettings, RunSpec
+
 SETTINGS = {
     "contract default (math SDPA; deterministic on CUDA)": {"sdpa_backends": ("math",), "deterministic": None},
     "all SDPA backends incl. cuDNN, nondeterministic": {"sdpa_backends": ("cudnn", "flash", "efficient", "math"), "deterministic": False},
@@ -30,9 +35,6 @@ SETTINGS = {
 def run(device: str = "cuda", rows: int = 2, caps: tuple[int, int, int] = (32, 64, 8), dtypes=("bfloat16", "float32"),
         settings: dict | None = None) -> list[dict]:
     """Probe each setting; returns one dict per (setting, dtype)."""
-    from .contract import Caps
-    from .data import load_bank
-    from .experiments import ArmSettings, RunSpec, exp1_row
 
     problems = load_bank()[:rows]
     out = []

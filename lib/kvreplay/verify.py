@@ -28,7 +28,22 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .ledger import canonical_json
+from .contract import Caps
+from .experiments import (
+    bridge,
+    controls,
+    fixed_prefix,
+    live_vs_prefill,
+    replication,
+    transplant,
+)
+from .gates import GateError
+from .ledger.prefix_bank import read_prefix_bank
+from .ledger.store import canonical_json
+from .models import context_length, execution_contract
+from .paths import LEDGERS, ROOT
+from .problems import load_bank
+from .runner import ROW_ALGORITHM, ArmSettings, RunSpec, check_prompts
 
 ENVIRONMENT_KEYS = ("device_name", "cpu_capability", "cpu_isa_flags", "torch", "intra_op_threads")
 """Execution-contract fields that must match for a byte-for-byte comparison to be owed."""
@@ -92,15 +107,12 @@ def _token_fields(rec: dict) -> dict:
 
 
 def settings_from_manifest(folder: Path):
-    """The :class:`~kvreplay.experiments.ArmSettings` that wrote a ledger, from its manifest and environment.
+    """The :class:`~kvreplay.runner.ArmSettings` that wrote a ledger, from its manifest and environment.
 
     Raises:
         ValueError: for a model the manifest does not name as loadable here (only the embedded model, a
             role table inside the repository and a local path are supported).
     """
-    from .contract import Caps
-    from .experiments import ArmSettings
-    from .paths import ROOT
 
     config = json.loads((folder / "manifest.json").read_text())["config"]
     model = config["model"]["model"]
@@ -116,8 +128,6 @@ def settings_from_manifest(folder: Path):
 
 
 def _bank_prefixes(folder: Path, config: dict) -> dict[str, list[int]]:
-    from .experiments import read_prefix_bank
-    from .gates import GateError
 
     entries, digest = read_prefix_bank(folder.parent / "prefix_bank_bf16.jsonl")
     if config.get("prefix_bank_sha256") not in (None, digest):
@@ -132,21 +142,19 @@ def row_function(folder: Path, config: dict):
     Raises:
         ValueError: for an experiment this module cannot recompute.
     """
-    from . import experiments as ex
-    from . import replication
 
     name = config["experiment"]
     if name == "exp1":
-        return lambda spec, p, rec: ex.exp1_row(spec, p)
+        return lambda spec, p, rec: live_vs_prefill.exp1_row(spec, p)
     if name == "exp2":
-        return lambda spec, p, rec: ex.exp2_row(spec, p, rec["prefix"])
+        return lambda spec, p, rec: fixed_prefix.exp2_row(spec, p, rec["prefix"])
     bank = _bank_prefixes(folder, config)
     if name == "exp2_controls":
-        return lambda spec, p, rec: ex.controls_row(spec, p, bank[p.problem_id], config["seed"])
+        return lambda spec, p, rec: controls.controls_row(spec, p, bank[p.problem_id], config["seed"])
     if name == "exp3":
-        return lambda spec, p, rec: ex.bridge_row(spec, p, bank[p.problem_id])
+        return lambda spec, p, rec: bridge.bridge_row(spec, p, bank[p.problem_id])
     if name == "exp4":
-        return lambda spec, p, rec: ex.transplant_row(
+        return lambda spec, p, rec: transplant.transplant_row(
             spec, p, bank[p.problem_id], rec["stratum"], sweep=any(k.startswith("layer_") for k in rec["interventions"]))
     if name == "exp5":
         return lambda spec, p, rec: replication.replication_row(spec, p, bank[p.problem_id])
@@ -171,9 +179,6 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     """
     import torch
 
-    from .data import load_bank
-    from .experiments import ROW_ALGORITHM, RunSpec, check_prompts
-    from .models import context_length, execution_contract
 
     folder = Path(folder)
     if not (folder / "manifest.json").is_file():
@@ -226,7 +231,6 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
 
 def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only: Sequence[str] = ()) -> list[RowCheck]:
     """:func:`verify_ledger` on every recomputable experiment ledger of a profile (``only``: name prefixes)."""
-    from .experiments import ROW_ALGORITHM
 
     out = []
     for folder in sorted(Path(ledger_root, profile).iterdir()):
@@ -240,7 +244,6 @@ def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .paths import LEDGERS
 
     ap = argparse.ArgumentParser(prog="python -m kvreplay.verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="cpu")

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pandas as pd
 
-
 LATEX_UNICODE = {
     "…": r"\ldots{}", "–": "--", "—": "---", "−": "$-$", "→": r"$\rightarrow$", "←": r"$\leftarrow$",
     "≥": r"$\geq$", "≤": r"$\leq$", "·": r"$\cdot$", "×": r"$\times$", "±": r"$\pm$", "Δ": r"$\Delta$",
@@ -50,7 +49,7 @@ def latex_text(text: str) -> str:
         elif ch in LATEX_UNICODE:
             out.append(LATEX_UNICODE[ch])
         else:
-            raise ValueError(f"no LaTeX spelling for {ch!r} (U+{ord(ch):04X}); add it to kvreplay.reporting.LATEX_UNICODE")
+            raise ValueError(f"no LaTeX spelling for {ch!r} (U+{ord(ch):04X}); add it to kvreplay.report.files.LATEX_UNICODE")
     return "".join(out)
 
 

@@ -2,13 +2,13 @@
 
 Rows of an experiment are independent pure functions of (model, contract,
 problem), so they can be computed in any process, on any host. With
-``ArmSettings.workers > 1``, :func:`kvreplay.experiments.run_arm` runs an arm
+``ArmSettings.workers > 1``, :func:`kvreplay.runner.run_arm` runs an arm
 on :class:`RowActors`: each actor applies the arm's
 :class:`~kvreplay.models.ExecutionContract` before it loads the model (intra-op
 threads, deterministic algorithms, TF32, SDPA backends, exactly as a
 sequential run does), loads the model once and then computes groups of rows
 on request: one problem at a time on the eager path, or a chunk of ``batch``
-problems through the batched engine (:class:`~kvreplay.experiments.BatchedRows`),
+problems through the batched engine (:class:`~kvreplay.runner.BatchedRows`),
 so each actor's batch slots stay full. On CUDA each actor holds one GPU
 (``num_gpus=1``; Ray sets ``CUDA_VISIBLE_DEVICES``), or a share of one when
 there are more actors than GPUs.
@@ -43,6 +43,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+
+from ..models import context_length
+from .spec import BatchedRows, RunSpec, arm_environment, check_prompts
 
 DEPTH = 2
 """Groups of rows in flight per actor: the next one waits in the actor's queue while it computes the current one."""
@@ -128,7 +131,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus
         current = ray.get_runtime_context().gcs_address
         if address and address != "auto" and not address.startswith("ray://") and address != current:
             raise RuntimeError(f"this process is connected to the Ray cluster at {current}, not {address!r}; "
-                               f"call kvreplay.parallel.shutdown() first to join another")
+                               f"call kvreplay.runner.actors.shutdown() first to join another")
     else:
         quiet = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
         if address:
@@ -182,7 +185,6 @@ class RowActor:
         try:
             import ray
 
-            from .experiments import RunSpec
 
             gpus = ray.get_gpu_ids()
             self.device = settings.device + (f" (GPU {','.join(map(str, gpus))})" if gpus else "")
@@ -213,8 +215,6 @@ class RowActor:
             ContractError: a problem violates the contract or its sequence can exceed the model's context;
             ValueError: a ``max_len`` too short for the arm's problems.
         """
-        from .experiments import arm_environment, check_prompts
-        from .models import context_length
 
         self._ready()
         spec = self.spec
@@ -228,7 +228,7 @@ class RowActor:
         ``run`` is ``None`` on the eager path: ``row(spec, problem)`` for each
         problem. Else it is the batched engine's resolved shape (``EngineRun``)
         and the group is one chunk of the engine
-        (:class:`~kvreplay.experiments.BatchedRows`, with the composition gate
+        (:class:`~kvreplay.runner.BatchedRows`, with the composition gate
         when the group holds ``composition_id``). Both come with every call, so
         an actor that Ray restarts needs no other state than its model.
 
@@ -237,7 +237,6 @@ class RowActor:
         """
         import dataclasses
 
-        from .experiments import BatchedRows
 
         self._ready()
         if run is None:
@@ -251,11 +250,11 @@ class RowActors:
     """Row actors of one arm on a Ray cluster; use as a context manager (the actors are killed on exit).
 
     Args:
-        settings: the arm's :class:`~kvreplay.experiments.ArmSettings` (each actor loads the model with it;
+        settings: the arm's :class:`~kvreplay.runner.ArmSettings` (each actor loads the model with it;
             ``settings.workers`` actors unless ``workers`` is given; ``settings.ray_address`` or
             ``$RAY_ADDRESS`` names an existing cluster, else a local one is started).
         row: ``(RunSpec, problem) -> record``, the function a sequential run maps.
-        chunk: ``(RunSpec, problems) -> records``, the batched runner (:func:`~kvreplay.experiments.exp1_chunk`,
+        chunk: ``(RunSpec, problems) -> records``, the batched runner (:func:`~kvreplay.experiments.live_vs_prefill.exp1_chunk`,
             ...), used when :meth:`prepare` resolves an engine run (``settings.step_path`` not eager).
         faults: optional boundary-state hook passed into each actor's RunSpec (tests).
         equivalence_ids: problem IDs that carry the float32 construction-equivalence gate (the preflight rows).

@@ -38,12 +38,22 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import decode
-from .data import Problem
-from .experiments import (
-    DIRECTIONS, RunSpec, _arm_record, order_statistics, rate_text, require_gates, transplant_row, transplant_summary,
+from .. import decode
+from ..adapt import CheckpointError, checkpoint, read_pointer
+from ..contract import ANSWER, MERGE, ContractError, resolve_format
+from ..experiments.endpoints import rate_text, require_gates
+from ..experiments.matrix import arm_record
+from ..experiments.transplant import (
+    DIRECTIONS,
+    order_statistics,
+    transplant_row,
+    transplant_summary,
 )
-from .stats import mcnemar_exact, paired_bootstrap, wilson
+from ..gates import GateError
+from ..models import file_sha256, load_tokenizer
+from ..problems import Problem
+from ..runner import RunSpec, model_key
+from ..stats import mcnemar_exact, paired_bootstrap, wilson
 
 # ----------------------------------------------------------------------------- the frozen interpretation matrix
 
@@ -206,7 +216,7 @@ class ReplicationCheckpoint:
     """The checkpoint Experiment 5 runs under.
 
     Attributes:
-        model: ``model`` argument for :class:`~kvreplay.experiments.ArmSettings`.
+        model: ``model`` argument for :class:`~kvreplay.runner.ArmSettings`.
         role_table: role-table file (or None for a stock checkpoint).
         description: one line for tables.
         record: JSON-able provenance (what it is, digests), written to the panel file and the ledger key.
@@ -234,9 +244,6 @@ def resolve_checkpoint(chain_model: str, replication_model: str | None, replicat
             not the one the table was trained on.
         FileNotFoundError: a given role-table file that does not exist.
     """
-    from .adapt import CheckpointError, checkpoint, read_pointer
-    from .experiments import model_key
-    from .models import file_sha256
 
     if replication_model is None and replication_role_table is None:
         folder, pointer = read_pointer(pointer_path)
@@ -270,8 +277,6 @@ def check_same_format(model: str, fmt: str, expected_digest: str | None) -> None
     Raises:
         ContractError: naming both digests when the tokenizer or format differs.
     """
-    from .assemble import load_tokenizer
-    from .contract import ContractError, resolve_format
 
     if expected_digest is None:
         return
@@ -303,12 +308,11 @@ def replication_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> d
 
 def score_suffix(spec: RunSpec, problem: Problem, prefix: Sequence[int], suffix: Sequence[int]) -> dict:
     """Answer score of a decoded suffix, by the same matcher and fields as every other arm."""
-    from .contract import ANSWER, MERGE
 
     full = list(prefix) + list(suffix)
     parsed = spec.fmt.parse(full, where=f"{problem.problem_id} suffix")
     (m0, m1), (a0, a1) = parsed.content[MERGE], parsed.content[ANSWER]
-    arm = _arm_record(spec, problem, decode.Suffix(list(suffix), [], full[m0:m1], full[a0:a1]))
+    arm = arm_record(spec, problem, decode.Suffix(list(suffix), [], full[m0:m1], full[a0:a1]))
     return {k: arm[k] for k in ("answer_text", "predicted", "correct", "rule", "merge_len", "answer_len")}
 
 
@@ -383,7 +387,6 @@ def accuracy_vs_checkpoint0(exp2_bf16: Sequence[dict], exp5: Sequence[dict], *, 
     Raises:
         GateError: if a row failed a gate or a panel row is missing from Experiment 2.
     """
-    from .gates import GateError
 
     require_gates(exp2_bf16)
     require_gates(exp5)

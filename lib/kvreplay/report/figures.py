@@ -1,9 +1,9 @@
 """The paper's figures, drawn from data frames (no model, no ledger I/O).
 
 Every function takes frames built by :mod:`kvreplay.assemble`,
-:mod:`kvreplay.reporting` or :mod:`kvreplay.replication` and returns a
+:mod:`kvreplay.report.files` or :mod:`kvreplay.experiments.replication` and returns a
 matplotlib ``Figure``; the notebooks save it with
-:func:`kvreplay.reporting.save_figure`, which also shows it inline.
+:func:`kvreplay.report.files.save_figure`, which also shows it inline.
 
 Conventions shared by every figure here:
 
@@ -199,7 +199,7 @@ def divergence_and_drift(firsts: pd.DataFrame, layers: pd.DataFrame, *, referenc
     Args:
         firsts: ``precision``, ``first divergence`` (int, divergent rows only).
         layers: ``layer``, ``kind`` (key/value), ``rel_l2`` (median over rows), ``precision``
-            (:func:`kvreplay.reporting.drift_by_layer` per precision).
+            (:func:`kvreplay.report.files.drift_by_layer` per precision).
         reference: the reference arm's name (``live`` or ``incremental``), for the labels.
         title: the figure title.
 
@@ -269,7 +269,7 @@ def first_divergence(firsts: pd.DataFrame, stats: Mapping[str, Mapping], *, titl
     """First divergence per comparison: histogram with quartile lines, one panel per group.
 
     Args:
-        firsts: ``group``, ``first_divergence`` (:func:`kvreplay.assemble.first_divergence_frame`).
+        firsts: ``group``, ``first_divergence`` (:func:`kvreplay.report.frames.first_divergence_frame`).
         stats: per group ``{"rows", "divergent", "q1", "median", "q3"}`` (q1/q3 None below two values).
         title: the figure title.
     """
@@ -385,7 +385,7 @@ def transplant_outcomes(coarse: pd.DataFrame, order: Sequence[str], directions: 
     """Transplant outcomes per stratum, direction and intervention (stacked row counts).
 
     Args:
-        coarse: :func:`kvreplay.assemble.transplant_outcomes` without single-layer interventions.
+        coarse: :func:`kvreplay.transplant_outcomes` without single-layer interventions.
         order: interventions in drawing order (``whole``, the registered one, first).
         directions: the two transplant directions.
         title: the figure title.
@@ -422,7 +422,7 @@ def replication(frame: pd.DataFrame, directions: Sequence[str], *, title: str):
     """Experiment 5: the panel by prefix length and the whole-cache transplant outcomes.
 
     Args:
-        frame: :func:`kvreplay.replication.outcome_frame` (``problem_id``, ``prefix_len``,
+        frame: :func:`kvreplay.experiments.replication.outcome_frame` (``problem_id``, ``prefix_len``,
             ``stratum``, one outcome column per direction).
         directions: the two transplant directions.
         title: the figure title.
@@ -464,7 +464,7 @@ def near_tie(margin_sets: Mapping[str, pd.DataFrame], *, title: str):
     """Empirical CDFs of greedy margins at shared steps and at the first divergent step.
 
     Args:
-        margin_sets: label -> :func:`kvreplay.assemble.divergence_margins` frame
+        margin_sets: label -> :func:`kvreplay.report.frames.divergence_margins` frame
             (``margin`` >= 0, ``kind``).
         title: the figure title.
 
@@ -541,7 +541,7 @@ def explorer_layers(frame: pd.DataFrame, *, title: str):
     """One row's per-layer K/V drift: relative L2 and max |Δ|, each on its own log axis with a ``0 (exact)`` band.
 
     Args:
-        frame: :func:`kvreplay.assemble.layer_drift_frame` (``layer``, ``kind``, ``rel_l2``, ``max_abs``).
+        frame: :func:`kvreplay.report.frames.layer_drift_frame` (``layer``, ``kind``, ``rel_l2``, ``max_abs``).
     """
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), constrained_layout=True)
     for ax, col, label in ((axes[0], "rel_l2", "relative L2"), (axes[1], "max_abs", "max |Δ|")):
@@ -562,7 +562,7 @@ def drift_heatmaps(maps: Mapping[tuple[str, str], pd.DataFrame], tokens: Sequenc
     """Per-head and per-position drift maps (layers x heads, layers x positions) on a log colour scale.
 
     Args:
-        maps: :func:`kvreplay.assemble.drift_maps` output: ``{(kind, "head"): [layers, heads],
+        maps: :func:`kvreplay.rebuild.drift_maps` output: ``{(kind, "head"): [layers, heads],
             (kind, "position"): [layers, |z|]}`` relative L2 (NaN where the reference is 0).
         tokens: the token text of each position of z (``len(tokens) == |z|``), shown on the position axis.
         blocks: block name -> first position of that block in z (dotted boundaries).
@@ -634,7 +634,7 @@ def explorer_view(maps: Mapping[tuple[str, str], pd.DataFrame], detail: np.ndarr
     """The explorer's main view for one kind (K or V): layers x positions, layers x heads, and one layer/head per position.
 
     Args:
-        maps: :func:`kvreplay.assemble.drift_maps` output.
+        maps: :func:`kvreplay.rebuild.drift_maps` output.
         detail: relative L2 per position ``[|z|]`` of the selected layer and head (NaN where the reference is 0).
         tokens: token text per position of z.
         blocks: block name -> first position in z.
@@ -692,7 +692,7 @@ def topk_logits(topk: pd.DataFrame, ref: str, other: str, *, title: str):
     """Boundary logits of two states on the union of their top-k tokens, and their difference.
 
     Args:
-        topk: :func:`kvreplay.assemble.topk_frame` (``text``, ``reference``, ``other``, ``other - reference``).
+        topk: :func:`kvreplay.rebuild.topk_frame` (``text``, ``reference``, ``other``, ``other - reference``).
         ref, other: arm names for the legend.
     """
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), constrained_layout=True)

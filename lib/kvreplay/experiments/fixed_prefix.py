@@ -1,0 +1,191 @@
+"""Experiment 2: fixed integer prefixes, incremental against prefill, per precision (paper §4.2).
+
+The BF16 boundary prefixes of Experiment 1 are frozen; for each precision
+the incremental cache is rebuilt from them by replaying the live call
+schedule with teacher forcing, and compared with a prefill of the same IDs
+through the four-arm matrix. :func:`precision_crossing` pairs the two
+precisions row by row (paired bootstrap differences, exact McNemar).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from .. import decode, engine
+from ..gates import GateError
+from ..ledger.prefix_bank import read_prefix_bank
+from ..ledger.store import Ledger
+from ..problems import Problem
+from ..runner import ArmSettings, Hook, RunSpec, run_arm
+from ..stats import mcnemar_exact, paired_bootstrap
+from .endpoints import require_gates, with_derived_endpoints
+from .matrix import matrix_chunk, matrix_row
+
+
+def exp2_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
+    """Experiment 2 for one fixed BF16 prefix at the run's precision (paper §3.6).
+
+    The incremental cache teacher-forces z through the live call schedule;
+    it and prefill then form the four-arm matrix.
+
+    Returns:
+        The ledger record (``gate_failure`` set on a gate failure).
+
+    Raises:
+        ContractError: if the prefix does not end at the boundary.
+    """
+    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None}
+    try:
+        inc = decode.build_incremental(spec.lm, spec.fmt, prefix, where=problem.problem_id)
+        parsed = spec.fmt.boundary_parse(prefix, where=problem.problem_id)
+        rec.update(prompt_len=parsed.prompt_len, prefix_len=len(inc.ids), prefix=inc.ids, schedule_calls=len(inc.schedule))
+        matrix_row(spec, problem, rec, inc)
+    except GateError as e:
+        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    return rec
+
+
+def exp2_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[dict]:
+    """Experiment 2 for a chunk of fixed prefixes through the batched engine (the records of :func:`exp2_row`).
+
+    The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`
+    (teacher forcing of the live call schedule), then :func:`matrix_chunk`.
+
+    Raises:
+        ContractError: a prefix that does not end at the boundary.
+    """
+
+    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine.kwargs())
+
+    def head(prefix, pid):
+        def fill(rec, inc):
+            parsed = spec.fmt.boundary_parse(prefix, where=pid)
+            rec.update(prompt_len=parsed.prompt_len, prefix_len=len(inc.ids), prefix=inc.ids,
+                       schedule_calls=len(inc.schedule))
+        return fill
+
+    return matrix_chunk(spec, problems, incs, [head(z, p.problem_id) for z, p in zip(prefixes, problems)])
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedPrefixes:
+    """The BF16 prefix bank joined to its problems (what Experiments 2–4 consume).
+
+    Attributes:
+        entries: bank lines (``problem_id``, ``prompt_len``, ``prefix``) in source order.
+        sha256: the bank file's digest (part of every downstream ledger key).
+        rows: the problems, in the bank's (= the problem bank's) source order.
+        prefixes: problem ID -> boundary prefix z (token IDs).
+    """
+
+    entries: list[dict]
+    sha256: str
+    rows: list[Problem]
+    prefixes: dict[str, list[int]]
+
+
+def load_fixed_prefixes(path: str | Path, problems: Sequence[Problem]) -> FixedPrefixes:
+    """Read the digest-checked prefix bank and join it to ``problems``, with no outcome-based filtering.
+
+    Raises:
+        FileNotFoundError: if notebook 01 has not written the bank.
+        GateError: gate ``provenance`` if the bank fails its digest, names a
+            problem not in ``problems``, or is not in their source order.
+    """
+    entries, digest = read_prefix_bank(path)
+    by_id = {p.problem_id: p for p in problems}
+    unknown = [e["problem_id"] for e in entries if e["problem_id"] not in by_id]
+    if unknown:
+        raise GateError("provenance", f"{path} names problems not in the problem set: {unknown[:5]}")
+    rows = [by_id[e["problem_id"]] for e in entries]
+    if [p.problem_id for p in rows] != [p.problem_id for p in problems[: len(rows)]]:
+        raise GateError("provenance", f"{path} is not in the problem set's source order")
+    return FixedPrefixes(entries, digest, rows, {e["problem_id"]: e["prefix"] for e in entries})
+
+
+def run_experiment2(
+    problems: Sequence[Problem], prefixes: dict[str, list[int]], bank_sha256: str, settings: ArmSettings, *,
+    ledger_root: str | Path, progress: bool = True, faults: Hook | None = None,
+) -> tuple[list[dict], "Ledger"]:
+    """Experiment 2 (paper §3.6) at one precision on fixed prefixes: records and ledger.
+
+    Args:
+        problems: the problems, in the bank's source order.
+        prefixes: problem ID -> BF16 boundary prefix z (token IDs).
+        bank_sha256: digest of the prefix bank (part of the ledger key).
+    """
+    missing = [p.problem_id for p in problems if p.problem_id not in prefixes]
+    if missing:
+        raise GateError("provenance", f"prefix bank has no prefix for {missing}")
+    return run_arm(
+        "exp2", settings, problems, lambda spec, p: exp2_row(spec, p, prefixes[p.problem_id]),
+        ledger_root=ledger_root, extra_config={"prefix_bank_sha256": bank_sha256}, progress=progress, faults=faults,
+        chunk=lambda spec, ps: exp2_chunk(spec, ps, [prefixes[p.problem_id] for p in ps]),
+    )
+
+
+def precision_crossing(bf16: Sequence[dict], fp32: Sequence[dict], seed: int = 20260729, n_resamples: int = 20000) -> dict:
+    """Problem-paired FP32-minus-BF16 change in each disagreement indicator (paper §4.2).
+
+    Returns:
+        per indicator (``suffix``, ``answer``, ``letter``, ``label``): the
+        paired bootstrap difference (FP32 minus BF16; the paper reports the
+        reduction, its negative) and the exact McNemar test; ``accuracy_effect``:
+        the accuracy effect of the construction (prefill minus reference
+        accuracy) in each precision and its problem-paired change FP32 minus
+        BF16 (bootstrap; the paper: -1.0 pts [-5.5, +3.5]); plus
+        ``prefix_identical``, the number of rows whose integer prefix is
+        identical across precisions.
+
+    Raises:
+        GateError: if rows are not paired by problem ID in the same order, or a row failed a gate.
+    """
+    require_gates(bf16)
+    require_gates(fp32)
+    if [r["problem_id"] for r in bf16] != [r["problem_id"] for r in fp32]:
+        raise GateError("report", "BF16 and FP32 rows are not paired in the same problem order")
+    out = {"n": len(bf16), "prefix_identical": sum(a["prefix"] == b["prefix"] for a, b in zip(bf16, fp32))}
+    ref = next(k for k in bf16[0]["arms"] if not k.startswith("prefill") and not k.endswith("_replica")) if bf16 else None
+    effect = {d: [int(r["arms"]["prefill"]["correct"]) - int(r["arms"][ref]["correct"]) for r in rows]
+              for d, rows in (("bfloat16", bf16), ("float32", fp32))}
+    out["accuracy_effect"] = {
+        "bfloat16": sum(effect["bfloat16"]) / len(bf16), "float32": sum(effect["float32"]) / len(fp32),
+        "change": paired_bootstrap(effect["bfloat16"], effect["float32"], n_resamples=n_resamples, seed=seed)
+        if len(bf16) >= 2 else None,
+    }
+    for key in ("suffix", "answer", "letter", "label"):
+        a = [with_derived_endpoints(r, ref)[f"{key}_differs"] for r in bf16]  # version-1 rows: derived, as elsewhere
+        b = [with_derived_endpoints(r, ref)[f"{key}_differs"] for r in fp32]
+        out[key] = {
+            "change": paired_bootstrap(a, b, n_resamples=n_resamples, seed=seed) if len(a) >= 2 else None,
+            "mcnemar": mcnemar_exact(a, b),
+        }
+    return out
+
+
+def crossing_table(cross: dict) -> pd.DataFrame:
+    """Paired FP32 − BF16 change table (percentage points, bootstrap CI, McNemar)."""
+    rows = {}
+    for key, label in (("suffix", "suffix disagreement"), ("answer", "answer-block disagreement (any token)"),
+                       ("letter", "predicted-letter disagreement"), ("label", "correctness-label disagreement")):
+        c, m = cross[key]["change"], cross[key]["mcnemar"]
+        rows[label] = {
+            "FP32 − BF16, pts [95% bootstrap CI]": f"{100 * c.estimate:+.1f} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]" if c else "n/a",
+            "McNemar: BF16-only vs FP32-only, exact p": f"{m.b} vs {m.c}, p = {m.pvalue:.3g}",
+        }
+    e = cross["accuracy_effect"]
+    c = e["change"]
+    rows["accuracy effect of prefill (prefill − reference accuracy)"] = {
+        "FP32 − BF16, pts [95% bootstrap CI]": (f"{100 * c.estimate:+.1f} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]" if c else "n/a")
+        + f" (BF16 {100 * e['bfloat16']:+.1f}, FP32 {100 * e['float32']:+.1f})",
+        "McNemar: BF16-only vs FP32-only, exact p": "",
+    }
+    rows["integer prefix identical across precision"] = {
+        "FP32 − BF16, pts [95% bootstrap CI]": f"{cross['prefix_identical']}/{cross['n']}",
+        "McNemar: BF16-only vs FP32-only, exact p": "",
+    }
+    return pd.DataFrame(rows).T

@@ -1,0 +1,67 @@
+"""Experiment 1: the live cache of ordinary greedy decoding against a prefill of the same token IDs (paper §4.1).
+
+Each problem is decoded greedily through branch, merge and answer blocks;
+the live cache at the merge boundary is the reference of the four-arm matrix
+(:mod:`kvreplay.experiments.matrix`). The BF16 arm's boundary prefixes become
+the fixed-prefix bank of Experiment 2 (:func:`kvreplay.ledger.write_prefix_bank`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from .. import decode, engine
+from ..gates import GateError
+from ..ledger.store import Ledger
+from ..problems import Problem
+from ..runner import ArmSettings, Hook, RunSpec, run_arm
+from .matrix import matrix_chunk, matrix_row
+
+
+def exp1_row(spec: RunSpec, problem: Problem) -> dict:
+    """Experiment 1 for one problem: live decoding to the boundary, then the four-arm matrix (paper §3.5).
+
+    Returns:
+        The ledger record; on a gate failure, a record with ``gate_failure``
+        ``{"gate", "reason"}`` (and the prefix if the boundary was reached).
+    """
+    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None}
+    try:
+        prompt = spec.fmt.prompt_ids(problem.question, problem.options)
+        live = decode.decode_live(spec.lm, spec.fmt, prompt, spec.caps)
+        rec.update(prompt_len=len(prompt), prefix_len=len(live.ids), prefix=live.ids, schedule_calls=len(live.schedule))
+        matrix_row(spec, problem, rec, live)
+    except GateError as e:
+        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    return rec
+
+
+def exp1_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[dict]:
+    """Experiment 1 for a chunk of problems through the batched engine (the records of :func:`exp1_row`).
+
+    Live boundaries of the whole chunk come from :func:`kvreplay.engine.decode_lives`;
+    then :func:`matrix_chunk`. Bits may differ from :func:`exp1_row` (another
+    cache layout and batch shape: the ledger key says which), the layout does not.
+
+    Raises:
+        ContractError: a prompt that breaks the block contract, or an unclosed answer block.
+    """
+
+    prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
+    lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.caps, on_gate_error="return", **spec.engine.kwargs())
+
+    def head(prompt):
+        return lambda rec, live: rec.update(prompt_len=len(prompt), prefix_len=len(live.ids), prefix=live.ids,
+                                            schedule_calls=len(live.schedule))
+
+    return matrix_chunk(spec, problems, lives, [head(x) for x in prompts])
+
+
+def run_experiment1(
+    problems: Sequence[Problem], settings: ArmSettings, *, ledger_root: str | Path, progress: bool = True,
+    faults: Hook | None = None,
+) -> tuple[list[dict], "Ledger"]:
+    """Experiment 1 (paper §3.5) at one precision: records and ledger (see :func:`run_arm`; batched: :func:`exp1_chunk`)."""
+    return run_arm("exp1", settings, problems, exp1_row, ledger_root=ledger_root, progress=progress, faults=faults,
+                   chunk=exp1_chunk)

@@ -1,0 +1,399 @@
+"""The four-arm matrix of Experiments 1 and 2: reference, its replica, prefill and its replica (paper §3.5).
+
+For one problem and one boundary (the live or incremental cache at the end
+of the merge block), the prefill cache is built from the same token IDs in
+one call, each arm gets a storage-isolated replica, the gates run (roles,
+positions, token IDs, replicas bit-exact, storage disjoint, and in a run
+below float32 the float32 construction-equivalence gate on preflight rows),
+every arm continues greedily, and the record keeps the boundary comparisons
+and the decoded endpoints. :func:`matrix_summary` and :func:`matrix_table`
+turn the records of an arm into its endpoint table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+
+import pandas as pd
+import torch
+
+from .. import caches, decode, drift, engine, gates
+from ..gates import GateError
+from ..models import LoadedModel
+from ..problems import Problem
+from ..runner import RunSpec
+from ..scoring import score_answer
+from ..stats import mcnemar_exact, paired_bootstrap, wilson
+from .endpoints import divergence_endpoints, require_gates, with_derived_endpoints
+
+
+def arm_record(spec: RunSpec, problem: Problem, suffix: decode.Suffix) -> dict:
+    tok = spec.lm.tokenizer
+    text = spec.fmt.answer_prefix_text + tok.decode(suffix.answer)
+    score = score_answer(text, problem.answer, problem.options)
+    return {
+        "suffix": suffix.tokens,
+        "margins": suffix.margins,
+        "merge_len": len(suffix.merge),
+        "answer_len": len(suffix.answer),
+        "answer_text": text,
+        "predicted": score.predicted,
+        "correct": score.correct,
+        "rule": score.rule,
+    }
+
+
+def boundary_gates(states: dict[str, decode.Boundary], dtype: torch.dtype, pairs: Sequence[tuple[str, str]]) -> None:
+    """All boundary gates of a row, in a fixed order (dtype, non-finite, functional state, desync, replicas, storage).
+
+    Args:
+        states: arm name -> boundary state.
+        dtype: the run's dtype.
+        pairs: replica pairs that must be exact.
+
+    Raises:
+        GateError: the first gate that fails.
+    """
+    for name, s in states.items():
+        gates.check_dtype(name, caches.boundary_tensors(s), dtype)
+    for name, s in states.items():
+        gates.check_finite(name, caches.boundary_tensors(s))
+    gates.check_functional_state(states)
+    for name, s in states.items():
+        gates.check_duplicates(name, caches.boundary_tensors(s))
+    for a, b in pairs:
+        gates.check_exact(f"{a} vs {b}", caches.boundary_tensors(states[a]), caches.boundary_tensors(states[b]))
+    gates.check_disjoint({n: [t for _, t in caches.boundary_tensors(s)] for n, s in states.items()})
+
+
+def comparison(ref: decode.Boundary, other: decode.Boundary, per_tensor: bool) -> dict:
+    """Drift of ``other`` against ``ref``: whole-cache aggregate, boundary logits, optionally every tensor."""
+    rows = drift.cache_drift(gates.cache_tensors(ref.cache), gates.cache_tensors(other.cache))
+    out = {"cache": drift.aggregate(rows), "logits": drift.logit_summary(ref.logits, other.logits)}
+    if per_tensor:
+        out["tensors"] = rows
+    return out
+
+
+_FP32_COPIES: dict[int, LoadedModel] = {}
+
+
+def float32_copy(lm: LoadedModel) -> LoadedModel:
+    """A float32 copy of a loaded model (same weights, upcast exactly), made once per model and kept."""
+    import copy
+
+    if lm.dtype == torch.float32:
+        return lm
+    key = id(lm.model)
+    if key not in _FP32_COPIES:
+        _FP32_COPIES.clear()  # one model at a time
+        table = None if lm.role_table is None else lm.role_table.float()
+        _FP32_COPIES[key] = dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(dtype=torch.float32), dtype=torch.float32,
+                                                role_table=table)
+    return _FP32_COPIES[key]
+
+
+def construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
+    """Construction-equivalence gate in float32 for one prefix (a check that the constructions compute one function).
+
+    Builds the incremental (live call schedule, teacher-forced) and prefill
+    boundary caches of ``prefix`` with a float32 copy of the run's model and
+    requires their whole-cache relative L2 to stay within
+    :data:`kvreplay.gates.EQUIVALENCE_TOLERANCE`: in float32 two correct
+    constructions differ only by rounding, so a larger drift is a bug in a
+    construction (wrong positions, roles or mask in one call), whatever the
+    run's precision.
+
+    In a batched run (``spec.engine`` set) the float32 incremental cache is
+    rebuilt through the engine (:func:`kvreplay.engine.build_incrementals`,
+    the run's step path and ``max_len``, one problem per step), which is the
+    construction the run's own live boundaries come from; the result is kept
+    in ``spec.memo``.
+
+    Returns:
+        ``{"dtype": "float32", "compared": "prefill_vs_incremental", "rel_l2", "tolerance"}`` for the ledger.
+
+    Raises:
+        GateError: gate ``equivalence`` (or ``nonfinite``, ``desync`` from the decoders).
+    """
+    key = (problem.problem_id, tuple(prefix))
+    if key in spec.memo:
+        if isinstance(spec.memo[key], GateError):
+            raise spec.memo[key]
+        return dict(spec.memo[key])
+    try:
+        out = _construction_equivalence(spec, problem, prefix)
+    except GateError as e:
+        spec.memo[key] = e
+        raise
+    spec.memo[key] = out
+    return dict(out)
+
+
+def _construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
+    lm32 = float32_copy(spec.lm)
+    if spec.engine is None:
+        inc = decode.build_incremental(lm32, spec.fmt, prefix, where=problem.problem_id)
+    else:
+
+        inc = engine.build_incrementals(lm32, spec.fmt, [prefix], **(spec.engine.kwargs() | {"batch": 1}))[0]
+    pre = decode.build_prefill(lm32, spec.fmt, prefix, where=problem.problem_id)
+    for name, s in (("incremental (float32 check)", inc), ("prefill (float32 check)", pre)):
+        gates.check_finite(name, caches.boundary_tensors(s))
+    rel = drift.aggregate(drift.cache_drift(gates.cache_tensors(inc.cache), gates.cache_tensors(pre.cache)))["rel_l2"]
+    gates.check_equivalence("prefill vs incremental (float32 copy of the model)", rel)
+    return {"dtype": "float32", "compared": "prefill_vs_incremental", "rel_l2": rel,
+            "tolerance": gates.EQUIVALENCE_TOLERANCE}
+
+
+def equivalence_record(spec: RunSpec, problem: Problem, prefix: Sequence[int], own: dict | None = None,
+                       own_name: str = "") -> dict | None:
+    """The construction-equivalence check of one row, or None when this row is not checked.
+
+    A float32 run checks every row from its own comparison ``own`` (whole-cache
+    drift of prefill against the reference); a lower-precision run checks its
+    :attr:`RunSpec.equivalence_ids` rows with :func:`construction_equivalence`.
+
+    Raises:
+        GateError: gate ``equivalence``.
+    """
+    if spec.lm.dtype == torch.float32 and own is not None:
+        rel = own["cache"]["rel_l2"]
+        gates.check_equivalence(f"{own_name} (float32 run)", rel)
+        return {"dtype": "float32", "compared": own_name, "rel_l2": rel, "tolerance": gates.EQUIVALENCE_TOLERANCE}
+    if problem.problem_id in spec.equivalence_ids:
+        return construction_equivalence(spec, problem, prefix)
+    return None
+
+
+def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary) -> dict:
+    """The matched four-arm matrix around a reference boundary state (paper §3.5, §3.6).
+
+    Arms: the reference (``live`` in Experiment 1, ``incremental`` in
+    Experiment 2), its deep-copy replica (verified), ``prefill`` (one call over
+    z) and ``prefill_replica`` (an independent second call). Every arm
+    continues through :func:`kvreplay.decode.decode_suffix`.
+
+    Fills ``rec`` with ``boundary`` (drift of prefill against the reference,
+    per tensor, and of each replica pair), ``first_token``, ``raw_argmax``,
+    ``arms`` and ``endpoints``.
+
+    Raises:
+        GateError: the first gate that fails (callers record it).
+    """
+    states = matrix_states(spec, problem, rec, ref)
+    arms = {n: decode.decode_suffix(spec.lm, spec.fmt, s, spec.caps) for n, s in states.items()}
+    return matrix_arms(spec, problem, rec, ref.construction, arms)
+
+
+def matrix_states(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary) -> dict[str, decode.Boundary]:
+    """The four boundary states of the matrix, gated and summarised (:func:`matrix_row` up to the suffixes).
+
+    Builds the reference's replica and the two prefill calls, runs the fault
+    hook and :func:`boundary_gates`, and fills ``rec`` with ``boundary``,
+    ``equivalence``, ``first_token`` and ``raw_argmax``.
+
+    Returns:
+        arm name -> boundary state (caches ``[2, kv_heads, |z|, head_dim]``), in the arms' order.
+
+    Raises:
+        GateError: the first gate that fails.
+    """
+    lm, fmt = spec.lm, spec.fmt
+    r = ref.construction
+    z = ref.ids
+    states = {
+        r: ref,
+        f"{r}_replica": caches.live_replica(ref),
+        "prefill": decode.build_prefill(lm, fmt, z, where=problem.problem_id),
+    }
+    states["prefill_replica"] = decode.build_prefill(lm, fmt, z, where=problem.problem_id)
+    states["prefill_replica"].construction = "prefill_replica"
+    if spec.faults:
+        spec.faults(states)
+    boundary_gates(states, lm.dtype, [(r, f"{r}_replica"), ("prefill", "prefill_replica")])
+    key = f"prefill_vs_{r}"
+    rec["boundary"] = {
+        key: comparison(ref, states["prefill"], per_tensor=True),
+        f"{r}_replica": comparison(ref, states[f"{r}_replica"], per_tensor=False),
+        "prefill_replica": comparison(states["prefill"], states["prefill_replica"], per_tensor=False),
+    }
+    rec["equivalence"] = equivalence_record(spec, problem, z, rec["boundary"][key], key)
+    rec["first_token"] = {n: decode.first_eligible_argmax(fmt, s.logits[0]) for n, s in states.items()}
+    rec["raw_argmax"] = {n: decode.raw_argmax(s.logits[0]) for n, s in states.items()}
+    return states
+
+
+def matrix_arms(spec: RunSpec, problem: Problem, rec: dict, r: str, arms: dict[str, decode.Suffix]) -> dict:
+    """The matrix's suffix gates and endpoints from the four arms' suffixes (:func:`matrix_row` after decoding).
+
+    Args:
+        r: the reference construction (``live`` or ``incremental``).
+        arms: arm name -> its :class:`~kvreplay.decode.Suffix`, in the arms' order.
+
+    Returns:
+        ``rec``, with ``arms`` and ``endpoints``.
+
+    Raises:
+        GateError: ``suffix_replica``.
+    """
+    for a, b in ((r, f"{r}_replica"), ("prefill", "prefill_replica")):
+        gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", arms[a].tokens, arms[b].tokens)
+    rec["arms"] = {n: arm_record(spec, problem, s) for n, s in arms.items()}
+    key = f"prefill_vs_{r}"
+    rec["endpoints"] = {
+        "boundary_exact": rec["boundary"][key]["cache"]["exact"],
+        "logits_exact": rec["boundary"][key]["logits"]["exact"],
+        "first_token_agree": rec["first_token"][r] == rec["first_token"]["prefill"],
+        **divergence_endpoints(arms[r], arms["prefill"], rec["arms"][r], rec["arms"]["prefill"]),
+    }
+    return rec
+
+
+def _failure(e: GateError) -> dict:
+    return {"gate": e.gate, "reason": e.reason}
+
+
+def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, heads: Sequence[Callable]) -> list[dict]:
+    """The four-arm matrix of a chunk of problems, suffixes decoded together through the engine.
+
+    Per problem, in order: its reference boundary (or the ``GateError`` that
+    stopped it), ``heads[i](rec, ref)`` (the experiment's prefix fields),
+    :func:`matrix_states` (replica, the two prefill calls and every boundary
+    gate, as one problem at a time); then every arm of every problem still
+    clean continues through :func:`kvreplay.engine.decode_suffixes` in one
+    batched decode (``spec.engine``), and :func:`matrix_arms` finishes each
+    record. A record has exactly the keys :func:`matrix_row` gives it; a
+    gate failure of one problem (boundary, suffix) is recorded in its record
+    only, the first failing arm in the arms' order.
+
+    Returns:
+        One record per problem, in order.
+
+    Raises:
+        ContractError: a suffix did not close its answer block.
+    """
+
+    recs: list[dict] = [{"problem_id": p.problem_id, "gate_failure": None} for p in problems]
+    pending: list[tuple[int, dict]] = []
+    for i, (p, ref, head, rec) in enumerate(zip(problems, refs, heads, recs)):
+        try:
+            if isinstance(ref, GateError):
+                raise ref
+            head(rec, ref)
+            pending.append((i, matrix_states(spec, p, rec, ref)))
+        except GateError as e:
+            rec["gate_failure"] = _failure(e)
+    flat = [s for _, states in pending for s in states.values()]
+    suffixes = engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.caps, on_gate_error="return",
+                                      **spec.engine.kwargs())
+    k = 0
+    for i, states in pending:
+        arms = dict(zip(states, suffixes[k : k + len(states)]))
+        k += len(states)
+        rec = recs[i]
+        try:
+            for s in arms.values():
+                if isinstance(s, GateError):
+                    raise s
+            matrix_arms(spec, problems[i], rec, refs[i].construction, arms)
+        except GateError as e:
+            rec["gate_failure"] = _failure(e)
+    return recs
+
+
+def matrix_summary(
+    records: Sequence[dict], dtype: str, ref: str = "live", seed: int = 20260729, n_resamples: int = 20000
+) -> dict:
+    """Endpoints of the four-arm matrix at one precision (paper §4.1, §4.2), from ledger records alone.
+
+    ``ref`` is the reference construction (``live`` or ``incremental``); prefill is compared against it.
+
+    Returns:
+        dict of counts, Wilson intervals (as :class:`~kvreplay.stats.Proportion`)
+        for suffix, merge, answer-block, predicted-letter and label
+        disagreement, ``tie_initiated`` (divergent rows whose first divergence
+        is tie-initiated), the live-vs-prefill accuracy difference (prefill minus live, bootstrap),
+        McNemar on correctness, first-divergence median/range and drift.
+
+    Raises:
+        GateError: if any row failed a gate.
+    """
+    require_gates(records)
+    n = len(records)
+    ep = [with_derived_endpoints(r, ref) for r in records]
+    live_c = [r["arms"][ref]["correct"] for r in records]
+    pre_c = [r["arms"]["prefill"]["correct"] for r in records]
+    firsts = [e["first_divergence"] for e in ep if e["first_divergence"] is not None]
+    drifts = [r["boundary"][f"prefill_vs_{ref}"]["cache"]["rel_l2"] for r in records]
+    replicas_exact = sum(
+        r["boundary"][f"{ref}_replica"]["cache"]["exact"] and r["boundary"]["prefill_replica"]["cache"]["exact"]
+        for r in records
+    )
+    return {
+        "dtype": dtype,
+        "ref": ref,
+        "n": n,
+        "replicas_exact": replicas_exact,
+        "boundary_non_exact": sum(not e["boundary_exact"] for e in ep),
+        "first_token_agree": sum(e["first_token_agree"] for e in ep),
+        "suffix": wilson(sum(e["suffix_differs"] for e in ep), n),
+        "merge": wilson(sum(e["merge_differs"] for e in ep), n),
+        "answer": wilson(sum(e["answer_differs"] for e in ep), n),
+        "letter": wilson(sum(e["letter_differs"] for e in ep), n),
+        "label": wilson(sum(e["label_differs"] for e in ep), n),
+        "tie_initiated": sum(bool(e["tie_initiated"]) for e in ep),
+        "first_divergence_median": statistics.median(firsts) if firsts else None,
+        "first_divergence_range": (min(firsts), max(firsts)) if firsts else None,
+        "first_divergence_quartiles": statistics.quantiles(firsts, n=4) if len(firsts) >= 2 else None,
+        "accuracy_ref": sum(live_c),
+        "accuracy_prefill": sum(pre_c),
+        "accuracy_diff": paired_bootstrap(live_c, pre_c, n_resamples=n_resamples, seed=seed) if n >= 2 else None,
+        "mcnemar": mcnemar_exact(live_c, pre_c),
+        "drift_median": statistics.median(drifts),
+        "drift_range": (min(drifts), max(drifts)),
+        "prefix_len_range": (min(r["prefix_len"] for r in records), max(r["prefix_len"] for r in records)),
+    }
+
+
+def matrix_table(summaries: Sequence[dict], cross_precision_identical: tuple[int, int] | None) -> pd.DataFrame:
+    """Results table of the four-arm matrix in the paper's terms, one column per precision."""
+    rows: dict[str, dict] = {}
+    for s in summaries:
+        col = s["dtype"]
+        n = s["n"]
+        d = s["accuracy_diff"]
+        mc = s["mcnemar"]
+        rows.setdefault("rows", {})[col] = str(n)
+        rows.setdefault("prefix length (tokens)", {})[col] = f"{s['prefix_len_range'][0]}–{s['prefix_len_range'][1]}"
+        rows.setdefault("replica pairs exact", {})[col] = f"{s['replicas_exact']}/{n}"
+        rows.setdefault("boundary cache non-bit-exact", {})[col] = f"{s['boundary_non_exact']}/{n}"
+        rows.setdefault("first eligible argmax agrees", {})[col] = f"{s['first_token_agree']}/{n}"
+        rows.setdefault("median relative L2 cache drift [range]", {})[col] = (
+            f"{s['drift_median']:.3g} [{s['drift_range'][0]:.3g}, {s['drift_range'][1]:.3g}]"
+        )
+        for key, label in (("suffix", "suffix differs"), ("merge", "merge differs"),
+                           ("answer", "answer block differs (any token)"), ("letter", "predicted letter differs"),
+                           ("label", "correctness label differs")):
+            rows.setdefault(label, {})[col] = s[key].pct()
+        rows.setdefault("suffix differs: tie-initiated / not (either arm's top-1 − top-2 margin exactly 0 at the first "
+                        "divergent step)", {})[col] = f"{s['tie_initiated']} / {s['suffix'].k - s['tie_initiated']}"
+        fd = s["first_divergence_median"]
+        rows.setdefault("first divergence, tokens after boundary: median (range)", {})[col] = (
+            f"{fd:g} ({s['first_divergence_range'][0]}–{s['first_divergence_range'][1]})" if fd is not None else "none"
+        )
+        ref = s["ref"]
+        rows.setdefault(f"accuracy {ref} / prefill", {})[col] = f"{s['accuracy_ref']}/{n} vs {s['accuracy_prefill']}/{n}"
+        rows.setdefault(f"prefill − {ref} accuracy, pts [95% bootstrap CI]", {})[col] = (
+            f"{100 * d.estimate:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]" if d else "n/a"
+        )
+        rows.setdefault(f"McNemar ({ref}-only vs prefill-only correct), exact p", {})[col] = (
+            f"{mc.b} vs {mc.c}, p = {mc.pvalue:.3g}"
+        )
+    if cross_precision_identical is not None:
+        k, n = cross_precision_identical
+        for col in rows["rows"]:
+            rows.setdefault("boundary prefix token-identical across precisions", {})[col] = f"{k}/{n}"
+    return pd.DataFrame(rows).T

@@ -1,0 +1,248 @@
+"""Experiment 4: boundary K/V transplants between the incremental and prefill caches (paper §4.4).
+
+On a panel of divergent and exact rows frozen from Experiment 2's BF16
+ledger (order statistics, no outcome read), the donor's K/V of the chosen
+layers replaces the recipient's, and the suffix decoded from the hybrid cache
+is classified as following the donor, the recipient, or a third trajectory.
+The whole-cache swap follows its donor by construction (an integrity check);
+partial transplants localise the effect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pandas as pd
+
+from .. import caches, decode, gates
+from ..gates import GateError
+from ..problems import Problem
+from ..runner import RunSpec
+from ..stats import wilson
+from .endpoints import first_divergence, rate_text, require_gates, tie_initiated
+from .matrix import boundary_gates, equivalence_record
+
+
+def order_statistics(items: Sequence, k: int, key: Callable) -> list:
+    """``k`` evenly spaced order statistics of ``items`` sorted by ``key`` (outcome-blind selection).
+
+    Picks sorted positions ``round(i * (n - 1) / (k - 1))`` for ``i = 0..k-1``
+    (all items if ``k >= n``), returned in sorted order.
+    """
+    srt = sorted(items, key=key)
+    n = len(srt)
+    if k >= n:
+        return srt
+    if k == 1:
+        return [srt[(n - 1) // 2]]
+    idx = sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+    return [srt[i] for i in idx]
+
+
+def transplant_table(s: dict, records: Sequence[dict]) -> pd.DataFrame:
+    """Experiment 4 registered endpoints with the power note (same rows as notebook 04 writes to ``exp4_table``).
+
+    Args:
+        s: :func:`~kvreplay.experiments.transplant_summary` of ``records``.
+        records: the Experiment 4 ledger records (their ``stratum`` is the frozen panel's).
+    """
+    ctl = wilson(0, s["exact"]) if s["exact"] else None
+    n_div = sum(r["stratum"] == "divergent" for r in records)
+    n_ex = sum(r["stratum"] == "exact" for r in records)
+    return pd.DataFrame({"whole-cache transplant (BF16)": {
+        "panel rows (frozen divergent + exact)": f"{s['rows']} ({n_div} + {n_ex})",
+        "frozen stratum reproduced by new baselines": f"{s['prior_stratum_reproduced']}/{s['rows']}",
+        "all gates pass (replicas, state, storage, argmax, provenance)": f"{s['rows']}/{s['rows']}",
+        "divergent rows (contemporaneous baselines): tie-initiated / not": f"{s['tie_initiated']} / {s['divergent'] - s['tie_initiated']}",
+        "donor recovery, prefill <- incremental (integrity check)": rate_text(s["recovery"]["prefill<-incremental"]),
+        "donor recovery, incremental <- prefill (integrity check)": rate_text(s["recovery"]["incremental<-prefill"]),
+        "joint bidirectional recovery (integrity check)": rate_text(s["joint_recovery"]),
+        "third trajectory among exact controls": rate_text(s["third_among_exact"]),
+        "why recovery is an integrity check": ("token IDs, roles and positions are gated equal, so after a whole K/V swap "
+                                               "the recipient must follow the donor unless decoding is nondeterministic"),
+        "power note": (f"with {s['exact']} exact controls, 0 events would only exclude third-trajectory rates above "
+                       f"{100 * ctl.high:.1f}% (Wilson upper bound)" if ctl else "no exact controls"),
+    }})
+
+
+def freeze_transplant_panel(exp2_bf16: Sequence[dict], n_divergent: int, n_exact: int) -> list[dict]:
+    """Freeze the transplant panel from Experiment 2's BF16 rows before any transplant is decoded (paper §3.8).
+
+    Within the suffix-divergent and suffix-exact strata, takes evenly spaced
+    order statistics after sorting by prefix length, then problem ID.
+
+    Returns:
+        ``[{"problem_id", "stratum": "divergent" | "exact", "prefix_len"}, ...]``, divergent first.
+
+    Raises:
+        GateError: if a source row failed a gate.
+    """
+    require_gates(exp2_bf16)
+    out = []
+    for stratum, k in (("divergent", n_divergent), ("exact", n_exact)):
+        pool = [r for r in exp2_bf16 if r["endpoints"]["suffix_differs"] == (stratum == "divergent")]
+        for r in order_statistics(pool, k, key=lambda r: (r["prefix_len"], r["problem_id"])):
+            out.append({"problem_id": r["problem_id"], "stratum": stratum, "prefix_len": r["prefix_len"]})
+    return out
+
+
+def interventions(n_layers: int, sweep: bool) -> list[tuple[str, str, list[int], tuple[str, ...]]]:
+    """The transplant interventions: ``(name, primary|exploratory, layers, parts)``.
+
+    Whole-cache is the registered primary endpoint; key-only, value-only,
+    first/second half of the layers and (when ``sweep``) every single layer
+    are exploratory localization.
+    """
+    every = list(range(n_layers))
+    half = n_layers // 2
+    out = [("whole", "primary", every, ("key", "value"))]
+    out += [
+        ("keys_only", "exploratory", every, ("key",)),
+        ("values_only", "exploratory", every, ("value",)),
+        ("first_half", "exploratory", every[:half], ("key", "value")),
+        ("second_half", "exploratory", every[half:], ("key", "value")),
+    ]
+    if sweep:
+        out += [(f"layer_{i:02d}", "exploratory", [i], ("key", "value")) for i in every]
+    return out
+
+
+def _outcome(suffix: list[int], donor: list[int], recipient: list[int]) -> str:
+    if donor == recipient:
+        return "baseline" if suffix == donor else "third"
+    if suffix == donor:
+        return "donor"
+    if suffix == recipient:
+        return "recipient"
+    return "third"
+
+
+def transplant_row(
+    spec: RunSpec, problem: Problem, prefix: Sequence[int], stratum: str, sweep: bool, primary_only: bool = False,
+) -> dict:
+    """Experiment 4 for one frozen panel row, BF16 (paper §3.8, plus the referee's localization).
+
+    Builds incremental and prefill states, each twice with disjoint storage,
+    continues the four baselines, then for every intervention in both
+    directions (recipient prefill <- donor incremental, and the reverse)
+    continues the transplanted state with the shared suffix decoder. The raw
+    next-token argmax must already agree between constructions (a gate).
+    With ``primary_only`` only the registered whole-cache transplant runs
+    (Experiment 5's six arms: four baselines and two transplants).
+
+    Returns:
+        The ledger record; ``interventions[name][direction]`` holds ``outcome``
+        (``donor``, ``recipient``, ``third``, or ``baseline`` when the two
+        baselines agree) and the suffix.
+    """
+    lm, fmt = spec.lm, spec.fmt
+    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None, "stratum": stratum}
+    try:
+        inc = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id)
+        rec.update(prefix_len=len(prefix), prefix=list(prefix))
+        states = {
+            "incremental": inc,
+            "incremental_replica": caches.live_replica(inc),
+            "prefill": decode.build_prefill(lm, fmt, prefix, where=problem.problem_id),
+        }
+        states["prefill_replica"] = decode.build_prefill(lm, fmt, prefix, where=problem.problem_id)
+        states["prefill_replica"].construction = "prefill_replica"
+        if spec.faults:
+            spec.faults(states)
+        boundary_gates(states, lm.dtype, [("incremental", "incremental_replica"), ("prefill", "prefill_replica")])
+        a_inc, a_pre = decode.raw_argmax(inc.logits[0]), decode.raw_argmax(states["prefill"].logits[0])
+        if a_inc != a_pre:
+            raise GateError("argmax", f"raw next-token argmax differs between constructions ({a_inc} vs {a_pre})")
+        rec["equivalence"] = equivalence_record(spec, problem, prefix)
+        # pristine sources for the transplants; the four baseline states are consumed by decoding
+        src = {"incremental": caches.clone_boundary(inc, "incremental"), "prefill": caches.clone_boundary(states["prefill"], "prefill")}
+        suffixes = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
+        base = {n: x.tokens for n, x in suffixes.items()}
+        for a, b in (("incremental", "incremental_replica"), ("prefill", "prefill_replica")):
+            gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", base[a], base[b])
+        fd = first_divergence(base["incremental"], base["prefill"])
+        rec["baseline"] = {"incremental": base["incremental"], "prefill": base["prefill"],
+                           "margins": {n: suffixes[n].margins for n in ("incremental", "prefill")},
+                           "suffix_differs": base["incremental"] != base["prefill"], "first_divergence": fd,
+                           "tie_initiated": tie_initiated(suffixes["incremental"].margins, suffixes["prefill"].margins, fd)}
+        rec["interventions"] = {}
+        for name, kind, layers, parts in interventions(len(inc.cache.layers), sweep):
+            if primary_only and kind != "primary":
+                continue
+            rec["interventions"][name] = {"kind": kind, "layers": layers, "parts": list(parts)}
+            for recipient, donor in (("prefill", "incremental"), ("incremental", "prefill")):
+                state, prov = caches.transplant(src[recipient], src[donor], layers=layers, parts=parts)
+                if spec.transplant_faults:
+                    spec.transplant_faults(state, src[recipient], src[donor], prov)
+                    caches.verify_transplant(state, src[recipient], src[donor], prov)
+                suffix = decode.decode_suffix(lm, fmt, state, spec.caps).tokens
+                rec["interventions"][name][f"{recipient}<-{donor}"] = {
+                    "outcome": _outcome(suffix, base[donor], base[recipient]),
+                    "suffix": suffix,
+                    "donated_tensors": sum(p["source"] == donor for p in prov),
+                }
+    except GateError as e:
+        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    return rec
+
+
+DIRECTIONS = ("prefill<-incremental", "incremental<-prefill")
+
+
+def transplant_summary(records: Sequence[dict]) -> dict:
+    """Experiment 4 endpoints (paper §4.4): donor recovery among divergent rows, third trajectories among exact rows.
+
+    Rows are grouped by their contemporaneous baselines (incremental vs
+    prefill suffix), as registered; ``prior_stratum_reproduced`` counts rows
+    whose frozen stratum the new baselines reproduce.
+
+    Raises:
+        GateError: if any row failed a gate.
+    """
+    require_gates(records)
+    div = [r for r in records if r["baseline"]["suffix_differs"]]
+    exact = [r for r in records if not r["baseline"]["suffix_differs"]]
+    whole = lambda r, d: r["interventions"]["whole"][d]["outcome"]  # noqa: E731
+    out = {
+        "rows": len(records),
+        "prior_stratum_reproduced": sum(r["baseline"]["suffix_differs"] == (r["stratum"] == "divergent") for r in records),
+        "divergent": len(div),
+        "exact": len(exact),
+        "recovery": {d: wilson(sum(whole(r, d) == "donor" for r in div), len(div)) if div else None for d in DIRECTIONS},
+        "joint_recovery": wilson(sum(all(whole(r, d) == "donor" for d in DIRECTIONS) for r in div), len(div)) if div else None,
+        "third_among_exact": wilson(sum(any(whole(r, d) == "third" for d in DIRECTIONS) for r in exact), len(exact)) if exact else None,
+        "tie_initiated": sum(bool(r["baseline"].get("tie_initiated")) for r in div),
+    }
+    return out
+
+
+def localization_table(records: Sequence[dict]) -> pd.DataFrame:
+    """Per intervention, direction and stratum: how often the suffix follows the donor, the recipient, or neither.
+
+    Divergent rows (the two baselines part) show which part of the cache
+    carries the trajectory; exact rows (the baselines agree) are the controls:
+    there a partial transplant should leave the shared baseline (``baseline``),
+    and a new trajectory (``third``) means the intervention itself moves the
+    decoder.
+    """
+    require_gates(records)
+    rows = []
+    coarse = ("whole", "keys_only", "values_only", "first_half", "second_half")
+    # a fixed order, whether the records come from memory or from a ledger (whose JSON keys are sorted)
+    names = sorted({n for r in records for n in r["interventions"]},
+                   key=lambda n: (coarse.index(n), "") if n in coarse else (len(coarse), n))
+    for stratum, want in (("divergent", True), ("exact", False)):
+        group = [r for r in records if r["baseline"]["suffix_differs"] == want]
+        for name in names:
+            have = [r for r in group if name in r["interventions"]]
+            if not have:
+                continue
+            for d in DIRECTIONS:
+                outcomes = [r["interventions"][name][d]["outcome"] for r in have]
+                rows.append({
+                    "intervention": name, "kind": have[0]["interventions"][name]["kind"], "stratum": stratum,
+                    "direction": d, "rows": len(have), "follows donor": outcomes.count("donor"),
+                    "follows recipient": outcomes.count("recipient"), "stays on the shared baseline": outcomes.count("baseline"),
+                    "new (third) trajectory": outcomes.count("third"),
+                })
+    return pd.DataFrame(rows)

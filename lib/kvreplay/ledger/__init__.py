@@ -1,0 +1,30 @@
+"""Ledgers: append-only, resumable records of every finished row, and how to find them (paper §3.9).
+
+* :mod:`.store`: :class:`Ledger` (one experiment arm's folder: manifest,
+  environment, ``rows.jsonl``, run log), :func:`run_rows` (map a per-row
+  function over problems, appending each record), canonical JSON and digests,
+  and columnar parquet copies;
+* :mod:`.prefix_bank`: Experiment 1's BF16 boundary prefixes, frozen for
+  Experiments 2-5;
+* :mod:`.lookup`: a profile's ledgers found by provenance (no re-running).
+
+The store's names are re-exported here.
+"""
+
+from .store import (
+    SCHEMA_VERSION,
+    TERMINAL_PROGRESS,
+    Ledger,
+    LedgerError,
+    canonical_json,
+    config_digest,
+    export_parquet,
+    library_digest,
+    row_bar,
+    run_rows,
+)
+
+__all__ = [
+    "SCHEMA_VERSION", "TERMINAL_PROGRESS", "Ledger", "LedgerError", "canonical_json", "config_digest", "export_parquet",
+    "library_digest", "row_bar", "run_rows",
+]

@@ -1,0 +1,288 @@
+"""Finding a profile's ledgers by provenance, never by date or by re-running anything.
+
+Ledgers live in ``<ledger_root>/<profile>/<experiment>-<dtype>-<digest12>/``
+(:data:`LEDGER_SPECS` names the notebook that writes each). When a profile
+holds several folders for one experiment (an older config left behind), the
+one that belongs to the current chain is chosen by provenance: Experiment 1
+BF16 is the ledger the prefix bank names as its source; Experiment 1 FP32 has
+the same config except its dtype; Experiments 2-5 carry the prefix bank's
+sha256 in their config. A missing, incomplete or ambiguous ledger raises
+:class:`MissingLedgerError` naming the notebook that writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+PREFIX_BANK = "prefix_bank_bf16.jsonl"
+
+
+class MissingLedgerError(FileNotFoundError):
+    """A ledger the assembly needs is absent, unfinished or ambiguous; the message names the notebook to run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerSpec:
+    """Which ledger an assembly needs and which notebook writes it.
+
+    Attributes:
+        experiment: folder-name prefix (``exp1`` ... ``exp5``).
+        dtype: ``bfloat16`` or ``float32``.
+        notebook: the notebook that writes it (under ``notebooks/``).
+        what: one line for error messages and the artifact map.
+    """
+
+    experiment: str
+    dtype: str
+    notebook: str
+    what: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.experiment}-{self.dtype}"
+
+
+_NB = {
+    "exp1": "01_experiment1_live_vs_prefill.ipynb",
+    "exp2": "02_experiment2_fixed_prefix_precision.ipynb",
+    "exp3": "03_experiment3_bridge_and_audit.ipynb",
+    "exp4": "04_experiment4_cache_transplant.ipynb",
+    "exp5": "05_experiment5_replication.ipynb",
+}
+
+
+LEDGER_SPECS: dict[str, LedgerSpec] = {
+    s.key: s
+    for s in (
+        LedgerSpec("exp1", "bfloat16", _NB["exp1"], "Experiment 1, live/prefill matrix, BF16"),
+        LedgerSpec("exp1", "float32", _NB["exp1"], "Experiment 1, live/prefill matrix, FP32"),
+        LedgerSpec("exp2", "bfloat16", _NB["exp2"], "Experiment 2, fixed-prefix matrix, BF16"),
+        LedgerSpec("exp2", "float32", _NB["exp2"], "Experiment 2, fixed-prefix matrix, FP32"),
+        LedgerSpec("exp3", "bfloat16", _NB["exp3"], "Experiment 3, live/incremental bridge, BF16"),
+        LedgerSpec("exp4", "bfloat16", _NB["exp4"], "Experiment 4, cache transplants, BF16"),
+        LedgerSpec("exp5", "bfloat16", _NB["exp5"], "Experiment 5, replication on a later checkpoint, BF16"),
+    )
+}
+"""Every ledger the paper assembly reads, keyed ``<experiment>-<dtype>``."""
+
+
+@dataclasses.dataclass
+class LoadedLedger:
+    """One finished ledger folder read from disk.
+
+    Attributes:
+        key: ``<experiment>-<dtype>`` (a :data:`LEDGER_SPECS` key).
+        dir: the folder.
+        manifest: ``manifest.json`` (``schema_version``, ``name``, ``config_digest``, ``config``).
+        environment: ``environment.json`` (``execution_contract``, ``library_sha256``), ``{}`` if absent.
+        records: the rows, in the config's frozen ``problem_ids`` order.
+    """
+
+    key: str
+    dir: Path
+    manifest: dict
+    environment: dict
+    records: list[dict]
+
+    @property
+    def config(self) -> dict:
+        return self.manifest["config"]
+
+    @property
+    def contract(self) -> dict:
+        """The execution contract recorded when the ledger was written."""
+        return self.environment.get("execution_contract", {})
+
+    @property
+    def rows_path(self) -> Path:
+        return self.dir / "rows.jsonl"
+
+
+def _read_rows(folder: Path) -> list[dict]:
+    path = folder / "rows.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # a row cut off mid-write: the ledger is unfinished, not corrupt
+                break
+            raise
+    return out
+
+
+def ledger_progress(folder: str | Path) -> tuple[int, int]:
+    """``(finished, expected)`` rows of a ledger folder: records present for the manifest's ``problem_ids``."""
+    folder = Path(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    ids = manifest["config"]["problem_ids"]
+    done = {r.get("problem_id") for r in _read_rows(folder)}
+    return sum(i in done for i in ids), len(ids)
+
+
+def read_ledger(folder: str | Path, key: str | None = None) -> LoadedLedger:
+    """Read a ledger folder (manifest, environment, rows) with its rows in frozen order.
+
+    Raises:
+        MissingLedgerError: if the folder has no manifest or is unfinished.
+    """
+    folder = Path(folder)
+    mpath = folder / "manifest.json"
+    if not mpath.is_file():
+        raise MissingLedgerError(f"{folder} is not a ledger (no manifest.json)")
+    manifest = json.loads(mpath.read_text())
+    epath = folder / "environment.json"
+    env = json.loads(epath.read_text()) if epath.is_file() else {}
+    by_id = {r["problem_id"]: r for r in _read_rows(folder)}
+    ids = manifest["config"]["problem_ids"]
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise MissingLedgerError(f"ledger {folder} is unfinished: {len(ids) - len(missing)}/{len(ids)} rows")
+    key = key or "-".join(folder.name.split("-")[:2])
+    return LoadedLedger(key=key, dir=folder, manifest=manifest, environment=env, records=[by_id[i] for i in ids])
+
+
+def _run_hint(spec: LedgerSpec, profile: str) -> str:
+    return (f"run notebooks/{spec.notebook} for profile {profile!r} first "
+            f"(make paper PROFILE={profile}, or papermill with -f notebooks/params/{profile}.yaml)")
+
+
+def find_ledger(
+    root: str | Path, profile: str, key: str, *, match: Callable[[dict], bool] | None = None, why: str = ""
+) -> LoadedLedger:
+    """The one finished ledger ``<root>/<profile>/<key>-*`` that belongs to the current chain.
+
+    Args:
+        root: the ledger root (``data/ledgers`` by default in the notebooks).
+        profile: profile name (a folder under ``root``).
+        key: a :data:`LEDGER_SPECS` key, e.g. ``"exp2-float32"``.
+        match: optional predicate on a candidate's manifest (provenance); only
+            finished candidates it accepts are kept.
+        why: what ``match`` checks, for the error message.
+
+    Raises:
+        MissingLedgerError: no folder, none finished, none matching, or more
+            than one matching; the message names the notebook that writes it.
+    """
+    spec = LEDGER_SPECS[key]
+    base = Path(root) / profile
+    folders = sorted(p for p in base.glob(f"{key}-*") if (p / "manifest.json").is_file())
+    if not folders:
+        raise MissingLedgerError(f"no {spec.what} ledger ({key}-*) under {base}: {_run_hint(spec, profile)}")
+    progress = {p: ledger_progress(p) for p in folders}
+    finished = [p for p in folders if progress[p][0] == progress[p][1]]
+    if not finished:
+        state = ", ".join(f"{p.name} {d}/{n} rows" for p, (d, n) in progress.items())
+        raise MissingLedgerError(f"{spec.what} ledger under {base} is unfinished ({state}): {_run_hint(spec, profile)}")
+    if match is not None:
+        finished = [p for p in finished if match(json.loads((p / "manifest.json").read_text()))]
+        if not finished:
+            raise MissingLedgerError(
+                f"no finished {spec.what} ledger under {base} matches {why or 'the chain'} "
+                f"(found {[p.name for p in folders]}): {_run_hint(spec, profile)}"
+            )
+    if len(finished) > 1:
+        raise MissingLedgerError(
+            f"{len(finished)} finished {spec.what} ledgers under {base} match ({[p.name for p in finished]}); "
+            f"move the stale ones away or {_run_hint(spec, profile)}"
+        )
+    return read_ledger(finished[0], key)
+
+
+def _without(config: dict, *keys: str) -> dict:
+    return {k: v for k, v in config.items() if k not in keys}
+
+
+@dataclasses.dataclass
+class ProfileLedgers:
+    """A profile's finished ledgers for the paper assembly.
+
+    Attributes:
+        root: ledger root; profile: profile name.
+        prefix_bank_sha256: sha256 of ``prefix_bank_bf16.jsonl`` (the BF16 prefixes Experiments 2–4 read).
+        ledgers: :data:`LEDGER_SPECS` key -> :class:`LoadedLedger`.
+    """
+
+    root: Path
+    profile: str
+    prefix_bank_sha256: str
+    ledgers: dict[str, LoadedLedger]
+
+    def __getitem__(self, key: str) -> LoadedLedger:
+        return self.ledgers[key]
+
+    def records(self, key: str) -> list[dict]:
+        return self.ledgers[key].records
+
+    @property
+    def precisions(self) -> list[str]:
+        return [k.split("-", 1)[1] for k in self.ledgers if k.startswith("exp1-")]
+
+
+def _bank(root: Path, profile: str) -> dict | None:
+    path = root / profile / f"{PREFIX_BANK}.manifest.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def find_chain_ledger(root: str | Path, profile: str, key: str) -> LoadedLedger:
+    """The finished ledger for ``key`` that belongs to the profile's current chain (provenance, not dates).
+
+    Experiment 1 BF16 is the ledger the BF16 prefix bank names as its source
+    (the only finished one if there is no bank yet); Experiment 1 at another
+    precision has the same config as Experiment 1 BF16 except its dtype;
+    Experiments 2–5 carry the bank's sha256 in their config.
+
+    Raises:
+        MissingLedgerError: naming the notebook that writes the missing ledger.
+    """
+    root = Path(root)
+    spec = LEDGER_SPECS[key]
+    bank = _bank(root, profile)
+    if key == "exp1-bfloat16":
+        if bank is None:
+            return find_ledger(root, profile, key)
+        source = bank["source_ledger"]
+        return find_ledger(root, profile, key, match=lambda m: f"{m['name']}-{m['config_digest'][:12]}" == source,
+                           why=f"the prefix bank's source ledger {source}")
+    if spec.experiment == "exp1":
+        base = _without(find_chain_ledger(root, profile, "exp1-bfloat16").config, "dtype")
+        return find_ledger(root, profile, key, match=lambda m: _without(m["config"], "dtype") == base,
+                           why="the Experiment 1 BF16 config (same problems, caps, model, format, threads)")
+    if bank is None:
+        raise MissingLedgerError(
+            f"no BF16 prefix bank at {root / profile / PREFIX_BANK}, which {spec.what} reads: "
+            f"{_run_hint(LEDGER_SPECS['exp1-bfloat16'], profile)}"
+        )
+    return find_ledger(root, profile, key, match=lambda m: m["config"].get("prefix_bank_sha256") == bank["sha256"],
+                       why=f"the prefix bank (sha256 {bank['sha256'][:12]})")
+
+
+def load_profile(root: str | Path, profile: str, precisions: Sequence[str] = ("bfloat16", "float32")) -> ProfileLedgers:
+    """Find and read every ledger the paper assembly needs for one profile (no model is loaded).
+
+    Needs Experiments 1 and 2 at each of ``precisions`` (which must include
+    ``bfloat16``: the prefix bank is BF16), Experiments 3, 4 and 5, each
+    chosen by :func:`find_chain_ledger`.
+
+    Raises:
+        MissingLedgerError: naming the notebook to run for the first ledger that is missing.
+        ValueError: if ``precisions`` lacks ``bfloat16``.
+    """
+    if "bfloat16" not in precisions:
+        raise ValueError(f"precisions {list(precisions)} must include 'bfloat16' (Experiments 2-4 read the BF16 prefix bank)")
+    root = Path(root)
+    if _bank(root, profile) is None:
+        raise MissingLedgerError(
+            f"no BF16 prefix bank at {root / profile / PREFIX_BANK}: {_run_hint(LEDGER_SPECS['exp1-bfloat16'], profile)}"
+        )
+    keys = [k for k, s in LEDGER_SPECS.items() if s.experiment in ("exp3", "exp4", "exp5") or s.dtype in precisions]
+    led = {k: find_chain_ledger(root, profile, k) for k in keys}
+    return ProfileLedgers(root=root, profile=profile, prefix_bank_sha256=_bank(root, profile)["sha256"], ledgers=led)

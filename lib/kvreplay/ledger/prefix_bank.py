@@ -1,0 +1,70 @@
+"""The fixed-prefix bank: Experiment 1's BF16 boundary prefixes, frozen for Experiments 2-5 (paper §3.5).
+
+``<ledger_root>/<profile>/prefix_bank_bf16.jsonl`` holds one line per problem
+(problem ID and the boundary prefix's token IDs); its manifest names the
+Experiment 1 ledger it came from and its sha256, which every downstream
+ledger carries in its config (how :mod:`kvreplay.ledger.lookup` finds the
+chain by provenance).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..gates import GateError
+from .store import canonical_json
+
+
+def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: str) -> str:
+    """Write the BF16 boundary-prefix bank Experiments 2–4 read (paper §3.6).
+
+    One JSON line per problem in frozen order: ``problem_id``, ``prompt_len``,
+    ``prefix`` (token IDs of z). A manifest ``<path>.manifest.json`` records
+    its sha256 and the ledger it came from.
+
+    Returns:
+        the bank's sha256.
+
+    Raises:
+        GateError: if a record has no prefix (a failed row).
+    """
+    import hashlib
+
+    lines = []
+    for r in records:
+        if "prefix" not in r:
+            raise GateError("report", f"row {r['problem_id']} has no boundary prefix; cannot write the prefix bank")
+        lines.append(canonical_json({"problem_id": r["problem_id"], "prompt_len": r["prompt_len"], "prefix": r["prefix"]}))
+    data = ("\n".join(lines) + "\n").encode()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    manifest = {"sha256": digest, "rows": len(lines), "source_ledger": source_ledger}
+    Path(str(path) + ".manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return digest
+
+
+def read_prefix_bank(path: str | Path) -> tuple[list[dict], str]:
+    """Read the BF16 boundary-prefix bank written by notebook 01 and check its digest.
+
+    Returns:
+        ``(entries, sha256)``; each entry has ``problem_id``, ``prompt_len``, ``prefix``.
+
+    Raises:
+        FileNotFoundError: if notebook 01 has not written the bank for this profile.
+        GateError: gate ``provenance`` if the file does not match its manifest.
+    """
+    import hashlib
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no prefix bank at {path}: run notebook 01 (Experiment 1) for this profile first")
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    manifest = json.loads(Path(str(path) + ".manifest.json").read_text())
+    if manifest["sha256"] != digest:
+        raise GateError("provenance", f"{path} has sha256 {digest}, its manifest says {manifest['sha256']}")
+    return [json.loads(x) for x in data.decode().splitlines() if x], digest

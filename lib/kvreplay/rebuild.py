@@ -1,0 +1,255 @@
+"""One ledger row rebuilt on demand: its boundary caches, their drift maps, suffix alignment and top-k logits.
+
+The drift explorer (:mod:`kvreplay.explorer`, notebook 08) reads a row from a
+ledger, reloads the model that wrote it (:func:`load_for_ledger`), rebuilds the
+two boundary caches of one comparison from the row's token IDs
+(:func:`rebuild_pair`) and checks them against the ledger's fingerprints
+(:func:`fingerprint_matches`) before showing per-tensor drift.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from . import caches, decode
+from .contract import resolve_format
+from .experiments.matrix import boundary_gates
+from .gates import GateError
+from .ledger.lookup import LoadedLedger
+from .ledger.store import canonical_json
+from .models import (
+    ExecutionContract,
+    load_model,
+)
+from .paths import ROOT
+
+COMPARISONS: dict[str, dict[str, tuple[str, str]]] = {
+    "exp1": {"prefill_vs_live": ("live", "prefill"), "live_replica": ("live", "live_replica"),
+             "prefill_replica": ("prefill", "prefill_replica")},
+    "exp2": {"prefill_vs_incremental": ("incremental", "prefill"), "incremental_replica": ("incremental", "incremental_replica"),
+             "prefill_replica": ("prefill", "prefill_replica")},
+}
+"""Experiment -> comparison (the ledger's ``boundary`` key) -> ``(reference arm, other arm)``."""
+
+
+def comparison_arms(experiment: str, comparison: str) -> tuple[str, str]:
+    """``(reference arm, other arm)`` of a comparison.
+
+    Raises:
+        ValueError: naming the comparisons available for the experiment.
+    """
+    if experiment not in COMPARISONS:
+        raise ValueError(f"experiment {experiment!r}: the explorer reads {sorted(COMPARISONS)}")
+    if comparison not in COMPARISONS[experiment]:
+        raise ValueError(f"comparison {comparison!r} is not in {experiment}; choose one of {sorted(COMPARISONS[experiment])}")
+    return COMPARISONS[experiment][comparison]
+
+
+def pick_row(records: Sequence[dict], problem: str | None, experiment: str) -> dict:
+    """The row to explore: ``problem`` if given, else the first row whose suffixes differ, else the first row.
+
+    Raises:
+        KeyError: if ``problem`` is not in the ledger (naming the IDs that are).
+    """
+    if problem is not None:
+        for r in records:
+            if r["problem_id"] == problem:
+                return r
+        raise KeyError(f"problem {problem!r} is not in the {experiment} ledger; it has {[r['problem_id'] for r in records]}")
+    for r in records:
+        if r.get("endpoints", {}).get("suffix_differs"):
+            return r
+    return records[0]
+
+
+def model_for_ledger(led: LoadedLedger, model: str | None = None) -> str:
+    """The ``model`` argument that reloads the ledger's model (``model`` overrides it).
+
+    Raises:
+        ValueError: if the ledger keyed a local folder (only its name is recorded) and no ``model`` is given.
+    """
+    if model:
+        return model
+    key = led.config["model"]
+    if key.get("model") == "embedded" or "sha256" in key or "files" not in key:
+        return key["model"]
+    raise ValueError(f"ledger {led.dir.name} was written with the local model folder {key['model']!r}; pass its path as `model`")
+
+
+def load_for_ledger(led: LoadedLedger, model: str | None = None):
+    """Load the ledger's model and block format exactly as its config says (dtype, threads, SDPA backends, role table,
+    and the execution contract's device, determinism and TF32: a ledger computed on CUDA needs a CUDA device).
+
+    Returns:
+        ``(LoadedModel, BlockFormat)``.
+
+    Raises:
+        GateError: gate ``provenance`` if the resolved format's digest differs from the ledger's.
+        ModelLoadError: the ledger was computed on CUDA and this machine has none.
+    """
+
+
+    c = led.config
+    execution = c.get("execution", {})
+    contract = ExecutionContract(
+        device=execution.get("device", "cpu"), sdpa_backends=tuple(c["sdpa_backends"]),
+        deterministic=execution.get("deterministic"), allow_tf32=execution.get("allow_tf32", False), threads=c["threads"],
+    )
+    role = c.get("role_table")
+    table = None
+    if role:
+
+        table = Path(role["model"]) if Path(role["model"]).is_absolute() else ROOT / role["model"]
+    lm = load_model(model_for_ledger(led, model), c["dtype"], role_table=table, contract=contract)
+    if role and lm.identity["role_table_sha256"] != role["sha256"]:
+        raise GateError("provenance", f"role table {table} has sha256 {lm.identity['role_table_sha256']}, the ledger keyed {role['sha256']}")
+    fmt = resolve_format(lm.tokenizer, c["format"])
+    want = led.contract.get("format_digest")
+    if want and fmt.digest != want:
+        raise GateError("provenance", f"resolved format digest {fmt.digest[:12]} differs from the ledger's {want[:12]}")
+    return lm, fmt
+
+
+def rebuild_pair(lm, fmt, prefix: Sequence[int], ref: str, other: str, *, where: str = "prefix"):
+    """Rebuild the two boundary states of one comparison from a ledger prefix z.
+
+    ``live`` and ``incremental`` are both rebuilt by teacher-forcing the live
+    call schedule (:func:`kvreplay.decode.build_incremental`; Experiment 3
+    shows it bit-identical to live decoding); ``prefill`` and
+    ``prefill_replica`` are independent one-call forwards; ``*_replica`` of a
+    teacher-forced state is its verified deep copy. The row's boundary gates
+    (dtype, state, duplicates, replica exactness, disjoint storage) run on the pair.
+
+    Returns:
+        ``(ref_state, other_state)`` :class:`~kvreplay.decode.Boundary` objects,
+        caches ``[2, kv_heads, |z|, head_dim]`` per layer.
+
+    Raises:
+        GateError: a failed gate. ContractError: a prefix that does not end at the boundary.
+    """
+
+    built: dict = {}
+
+    def get(name: str):
+        if name not in built:
+            if name in ("live", "incremental"):
+                s = decode.build_incremental(lm, fmt, prefix, where=where)
+            elif name in ("prefill", "prefill_replica"):
+                s = decode.build_prefill(lm, fmt, prefix, where=where)
+            elif name.endswith("_replica"):
+                s = caches.live_replica(get(name[: -len("_replica")]))
+            else:
+                raise ValueError(f"unknown construction {name!r}")
+            s.construction = name
+            built[name] = s
+        return built[name]
+
+    a, b = get(ref), get(other)
+    pairs = [(ref, other)] if other == f"{ref}_replica" else []
+    boundary_gates({ref: a, other: b}, lm.dtype, pairs)
+    return a, b
+
+
+def fingerprint_matches(ledger_summary: dict, rebuilt: dict) -> dict[str, bool]:
+    """Whether a rebuilt comparison (:func:`kvreplay.experiments.matrix.comparison`) equals the ledger's, part by part.
+
+    Compares ``cache``, ``logits`` and (when the ledger has them) ``tensors`` after a JSON round trip.
+    """
+    norm = lambda x: json.loads(canonical_json(x))  # noqa: E731
+    return {k: norm(ledger_summary[k]) == norm(rebuilt[k]) for k in ("cache", "logits", "tensors") if k in ledger_summary}
+
+
+def drift_maps(
+    ref: Sequence[tuple[str, object]], other: Sequence[tuple[str, object]], row: int = 0
+) -> dict[tuple[str, str], pd.DataFrame]:
+    """Per-head and per-position relative L2 drift of each layer's K and V (one duplicate row).
+
+    Args:
+        ref, other: cache inventories ``[("L00.key", [batch, kv_heads, seq, head_dim]), ...]``
+            (:func:`kvreplay.gates.cache_tensors`), same names and shapes.
+        row: which duplicate copy to read (both are bit-identical by the desync gate).
+
+    Returns:
+        ``{(kind, "head"): DataFrame [layers, kv_heads], (kind, "position"): DataFrame [layers, seq]}``
+        for ``kind`` in ``key``/``value``; each cell is ``||other - ref|| / ||ref||`` over the
+        remaining axes (NaN where the reference norm is 0), computed in float64.
+    """
+    import torch
+
+    out: dict[tuple[str, str], dict[int, list[float]]] = {}
+    for (name, a), (name_b, b) in zip(ref, other):
+        if name != name_b or a.shape != b.shape:
+            raise ValueError(f"inventories differ at {name} / {name_b}")
+        layer, kind = name.split(".")
+        r = a[row].detach().to(torch.float64)  # [kv_heads, seq, head_dim]
+        d = b[row].detach().to(torch.float64) - r
+        for axis, dims in (("head", (1, 2)), ("position", (0, 2))):
+            num = torch.linalg.vector_norm(d, dim=dims)
+            den = torch.linalg.vector_norm(r, dim=dims)
+            rel = torch.where(den > 0, num / den.clamp_min(1e-300), torch.full_like(num, math.nan))
+            out.setdefault((kind, axis), {})[int(layer[1:])] = rel.tolist()
+    frames = {}
+    for key, by_layer in out.items():
+        df = pd.DataFrame.from_dict(by_layer, orient="index").sort_index()
+        df.index.name = "layer"
+        df.columns.name = key[1]
+        frames[key] = df
+    return frames
+
+
+def token_text(tokenizer, token: int) -> str:
+    """One token decoded, with whitespace made visible (for side-by-side tables)."""
+    return repr(tokenizer.decode([int(token)]))[1:-1]
+
+
+def suffix_alignment(
+    tokenizer, a: Sequence[int], b: Sequence[int], margins_a: Sequence, margins_b: Sequence,
+    first: int | None, before: int = 8, after: int = 12,
+) -> pd.DataFrame:
+    """Two suffixes side by side around their first divergence.
+
+    Shows ``before`` steps before and ``after`` steps after it, or the first
+    ``before + after + 1`` steps when the suffixes never differ.
+
+    Returns:
+        DataFrame indexed by ``step`` with each arm's token text and margin and ``same``.
+    """
+    n = max(len(a), len(b))
+    lo, hi = (0, min(n, before + after + 1)) if first is None else (max(0, first - before), min(n, first + after + 1))
+    rows = []
+    for i in range(lo, hi):
+        ta = a[i] if i < len(a) else None
+        tb = b[i] if i < len(b) else None
+        rows.append({
+            "step": i,
+            "reference": token_text(tokenizer, ta) if ta is not None else "",
+            "margin (reference)": margins_a[i] if i < len(margins_a) else None,
+            "other": token_text(tokenizer, tb) if tb is not None else "",
+            "margin (other)": margins_b[i] if i < len(margins_b) else None,
+            "same": ta == tb,
+        })
+    return pd.DataFrame(rows).set_index("step")
+
+
+def topk_frame(tokenizer, ref_logits, other_logits, k: int = 10) -> pd.DataFrame:
+    """Boundary logits ``[vocab]`` of two states on the union of each one's top-k tokens.
+
+    Returns:
+        DataFrame indexed by token ID: ``text``, ``reference``, ``other``, ``other - reference``,
+        rank in each; sorted by the reference logit.
+    """
+    import torch
+
+    r, o = ref_logits.float(), other_logits.float()
+    ids = sorted(set(torch.topk(r, k).indices.tolist()) | set(torch.topk(o, k).indices.tolist()))
+    rank_r = {int(t): i + 1 for i, t in enumerate(torch.topk(r, 2 * k).indices.tolist())}
+    rank_o = {int(t): i + 1 for i, t in enumerate(torch.topk(o, 2 * k).indices.tolist())}
+    rows = [{"token": t, "text": token_text(tokenizer, t), "reference": float(r[t]), "other": float(o[t]),
+             "other - reference": float(o[t] - r[t]), "rank (reference)": rank_r.get(t), "rank (other)": rank_o.get(t)}
+            for t in ids]
+    return pd.DataFrame(rows).set_index("token").sort_values("reference", ascending=False)

@@ -1,0 +1,109 @@
+"""Figure data from ledger records: tidy pandas frames for first divergence, margins, transplant outcomes and per-layer drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import pandas as pd
+
+from ..experiments.endpoints import require_gates
+from ..experiments.transplant import (
+    DIRECTIONS,
+)
+
+
+def first_divergence_frame(groups: Mapping[str, Sequence[dict]]) -> pd.DataFrame:
+    """First-divergence positions of divergent rows, long form: ``group``, ``problem_id``, ``first_divergence``."""
+    rows = [
+        {"group": g, "problem_id": r["problem_id"], "first_divergence": r["endpoints"]["first_divergence"]}
+        for g, recs in groups.items() for r in recs if r["endpoints"]["first_divergence"] is not None
+    ]
+    return pd.DataFrame(rows, columns=["group", "problem_id", "first_divergence"])
+
+
+def divergence_margins(records: Sequence[dict], ref: str) -> pd.DataFrame:
+    """Top-1 minus top-2 eligible-logit margins by step kind (the near-tie figure).
+
+    For each row, every model-chosen suffix step (forced tokens have no
+    margin) before the first divergence is ``shared`` (the reference arm's
+    margin; both arms share that history), as is every step of a row whose
+    suffixes never differ. At the first divergence the margin is the smaller
+    of the reference and prefill arms' margins (the arm closer to a tie), and
+    the kind is ``first divergence, exact tie`` when it is exactly 0 (a
+    tie-initiated divergence) and ``first divergence, margin > 0`` otherwise.
+    Steps after the first divergence are dropped: the two trajectories no
+    longer share a history there.
+
+    Returns:
+        DataFrame ``problem_id``, ``step``, ``margin``, ``kind``.
+
+    Raises:
+        GateError: if any row failed a gate.
+    """
+    require_gates(records)
+    rows = []
+    for r in records:
+        fd = r["endpoints"]["first_divergence"]
+        margins = r["arms"][ref]["margins"]
+        other = r["arms"]["prefill"]["margins"]
+        stop = len(margins) if fd is None else min(fd + 1, len(margins))
+        for i in range(stop):
+            m = margins[i]
+            if i == fd:
+                both = [x for x in (m, other[i] if i < len(other) else None) if x is not None]
+                if not both:
+                    continue
+                m = min(both)
+                kind = "first divergence, exact tie" if m == 0 else "first divergence, margin > 0"
+            elif m is None:
+                continue
+            else:
+                kind = "shared"
+            rows.append({"problem_id": r["problem_id"], "step": i, "margin": m, "kind": kind})
+    return pd.DataFrame(rows, columns=["problem_id", "step", "margin", "kind"])
+
+
+def margin_percentiles(df: pd.DataFrame) -> list[float]:
+    """For each first-divergence margin, the share (%) of shared-step margins at or below it."""
+    shared = df.loc[df["kind"] == "shared", "margin"].to_numpy()
+    if not len(shared):
+        return []
+    return [float(100 * (shared <= m).mean()) for m in df.loc[df["kind"].str.startswith("first divergence"), "margin"]]
+
+
+def transplant_outcomes(records: Sequence[dict]) -> pd.DataFrame:
+    """Counts of transplant outcomes per contemporaneous stratum, intervention and direction.
+
+    Returns:
+        DataFrame ``stratum`` (``divergent``/``exact`` by the new baselines), ``intervention``,
+        ``kind`` (primary/exploratory), ``direction``, ``outcome`` (``donor``, ``recipient``,
+        ``third``, ``baseline``) and ``rows``.
+
+    Raises:
+        GateError: if any row failed a gate.
+    """
+    require_gates(records)
+    counts: dict[tuple, int] = {}
+    for r in records:
+        stratum = "divergent" if r["baseline"]["suffix_differs"] else "exact"
+        for name, iv in r["interventions"].items():
+            for d in DIRECTIONS:
+                key = (stratum, name, iv["kind"], d, iv[d]["outcome"])
+                counts[key] = counts.get(key, 0) + 1
+    rows = [dict(zip(("stratum", "intervention", "kind", "direction", "outcome"), k), rows=v) for k, v in counts.items()]
+    return pd.DataFrame(rows, columns=["stratum", "intervention", "kind", "direction", "outcome", "rows"])
+
+
+def layer_drift_frame(tensors: Sequence[dict]) -> pd.DataFrame:
+    """Per-tensor ledger summaries (``boundary.<cmp>.tensors``) as a frame.
+
+    Returns:
+        DataFrame ``layer``, ``kind`` (key/value), ``rel_l2``, ``max_abs``, ``n_diff``, ``exact``.
+    """
+    rows = []
+    for t in tensors:
+        layer, kind = t["tensor"].split(".")
+        rows.append({"layer": int(layer[1:]), "kind": kind, "rel_l2": t["rel_l2"], "max_abs": t["max_abs"],
+                     "n_diff": t["n_diff"], "exact": t["exact"]})
+    return pd.DataFrame(rows, columns=["layer", "kind", "rel_l2", "max_abs", "n_diff", "exact"])

@@ -1,0 +1,605 @@
+"""The paper's own tables beside ours: related work, role visibility, numerical contract, setup, run against paper, artifact map.
+
+The paper's numbers are data (``data/paper/reference.yaml``; Table 1 in
+``data/paper/related_work.yaml``; the artifact map's rows in
+``data/paper/artifacts.yaml``); this module only joins them with a
+profile's ledgers and summaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from ..contract import visibility_table
+from ..experiments.endpoints import rate_text
+from ..ledger.lookup import LEDGER_SPECS, LoadedLedger, ProfileLedgers
+from ..paths import DATA
+
+PAPER_DATA = DATA / "paper"
+
+
+REFERENCE = PAPER_DATA / "reference.yaml"
+
+
+RELATED_WORK = PAPER_DATA / "related_work.yaml"
+
+
+def load_reference(path: str | Path = REFERENCE) -> dict:
+    """The paper's reported numbers and setup (``data/paper/reference.yaml``)."""
+    return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+
+
+def related_work_table(path: str | Path = RELATED_WORK) -> pd.DataFrame:
+    """Table 1: related-work overlap and separation, from ``data/paper/related_work.yaml``."""
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    return pd.DataFrame(data["works"]).set_index("work")
+
+
+def visibility_frame() -> pd.DataFrame:
+    """Table 2: role visibility, generated from :func:`kvreplay.contract.visibility_table` (never typed)."""
+    return pd.DataFrame(visibility_table()).set_index("query role")
+
+
+def _dataset(problem_ids: Sequence[str]) -> str:
+    names = sorted({i.split("-", 1)[0] for i in problem_ids})
+    return "/".join(n.upper() if n == "mmlu" else n for n in names)
+
+
+def _short(digest: str | None, n: int = 16) -> str:
+    return f"{digest[:n]}…" if digest else "—"
+
+
+def _cache_geometry(led: LoadedLedger) -> str:
+    for r in led.records:
+        for cmp in r.get("boundary", {}).values():
+            if "tensors" in cmp and cmp["tensors"]:
+                g = cmp["tensors"][0]["ref_geometry"]
+                shape = list(g["shape"])
+                shape[2] = "|z|"
+                return f"[{', '.join(map(str, shape))}] per layer, K and V; {g['dtype']} on {g['device']}"
+    m = led.contract.get("model", {})
+    if m.get("kv_heads") and m.get("head_dim"):
+        return f"[{led.config['batch']}, {m['kv_heads']}, |z|, {m['head_dim']}] per layer, K and V (from the model)"
+    return "—"
+
+
+CONTRACT_ROWS = (
+    ("ledger", "ledger folder"),
+    ("dtype", "dtype"),
+    ("model", "model"),
+    ("geometry", "layers; KV heads; head dim"),
+    ("cache_tensor", "boundary cache tensor"),
+    ("model_sha256", "model file sha256 (first 16 hex)"),
+    ("weights_sha256", "loaded weights sha256, this dtype (first 16 hex)"),
+    ("role_table", "role table"),
+    ("format", "block format (digest, first 16 hex)"),
+    ("problems", "problems (sha256, first 16 hex)"),
+    ("prefix_bank", "BF16 prefix bank sha256 (first 16 hex)"),
+    ("caps", "caps branch / merge / answer"),
+    ("batch", "physical batch (duplicate copies)"),
+    ("preflight", "preflight rows"),
+    ("versions", "torch / transformers / python"),
+    ("device", "device"),
+    ("attention", "attention implementation; SDPA backends used"),
+    ("tf32", "TF32 matmul / cuDNN"),
+    ("matmul_precision", "float32 matmul precision"),
+    ("deterministic", "deterministic algorithms; CUBLAS workspace"),
+    ("threads", "intra-op threads"),
+    ("config_digest", "ledger config digest (first 16 hex)"),
+    ("library", "library source sha256 (first 16 hex)"),
+)
+"""Table 3 rows: ``(key, label)``; keys index :func:`contract_column` and the paper column."""
+
+
+def contract_column(led: LoadedLedger) -> dict[str, str]:
+    """One ledger's column of Table 3 (numerical contract), from its manifest.json and environment.json."""
+    c, e = led.config, led.contract
+    m = e.get("model", {})
+    caps = c["caps"]
+    cfg_model = c.get("model", {})
+    fmt = c.get("format", {})
+    return {
+        "ledger": led.dir.name,
+        "dtype": c["dtype"],
+        "model": f"{m.get('file') or m.get('model') or cfg_model.get('model')} ({m.get('architecture', '?')})",
+        "geometry": f"{m.get('layers', '?')} layers; {m.get('kv_heads', '?')} KV heads; head dim {m.get('head_dim', '?')}",
+        "cache_tensor": _cache_geometry(led),
+        "model_sha256": _short(m.get("file_sha256") or cfg_model.get("sha256")),
+        "weights_sha256": _short(m.get("weights_sha256")),
+        "role_table": "none (stock model: zero role rows)" if c.get("role_table") is None else _short(m.get("role_table_sha256")),
+        "format": f"{fmt.get('name', '?')} ({_short(e.get('format_digest'))})",
+        "problems": f"{len(c['problem_ids'])} {_dataset(c['problem_ids'])} rows ({_short(c['problems_sha256'])})",
+        "prefix_bank": _short(c.get("prefix_bank_sha256")),
+        "caps": f"{caps['branch']} / {caps['merge']} / {caps['answer']}",
+        "batch": str(c["batch"]),
+        "preflight": str(c["preflight"]),
+        "versions": f"{e.get('torch', '?')} / {e.get('transformers', '?')} / {e.get('python', '?')}",
+        "device": f"{e.get('device', '?')} ({e.get('device_name', '?')})",
+        "attention": f"{e.get('attn_implementation', '?')}; {', '.join(e.get('sdpa_backends_used', c.get('sdpa_backends', [])))}",
+        "tf32": f"{e.get('tf32_matmul', '?')} / {e.get('tf32_cudnn', '?')}",
+        "matmul_precision": str(e.get("float32_matmul_precision", "?")),
+        "deterministic": f"{e.get('deterministic_algorithms', '?')}; {e.get('cublas_workspace_config')}",
+        "threads": str(c["threads"]),
+        "config_digest": _short(led.manifest["config_digest"]),
+        "library": _short(led.environment.get("library_sha256")),
+    }
+
+
+def paper_contract_column(reference: dict) -> dict[str, str]:
+    """The paper's column of Table 3, from ``reference.yaml``'s ``setup`` (— where the paper is silent or redacted)."""
+    s = reference["setup"]
+    caps = s["caps"]
+    return {
+        "dtype": s["precisions"],
+        "model": s["model"],
+        "geometry": f"{s['layers']} layers; {s['kv_heads']} KV heads; head dim {s['head_dim']}",
+        "cache_tensor": f"[{s['batch']}, {s['kv_heads']}, |z|, {s['head_dim']}] per layer, K and V",
+        "role_table": s["role_table"],
+        "problems": f"{s['rows']['exp1']} {s['dataset']} rows",
+        "caps": f"{caps['branch']} / {caps['merge']} / {caps['answer']}",
+        "batch": str(s["batch"]),
+        "preflight": f"{s['preflight']['exp1']} (Exp 1), {s['preflight']['exp2']} (Exp 2)",
+        "device": s["hardware"],
+        "attention": s["attention"],
+    }
+
+
+def contract_table(pl: ProfileLedgers, reference: dict) -> pd.DataFrame:
+    """Table 3: the numerical contract of every ledger of the run, beside the paper's."""
+    paper = paper_contract_column(reference)
+    cols = {"paper": {label: paper.get(key, "—") for key, label in CONTRACT_ROWS}}
+    for k, led in pl.ledgers.items():
+        col = contract_column(led)
+        cols[k] = {label: col[key] for key, label in CONTRACT_ROWS}
+    return pd.DataFrame(cols)
+
+
+def _reduction(cross: dict, key: str) -> str:
+    c, m = cross[key]["change"], cross[key]["mcnemar"]
+    red = lambda x: -100 * x + 0.0  # noqa: E731  (the paper's sign: BF16 minus FP32; + 0.0 turns -0.0 into 0.0)
+    ci = f"{red(c.estimate):.1f} [{red(c.high):.1f}, {red(c.low):.1f}]" if c else "n/a"
+    return f"{ci}; p = {m.pvalue:.3g}"
+
+
+def _fd(s: dict) -> str:
+    if s["first_divergence_median"] is None:
+        return "no divergence"
+    lo, hi = s["first_divergence_range"]
+    return f"median {s['first_divergence_median']:g} (range {lo}-{hi})"
+
+
+def _acc_diff(s: dict) -> str:
+    d = s["accuracy_diff"]
+    return f"{100 * d.estimate:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]" if d else "n/a"
+
+
+def _both(results: dict, exp: str, f: Callable[[dict], str]) -> str:
+    return "; ".join(f"{d} {f(s)}" for d, s in results[exp].items())
+
+
+def _kn(k, n) -> str:
+    return f"{k}/{n}"
+
+
+def _leaves_agree(audit: dict, kind: str) -> str:
+    leaves = ", ".join(map(str, audit[f"{kind}_leaves"]))
+    return f"{leaves} leaves; {_kn(audit[f'{kind}_leaves_agree_rows'], audit['rows'])}"
+
+
+RUN_VALUES: dict[str, Callable[[dict], str]] = {
+    "exp1.replicas_exact": lambda R: _both(R, "exp1", lambda s: _kn(s["replicas_exact"], s["n"])),
+    "exp1.bf16.boundary_non_exact": lambda R: _kn(R["exp1"]["bfloat16"]["boundary_non_exact"], R["exp1"]["bfloat16"]["n"]),
+    "exp1.bf16.first_token_agree": lambda R: _kn(R["exp1"]["bfloat16"]["first_token_agree"], R["exp1"]["bfloat16"]["n"]),
+    "exp1.bf16.suffix": lambda R: R["exp1"]["bfloat16"]["suffix"].pct(),
+    "exp1.bf16.answer": lambda R: R["exp1"]["bfloat16"]["answer"].pct(),
+    "exp1.bf16.label": lambda R: R["exp1"]["bfloat16"]["label"].pct(),
+    "exp1.bf16.first_divergence": lambda R: _fd(R["exp1"]["bfloat16"]),
+    "exp1.bf16.accuracy": lambda R: (lambda s: f"{s['accuracy_ref']}/{s['n']} vs {s['accuracy_prefill']}/{s['n']}")(R["exp1"]["bfloat16"]),
+    "exp1.bf16.accuracy_diff": lambda R: _acc_diff(R["exp1"]["bfloat16"]),
+    "exp1.bf16.mcnemar": lambda R: (lambda m: f"{m.b} vs {m.c}, p = {m.pvalue:.3g}")(R["exp1"]["bfloat16"]["mcnemar"]),
+    "exp1.fp32.decoded": lambda R: (lambda s: f"{s['suffix'].k} / {s['answer'].k} / {s['label'].k} of {s['n']}")(R["exp1"]["float32"]),
+    "exp1.cross_precision_prefix": lambda R: _kn(*R["exp1_cross"]),
+    "exp2.prefix_identical": lambda R: _kn(R["crossing"]["prefix_identical"], R["crossing"]["n"]),
+    "exp2.prefix_len": lambda R: "{}-{}".format(*R["exp2"]["bfloat16"]["prefix_len_range"]),
+    "exp2.replicas_exact": lambda R: _both(R, "exp2", lambda s: _kn(s["replicas_exact"], s["n"])),
+    "exp2.bf16.suffix": lambda R: _kn(R["exp2"]["bfloat16"]["suffix"].k, R["exp2"]["bfloat16"]["n"]),
+    "exp2.bf16.answer": lambda R: _kn(R["exp2"]["bfloat16"]["answer"].k, R["exp2"]["bfloat16"]["n"]),
+    "exp2.bf16.label": lambda R: _kn(R["exp2"]["bfloat16"]["label"].k, R["exp2"]["bfloat16"]["n"]),
+    "exp2.fp32.suffix": lambda R: R["exp2"]["float32"]["suffix"].pct(),
+    "exp2.fp32.answer": lambda R: R["exp2"]["float32"]["answer"].pct(),
+    "exp2.fp32.label": lambda R: R["exp2"]["float32"]["label"].pct(),
+    "exp2.reduction.suffix": lambda R: _reduction(R["crossing"], "suffix"),
+    "exp2.reduction.answer": lambda R: _reduction(R["crossing"], "answer"),
+    "exp2.reduction.label": lambda R: _reduction(R["crossing"], "label"),
+    "exp2.accuracy": lambda R: _both(R, "exp2", lambda s: f"{s['accuracy_ref']}/{s['n']} vs {s['accuracy_prefill']}/{s['n']}"),
+    "exp2.drift": lambda R: _both(R, "exp2", lambda s: f"{s['drift_median']:.4g}"),
+    "exp3.bridge.layers_exact": lambda R: _kn(R["bridge"]["layers_exact"], R["bridge"]["n"]),
+    "exp3.bridge.logits_exact": lambda R: _kn(R["bridge"]["logits_exact"], R["bridge"]["n"]),
+    "exp3.bridge.suffix_exact": lambda R: _kn(R["bridge"]["suffix_exact"], R["bridge"]["n"]),
+    "exp3.bridge.prefix_len": lambda R: "{}-{}".format(*R["bridge"]["prefix_len_range"]),
+    "exp3.bridge.same_as_saved": lambda R: _kn(R["bridge"]["same_as_saved"], R["bridge"]["n"]),
+    "exp3.audit.order": lambda R: f"{'yes' if R['audit']['order_agrees'] else 'no'} ({R['audit']['rows']} rows)",
+    "exp3.audit.suffix": lambda R: _kn(min(R["audit"]["suffix_agrees"].values()), R["audit"]["rows"]),
+    "exp3.audit.cache_leaves": lambda R: _leaves_agree(R["audit"], "cache"),
+    "exp3.audit.logit_leaves": lambda R: _leaves_agree(R["audit"], "logit"),
+    "exp4.panel": lambda R: (lambda t: f"{t['rows']} ({t['divergent']} + {t['exact']}, contemporaneous strata)")(R["transplant"]),
+    "exp4.gates": lambda R: _kn(R["transplant"]["rows"], R["transplant"]["rows"]),
+    "exp4.recovery.prefill_from_incremental": lambda R: rate_text(R["transplant"]["recovery"]["prefill<-incremental"]),
+    "exp4.recovery.incremental_from_prefill": lambda R: rate_text(R["transplant"]["recovery"]["incremental<-prefill"]),
+    "exp4.joint_recovery": lambda R: rate_text(R["transplant"]["joint_recovery"]),
+    "exp4.third_among_exact": lambda R: rate_text(R["transplant"]["third_among_exact"]),
+    "exp5.divergence": lambda R: R["replication"]["divergence"].pct(),
+    "exp5.joint_recovery": lambda R: rate_text(R["replication"]["joint_recovery"]),
+    "exp5.third_among_exact": lambda R: rate_text(R["replication"]["third_among_exact"]),
+    "exp5.interpretation": lambda R: (lambda i, j: f"{i.label} (thresholds ≥ {i.min_divergent} divergent, ≥ {i.min_exact} "
+                                                   f"exact, as the paper; n = {i.n}); scaled to the panel: {j.label}")(
+        R["replication"]["interpretation"], R["replication"]["interpretation_scaled"]),
+}
+"""Reference endpoint id (``reference.yaml``) -> this run's value, from :func:`summarize`'s results."""
+
+
+NOT_RUN = "not run here"
+
+
+def run_value(results: dict, endpoint_id: str) -> str:
+    """This run's value of one reference endpoint, or :data:`NOT_RUN` (no ledger for it, e.g. Experiment 5)."""
+    f = RUN_VALUES.get(endpoint_id)
+    if f is None:
+        return NOT_RUN
+    try:
+        return f(results)
+    except (KeyError, TypeError):  # a precision or experiment this profile did not run
+        return NOT_RUN
+
+
+def setup_of_run(pl: ProfileLedgers) -> dict:
+    """What this run used (model, data, caps, hardware), read from the Experiment 1 BF16 manifest and environment."""
+    led = pl["exp1-bfloat16"]
+    c, e = led.config, led.contract
+    m = e.get("model", {})
+    return {
+        "model": m.get("file") or m.get("model") or c["model"].get("model"),
+        "geometry": f"{m.get('layers', '?')} layers, {m.get('kv_heads', '?')} KV heads, head dim {m.get('head_dim', '?')}",
+        "dataset": _dataset(c["problem_ids"]),
+        "caps": c["caps"],
+        "hardware": f"{e.get('device', '?')} ({e.get('device_name', '?')}), {c['threads']} threads, SDPA {'/'.join(c['sdpa_backends'])}",
+        "precisions": ", ".join(pl.precisions),
+        "rows": {
+            "exp1": len(led.records),
+            "exp2": len(pl.records("exp2-bfloat16")),
+            "exp3": len(pl.records("exp3-bfloat16")),
+            "exp3_audit": len(led.records),
+            "exp4": len(pl.records("exp4-bfloat16")),
+            "exp5": len(pl.records("exp5-bfloat16")),
+        },
+    }
+
+
+def setup_table(pl: ProfileLedgers, reference: dict) -> pd.DataFrame:
+    """The setups side by side (model, data, caps, hardware, precisions, rows per experiment)."""
+    run, paper = setup_of_run(pl), reference["setup"]
+    caps = lambda c: f"{c['branch']} / {c['merge']} / {c['answer']}"  # noqa: E731
+    rows = {
+        "model": (f"{paper['model']} ({paper['layers']} layers, {paper['kv_heads']} KV heads, head dim {paper['head_dim']})",
+                  f"{run['model']} ({run['geometry']})"),
+        "data": (paper["dataset"], run["dataset"]),
+        "caps branch / merge / answer": (caps(paper["caps"]), caps(run["caps"])),
+        "hardware": (f"{paper['hardware']}; {paper['attention']}", run["hardware"]),
+        "precisions": (paper["precisions"], run["precisions"]),
+    }
+    for k, label in (("exp1", "rows, Exp 1"), ("exp2", "rows, Exp 2"), ("exp3", "rows, Exp 3 bridge"),
+                     ("exp3_audit", "rows, Exp 3 audit"), ("exp4", "rows, Exp 4 panel"), ("exp5", "rows, Exp 5")):
+        rows[label] = (str(paper["rows"].get(k, "—")), str(run["rows"].get(k, NOT_RUN)))
+    return pd.DataFrame(rows, index=["paper", "this run"]).T
+
+
+def what_differs(experiment: int, run: dict, paper: dict) -> str:
+    """Short note of what separates this run from the paper for one experiment's endpoints."""
+    if experiment not in (1, 2, 3, 4, 5):
+        return f"experiment {experiment} not built yet"
+    key = f"exp{experiment}"
+    parts = []
+    if str(run["model"]) != paper["model"]:
+        parts.append(f"model ({run['model']} vs {paper['model_short']})")
+    n_run = run["rows"][key] if experiment != 3 else f"{run['rows']['exp3']} bridge / {run['rows']['exp3_audit']} audit"
+    n_pap = paper["rows"][key] if experiment != 3 else f"{paper['rows']['exp3']} bridge / {paper['rows']['exp3_audit']} audit"
+    if run["dataset"] != paper["dataset"] or str(n_run) != str(n_pap):
+        parts.append(f"data ({n_run} {run['dataset']} vs {n_pap} {paper['dataset']} rows)")
+    rc, pc = run["caps"], paper["caps"]
+    if rc != pc:
+        parts.append(f"caps ({rc['branch']}/{rc['merge']}/{rc['answer']} vs {pc['branch']}/{pc['merge']}/{pc['answer']})")
+    parts.append(f"hardware ({run['hardware']} vs {paper['hardware']})")
+    if experiment == 5:
+        parts.append("later checkpoint (role rows trained here on OpenBookQA vs the paper's later training checkpoint)")
+    return "; ".join(parts)
+
+
+def vs_paper_table(pl: ProfileLedgers, results: dict, reference: dict) -> pd.DataFrame:
+    """Each endpoint's value in the paper and in this run, with what differs between the two setups."""
+    run = setup_of_run(pl)
+    rows = []
+    for e in reference["endpoints"]:
+        rows.append({
+            "id": e["id"], "experiment": e["experiment"], "endpoint": e["endpoint"], "paper": e["paper"],
+            "this run": run_value(results, e["id"]), "what differs": what_differs(e["experiment"], run, reference["setup"]),
+        })
+    return pd.DataFrame(rows).set_index("id")
+
+
+ARTIFACTS: list[dict] = [
+    # Experiment 1
+    {"id": "exp1.replicas_exact",
+     "ledgers": ("exp1-bfloat16", "exp1-float32"),
+     "fields": "boundary.live_replica.cache.exact, boundary.prefill_replica.cache.exact",
+     "function": "experiments.matrix_summary", "table": "table_exp1_matrix"},
+    {"id": "exp1.bf16.boundary_non_exact",
+     "ledgers": ("exp1-bfloat16",),
+     "fields": "endpoints.boundary_exact",
+     "function": "experiments.matrix_summary", "table": "table_exp1_matrix"},
+    {"id": "exp1.bf16.first_token_agree",
+     "ledgers": ("exp1-bfloat16",),
+     "fields": "endpoints.first_token_agree (from first_token.live, first_token.prefill)",
+     "function": "experiments.matrix_summary", "table": "table_exp1_matrix"},
+    {"id": "exp1.bf16.suffix",
+     "ledgers": ("exp1-bfloat16",),
+     "fields": "endpoints.suffix_differs (arms.live.suffix vs arms.prefill.suffix)",
+     "function": "experiments.matrix_summary -> stats.wilson", "table": "table_exp1_matrix"},
+    {"id": "exp1.merge", "statistic": "merge differs (both precisions)",
+     "ledgers": ("exp1-bfloat16", "exp1-float32"),
+     "fields": "endpoints.merge_differs",
+     "function": "experiments.matrix_summary -> stats.wilson", "table": "table_exp1_matrix"},
+    {"id": "exp1.bf16.answer",
+     "ledgers": ("exp1-bfloat16",),
+     "fields": "endpoints.answer_differs",
+     "function": "experiments.matrix_summary -> stats.wilson", "table": "table_exp1_matrix"},
+    {"id": "exp1.bf16.label",
+     "ledgers": ("exp1-bfloat16",),
+     "fields": "endpoints.label_differs (arms.live.correct vs arms.prefill.correct)",
+     "function": "experiments.matrix_summary -> stats.wilson", "table": "table_exp1_matrix"},
+    {"id": "exp1.bf16.first_divergence",
+     "ledgers": ("exp1-bfloat16",),
+     "fields": "endpoints.first_divergence",
+     "function": "experiments.matrix_summary", "table": "table_exp1_matrix, table_first_divergence, fig_first_divergence"},
+    {"id": "exp1.bf16.accuracy",
+     "ledgers": ("exp1-bfloat16",),
+     "fields": "arms.live.correct, arms.prefill.correct",
+     "function": "experiments.matrix_summary", "table": "table_exp1_matrix"},
+    {"id": "exp1.bf16.accuracy_diff",
+     "ledgers": ("exp1-bfloat16",),
+     "fields": "arms.live.correct, arms.prefill.correct (paired by problem_id)",
+     "function": "experiments.matrix_summary -> stats.paired_bootstrap", "table": "table_exp1_matrix"},
+    {"id": "exp1.bf16.mcnemar",
+     "ledgers": ("exp1-bfloat16",),
+     "fields": "arms.live.correct, arms.prefill.correct (paired by problem_id)",
+     "function": "experiments.matrix_summary -> stats.mcnemar_exact", "table": "table_exp1_matrix"},
+    {"id": "exp1.fp32.decoded",
+     "ledgers": ("exp1-float32",),
+     "fields": "endpoints.suffix_differs, endpoints.answer_differs, endpoints.label_differs",
+     "function": "experiments.matrix_summary", "table": "table_exp1_matrix"},
+    {"id": "exp1.drift", "statistic": "median relative L2 cache drift [range], prefill vs live",
+     "ledgers": ("exp1-bfloat16", "exp1-float32"),
+     "fields": "boundary.prefill_vs_live.cache.rel_l2",
+     "function": "experiments.matrix_summary (drift.aggregate when written)", "table": "table_exp1_matrix"},
+    {"id": "exp1.cross_precision_prefix",
+     "ledgers": ("exp1-bfloat16", "exp1-float32"),
+     "fields": "prefix (paired by problem_id)",
+     "function": "summarize", "table": "table_exp1_matrix"},
+    # Experiment 2
+    {"id": "exp2.prefix_identical",
+     "ledgers": ("exp2-bfloat16", "exp2-float32"),
+     "fields": "prefix (paired by problem_id)",
+     "function": "experiments.precision_crossing", "table": "table_exp2_matrix, table_exp2_crossing"},
+    {"id": "exp2.prefix_len",
+     "ledgers": ("exp2-bfloat16",),
+     "fields": "prefix_len",
+     "function": "experiments.matrix_summary", "table": "table_exp2_matrix"},
+    {"id": "exp2.replicas_exact",
+     "ledgers": ("exp2-bfloat16", "exp2-float32"),
+     "fields": "boundary.incremental_replica.cache.exact, boundary.prefill_replica.cache.exact",
+     "function": "experiments.matrix_summary", "table": "table_exp2_matrix"},
+    {"id": "exp2.bf16.suffix",
+     "ledgers": ("exp2-bfloat16",),
+     "fields": "endpoints.suffix_differs",
+     "function": "experiments.matrix_summary", "table": "table_exp2_matrix"},
+    {"id": "exp2.bf16.answer",
+     "ledgers": ("exp2-bfloat16",),
+     "fields": "endpoints.answer_differs",
+     "function": "experiments.matrix_summary", "table": "table_exp2_matrix"},
+    {"id": "exp2.bf16.label",
+     "ledgers": ("exp2-bfloat16",),
+     "fields": "endpoints.label_differs",
+     "function": "experiments.matrix_summary", "table": "table_exp2_matrix"},
+    {"id": "exp2.fp32.suffix",
+     "ledgers": ("exp2-float32",),
+     "fields": "endpoints.suffix_differs",
+     "function": "experiments.matrix_summary -> stats.wilson", "table": "table_exp2_matrix"},
+    {"id": "exp2.fp32.answer",
+     "ledgers": ("exp2-float32",),
+     "fields": "endpoints.answer_differs",
+     "function": "experiments.matrix_summary -> stats.wilson", "table": "table_exp2_matrix"},
+    {"id": "exp2.fp32.label",
+     "ledgers": ("exp2-float32",),
+     "fields": "endpoints.label_differs",
+     "function": "experiments.matrix_summary -> stats.wilson", "table": "table_exp2_matrix"},
+    {"id": "exp2.reduction.suffix",
+     "ledgers": ("exp2-bfloat16", "exp2-float32"),
+     "fields": "endpoints.suffix_differs (paired by problem_id)",
+     "function": "experiments.precision_crossing -> stats.paired_bootstrap, stats.mcnemar_exact", "table": "table_exp2_crossing"},
+    {"id": "exp2.reduction.answer",
+     "ledgers": ("exp2-bfloat16", "exp2-float32"),
+     "fields": "endpoints.answer_differs (paired by problem_id)",
+     "function": "experiments.precision_crossing -> stats.paired_bootstrap, stats.mcnemar_exact", "table": "table_exp2_crossing"},
+    {"id": "exp2.reduction.label",
+     "ledgers": ("exp2-bfloat16", "exp2-float32"),
+     "fields": "endpoints.label_differs (paired by problem_id)",
+     "function": "experiments.precision_crossing -> stats.paired_bootstrap, stats.mcnemar_exact", "table": "table_exp2_crossing"},
+    {"id": "exp2.accuracy",
+     "ledgers": ("exp2-bfloat16", "exp2-float32"),
+     "fields": "arms.incremental.correct, arms.prefill.correct",
+     "function": "experiments.matrix_summary", "table": "table_exp2_matrix"},
+    {"id": "exp2.drift",
+     "ledgers": ("exp2-bfloat16", "exp2-float32"),
+     "fields": "boundary.prefill_vs_incremental.cache.rel_l2",
+     "function": "experiments.matrix_summary", "table": "table_exp2_matrix"},
+    {"id": "exp2.layer_drift", "statistic": "per-layer median relative L2, K and V, BF16 vs FP32",
+     "ledgers": ("exp2-bfloat16", "exp2-float32"),
+     "fields": "boundary.prefill_vs_incremental.tensors[].tensor, .rel_l2",
+     "function": "drift_by_layer", "table": "fig_layer_drift"},
+    {"id": "exp2.first_divergence", "statistic": "first-divergence quartiles, Exp 2",
+     "ledgers": ("exp2-bfloat16", "exp2-float32"),
+     "fields": "endpoints.first_divergence",
+     "function": "experiments.matrix_summary", "table": "table_first_divergence, fig_first_divergence"},
+    {"id": "near_tie", "statistic": "top-1 minus top-2 margin at the first divergent step vs at non-divergent steps",
+     "ledgers": ("exp1-bfloat16", "exp2-bfloat16"),
+     "fields": "arms.<reference arm>.margins, endpoints.first_divergence",
+     "function": "divergence_margins", "table": "fig_near_tie"},
+    # Experiment 3
+    {"id": "exp3.bridge.layers_exact",
+     "ledgers": ("exp3-bfloat16",),
+     "fields": "endpoints.layers_exact, endpoints.layers",
+     "function": "experiments.bridge_summary", "table": "table_exp3_bridge"},
+    {"id": "exp3.bridge.logits_exact",
+     "ledgers": ("exp3-bfloat16",),
+     "fields": "endpoints.logits_exact",
+     "function": "experiments.bridge_summary", "table": "table_exp3_bridge"},
+    {"id": "exp3.bridge.suffix_exact",
+     "ledgers": ("exp3-bfloat16",),
+     "fields": "endpoints.suffix_exact",
+     "function": "experiments.bridge_summary", "table": "table_exp3_bridge"},
+    {"id": "exp3.bridge.prefix_len",
+     "ledgers": ("exp3-bfloat16",),
+     "fields": "prefix_len",
+     "function": "experiments.bridge_summary", "table": "table_exp3_bridge"},
+    {"id": "exp3.bridge.same_as_saved",
+     "ledgers": ("exp3-bfloat16",),
+     "fields": "same_as_saved (prefix vs the prefix bank)",
+     "function": "experiments.bridge_summary", "table": "table_exp3_bridge"},
+    {"id": "exp3.audit.order",
+     "ledgers": ("exp1-bfloat16", "exp2-bfloat16"),
+     "fields": "problem_id (row order)",
+     "function": "experiments.saved_ledger_audit", "table": "table_exp3_audit"},
+    {"id": "exp3.audit.suffix",
+     "ledgers": ("exp1-bfloat16", "exp2-bfloat16"),
+     "fields": "arms.{live,live_replica,prefill,prefill_replica}.suffix vs "
+               "arms.{incremental,incremental_replica,prefill,prefill_replica}.suffix",
+     "function": "experiments.saved_ledger_audit", "table": "table_exp3_audit"},
+    {"id": "exp3.audit.cache_leaves",
+     "ledgers": ("exp1-bfloat16", "exp2-bfloat16"),
+     "fields": "every scalar leaf under boundary.* outside .logits (live names mapped to incremental)",
+     "function": "experiments.saved_ledger_audit", "table": "table_exp3_audit"},
+    {"id": "exp3.audit.logit_leaves",
+     "ledgers": ("exp1-bfloat16", "exp2-bfloat16"),
+     "fields": "every scalar leaf under boundary.*.logits",
+     "function": "experiments.saved_ledger_audit", "table": "table_exp3_audit"},
+    # Experiment 4
+    {"id": "exp4.panel",
+     "ledgers": ("exp4-bfloat16",),
+     "fields": "stratum, baseline.suffix_differs (panel file exp4_panel.json)",
+     "function": "experiments.transplant_summary", "table": "table5_exp4_transplant"},
+    {"id": "exp4.gates",
+     "ledgers": ("exp4-bfloat16",),
+     "fields": "gate_failure",
+     "function": "experiments.require_gates", "table": "table5_exp4_transplant"},
+    {"id": "exp4.recovery.prefill_from_incremental",
+     "ledgers": ("exp4-bfloat16",),
+     "fields": "interventions.whole.prefill<-incremental.outcome, baseline.suffix_differs",
+     "function": "experiments.transplant_summary -> stats.wilson", "table": "table5_exp4_transplant, fig_transplants"},
+    {"id": "exp4.recovery.incremental_from_prefill",
+     "ledgers": ("exp4-bfloat16",),
+     "fields": "interventions.whole.incremental<-prefill.outcome, baseline.suffix_differs",
+     "function": "experiments.transplant_summary -> stats.wilson", "table": "table5_exp4_transplant, fig_transplants"},
+    {"id": "exp4.joint_recovery",
+     "ledgers": ("exp4-bfloat16",),
+     "fields": "interventions.whole.*.outcome, baseline.suffix_differs",
+     "function": "experiments.transplant_summary -> stats.wilson", "table": "table5_exp4_transplant"},
+    {"id": "exp4.third_among_exact",
+     "ledgers": ("exp4-bfloat16",),
+     "fields": "interventions.whole.*.outcome on rows with baseline.suffix_differs false",
+     "function": "experiments.transplant_summary -> stats.wilson", "table": "table5_exp4_transplant, fig_transplants"},
+    {"id": "exp4.localization",
+     "statistic": "partial transplants (keys, values, halves, single layers), divergent rows and exact controls: follows donor / recipient / stays on the baseline / new trajectory",
+     "ledgers": ("exp4-bfloat16",),
+     "fields": "interventions.<name>.<direction>.outcome, interventions.<name>.kind",
+     "function": "experiments.localization_table", "table": "table_exp4_localization, fig_transplants"},
+    # Experiment 5
+    {"id": "exp5.panel", "statistic": "outcome-blind panel: order statistics of prefix length (file exp5_panel.json)",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "problem_id, prefix_len; manifest.json config.panel, config.prefix_bank_sha256, config.checkpoint",
+     "function": "replication.freeze_replication_panel", "table": "table_exp5_replication"},
+    {"id": "exp5.divergence",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "baseline.suffix_differs (baseline.incremental vs baseline.prefill)",
+     "function": "replication.replication_summary -> stats.wilson", "table": "table_exp5_replication"},
+    {"id": "exp5.recovery", "statistic": "donor recovery per direction among divergent rows (Exp 5)",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "interventions.whole.<direction>.outcome, baseline.suffix_differs",
+     "function": "replication.replication_summary -> stats.wilson", "table": "table_exp5_replication"},
+    {"id": "exp5.joint_recovery",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "interventions.whole.<both directions>.outcome == donor, baseline.suffix_differs",
+     "function": "replication.replication_summary -> stats.wilson", "table": "table_exp5_replication"},
+    {"id": "exp5.third_among_exact",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "interventions.whole.<direction>.outcome == third, baseline.suffix_differs == false",
+     "function": "replication.replication_summary -> stats.wilson", "table": "table_exp5_replication"},
+    {"id": "exp5.interpretation",
+     "ledgers": ("exp5-bfloat16",),
+     "fields": "the counts above and the panel size",
+     "function": "replication.interpret (absolute thresholds 12 and 6, PRECEDENCE; scaled_thresholds secondary)", "table": "table_exp5_replication"},
+    {"id": "exp5.accuracy", "statistic": "decoded accuracy on the panel, later checkpoint vs checkpoint 0 (secondary)",
+     "ledgers": ("exp2-bfloat16", "exp5-bfloat16"),
+     "fields": "exp2 arms.incremental.correct; exp5 scores.incremental.correct (paired by problem_id)",
+     "function": "replication.accuracy_vs_checkpoint0 -> stats.mcnemar_exact", "table": "table_exp5_accuracy"},
+    # contract tables
+    {"id": "table2", "statistic": "Table 2, role visibility",
+     "ledgers": (),
+     "fields": "kvreplay.contract.VISIBILITY (code, not a ledger)",
+     "function": "contract.visibility_table", "table": "table2_role_visibility"},
+    {"id": "table3", "statistic": "Table 3, numerical contract",
+     "ledgers": tuple(LEDGER_SPECS),
+     "fields": "manifest.json: config; environment.json: execution_contract, library_sha256",
+     "function": "contract_table", "table": "table3_numerical_contract"},
+]
+
+"""For every reported statistic: ledgers (keys), record fields, the library function, and the output files."""
+
+
+def artifact_map(pl: ProfileLedgers, reference: dict, tables_notebook: str, figures_notebook: str) -> pd.DataFrame:
+    """Where every reported statistic comes from: ledger files and fields, function, outputs and notebooks.
+
+    Ledger paths are relative to the ledger root; ``fig_*`` outputs are made by
+    ``figures_notebook``, ``table*`` by ``tables_notebook``.
+    """
+    labels = {e["id"]: e["endpoint"] for e in reference["endpoints"]}
+    rows = []
+    for a in ARTIFACTS:
+        files = []
+        nbs = []
+        for k in a["ledgers"]:
+            led = pl.ledgers.get(k)
+            files.append(f"{pl.profile}/{led.dir.name}/rows.jsonl" if led else f"{k}-* (not run)")
+            nb = f"notebooks/{LEDGER_SPECS[k].notebook}"
+            if nb not in nbs:
+                nbs.append(nb)
+        outs = [t.strip() for t in a["table"].split(",")]
+        made_by = sorted({figures_notebook if o.startswith("fig_") else tables_notebook for o in outs})
+        rows.append({
+            "id": a["id"],
+            "statistic": a.get("statistic") or labels.get(a["id"], a["id"]),
+            "ledger files": "; ".join(files) if files else "—",
+            "record fields": a["fields"],
+            "computed by": f"kvreplay.{a['function']}",
+            "output (figures/<profile>/)": ", ".join(outs),
+            "reproduced by": "; ".join(made_by),
+            "ledger written by": "; ".join(nbs) if nbs else "—",
+        })
+    for e in reference["endpoints"]:
+        if e["id"] not in {a["id"] for a in ARTIFACTS}:
+            rows.append({"id": e["id"], "statistic": e["endpoint"], "ledger files": "— (not run here)", "record fields": "—",
+                         "computed by": "—", "output (figures/<profile>/)": "table_vs_paper", "reproduced by": tables_notebook,
+                         "ledger written by": "—"})
+    return pd.DataFrame(rows).set_index("id")

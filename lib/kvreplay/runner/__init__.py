@@ -1,0 +1,37 @@
+"""Running an experiment arm: its settings, the run loop, and Ray row actors (paper §3.9).
+
+An *arm* is one experiment at one precision under one execution contract.
+
+* :mod:`.spec`: :class:`ArmSettings` (everything that decides an arm's bits,
+  and the ledger key built from it), :class:`RunSpec` (what a per-row function
+  receives), the batched engine's resolved settings, prompt checks and
+  :data:`ROW_ALGORITHM`, the version of each experiment's row function;
+* :mod:`.loop`: :func:`run_arm`, which runs, resumes or reuses an arm's ledger;
+* :mod:`.actors`: :class:`~kvreplay.runner.actors.RowActors`, rows spread over
+  Ray actors (one per GPU or CPU worker), records appended in problem order.
+
+The names an experiment module needs are re-exported here.
+"""
+
+from .loop import run_arm
+from .spec import (
+    ARM_STEP_PATHS,
+    GRAPH_CHECK_STEPS,
+    ROW_ALGORITHM,
+    ArmSettings,
+    BatchedRows,
+    EngineRun,
+    Hook,
+    RunSpec,
+    arm_environment,
+    check_prompts,
+    leaves,
+    model_key,
+    problems_digest,
+    role_table_key,
+)
+
+__all__ = [
+    "ARM_STEP_PATHS", "GRAPH_CHECK_STEPS", "ROW_ALGORITHM", "ArmSettings", "BatchedRows", "EngineRun", "Hook", "RunSpec",
+    "arm_environment", "check_prompts", "leaves", "model_key", "problems_digest", "role_table_key", "run_arm",
+]

@@ -1,0 +1,139 @@
+"""The run loop of an arm: run, resume or reuse its ledger (paper §3.9).
+
+:func:`run_arm` maps an experiment's per-row function (or, on the batched
+engine, its per-chunk function) over the problems in frozen order, in this
+process or on Ray row actors (:mod:`kvreplay.runner.actors`), appending each
+record to the arm's ledger (:mod:`kvreplay.ledger`) as it finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..ledger.store import Ledger, row_bar, run_rows
+from ..models import context_length
+from ..problems import Problem
+from .actors import RowActors
+from .spec import (
+    ROW_ALGORITHM,
+    ArmSettings,
+    BatchedRows,
+    Hook,
+    RunSpec,
+    arm_environment,
+    check_prompts,
+)
+
+
+def run_arm(
+    name: str,
+    settings: ArmSettings,
+    problems: Sequence[Problem],
+    row: Callable[[RunSpec, Problem], dict],
+    *,
+    ledger_root: str | Path,
+    extra_config: dict | None = None,
+    progress: bool = True,
+    faults: Hook | None = None,
+    chunk: Callable[[RunSpec, Sequence[Problem]], list[dict]] | None = None,
+) -> tuple[list[dict], "Ledger"]:
+    """Run, resume or reuse one experiment arm: ``row`` mapped over ``problems`` in frozen order.
+
+    With a non-eager ``settings.step_path`` the arm runs through the batched
+    engine instead: ``chunk(spec, problems)`` (e.g. :func:`exp1_chunk`)
+    computes the records of up to ``settings.batch`` problems at a time
+    (:class:`BatchedRows`), appended in problem order as in a sequential run;
+    the first preflight problem also passes the ``composition`` gate (and,
+    on the graph path, ``graph_equals_eager``).
+
+    With ``settings.workers > 1`` (and more than one row, or chunk, to
+    compute) the rows run on Ray actors (:class:`kvreplay.runner.actors.RowActors`:
+    one per GPU or CPU worker, each with its own model; on the batched path
+    each computes whole chunks), and this process loads no model; records are
+    appended in problem order, so the ledger's bytes equal a sequential run's.
+
+    The ledger lives in ``<ledger_root>/<profile>/<name>-<dtype>-<digest12>/``
+    and records :data:`ROW_ALGORITHM` ``[name]``. A ledger already complete
+    for this scientific config is read without loading the model. The first
+    ``settings.preflight`` rows are preflight rows: a gate failure there
+    aborts the arm, and in a run below float32 they also carry the float32
+    construction-equivalence gate (:func:`construction_equivalence`).
+
+    Raises:
+        GateError: ``preflight`` if a preflight row fails a gate; ``composition``
+            or ``graph_equals_eager`` (batched arms) before any row is appended.
+        ModelLoadError, ContractError: bad model or problems (a prompt that
+            breaks the block contract, or a sequence longer than the model's
+            context), before any row and before the ledger folder is created.
+        ValueError: a non-eager step path for an experiment without a batched
+            runner (``chunk`` None); a ``max_len`` too short for the arm's
+            problems; ``workers`` the Ray cluster cannot hold (too few CPUs
+            or GPUs), or an explicit ``cuda:N`` with ``workers > 1``.
+        RuntimeError: a row actor failed to start (its cause is named), or
+            every row actor died (finished rows stay in the ledger).
+    """
+
+    if settings.step_path != "eager" and chunk is None:
+        raise ValueError(f"experiment {name!r} has no batched runner: step path {settings.step_path!r} is "
+                         f"refused (use step_path='eager'; batched runners exist for exp1 and exp2)")
+
+    config = settings.config(name, problems) | (extra_config or {})
+    root = Path(ledger_root) / settings.profile
+    ids = [p.problem_id for p in problems]
+    label = f"{name}-{settings.dtype}"
+    version = ROW_ALGORITHM.get(name)
+    done: set[str] = set()
+    if Ledger.folder(root, label, config).is_dir():
+        probe = Ledger(root, label, config, row_algorithm=version)
+        if probe.complete(ids):  # nothing to compute: no model, no actors; the one line a finished ledger gets
+
+            row_bar(len(ids), len(ids), f"{name} {settings.dtype}", progress)
+            by_id = {r["problem_id"]: r for r in probe.records()}
+            return [by_id[i] for i in ids], probe
+        done = probe.done_keys()
+    todo = [p for p in problems if p.problem_id not in done]
+    equivalence_ids = frozenset(ids[: settings.preflight])
+    first = problems[0].problem_id if settings.preflight > 0 and problems else None  # composition gate (batched)
+    groups = len(todo) if settings.step_path == "eager" else -(-len(todo) // settings.batch)
+    if settings.workers > 1 and groups > 1:
+        # the actors load the model; this process loads none (a second copy would sit on the first GPU)
+
+        with RowActors(settings, row, chunk=chunk, workers=min(settings.workers, groups), faults=faults,
+                       equivalence_ids=equivalence_ids) as pool:
+            environment, run = pool.prepare(problems)  # prompts checked and contract recorded inside an actor
+            ledger = Ledger(root, label, config, environment=environment, row_algorithm=version)
+            ledger.log(event="workers", workers=pool.workers, devices=pool.devices, ray=pool.cluster["address"],
+                       ray_started=pool.cluster["started"], startup_s=pool.startup)
+            if run is not None:
+                ledger.log(event="engine", **dataclasses.asdict(run))
+            mapper = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first)
+            try:
+                records = run_rows(
+                    ledger, list(problems), None, key=lambda p: p.problem_id, mapper=mapper,
+                    preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype} x{pool.workers}",
+                )
+            finally:
+                for event in pool.events:
+                    ledger.log(**event)
+            if mapper.checks:
+                ledger.log(event="gates", checks=mapper.checks)
+        return records, ledger
+    lm, bf = settings.load()
+    check_prompts(bf, problems, context_length(lm.model.config), caps=settings.caps)  # before the ledger folder exists
+    run = settings.engine_run(bf, problems)
+    ledger = Ledger(root, label, config, environment=arm_environment(lm, bf, settings, run), row_algorithm=version)
+    spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids, engine=run)
+    if run is None:
+        mapper, row_fn = None, (lambda p: row(spec, p))
+    else:
+        mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first), None
+        ledger.log(event="engine", **dataclasses.asdict(run))
+    records = run_rows(
+        ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,
+        preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",
+    )
+    if mapper is not None and mapper.checks:
+        ledger.log(event="gates", checks=mapper.checks)
+    return records, ledger

@@ -1,0 +1,469 @@
+"""Arm settings and the run loop: one experiment arm mapped over problems into its ledger (paper §3.9).
+
+An *arm* is one experiment at one precision under one execution contract.
+:class:`ArmSettings` holds everything that decides its bits (model, format,
+caps, dtype, threads, SDPA backends, device, step path and batch shape) and
+builds the ledger key from it; :func:`run_arm` runs, resumes or reuses the arm:
+the per-row function (or, on the batched engine, the per-chunk function) of
+the experiment module is mapped over the problems in frozen order, each
+record appended to the ledger as it finishes, optionally on Ray row actors
+(:mod:`kvreplay.runner.actors`). :data:`ROW_ALGORITHM` versions each experiment's
+row function: a change to any bit of a committed row bumps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from .. import decode, engine
+from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
+from ..gates import GateError
+from ..ledger.store import canonical_json
+from ..models import (
+    EMBEDDED,
+    EMBEDDED_SHA256,
+    ExecutionContract,
+    LoadedModel,
+    ModelLoadError,
+    execution_contract,
+    file_sha256,
+    load_model,
+    looks_like_path,
+)
+from ..paths import ROOT
+from ..problems import Problem
+
+Hook = Callable[[dict[str, decode.Boundary]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """What a row function needs besides the problem.
+
+    Attributes:
+        lm: loaded model (its dtype is the run's precision).
+        fmt: resolved block format.
+        caps: content caps.
+        faults: optional hook called with the boundary states right after
+            they are built and before any gate runs; tests use it to plant
+            faults through the same runner the notebooks use.
+        transplant_faults: optional hook called with
+            ``(transplanted_state, recipient, donor, provenance)`` before the
+            transplant gates run again (Experiment 4 tests).
+        equivalence_ids: problem IDs on which a run in a lower precision also
+            checks construction equivalence in float32 (the arm's preflight
+            rows; :func:`construction_equivalence`). Float32 runs check it on
+            every row from the row's own comparison.
+        engine: the batch shape and step path of a batched runner
+            (:class:`EngineRun`); ``None`` for the one-problem decoders of
+            :mod:`kvreplay.decode`.
+        memo: float32 construction-equivalence records already computed in
+            this run, by problem ID and prefix (a batched runner computes a
+            preflight problem twice for the composition gate; the check does
+            not depend on the batch, so it runs once).
+    """
+
+    lm: LoadedModel
+    fmt: BlockFormat
+    caps: Caps
+    faults: Hook | None = None
+    transplant_faults: Callable | None = None
+    equivalence_ids: frozenset = frozenset()
+    engine: "EngineRun | None" = None
+    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRun:
+    """How a batched runner drives :mod:`kvreplay.engine` (resolved from :class:`ArmSettings`).
+
+    Attributes:
+        step_path: the engine's step path, ``"eager"`` or ``"graph"``.
+        batch: problems per batched step ``B`` (``2B`` rows).
+        max_len: positions per row (the static cache's key dimension).
+        verify_steps: steps of each engine checked against the eager step
+            (gate ``graph_equals_eager``; 0 = none).
+    """
+
+    step_path: str
+    batch: int
+    max_len: int
+    verify_steps: int = 0
+
+    def kwargs(self) -> dict:
+        """Keyword arguments of :func:`kvreplay.engine.decode_lives` / ``decode_suffixes`` / ``build_incrementals``."""
+        return {"batch": self.batch, "step_path": self.step_path, "max_len": self.max_len,
+                "verify_steps": self.verify_steps}
+
+
+ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
+"""Row-algorithm version of each experiment, recorded in every ledger's environment.
+
+Bump an experiment's number whenever a committed golden row of it would no
+longer recompute byte for byte (a change to what a row computes or records);
+a ledger written by another number is *stale*. A refactor that changes no bit
+keeps the numbers. Version 2 (all experiments): greedy argmax with the lowest
+token ID winning an exact tie, the ``nonfinite`` and ``equivalence`` gates,
+tie accounting and predicted-letter endpoints in the records.
+"""
+
+
+def check_prompts(
+    fmt: BlockFormat, problems: Sequence[Problem], max_positions: int | None = None, *, caps: Caps | None = None,
+) -> None:
+    """Build every prompt before a run so a bad problem fails before any row is decoded.
+
+    With ``max_positions`` (the model's context, ``max_position_embeddings``)
+    and ``caps``, also refuse a problem whose longest full sequence
+    (:meth:`BlockFormat.max_sequence_length`: prompt + every delimiter +
+    3 x branch cap + merge cap + answer cap, in tokens) needs more positions
+    than the model has.
+
+    Args:
+        fmt: the resolved block format.
+        problems: the arm's problems.
+        max_positions: positions the model supports, or ``None`` to skip the length check.
+        caps: content caps; required when ``max_positions`` is given.
+
+    Raises:
+        ContractError: naming the problem ID and its source line (and, for the
+            length check, the positions needed and available).
+        ValueError: ``max_positions`` given without ``caps``.
+    """
+    if max_positions is not None and caps is None:
+        raise ValueError("check_prompts: max_positions needs the caps to bound the sequence length")
+    for p in problems:
+        try:
+            ids = fmt.prompt_ids(p.question, p.options)
+        except ContractError as e:
+            raise ContractError(f"problem {p.problem_id} (line {p.source_line}): {e}") from e
+        if max_positions is None:
+            continue
+        need = fmt.max_sequence_length(len(ids), caps)
+        if need > max_positions:
+            raise ContractError(
+                f"problem {p.problem_id} ({p.source} line {p.source_line}): its full sequence can need {need} "
+                f"positions (prompt {len(ids)} tokens + delimiters {fmt.delimiter_tokens()} + 3 x branch cap "
+                f"{caps.branch} + merge cap {caps.merge} + answer cap {caps.answer}), but the model has only "
+                f"{max_positions} (max_position_embeddings). Shorten the question, lower the caps, or leave the "
+                f"problem out."
+            )
+
+
+def model_key(model: str) -> dict:
+    """Cheap identity of a model for ledger keys, computed without loading it.
+
+    The embedded model is keyed by its pinned GGUF digest; a ``.gguf`` file
+    by its sha256; a local folder by the sha256 of each file in it.
+
+    Raises:
+        ModelLoadError: for an unknown path.
+    """
+
+    if model == EMBEDDED:
+        return {"model": EMBEDDED, "sha256": EMBEDDED_SHA256}
+    p = Path(model).expanduser()
+    if p.is_file():
+        return {"model": str(model), "sha256": file_sha256(p)}
+    if p.is_dir():
+        return {"model": p.name, "files": {f.name: file_sha256(f) for f in sorted(p.iterdir()) if f.is_file()}}
+    if looks_like_path(model) or model.endswith(".gguf"):
+        raise ModelLoadError(f"unknown model {model!r}: no such file or folder")
+    return {"model": model}  # a hub id: it must already be in the local cache (checked when loading)
+
+
+def role_table_key(path: str | Path) -> dict:
+    """Identity of a role-table file for ledger keys: its sha256, and its path relative to the repository
+    root when it lies inside it (so a clone elsewhere keys the same table the same way).
+
+    Raises:
+        ModelLoadError: if the file does not exist.
+    """
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ModelLoadError(f"role table not found: {path}")
+    try:
+        name = str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        name = str(path)
+    return {"model": name, "sha256": file_sha256(p)}
+
+
+def problems_digest(problems: Sequence[Problem]) -> str:
+    """sha256 of the problems' content in frozen order."""
+    import hashlib
+
+    payload = [[p.problem_id, p.question, list(p.options), p.answer] for p in problems]
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+
+
+ARM_STEP_PATHS = ("eager", "engine-eager", "graph")
+"""Decode paths of an arm: :mod:`kvreplay.decode` (reference), the engine's op-by-op step, its CUDA graph."""
+
+
+GRAPH_CHECK_STEPS = 256
+"""Steps of each engine (live, suffix) of the composition run checked against the eager step on the graph path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmSettings:
+    """Everything that fixes an arm's numerics besides its rows (part of every ledger key).
+
+    Attributes mirror the notebooks' parameters: ``profile``, ``dtype``,
+    ``caps``, ``model`` (``"embedded"``, folder, ``.gguf`` or cached hub id),
+    ``fmt`` (block format name or YAML path), ``role_table`` (path or None),
+    ``threads`` (intra-op threads), ``sdpa_backends``, ``preflight`` (rows),
+    and the CUDA side of the contract (:class:`~kvreplay.models.ExecutionContract`):
+    ``device``, ``deterministic``, ``allow_tf32``.
+
+    Where the rows run is not part of the key, because the rows are identical
+    bit for bit however many actors compute them: ``workers`` is the number of
+    Ray row actors (:mod:`kvreplay.runner.actors`; on CUDA one per GPU, sharing the
+    GPUs when there are more actors than GPUs; 1 = in this process, without
+    Ray), and ``ray_address`` an existing Ray cluster to run them on
+    (``"auto"``, ``"host:port"`` or ``"ray://host:10001"``; ``None``: the one
+    in ``$RAY_ADDRESS``, else a local cluster started for them).
+
+    The decode path is part of the contract too:
+
+    * ``step_path``: ``"eager"`` (default, the reference): one problem at a
+      time through :mod:`kvreplay.decode` (``DynamicCache``, one forward call
+      per token); ``"engine-eager"``: the batched engine
+      (:mod:`kvreplay.engine`) with its op-by-op step (runs on the CPU);
+      ``"graph"``: the engine with its step replayed as a CUDA graph (CUDA only).
+    * ``batch``: problems per batched step ``B`` (the engine's ``2B`` rows);
+    * ``max_len``: positions per row of the engine's static cache, or ``None``
+      for the arm's bound: the longest full sequence any of the arm's problems
+      can reach (:meth:`~kvreplay.contract.BlockFormat.max_sequence_length`
+      of its prompt at the caps), so one arm has one batch shape.
+
+    The engine's bits depend on the batch shape ``(B, max_len)`` and differ
+    from the eager path's, so a non-eager step path adds
+    ``{"engine": {"step_path", "batch", "max_len"}}`` to the ledger key (the
+    policy name ``"longest_sequence"`` for ``max_len=None``; the resolved
+    length is recorded in the environment). The defaults add nothing.
+    ``batch`` and ``max_len`` are refused with the eager path (they would not
+    be used). Every arm of an experiment should run under the same contract.
+
+    Raises:
+        ValueError: ``workers`` below 1 or not whole; ``ray_address`` not a
+            non-empty string or None; an unknown step path;
+            ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len``
+            below 2; a batch shape given with ``step_path="eager"``.
+    """
+
+    profile: str
+    dtype: str
+    caps: Caps
+    model: str = "embedded"
+    fmt: str = "chat_multibranch"
+    role_table: str | None = None
+    threads: int = 2
+    sdpa_backends: tuple[str, ...] = ("math",)
+    preflight: int = 1
+    device: str = "cpu"
+    deterministic: bool | None = None
+    allow_tf32: bool = False
+    workers: int = 1
+    step_path: str = "eager"
+    batch: int = 8
+    max_len: int | None = None
+    ray_address: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be a whole number of at least 1, got {self.workers!r}")
+        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address):
+            raise ValueError(f"ray_address must be None or a Ray cluster address such as 'auto' or 'host:6379', "
+                             f"got {self.ray_address!r}")
+        if self.step_path not in ARM_STEP_PATHS:
+            raise ValueError(f"unknown step path {self.step_path!r}; use one of {ARM_STEP_PATHS}")
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch (problems per step) must be a whole number of at least 1, got {self.batch!r}")
+        if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 2):
+            raise ValueError(f"max_len must be None or a whole number of at least 2, got {self.max_len!r}")
+        if self.step_path == "eager" and (self.batch != 8 or self.max_len is not None):
+            raise ValueError("batch and max_len are the engine's batch shape: they need step_path 'engine-eager' "
+                             "or 'graph' (the eager path decodes one problem at a time)")
+        if self.step_path == "graph" and self.contract().device_type != "cuda":
+            raise ValueError(f"step path 'graph' replays CUDA graphs: it needs device 'cuda', not {self.device!r}")
+
+    def engine_key(self) -> dict | None:
+        """The ledger-key entry of the decode path: ``None`` for the eager path, else step path and batch shape."""
+        if self.step_path == "eager":
+            return None
+        return {"step_path": self.step_path, "batch": self.batch,
+                "max_len": self.max_len if self.max_len is not None else "longest_sequence"}
+
+    def engine_run(self, fmt: BlockFormat, problems: Sequence[Problem]) -> "EngineRun | None":
+        """The resolved engine settings of a batched arm (``None`` on the eager path).
+
+        Raises:
+            ContractError: a prompt breaks the block contract.
+            ValueError: a fixed ``max_len`` shorter than the longest sequence a problem can reach.
+        """
+        if self.step_path == "eager":
+            return None
+        need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), self.caps) for p in problems)
+        if self.max_len is not None and self.max_len < need:
+            raise ValueError(f"max_len={self.max_len} is shorter than the {need} positions the arm's longest problem "
+                             f"can reach at caps {dataclasses.astuple(self.caps)}")
+        return EngineRun("graph" if self.step_path == "graph" else "eager", self.batch,
+                         self.max_len if self.max_len is not None else need)
+
+    def contract(self, device: str | None = None) -> ExecutionContract:
+        """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
+        return ExecutionContract(
+            device=device or self.device, sdpa_backends=tuple(self.sdpa_backends), deterministic=self.deterministic,
+            allow_tf32=self.allow_tf32, threads=self.threads,
+        )
+
+    def config(self, experiment: str, problems: Sequence[Problem]) -> dict:
+        """The scientific config that keys the ledger (CPU defaults add no key, so CPU ledgers keep their digests)."""
+
+        config = {
+            "experiment": experiment,
+            "profile": self.profile,
+            "dtype": self.dtype,
+            "caps": dataclasses.asdict(self.caps),
+            "model": model_key(self.model),
+            "role_table": role_table_key(self.role_table) if self.role_table else None,
+            "format": load_spec(self.fmt),
+            "problems_sha256": problems_digest(problems),
+            "problem_ids": [p.problem_id for p in problems],
+            "threads": self.threads,
+            "sdpa_backends": list(self.sdpa_backends),
+            "preflight": self.preflight,
+            "batch": decode.BATCH,
+        }
+        execution = self.contract().key()
+        if execution:
+            config["execution"] = execution
+        if self.engine_key() is not None:
+            config["engine"] = self.engine_key()
+        return config
+
+    def load(self, device: str | None = None) -> tuple[LoadedModel, BlockFormat]:
+        """Apply the execution contract, fix the seed, load the model at this precision, resolve the format."""
+
+        contract = self.contract(device)
+        contract.apply()
+        torch.manual_seed(0)
+        lm = load_model(self.model, self.dtype, role_table=self.role_table, contract=contract)
+        return lm, resolve_format(lm.tokenizer, self.fmt)
+
+
+class BatchedRows:
+    """A :func:`kvreplay.ledger.run_rows` mapper that computes rows a chunk of ``B`` problems at a time.
+
+    Called with items in problem order, it yields their records in that
+    order. Each chunk is the next ``spec.engine.batch`` problems of ``todo``
+    (the arm's rows still to compute) from the first item not computed yet,
+    so the preflight call computes its chunk's other problems ahead; their
+    records are held and yielded (and appended) only when
+    :func:`~kvreplay.ledger.run_rows` asks for them, after the preflight rows
+    passed. A problem's bits do not depend on which chunk it falls in (the
+    batch shape is the arm's), which the ``composition`` gate checks.
+
+    Composition gate: when a chunk holds ``composition_id`` (the first
+    preflight problem), that problem's record is computed again alone (a
+    chunk of one at the same ``B`` and ``max_len``, the other slots idle) and
+    must equal its record inside the chunk, byte for byte in canonical JSON.
+    On the graph path that alone run also checks the first
+    :data:`GRAPH_CHECK_STEPS` steps of each engine against the eager step
+    (gate ``graph_equals_eager``).
+
+    Args:
+        spec: the arm's run spec (``spec.engine`` set).
+        chunk: ``(spec, problems) -> records`` (:func:`exp1_chunk`, ...).
+        todo: the problems to compute, in order.
+        composition_id: problem ID of the composition gate, or ``None``.
+
+    Raises (while iterating):
+        GateError: ``composition`` or ``graph_equals_eager``.
+    """
+
+    def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None):
+        self.spec, self.chunk, self.todo = spec, chunk, list(todo)
+        self.position = {p.problem_id: i for i, p in enumerate(self.todo)}
+        self.composition_id = composition_id
+        self.held: dict[str, dict] = {}
+        self.chunks: list[list[str]] = []
+        self.checks: list[dict] = []  # the preflight gates passed: gate, problem, seconds, steps checked
+
+    def __call__(self, items) -> Iterator[dict]:
+        for it in items:
+            if it.problem_id not in self.held:
+                start = self.position[it.problem_id]
+                group = [p for p in self.todo[start : start + self.spec.engine.batch] if p.problem_id not in self.held]
+                records = self.chunk(self.spec, group)
+                self.chunks.append([p.problem_id for p in group])
+                ids = [p.problem_id for p in group]
+                if self.composition_id in ids:
+                    i = ids.index(self.composition_id)
+                    self.check_composition(group[i], records[i], len(group))
+                self.held.update(zip(ids, records))
+            yield self.held.pop(it.problem_id)
+
+    def check_composition(self, problem: Problem, record: dict, size: int) -> None:
+        """The composition gate (and, on the graph path, ``graph_equals_eager``) on one problem.
+
+        Raises:
+            GateError: ``composition`` naming the first differing leaf, or ``graph_equals_eager``.
+        """
+        run = self.spec.engine
+        verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
+        spec = dataclasses.replace(self.spec, engine=dataclasses.replace(run, verify_steps=verify), memo=self.spec.memo)
+        import time
+
+
+        t0, verified0 = time.perf_counter(), engine.VERIFIED_STEPS[0]
+        alone = self.chunk(spec, [problem])[0]
+        seconds = round(time.perf_counter() - t0, 3)
+        if verify:
+            self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
+                                "steps_checked": engine.VERIFIED_STEPS[0] - verified0, "seconds": seconds})
+        if canonical_json(alone) != canonical_json(record):
+            a, b = leaves(alone), leaves(record)
+            where = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
+            raise GateError("composition", f"problem {problem.problem_id}: its record computed alone (B={run.batch}, "
+                            f"max_len={run.max_len}, other slots idle) differs from its record in a chunk of {size} "
+                            f"problems, first at {where!r}; a problem's bits depend on its companions")
+        self.checks.append({"gate": "composition", "problem_id": problem.problem_id, "chunk": size,
+                            "batch": run.batch, "max_len": run.max_len, "seconds": seconds})
+
+
+def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, run: "EngineRun | None" = None) -> dict:
+    """What a ledger's ``environment.json`` records for an arm: the execution contract as applied, and the format digest.
+
+    The contract's ``device`` is the arm's setting (``"cuda"``), not a worker's
+    GPU, so a ledger's environment does not depend on which worker recorded it.
+    A batched arm adds ``engine``: its step path, ``batch`` and the resolved
+    ``max_len`` (the eager path adds nothing).
+    """
+
+    env = execution_contract(lm, settings.threads) | {"format_digest": fmt.digest}
+    if "contract" in env:
+        env["contract"]["device"] = settings.device
+    if run is not None:
+        env["engine"] = {"step_path": settings.step_path, "batch": run.batch, "max_len": run.max_len}
+    return env
+
+
+def leaves(obj, prefix: str = "") -> dict[str, object]:
+    """Flatten nested dicts/lists into ``path -> scalar``."""
+    out: dict[str, object] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out.update(leaves(v, f"{prefix}[{i}]"))
+    else:
+        out[prefix] = obj
+    return out
