@@ -489,3 +489,24 @@ def test_model_for_ledger(chain):
     led.manifest["config"]["model"] = {"model": "mine", "files": {"config.json": "0"}}
     with pytest.raises(ValueError, match="pass its path"):
         model_for_ledger(led)
+
+
+def test_artifact_map_names_functions_that_exist(tmp_path):
+    """Every 'computed by' path of data/paper/artifacts.yaml is a real function under kvreplay; a bad entry is refused."""
+    import importlib
+    import re
+
+    import yaml
+
+    from kvreplay.report.paper_tables import load_artifacts
+
+    entries = load_artifacts()
+    assert entries and len({e["id"] for e in entries}) == len(entries)
+    for e in entries:
+        for path in re.findall(r"(?<![\w.])((?:[a-z_]+\.)+[A-Za-z_]\w*)", e["function"]):
+            module, name = path.rsplit(".", 1)
+            assert callable(getattr(importlib.import_module(f"kvreplay.{module}"), name)), f"{e['id']}: kvreplay.{path}"
+    bad = tmp_path / "artifacts.yaml"
+    bad.write_text(yaml.safe_dump([{**entries[0], "ledgers": ["exp9-bfloat16"]}]))
+    with pytest.raises(ValueError, match="exp9-bfloat16"):
+        load_artifacts(bad)
