@@ -125,11 +125,11 @@ def tiny(outdir: Path) -> dict:
 
 def bench(outdir: Path, n: int) -> dict:
     from kvreplay.problems import load_bank
-    from kvreplay.models import execution_contract, load_model
+    from kvreplay.models import ExecutionContract, execution_contract, load_model
 
     t0 = time.perf_counter()
     if CUDA:
-        lm = load_model("embedded", "bfloat16", device="cuda")
+        lm = load_model("embedded", "bfloat16", contract=ExecutionContract(device="cuda"))
         fmt = resolve_format(lm.tokenizer, "chat_multibranch")
     else:  # dry run of the script's code paths on a tiny model
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -57,7 +57,7 @@ def test_unknown_model_gives_clear_error(tmp_path):
 
 
 def test_execution_contract_records_the_numerical_contract(qwen_dir):
-    lm = load_model(str(qwen_dir), "float32", sdpa_backends=("math",))
+    lm = load_model(str(qwen_dir), "float32", contract=ExecutionContract(sdpa_backends=("math",)))
     c = execution_contract(lm, threads=1)
     assert c["tf32_matmul"] is False and c["tf32_cudnn"] is False
     assert c["float32_matmul_precision"] == "highest"
@@ -66,7 +66,7 @@ def test_execution_contract_records_the_numerical_contract(qwen_dir):
     for key in ("torch", "transformers", "device_name", "deterministic_algorithms", "sdpa_backends", "model"):
         assert key in c
     with pytest.raises(ValueError, match="unknown SDPA backend"):
-        load_model(str(qwen_dir), "float32", sdpa_backends=("fastest",))
+        load_model(str(qwen_dir), "float32", contract=ExecutionContract(sdpa_backends=("fastest",)))
 
 
 def test_bench_runs_and_reports_ratios(qwen_dir):

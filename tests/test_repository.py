@@ -26,3 +26,54 @@ def test_tracked_tree_fits_beside_a_model_part():
     assert total <= TRACKED_LIMIT, (
         f"tracked files take {total / 2**20:.1f} MiB, over {TRACKED_LIMIT / 2**20:.0f} MiB; largest: "
         + ", ".join(f"{f.relative_to(ROOT)} ({f.stat().st_size / 2**20:.1f} MiB)" for f in biggest))
+
+
+LIB = ROOT / "lib" / "kvreplay"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(LIB.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Edges module -> project module it imports (anywhere in the file), and -> that module's packages
+    (importing ``a.b.c`` runs ``a/b/__init__.py`` first), except the importer's own packages (already importing)."""
+    import ast
+
+    modules = {_module_name(p): p for p in LIB.rglob("*.py") if "__pycache__" not in p.parts}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        own = {".".join(name.split(".")[:i]) for i in range(1, len(name.split(".")))}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level == 0:
+                continue
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+            candidates = [target] if node.module else []
+            candidates += [f"{target}.{a.name}" for a in node.names]  # "from . import x" or "from .pkg import sub"
+            for c in candidates:
+                if c in modules and c != name:
+                    ancestors = {".".join(c.split(".")[:i]) for i in range(1, len(c.split(".")))}
+                    graph[name] |= {m for m in {c} | ancestors if m in modules and m not in own and m != name}
+    return graph
+
+
+def test_the_library_has_no_import_cycle():
+    import networkx as nx
+
+    g = nx.DiGraph([(a, b) for a, bs in import_graph().items() for b in bs])
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_the_import_cycle_check_can_fail(monkeypatch):
+    graph = import_graph()
+    assert "kvreplay.experiments.matrix" in graph["kvreplay.experiments.bridge"]
+    assert "kvreplay.runner" in graph["kvreplay.experiments.matrix"]
+    graph["kvreplay.ledger.store"].add("kvreplay.experiments.bridge")  # store -> bridge -> matrix -> runner -> ... -> store
+    import networkx as nx
+
+    g = nx.DiGraph([(a, b) for a, bs in graph.items() for b in bs])
+    assert any("kvreplay.experiments.bridge" in c for c in nx.simple_cycles(g))

@@ -88,6 +88,7 @@ from .contract import (
 )
 from .ledger.store import Ledger, canonical_json, config_digest, run_rows
 from .models import (
+    ExecutionContract,
     LoadedModel,
     execution_contract,
     file_sha256,
@@ -615,7 +616,7 @@ def load_checkpoint_model(folder: str | Path, which: str = "later", dtype: str =
     key = ck.base_model["key"]
     if model is not None and model_key(model) != key:
         raise CheckpointError(f"model {model!r} is not the base the role table was trained on ({key})")
-    lm = load_model(base, dtype, role_table=ck.path, sdpa_backends=sdpa_backends)
+    lm = load_model(base, dtype, role_table=ck.path, contract=ExecutionContract(sdpa_backends=tuple(sdpa_backends)))
     if lm.identity["role_table_sha256"] != ck.sha256:
         raise CheckpointError(f"loaded role table digest {lm.identity['role_table_sha256']} differs from {ck.sha256}")
     return lm
@@ -657,7 +658,7 @@ def ensure_checkpoints(
     if (folder / "manifest.json").is_file():
         return folder, verify_folder(folder, config)
     torch.set_num_threads(cfg.threads)
-    lm = loader() if loader is not None else load_model(cfg.model, "float32", sdpa_backends=tuple(cfg.sdpa_backends))
+    lm = loader() if loader is not None else load_model(cfg.model, "float32", contract=ExecutionContract(sdpa_backends=tuple(cfg.sdpa_backends)))
     fmt = resolve_format(lm.tokenizer, cfg.fmt)
     t0 = time.perf_counter()
     result = train_role_table(cfg, lm, fmt, train, heldout, progress=progress)
@@ -749,15 +750,15 @@ def run_letter_eval(
             by_id = {r["problem_id"]: r for r in probe.records()}
             return [by_id[i] for i in ids], probe
     torch.set_num_threads(threads)
-    lm = loader() if loader is not None else load_model(model, "float32", sdpa_backends=tuple(sdpa_backends))
+    lm = loader() if loader is not None else load_model(model, "float32", contract=ExecutionContract(sdpa_backends=tuple(sdpa_backends)))
     if lm.dtype != torch.float32:
         raise ValueError(f"the checkpoint metric runs in float32, the model is {lm.dtype}")
-    bf = resolve_format(lm.tokenizer, fmt)
+    block_format = resolve_format(lm.tokenizer, fmt)
     hidden = lm.model.config.hidden_size
     loaded = {name: load_table(path, hidden) for name, (path, _) in tables.items()}
-    ledger = Ledger(root, "adapt_eval-float32", config, environment=execution_contract(lm, threads) | {"format_digest": bf.digest},
+    ledger = Ledger(root, "adapt_eval-float32", config, environment=execution_contract(lm, threads) | {"format_digest": block_format.digest},
                     row_algorithm=ROW_ALGORITHM["adapt_eval"])
-    records = run_rows(ledger, list(problems), lambda p: letter_row(lm, bf, loaded, p), key=lambda p: p.problem_id,
+    records = run_rows(ledger, list(problems), lambda p: letter_row(lm, block_format, loaded, p), key=lambda p: p.problem_id,
                        progress=progress, desc="answer-letter accuracy")
     return records, ledger
 

@@ -275,9 +275,7 @@ def load_model(
     model: str | Path = EMBEDDED,
     dtype: str = "bfloat16",
     *,
-    device: str = "cpu",
     role_table: str | Path | None = None,
-    sdpa_backends: tuple[str, ...] = ("math",),
     contract: ExecutionContract | None = None,
 ) -> LoadedModel:
     """Load a causal LM for the experiments (paper §3.5 numerical contract).
@@ -287,12 +285,9 @@ def load_model(
             folder with a Hugging Face checkpoint, a ``.gguf`` file, or a hub
             id already in the local cache.
         dtype: ``"bfloat16"`` or ``"float32"`` (TF32 is always off).
-        device: torch device string (ignored when ``contract`` is given).
         role_table: optional ``[14, hidden]`` role-embedding file.
-        sdpa_backends: SDPA backends allowed in every call (see :class:`LoadedModel`;
-            ignored when ``contract`` is given).
-        contract: the full :class:`ExecutionContract`; applied before loading.
-            Default: ``ExecutionContract(device, sdpa_backends)``.
+        contract: the :class:`ExecutionContract` (device, SDPA backends, determinism, TF32, threads),
+            validated and applied before loading. Default: ``ExecutionContract()`` (CPU, math SDPA).
 
     Raises:
         ModelLoadError: unknown model, digest mismatch, or no offline copy; a
@@ -305,8 +300,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if contract is None:
-        contract = ExecutionContract(device=device, sdpa_backends=tuple(sdpa_backends))
+    contract = contract or ExecutionContract()
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]

@@ -148,11 +148,11 @@ def paper_contract_column(reference: dict) -> dict[str, str]:
     }
 
 
-def contract_table(pl: ProfileLedgers, reference: dict) -> pd.DataFrame:
+def contract_table(profile_ledgers: ProfileLedgers, reference: dict) -> pd.DataFrame:
     """Table 3: the numerical contract of every ledger of the run, beside the paper's."""
     paper = paper_contract_column(reference)
     cols = {"paper": {label: paper.get(key, "—") for key, label in CONTRACT_ROWS}}
-    for k, led in pl.ledgers.items():
+    for k, led in profile_ledgers.ledgers.items():
         col = contract_column(led)
         cols[k] = {label: col[key] for key, label in CONTRACT_ROWS}
     return pd.DataFrame(cols)
@@ -165,7 +165,7 @@ def _reduction(cross: dict, key: str) -> str:
     return f"{ci}; p = {m.pvalue:.3g}"
 
 
-def _fd(s: dict) -> str:
+def _first_divergence_text(s: dict) -> str:
     if s["first_divergence_median"] is None:
         return "no divergence"
     lo, hi = s["first_divergence_range"]
@@ -181,34 +181,34 @@ def _both(results: dict, exp: str, f: Callable[[dict], str]) -> str:
     return "; ".join(f"{d} {f(s)}" for d, s in results[exp].items())
 
 
-def _kn(k, n) -> str:
+def _count_text(k, n) -> str:
     return f"{k}/{n}"
 
 
 def _leaves_agree(audit: dict, kind: str) -> str:
     leaves = ", ".join(map(str, audit[f"{kind}_leaves"]))
-    return f"{leaves} leaves; {_kn(audit[f'{kind}_leaves_agree_rows'], audit['rows'])}"
+    return f"{leaves} leaves; {_count_text(audit[f'{kind}_leaves_agree_rows'], audit['rows'])}"
 
 
 RUN_VALUES: dict[str, Callable[[dict], str]] = {
-    "exp1.replicas_exact": lambda R: _both(R, "exp1", lambda s: _kn(s["replicas_exact"], s["n"])),
-    "exp1.bf16.boundary_non_exact": lambda R: _kn(R["exp1"]["bfloat16"]["boundary_non_exact"], R["exp1"]["bfloat16"]["n"]),
-    "exp1.bf16.first_token_agree": lambda R: _kn(R["exp1"]["bfloat16"]["first_token_agree"], R["exp1"]["bfloat16"]["n"]),
+    "exp1.replicas_exact": lambda R: _both(R, "exp1", lambda s: _count_text(s["replicas_exact"], s["n"])),
+    "exp1.bf16.boundary_non_exact": lambda R: _count_text(R["exp1"]["bfloat16"]["boundary_non_exact"], R["exp1"]["bfloat16"]["n"]),
+    "exp1.bf16.first_token_agree": lambda R: _count_text(R["exp1"]["bfloat16"]["first_token_agree"], R["exp1"]["bfloat16"]["n"]),
     "exp1.bf16.suffix": lambda R: R["exp1"]["bfloat16"]["suffix"].pct(),
     "exp1.bf16.answer": lambda R: R["exp1"]["bfloat16"]["answer"].pct(),
     "exp1.bf16.label": lambda R: R["exp1"]["bfloat16"]["label"].pct(),
-    "exp1.bf16.first_divergence": lambda R: _fd(R["exp1"]["bfloat16"]),
+    "exp1.bf16.first_divergence": lambda R: _first_divergence_text(R["exp1"]["bfloat16"]),
     "exp1.bf16.accuracy": lambda R: (lambda s: f"{s['accuracy_ref']}/{s['n']} vs {s['accuracy_prefill']}/{s['n']}")(R["exp1"]["bfloat16"]),
     "exp1.bf16.accuracy_diff": lambda R: _acc_diff(R["exp1"]["bfloat16"]),
     "exp1.bf16.mcnemar": lambda R: (lambda m: f"{m.b} vs {m.c}, p = {m.pvalue:.3g}")(R["exp1"]["bfloat16"]["mcnemar"]),
     "exp1.fp32.decoded": lambda R: (lambda s: f"{s['suffix'].k} / {s['answer'].k} / {s['label'].k} of {s['n']}")(R["exp1"]["float32"]),
-    "exp1.cross_precision_prefix": lambda R: _kn(*R["exp1_cross"]),
-    "exp2.prefix_identical": lambda R: _kn(R["crossing"]["prefix_identical"], R["crossing"]["n"]),
+    "exp1.cross_precision_prefix": lambda R: _count_text(*R["exp1_cross"]),
+    "exp2.prefix_identical": lambda R: _count_text(R["crossing"]["prefix_identical"], R["crossing"]["n"]),
     "exp2.prefix_len": lambda R: "{}-{}".format(*R["exp2"]["bfloat16"]["prefix_len_range"]),
-    "exp2.replicas_exact": lambda R: _both(R, "exp2", lambda s: _kn(s["replicas_exact"], s["n"])),
-    "exp2.bf16.suffix": lambda R: _kn(R["exp2"]["bfloat16"]["suffix"].k, R["exp2"]["bfloat16"]["n"]),
-    "exp2.bf16.answer": lambda R: _kn(R["exp2"]["bfloat16"]["answer"].k, R["exp2"]["bfloat16"]["n"]),
-    "exp2.bf16.label": lambda R: _kn(R["exp2"]["bfloat16"]["label"].k, R["exp2"]["bfloat16"]["n"]),
+    "exp2.replicas_exact": lambda R: _both(R, "exp2", lambda s: _count_text(s["replicas_exact"], s["n"])),
+    "exp2.bf16.suffix": lambda R: _count_text(R["exp2"]["bfloat16"]["suffix"].k, R["exp2"]["bfloat16"]["n"]),
+    "exp2.bf16.answer": lambda R: _count_text(R["exp2"]["bfloat16"]["answer"].k, R["exp2"]["bfloat16"]["n"]),
+    "exp2.bf16.label": lambda R: _count_text(R["exp2"]["bfloat16"]["label"].k, R["exp2"]["bfloat16"]["n"]),
     "exp2.fp32.suffix": lambda R: R["exp2"]["float32"]["suffix"].pct(),
     "exp2.fp32.answer": lambda R: R["exp2"]["float32"]["answer"].pct(),
     "exp2.fp32.label": lambda R: R["exp2"]["float32"]["label"].pct(),
@@ -217,17 +217,17 @@ RUN_VALUES: dict[str, Callable[[dict], str]] = {
     "exp2.reduction.label": lambda R: _reduction(R["crossing"], "label"),
     "exp2.accuracy": lambda R: _both(R, "exp2", lambda s: f"{s['accuracy_ref']}/{s['n']} vs {s['accuracy_prefill']}/{s['n']}"),
     "exp2.drift": lambda R: _both(R, "exp2", lambda s: f"{s['drift_median']:.4g}"),
-    "exp3.bridge.layers_exact": lambda R: _kn(R["bridge"]["layers_exact"], R["bridge"]["n"]),
-    "exp3.bridge.logits_exact": lambda R: _kn(R["bridge"]["logits_exact"], R["bridge"]["n"]),
-    "exp3.bridge.suffix_exact": lambda R: _kn(R["bridge"]["suffix_exact"], R["bridge"]["n"]),
+    "exp3.bridge.layers_exact": lambda R: _count_text(R["bridge"]["layers_exact"], R["bridge"]["n"]),
+    "exp3.bridge.logits_exact": lambda R: _count_text(R["bridge"]["logits_exact"], R["bridge"]["n"]),
+    "exp3.bridge.suffix_exact": lambda R: _count_text(R["bridge"]["suffix_exact"], R["bridge"]["n"]),
     "exp3.bridge.prefix_len": lambda R: "{}-{}".format(*R["bridge"]["prefix_len_range"]),
-    "exp3.bridge.same_as_saved": lambda R: _kn(R["bridge"]["same_as_saved"], R["bridge"]["n"]),
+    "exp3.bridge.same_as_saved": lambda R: _count_text(R["bridge"]["same_as_saved"], R["bridge"]["n"]),
     "exp3.audit.order": lambda R: f"{'yes' if R['audit']['order_agrees'] else 'no'} ({R['audit']['rows']} rows)",
-    "exp3.audit.suffix": lambda R: _kn(min(R["audit"]["suffix_agrees"].values()), R["audit"]["rows"]),
+    "exp3.audit.suffix": lambda R: _count_text(min(R["audit"]["suffix_agrees"].values()), R["audit"]["rows"]),
     "exp3.audit.cache_leaves": lambda R: _leaves_agree(R["audit"], "cache"),
     "exp3.audit.logit_leaves": lambda R: _leaves_agree(R["audit"], "logit"),
     "exp4.panel": lambda R: (lambda t: f"{t['rows']} ({t['divergent']} + {t['exact']}, contemporaneous strata)")(R["transplant"]),
-    "exp4.gates": lambda R: _kn(R["transplant"]["rows"], R["transplant"]["rows"]),
+    "exp4.gates": lambda R: _count_text(R["transplant"]["rows"], R["transplant"]["rows"]),
     "exp4.recovery.prefill_from_incremental": lambda R: rate_text(R["transplant"]["recovery"]["prefill<-incremental"]),
     "exp4.recovery.incremental_from_prefill": lambda R: rate_text(R["transplant"]["recovery"]["incremental<-prefill"]),
     "exp4.joint_recovery": lambda R: rate_text(R["transplant"]["joint_recovery"]),
@@ -256,9 +256,9 @@ def run_value(results: dict, endpoint_id: str) -> str:
         return NOT_RUN
 
 
-def setup_of_run(pl: ProfileLedgers) -> dict:
+def setup_of_run(profile_ledgers: ProfileLedgers) -> dict:
     """What this run used (model, data, caps, hardware), read from the Experiment 1 BF16 manifest and environment."""
-    led = pl["exp1-bfloat16"]
+    led = profile_ledgers["exp1-bfloat16"]
     c, e = led.config, led.contract
     m = e.get("model", {})
     return {
@@ -267,21 +267,21 @@ def setup_of_run(pl: ProfileLedgers) -> dict:
         "dataset": _dataset(c["problem_ids"]),
         "caps": c["caps"],
         "hardware": f"{e.get('device', '?')} ({e.get('device_name', '?')}), {c['threads']} threads, SDPA {'/'.join(c['sdpa_backends'])}",
-        "precisions": ", ".join(pl.precisions),
+        "precisions": ", ".join(profile_ledgers.precisions),
         "rows": {
             "exp1": len(led.records),
-            "exp2": len(pl.records("exp2-bfloat16")),
-            "exp3": len(pl.records("exp3-bfloat16")),
+            "exp2": len(profile_ledgers.records("exp2-bfloat16")),
+            "exp3": len(profile_ledgers.records("exp3-bfloat16")),
             "exp3_audit": len(led.records),
-            "exp4": len(pl.records("exp4-bfloat16")),
-            "exp5": len(pl.records("exp5-bfloat16")),
+            "exp4": len(profile_ledgers.records("exp4-bfloat16")),
+            "exp5": len(profile_ledgers.records("exp5-bfloat16")),
         },
     }
 
 
-def setup_table(pl: ProfileLedgers, reference: dict) -> pd.DataFrame:
+def setup_table(profile_ledgers: ProfileLedgers, reference: dict) -> pd.DataFrame:
     """The setups side by side (model, data, caps, hardware, precisions, rows per experiment)."""
-    run, paper = setup_of_run(pl), reference["setup"]
+    run, paper = setup_of_run(profile_ledgers), reference["setup"]
     caps = lambda c: f"{c['branch']} / {c['merge']} / {c['answer']}"  # noqa: E731
     rows = {
         "model": (f"{paper['model']} ({paper['layers']} layers, {paper['kv_heads']} KV heads, head dim {paper['head_dim']})",
@@ -318,9 +318,9 @@ def what_differs(experiment: int, run: dict, paper: dict) -> str:
     return "; ".join(parts)
 
 
-def vs_paper_table(pl: ProfileLedgers, results: dict, reference: dict) -> pd.DataFrame:
+def vs_paper_table(profile_ledgers: ProfileLedgers, results: dict, reference: dict) -> pd.DataFrame:
     """Each endpoint's value in the paper and in this run, with what differs between the two setups."""
-    run = setup_of_run(pl)
+    run = setup_of_run(profile_ledgers)
     rows = []
     for e in reference["endpoints"]:
         rows.append({
@@ -348,7 +348,7 @@ def load_artifacts(path: str | Path = ARTIFACTS_FILE) -> list[dict]:
     return entries
 
 
-def artifact_map(pl: ProfileLedgers, reference: dict, tables_notebook: str, figures_notebook: str) -> pd.DataFrame:
+def artifact_map(profile_ledgers: ProfileLedgers, reference: dict, tables_notebook: str, figures_notebook: str) -> pd.DataFrame:
     """Where every reported statistic comes from: ledger files and fields, function, outputs and notebooks.
 
     Ledger paths are relative to the ledger root; ``fig_*`` outputs are made by
@@ -361,8 +361,8 @@ def artifact_map(pl: ProfileLedgers, reference: dict, tables_notebook: str, figu
         files = []
         nbs = []
         for k in a["ledgers"]:
-            led = pl.ledgers.get(k)
-            files.append(f"{pl.profile}/{led.dir.name}/rows.jsonl" if led else f"{k}-* (not run)")
+            led = profile_ledgers.ledgers.get(k)
+            files.append(f"{profile_ledgers.profile}/{led.dir.name}/rows.jsonl" if led else f"{k}-* (not run)")
             nb = f"notebooks/{LEDGER_SPECS[k].notebook}"
             if nb not in nbs:
                 nbs.append(nb)

@@ -34,7 +34,7 @@ from ..experiments.transplant import (
 from ..ledger.lookup import ProfileLedgers
 
 
-def summarize(pl: ProfileLedgers, *, seed: int = 20260729, n_resamples: int = 20000) -> dict:
+def summarize(profile_ledgers: ProfileLedgers, *, seed: int = 20260729, n_resamples: int = 20000) -> dict:
     """Every endpoint of Experiments 1–5 recomputed from the ledgers with the library's summary functions.
 
     Returns:
@@ -51,29 +51,29 @@ def summarize(pl: ProfileLedgers, *, seed: int = 20260729, n_resamples: int = 20
     Raises:
         GateError: if any row of any ledger failed a gate (endpoints are withheld).
     """
-    prec = pl.precisions
+    prec = profile_ledgers.precisions
     kw = {"seed": seed, "n_resamples": n_resamples}
     out: dict = {
-        "exp1": {d: matrix_summary(pl.records(f"exp1-{d}"), d, "live", **kw) for d in prec},
-        "exp2": {d: matrix_summary(pl.records(f"exp2-{d}"), d, "incremental", **kw) for d in prec},
+        "exp1": {d: matrix_summary(profile_ledgers.records(f"exp1-{d}"), d, "live", **kw) for d in prec},
+        "exp2": {d: matrix_summary(profile_ledgers.records(f"exp2-{d}"), d, "incremental", **kw) for d in prec},
         "exp1_cross": None,
         "crossing": None,
     }
     if {"bfloat16", "float32"} <= set(prec):
-        a, b = pl.records("exp1-bfloat16"), pl.records("exp1-float32")
+        a, b = profile_ledgers.records("exp1-bfloat16"), profile_ledgers.records("exp1-float32")
         out["exp1_cross"] = (sum(x["prefix"] == y["prefix"] for x, y in zip(a, b)), len(a))
-        out["crossing"] = precision_crossing(pl.records("exp2-bfloat16"), pl.records("exp2-float32"), **kw)
-    out["bridge"] = bridge_summary(pl.records("exp3-bfloat16"))
-    out["audit"] = saved_ledger_audit(pl.records("exp1-bfloat16"), pl.records("exp2-bfloat16"))
-    out["transplant"] = transplant_summary(pl.records("exp4-bfloat16"))
-    out["replication"] = replication_summary(pl.records("exp5-bfloat16"))
-    out["replication_accuracy"] = accuracy_vs_checkpoint0(pl.records("exp2-bfloat16"), pl.records("exp5-bfloat16"), **kw)
-    out["replication_checkpoint"] = describe_checkpoint(pl["exp5-bfloat16"].config["checkpoint"])
-    out["rows"] = {k: len(v.records) for k, v in pl.ledgers.items()}
+        out["crossing"] = precision_crossing(profile_ledgers.records("exp2-bfloat16"), profile_ledgers.records("exp2-float32"), **kw)
+    out["bridge"] = bridge_summary(profile_ledgers.records("exp3-bfloat16"))
+    out["audit"] = saved_ledger_audit(profile_ledgers.records("exp1-bfloat16"), profile_ledgers.records("exp2-bfloat16"))
+    out["transplant"] = transplant_summary(profile_ledgers.records("exp4-bfloat16"))
+    out["replication"] = replication_summary(profile_ledgers.records("exp5-bfloat16"))
+    out["replication_accuracy"] = accuracy_vs_checkpoint0(profile_ledgers.records("exp2-bfloat16"), profile_ledgers.records("exp5-bfloat16"), **kw)
+    out["replication_checkpoint"] = describe_checkpoint(profile_ledgers["exp5-bfloat16"].config["checkpoint"])
+    out["rows"] = {k: len(v.records) for k, v in profile_ledgers.ledgers.items()}
     return out
 
 
-def results_tables(pl: ProfileLedgers, results: dict) -> dict[str, pd.DataFrame]:
+def results_tables(profile_ledgers: ProfileLedgers, results: dict) -> dict[str, pd.DataFrame]:
     """The Experiments 1–4 results tables, keyed by file stem (built by the library's table functions).
 
     Keys: ``table_exp1_matrix``, ``table_exp2_matrix``, ``table_exp2_crossing`` (both
@@ -92,8 +92,8 @@ def results_tables(pl: ProfileLedgers, results: dict) -> dict[str, pd.DataFrame]
         out["table_exp2_crossing"] = crossing_table(cross2)
     out["table_exp3_bridge"] = bridge_table(results["bridge"])
     out["table_exp3_audit"] = audit_table(results["audit"])
-    out["table5_exp4_transplant"] = transplant_table(results["transplant"], pl.records("exp4-bfloat16"))
-    loc = localization_table(pl.records("exp4-bfloat16"))
+    out["table5_exp4_transplant"] = transplant_table(results["transplant"], profile_ledgers.records("exp4-bfloat16"))
+    loc = localization_table(profile_ledgers.records("exp4-bfloat16"))
     out["table_exp4_localization"] = loc.set_index(["intervention", "stratum", "direction"]) if len(loc) else loc
     out["table_exp5_replication"] = replication_table(results["replication"], results["replication_checkpoint"])
     out["table_exp5_accuracy"] = replication_accuracy_table(results["replication_accuracy"])

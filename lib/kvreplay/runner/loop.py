@@ -120,11 +120,11 @@ def run_arm(
             if mapper.checks:
                 ledger.log(event="gates", checks=mapper.checks)
         return records, ledger
-    lm, bf = settings.load()
-    check_prompts(bf, problems, context_length(lm.model.config), caps=settings.caps)  # before the ledger folder exists
-    run = settings.engine_run(bf, problems)
-    ledger = Ledger(root, label, config, environment=arm_environment(lm, bf, settings, run), row_algorithm=version)
-    spec = RunSpec(lm=lm, fmt=bf, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids, engine=run)
+    lm, block_format = settings.load()
+    check_prompts(block_format, problems, context_length(lm.model.config), caps=settings.caps)  # before the ledger folder exists
+    run = settings.engine_run(block_format, problems)
+    ledger = Ledger(root, label, config, environment=arm_environment(lm, block_format, settings, run), row_algorithm=version)
+    spec = RunSpec(lm=lm, fmt=block_format, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids, engine=run)
     if run is None:
         mapper, row_fn = None, (lambda p: row(spec, p))
     else:

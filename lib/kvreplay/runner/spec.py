@@ -349,12 +349,12 @@ class ArmSettings:
         return config
 
     def load(self, device: str | None = None) -> tuple[LoadedModel, BlockFormat]:
-        """Apply the execution contract, fix the seed, load the model at this precision, resolve the format."""
+        """Fix the seed, load the model at this precision under the arm's execution contract, resolve the format.
 
-        contract = self.contract(device)
-        contract.apply()
+        :func:`~kvreplay.models.load_model` validates and applies the contract before loading.
+        """
         torch.manual_seed(0)
-        lm = load_model(self.model, self.dtype, role_table=self.role_table, contract=contract)
+        lm = load_model(self.model, self.dtype, role_table=self.role_table, contract=self.contract(device))
         return lm, resolve_format(lm.tokenizer, self.fmt)
 
 
