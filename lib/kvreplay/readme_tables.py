@@ -492,6 +492,7 @@ def check_prose(readme: str, root: Path, profile: str) -> list[Difference]:
         where = f"README prose {para[:50]!r}"
         tables = ", ".join(cited) if len(cited) < len(stems) else f"figures/{profile}/*.csv"
         text = re.sub(r"\(paper:[^)]*\)", "", para)
+        quoted_with_count = set()  # where the Wilson intervals checked with their count end
         for m in _FRACTION.finditer(text):
             k, n = int(m[1]), int(m[2])
             if (k, n) not in facts.fractions:
@@ -505,11 +506,13 @@ def check_prose(readme: str, root: Path, profile: str) -> list[Difference]:
                 out.append(Difference(where, f"percentage of {k}/{n}", pct[1] + "%",
                                       " or ".join(x + "%" for x in known)))
             ci = re.match(r"(?: [a-z ]{0,30})? \((?:\d+(?:\.\d+)?%[,;] )?(?:Wilson )?\[([\d.]+), ([\d.]+)\]", after)
+            if ci:
+                quoted_with_count.add(m.end() + ci.end())
             if ci and not any(_same(ci[1], g[1]) and _same(ci[2], g[2]) for g in given):
                 out.append(Difference(where, f"Wilson interval of {k}/{n}", f"[{ci[1]}, {ci[2]}]",
                                       " or ".join(f"[{g[1]}, {g[2]}]" for g in given) or f"none in {tables}"))
         for m in _INTERVAL.finditer(text):
-            if not any(_same(m[1], lo) and _same(m[2], hi) for lo, hi in facts.intervals):
+            if m.end() not in quoted_with_count and not any(_same(m[1], lo) and _same(m[2], hi) for lo, hi in facts.intervals):
                 out.append(Difference(where, "interval", m[0], f"no such interval in {tables}"))
         for m in re.finditer(r"rates above (\d+(?:\.\d+)?)%", text):
             if not any(_same(m[1], hi) for _, _, hi in (g for gs in facts.proportions.values() for g in gs)):
