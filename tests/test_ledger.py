@@ -112,3 +112,48 @@ def test_parquet_export_is_columnar_and_deterministic(tmp_path):
     assert list(rows["endpoints.suffix_differs"]) == [False, True, False] and "prefix" not in rows
     tensors = pd.read_parquet(led.dir / "tensors.parquet")
     assert tensors.shape == (3, 4) and set(tensors["comparison"]) == {"prefill_vs_live"}
+
+
+def test_a_sealed_ledger_reads_the_same_and_takes_more_rows(tmp_path):
+    """Sealing (rows.jsonl -> rows.jsonl.gz) is deterministic and lossless; readers take either form; appending unseals."""
+    from kvreplay.ledger.lookup import read_ledger
+    from kvreplay.ledger.store import read_rows_text, seal, unseal
+
+    config = {"a": 1, "problem_ids": ["p0", "p1", "p2"]}
+    led = Ledger(tmp_path, "exp1-bfloat16", config)
+    for i in range(3):
+        led.append({"problem_id": f"p{i}", "v": [i, 0.5]})
+    plain = (led.dir / "rows.jsonl").read_bytes()
+    first = seal(led.dir)
+    assert first.name == "rows.jsonl.gz" and not (led.dir / "rows.jsonl").exists()
+    sealed_bytes = first.read_bytes()
+    assert len(sealed_bytes) < len(plain) and read_rows_text(led.dir).encode() == plain
+    assert seal(led.dir).read_bytes() == sealed_bytes  # sealing a sealed ledger changes nothing
+    unseal(led.dir)
+    assert (led.dir / "rows.jsonl").read_bytes() == plain
+    assert seal(led.dir).read_bytes() == sealed_bytes  # deterministic: no time stamp in the header
+
+    again = Ledger(tmp_path, "exp1-bfloat16", config)
+    assert again.records() == [json.loads(x) for x in plain.decode().splitlines()] and again.complete(["p0", "p2"])
+    assert read_ledger(led.dir).records == again.records()
+    assert (led.dir / "rows.jsonl.gz").exists()  # reading did not unseal it
+    again.append({"problem_id": "p3", "v": [3, 0.5]})  # resuming a sealed ledger
+    assert not (led.dir / "rows.jsonl.gz").exists()
+    assert (led.dir / "rows.jsonl").read_bytes() == plain + (canonical_json({"problem_id": "p3", "v": [3, 0.5]}) + "\n").encode()
+
+    (led.dir / "rows.jsonl.gz").write_bytes(sealed_bytes)  # both forms at once is refused, not guessed
+    with pytest.raises(LedgerError, match="both"):
+        read_rows_text(led.dir)
+    (led.dir / "rows.jsonl.gz").unlink()
+    (led.dir / "rows.jsonl").write_bytes(plain[:-3])  # a cut-off last line is never sealed
+    with pytest.raises(LedgerError, match="cut-off"):
+        seal(led.dir)
+
+
+def test_seal_command(tmp_path):
+    led = Ledger(tmp_path, "x", {"a": 1})
+    led.append({"problem_id": "p0"})
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvreplay.ledger", *a], capture_output=True, text=True)  # noqa: E731
+    out = run("seal", str(led.dir), str(tmp_path))
+    assert out.returncode == 2 and "not a ledger folder" in out.stderr and (led.dir / "rows.jsonl.gz").exists()
+    assert run("unseal", str(led.dir)).returncode == 0 and (led.dir / "rows.jsonl").exists()

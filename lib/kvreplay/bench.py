@@ -109,7 +109,6 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     if workers > 1:
         import dataclasses
 
-
         spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps)
         n = rows or 2 * workers
         timed = bank[1 : 1 + n]

@@ -294,7 +294,6 @@ class Explorer:
         import matplotlib.pyplot as plt
         from IPython.display import display
 
-
         row, comp = self.row, self.comparison
         ref, other = comparison_arms(self.ledger.key.split("-")[0], comp)
         summary = row["boundary"][comp]
@@ -319,7 +318,6 @@ class Explorer:
         """Redraw the heatmaps and the selected layer/head's per-position drift from the cached pair."""
         import matplotlib.pyplot as plt
         from IPython.display import display
-
 
         t0 = time.perf_counter()
         row, comp = self.row, self.comparison

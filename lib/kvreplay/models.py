@@ -730,7 +730,6 @@ def load_tokenizer(model: str):
 
     from transformers import AutoTokenizer
 
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with quiet_loading():
         if model == EMBEDDED:

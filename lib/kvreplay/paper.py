@@ -158,7 +158,6 @@ def clean_executed(src: Path, dest: Path) -> Path:
     """
     import nbformat
 
-
     prefix = f"{ROOT}/"
     nb = nbformat.read(str(src), as_version=4)
     for key in VOLATILE_METADATA:
@@ -312,10 +311,9 @@ def run_inprocess(path: Path, params: dict) -> None:
 
 def inputs_digest(name: str, profile: str, params: dict) -> str:
     """sha256 of everything a notebook's outputs depend on: its source, its parameters, the library source,
-    every ledger, panel and prefix-bank file of the profile (run logs and parquet copies excluded), and the
+    every ledger (plain or sealed), panel and prefix-bank file of the profile (run logs and parquet copies excluded), and the
     role-table checkpoint files the profile's pointer names."""
     import hashlib
-
 
     h = hashlib.sha256()
     h.update((NOTEBOOKS / name).read_bytes())
@@ -324,7 +322,7 @@ def inputs_digest(name: str, profile: str, params: dict) -> str:
     root = Path(params.get("ledger_root") or LEDGERS) / profile
     if root.is_dir():
         for f in sorted(root.rglob("*")):
-            if f.is_file() and f.suffix in {".jsonl", ".json"} and f.name != "runlog.jsonl":
+            if f.is_file() and f.name.endswith((".jsonl", ".json", ".jsonl.gz")) and f.name != "runlog.jsonl":
                 h.update(str(f.relative_to(root)).encode())
                 h.update(f.read_bytes())
     pointer = root / "role_adaptation.json"  # the checkpoint family lives outside the ledgers (data/checkpoints)

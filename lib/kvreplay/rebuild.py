@@ -93,7 +93,6 @@ def load_for_ledger(led: LoadedLedger, model: str | None = None):
         ModelLoadError: the ledger was computed on CUDA and this machine has none.
     """
 
-
     c = led.config
     execution = c.get("execution", {})
     contract = ExecutionContract(

@@ -39,7 +39,7 @@ from .experiments import (
 )
 from .gates import GateError
 from .ledger.prefix_bank import read_prefix_bank
-from .ledger.store import canonical_json
+from .ledger.store import canonical_json, read_rows_text
 from .models import context_length, execution_contract
 from .paths import LEDGERS, ROOT
 from .problems import load_bank
@@ -179,13 +179,12 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     """
     import torch
 
-
     folder = Path(folder)
     if not (folder / "manifest.json").is_file():
         raise FileNotFoundError(f"{folder} is not a ledger (no manifest.json)")
     settings, config = settings_from_manifest(folder)
     env = json.loads((folder / "environment.json").read_text())
-    lines = [x for x in (folder / "rows.jsonl").read_text(encoding="utf-8").splitlines() if x]
+    lines = [x for x in read_rows_text(folder).splitlines() if x]
     committed = [json.loads(x) for x in lines]
     order = sorted(range(len(committed)), key=lambda i: (committed[i].get("prefix_len", 0), i)) if pick == "shortest" \
         else list(range(len(committed)))

@@ -3,7 +3,7 @@
 * :mod:`.store`: :class:`Ledger` (one experiment arm's folder: manifest,
   environment, ``rows.jsonl``, run log), :func:`run_rows` (map a per-row
   function over problems, appending each record), canonical JSON and digests,
-  and columnar parquet copies;
+  sealing (``rows.jsonl.gz``, ``python -m kvreplay.ledger seal``) and columnar parquet copies;
 * :mod:`.prefix_bank`: Experiment 1's BF16 boundary prefixes, frozen for
   Experiments 2-5;
 * :mod:`.lookup`: a profile's ledgers found by provenance (no re-running).
@@ -20,11 +20,14 @@ from .store import (
     config_digest,
     export_parquet,
     library_digest,
+    read_rows_text,
     row_bar,
     run_rows,
+    seal,
+    unseal,
 )
 
 __all__ = [
     "SCHEMA_VERSION", "TERMINAL_PROGRESS", "Ledger", "LedgerError", "canonical_json", "config_digest", "export_parquet",
-    "library_digest", "row_bar", "run_rows",
+    "library_digest", "read_rows_text", "row_bar", "run_rows", "seal", "unseal",
 ]

@@ -17,6 +17,8 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .store import ROWS, SEALED, read_rows_text
+
 PREFIX_BANK = "prefix_bank_bf16.jsonl"
 
 
@@ -98,14 +100,12 @@ class LoadedLedger:
 
     @property
     def rows_path(self) -> Path:
-        return self.dir / "rows.jsonl"
+        """The file holding the rows: ``rows.jsonl``, or ``rows.jsonl.gz`` for a sealed ledger."""
+        return self.dir / (SEALED if (self.dir / SEALED).exists() else ROWS)
 
 
 def _read_rows(folder: Path) -> list[dict]:
-    path = folder / "rows.jsonl"
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = read_rows_text(folder).splitlines()
     out = []
     for i, line in enumerate(lines):
         if not line:

@@ -18,6 +18,11 @@ scientific config (its sha256 is the digest):
   loses at most the row in flight (with row actors: the rows in flight and
   any finished after the first unfinished one, since rows are appended in
   order); a partial last line is cut off on resume.
+- ``rows.jsonl.gz``: a *sealed* ledger's rows, the same bytes gzip-compressed
+  (:func:`seal`; level 9, no name or time stamp in the header, so sealing is
+  deterministic). Committed ledgers are sealed to keep the repository light;
+  every reader takes either form (:func:`read_rows_text`), and appending to a
+  sealed ledger first restores ``rows.jsonl`` (:meth:`Ledger.append`).
 - ``runlog.jsonl``: wall times and hosts (never in ``rows.jsonl``, so two runs
   of the same config on the same machine give byte-identical rows).
 
@@ -26,6 +31,7 @@ Records are serialized with sorted keys and no whitespace variation.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -53,6 +59,63 @@ def canonical_json(obj) -> str:
 def config_digest(config: dict) -> str:
     """sha256 of the canonical JSON of a scientific config."""
     return hashlib.sha256(canonical_json(config).encode()).hexdigest()
+
+
+ROWS = "rows.jsonl"
+SEALED = "rows.jsonl.gz"
+
+
+def read_rows_text(folder: str | Path) -> str:
+    """The text of a ledger folder's rows, from ``rows.jsonl`` or, for a sealed ledger, ``rows.jsonl.gz``.
+
+    Returns ``""`` when the folder has neither (no row finished yet).
+
+    Raises:
+        LedgerError: both files exist (a sealed ledger appended to by code that does not unseal it).
+    """
+    folder = Path(folder)
+    plain, sealed = folder / ROWS, folder / SEALED
+    if plain.exists() and sealed.exists():
+        raise LedgerError(f"{folder} holds both {ROWS} and {SEALED}: keep one (python -m kvreplay.ledger seal/unseal)")
+    if sealed.exists():
+        return gzip.decompress(sealed.read_bytes()).decode("utf-8")
+    return plain.read_text(encoding="utf-8") if plain.exists() else ""
+
+
+def seal(folder: str | Path) -> Path:
+    """Replace a ledger folder's ``rows.jsonl`` by ``rows.jsonl.gz`` (same bytes inside; deterministic output).
+
+    Returns:
+        the sealed file (unchanged if the folder is sealed already).
+
+    Raises:
+        LedgerError: the folder has no rows, or its last line is cut off (an unfinished write).
+    """
+    folder = Path(folder)
+    plain, sealed = folder / ROWS, folder / SEALED
+    if sealed.exists() and not plain.exists():
+        return sealed
+    data = plain.read_bytes() if plain.exists() else b""
+    if not data or not data.endswith(b"\n"):
+        raise LedgerError(f"{plain}: {'no rows' if not data else 'a cut-off last line'}; nothing to seal")
+    sealed.write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
+    if gzip.decompress(sealed.read_bytes()) != data:  # never lose a row to a bad write
+        sealed.unlink()
+        raise LedgerError(f"{sealed}: the compressed copy does not read back; {plain} kept")
+    plain.unlink()
+    return sealed
+
+
+def unseal(folder: str | Path) -> Path:
+    """Restore a sealed ledger's ``rows.jsonl`` (to append to it); the inverse of :func:`seal`."""
+    folder = Path(folder)
+    plain, sealed = folder / ROWS, folder / SEALED
+    if sealed.exists():
+        if plain.exists():
+            raise LedgerError(f"{folder} holds both {ROWS} and {SEALED}: keep one")
+        plain.write_bytes(gzip.decompress(sealed.read_bytes()))
+        sealed.unlink()
+    return plain
 
 
 def library_digest() -> str:
@@ -105,7 +168,7 @@ class Ledger:
         self.key = key
         self.dir = self.folder(root, name, config)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.rows_path = self.dir / "rows.jsonl"
+        self.rows_path = self.dir / ROWS
         manifest = {"schema_version": SCHEMA_VERSION, "name": name, "config_digest": self.digest, "config": config}
         mpath = self.dir / "manifest.json"
         if mpath.exists():
@@ -149,9 +212,7 @@ class Ledger:
 
     def records(self) -> list[dict]:
         """All finished records, in the order they were appended."""
-        if not self.rows_path.exists():
-            return []
-        return [json.loads(line) for line in self.rows_path.read_text(encoding="utf-8").splitlines() if line]
+        return [json.loads(line) for line in read_rows_text(self.dir).splitlines() if line]
 
     def done_keys(self) -> set[str]:
         if self._done is None:
@@ -167,6 +228,7 @@ class Ledger:
         if record[self.key] in self.done_keys():
             raise LedgerError(f"{self.rows_path}: {self.key}={record[self.key]} already recorded")
         line = canonical_json(record) + "\n"
+        unseal(self.dir)  # a sealed ledger takes more rows as rows.jsonl again
         with open(self.rows_path, "a", encoding="utf-8") as f:
             f.write(line)
             f.flush()
@@ -341,7 +403,7 @@ def export_parquet(folder: str | Path) -> list[Path]:
     import pandas as pd
 
     folder = Path(folder)
-    records = [json.loads(x) for x in (folder / "rows.jsonl").read_text(encoding="utf-8").splitlines() if x]
+    records = [json.loads(x) for x in read_rows_text(folder).splitlines() if x]
     rows = pd.DataFrame([_flat_scalars(r) for r in records])
     tensors = pd.DataFrame([
         {"problem_id": r["problem_id"], "comparison": comp, **{k: v for k, v in t.items() if not isinstance(v, dict)}}

@@ -362,7 +362,7 @@ def artifact_map(profile_ledgers: ProfileLedgers, reference: dict, tables_notebo
         nbs = []
         for k in a["ledgers"]:
             led = profile_ledgers.ledgers.get(k)
-            files.append(f"{profile_ledgers.profile}/{led.dir.name}/rows.jsonl" if led else f"{k}-* (not run)")
+            files.append(f"{profile_ledgers.profile}/{led.dir.name}/{led.rows_path.name}" if led else f"{k}-* (not run)")
             nb = f"notebooks/{LEDGER_SPECS[k].notebook}"
             if nb not in nbs:
                 nbs.append(nb)

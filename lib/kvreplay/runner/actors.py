@@ -185,7 +185,6 @@ class RowActor:
         try:
             import ray
 
-
             gpus = ray.get_gpu_ids()
             self.device = settings.device + (f" (GPU {','.join(map(str, gpus))})" if gpus else "")
             lm, fmt = settings.load()  # the contract is applied before the model loads
@@ -236,7 +235,6 @@ class RowActor:
             GateError: ``composition`` or ``graph_equals_eager``; whatever a row raised.
         """
         import dataclasses
-
 
         self._ready()
         if run is None:

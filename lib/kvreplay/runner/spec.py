@@ -421,7 +421,6 @@ class BatchedRows:
         spec = dataclasses.replace(self.spec, engine=dataclasses.replace(run, verify_steps=verify), memo=self.spec.memo)
         import time
 
-
         t0, verified0 = time.perf_counter(), engine.VERIFIED_STEPS[0]
         alone = self.chunk(spec, [problem])[0]
         seconds = round(time.perf_counter() - t0, 3)
