@@ -220,3 +220,33 @@ def test_cache_refusal_reads_the_layer_types_and_the_cache_layers():
     odd = LlamaConfig(**small)
     odd.layer_types = ["full_attention", "deepseek_sparse_attention"]
     assert "deepseek_sparse_attention" in cache_refusal(odd)
+
+
+def test_embedded_checkpoint_is_the_gguf_converted_once(tmp_path, monkeypatch):
+    """The cached folder gives the GGUF's weights, self-check, tokens and chat template; a damaged copy is rebuilt."""
+    import json
+
+    from kvreplay import models
+    from kvreplay.problems import load_bank
+
+    monkeypatch.setenv(models.MODEL_CACHE_ENV, str(tmp_path))
+    folder = models.embedded_checkpoint()
+    assert folder.parent == tmp_path and (folder / "model.safetensors").is_file()
+    contract = ExecutionContract(threads=2)
+    via_folder = load_model("embedded", "float32", contract=contract)
+    via_gguf = load_model(str(models.embedded_model_path()), "float32", contract=contract)  # transformers reads the GGUF
+    for k in ("weights_sha256", "self_check", "layers", "heads", "kv_heads", "head_dim"):
+        assert via_folder.identity[k] == via_gguf.identity[k], k
+    texts = [p.question + "\n" + "\n".join(p.options) for p in load_bank()[:40]]
+    assert [via_folder.tokenizer(t)["input_ids"] for t in texts] == [via_gguf.tokenizer(t)["input_ids"] for t in texts]
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": texts[0]}]
+    assert via_folder.tokenizer.apply_chat_template(msgs, add_generation_prompt=True) == \
+        via_gguf.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # a damaged cache is found by its digest and converted again
+    weights.write_bytes(bytes(data))
+    assert models.embedded_checkpoint() == folder
+    assert models.file_sha256(weights) == json.loads((folder / "conversion.json").read_text())["model_safetensors_sha256"]
+    assert bytes(data) != weights.read_bytes()

