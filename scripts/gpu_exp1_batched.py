@@ -197,7 +197,7 @@ def paper(out: Path, budget: float, n_rows: int, batch: int) -> dict:
         res["sections"]["bench_s"] = round(time.perf_counter() - t, 1)
         (out / "bench.md").write_text(table.to_markdown(index=False) + "\n")
         print(table.to_markdown(index=False), flush=True)
-    except Exception as ex:
+    except Exception:
         res["sections"]["bench_error"] = traceback.format_exc()[-2000:]
     dump(path, res)
     spent = res["sections"]["exp1_bfloat16"].get("wall_s", 0)

@@ -142,7 +142,6 @@ class AdaptConfig:
         eval_every: held-out loss every this many steps (also at step 0 and at both checkpoints).
         seed: torch seed; ``threads``: intra-op threads; ``sdpa_backends``: as in the experiments.
     """
-
     name: str = "v1"
     model: str = "embedded"
     fmt: str | dict = "chat_multibranch"
@@ -213,7 +212,6 @@ def split_problems(problems: Sequence[Problem], n_train: int, n_heldout: int) ->
 
     Only problem IDs are read (via :func:`kvreplay.problems.select_bank`).
     """
-
     picked = select_bank(problems, n_train + n_heldout, salt=SPLIT_SALT)
     return picked[n_heldout:], picked[:n_heldout]
 
@@ -248,7 +246,6 @@ class Staged:
             from the logits one step before it; ``len(ids)`` for an evaluation prefix).
         letters: the problem's option letters.
     """
-
     ids: list[int]
     roles: torch.Tensor
     targets: dict[int, list[int]]
@@ -553,7 +550,6 @@ class Checkpoint:
         name: ``early`` or ``later``; step: its training step; path: the file; sha256: its digest
         (checked against the manifest); folder: the checkpoint folder; base_model: the manifest's base identity.
     """
-
     name: str
     step: int
     path: Path
@@ -610,7 +606,6 @@ def load_checkpoint_model(folder: str | Path, which: str = "later", dtype: str =
         CheckpointError: a role table that differs from its manifest, or a base model whose key differs
             from the one the table was trained on.
     """
-
     ck = checkpoint(folder, which)
     base = model or ck.base_model["model"]
     key = ck.base_model["key"]
@@ -645,7 +640,6 @@ def ensure_checkpoints(
         CheckpointError: a folder for this config whose files do not match its manifest.
         ValueError: training data that overlaps the bank.
     """
-
     if problems is None:
         problems, source_sha = load_source(cfg.source)
     else:
@@ -676,7 +670,6 @@ def write_pointer(path: str | Path, folder: Path, manifest: dict) -> dict:
 
     The folder is stored relative to the repository root when it lies inside it.
     """
-
     folder = Path(folder).resolve()
     try:
         where = str(folder.relative_to(ROOT))
@@ -695,7 +688,6 @@ def read_pointer(path: str | Path) -> tuple[Path, dict]:
     Raises:
         CheckpointError: if notebook 00 has not run for the profile.
     """
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no {path}: run notebooks/00_role_adaptation.ipynb for this profile first")
@@ -734,7 +726,6 @@ def run_letter_eval(
     Returns:
         ``(records in problem order, ledger)``. A finished ledger is read without loading the model.
     """
-
     config = {
         "experiment": "adapt_eval", "profile": profile, "dtype": "float32", "metric": LETTER_METRIC,
         "construction": CONSTRUCTION, "model": base_key if base_key is not None else model_key(model),

@@ -76,7 +76,6 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     Raises:
         ValueError: more actors than the Ray cluster can hold (see :class:`kvreplay.runner.actors.RowActors`).
     """
-
     settings = ArmSettings(profile="bench", dtype=dtype, caps=Caps(*caps), model=model, threads=threads, device=device)
     lm, fmt = settings.load()
     problem = load_bank()[0]
@@ -188,7 +187,6 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     Raises:
         ValueError: the graph path with a model not on CUDA.
     """
-
     if step_path == "graph" and lm.device.type != "cuda":
         raise ValueError("engine_table's graph path needs a CUDA model")
     label = "graph" if step_path == "graph" else "engine eager step"

@@ -119,7 +119,6 @@ def verify_transplant(state: Boundary, recipient: Boundary, donor: Boundary, pro
     Raises:
         GateError: gate ``provenance``, ``dtype``, ``functional_state`` or ``storage``.
     """
-
     sources = {recipient.construction: dict(cache_tensors(recipient.cache)), donor.construction: dict(cache_tensors(donor.cache))}
     mine = dict(cache_tensors(state.cache))
     if len(provenance) != len(mine):

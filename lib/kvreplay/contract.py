@@ -134,7 +134,6 @@ class Parsed:
         prompt_len: number of prompt-block tokens.
         complete: whether the answer block is closed.
     """
-
     roles: tuple[int, ...]
     content: dict[int, tuple[int, int] | None]
     boundary: int | None
@@ -158,7 +157,6 @@ class BlockFormat:
         answer_prefix_text: text the answer opener ends with, prepended to the
             answer content for scoring.
     """
-
     name: str
     digest: str
     spec: dict

@@ -58,7 +58,6 @@ class Boundary:
         positions: ``[2, |z|]`` int64 position IDs actually passed to the
             model, concatenated over the calls (flat from 0; no padding).
     """
-
     construction: str
     ids: list[int]
     roles: torch.Tensor
@@ -163,7 +162,6 @@ class FP32Readout:
     Raises:
         ContractError: if the model has no ``model.model.norm``.
     """
-
     def __init__(self, lm: LoadedModel):
         import copy
 
@@ -213,7 +211,6 @@ class BlockCursor:
     the block's closing token; a closing delimiter is forced at the cap;
     between blocks the next opening delimiter is forced token by token.
     """
-
     def __init__(self, fmt: BlockFormat, caps: Caps, role: int, forced: Sequence[tuple[int, int]] = ()):
         self.fmt, self.caps = fmt, caps
         self.role = role
@@ -437,7 +434,6 @@ class Suffix:
             when the model chose the token, ``None`` for forced tokens.
         merge: merge content token IDs. answer: answer content token IDs.
     """
-
     tokens: list[int]
     margins: list[float | None]
     merge: list[int]

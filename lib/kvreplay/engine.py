@@ -101,7 +101,6 @@ class RowLayer(CacheLayerMixin):
     Attributes:
         keys, values: ``[rows, kv_heads, max_len, head_dim]`` in the model dtype.
     """
-
     is_compileable = False
     is_sliding = False
 
@@ -167,7 +166,6 @@ class RowCache(Cache):
             ``[rows, kv_heads, max_len, head_dim]``, zero where never written.
         write_pos: ``[rows]`` int64, the position each row's next token is written at.
     """
-
     def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str, write_pos: torch.Tensor | None = None):
         self.write_pos = torch.zeros(rows, dtype=torch.long, device=device) if write_pos is None else write_pos
@@ -286,7 +284,6 @@ class StepEngine:
         ValueError: unknown step path, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1`` or ``verify_steps < 0``.
         ContractError: a vocabulary of 2**24 tokens or more.
     """
-
     def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
                  verify_steps: int = 0):
         if step_path not in STEP_PATHS:
@@ -494,7 +491,6 @@ class _Cursor(BlockCursor):
     token chosen on the device. Together they make the transitions of
     :meth:`BlockCursor.step`.
     """
-
     def prepare(self) -> int:
         """Apply the content cap; return the raw role whose structural mask the next choice uses."""
         if self.in_content and self.count >= self.caps.for_role(self.role):

@@ -90,7 +90,6 @@ class RebuiltPair:
         blocks: block name -> first position in z.
         seconds: ``{"model": s, "rebuild": s}`` wall times (model 0 when it was cached).
     """
-
     ref: object
     other: object
     tensors: tuple
@@ -210,7 +209,6 @@ class Explorer:
     Raises:
         MissingLedgerError: if the profile has no Experiment 1 or 2 ledger.
     """
-
     def __init__(self, ledger_root: str | Path, profile: str, *, model: str | None = None, pair: str | None = None,
                  problem: str | None = None):
         import ipywidgets as w
@@ -291,7 +289,6 @@ class Explorer:
     # -- drawing
     def refresh(self) -> None:
         """Show the ledger's per-layer summary of the current row, rebuild its pair (cached), then draw."""
-        import matplotlib.pyplot as plt
         from IPython.display import display
 
         row, comp = self.row, self.comparison
@@ -316,7 +313,6 @@ class Explorer:
 
     def draw(self) -> None:
         """Redraw the heatmaps and the selected layer/head's per-position drift from the cached pair."""
-        import matplotlib.pyplot as plt
         from IPython.display import display
 
         t0 = time.perf_counter()

@@ -23,7 +23,6 @@ class GateError(RuntimeError):
             ``report``; batched runs: ``composition``, ``graph_equals_eager``).
         reason: what differed, and where.
     """
-
     def __init__(self, gate: str, reason: str):
         super().__init__(f"gate {gate!r} failed: {reason}")
         self.gate = gate

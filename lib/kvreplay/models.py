@@ -187,7 +187,6 @@ class ExecutionContract:
         threads: intra-op CPU threads (``torch.set_num_threads``); ``None``
             leaves torch's choice.
     """
-
     device: str = "cpu"
     sdpa_backends: tuple[str, ...] = ("math",)
     deterministic: bool | None = None
@@ -281,7 +280,6 @@ class LoadedModel:
         calls: number of forward calls made through :func:`kvreplay.decode.forward`
             (tests count them to prove a replica is a second call).
     """
-
     model: torch.nn.Module
     tokenizer: object
     dtype: torch.dtype

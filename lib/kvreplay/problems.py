@@ -144,7 +144,6 @@ class MalformedProblemError(ValueError):
 
     The message reads ``"<location> line <line>: field '<field>': <reason>"``.
     """
-
     def __init__(self, location: str, line: int | None, field: str | None, reason: str) -> None:
         self.location = location
         self.line = line
@@ -245,7 +244,6 @@ def _check_problem(
     :raises MalformedProblemError: naming ``location``/``line``, the field and,
         for invalid Unicode, the problem ID.
     """
-
     def bad(fld: str, reason: str) -> MalformedProblemError:
         return MalformedProblemError(location, line, fld, reason)
 
@@ -314,7 +312,6 @@ class Problem:
     :ivar answer: gold letter (``str``), one of :attr:`letters`.
     :raises MalformedProblemError: on construction if any invariant fails.
     """
-
     problem_id: str
     source: str
     source_line: int
@@ -372,7 +369,6 @@ class Rejection:
         and row-level faults.
     :ivar reason: why (``str``); duplicates read ``"duplicate of <id> ..."``.
     """
-
     line: int
     field: str | None
     reason: str
@@ -390,7 +386,6 @@ class SourceSpec:
     :ivar relpath: path relative to the package directory (``str``, POSIX).
     :ivar n_options: exact number of options every row must have (``int``).
     """
-
     name: str
     relpath: str
     n_options: int
@@ -415,7 +410,6 @@ class SourceParse:
     :ivar valid: valid, de-duplicated problems in file order (``tuple[Problem, ...]``).
     :ivar rejected: rejected rows in file order (``tuple[Rejection, ...]``).
     """
-
     source: str
     path: Path
     sha256: str
@@ -436,7 +430,6 @@ class BankBuild:
     :ivar manifest_sha256: digest of the manifest JSON (``str``).
     :ivar manifest: manifest content (``dict``).
     """
-
     problems: tuple[Problem, ...]
     source: SourceParse
     bank_path: Path

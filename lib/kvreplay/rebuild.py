@@ -92,7 +92,6 @@ def load_for_ledger(led: LoadedLedger, model: str | None = None):
         GateError: gate ``provenance`` if the resolved format's digest differs from the ledger's.
         ModelLoadError: the ledger was computed on CUDA and this machine has none.
     """
-
     c = led.config
     execution = c.get("execution", {})
     contract = ExecutionContract(
@@ -131,7 +130,6 @@ def rebuild_pair(lm, fmt, prefix: Sequence[int], ref: str, other: str, *, where:
     Raises:
         GateError: a failed gate. ContractError: a prefix that does not end at the boundary.
     """
-
     built: dict = {}
 
     def get(name: str):

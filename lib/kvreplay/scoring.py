@@ -49,7 +49,6 @@ class Score:
             ``"answer_is"``, ``"leading_letter"``, ``"option_text"``,
             ``"numeric"`` or ``"none"``.
     """
-
     predicted: str | None
     correct: bool
     rule: str

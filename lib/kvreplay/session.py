@@ -59,7 +59,6 @@ class Session:
         out_dir: ``<figures_root>/<profile>``, where tables and figures go.
         bank: the problems in frozen source order (the MMLU bank, or a JSONL in its format).
     """
-
     notebook: str
     params: dict
     profile: str

@@ -45,7 +45,6 @@ class Proportion:
         high: Upper interval bound, fraction in [0, 1].
         confidence: Interval coverage as a fraction (``1 - alpha``).
     """
-
     k: int
     n: int
     rate: float
@@ -111,7 +110,6 @@ class PairedDifference:
         n_resamples: Bootstrap resamples drawn.
         seed: Seed of the ``numpy.random.default_rng`` generator used.
     """
-
     estimate: float
     low: float
     high: float
@@ -223,7 +221,6 @@ class McNemar:
         statistic: statsmodels' exact statistic, ``min(b, c)`` (count).
         pvalue: Two-sided exact binomial p-value on the discordant pairs.
     """
-
     b: int
     c: int
     statistic: float

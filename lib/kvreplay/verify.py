@@ -62,7 +62,6 @@ class RowCheck:
             (a dotted path such as ``arms.prefill.suffix[12]``), or None.
         detail: a one-line account (what was compared, what was skipped).
     """
-
     ledger: str
     problem_id: str
     mode: str
@@ -113,7 +112,6 @@ def settings_from_manifest(folder: Path):
         ValueError: for a model the manifest does not name as loadable here (only the embedded model, a
             role table inside the repository and a local path are supported).
     """
-
     config = json.loads((folder / "manifest.json").read_text())["config"]
     model = config["model"]["model"]
     role_table = config.get("role_table")
@@ -142,7 +140,6 @@ def row_function(folder: Path, config: dict):
     Raises:
         ValueError: for an experiment this module cannot recompute.
     """
-
     name = config["experiment"]
     if name == "exp1":
         return lambda spec, p, rec: live_vs_prefill.exp1_row(spec, p)

@@ -58,7 +58,6 @@ def exp2_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Se
     Raises:
         ContractError: a prefix that does not end at the boundary.
     """
-
     incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine.kwargs())
 
     def head(prefix, pid):
@@ -81,7 +80,6 @@ class FixedPrefixes:
         rows: the problems, in the bank's (= the problem bank's) source order.
         prefixes: problem ID -> boundary prefix z (token IDs).
     """
-
     entries: list[dict]
     sha256: str
     rows: list[Problem]

@@ -47,7 +47,6 @@ def exp1_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[dict]:
     Raises:
         ContractError: a prompt that breaks the block contract, or an unclosed answer block.
     """
-
     prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
     lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.caps, on_gate_error="return", **spec.engine.kwargs())
 

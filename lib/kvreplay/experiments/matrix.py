@@ -275,7 +275,6 @@ def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, hea
     Raises:
         ContractError: a suffix did not close its answer block.
     """
-
     recs: list[dict] = [{"problem_id": p.problem_id, "gate_failure": None} for p in problems]
     pending: list[tuple[int, dict]] = []
     for i, (p, ref, head, rec) in enumerate(zip(problems, refs, heads, recs)):

@@ -109,7 +109,6 @@ class Interpretation:
         scaled: True when the thresholds were scaled to the panel (the
             secondary verdict), False for the paper's absolute 12 and 6.
     """
-
     label: str
     reason: str
     n: int
@@ -221,7 +220,6 @@ class ReplicationCheckpoint:
         description: one line for tables.
         record: JSON-able provenance (what it is, digests), written to the panel file and the ledger key.
     """
-
     model: str
     role_table: str | None
     description: str
@@ -244,7 +242,6 @@ def resolve_checkpoint(chain_model: str, replication_model: str | None, replicat
             not the one the table was trained on.
         FileNotFoundError: a given role-table file that does not exist.
     """
-
     if replication_model is None and replication_role_table is None:
         folder, pointer = read_pointer(pointer_path)
         ck = checkpoint(folder, "later")
@@ -277,7 +274,6 @@ def check_same_format(model: str, fmt: str, expected_digest: str | None) -> None
     Raises:
         ContractError: naming both digests when the tokenizer or format differs.
     """
-
     if expected_digest is None:
         return
     got = resolve_format(load_tokenizer(model), fmt).digest
@@ -387,7 +383,6 @@ def accuracy_vs_checkpoint0(exp2_bf16: Sequence[dict], exp5: Sequence[dict], *, 
     Raises:
         GateError: if a row failed a gate or a panel row is missing from Experiment 2.
     """
-
     require_gates(exp2_bf16)
     require_gates(exp5)
     by_id = {r["problem_id"]: r for r in exp2_bf16}

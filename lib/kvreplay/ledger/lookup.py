@@ -36,7 +36,6 @@ class LedgerSpec:
         notebook: the notebook that writes it (under ``notebooks/``).
         what: one line for error messages and the artifact map.
     """
-
     experiment: str
     dtype: str
     notebook: str
@@ -82,7 +81,6 @@ class LoadedLedger:
         environment: ``environment.json`` (``execution_contract``, ``library_sha256``), ``{}`` if absent.
         records: the rows, in the config's frozen ``problem_ids`` order.
     """
-
     key: str
     dir: Path
     manifest: dict
@@ -210,7 +208,6 @@ class ProfileLedgers:
         prefix_bank_sha256: sha256 of ``prefix_bank_bf16.jsonl`` (the BF16 prefixes Experiments 2–4 read).
         ledgers: :data:`LEDGER_SPECS` key -> :class:`LoadedLedger`.
     """
-
     root: Path
     profile: str
     prefix_bank_sha256: str

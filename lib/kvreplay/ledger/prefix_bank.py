@@ -9,6 +9,7 @@ chain by provenance).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,8 +31,6 @@ def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: 
     Raises:
         GateError: if a record has no prefix (a failed row).
     """
-    import hashlib
-
     lines = []
     for r in records:
         if "prefix" not in r:
@@ -57,8 +56,6 @@ def read_prefix_bank(path: str | Path) -> tuple[list[dict], str]:
         FileNotFoundError: if notebook 01 has not written the bank for this profile.
         GateError: gate ``provenance`` if the file does not match its manifest.
     """
-    import hashlib
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no prefix bank at {path}: run notebook 01 (Experiment 1) for this profile first")

@@ -154,7 +154,6 @@ class Ledger:
     Raises:
         LedgerError: if the folder holds a manifest for another config.
     """
-
     @staticmethod
     def folder(root: str | Path, name: str, config: dict) -> Path:
         """Where the ledger of this name and config lives (nothing is created)."""
@@ -328,7 +327,6 @@ def run_rows(
             environments would mix); delete the folder, or set
             ``KVREPLAY_ALLOW_STALE=1`` to append anyway.
     """
-
     done = {r[ledger.key]: r for r in ledger.records()}
     todo = [it for it in items if key(it) not in done]
     if todo and done and (ledger.stale or ledger.other_environment) and os.environ.get("KVREPLAY_ALLOW_STALE") != "1":

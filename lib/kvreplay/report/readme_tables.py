@@ -59,7 +59,6 @@ class Difference:
         readme: What README.md has (empty when it has nothing).
         expected: What the figures tables give, or which tables were searched.
     """
-
     where: str
     item: str
     readme: str
@@ -194,7 +193,6 @@ class TableSpec:
         stems: The ``figures/<profile>/<stem>.csv`` files it reads.
         build: ``build(root, profile) -> (header, rows)``.
     """
-
     name: str
     stems: tuple[str, ...]
     build: Callable[[Path, str], tuple[list[str], list[list[str]]]]

@@ -177,7 +177,6 @@ class RowActor:
     Its start-up never raises: a failure is kept and re-raised, named, by every
     later call, so the caller sees why instead of a dead actor.
     """
-
     def __init__(self, settings, row: Callable, chunk: Callable | None, faults: Callable | None,
                  equivalence_ids: frozenset):
         self.device = settings.device
@@ -214,7 +213,6 @@ class RowActor:
             ContractError: a problem violates the contract or its sequence can exceed the model's context;
             ValueError: a ``max_len`` too short for the arm's problems.
         """
-
         self._ready()
         spec = self.spec
         check_prompts(spec.fmt, problems, context_length(spec.lm.model.config), caps=spec.caps)
@@ -267,7 +265,6 @@ class RowActors:
             (:func:`actor_resources`);
         RuntimeError: an actor failed to start (its cause is named; the other actors are killed).
     """
-
     def __init__(self, settings, row: Callable, *, chunk: Callable | None = None, workers: int | None = None,
                  faults: Callable | None = None, equivalence_ids: frozenset = frozenset()):
         ray = _ray()
@@ -412,7 +409,6 @@ class ActorRows:
     Attributes:
         checks: preflight gates the actors passed (``composition``, ``graph_equals_eager``), for the run log.
     """
-
     def __init__(self, pool: RowActors, todo: Sequence, key: Callable, run=None, composition_id: str | None = None):
         self.pool, self.key, self.run, self.composition_id = pool, key, run, composition_id
         size = run.batch if run is not None else 1

@@ -74,7 +74,6 @@ def run_arm(
         RuntimeError: a row actor failed to start (its cause is named), or
             every row actor died (finished rows stay in the ledger).
     """
-
     if settings.step_path != "eager" and chunk is None:
         raise ValueError(f"experiment {name!r} has no batched runner: step path {settings.step_path!r} is "
                          f"refused (use step_path='eager'; batched runners exist for exp1 and exp2)")

@@ -66,7 +66,6 @@ class RunSpec:
             preflight problem twice for the composition gate; the check does
             not depend on the batch, so it runs once).
     """
-
     lm: LoadedModel
     fmt: BlockFormat
     caps: Caps
@@ -88,7 +87,6 @@ class EngineRun:
         verify_steps: steps of each engine checked against the eager step
             (gate ``graph_equals_eager``; 0 = none).
     """
-
     step_path: str
     batch: int
     max_len: int
@@ -163,7 +161,6 @@ def model_key(model: str) -> dict:
     Raises:
         ModelLoadError: for an unknown path.
     """
-
     if model == EMBEDDED:
         return {"model": EMBEDDED, "sha256": EMBEDDED_SHA256}
     p = Path(model).expanduser()
@@ -183,7 +180,6 @@ def role_table_key(path: str | Path) -> dict:
     Raises:
         ModelLoadError: if the file does not exist.
     """
-
     p = Path(path).expanduser()
     if not p.is_file():
         raise ModelLoadError(f"role table not found: {path}")
@@ -256,7 +252,6 @@ class ArmSettings:
             ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len``
             below 2; a batch shape given with ``step_path="eager"``.
     """
-
     profile: str
     dtype: str
     caps: Caps
@@ -387,7 +382,6 @@ class BatchedRows:
     Raises (while iterating):
         GateError: ``composition`` or ``graph_equals_eager``.
     """
-
     def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None):
         self.spec, self.chunk, self.todo = spec, chunk, list(todo)
         self.position = {p.problem_id: i for i, p in enumerate(self.todo)}
@@ -445,7 +439,6 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
     A batched arm adds ``engine``: its step path, ``batch`` and the resolved
     ``max_len`` (the eager path adds nothing).
     """
-
     env = execution_contract(lm, settings.threads) | {"format_digest": fmt.digest}
     if "contract" in env:
         env["contract"]["device"] = settings.device
