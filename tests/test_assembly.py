@@ -1,4 +1,4 @@
-"""Paper assembly (kvreplay.assemble) on small synthetic ledgers: no model, a few seconds.
+"""Paper assembly (kvreplay.report, kvreplay.ledger.lookup) on small synthetic ledgers: no model, a few seconds.
 
 The ledgers are written with the real :class:`kvreplay.ledger.Ledger` and
 prefix-bank writer, so folder names, manifests and row order are the ones the

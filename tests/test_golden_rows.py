@@ -1,6 +1,6 @@
 """One provenance per profile, and committed rows that recompute byte for byte (the golden-row test).
 
-The row-algorithm version of each experiment (``experiments.ROW_ALGORITHM``)
+The row-algorithm version of each experiment (``kvreplay.runner.ROW_ALGORITHM``)
 is recorded in every ledger. A refactor that changes no bit keeps it; a change
 to what a row computes bumps it, and this test then fails until the committed
 ledgers are recomputed. BF16 bits depend on the CPU kind, so the byte

@@ -1,4 +1,5 @@
-"""The repository stays light enough to travel: a device call carries the tracked tree plus one model part."""
+"""The repository stays light enough to travel (a device call carries the tracked tree plus one model part), and the
+library's imports form no cycle."""
 
 import subprocess
 from pathlib import Path
@@ -47,10 +48,21 @@ def import_graph() -> dict[str, set[str]]:
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         own = {".".join(name.split(".")[:i]) for i in range(1, len(name.split(".")))}
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            if isinstance(node, ast.Import):  # import kvreplay.x.y
+                candidates = [a.name for a in node.names if a.name.startswith("kvreplay")]
+                for c in candidates:
+                    if c in modules and c != name:
+                        graph[name].add(c)
                 continue
-            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-            target = ".".join(base + ([node.module] if node.module else []))
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level == 0:  # from kvreplay.x import y
+                if not (node.module or "").startswith("kvreplay"):
+                    continue
+                target = node.module
+            else:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
             candidates = [target] if node.module else []
             candidates += [f"{target}.{a.name}" for a in node.names]  # "from . import x" or "from .pkg import sub"
             for c in candidates:

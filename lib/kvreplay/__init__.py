@@ -1,13 +1,13 @@
 """kvreplay: reproduce and extend *Stage-Replay Divergence Follows the KV Cache*.
 
-The package is thin; every notebook calls into it. One concern per module:
-``contract`` (blocks, roles, visibility, structural mask), ``models``
-(loading, precision, execution contract), ``decode`` (live multi-branch
-generator and the shared suffix decoder), ``caches`` (live, incremental,
-prefill, replicas, transplants), ``gates`` (fail-closed integrity gates),
-``drift`` (per-tensor summaries), ``scoring`` (answer matcher), ``stats``
-(Wilson, paired bootstrap, McNemar), ``data`` (problem bank), ``ledger``
-(append-only, resumable results).
+Every notebook calls into this package; each module is one concept and imports
+only the layers below it (docs/ARCHITECTURE.md): the core (``contract``,
+``models``, ``problems``, ``decode``, ``caches``, ``engine``, ``gates``,
+``drift``, ``scoring``, ``stats``), ``ledger`` (append-only, resumable results
+and their lookup by provenance), ``runner`` (arm settings, the run loop, Ray
+row actors), ``experiments`` (one module per experiment), ``report`` (tables
+and figures from ledgers), ``session`` (the notebooks' setup call) and the
+command lines ``paper``, ``bench``, ``probe`` and ``verify``.
 """
 
 __version__ = "0.1.0"

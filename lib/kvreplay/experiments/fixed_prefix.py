@@ -72,7 +72,7 @@ def exp2_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Se
 
 @dataclasses.dataclass(frozen=True)
 class FixedPrefixes:
-    """The BF16 prefix bank joined to its problems (what Experiments 2–4 consume).
+    """The BF16 prefix bank joined to its problems (what Experiments 2–5 consume).
 
     Attributes:
         entries: bank lines (``problem_id``, ``prompt_len``, ``prefix``) in source order.

@@ -3,7 +3,7 @@
 Each problem is decoded greedily through branch, merge and answer blocks;
 the live cache at the merge boundary is the reference of the four-arm matrix
 (:mod:`kvreplay.experiments.matrix`). The BF16 arm's boundary prefixes become
-the fixed-prefix bank of Experiment 2 (:func:`kvreplay.ledger.write_prefix_bank`).
+the fixed-prefix bank of Experiments 2–5 (:func:`kvreplay.ledger.prefix_bank.write_prefix_bank`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ checkpoint of the same family (by default the later role table of notebook
 2. **Six arms per row** (:func:`replication_row`), BF16: incremental,
    incremental replica, prefill, prefill replica, and the two whole-cache
    transplants (prefill <- incremental, incremental <- prefill), through
-   :func:`kvreplay.experiments.transplant_row` with only its registered primary
+   :func:`kvreplay.experiments.transplant.transplant_row` with only its registered primary
    intervention, so every gate of Experiment 4 applies unchanged.
 3. **Endpoints** (:func:`replication_summary`): incremental/prefill suffix
    divergence over all rows; donor recovery per direction and jointly among
@@ -292,7 +292,7 @@ def replication_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> d
     """Experiment 5 for one panel row: the six arms, every Experiment 4 gate, and each baseline's answer score.
 
     Returns:
-        The :func:`~kvreplay.experiments.transplant_row` record (``stratum`` ``"panel"``: the panel is not
+        The :func:`~kvreplay.experiments.transplant.transplant_row` record (``stratum`` ``"panel"``: the panel is not
         stratified; rows are grouped by their contemporaneous baselines) plus ``scores[arm]`` for the
         incremental and prefill baselines (``answer_text``, ``predicted``, ``correct``, ``rule``).
     """

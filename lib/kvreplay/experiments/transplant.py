@@ -43,7 +43,7 @@ def transplant_table(s: dict, records: Sequence[dict]) -> pd.DataFrame:
     """Experiment 4 registered endpoints with the power note (same rows as notebook 04 writes to ``exp4_table``).
 
     Args:
-        s: :func:`~kvreplay.experiments.transplant_summary` of ``records``.
+        s: :func:`~kvreplay.experiments.transplant.transplant_summary` of ``records``.
         records: the Experiment 4 ledger records (their ``stratum`` is the frozen panel's).
     """
     ctl = wilson(0, s["exact"]) if s["exact"] else None

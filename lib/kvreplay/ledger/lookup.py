@@ -205,7 +205,7 @@ class ProfileLedgers:
 
     Attributes:
         root: ledger root; profile: profile name.
-        prefix_bank_sha256: sha256 of ``prefix_bank_bf16.jsonl`` (the BF16 prefixes Experiments 2–4 read).
+        prefix_bank_sha256: sha256 of ``prefix_bank_bf16.jsonl`` (the BF16 prefixes Experiments 2–5 read).
         ledgers: :data:`LEDGER_SPECS` key -> :class:`LoadedLedger`.
     """
     root: Path
@@ -274,7 +274,7 @@ def load_profile(root: str | Path, profile: str, precisions: Sequence[str] = ("b
         ValueError: if ``precisions`` lacks ``bfloat16``.
     """
     if "bfloat16" not in precisions:
-        raise ValueError(f"precisions {list(precisions)} must include 'bfloat16' (Experiments 2-4 read the BF16 prefix bank)")
+        raise ValueError(f"precisions {list(precisions)} must include 'bfloat16' (Experiments 2-5 read the BF16 prefix bank)")
     root = Path(root)
     if _bank(root, profile) is None:
         raise MissingLedgerError(

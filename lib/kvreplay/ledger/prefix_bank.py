@@ -19,7 +19,7 @@ from .store import canonical_json
 
 
 def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: str) -> str:
-    """Write the BF16 boundary-prefix bank Experiments 2–4 read (paper §3.6).
+    """Write the BF16 boundary-prefix bank Experiments 2–5 read (paper §3.6).
 
     One JSON line per problem in frozen order: ``problem_id``, ``prompt_len``,
     ``prefix`` (token IDs of z). A manifest ``<path>.manifest.json`` records

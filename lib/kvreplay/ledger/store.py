@@ -392,8 +392,8 @@ def export_parquet(folder: str | Path) -> list[Path]:
     column (``boundary.prefill_vs_live.cache.rel_l2``, ``endpoints.suffix_differs``,
     ...; token-ID lists are left out). ``tensors.parquet`` has one row per
     record, comparison and cache tensor with the per-tensor drift summary.
-    Both are derived from ``rows.jsonl`` and rewritten on every call;
-    ``rows.jsonl`` stays the ledger of record.
+    Both are derived from the rows (``rows.jsonl``, or ``rows.jsonl.gz`` when
+    sealed) and rewritten on every call; the rows stay the ledger of record.
 
     Returns:
         the paths written.

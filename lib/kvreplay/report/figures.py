@@ -1,6 +1,6 @@
 """The paper's figures, drawn from data frames (no model, no ledger I/O).
 
-Every function takes frames built by :mod:`kvreplay.assemble`,
+Every function takes frames built by :mod:`kvreplay.report.frames`,
 :mod:`kvreplay.report.files` or :mod:`kvreplay.experiments.replication` and returns a
 matplotlib ``Figure``; the notebooks save it with
 :func:`kvreplay.report.files.save_figure`, which also shows it inline.
@@ -385,7 +385,7 @@ def transplant_outcomes(coarse: pd.DataFrame, order: Sequence[str], directions: 
     """Transplant outcomes per stratum, direction and intervention (stacked row counts).
 
     Args:
-        coarse: :func:`kvreplay.transplant_outcomes` without single-layer interventions.
+        coarse: :func:`kvreplay.report.frames.transplant_outcomes` without single-layer interventions.
         order: interventions in drawing order (``whole``, the registered one, first).
         directions: the two transplant directions.
         title: the figure title.

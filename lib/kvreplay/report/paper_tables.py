@@ -239,7 +239,7 @@ RUN_VALUES: dict[str, Callable[[dict], str]] = {
                                                    f"exact, as the paper; n = {i.n}); scaled to the panel: {j.label}")(
         R["replication"]["interpretation"], R["replication"]["interpretation_scaled"]),
 }
-"""Reference endpoint id (``reference.yaml``) -> this run's value, from :func:`summarize`'s results."""
+"""Reference endpoint id (``reference.yaml``) -> this run's value, from :func:`kvreplay.report.summary.summarize`'s results."""
 
 
 NOT_RUN = "not run here"

@@ -38,11 +38,11 @@ def summarize(profile_ledgers: ProfileLedgers, *, seed: int = 20260729, n_resamp
     """Every endpoint of Experiments 1–5 recomputed from the ledgers with the library's summary functions.
 
     Returns:
-        ``exp1`` / ``exp2``: dtype -> :func:`~kvreplay.experiments.matrix_summary`;
+        ``exp1`` / ``exp2``: dtype -> :func:`~kvreplay.experiments.matrix.matrix_summary`;
         ``exp1_cross``: ``(prefixes token-identical across precisions, rows)`` or None;
         ``crossing``: :func:`~kvreplay.experiments.fixed_prefix.precision_crossing` or None;
         ``bridge``: :func:`bridge_summary`; ``audit``: :func:`~kvreplay.experiments.bridge.saved_ledger_audit`;
-        ``transplant``: :func:`~kvreplay.experiments.transplant_summary`;
+        ``transplant``: :func:`~kvreplay.experiments.transplant.transplant_summary`;
         ``replication``: :func:`~kvreplay.experiments.replication.replication_summary`;
         ``replication_accuracy``: :func:`~kvreplay.experiments.replication.accuracy_vs_checkpoint0`;
         ``replication_checkpoint``: the replication checkpoint's description (from the Exp 5 ledger key);

@@ -42,7 +42,7 @@ def run_arm(
     """Run, resume or reuse one experiment arm: ``row`` mapped over ``problems`` in frozen order.
 
     With a non-eager ``settings.step_path`` the arm runs through the batched
-    engine instead: ``chunk(spec, problems)`` (e.g. :func:`exp1_chunk`)
+    engine instead: ``chunk(spec, problems)`` (e.g. :func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`)
     computes the records of up to ``settings.batch`` problems at a time
     (:class:`BatchedRows`), appended in problem order as in a sequential run;
     the first preflight problem also passes the ``composition`` gate (and,
@@ -59,7 +59,7 @@ def run_arm(
     for this scientific config is read without loading the model. The first
     ``settings.preflight`` rows are preflight rows: a gate failure there
     aborts the arm, and in a run below float32 they also carry the float32
-    construction-equivalence gate (:func:`construction_equivalence`).
+    construction-equivalence gate (:func:`kvreplay.experiments.matrix.construction_equivalence`).
 
     Raises:
         GateError: ``preflight`` if a preflight row fails a gate; ``composition``

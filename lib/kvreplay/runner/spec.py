@@ -1,14 +1,13 @@
-"""Arm settings and the run loop: one experiment arm mapped over problems into its ledger (paper §3.9).
+"""An experiment arm's settings and what its per-row function receives (paper §3.9).
 
 An *arm* is one experiment at one precision under one execution contract.
 :class:`ArmSettings` holds everything that decides its bits (model, format,
 caps, dtype, threads, SDPA backends, device, step path and batch shape) and
-builds the ledger key from it; :func:`run_arm` runs, resumes or reuses the arm:
-the per-row function (or, on the batched engine, the per-chunk function) of
-the experiment module is mapped over the problems in frozen order, each
-record appended to the ledger as it finishes, optionally on Ray row actors
-(:mod:`kvreplay.runner.actors`). :data:`ROW_ALGORITHM` versions each experiment's
-row function: a change to any bit of a committed row bumps it.
+builds the ledger key from it; :class:`RunSpec` is what a per-row function
+gets (the loaded model, format, caps, gates to run); :class:`BatchedRows`
+computes rows a chunk at a time on the batched engine. The run loop itself is
+:func:`kvreplay.runner.loop.run_arm`. :data:`ROW_ALGORITHM` versions each
+experiment's row function: a change to any bit of a committed row bumps it.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ class RunSpec:
             transplant gates run again (Experiment 4 tests).
         equivalence_ids: problem IDs on which a run in a lower precision also
             checks construction equivalence in float32 (the arm's preflight
-            rows; :func:`construction_equivalence`). Float32 runs check it on
+            rows; :func:`kvreplay.experiments.matrix.construction_equivalence`). Float32 runs check it on
             every row from the row's own comparison.
         engine: the batch shape and step path of a batched runner
             (:class:`EngineRun`); ``None`` for the one-problem decoders of
@@ -375,7 +374,7 @@ class BatchedRows:
 
     Args:
         spec: the arm's run spec (``spec.engine`` set).
-        chunk: ``(spec, problems) -> records`` (:func:`exp1_chunk`, ...).
+        chunk: ``(spec, problems) -> records`` (:func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`, ...).
         todo: the problems to compute, in order.
         composition_id: problem ID of the composition gate, or ``None``.
 

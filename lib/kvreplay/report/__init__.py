@@ -1,0 +1,7 @@
+"""Tables and figures from a profile's ledgers alone (no model).
+
+* :mod:`.summary`: every experiment's summary and endpoint table recomputed from the ledgers;
+* :mod:`.paper_tables`: the paper's tables beside ours (numbers and artifact map as data in ``data/paper/``);
+* :mod:`.frames`: figure data as tidy frames; :mod:`.figures`: the figures;
+* :mod:`.files`: table and figure files; :mod:`.readme_tables`: the README's results tables.
+"""
