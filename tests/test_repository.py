@@ -49,22 +49,17 @@ def import_graph() -> dict[str, set[str]]:
         own = {".".join(name.split(".")[:i]) for i in range(1, len(name.split(".")))}
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):  # import kvreplay.x.y
-                candidates = [a.name for a in node.names if a.name.startswith("kvreplay")]
-                for c in candidates:
-                    if c in modules and c != name:
-                        graph[name].add(c)
-                continue
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            if node.level == 0:  # from kvreplay.x import y
-                if not (node.module or "").startswith("kvreplay"):
-                    continue
-                target = node.module
+                candidates = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 0:  # from kvreplay.x import y (other packages are not in `modules`)
+                    target = node.module or ""
+                else:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                candidates = [target] if node.module else []
+                candidates += [f"{target}.{a.name}" for a in node.names]  # "from . import x" or "from .pkg import sub"
             else:
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            candidates = [target] if node.module else []
-            candidates += [f"{target}.{a.name}" for a in node.names]  # "from . import x" or "from .pkg import sub"
+                continue
             for c in candidates:
                 if c in modules and c != name:
                     ancestors = {".".join(c.split(".")[:i]) for i in range(1, len(c.split(".")))}
