@@ -110,6 +110,7 @@ def test_executed_copies_do_not_depend_on_the_run_or_the_checkout(tmp_path):
     nb.metadata["papermill"] = {"start_time": "2026-11-30T00:00:00"}
     cell = nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["injected-parameters"], "execution": {"iopub.status.busy": "2026-11-30T00:00:00"}})
     cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"{ROOT}/data/ledgers/cpu/exp4_panel.json\n"),
+                    nbformat.v4.new_output("stream", name="stdout", text="second print\n"),  # flushed apart: merged
                     nbformat.v4.new_output("execute_result", data={"text/plain": f"'{ROOT}/figures/cpu'"}, execution_count=1)]
     nb.cells = [cell]
     src = tmp_path / "run.ipynb"
@@ -117,5 +118,5 @@ def test_executed_copies_do_not_depend_on_the_run_or_the_checkout(tmp_path):
     out = nbformat.read(str(clean_executed(src, tmp_path / "clean.ipynb")), as_version=4)
     c = out.cells[0]
     assert c["id"] == "injected-parameters" and "execution" not in c.metadata and "papermill" not in out.metadata
-    assert c.outputs[0]["text"] == "data/ledgers/cpu/exp4_panel.json\n"
+    assert c.outputs[0]["text"] == "data/ledgers/cpu/exp4_panel.json\nsecond print\n" and len(c.outputs) == 2
     assert c.outputs[1]["data"]["text/plain"] == "'figures/cpu'"

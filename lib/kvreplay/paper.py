@@ -150,16 +150,19 @@ def clean_executed(src: Path, dest: Path) -> Path:
     Dropped: volatile metadata (run dates and durations). Made fixed: the id of
     the cell papermill injects (a fresh random id on every run), and this
     checkout's absolute path in text outputs (written relative to the
-    repository root), so re-executing on unchanged ledgers, anywhere, rewrites
-    the same file.
+    repository root), and consecutive stream outputs merged into one (how a
+    kernel's prints are split into messages depends on flush timing), so
+    re-executing on unchanged ledgers, anywhere, rewrites the same file.
 
     Returns:
         ``dest``.
     """
     import nbformat
+    from nbconvert.preprocessors import CoalesceStreamsPreprocessor
 
     prefix = f"{ROOT}/"
     nb = nbformat.read(str(src), as_version=4)
+    nb, _ = CoalesceStreamsPreprocessor().preprocess(nb, {})
     for key in VOLATILE_METADATA:
         nb.metadata.pop(key, None)
     for c in nb.cells:
