@@ -212,3 +212,24 @@ def test_per_step_eager_check_and_valid_length_gate_catch_planted_faults(lives, 
     monkeypatch.setattr(engine.StepEngine, "_compute", flaky)
     with pytest.raises(GateError, match="graph_equals_eager"):
         engine.decode_suffixes(lm, fmt, live[:2], TINY_CAPS, batch=2, max_len=200, verify_steps=2)
+
+
+def test_verify_recomputes_a_batched_row_alone_at_the_arm_batch_shape(tmp_path, tiny_arm):
+    """`make verify` on a batched ledger: each row in a chunk of one at the recorded (B, max_len), bit for bit."""
+    from kvreplay.ledger.store import ROWS
+    from kvreplay.verify import verify_ledger
+
+    problems = _problems(4)
+    _, led = run_experiment1(problems, tiny_arm(step_path="engine-eager", batch=3), ledger_root=tmp_path, progress=False)
+    model = str(tmp_path / "tiny-llama")
+    checks = verify_ledger(led.dir, rows=4, pick="first", problems=problems, model=model)
+    assert [(c.problem_id, c.mode, c.ok) for c in checks] == [(p.problem_id, "bytes", True) for p in problems]
+    # a planted change in a committed row (its last suffix token) is found, with where it parts
+    lines = (led.dir / ROWS).read_text().splitlines()
+    rec = json.loads(lines[2])
+    rec["arms"]["prefill"]["suffix"][-1] += 1
+    lines[2] = json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    (led.dir / ROWS).write_text("\n".join(lines) + "\n")
+    bad = [c for c in verify_ledger(led.dir, rows=4, pick="first", problems=problems, model=model) if not c.ok]
+    assert [c.problem_id for c in bad] == [problems[2].problem_id]
+    assert bad[0].parted.startswith("arms.prefill.suffix[")

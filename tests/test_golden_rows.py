@@ -65,3 +65,21 @@ def test_one_committed_row_per_experiment_recomputes(capsys):
     assert {g.split("-")[0] for g in GOLDEN} == set(ROW_ALGORITHM) - {"adapt_eval"}  # every experiment has one
     bad = [r for r in results if not r.ok]
     assert not bad, bad
+
+
+@pytest.mark.notebook
+def test_a_gpu_row_recomputes_on_this_cpu(capsys):
+    """A committed H200 row (graph engine, FP32) recomputed here on the CPU's eager path: gates and token IDs."""
+    import torch
+
+    from kvreplay.verify import verify_profile
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the row would be recomputed on it")
+    results = verify_profile(LEDGERS, "gpu", rows=1, only=["exp1-float32-"], pick="fastest")
+    with capsys.disabled():
+        for r in results:
+            print(f"\n  gpu row {r.ledger} {r.problem_id}: {r.mode}, {r.detail}", end="")
+    assert len(results) == 1 and results[0].mode == "portable"
+    assert "recomputed on this CPU through the eager path" in results[0].detail
+    assert results[0].ok, results[0]

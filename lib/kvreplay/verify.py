@@ -43,7 +43,8 @@ from .ledger.store import canonical_json, read_rows_text
 from .models import context_length, execution_contract
 from .paths import LEDGERS, ROOT
 from .problems import load_bank
-from .runner import ROW_ALGORITHM, ArmSettings, RunSpec, check_prompts
+from .runner import ROW_ALGORITHM, ArmSettings, EngineRun, RunSpec, check_prompts
+from .runner.spec import model_key
 
 ENVIRONMENT_KEYS = ("device_name", "cpu_capability", "cpu_isa_flags", "torch", "intra_op_threads")
 """Execution-contract fields that must match for a byte-for-byte comparison to be owed."""
@@ -158,7 +159,25 @@ def row_function(folder: Path, config: dict):
     raise ValueError(f"{folder.name}: cannot recompute rows of experiment {name!r}")
 
 
-def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", problems=None) -> list[RowCheck]:
+def chunk_function(folder: Path, config: dict):
+    """``(RunSpec, Problem, committed record) -> record`` through the batched engine: the row in a chunk of one.
+
+    The ``composition`` gate of every batched arm checks that a problem's record computed alone at the
+    arm's batch shape equals its record inside a chunk, so this recomputes a batched ledger's row bit for bit.
+
+    Raises:
+        ValueError: for an experiment without a batched runner.
+    """
+    name = config["experiment"]
+    if name == "exp1":
+        return lambda spec, p, rec: live_vs_prefill.exp1_chunk(spec, [p])[0]
+    if name == "exp2":
+        return lambda spec, p, rec: fixed_prefix.exp2_chunk(spec, [p], [rec["prefix"]])[0]
+    raise ValueError(f"{folder.name}: experiment {name!r} has no batched runner")
+
+
+def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", problems=None,
+                  model: str | None = None) -> list[RowCheck]:
     """Recompute ``rows`` committed rows of one ledger and compare them with the committed lines.
 
     Args:
@@ -168,13 +187,15 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
             wall time when they were computed, from ``runlog.jsonl``; shortest prefix where the log has none)
             or ``"first"`` (ledger order).
         problems: the problem set (default: the frozen bank).
+        model: where the ledger's model is, for a local folder (the manifest keys it by folder name and file
+            digests only); it must have the manifest's model key.
 
     Returns:
         One :class:`RowCheck` per recomputed row.
 
     Raises:
         ValueError: an experiment this module cannot recompute; MissingLedgerError-like ``FileNotFoundError``
-            when the folder is not a ledger.
+            when the folder is not a ledger; a ``model`` whose key differs from the manifest's.
     """
     import torch
 
@@ -182,6 +203,11 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     if not (folder / "manifest.json").is_file():
         raise FileNotFoundError(f"{folder} is not a ledger (no manifest.json)")
     settings, config = settings_from_manifest(folder)
+    if model is not None:
+        if model_key(model) != config["model"]:
+            raise ValueError(f"{folder.name}: model {model!r} is not the model that wrote the ledger "
+                             f"({config['model'].get('model')!r}: other files or digests)")
+        settings = dataclasses.replace(settings, model=model)
     env = json.loads((folder / "environment.json").read_text())
     lines = [x for x in read_rows_text(folder).splitlines() if x]
     committed = [json.loads(x) for x in lines]
@@ -203,11 +229,25 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
                          f"{ROW_ALGORITHM.get(config['experiment'])}: not comparable") for i in chosen]
     by_id = {p.problem_id: p for p in (problems if problems is not None else load_bank())}
     fn = row_function(folder, config)
+    recorded = env["execution_contract"]
+    run, where = None, ""
+    if settings.contract().device_type == "cuda" and not torch.cuda.is_available():
+        # a GPU ledger on a machine without one: recompute on this CPU through the eager reference path
+        settings = dataclasses.replace(settings, device="cpu", deterministic=None)
+        path = recorded.get("engine") or {"step_path": "eager"}
+        where = (f"; recorded on {recorded.get('device_name', 'a GPU')} ({path['step_path']} path"
+                 + (f", B={path['batch']}" if "batch" in path else "") + "), recomputed on this CPU through the eager path")
+    elif config.get("engine"):
+        # a batched ledger: the row alone in a chunk of one at the recorded batch shape (the composition gate's run)
+        e = recorded["engine"]
+        run = EngineRun("graph" if e["step_path"] == "graph" else "eager", e["batch"], e["max_len"])
+        fn = chunk_function(folder, config)
     lm, fmt = settings.load()
     check_prompts(fmt, [by_id[committed[i]["problem_id"]] for i in chosen], context_length(lm.model.config),
                   caps=settings.caps)
-    spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, equivalence_ids=frozenset(config["problem_ids"][: settings.preflight]))
-    differs = same_environment(env["execution_contract"], execution_contract(lm, settings.threads))
+    spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, equivalence_ids=frozenset(config["problem_ids"][: settings.preflight]),
+                   engine=run)
+    differs = same_environment(recorded, execution_contract(lm, settings.threads))
     out = []
     for i in chosen:
         old = committed[i]
@@ -232,7 +272,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
         else:
             checks.append("BF16 bits not compared")
         out.append(RowCheck(folder.name, old["problem_id"], "portable", ok, parted,
-                            f"{'; '.join(checks)} (another environment: {', '.join(differs)} differ)"))
+                            f"{'; '.join(checks)} (another environment: {', '.join(differs)} differ{where})"))
     return out
 
 

@@ -1,0 +1,197 @@
+"""Compute arms of a profile's chain on a lent GPU exactly as its notebooks would, and bring the ledgers back.
+
+Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``)::
+
+    python3 scripts/gpu_profile.py OUTDIR ARM [ARM ...] [--profile gpu] [--budget SECONDS] [--set NAME=VALUE ...]
+
+``ARM`` is one of ``exp1-bfloat16``, ``exp1-float32`` (notebook 01; the BF16
+arm also writes the prefix bank, as the notebook does), ``exp2-bfloat16``,
+``exp2-float32`` (notebook 02, reading that bank) and ``exp2_controls-bfloat16``.
+
+Each arm's settings come from the notebook itself: the names assigned in its
+``parameters`` cell, with the profile's values (``notebooks/params/<profile>.yaml``)
+put over them as papermill would, handed to :func:`kvreplay.session.open_session`
+and :meth:`~kvreplay.session.Session.settings` with the same arguments as the
+notebook's own cell. So the ledgers written here have the config digests the
+notebooks look for, and ``make paper PROFILE=<profile>`` later reads them
+without computing anything. (``--set`` overrides a parameter, for a dry run of
+this script on the CPU; its ledgers then have other keys.)
+
+Ledgers are written under ``$KV_LEDGERS`` (default ``/tmp/kv/ledgers``), which
+lasts while the machine stays warm; ledger folders and the prefix bank already
+in the repository's ``data/ledgers/<profile>/`` are copied there first, so an
+arm cut off earlier resumes from its last finished row. Each arm runs in a
+child process with a time limit (what is left of ``--budget``, default 560 s,
+minus 25 s to pack); a killed arm keeps its finished rows (a cut-off last
+line is removed on resume). After each arm its ledger folder is packed,
+rows sealed (gzip), into ``OUTDIR/<ledger folder>.tar.gz``, and
+``OUTDIR/gpu_profile.json`` records per arm: wall time, rows done of rows
+wanted, gate failures and the exit status. Nothing about outcomes is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = {
+    "exp1": "notebooks/01_experiment1_live_vs_prefill.ipynb",
+    "exp2": "notebooks/02_experiment2_fixed_prefix_precision.ipynb",
+    "exp2_controls": "notebooks/02_experiment2_fixed_prefix_precision.ipynb",
+}
+PACK_S = 25.0
+
+
+def notebook_parameters(notebook: str, profile: str, overrides: dict) -> dict:
+    """The notebook's ``parameters`` cell evaluated, then the profile's values for the names it declares."""
+    import yaml
+
+    nb = json.loads((ROOT / notebook).read_text())
+    cell = next(c for c in nb["cells"] if c["cell_type"] == "code" and "parameters" in c["metadata"].get("tags", []))
+    src = "".join(cell["source"])
+    ns: dict = {}
+    exec(compile(src,  # noqa: S102 (the notebook's own parameters cell, as papermill runs it)
+                  f"{notebook} parameters", "exec"), ns)
+    declared = {t.id for node in ast.parse(src).body if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name)}
+    values = yaml.safe_load((ROOT / "notebooks" / "params" / f"{profile}.yaml").read_text()) | overrides
+    ns.update({k: v for k, v in values.items() if k in declared})
+    return {k: ns[k] for k in declared}
+
+
+def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
+    """Compute one arm in this process (the child); returns what it did."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    from kvreplay.session import open_session
+
+    experiment, dtype = arm.rsplit("-", 1)
+    notebook = NOTEBOOKS[experiment]
+    params = notebook_parameters(notebook, profile, overrides) | {"ledger_root": str(ledger_root)}
+    session = open_session(notebook, params)
+    t = time.perf_counter()
+    if experiment == "exp1":
+        from kvreplay.experiments.live_vs_prefill import run_experiment1
+        from kvreplay.ledger.prefix_bank import write_prefix_bank
+
+        records, ledger = run_experiment1(session.rows(params["n_rows"]), session.settings(dtype, params["preflight"]),
+                                          ledger_root=session.ledger_root)
+        if dtype == "bfloat16":
+            write_prefix_bank(records, session.ledger_root / session.profile / "prefix_bank_bf16.jsonl", ledger.dir.name)
+    elif experiment == "exp2":
+        from kvreplay.experiments.fixed_prefix import run_experiment2
+
+        fixed = session.fixed
+        records, ledger = run_experiment2(fixed.rows, fixed.prefixes, fixed.sha256,
+                                          session.settings(dtype, params["preflight_fixed"]), ledger_root=session.ledger_root)
+    else:
+        from kvreplay.experiments.controls import run_controls
+
+        fixed = session.fixed
+        records, ledger = run_controls(fixed.rows, fixed.prefixes, fixed.sha256,
+                                       session.settings(dtype, params["preflight_fixed"], batched=False),
+                                       ledger_root=session.ledger_root, seed=params["seed"])
+    return {"ledger": ledger.dir.name, "rows": len(records), "wall_s": round(time.perf_counter() - t, 1),
+            "gate_failures": [(r["problem_id"], r["gate_failure"]) for r in records if r.get("gate_failure")]}
+
+
+def pack(folder: Path, out: Path) -> Path:
+    """``OUTDIR/<folder>.tar.gz`` of a copy of the ledger folder with its rows sealed (the original stays appendable)."""
+    from kvreplay.ledger.store import seal
+
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / folder.name
+        shutil.copytree(folder, copy)
+        if (copy / "rows.jsonl").exists():
+            data = (copy / "rows.jsonl").read_bytes()
+            if data and not data.endswith(b"\n"):  # a row cut off by the time limit
+                (copy / "rows.jsonl").write_bytes(data[: data.rfind(b"\n") + 1])
+            if (copy / "rows.jsonl").stat().st_size:
+                seal(copy)
+            else:
+                (copy / "rows.jsonl").unlink()
+        dest = out / f"{folder.name}.tar.gz"
+        with tarfile.open(dest, "w:gz") as tar:
+            tar.add(copy, arcname=folder.name)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("arms", nargs="+")
+    ap.add_argument("--profile", default="gpu")
+    ap.add_argument("--budget", type=float, default=560.0, help="seconds for all arms, packing included")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a parameter (YAML value)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    import yaml
+
+    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    ledger_root = Path(os.environ.get("KV_LEDGERS", "/tmp/kv/ledgers"))
+    if args.child:
+        res = run_one(args.arms[0], args.profile, ledger_root, overrides)
+        (args.out / f".{args.arms[0]}.json").write_text(json.dumps(res, default=str) + "\n")
+        return 0
+    for arm in args.arms:
+        if arm.rsplit("-", 1)[0] not in NOTEBOOKS:
+            raise SystemExit(f"unknown arm {arm!r}; arms: exp1-<dtype>, exp2-<dtype>, exp2_controls-bfloat16")
+    t0 = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile = overrides.get("profile", args.profile)  # the ledger folder is the notebook's profile parameter
+    here, there = ROOT / "data" / "ledgers" / profile, ledger_root / profile
+    there.mkdir(parents=True, exist_ok=True)
+    if here.is_dir():  # resume from ledgers brought back earlier (never overwrite the ones on this machine)
+        for src in here.iterdir():
+            if not (there / src.name).exists():
+                (shutil.copytree if src.is_dir() else shutil.copy2)(src, there / src.name)
+    report: dict = {"profile": args.profile, "overrides": overrides, "arms": {}}
+    for arm in args.arms:
+        left = args.budget - (time.perf_counter() - t0) - PACK_S
+        if left < 30:
+            report["arms"][arm] = {"skipped": f"{left:.0f} s left"}
+            continue
+        before = {p.name for p in there.iterdir()}
+        t = time.perf_counter()
+        cmd = [sys.executable, __file__, str(args.out), arm, "--profile", args.profile, "--child"]
+        cmd += [x for s in args.set for x in ("--set", s)]
+        try:
+            rc = subprocess.run(cmd, check=False, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        entry: dict = {"exit": rc, "wall_s": round(time.perf_counter() - t, 1)}
+        done = args.out / f".{arm}.json"
+        if done.exists():
+            entry |= json.loads(done.read_text())
+            done.unlink()
+        experiment, dtype = arm.rsplit("-", 1)
+        # the arm's folder: named by the child, else (cut off) the one it created or was appending to
+        folders = [there / entry["ledger"]] if "ledger" in entry else sorted(
+            p for p in there.iterdir() if p.is_dir() and p.name.startswith(f"{experiment}-{dtype}-")
+            and (p.name not in before or (p / "rows.jsonl").exists()))
+        for folder in folders:  # tarball name -> finished rows in the ledger
+            rows = folder / "rows.jsonl"
+            n = rows.read_bytes().count(b"\n") if rows.exists() else None
+            entry.setdefault("packed", {})[pack(folder, args.out).name] = n
+        if experiment == "exp1" and dtype == "bfloat16" and (there / "prefix_bank_bf16.jsonl").exists():
+            for f in ("prefix_bank_bf16.jsonl", "prefix_bank_bf16.jsonl.manifest.json"):
+                shutil.copy2(there / f, args.out / f)
+        report["arms"][arm] = entry
+        print(arm, json.dumps(entry, default=str)[:2000], flush=True)
+        (args.out / "gpu_profile.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    report["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    (args.out / "gpu_profile.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
