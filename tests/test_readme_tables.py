@@ -53,27 +53,31 @@ def _cli(root: Path, *args: str) -> subprocess.CompletedProcess:
 # ----------------------------------------------------------------------------- the committed README
 
 
-def test_readme_tables_equal_figures():
-    diffs = rt.check_tables(_readme(), ROOT, PROFILE)
-    assert not diffs, "README's results tables differ from figures/cpu (run python -m kvreplay.report.readme_tables):\n" + \
-        "\n".join(map(str, diffs))
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_readme_tables_equal_figures(profile):
+    diffs = rt.check_tables(_readme(), ROOT, profile)
+    assert not diffs, f"README's results tables differ from figures/{profile} (run python -m kvreplay.report.readme_tables " \
+        f"--profile {profile}):\n" + "\n".join(map(str, diffs))
 
 
-def test_readme_prose_counts_and_intervals_equal_figures():
-    diffs = rt.check_prose(_readme(), ROOT, PROFILE)
-    assert not diffs, "README's results prose quotes numbers figures/cpu does not give:\n" + "\n".join(map(str, diffs))
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_readme_prose_counts_and_intervals_equal_figures(profile):
+    diffs = rt.check_prose(_readme(), ROOT, profile)
+    assert not diffs, f"README's results prose quotes numbers figures/{profile} does not give:\n" + "\n".join(map(str, diffs))
 
 
-def test_rewriting_the_readme_changes_nothing():
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_rewriting_the_readme_changes_nothing(profile):
     readme = _readme()
-    assert rt.write(readme, ROOT, PROFILE) == readme
+    assert rt.write(readme, ROOT, profile) == readme
 
 
-def test_every_table_of_the_section_is_generated():
-    section = rt.results_section(_readme(), PROFILE)
-    assert section, "README has no section '## Results of the committed `cpu` run'"
-    blocks = {m["name"] for m in rt.BLOCK.finditer(section) if m["profile"] == PROFILE}
-    assert blocks == set(rt.TABLES)
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_every_table_of_the_section_is_generated(profile):
+    section = rt.results_section(_readme(), profile)
+    assert section, f"README has no section '## Results of the committed `{profile}` run'"
+    blocks = {m["name"] for m in rt.BLOCK.finditer(section) if m["profile"] == profile}
+    assert blocks == set(rt.TABLES_BY_PROFILE[profile])
     assert not [line for line in rt.BLOCK.sub("", section).splitlines() if line.startswith("|")]
 
 
@@ -150,7 +154,9 @@ def test_a_changed_readme_cell_fails_the_check(repo: Path):
 
 
 def test_a_table_outside_a_block_fails_the_check(repo: Path):
-    _replace(repo / "README.md", "<!-- /results-table -->\n", "<!-- /results-table -->\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    text = _readme(repo)
+    end = text.index("<!-- /results-table -->\n", text.index("<!-- results-table: cpu/")) + len("<!-- /results-table -->\n")
+    (repo / "README.md").write_text(text[:end] + "\n| a | b |\n|---|---|\n| 1 | 2 |\n" + text[end:], encoding="utf-8")
     diffs = rt.check_tables(_readme(repo), repo, PROFILE)
     assert [d.item for d in diffs] == ["a table outside a results-table block"]
 
@@ -206,3 +212,19 @@ def test_number_formatting():
     assert [rt._round(x, 1) for x in ("55.60", "77.18", "0.00", "100.00", "14.15")] == ["55.6", "77.2", "0", "100", "14.2"]
     assert rt._same("27.8", "27.75") and rt._same("49", "48.99") and rt._same("−18.8", "-18.8")
     assert rt._same("0", "+0.0") and not rt._same("14.2", "14.26")
+
+
+def test_the_side_by_side_table_follows_the_cpu_tables_too(tmp_path):
+    """The `gpu` table quotes the `cpu` run beside it: a changed `cpu` cell is a difference of the `gpu` block."""
+    for prof in ("cpu", "gpu"):
+        (tmp_path / "figures" / prof).mkdir(parents=True)
+        for f in (ROOT / "figures" / prof).glob("*.csv"):
+            shutil.copy(f, tmp_path / "figures" / prof / f.name)
+    (tmp_path / rt.REFERENCE).parent.mkdir(parents=True)
+    shutil.copy(ROOT / rt.REFERENCE, tmp_path / rt.REFERENCE)
+    readme = _readme()
+    assert not rt.check_tables(readme, tmp_path, "gpu")
+    _replace(tmp_path / "figures" / "cpu" / "table_exp2_crossing.csv", '"5 vs 0, p = 0.0625"', '"5 vs 1, p = 0.219"')
+    diffs = rt.check_tables(readme, tmp_path, "gpu")
+    assert [d.item for d in diffs] == ["row 'Exp 2 paired FP32 − BF16 suffix disagreement, pts [95% CI]', column "
+                                       "'`cpu`: 2-core CPU, eager (16 rows)'"]

@@ -302,9 +302,116 @@ def _exp1(root: Path, profile: str) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-TABLES: dict[str, TableSpec] = {
-    "exp1": TableSpec("exp1", ("table_exp1_matrix", "table_first_divergence"), _exp1),
+def _side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[str]]]:
+    """Experiments 1 and 2: the ``cpu`` run, this run and the paper, endpoint by endpoint.
+
+    Reads ``table_exp1_matrix``, ``table_exp2_matrix`` and ``table_exp2_crossing`` of both profiles.
+    """
+    runs = {}
+    for prof in ("cpu", profile):
+        runs[prof] = {stem: _Table(root, prof, stem) for stem in SIDE_BY_SIDE_STEMS}
+    reference = load_reference(root)
+    paper = _paper(reference)
+    paper_rows = reference["setup"]["rows"]["exp1"]
+
+    def cell(prof: str, stem: str, row: str, col: str) -> str:
+        return runs[prof][stem](row, col)
+
+    def tie_row(prof: str, stem: str) -> str:
+        t = runs[prof][stem]
+        row = next((r for r in t.df.index if r.startswith("suffix differs: tie-initiated / not")), None)
+        if row is None:
+            raise ReadmeTableError(f"{t.name} has no row 'suffix differs: tie-initiated / not ...'")
+        return t(row, "bfloat16")
+
+    def both(fn: Callable[[str], str]) -> list[str]:
+        return [fn("cpu"), fn(profile)]
+
+    def decoded(prof: str, stem: str, dtype: str) -> str:
+        rows = ["suffix differs", "answer block differs (any token)", "predicted letter differs", "correctness label differs"]
+        cells = [cell(prof, stem, r, dtype) for r in rows]
+        if dtype == "float32" and len(set(cells)) == 1:
+            m = _match(_PROPORTION, cells[0], stem)
+            return f"{m['k']}/{m['n']} each (Wilson [{_round(m['lo'], 1)}, {_round(m['hi'], 1)}])"
+        return " / ".join(_kn(c, stem) for c in cells[1:])
+
+    def drift(prof: str, stem: str, dtype: str) -> str:
+        med, lo, hi = _drift(cell(prof, stem, "median relative L2 cache drift [range]", dtype), stem)
+        return f"{_sci(med, 3)} [{_sci(lo, 3)}, {_sci(hi, 3)}]"
+
+    def crossing(prof: str, row: str) -> str:
+        est = cell(prof, "table_exp2_crossing", row, "FP32 − BF16, pts [95% bootstrap CI]")
+        mcn = cell(prof, "table_exp2_crossing", row, "McNemar: BF16-only vs FP32-only, exact p")
+        return f"{est}; McNemar {mcn}"
+
+    p_acc = _match(r"^(\d+)/\d+ vs (\d+)/\d+$", paper("exp1.bf16.accuracy"), "exp1.bf16.accuracy")
+    p_mcn = _match(r"^(\d+) vs (\d+), p = 0?(\.\d+)$", paper("exp1.bf16.mcnemar"), "exp1.bf16.mcnemar")
+    p_drift = _match(r"^BF16 (\S+); FP32 (\S+)$", paper("exp2.drift"), "exp2.drift")
+    pfd = _match(r"median (\d+) \(range (\d+)-(\d+)\)", paper("exp1.bf16.first_divergence"), "exp1.bf16.first_divergence")
+    p_red = _match(r"^(\S+) \[(\S+), (\S+)\]; p = (\S+)$", paper("exp2.reduction.suffix"), "exp2.reduction.suffix")
+    e1, e2 = "table_exp1_matrix", "table_exp2_matrix"
+    header = ["endpoint", f"`cpu`: 2-core CPU, eager ({cell('cpu', e1, 'rows', 'bfloat16')} rows)",
+              f"`{profile}`: H200, batched graph engine ({cell(profile, e1, 'rows', 'bfloat16')} rows)",
+              f"paper ({paper_rows} rows)"]
+    rows = [
+        ["Exp 1 BF16: boundary cache non-bit-exact; first eligible argmax agrees",
+         *both(lambda p: f"{cell(p, e1, 'boundary cache non-bit-exact', 'bfloat16')}; "
+                         f"{cell(p, e1, 'first eligible argmax agrees', 'bfloat16')}"),
+         f"{paper('exp1.bf16.boundary_non_exact')}; {paper('exp1.bf16.first_token_agree')}"],
+        ["Exp 1 BF16: prefill vs live suffixes differ",
+         *both(lambda p: _wilson_short(cell(p, e1, "suffix differs", "bfloat16"), e1)),
+         _wilson_short(paper("exp1.bf16.suffix"), "exp1.bf16.suffix", label="")],
+        ["Exp 1 BF16: of these, tie-initiated / not", *both(lambda p: tie_row(p, e1)), "not reported"],
+        ["Exp 1 BF16: answer block / predicted letter / correctness label differ",
+         *both(lambda p: decoded(p, e1, "bfloat16")),
+         " / ".join([_kn(paper("exp1.bf16.answer"), "exp1.bf16.answer"), "—", _kn(paper("exp1.bf16.label"), "exp1.bf16.label")])],
+        ["Exp 1 BF16: first divergence, tokens after the boundary: median (range)",
+         *both(lambda p: cell(p, e1, "first divergence, tokens after boundary: median (range)", "bfloat16")),
+         f"{pfd.group(1)} ({pfd.group(2)}–{pfd.group(3)})"],
+        ["Exp 1 BF16: accuracy live vs prefill (McNemar live-only vs prefill-only)",
+         *both(lambda p: f"{cell(p, e1, 'accuracy live / prefill', 'bfloat16')} "
+                         f"({cell(p, e1, 'McNemar (live-only vs prefill-only correct), exact p', 'bfloat16')})"),
+         f"{p_acc.group(1)} vs {p_acc.group(2)} ({p_mcn.group(1)} vs {p_mcn.group(2)}, p = {p_mcn.group(3)})"],
+        ["Exp 1 FP32: decoded disagreement (suffix, answer block, letter, label)",
+         *both(lambda p: decoded(p, e1, "float32")), f"0/{paper_rows}"],
+        ["Exp 1: boundary prefix token-identical across precisions",
+         *both(lambda p: cell(p, e1, "boundary prefix token-identical across precisions", "bfloat16")),
+         paper("exp1.cross_precision_prefix")],
+        ["Exp 2 BF16: prefill vs incremental suffixes differ (tie-initiated / not)",
+         *both(lambda p: f"{_wilson_short(cell(p, e2, 'suffix differs', 'bfloat16'), e2)} ({tie_row(p, e2)})"),
+         _kn(paper("exp2.bf16.suffix"), "exp2.bf16.suffix")],
+        ["Exp 2 FP32: decoded disagreement (suffix, answer block, letter, label)",
+         *both(lambda p: decoded(p, e2, "float32")), _kn(paper("exp2.fp32.suffix"), "exp2.fp32.suffix")],
+        ["Exp 2 median relative L2 cache drift, BF16 [range]", *both(lambda p: drift(p, e2, "bfloat16")),
+         _sci(p_drift.group(1))],
+        ["Exp 2 median relative L2 cache drift, FP32 [range]", *both(lambda p: drift(p, e2, "float32")),
+         _sci(p_drift.group(2))],
+        ["Exp 2 paired FP32 − BF16 suffix disagreement, pts [95% CI]",
+         *both(lambda p: crossing(p, "suffix disagreement")),
+         f"−{p_red.group(1)} [−{p_red.group(3)}, −{p_red.group(2)}]; p = {p_red.group(4)}"],
+        ["Exp 2 paired FP32 − BF16 predicted-letter disagreement, pts [95% CI]",
+         *both(lambda p: crossing(p, "predicted-letter disagreement")), "not reported"],
+    ]
+    return header, rows
+
+
+SIDE_BY_SIDE_STEMS = ("table_exp1_matrix", "table_exp2_matrix", "table_exp2_crossing")
+
+
+@dataclass(frozen=True)
+class SideBySideSpec(TableSpec):
+    """A table that reads the same stems of the ``cpu`` profile as well as its own."""
+
+    def sources(self, profile: str) -> list[str]:
+        return [f"figures/{p}/{s}.csv" for p in ("cpu", profile) for s in self.stems] + [str(REFERENCE)]
+
+
+TABLES_BY_PROFILE: dict[str, dict[str, TableSpec]] = {
+    "cpu": {"exp1": TableSpec("exp1", ("table_exp1_matrix", "table_first_divergence"), _exp1)},
+    "gpu": {"exp1_exp2": SideBySideSpec("exp1_exp2", SIDE_BY_SIDE_STEMS, _side_by_side)},
 }
+"""The README results tables of each profile, by block name."""
+TABLES = TABLES_BY_PROFILE["cpu"]
 
 
 # ----------------------------------------------------------------------------- README blocks
@@ -345,7 +452,7 @@ def expected_blocks(root: Path, profile: str) -> dict[str, str]:
     Raises:
         ReadmeTableError: a figures table or reference.yaml lacks a value, or has it in an unknown form.
     """
-    return {name: spec.block(root, profile) for name, spec in TABLES.items()}
+    return {name: spec.block(root, profile) for name, spec in TABLES_BY_PROFILE.get(profile, TABLES).items()}
 
 
 def check_tables(readme: str, root: Path, profile: str) -> list[Difference]:

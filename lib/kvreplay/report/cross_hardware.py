@@ -1,0 +1,116 @@
+"""Cross-hardware comparison: the same Experiment 1 rows computed in two setups, compared token for token.
+
+Two profiles that share problems (the ``cpu`` profile's 16 rows are the first
+16 of the ``gpu`` profile's 200) computed Experiment 1 on different devices,
+step paths and batch shapes. For each pair of setups and each precision this
+counts, on the rows both hold, how many have the same live boundary prefix
+(token IDs of z), the same prefix *and* the same suffix per arm (live and
+prefill), and how many suffixes diverge in each setup. No
+model is loaded: only the ledgers' records are read.
+
+A third setup separates device from decode path: ``gpu_eager`` (the same
+rows on the H200 through the eager batch-of-one reference path of the
+``cpu`` run) sits between the 2-core CPU (eager) and the H200 graph engine
+(``batch`` problems per step).
+
+Usage::
+
+    python -m kvreplay.report.cross_hardware            # writes figures/gpu/table_cross_hardware.{csv,md,tex}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from ..ledger.store import read_rows_text
+from ..paths import FIGURES, LEDGERS
+from .files import save_table
+
+SETUPS = (
+    ("cpu", "2-core CPU, eager"),
+    ("gpu_eager", "H200, eager"),
+    ("gpu", "H200, graph engine"),
+)
+"""Profiles compared (ledger folder under ``data/ledgers/``) and how each one decodes."""
+
+ARMS = ("live", "prefill")
+"""Arms compared (their storage-isolated replicas are gated bit-identical to them)."""
+CAPTION = ("Cross-hardware: Experiment 1 rows computed in two setups, token IDs compared on the rows both hold "
+           "(same prefix; same prefix and suffix per arm)")
+
+
+def exp1_records(ledger_root: str | Path, profile: str, dtype: str) -> dict[str, dict]:
+    """Problem ID -> Experiment 1 record of one profile and precision (every ledger folder ``exp1-<dtype>-*``).
+
+    Raises:
+        ValueError: two ledgers of the profile hold the same problem (two configs of one arm).
+    """
+    out: dict[str, dict] = {}
+    for folder in sorted(Path(ledger_root, profile).glob(f"exp1-{dtype}-*")):
+        for line in read_rows_text(folder).splitlines():
+            if line:
+                rec = json.loads(line)
+                if rec["problem_id"] in out:
+                    raise ValueError(f"{profile}: problem {rec['problem_id']} is in two exp1-{dtype} ledgers")
+                out[rec["problem_id"]] = rec
+    return out
+
+
+def compare(a: dict[str, dict], b: dict[str, dict]) -> dict:
+    """Counts over the problems both record sets hold (rows with a gate failure are left out).
+
+    Returns:
+        ``rows``, ``prefix_same``, ``<arm>_same`` (prefix and that arm's suffix token-identical) for each arm,
+        ``divergent_a`` / ``divergent_b`` (prefill vs live suffixes differ in each setup).
+    """
+    ids = [k for k in a if k in b and not a[k].get("gate_failure") and not b[k].get("gate_failure")]
+    out = {"rows": len(ids), "prefix_same": sum(a[k]["prefix"] == b[k]["prefix"] for k in ids)}
+    for arm in ARMS:
+        out[f"{arm}_same"] = sum(a[k]["prefix"] == b[k]["prefix"]
+                                 and a[k]["arms"][arm]["suffix"] == b[k]["arms"][arm]["suffix"] for k in ids)
+    out["divergent_a"] = sum(bool(a[k]["endpoints"]["suffix_differs"]) for k in ids)
+    out["divergent_b"] = sum(bool(b[k]["endpoints"]["suffix_differs"]) for k in ids)
+    return out
+
+
+def cross_hardware_table(ledger_root: str | Path = LEDGERS, setups: Sequence[tuple[str, str]] = SETUPS,
+                         precisions: Sequence[str] = ("bfloat16", "float32")) -> pd.DataFrame:
+    """One row per (pair of setups, precision) with :func:`compare`'s counts as ``k/n`` strings.
+
+    Pairs whose profiles share no row are left out.
+    """
+    rows = []
+    for i, (pa, la) in enumerate(setups):
+        for pb, lb in setups[i + 1:]:
+            for dtype in precisions:
+                c = compare(exp1_records(ledger_root, pa, dtype), exp1_records(ledger_root, pb, dtype))
+                n = c["rows"]
+                if not n:
+                    continue
+                rows.append({
+                    "setups": f"{la} (`{pa}`) vs {lb} (`{pb}`)", "precision": dtype, "shared rows": n,
+                    "boundary prefix same": f"{c['prefix_same']}/{n}",
+                    **{f"prefix + {arm} suffix same": f"{c[f'{arm}_same']}/{n}" for arm in ARMS},
+                    "suffixes diverge (first / second setup)": f"{c['divergent_a']}/{n} / {c['divergent_b']}/{n}",
+                })
+    return pd.DataFrame(rows).set_index(["setups", "precision"]) if rows else pd.DataFrame()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvreplay.report.cross_hardware", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ledger-root", default=str(LEDGERS))
+    ap.add_argument("--out", default=str(FIGURES / "gpu" / "table_cross_hardware"), help="output stem")
+    args = ap.parse_args(argv)
+    table = cross_hardware_table(args.ledger_root)
+    save_table(table, args.out, caption=CAPTION, source="python -m kvreplay.report.cross_hardware")
+    print(table.to_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
