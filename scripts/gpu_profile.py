@@ -6,7 +6,11 @@ Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``)::
 
 ``ARM`` is one of ``exp1-bfloat16``, ``exp1-float32`` (notebook 01; the BF16
 arm also writes the prefix bank, as the notebook does), ``exp2-bfloat16``,
-``exp2-float32`` (notebook 02, reading that bank) and ``exp2_controls-bfloat16``.
+``exp2-float32`` (notebook 02, reading that bank), ``exp2_controls-bfloat16``
+(notebook 02's exploratory controls), and ``exp3-bfloat16``, ``exp4-bfloat16``,
+``exp5-bfloat16`` (notebooks 03-05: the notebook's own code cells are run, with
+the profile's parameters, up to and including the cell that runs the arm, so
+its panel is frozen and written exactly as the notebook does it).
 
 Each arm's settings come from the notebook itself: the names assigned in its
 ``parameters`` cell, with the profile's values (``notebooks/params/<profile>.yaml``)
@@ -48,7 +52,11 @@ NOTEBOOKS = {
     "exp1": "notebooks/01_experiment1_live_vs_prefill.ipynb",
     "exp2": "notebooks/02_experiment2_fixed_prefix_precision.ipynb",
     "exp2_controls": "notebooks/02_experiment2_fixed_prefix_precision.ipynb",
+    "exp3": "notebooks/03_experiment3_bridge_and_audit.ipynb",
+    "exp4": "notebooks/04_experiment4_cache_transplant.ipynb",
+    "exp5": "notebooks/05_experiment5_replication.ipynb",
 }
+CELL_RUNS_ARM = "run_arm("  # notebooks 03-05: the code cell that computes the arm
 PACK_S = 25.0
 
 
@@ -69,6 +77,51 @@ def notebook_parameters(notebook: str, profile: str, overrides: dict) -> dict:
     return {k: ns[k] for k in declared}
 
 
+def _placeholders() -> None:
+    """Stand-ins for what only the cells after the arm's use, on a machine without IPython or matplotlib.
+
+    The lent GPU has torch, transformers, pandas and scipy but may lack IPython and matplotlib (their
+    wheels do not fit beside the model parts in a transfer). ``IPython.display`` gets a ``display`` that
+    prints and a ``Markdown`` that keeps its text; ``kvreplay.report.figures`` becomes an empty module
+    (figures are drawn on the CPU by ``make paper`` from the ledgers). Nothing the arm computes uses either.
+    """
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("IPython") is None:
+        ipy, disp = types.ModuleType("IPython"), types.ModuleType("IPython.display")
+        disp.display = lambda *objs, **kw: print(*objs)
+        disp.Markdown = str
+        ipy.display = disp
+        sys.modules |= {"IPython": ipy, "IPython.display": disp}
+    if importlib.util.find_spec("matplotlib") is None:
+        import kvreplay.report
+
+        figs = types.ModuleType("kvreplay.report.figures")
+        kvreplay.report.figures = figs
+        sys.modules["kvreplay.report.figures"] = figs
+
+
+def run_notebook_arm(notebook: str, params: dict) -> tuple[list[dict], object]:
+    """Run a notebook's code cells after its parameters cell, in order, through the one that runs the arm.
+
+    Returns the notebook's ``records`` (or ``bridge``) and ``ledger`` (or ``bridge_ledger``) after that cell.
+    """
+    _placeholders()
+    nb = json.loads((ROOT / notebook).read_text())
+    cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    first = next(i for i, c in enumerate(cells) if "parameters" in c["metadata"].get("tags", [])) + 1
+    ns: dict = dict(params)
+    for i, cell in enumerate(cells[first:], first):
+        src = "".join(cell["source"])
+        exec(compile(src, f"{notebook} code cell {i}", "exec"), ns)  # noqa: S102 (the notebook's own cells)
+        if CELL_RUNS_ARM in src:
+            break
+    else:
+        raise SystemExit(f"{notebook}: no code cell calls {CELL_RUNS_ARM}")
+    return ns.get("records", ns.get("bridge")), ns.get("ledger", ns.get("bridge_ledger"))
+
+
 def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
     """Compute one arm in this process (the child); returns what it did."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -87,6 +140,8 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
                                           ledger_root=session.ledger_root)
         if dtype == "bfloat16":
             write_prefix_bank(records, session.ledger_root / session.profile / "prefix_bank_bf16.jsonl", ledger.dir.name)
+    elif experiment in ("exp3", "exp4", "exp5"):
+        records, ledger = run_notebook_arm(notebook, params)
     elif experiment == "exp2":
         from kvreplay.experiments.fixed_prefix import run_experiment2
 
@@ -98,7 +153,7 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
 
         fixed = session.fixed
         records, ledger = run_controls(fixed.rows, fixed.prefixes, fixed.sha256,
-                                       session.settings(dtype, params["preflight_fixed"], batched=False),
+                                       session.settings(dtype, params["preflight_fixed"]),
                                        ledger_root=session.ledger_root, seed=params["seed"])
     return {"ledger": ledger.dir.name, "rows": len(records), "wall_s": round(time.perf_counter() - t, 1),
             "gate_failures": [(r["problem_id"], r["gate_failure"]) for r in records if r.get("gate_failure")]}
@@ -144,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for arm in args.arms:
         if arm.rsplit("-", 1)[0] not in NOTEBOOKS:
-            raise SystemExit(f"unknown arm {arm!r}; arms: exp1-<dtype>, exp2-<dtype>, exp2_controls-bfloat16")
+            raise SystemExit(f"unknown arm {arm!r}; arms: exp1-<dtype>, exp2-<dtype>, exp2_controls-bfloat16, "
+                             "exp3-bfloat16, exp4-bfloat16, exp5-bfloat16")
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     profile = overrides.get("profile", args.profile)  # the ledger folder is the notebook's profile parameter
@@ -185,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         if experiment == "exp1" and dtype == "bfloat16" and (there / "prefix_bank_bf16.jsonl").exists():
             for f in ("prefix_bank_bf16.jsonl", "prefix_bank_bf16.jsonl.manifest.json"):
                 shutil.copy2(there / f, args.out / f)
+        for panel in there.glob(f"{experiment}*_panel.json"):  # the frozen panel the notebook wrote
+            shutil.copy2(panel, args.out / panel.name)
         report["arms"][arm] = entry
         print(arm, json.dumps(entry, default=str)[:2000], flush=True)
         (args.out / "gpu_profile.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -279,13 +279,17 @@ class StepEngine:
             written (gate ``graph_equals_eager``; on the graph path this checks the
             replayed graph against the op-by-op step). The step is idempotent for
             fixed inputs, so a passing check changes no bit of the run.
+        readout: a :class:`kvreplay.decode.FP32Readout`: the body runs in the model
+            dtype and writes the same keys/values, the final norm and LM head run in
+            float32 (``[rows, vocab]`` float32 logits; the exploratory control of
+            Experiment 2). ``None``: the model's own head.
 
     Raises:
         ValueError: unknown step path, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1`` or ``verify_steps < 0``.
         ContractError: a vocabulary of 2**24 tokens or more.
     """
     def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
-                 verify_steps: int = 0):
+                 verify_steps: int = 0, readout: decode.FP32Readout | None = None):
         if step_path not in STEP_PATHS:
             raise ValueError(f"unknown step path {step_path!r}; use one of {STEP_PATHS}")
         if step_path == "graph" and lm.device.type != "cuda":
@@ -295,6 +299,7 @@ class StepEngine:
         if verify_steps < 0:
             raise ValueError(f"verify_steps must be at least 0, got {verify_steps}")
         self.verify_steps, self.verified = verify_steps, 0
+        self.readout = readout
         self.lm, self.fmt, self.batch, self.max_len, self.step_path = lm, fmt, batch, max_len, step_path
         self.rows = rows = 2 * batch
         dev = lm.device
@@ -375,16 +380,13 @@ class StepEngine:
         embeds = lm.model.get_input_embeddings()(token[:, None])
         if lm.role_table is not None:
             embeds = embeds + lm.role_table[qrole + ROLE_OFFSET][:, None, :]
+        kwargs = dict(inputs_embeds=embeds, attention_mask=allowed[:, None, None, :], position_ids=pos[:, None],
+                      past_key_values=self.cache, use_cache=True)
         with sdpa_kernel(decode._backends(lm.sdpa_backends)):
-            out = lm.model(
-                inputs_embeds=embeds,
-                attention_mask=allowed[:, None, None, :],
-                position_ids=pos[:, None],
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        logits = out.logits[:, -1, :]
+            if self.readout is None:
+                logits = lm.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
+            else:
+                logits = self.readout(lm, kwargs)
         return logits, choice_stats(logits, self._eligible[crole])
 
     def _capture(self) -> None:
@@ -622,12 +624,12 @@ def live_length_bound(fmt: BlockFormat, caps: Caps, prompt_len: int) -> int:
     return prompt_len + branches + len(fmt.openers[MERGE])
 
 
-def _engine(lm, fmt, batch, step_path, max_len, need: int, verify_steps: int = 0) -> StepEngine:
+def _engine(lm, fmt, batch, step_path, max_len, need: int, verify_steps: int = 0, readout=None) -> StepEngine:
     if max_len is None:
         max_len = need
     if need > max_len:
         raise ValueError(f"max_len={max_len} is shorter than the {need} positions the longest problem may need")
-    return StepEngine(lm, fmt, batch, max_len, step_path, verify_steps)
+    return StepEngine(lm, fmt, batch, max_len, step_path, verify_steps, readout)
 
 
 # -------------------------------------------------------------------------------------------- the decoders
@@ -643,6 +645,7 @@ def decode_suffixes(
     max_len: int | None = None,
     on_gate_error: str = "raise",
     verify_steps: int = 0,
+    readout: decode.FP32Readout | None = None,
 ) -> list:
     """The shared suffix decoder for many boundary states at once (batched :func:`kvreplay.decode.decode_suffix`).
 
@@ -669,6 +672,8 @@ def decode_suffixes(
             puts the :class:`~kvreplay.gates.GateError` in that problem's place
             and goes on with the others.
         verify_steps: steps checked against the eager step (:class:`StepEngine`).
+        readout: FP32 readout of every step's logits (:class:`StepEngine`); the
+            boundaries' logits should come from constructions built with it.
 
     Returns:
         One :class:`~kvreplay.decode.Suffix` per boundary, in order (or a
@@ -685,7 +690,7 @@ def decode_suffixes(
     if not boundaries:
         return []
     need = max(len(b.ids) for b in boundaries) + suffix_length_bound(fmt, caps)
-    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps)
+    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps, readout)
 
     def admit(index: int, slot: int):
         b = boundaries[index]
@@ -781,6 +786,7 @@ def build_incrementals(
     max_len: int | None = None,
     on_gate_error: str = "raise",
     verify_steps: int = 0,
+    readout: decode.FP32Readout | None = None,
 ) -> list:
     """Teacher-forced replay of the live call schedule through the engine (batched incremental construction).
 
@@ -795,8 +801,10 @@ def build_incrementals(
 
     Args:
         prefixes: boundary prefixes z (token IDs ending right after the merge opener).
-        batch, step_path, max_len, on_gate_error, verify_steps: as in
-            :func:`decode_suffixes` (``max_len`` defaults to the longest prefix plus one).
+        batch, step_path, max_len, on_gate_error, verify_steps, readout: as in
+            :func:`decode_suffixes` (``max_len`` defaults to the longest prefix plus one);
+            with ``readout`` the prompt call and every step give FP32-readout logits
+            and write the same keys/values as without it.
 
     Returns:
         One ``"incremental"`` :class:`~kvreplay.decode.Boundary` per prefix,
@@ -811,7 +819,7 @@ def build_incrementals(
         return []
     parsed = [fmt.boundary_parse(z, where=f"prefix {i}") for i, z in enumerate(prefixes)]
     need = max(len(z) for z in prefixes) + 1
-    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps)
+    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps, readout)
     dev = lm.device
     free = Caps(branch=1 << 30, merge=1 << 30, answer=1 << 30)  # every token is forced: no cap applies
 
@@ -819,7 +827,7 @@ def build_incrementals(
         z, p = list(prefixes[index]), parsed[index].prompt_len
         roles = torch.full((decode.BATCH, p), PROMPT, dtype=torch.long, device=dev)
         cache = DynamicCache(config=lm.model.config)
-        logits = decode.forward(lm, cache, decode._as_batch(z[:p], dev), roles, 0)
+        logits = decode.forward(lm, cache, decode._as_batch(z[:p], dev), roles, 0, readout=readout)
         engine.admit(slot, cache, roles)
         cursor = _Cursor(fmt, free, PROMPT, list(zip(z[p:], parsed[index].roles[p:])))
         return _Job(index, cursor, z[:p], [PROMPT] * p), logits

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from .. import caches, decode, gates
+from .. import caches, decode, engine, gates
 from ..gates import GateError
 from ..problems import Problem
 from ..runner import RunSpec, leaves
@@ -38,30 +38,100 @@ def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> 
         live = decode.decode_live(lm, fmt, fmt.prompt_ids(problem.question, problem.options), spec.caps)
         z = live.ids
         rec.update(prefix_len=len(z), prefix=z, saved_prefix_len=len(saved_prefix), same_as_saved=z == list(saved_prefix))
-        states = {"live": live, "live_replica": caches.live_replica(live)}
-        states["incremental"] = decode.build_incremental(lm, fmt, z, where=problem.problem_id)
-        states["incremental_replica"] = caches.live_replica(states["incremental"])
-        if spec.faults:
-            spec.faults(states)
-        boundary_gates(states, lm.dtype, [("live", "live_replica"), ("incremental", "incremental_replica")])
+        states = _bridge_states(spec, problem, live, decode.build_incremental(lm, fmt, z, where=problem.problem_id))
         cmp = comparison(live, states["incremental"], per_tensor=True)
         rec["equivalence"] = equivalence_record(spec, problem, z)
         arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
-        for a, b in (("live", "live_replica"), ("incremental", "incremental_replica")):
-            gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", arms[a].tokens, arms[b].tokens)
-        rec["boundary"] = {"incremental_vs_live": cmp}
-        rec["arms"] = {n: arm_record(spec, problem, s) for n, s in arms.items()}
-        layers = {t["tensor"].split(".")[0] for t in cmp["tensors"]}
-        rec["endpoints"] = {
-            "cache_exact": cmp["cache"]["exact"],
-            "layers": len(layers),
-            "layers_exact": len(layers - {t["tensor"].split(".")[0] for t in cmp["tensors"] if not t["exact"]}),
-            "logits_exact": cmp["logits"]["exact"],
-            "suffix_exact": arms["live"].tokens == arms["incremental"].tokens,
-        }
+        _bridge_endpoints(spec, problem, rec, cmp, arms)
     except GateError as e:
         rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
     return rec
+
+
+def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Sequence[Sequence[int]]) -> list[dict]:
+    """Experiment 3 bridge for a chunk of problems through the batched engine (the records of :func:`bridge_row`).
+
+    The live boundaries come from :func:`kvreplay.engine.decode_lives` and the
+    incremental rebuilds of their prefixes from :func:`kvreplay.engine.build_incrementals`,
+    both at the arm's batch shape (``spec.engine``): the engine's bridge, where
+    every step of the rebuild has the live step's inputs, and a problem's bits
+    do not depend on its slot or companions. Replicas, gates and comparisons are
+    made one problem at a time; the four suffixes of every clean problem
+    continue through one :func:`kvreplay.engine.decode_suffixes`.
+
+    Returns:
+        One record per problem, in order (``gate_failure`` set on a gate failure).
+
+    Raises:
+        ContractError: a prompt that breaks the block contract, or an unclosed answer block.
+    """
+    lm, fmt = spec.lm, spec.fmt
+    prompts = [fmt.prompt_ids(p.question, p.options) for p in problems]
+    lives = engine.decode_lives(lm, fmt, prompts, spec.caps, on_gate_error="return", **spec.engine.kwargs())
+    ok = [i for i, x in enumerate(lives) if not isinstance(x, GateError)]
+    rebuilt = engine.build_incrementals(lm, fmt, [lives[i].ids for i in ok], on_gate_error="return", **spec.engine.kwargs())
+    incs: list = list(lives)
+    for i, x in zip(ok, rebuilt):
+        incs[i] = x
+    recs: list[dict] = [{"problem_id": p.problem_id, "gate_failure": None} for p in problems]
+    pending = []
+    for i, (p, live, inc, saved) in enumerate(zip(problems, lives, incs, saved_prefixes)):
+        rec = recs[i]
+        try:
+            if isinstance(live, GateError):
+                raise live
+            z = live.ids
+            rec.update(prefix_len=len(z), prefix=z, saved_prefix_len=len(saved), same_as_saved=z == list(saved))
+            if isinstance(inc, GateError):
+                raise inc
+            states = _bridge_states(spec, p, live, inc)
+            rec["_cmp"] = comparison(live, states["incremental"], per_tensor=True)
+            rec["equivalence"] = equivalence_record(spec, p, z)
+            pending.append((i, states))
+        except GateError as e:
+            rec.pop("_cmp", None)
+            rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    flat = [s for _, states in pending for s in states.values()]
+    suffixes = engine.decode_suffixes(lm, fmt, flat, spec.caps, on_gate_error="return", **spec.engine.kwargs())
+    k = 0
+    for i, states in pending:
+        arms, k = dict(zip(states, suffixes[k : k + len(states)])), k + len(states)
+        rec = recs[i]
+        cmp = rec.pop("_cmp")
+        try:
+            for x in arms.values():
+                if isinstance(x, GateError):
+                    raise x
+            _bridge_endpoints(spec, problems[i], rec, cmp, arms)
+        except GateError as e:
+            rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    return recs
+
+
+def _bridge_states(spec: RunSpec, problem: Problem, live: decode.Boundary, inc: decode.Boundary) -> dict[str, decode.Boundary]:
+    """Live, incremental and their verified replicas, with every boundary gate (raises :class:`GateError`)."""
+    states = {"live": live, "live_replica": caches.live_replica(live), "incremental": inc,
+              "incremental_replica": caches.live_replica(inc)}
+    if spec.faults:
+        spec.faults(states)
+    boundary_gates(states, spec.lm.dtype, [("live", "live_replica"), ("incremental", "incremental_replica")])
+    return states
+
+
+def _bridge_endpoints(spec: RunSpec, problem: Problem, rec: dict, cmp: dict, arms: dict[str, decode.Suffix]) -> None:
+    """Suffix replica gates, arm records and the bridge endpoints of one row (raises :class:`GateError`)."""
+    for a, b in (("live", "live_replica"), ("incremental", "incremental_replica")):
+        gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", arms[a].tokens, arms[b].tokens)
+    rec["boundary"] = {"incremental_vs_live": cmp}
+    rec["arms"] = {n: arm_record(spec, problem, s) for n, s in arms.items()}
+    layers = {t["tensor"].split(".")[0] for t in cmp["tensors"]}
+    rec["endpoints"] = {
+        "cache_exact": cmp["cache"]["exact"],
+        "layers": len(layers),
+        "layers_exact": len(layers - {t["tensor"].split(".")[0] for t in cmp["tensors"] if not t["exact"]}),
+        "logits_exact": cmp["logits"]["exact"],
+        "suffix_exact": arms["live"].tokens == arms["incremental"].tokens,
+    }
 
 
 AUDIT_ARMS = {"live": "incremental", "live_replica": "incremental_replica", "prefill": "prefill", "prefill_replica": "prefill_replica"}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .. import caches, decode, drift, gates
+from .. import caches, decode, drift, engine, gates
 from ..gates import GateError
 from ..ledger.store import Ledger
 from ..problems import Problem
@@ -54,7 +54,8 @@ def null_perturbation(state: decode.Boundary, reference: decode.Boundary, seed: 
         ``rel_l2`` (whole-cache relative L2 of the perturbation) and ``real_rel_l2`` (of ``reference``).
     """
     inv_s, inv_r = gates.cache_tensors(state.cache), gates.cache_tensors(reference.cache)
-    deltas = torch.cat([(r[0].float() - s[0].float())[r[0] != s[0]].abs().flatten() for (_, s), (_, r) in zip(inv_s, inv_r)])
+    deltas = torch.cat([(r[0].float() - s[0].float())[r[0] != s[0]].abs().flatten().cpu()  # drawn on the CPU generator
+                        for (_, s), (_, r) in zip(inv_s, inv_r)])
     out = caches.clone_boundary(state, "null_perturbation")
     gen = torch.Generator().manual_seed(seed)
     n = int(deltas.numel())
@@ -115,39 +116,114 @@ def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: i
     lm, fmt = spec.lm, spec.fmt
     rec: dict = {"problem_id": problem.problem_id, "gate_failure": None, "prefix_len": len(prefix)}
     try:
-        readout = decode.FP32Readout(lm)
-        states = {
-            "incremental": decode.build_incremental(lm, fmt, prefix, where=problem.problem_id),
-            "prefill": decode.build_prefill(lm, fmt, prefix, where=problem.problem_id),
-        }
-        states["incremental_fp32_readout"] = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id, readout=readout)
-        states["prefill_fp32_readout"] = decode.build_prefill(lm, fmt, prefix, where=problem.problem_id, readout=readout)
-        if spec.faults:
-            spec.faults(states)
-        for name, s in states.items():
-            gates.check_dtype(name, [(n, t) for n, t in gates.cache_tensors(s.cache)], lm.dtype)
-            gates.check_finite(name, caches.boundary_tensors(s))
-            gates.check_duplicates(name, caches.boundary_tensors(s))
-        gates.check_functional_state(states)
-        for c in ("incremental", "prefill"):
-            gates.check_exact(f"{c} vs {c}_fp32_readout caches", gates.cache_tensors(states[c].cache),
-                              gates.cache_tensors(states[f"{c}_fp32_readout"].cache), gate="readout")
-        null, null_rec = null_perturbation(states["incremental"], states["prefill"], _row_seed(seed, problem.problem_id))
-        gates.check_disjoint({n: [t for _, t in gates.cache_tensors(s.cache)] for n, s in {**states, "null": null}.items()})
+        readout = _readout(lm)
+        inc = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id)
+        inc_ro = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id, readout=readout)
+        states, null, null_rec = _controls_states(spec, problem, prefix, inc, inc_ro, readout, seed)
         plain = {c: decode.decode_suffix(lm, fmt, states[c], spec.caps) for c in ("incremental", "prefill")}
         fp32 = {c: decode.decode_suffix(lm, fmt, states[f"{c}_fp32_readout"], spec.caps, readout=readout)
                 for c in ("incremental", "prefill")}
         moved = decode.decode_suffix(lm, fmt, null, spec.caps)
-        rec["baseline"] = _pair(plain["incremental"], plain["prefill"], ("incremental", "prefill"))
-        rec["fp32_readout"] = _pair(fp32["incremental"], fp32["prefill"], ("incremental", "prefill"))
-        fd = first_divergence(plain["incremental"].tokens, moved.tokens)
-        rec["null_perturbation"] = null_rec | {
-            "suffix": moved.tokens, "margins": moved.margins, "moved": fd is not None, "first_divergence": fd,
-            "tie_initiated": tie_initiated(plain["incremental"].margins, moved.margins, fd),
-        }
+        _controls_record(rec, plain, fp32, moved, null_rec)
     except GateError as e:
         rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
     return rec
+
+
+_READOUTS: dict[int, decode.FP32Readout] = {}
+
+
+def _readout(lm) -> decode.FP32Readout:
+    """The model's :class:`~kvreplay.decode.FP32Readout`, made once per model (float32 copies of norm and head)."""
+    if id(lm.model) not in _READOUTS:
+        _READOUTS.clear()
+        _READOUTS[id(lm.model)] = decode.FP32Readout(lm)
+    return _READOUTS[id(lm.model)]
+
+
+def _controls_states(spec: RunSpec, problem: Problem, prefix: Sequence[int], inc: decode.Boundary,
+                     inc_ro: decode.Boundary, readout: decode.FP32Readout, seed: int):
+    """The four gated boundary states of a controls row and its null perturbation.
+
+    Returns:
+        ``(states, null state, null perturbation record)``.
+
+    Raises:
+        GateError: dtype, non-finite, duplicates, functional state, ``readout`` or storage.
+    """
+    lm, fmt = spec.lm, spec.fmt
+    states = {"incremental": inc, "prefill": decode.build_prefill(lm, fmt, prefix, where=problem.problem_id),
+              "incremental_fp32_readout": inc_ro}
+    states["prefill_fp32_readout"] = decode.build_prefill(lm, fmt, prefix, where=problem.problem_id, readout=readout)
+    if spec.faults:
+        spec.faults(states)
+    for name, s in states.items():
+        gates.check_dtype(name, [(n, t) for n, t in gates.cache_tensors(s.cache)], lm.dtype)
+        gates.check_finite(name, caches.boundary_tensors(s))
+        gates.check_duplicates(name, caches.boundary_tensors(s))
+    gates.check_functional_state(states)
+    for c in ("incremental", "prefill"):
+        gates.check_exact(f"{c} vs {c}_fp32_readout caches", gates.cache_tensors(states[c].cache),
+                          gates.cache_tensors(states[f"{c}_fp32_readout"].cache), gate="readout")
+    null, null_rec = null_perturbation(states["incremental"], states["prefill"], _row_seed(seed, problem.problem_id))
+    gates.check_disjoint({n: [t for _, t in gates.cache_tensors(s.cache)] for n, s in {**states, "null": null}.items()})
+    return states, null, null_rec
+
+
+def _controls_record(rec: dict, plain: dict, fp32: dict, moved: decode.Suffix, null_rec: dict) -> None:
+    rec["baseline"] = _pair(plain["incremental"], plain["prefill"], ("incremental", "prefill"))
+    rec["fp32_readout"] = _pair(fp32["incremental"], fp32["prefill"], ("incremental", "prefill"))
+    fd = first_divergence(plain["incremental"].tokens, moved.tokens)
+    rec["null_perturbation"] = null_rec | {
+        "suffix": moved.tokens, "margins": moved.margins, "moved": fd is not None, "first_divergence": fd,
+        "tie_initiated": tie_initiated(plain["incremental"].margins, moved.margins, fd),
+    }
+
+
+def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]],
+                   seed: int = 20260729) -> list[dict]:
+    """The exploratory controls for a chunk of fixed prefixes through the batched engine (records of :func:`controls_row`).
+
+    The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`,
+    once plainly (as Experiment 2's batched runner builds them) and once with
+    the FP32 readout (same keys/values: gate ``readout``); prefills, gates and
+    the null perturbation are made one problem at a time; the plain and null
+    suffixes of every clean problem continue through one
+    :func:`kvreplay.engine.decode_suffixes`, the FP32-readout ones through
+    another with the readout. A gate failure is recorded in its problem's record only.
+
+    Returns:
+        One record per problem, in order.
+    """
+    lm, fmt = spec.lm, spec.fmt
+    readout = _readout(lm)
+    kw = spec.engine.kwargs()
+    incs = engine.build_incrementals(lm, fmt, prefixes, on_gate_error="return", **kw)
+    incs_ro = engine.build_incrementals(lm, fmt, prefixes, on_gate_error="return", readout=readout, **kw)
+    recs = [{"problem_id": p.problem_id, "gate_failure": None, "prefix_len": len(z)} for p, z in zip(problems, prefixes)]
+    pending = []
+    for i, (p, z, inc, inc_ro) in enumerate(zip(problems, prefixes, incs, incs_ro)):
+        try:
+            for x in (inc, inc_ro):
+                if isinstance(x, GateError):
+                    raise x
+            pending.append((i, *_controls_states(spec, p, z, inc, inc_ro, readout, seed)))
+        except GateError as e:
+            recs[i]["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    plain = engine.decode_suffixes(lm, fmt, [x for _, st, null, _ in pending for x in (st["incremental"], st["prefill"], null)],
+                                   spec.caps, on_gate_error="return", **kw)
+    fp32 = engine.decode_suffixes(lm, fmt, [st[f"{c}_fp32_readout"] for _, st, _, _ in pending for c in ("incremental", "prefill")],
+                                  spec.caps, on_gate_error="return", readout=readout, **kw)
+    for j, (i, _, _, null_rec) in enumerate(pending):
+        (a, b, moved), (c, d) = plain[3 * j : 3 * j + 3], fp32[2 * j : 2 * j + 2]
+        try:
+            for x in (a, b, moved, c, d):
+                if isinstance(x, GateError):
+                    raise x
+            _controls_record(recs[i], {"incremental": a, "prefill": b}, {"incremental": c, "prefill": d}, moved, null_rec)
+        except GateError as e:
+            recs[i]["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    return recs
 
 
 def controls_summary(records: Sequence[dict]) -> dict:
@@ -209,12 +285,12 @@ def run_controls(
     problems: Sequence[Problem], prefixes: dict[str, list[int]], bank_sha256: str, settings: ArmSettings, *,
     ledger_root: str | Path, seed: int = 20260729, progress: bool = True, faults: Hook | None = None,
 ) -> tuple[list[dict], "Ledger"]:
-    """The exploratory controls (:func:`controls_row`) on the fixed BF16 prefixes: records and ledger ``exp2_controls``."""
+    """The exploratory controls (:func:`controls_row`; batched: :func:`controls_chunk`) on the fixed BF16 prefixes: records and ledger ``exp2_controls``."""
     missing = [p.problem_id for p in problems if p.problem_id not in prefixes]
     if missing:
         raise GateError("provenance", f"prefix bank has no prefix for {missing}")
     return run_arm(
         "exp2_controls", settings, problems, lambda spec, p: controls_row(spec, p, prefixes[p.problem_id], seed),
         ledger_root=ledger_root, extra_config={"prefix_bank_sha256": bank_sha256, "seed": seed}, progress=progress,
-        faults=faults,
+        faults=faults, chunk=lambda spec, ps: controls_chunk(spec, ps, [prefixes[p.problem_id] for p in ps], seed),
     )

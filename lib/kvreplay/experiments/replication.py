@@ -46,6 +46,7 @@ from ..experiments.matrix import arm_record
 from ..experiments.transplant import (
     DIRECTIONS,
     order_statistics,
+    transplant_chunk,
     transplant_row,
     transplant_summary,
 )
@@ -300,6 +301,19 @@ def replication_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> d
     if rec["gate_failure"] is None:
         rec["scores"] = {arm: score_suffix(spec, problem, prefix, rec["baseline"][arm]) for arm in ("incremental", "prefill")}
     return rec
+
+
+def replication_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[dict]:
+    """Experiment 5 for a chunk of panel rows through the batched engine (the records of :func:`replication_row`).
+
+    :func:`~kvreplay.experiments.transplant.transplant_chunk` with the whole-cache transplant only, then each
+    clean row's baseline scores.
+    """
+    recs = transplant_chunk(spec, problems, prefixes, ["panel"] * len(problems), [False] * len(problems), primary_only=True)
+    for rec, p, z in zip(recs, problems, prefixes):
+        if rec["gate_failure"] is None:
+            rec["scores"] = {arm: score_suffix(spec, p, z, rec["baseline"][arm]) for arm in ("incremental", "prefill")}
+    return recs
 
 
 def score_suffix(spec: RunSpec, problem: Problem, prefix: Sequence[int], suffix: Sequence[int]) -> dict:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import pandas as pd
 
-from .. import caches, decode, gates
+from .. import caches, decode, engine, gates
 from ..gates import GateError
 from ..problems import Problem
 from ..runner import RunSpec
@@ -139,51 +139,139 @@ def transplant_row(
     rec: dict = {"problem_id": problem.problem_id, "gate_failure": None, "stratum": stratum}
     try:
         inc = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id)
-        rec.update(prefix_len=len(prefix), prefix=list(prefix))
-        states = {
-            "incremental": inc,
-            "incremental_replica": caches.live_replica(inc),
-            "prefill": decode.build_prefill(lm, fmt, prefix, where=problem.problem_id),
-        }
-        states["prefill_replica"] = decode.build_prefill(lm, fmt, prefix, where=problem.problem_id)
-        states["prefill_replica"].construction = "prefill_replica"
-        if spec.faults:
-            spec.faults(states)
-        boundary_gates(states, lm.dtype, [("incremental", "incremental_replica"), ("prefill", "prefill_replica")])
-        a_inc, a_pre = decode.raw_argmax(inc.logits[0]), decode.raw_argmax(states["prefill"].logits[0])
-        if a_inc != a_pre:
-            raise GateError("argmax", f"raw next-token argmax differs between constructions ({a_inc} vs {a_pre})")
-        rec["equivalence"] = equivalence_record(spec, problem, prefix)
-        # pristine sources for the transplants; the four baseline states are consumed by decoding
-        src = {"incremental": caches.clone_boundary(inc, "incremental"), "prefill": caches.clone_boundary(states["prefill"], "prefill")}
+        states, src = _transplant_states(spec, problem, prefix, inc, rec)
         suffixes = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
-        base = {n: x.tokens for n, x in suffixes.items()}
-        for a, b in (("incremental", "incremental_replica"), ("prefill", "prefill_replica")):
-            gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", base[a], base[b])
-        fd = first_divergence(base["incremental"], base["prefill"])
-        rec["baseline"] = {"incremental": base["incremental"], "prefill": base["prefill"],
-                           "margins": {n: suffixes[n].margins for n in ("incremental", "prefill")},
-                           "suffix_differs": base["incremental"] != base["prefill"], "first_divergence": fd,
-                           "tie_initiated": tie_initiated(suffixes["incremental"].margins, suffixes["prefill"].margins, fd)}
-        rec["interventions"] = {}
-        for name, kind, layers, parts in interventions(len(inc.cache.layers), sweep):
-            if primary_only and kind != "primary":
-                continue
-            rec["interventions"][name] = {"kind": kind, "layers": layers, "parts": list(parts)}
-            for recipient, donor in (("prefill", "incremental"), ("incremental", "prefill")):
-                state, prov = caches.transplant(src[recipient], src[donor], layers=layers, parts=parts)
-                if spec.transplant_faults:
-                    spec.transplant_faults(state, src[recipient], src[donor], prov)
-                    caches.verify_transplant(state, src[recipient], src[donor], prov)
-                suffix = decode.decode_suffix(lm, fmt, state, spec.caps).tokens
-                rec["interventions"][name][f"{recipient}<-{donor}"] = {
-                    "outcome": _outcome(suffix, base[donor], base[recipient]),
-                    "suffix": suffix,
-                    "donated_tensors": sum(p["source"] == donor for p in prov),
-                }
+        base = _baseline(rec, suffixes)
+        for name, recipient, donor, state, prov in _interventions(spec, rec, src, sweep, primary_only):
+            _record_intervention(rec, name, recipient, donor, decode.decode_suffix(lm, fmt, state, spec.caps).tokens,
+                                 base, prov)
     except GateError as e:
         rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
     return rec
+
+
+def _transplant_states(spec: RunSpec, problem: Problem, prefix: Sequence[int], inc: decode.Boundary,
+                       rec: dict) -> tuple[dict[str, decode.Boundary], dict[str, decode.Boundary]]:
+    """The four gated baseline states around ``inc`` and pristine copies of the two constructions (the donors).
+
+    Raises:
+        GateError: a boundary gate, or ``argmax`` (raw next-token argmax differs between constructions).
+    """
+    lm, fmt = spec.lm, spec.fmt
+    rec.update(prefix_len=len(prefix), prefix=list(prefix))
+    states = {
+        "incremental": inc,
+        "incremental_replica": caches.live_replica(inc),
+        "prefill": decode.build_prefill(lm, fmt, prefix, where=problem.problem_id),
+    }
+    states["prefill_replica"] = decode.build_prefill(lm, fmt, prefix, where=problem.problem_id)
+    states["prefill_replica"].construction = "prefill_replica"
+    if spec.faults:
+        spec.faults(states)
+    boundary_gates(states, lm.dtype, [("incremental", "incremental_replica"), ("prefill", "prefill_replica")])
+    a_inc, a_pre = decode.raw_argmax(inc.logits[0]), decode.raw_argmax(states["prefill"].logits[0])
+    if a_inc != a_pre:
+        raise GateError("argmax", f"raw next-token argmax differs between constructions ({a_inc} vs {a_pre})")
+    rec["equivalence"] = equivalence_record(spec, problem, prefix)
+    # pristine sources for the transplants; the four baseline states are consumed by decoding
+    src = {"incremental": caches.clone_boundary(inc, "incremental"), "prefill": caches.clone_boundary(states["prefill"], "prefill")}
+    return states, src
+
+
+def _baseline(rec: dict, suffixes: dict[str, decode.Suffix]) -> dict[str, list[int]]:
+    """Record the four baselines (gate ``suffix_replica``); return arm -> suffix token IDs."""
+    base = {n: x.tokens for n, x in suffixes.items()}
+    for a, b in (("incremental", "incremental_replica"), ("prefill", "prefill_replica")):
+        gates.check_equal_sequences("suffix_replica", f"{a} vs {b}", base[a], base[b])
+    fd = first_divergence(base["incremental"], base["prefill"])
+    rec["baseline"] = {"incremental": base["incremental"], "prefill": base["prefill"],
+                       "margins": {n: suffixes[n].margins for n in ("incremental", "prefill")},
+                       "suffix_differs": base["incremental"] != base["prefill"], "first_divergence": fd,
+                       "tie_initiated": tie_initiated(suffixes["incremental"].margins, suffixes["prefill"].margins, fd)}
+    return base
+
+
+def _interventions(spec: RunSpec, rec: dict, src: dict[str, decode.Boundary], sweep: bool, primary_only: bool):
+    """Yield ``(name, recipient, donor, transplanted state, provenance)`` in the record's order, registering each intervention."""
+    rec["interventions"] = {}
+    for name, kind, layers, parts in interventions(len(src["incremental"].cache.layers), sweep):
+        if primary_only and kind != "primary":
+            continue
+        rec["interventions"][name] = {"kind": kind, "layers": layers, "parts": list(parts)}
+        for recipient, donor in (("prefill", "incremental"), ("incremental", "prefill")):
+            state, prov = caches.transplant(src[recipient], src[donor], layers=layers, parts=parts)
+            if spec.transplant_faults:
+                spec.transplant_faults(state, src[recipient], src[donor], prov)
+                caches.verify_transplant(state, src[recipient], src[donor], prov)
+            yield name, recipient, donor, state, prov
+
+
+def _record_intervention(rec: dict, name: str, recipient: str, donor: str, suffix: list[int],
+                         base: dict[str, list[int]], prov: Sequence[dict]) -> None:
+    rec["interventions"][name][f"{recipient}<-{donor}"] = {
+        "outcome": _outcome(suffix, base[donor], base[recipient]),
+        "suffix": suffix,
+        "donated_tensors": sum(p["source"] == donor for p in prov),
+    }
+
+
+def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]],
+                     strata: Sequence[str], sweeps: Sequence[bool], primary_only: bool = False) -> list[dict]:
+    """Experiment 4 for a chunk of panel rows through the batched engine (the records of :func:`transplant_row`).
+
+    The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`
+    (as Experiment 2's batched runner builds them); per problem, the prefill
+    calls, every boundary gate and every transplanted state are made as one
+    problem at a time; then the four baselines and every transplant of every
+    clean problem continue through one :func:`kvreplay.engine.decode_suffixes`
+    (``spec.engine``). A gate failure is recorded in its problem's record only.
+
+    Args:
+        prefixes, strata, sweeps: per problem, its fixed prefix, frozen stratum and whether it gets the
+            single-layer sweep.
+        primary_only: only the whole-cache transplant (Experiment 5).
+
+    Returns:
+        One record per problem, in order.
+
+    Raises:
+        ContractError: a suffix did not close its answer block.
+    """
+    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine.kwargs())
+    recs = [{"problem_id": p.problem_id, "gate_failure": None, "stratum": s} for p, s in zip(problems, strata)]
+    pending = []
+    for i, (p, z, inc) in enumerate(zip(problems, prefixes, incs)):
+        try:
+            if isinstance(inc, GateError):
+                raise inc
+            states, src = _transplant_states(spec, p, z, inc, recs[i])
+            plan = list(_interventions(spec, recs[i], src, sweeps[i], primary_only))
+            pending.append((i, list(states), plan, [*states.values(), *(x[3] for x in plan)]))
+        except GateError as e:
+            _failed(recs[i], e)
+    flat = [s for *_, boundaries in pending for s in boundaries]
+    suffixes = engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.caps, on_gate_error="return", **spec.engine.kwargs())
+    k = 0
+    for i, names, plan, boundaries in pending:
+        mine, k = suffixes[k : k + len(boundaries)], k + len(boundaries)
+        rec = recs[i]
+        try:
+            for x in mine:
+                if isinstance(x, GateError):
+                    raise x
+            base = _baseline(rec, dict(zip(names, mine)))
+            for (name, recipient, donor, _, prov), x in zip(plan, mine[len(names):]):
+                _record_intervention(rec, name, recipient, donor, x.tokens, base, prov)
+        except GateError as e:
+            _failed(rec, e)
+    return recs
+
+
+def _failed(rec: dict, e: GateError) -> None:
+    """Record a gate failure in ``rec`` (its interventions are kept only once the baselines exist, as in :func:`transplant_row`)."""
+    rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    if "baseline" not in rec:
+        rec.pop("interventions", None)
 
 
 DIRECTIONS = ("prefill<-incremental", "incremental<-prefill")

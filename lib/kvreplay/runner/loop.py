@@ -76,7 +76,7 @@ def run_arm(
     """
     if settings.step_path != "eager" and chunk is None:
         raise ValueError(f"experiment {name!r} has no batched runner: step path {settings.step_path!r} is "
-                         f"refused (use step_path='eager'; batched runners exist for exp1 and exp2)")
+                         f"refused (use step_path='eager'; every experiment of notebooks 01-05 has one)")
 
     config = settings.config(name, problems) | (extra_config or {})
     root = Path(ledger_root) / settings.profile

@@ -1,0 +1,123 @@
+"""Batched runners of Experiments 3-5 and the controls on the engine's eager path (CPU, tiny random-weight model).
+
+Each runner must give records with the per-row function's layout, pass every
+gate (the composition gate included, through a preflight row), and keep its
+experiment's own invariants under the engine: the bridge is bit-exact, a
+whole-cache transplant follows its donor, the FP32 readout writes the plain
+caches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer
+
+from kvreplay import decode, engine, gates
+from kvreplay.experiments import replication
+from kvreplay.experiments.bridge import bridge_chunk, bridge_row, bridge_summary
+from kvreplay.experiments.controls import controls_summary, run_controls
+from kvreplay.experiments.live_vs_prefill import run_experiment1
+from kvreplay.experiments.transplant import transplant_chunk, transplant_row, transplant_summary
+from kvreplay.problems import Problem
+from kvreplay.runner import ArmSettings, run_arm
+
+
+@pytest.fixture(scope="module")
+def arm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    tok = make_tokenizer()
+    make_model("llama", len(tok)).save_pretrained(root / "tiny-llama")
+    tok.save_pretrained(root / "tiny-llama")
+    (root / "tiny.yaml").write_text(yaml.safe_dump(TINY_FORMAT))
+
+    def settings(**kw):
+        base = dict(profile="t", dtype="bfloat16", caps=TINY_CAPS, model=str(root / "tiny-llama"),
+                    fmt=str(root / "tiny.yaml"), threads=1, preflight=1)
+        return ArmSettings(**(base | kw))
+
+    return settings
+
+
+PROBLEMS = [Problem(f"p-{i:02d}", "test", i + 1, "Q" + "xyz"[i % 3] * (3 * i) + "?", ("x", "y", f"z{i}", "w"),
+                    "ABCD"[i % 4]) for i in range(5)]
+BATCHED = dict(step_path="engine-eager", batch=2)
+
+
+@pytest.fixture(scope="module")
+def prefixes(arm, tmp_path_factory):
+    records, _ = run_experiment1(PROBLEMS, arm(), ledger_root=tmp_path_factory.mktemp("l"), progress=False)
+    return {r["problem_id"]: r["prefix"] for r in records}
+
+
+def _paths(obj, prefix: str = "") -> set[str]:
+    out = {prefix}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out |= _paths(v, f"{prefix}.{k}")
+    elif isinstance(obj, list):
+        for v in obj:
+            out |= _paths(v, f"{prefix}[]")
+    return out
+
+
+def _both(name, arm, tmp_path, row, chunk, problems=PROBLEMS, **kw):
+    eager, _ = run_arm(name, arm(**kw), problems, row, ledger_root=tmp_path, progress=False)
+    batched, led = run_arm(name, arm(**(kw | BATCHED)), problems, row, ledger_root=tmp_path, progress=False, chunk=chunk)
+    assert [r["problem_id"] for r in batched] == [p.problem_id for p in problems]
+    failed = [(r["problem_id"], r["gate_failure"]) for r in eager + batched if r["gate_failure"]]
+    assert not failed
+    for a, b in zip(eager, batched):
+        assert _paths(a) == _paths(b)
+    assert "composition" in led.rows_path.with_name("runlog.jsonl").read_text()  # the preflight row ran alone too
+    return eager, batched
+
+
+def test_bridge_runner_keeps_incremental_equal_to_live_under_the_engine(arm, prefixes, tmp_path):
+    eager, batched = _both("exp3", arm, tmp_path, lambda spec, p: bridge_row(spec, p, prefixes[p.problem_id]),
+                           lambda spec, ps: bridge_chunk(spec, ps, [prefixes[p.problem_id] for p in ps]))
+    s = bridge_summary(batched)
+    assert s["layers_exact"] == s["logits_exact"] == s["suffix_exact"] == len(PROBLEMS)
+    assert [r["saved_prefix_len"] for r in batched] == [len(prefixes[p.problem_id]) for p in PROBLEMS]
+
+
+def test_transplant_runner_follows_the_donor_and_runs_the_sweep(arm, prefixes, tmp_path):
+    strata = {p.problem_id: ("divergent" if i % 2 else "exact") for i, p in enumerate(PROBLEMS)}
+    sweep = {PROBLEMS[1].problem_id}
+    row = lambda spec, p: transplant_row(spec, p, prefixes[p.problem_id], strata[p.problem_id],  # noqa: E731
+                                         p.problem_id in sweep)
+    chunk = lambda spec, ps: transplant_chunk(spec, ps, [prefixes[p.problem_id] for p in ps],  # noqa: E731
+                                              [strata[p.problem_id] for p in ps], [p.problem_id in sweep for p in ps])
+    eager, batched = _both("exp4", arm, tmp_path, row, chunk)
+    for r in batched:
+        for d, donor in (("prefill<-incremental", "incremental"), ("incremental<-prefill", "prefill")):
+            assert r["interventions"]["whole"][d]["suffix"] == r["baseline"][donor]
+    assert sum(name.startswith("layer_") for name in batched[1]["interventions"]) == 2  # the tiny model's layers
+    assert transplant_summary(batched)["rows"] == len(PROBLEMS)
+
+
+def test_replication_runner_scores_both_baselines(arm, prefixes, tmp_path):
+    eager, batched = _both("exp5", arm, tmp_path, lambda spec, p: replication.replication_row(spec, p, prefixes[p.problem_id]),
+                           lambda spec, ps: replication.replication_chunk(spec, ps, [prefixes[p.problem_id] for p in ps]))
+    for r in batched:
+        assert set(r["interventions"]) == {"whole"} and set(r["scores"]) == {"incremental", "prefill"}
+
+
+def test_controls_runner_reads_out_in_fp32_on_the_plain_caches(arm, prefixes, tmp_path):
+    eager, _ = run_controls(PROBLEMS, prefixes, "bank", arm(), ledger_root=tmp_path, progress=False)
+    batched, led = run_controls(PROBLEMS, prefixes, "bank", arm(**BATCHED), ledger_root=tmp_path, progress=False)
+    assert not [r for r in eager + batched if r["gate_failure"]]  # gate `readout`: same caches with the FP32 head
+    for a, b in zip(eager, batched):
+        assert _paths(a) == _paths(b)
+    assert controls_summary(batched)["n"] == len(PROBLEMS)
+    assert "composition" in (led.dir / "runlog.jsonl").read_text()
+    # the engine's readout: float32 logits from the body's bfloat16 hidden state, the same keys/values
+    lm, fmt = arm().load()
+    z = [prefixes[p.problem_id] for p in PROBLEMS[:3]]
+    plain = engine.build_incrementals(lm, fmt, z, batch=2)
+    fp32 = engine.build_incrementals(lm, fmt, z, batch=2, readout=decode.FP32Readout(lm))
+    for a, b in zip(plain, fp32):
+        assert a.logits.dtype == torch.bfloat16 and b.logits.dtype == torch.float32
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(gates.cache_tensors(a.cache), gates.cache_tensors(b.cache)))
+        assert torch.allclose(a.logits.float(), b.logits, atol=0.1, rtol=0.02)  # the same function, finer rounding
