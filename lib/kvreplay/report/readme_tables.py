@@ -397,6 +397,74 @@ def _side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[str]]]
 
 SIDE_BY_SIDE_STEMS = ("table_exp1_matrix", "table_exp2_matrix", "table_exp2_crossing")
 
+LATER_STEMS = ("table_exp3_bridge", "table5_exp4_transplant", "table_exp5_replication", "exp2_controls")
+
+
+def _later_side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[str]]]:
+    """Experiments 3-5 and the exploratory controls: the ``cpu`` run, this run and the paper.
+
+    Reads :data:`LATER_STEMS` of both profiles (each table has one column).
+    """
+    tables = {(prof, stem): _Table(root, prof, stem) for prof in ("cpu", profile) for stem in LATER_STEMS}
+    reference = load_reference(root)
+    paper = _paper(reference)
+    paper_rows = reference["setup"]["rows"]
+
+    def cell(prof: str, stem: str, row: str) -> str:
+        t = tables[(prof, stem)]
+        return t(row, t.df.columns[0])
+
+    def both(fn: Callable[[str], str]) -> list[str]:
+        return [fn("cpu"), fn(profile)]
+
+    def short(prof: str, stem: str, row: str) -> str:
+        return _wilson_short(cell(prof, stem, row), stem)
+
+    b3, t4, r5, c2 = LATER_STEMS
+    tie5 = "of which tie-initiated (either arm's top-1 minus top-2 margin exactly 0 at the first divergent step)"
+    def sizes(p: str) -> str:
+        return " / ".join([cell(p, b3, "rows"), cell(p, t4, "panel rows (frozen divergent + exact)").split(" ")[0],
+                           cell(p, r5, "panel rows (order statistics of prefix length)").split(" ")[0], cell(p, c2, "rows")])
+
+    header = ["endpoint (rows: Exp 3 / Exp 4 / Exp 5 / controls)", f"`cpu`: 2-core CPU, eager ({sizes('cpu')})",
+              f"`{profile}`: H200, batched graph engine ({sizes(profile)})", f"paper ({paper_rows['exp3']} / {paper_rows['exp4']} / {paper_rows['exp5']} / —)"]
+    rows = [
+        ["Exp 3 bridge: incremental bit-exact to live on every layer; logits; complete suffix",
+         *both(lambda p: "; ".join(cell(p, b3, r) for r in ("incremental bit-exact to live on every layer",
+                                                             "boundary logits exact", "complete suffix exact"))),
+         "; ".join(paper(k) for k in ("exp3.bridge.layers_exact", "exp3.bridge.logits_exact", "exp3.bridge.suffix_exact"))],
+        ["Exp 3 bridge: new live prefix token-identical to the saved one",
+         *both(lambda p: cell(p, b3, "new prefix token-identical to the saved one")), paper("exp3.bridge.same_as_saved")],
+        ["Exp 4 whole-cache transplant: joint donor recovery (integrity check)",
+         *both(lambda p: short(p, t4, "joint bidirectional recovery (integrity check)")), _kn(paper("exp4.joint_recovery"), "exp4")],
+        ["Exp 4: third trajectory among exact controls",
+         *both(lambda p: short(p, t4, "third trajectory among exact controls")), _kn(paper("exp4.third_among_exact"), "exp4")],
+        ["Exp 4: divergent panel rows tie-initiated / not",
+         *both(lambda p: cell(p, t4, "divergent rows (contemporaneous baselines): tie-initiated / not")), "not reported"],
+        ["Exp 5 (later checkpoint): incremental/prefill suffix divergence (tie-initiated)",
+         *both(lambda p: f"{short(p, r5, 'incremental/prefill suffix divergence')} ({cell(p, r5, tie5)})"),
+         _wilson_short(paper("exp5.divergence"), "exp5.divergence", label="")],
+        ["Exp 5: joint donor recovery; new trajectory among exact controls",
+         *both(lambda p: f"{_kn(cell(p, r5, 'joint bidirectional recovery (integrity check)'), r5)}; "
+                         f"{_kn(cell(p, r5, 'new trajectory among exact controls'), r5)}"),
+         f"{_kn(paper('exp5.joint_recovery'), 'exp5')}; {_kn(paper('exp5.third_among_exact'), 'exp5')}"],
+        ["Exp 5: frozen interpretation (thresholds ≥ 12 divergent, ≥ 6 exact)",
+         *both(lambda p: cell(p, r5, "interpretation (frozen matrix)")), paper("exp5.interpretation")],
+        ["Controls (exploratory): FP32 readout on the same BF16 caches, suffix differs (tie-initiated)",
+         *both(lambda p: f"{short(p, c2, 'FP32 readout (same BF16 caches; final norm and LM head in float32): suffix differs')} "
+                         f"({cell(p, c2, 'FP32 readout: of which tie-initiated')})"), "not run"],
+        ["Controls: FP32 readout still differs among rows whose BF16 suffixes differ",
+         *both(lambda p: _kn(cell(p, c2, "FP32 readout: still differs among rows whose plain BF16 suffixes differ"), c2)),
+         "not run"],
+        ["Controls: matched null perturbation moves the trajectory (tie-initiated)",
+         *both(lambda p: f"{short(p, c2, 'matched null perturbation of the incremental cache: trajectory moved')} "
+                         f"({cell(p, c2, 'null perturbation: of which tie-initiated')})"), "not run"],
+        ["Controls: null perturbation moves it among rows whose BF16 suffixes agree",
+         *both(lambda p: _kn(cell(p, c2, "null perturbation: moved among rows whose plain BF16 suffixes agree"), c2)),
+         "not run"],
+    ]
+    return header, rows
+
 
 @dataclass(frozen=True)
 class SideBySideSpec(TableSpec):
@@ -408,7 +476,8 @@ class SideBySideSpec(TableSpec):
 
 TABLES_BY_PROFILE: dict[str, dict[str, TableSpec]] = {
     "cpu": {"exp1": TableSpec("exp1", ("table_exp1_matrix", "table_first_divergence"), _exp1)},
-    "gpu": {"exp1_exp2": SideBySideSpec("exp1_exp2", SIDE_BY_SIDE_STEMS, _side_by_side)},
+    "gpu": {"exp1_exp2": SideBySideSpec("exp1_exp2", SIDE_BY_SIDE_STEMS, _side_by_side),
+            "exp3_exp5": SideBySideSpec("exp3_exp5", LATER_STEMS, _later_side_by_side)},
 }
 """The README results tables of each profile, by block name."""
 TABLES = TABLES_BY_PROFILE["cpu"]
