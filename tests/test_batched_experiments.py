@@ -9,6 +9,8 @@ caches.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import yaml
@@ -121,3 +123,37 @@ def test_controls_runner_reads_out_in_fp32_on_the_plain_caches(arm, prefixes, tm
         assert a.logits.dtype == torch.bfloat16 and b.logits.dtype == torch.float32
         assert all(torch.equal(x, y) for (_, x), (_, y) in zip(gates.cache_tensors(a.cache), gates.cache_tensors(b.cache)))
         assert torch.allclose(a.logits.float(), b.logits, atol=0.1, rtol=0.02)  # the same function, finer rounding
+
+
+def test_verify_recomputes_batched_rows_of_the_later_experiments(arm, prefixes, tmp_path):
+    """`make verify` on batched exp3 / exp4 / controls ledgers: each row alone at the recorded batch shape, bit for bit."""
+    from kvreplay.ledger.prefix_bank import write_prefix_bank
+    from kvreplay.ledger.store import ROWS
+    from kvreplay.verify import verify_ledger
+
+    records = [{"problem_id": p.problem_id, "prompt_len": 1, "prefix": prefixes[p.problem_id], "gate_failure": None}
+               for p in PROBLEMS]
+    sha = write_prefix_bank(records, tmp_path / "t" / "prefix_bank_bf16.jsonl", "exp1-test")
+    model = arm().model
+    strata = {p.problem_id: "divergent" for p in PROBLEMS}
+    folders = [
+        run_arm("exp3", arm(**BATCHED), PROBLEMS, None, ledger_root=tmp_path, progress=False,
+                extra_config={"prefix_bank_sha256": sha},
+                chunk=lambda spec, ps: bridge_chunk(spec, ps, [prefixes[p.problem_id] for p in ps]))[1].dir,
+        run_arm("exp4", arm(**BATCHED), PROBLEMS[:3], None, ledger_root=tmp_path, progress=False,
+                extra_config={"prefix_bank_sha256": sha},
+                chunk=lambda spec, ps: transplant_chunk(spec, ps, [prefixes[p.problem_id] for p in ps],
+                                                        [strata[p.problem_id] for p in ps], [False] * len(ps)))[1].dir,
+        run_controls(PROBLEMS[:3], prefixes, sha, arm(**BATCHED), ledger_root=tmp_path, progress=False)[1].dir,
+    ]
+    for folder in folders:
+        checks = verify_ledger(folder, rows=3, pick="first", problems=PROBLEMS, model=model)
+        assert [(c.mode, c.ok) for c in checks] == [("bytes", True)] * 3, (folder.name, checks)
+    # a planted change in a committed transplant row is found
+    lines = (folders[1] / ROWS).read_text().splitlines()
+    rec = json.loads(lines[1])
+    rec["interventions"]["whole"]["prefill<-incremental"]["suffix"][-1] += 1
+    lines[1] = json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    (folders[1] / ROWS).write_text("\n".join(lines) + "\n")
+    bad = [c for c in verify_ledger(folders[1], rows=3, pick="first", problems=PROBLEMS, model=model) if not c.ok]
+    assert [c.problem_id for c in bad] == [PROBLEMS[1].problem_id]

@@ -173,6 +173,16 @@ def chunk_function(folder: Path, config: dict):
         return lambda spec, p, rec: live_vs_prefill.exp1_chunk(spec, [p])[0]
     if name == "exp2":
         return lambda spec, p, rec: fixed_prefix.exp2_chunk(spec, [p], [rec["prefix"]])[0]
+    bank = _bank_prefixes(folder, config)
+    if name == "exp2_controls":
+        return lambda spec, p, rec: controls.controls_chunk(spec, [p], [bank[p.problem_id]], config["seed"])[0]
+    if name == "exp3":
+        return lambda spec, p, rec: bridge.bridge_chunk(spec, [p], [bank[p.problem_id]])[0]
+    if name == "exp4":
+        return lambda spec, p, rec: transplant.transplant_chunk(
+            spec, [p], [bank[p.problem_id]], [rec["stratum"]], [any(k.startswith("layer_") for k in rec["interventions"])])[0]
+    if name == "exp5":
+        return lambda spec, p, rec: replication.replication_chunk(spec, [p], [bank[p.problem_id]])[0]
     raise ValueError(f"{folder.name}: experiment {name!r} has no batched runner")
 
 
