@@ -100,3 +100,15 @@ def tiny_problems(n: int = 3) -> list[Problem]:
             )
         )
     return out
+
+
+def key_paths(obj, prefix: str = "") -> set[str]:
+    """Every key path of nested dicts (list items share their list's path): a record's layout."""
+    out = {prefix}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out |= key_paths(v, f"{prefix}.{k}")
+    elif isinstance(obj, list):
+        for v in obj:
+            out |= key_paths(v, f"{prefix}[]")
+    return out

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer
+from conftest import TINY_CAPS, TINY_FORMAT, key_paths, make_model, make_tokenizer
 
 from kvreplay import decode, engine, gates
 from kvreplay.experiments import replication
@@ -53,16 +53,6 @@ def prefixes(arm, tmp_path_factory):
     return {r["problem_id"]: r["prefix"] for r in records}
 
 
-def _paths(obj, prefix: str = "") -> set[str]:
-    out = {prefix}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out |= _paths(v, f"{prefix}.{k}")
-    elif isinstance(obj, list):
-        for v in obj:
-            out |= _paths(v, f"{prefix}[]")
-    return out
-
 
 def _both(name, arm, tmp_path, row, chunk, problems=PROBLEMS, **kw):
     eager, _ = run_arm(name, arm(**kw), problems, row, ledger_root=tmp_path, progress=False)
@@ -71,7 +61,7 @@ def _both(name, arm, tmp_path, row, chunk, problems=PROBLEMS, **kw):
     failed = [(r["problem_id"], r["gate_failure"]) for r in eager + batched if r["gate_failure"]]
     assert not failed
     for a, b in zip(eager, batched):
-        assert _paths(a) == _paths(b)
+        assert key_paths(a) == key_paths(b)
     assert "composition" in led.rows_path.with_name("runlog.jsonl").read_text()  # the preflight row ran alone too
     return eager, batched
 
@@ -111,7 +101,7 @@ def test_controls_runner_reads_out_in_fp32_on_the_plain_caches(arm, prefixes, tm
     batched, led = run_controls(PROBLEMS, prefixes, "bank", arm(**BATCHED), ledger_root=tmp_path, progress=False)
     assert not [r for r in eager + batched if r["gate_failure"]]  # gate `readout`: same caches with the FP32 head
     for a, b in zip(eager, batched):
-        assert _paths(a) == _paths(b)
+        assert key_paths(a) == key_paths(b)
     assert controls_summary(batched)["n"] == len(PROBLEMS)
     assert "composition" in (led.dir / "runlog.jsonl").read_text()
     # the engine's readout: float32 logits from the body's bfloat16 hidden state, the same keys/values

@@ -20,6 +20,7 @@ import yaml
 from conftest import (
     TINY_CAPS,
     TINY_FORMAT,
+    key_paths,
     make_model,
     make_tokenizer,
     tiny_lm,
@@ -58,17 +59,6 @@ def _problems(n: int) -> list[Problem]:
             for i in range(n)]
 
 
-def _paths(obj, prefix: str = "") -> set[str]:
-    """Every key path of nested dicts (list items share their list's path)."""
-    out = {prefix}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out |= _paths(v, f"{prefix}.{k}")
-    elif isinstance(obj, list):
-        for v in obj:
-            out |= _paths(v, f"{prefix}[]")
-    return out
-
 
 def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tiny_arm):
     problems = _problems(5)
@@ -79,7 +69,7 @@ def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tin
     assert [r["problem_id"] for r in batched] == [p.problem_id for p in problems]
     assert all(r["gate_failure"] is None for r in eager + batched)
     for a, b in zip(eager, batched):
-        assert _paths(a) == _paths(b)
+        assert key_paths(a) == key_paths(b)
         assert b["equivalence"]["compared"] == "prefill_vs_live" and b["equivalence"]["rel_l2"] <= 1e-4
         assert b["boundary"]["live_replica"]["cache"]["exact"] and b["boundary"]["prefill_replica"]["cache"]["exact"]
         assert b["arms"]["live"]["suffix"] == b["arms"]["live_replica"]["suffix"]
@@ -99,7 +89,7 @@ def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tin
     two_eager, _ = run_experiment2(problems[:3], prefixes, "bank", tiny_arm(), ledger_root=tmp_path, progress=False)
     for a, b in zip(two_eager, two):
         assert a["gate_failure"] is None and b["gate_failure"] is None
-        assert _paths(a) == _paths(b) and b["prefix"] == a["prefix"] and "prefill_vs_incremental" in b["boundary"]
+        assert key_paths(a) == key_paths(b) and b["prefix"] == a["prefix"] and "prefill_vs_incremental" in b["boundary"]
 
 
 def test_batched_arm_resumes_to_identical_bytes_with_other_chunks(tmp_path, tiny_arm):
