@@ -11,6 +11,7 @@ prefill construction does.
 from __future__ import annotations
 
 import statistics
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -130,15 +131,15 @@ def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: i
     return rec
 
 
-_READOUTS: dict[int, decode.FP32Readout] = {}
+_READOUTS: "weakref.WeakKeyDictionary[torch.nn.Module, decode.FP32Readout]" = weakref.WeakKeyDictionary()
 
 
 def _readout(lm) -> decode.FP32Readout:
-    """The model's :class:`~kvreplay.decode.FP32Readout`, made once per model (float32 copies of norm and head)."""
-    if id(lm.model) not in _READOUTS:
-        _READOUTS.clear()
-        _READOUTS[id(lm.model)] = decode.FP32Readout(lm)
-    return _READOUTS[id(lm.model)]
+    """The model's :class:`~kvreplay.decode.FP32Readout`, made once per live model object (float32 copies of norm
+    and head); keyed by the object itself, not its ``id``, which a later model may reuse once this one is freed."""
+    if lm.model not in _READOUTS:
+        _READOUTS[lm.model] = decode.FP32Readout(lm)
+    return _READOUTS[lm.model]
 
 
 def _controls_states(spec: RunSpec, problem: Problem, prefix: Sequence[int], inc: decode.Boundary,
