@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import weakref
 from collections.abc import Callable, Sequence
 
 import pandas as pd
@@ -77,22 +78,24 @@ def comparison(ref: decode.Boundary, other: decode.Boundary, per_tensor: bool) -
     return out
 
 
-_FP32_COPIES: dict[int, LoadedModel] = {}
+_FP32_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, LoadedModel]" = weakref.WeakKeyDictionary()
 
 
 def float32_copy(lm: LoadedModel) -> LoadedModel:
-    """A float32 copy of a loaded model (same weights, upcast exactly), made once per model and kept."""
+    """A float32 copy of a loaded model (same weights, upcast exactly), made once per live model object and kept.
+
+    Keyed by the model object itself (weakly), not its ``id``, which a later model may reuse once this one is freed.
+    """
     import copy
 
     if lm.dtype == torch.float32:
         return lm
-    key = id(lm.model)
-    if key not in _FP32_COPIES:
+    if lm.model not in _FP32_COPIES:
         _FP32_COPIES.clear()  # one model at a time
         table = None if lm.role_table is None else lm.role_table.float()
-        _FP32_COPIES[key] = dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(dtype=torch.float32), dtype=torch.float32,
-                                                role_table=table)
-    return _FP32_COPIES[key]
+        _FP32_COPIES[lm.model] = dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(dtype=torch.float32),
+                                                     dtype=torch.float32, role_table=table)
+    return _FP32_COPIES[lm.model]
 
 
 def construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
