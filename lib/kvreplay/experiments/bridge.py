@@ -19,7 +19,15 @@ from ..gates import GateError
 from ..problems import Problem
 from ..runner import RunSpec, leaves
 from .endpoints import require_gates
-from .matrix import arm_record, boundary_gates, comparison, equivalence_record
+from .matrix import (
+    arm_record,
+    boundary_gates,
+    comparison,
+    decode_groups,
+    equivalence_record,
+    gate_failure,
+    raise_gate_errors,
+)
 
 
 def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> dict:
@@ -44,7 +52,7 @@ def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> 
         arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
         _bridge_endpoints(spec, problem, rec, cmp, arms)
     except GateError as e:
-        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+        rec["gate_failure"] = gate_failure(e)
     return rec
 
 
@@ -78,33 +86,23 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
     for i, (p, live, inc, saved) in enumerate(zip(problems, lives, incs, saved_prefixes)):
         rec = recs[i]
         try:
-            if isinstance(live, GateError):
-                raise live
+            raise_gate_errors([live])
             z = live.ids
             rec.update(prefix_len=len(z), prefix=z, saved_prefix_len=len(saved), same_as_saved=z == list(saved))
-            if isinstance(inc, GateError):
-                raise inc
+            raise_gate_errors([inc])
             states = _bridge_states(spec, p, live, inc)
-            rec["_cmp"] = comparison(live, states["incremental"], per_tensor=True)
+            cmp = comparison(live, states["incremental"], per_tensor=True)
             rec["equivalence"] = equivalence_record(spec, p, z)
-            pending.append((i, states))
+            pending.append((i, states, cmp))
         except GateError as e:
-            rec.pop("_cmp", None)
-            rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
-    flat = [s for _, states in pending for s in states.values()]
-    suffixes = engine.decode_suffixes(lm, fmt, flat, spec.caps, on_gate_error="return", **spec.engine.kwargs())
-    k = 0
-    for i, states in pending:
-        arms, k = dict(zip(states, suffixes[k : k + len(states)])), k + len(states)
-        rec = recs[i]
-        cmp = rec.pop("_cmp")
+            rec["gate_failure"] = gate_failure(e)
+    decoded = decode_groups(spec, [list(states.values()) for _, states, _ in pending])
+    for (i, states, cmp), suffixes in zip(pending, decoded):
         try:
-            for x in arms.values():
-                if isinstance(x, GateError):
-                    raise x
-            _bridge_endpoints(spec, problems[i], rec, cmp, arms)
+            raise_gate_errors(suffixes)
+            _bridge_endpoints(spec, problems[i], recs[i], cmp, dict(zip(states, suffixes)))
         except GateError as e:
-            rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+            recs[i]["gate_failure"] = gate_failure(e)
     return recs
 
 

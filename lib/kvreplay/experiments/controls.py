@@ -25,6 +25,7 @@ from ..problems import Problem
 from ..runner import ArmSettings, Hook, RunSpec, run_arm
 from ..stats import wilson
 from .endpoints import first_divergence, rate_text, require_gates, tie_initiated
+from .matrix import decode_groups, gate_failure, raise_gate_errors
 
 
 def _row_seed(seed: int, problem_id: str) -> int:
@@ -127,7 +128,7 @@ def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: i
         moved = decode.decode_suffix(lm, fmt, null, spec.caps)
         _controls_record(rec, plain, fp32, moved, null_rec)
     except GateError as e:
-        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+        rec["gate_failure"] = gate_failure(e)
     return rec
 
 
@@ -205,25 +206,19 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
     pending = []
     for i, (p, z, inc, inc_ro) in enumerate(zip(problems, prefixes, incs, incs_ro)):
         try:
-            for x in (inc, inc_ro):
-                if isinstance(x, GateError):
-                    raise x
+            raise_gate_errors([inc, inc_ro])
             pending.append((i, *_controls_states(spec, p, z, inc, inc_ro, readout, seed)))
         except GateError as e:
-            recs[i]["gate_failure"] = {"gate": e.gate, "reason": e.reason}
-    plain = engine.decode_suffixes(lm, fmt, [x for _, st, null, _ in pending for x in (st["incremental"], st["prefill"], null)],
-                                   spec.caps, on_gate_error="return", **kw)
-    fp32 = engine.decode_suffixes(lm, fmt, [st[f"{c}_fp32_readout"] for _, st, _, _ in pending for c in ("incremental", "prefill")],
-                                  spec.caps, on_gate_error="return", readout=readout, **kw)
-    for j, (i, _, _, null_rec) in enumerate(pending):
-        (a, b, moved), (c, d) = plain[3 * j : 3 * j + 3], fp32[2 * j : 2 * j + 2]
+            recs[i]["gate_failure"] = gate_failure(e)
+    plain = decode_groups(spec, [[st["incremental"], st["prefill"], null] for _, st, null, _ in pending])
+    fp32 = decode_groups(spec, [[st["incremental_fp32_readout"], st["prefill_fp32_readout"]] for _, st, _, _ in pending],
+                         readout=readout)
+    for (i, _, _, null_rec), (a, b, moved), (c, d) in zip(pending, plain, fp32):
         try:
-            for x in (a, b, moved, c, d):
-                if isinstance(x, GateError):
-                    raise x
+            raise_gate_errors([a, b, moved, c, d])
             _controls_record(recs[i], {"incremental": a, "prefill": b}, {"incremental": c, "prefill": d}, moved, null_rec)
         except GateError as e:
-            recs[i]["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+            recs[i]["gate_failure"] = gate_failure(e)
     return recs
 
 

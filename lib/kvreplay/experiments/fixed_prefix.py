@@ -23,7 +23,7 @@ from ..problems import Problem
 from ..runner import ArmSettings, Hook, RunSpec, run_arm
 from ..stats import mcnemar_exact, paired_bootstrap
 from .endpoints import require_gates, with_derived_endpoints
-from .matrix import matrix_chunk, matrix_row
+from .matrix import gate_failure, matrix_chunk, matrix_row
 
 
 def exp2_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
@@ -45,7 +45,7 @@ def exp2_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
         rec.update(prompt_len=parsed.prompt_len, prefix_len=len(inc.ids), prefix=inc.ids, schedule_calls=len(inc.schedule))
         matrix_row(spec, problem, rec, inc)
     except GateError as e:
-        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+        rec["gate_failure"] = gate_failure(e)
     return rec
 
 

@@ -16,7 +16,7 @@ from ..gates import GateError
 from ..ledger.store import Ledger
 from ..problems import Problem
 from ..runner import ArmSettings, Hook, RunSpec, run_arm
-from .matrix import matrix_chunk, matrix_row
+from .matrix import gate_failure, matrix_chunk, matrix_row
 
 
 def exp1_row(spec: RunSpec, problem: Problem) -> dict:
@@ -33,7 +33,7 @@ def exp1_row(spec: RunSpec, problem: Problem) -> dict:
         rec.update(prompt_len=len(prompt), prefix_len=len(live.ids), prefix=live.ids, schedule_calls=len(live.schedule))
         matrix_row(spec, problem, rec, live)
     except GateError as e:
-        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+        rec["gate_failure"] = gate_failure(e)
     return rec
 
 

@@ -255,8 +255,36 @@ def matrix_arms(spec: RunSpec, problem: Problem, rec: dict, r: str, arms: dict[s
     return rec
 
 
-def _failure(e: GateError) -> dict:
+def gate_failure(e: GateError) -> dict:
+    """The ledger's ``gate_failure`` field for a failed gate: ``{"gate", "reason"}``."""
     return {"gate": e.gate, "reason": e.reason}
+
+
+def raise_gate_errors(results: Sequence) -> None:
+    """Raise the first :class:`~kvreplay.gates.GateError` among a problem's engine results (in their order), if any."""
+    for x in results:
+        if isinstance(x, GateError):
+            raise x
+
+
+def decode_groups(spec: RunSpec, groups: Sequence[Sequence[decode.Boundary]],
+                  readout: decode.FP32Readout | None = None) -> list[list]:
+    """Every boundary of every group through one :func:`kvreplay.engine.decode_suffixes` (``spec.engine``), regrouped.
+
+    Args:
+        groups: per problem, its boundary states (caches ``[2, kv_heads, |z|, head_dim]``), in decoding order.
+        readout: FP32 readout of every step's logits (the controls), else the model's head.
+
+    Returns:
+        Per group, one :class:`~kvreplay.decode.Suffix` per boundary, or the ``GateError`` that stopped it.
+
+    Raises:
+        ContractError: a suffix did not close its answer block.
+    """
+    flat = [b for g in groups for b in g]
+    out = iter(engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.caps, on_gate_error="return", readout=readout,
+                                      **spec.engine.kwargs()))
+    return [[next(out) for _ in g] for g in groups]
 
 
 def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, heads: Sequence[Callable]) -> list[dict]:
@@ -287,22 +315,15 @@ def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, hea
             head(rec, ref)
             pending.append((i, matrix_states(spec, p, rec, ref)))
         except GateError as e:
-            rec["gate_failure"] = _failure(e)
-    flat = [s for _, states in pending for s in states.values()]
-    suffixes = engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.caps, on_gate_error="return",
-                                      **spec.engine.kwargs())
-    k = 0
-    for i, states in pending:
-        arms = dict(zip(states, suffixes[k : k + len(states)]))
-        k += len(states)
+            rec["gate_failure"] = gate_failure(e)
+    decoded = decode_groups(spec, [list(states.values()) for _, states in pending])
+    for (i, states), suffixes in zip(pending, decoded):
         rec = recs[i]
         try:
-            for s in arms.values():
-                if isinstance(s, GateError):
-                    raise s
-            matrix_arms(spec, problems[i], rec, refs[i].construction, arms)
+            raise_gate_errors(suffixes)
+            matrix_arms(spec, problems[i], rec, refs[i].construction, dict(zip(states, suffixes)))
         except GateError as e:
-            rec["gate_failure"] = _failure(e)
+            rec["gate_failure"] = gate_failure(e)
     return recs
 
 

@@ -20,7 +20,13 @@ from ..problems import Problem
 from ..runner import RunSpec
 from ..stats import wilson
 from .endpoints import first_divergence, rate_text, require_gates, tie_initiated
-from .matrix import boundary_gates, equivalence_record
+from .matrix import (
+    boundary_gates,
+    decode_groups,
+    equivalence_record,
+    gate_failure,
+    raise_gate_errors,
+)
 
 
 def order_statistics(items: Sequence, k: int, key: Callable) -> list:
@@ -146,7 +152,7 @@ def transplant_row(
             _record_intervention(rec, name, recipient, donor, decode.decode_suffix(lm, fmt, state, spec.caps).tokens,
                                  base, prov)
     except GateError as e:
-        rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+        rec["gate_failure"] = gate_failure(e)
     return rec
 
 
@@ -242,23 +248,17 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
     pending = []
     for i, (p, z, inc) in enumerate(zip(problems, prefixes, incs)):
         try:
-            if isinstance(inc, GateError):
-                raise inc
+            raise_gate_errors([inc])
             states, src = _transplant_states(spec, p, z, inc, recs[i])
             plan = list(_interventions(spec, recs[i], src, sweeps[i], primary_only))
             pending.append((i, list(states), plan, [*states.values(), *(x[3] for x in plan)]))
         except GateError as e:
             _failed(recs[i], e)
-    flat = [s for *_, boundaries in pending for s in boundaries]
-    suffixes = engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.caps, on_gate_error="return", **spec.engine.kwargs())
-    k = 0
-    for i, names, plan, boundaries in pending:
-        mine, k = suffixes[k : k + len(boundaries)], k + len(boundaries)
+    decoded = decode_groups(spec, [boundaries for *_, boundaries in pending])
+    for (i, names, plan, _), mine in zip(pending, decoded):
         rec = recs[i]
         try:
-            for x in mine:
-                if isinstance(x, GateError):
-                    raise x
+            raise_gate_errors(mine)
             base = _baseline(rec, dict(zip(names, mine)))
             for (name, recipient, donor, _, prov), x in zip(plan, mine[len(names):]):
                 _record_intervention(rec, name, recipient, donor, x.tokens, base, prov)
@@ -269,7 +269,7 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
 
 def _failed(rec: dict, e: GateError) -> None:
     """Record a gate failure in ``rec`` (its interventions are kept only once the baselines exist, as in :func:`transplant_row`)."""
-    rec["gate_failure"] = {"gate": e.gate, "reason": e.reason}
+    rec["gate_failure"] = gate_failure(e)
     if "baseline" not in rec:
         rec.pop("interventions", None)
 
