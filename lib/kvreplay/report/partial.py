@@ -1,0 +1,96 @@
+"""Experiment 1 endpoints of a profile whose ledgers are not complete yet (paper §4.1, §3.4).
+
+``make paper`` needs every row of an arm; a profile computed across several
+device sessions (the ``paper`` profile: caps 768 / 512 / 64 on the H200) has
+ledgers that stop at their last finished chunk. This module reads those rows
+as they are, pairs the BF16 and FP32 arms on the problems both have finished,
+and prints the suffix-divergence endpoint (live vs prefill) with Wilson
+intervals, the tie-initiated split and the exact McNemar test. It computes
+nothing on a model and writes nothing.
+
+Usage: ``python -m kvreplay.report.partial [--profile paper]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from ..ledger.store import read_rows_text
+from ..paths import LEDGERS
+from ..stats import mcnemar_exact, wilson
+
+
+def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[str, list[dict]]:
+    """The one ledger folder ``<experiment>-<dtype>-*`` under ``root`` and its finished rows, in ledger order.
+
+    Raises:
+        FileNotFoundError: no such folder.
+        ValueError: more than one folder (two configs of one arm: name the one to read).
+    """
+    folders = sorted(root.glob(f"{experiment}-{dtype}-*"))
+    if not folders:
+        raise FileNotFoundError(f"no ledger {experiment}-{dtype}-* under {root}")
+    if len(folders) > 1:
+        raise ValueError(f"{len(folders)} ledgers {experiment}-{dtype}-* under {root}: {[f.name for f in folders]}")
+    text = read_rows_text(folders[0])
+    return folders[0].name, [json.loads(line) for line in text.splitlines() if line]
+
+
+def exp1_frame(rows: list[dict]) -> pd.DataFrame:
+    """One line per finished Experiment 1 row: problem, gate failure, suffix differs (live vs prefill), tie-initiated."""
+    return pd.DataFrame([{
+        "problem_id": r["problem_id"],
+        "gate_failure": r.get("gate_failure"),
+        "suffix_differs": bool(r["endpoints"]["suffix_differs"]) if r.get("endpoints") else None,
+        "tie_initiated": bool(r["endpoints"].get("tie_initiated")) if r.get("endpoints") else None,
+        "boundary_exact": r["endpoints"]["boundary_exact"] if r.get("endpoints") else None,
+    } for r in rows])
+
+
+def exp1_summary(root: Path) -> pd.DataFrame:
+    """Suffix divergence of each precision on its finished rows, and of both on the rows both finished.
+
+    Returns a frame with one line per (rows, precision): rows, gate failures, boundary caches not
+    bit-exact, suffixes that differ with the Wilson 95% interval, and how many of those are tie-initiated;
+    the last line is the exact McNemar test of the paired rows (BF16 differs, FP32 same / the reverse).
+    """
+    frames = {dtype: exp1_frame(arm_rows(root, "exp1", dtype)[1]) for dtype in ("bfloat16", "float32")}
+    shared = set(frames["bfloat16"].problem_id) & set(frames["float32"].problem_id)
+    lines = []
+    for label, pick in (("all finished", lambda f: f), ("paired (both finished)", lambda f: f[f.problem_id.isin(shared)])):
+        for dtype, frame in frames.items():
+            f = pick(frame)
+            ok = f[f.gate_failure.isna()]
+            k, n = int(ok.suffix_differs.sum()), len(ok)
+            lines.append({"rows": label, "precision": dtype, "n": n, "gate_failures": int(f.gate_failure.notna().sum()),
+                          "boundary_not_exact": int((~ok.boundary_exact.astype(bool)).sum()),
+                          "suffix_differs": wilson(k, n).pct() if n else "n/a",
+                          "tie_initiated": int((ok.suffix_differs.astype(bool) & ok.tie_initiated.astype(bool)).sum())})
+    bf = frames["bfloat16"].set_index("problem_id").loc[sorted(shared)]
+    fp = frames["float32"].set_index("problem_id").loc[sorted(shared)]
+    if shared:
+        m = mcnemar_exact(bf.suffix_differs.astype(bool), fp.suffix_differs.astype(bool))
+        lines.append({"rows": "paired (both finished)", "precision": "McNemar (exact)", "n": len(shared),
+                      "suffix_differs": f"BF16 only {m.b}, FP32 only {m.c}, p = {m.pvalue:.3g}"})
+    return pd.DataFrame(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="paper")
+    ap.add_argument("--ledger-root", type=Path, default=LEDGERS)
+    args = ap.parse_args(argv)
+    root = args.ledger_root / args.profile
+    for dtype in ("bfloat16", "float32"):
+        name, rows = arm_rows(root, "exp1", dtype)
+        print(f"{name}: {len(rows)} of 200 rows finished")
+    print(exp1_summary(root).astype(object).fillna("").to_markdown(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
