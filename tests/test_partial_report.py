@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from kvreplay.report.partial import arm_rows, exp1_summary
+from kvreplay.report.partial import arm_rows, exp1_summary, main
 
 
 def _row(pid, differs, tie, gate=None):
@@ -11,16 +11,18 @@ def _row(pid, differs, tie, gate=None):
             "endpoints": {"suffix_differs": differs, "tie_initiated": tie if differs else None, "boundary_exact": False}}
 
 
-def _ledger(root, name, rows):
+def _ledger(root, name, rows, wanted=None):
     (root / name).mkdir(parents=True)
     (root / name / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ids = wanted or [r["problem_id"] for r in rows]
+    (root / name / "manifest.json").write_text(json.dumps({"config": {"problem_ids": ids}}))
 
 
 def test_paired_rows_and_counts(tmp_path):
     _ledger(tmp_path, "exp1-bfloat16-aaaa", [_row("p1", True, True), _row("p2", True, False), _row("p3", False, None),
                                              _row("p4", True, True)])
     _ledger(tmp_path, "exp1-float32-bbbb", [_row("p1", False, None), _row("p2", False, None), _row("p3", True, False)])
-    s = exp1_summary(tmp_path).set_index(["rows", "precision"])
+    s = exp1_summary({d: arm_rows(tmp_path, "exp1", d)[1] for d in ("bfloat16", "float32")}).set_index(["rows", "precision"])
     assert s.loc[("all finished", "bfloat16"), "suffix_differs"].startswith("3/4 ")
     assert s.loc[("all finished", "bfloat16"), "tie_initiated"] == 2
     assert s.loc[("paired (both finished)", "bfloat16"), "suffix_differs"].startswith("2/3 ")
@@ -31,7 +33,7 @@ def test_paired_rows_and_counts(tmp_path):
 def test_gate_failures_are_counted_not_scored(tmp_path):
     _ledger(tmp_path, "exp1-bfloat16-aaaa", [_row("p1", True, True), _row("p2", False, None, gate="replica")])
     _ledger(tmp_path, "exp1-float32-bbbb", [_row("p1", False, None)])
-    s = exp1_summary(tmp_path).set_index(["rows", "precision"])
+    s = exp1_summary({d: arm_rows(tmp_path, "exp1", d)[1] for d in ("bfloat16", "float32")}).set_index(["rows", "precision"])
     assert s.loc[("all finished", "bfloat16"), "gate_failures"] == 1
     assert s.loc[("all finished", "bfloat16"), "suffix_differs"].startswith("1/1 ")
 
@@ -43,3 +45,16 @@ def test_missing_or_ambiguous_ledger(tmp_path):
     _ledger(tmp_path, "exp1-bfloat16-cccc", [])
     with pytest.raises(ValueError, match="2 ledgers"):
         arm_rows(tmp_path, "exp1", "bfloat16")
+
+
+def test_cli_counts_finished_rows_against_the_manifest_and_skips_a_cut_off_line(tmp_path, capsys):
+    ids = ["p1", "p2", "p3", "p4", "p5"]
+    _ledger(tmp_path / "paper", "exp1-bfloat16-aaaa", [_row("p1", True, True), _row("p2", False, None)], wanted=ids)
+    _ledger(tmp_path / "paper", "exp1-float32-bbbb", [_row("p1", False, None)], wanted=ids)
+    with open(tmp_path / "paper" / "exp1-bfloat16-aaaa" / "rows.jsonl", "a") as f:
+        f.write('{"problem_id": "p3", "endpo')  # the time limit cut this row off mid-write
+    assert main(["--ledger-root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "exp1-bfloat16-aaaa: 2 of 5 rows finished" in out
+    assert "exp1-float32-bbbb: 1 of 5 rows finished" in out
+    assert "BF16 only 1, FP32 only 0" in out

@@ -102,7 +102,16 @@ class LoadedLedger:
         return self.dir / (SEALED if (self.dir / SEALED).exists() else ROWS)
 
 
-def _read_rows(folder: Path) -> list[dict]:
+def finished_rows(folder: str | Path) -> list[dict]:
+    """The rows of a ledger folder as written (``rows.jsonl`` or sealed ``rows.jsonl.gz``), finished or not.
+
+    A last line cut off mid-write (an arm stopped by a time limit) is left out: the ledger is
+    unfinished, not corrupt.
+
+    Raises:
+        json.JSONDecodeError: a line other than the last is not JSON.
+        LedgerError: the folder holds both the plain and the sealed rows file.
+    """
     lines = read_rows_text(folder).splitlines()
     out = []
     for i, line in enumerate(lines):
@@ -122,7 +131,7 @@ def ledger_progress(folder: str | Path) -> tuple[int, int]:
     folder = Path(folder)
     manifest = json.loads((folder / "manifest.json").read_text())
     ids = manifest["config"]["problem_ids"]
-    done = {r.get("problem_id") for r in _read_rows(folder)}
+    done = {r.get("problem_id") for r in finished_rows(folder)}
     return sum(i in done for i in ids), len(ids)
 
 
@@ -139,7 +148,7 @@ def read_ledger(folder: str | Path, key: str | None = None) -> LoadedLedger:
     manifest = json.loads(mpath.read_text())
     epath = folder / "environment.json"
     env = json.loads(epath.read_text()) if epath.is_file() else {}
-    by_id = {r["problem_id"]: r for r in _read_rows(folder)}
+    by_id = {r["problem_id"]: r for r in finished_rows(folder)}
     ids = manifest["config"]["problem_ids"]
     missing = [i for i in ids if i not in by_id]
     if missing:

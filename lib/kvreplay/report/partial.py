@@ -14,17 +14,17 @@ Usage: ``python -m kvreplay.report.partial [--profile paper]``.
 from __future__ import annotations
 
 import argparse
-import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
 
-from ..ledger.store import read_rows_text
+from ..ledger.lookup import finished_rows, ledger_progress
 from ..paths import LEDGERS
 from ..stats import mcnemar_exact, wilson
 
 
-def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[str, list[dict]]:
+def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[Path, list[dict]]:
     """The one ledger folder ``<experiment>-<dtype>-*`` under ``root`` and its finished rows, in ledger order.
 
     Raises:
@@ -36,8 +36,7 @@ def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[str, list[dict]]:
         raise FileNotFoundError(f"no ledger {experiment}-{dtype}-* under {root}")
     if len(folders) > 1:
         raise ValueError(f"{len(folders)} ledgers {experiment}-{dtype}-* under {root}: {[f.name for f in folders]}")
-    text = read_rows_text(folders[0])
-    return folders[0].name, [json.loads(line) for line in text.splitlines() if line]
+    return folders[0], finished_rows(folders[0])
 
 
 def exp1_frame(rows: list[dict]) -> pd.DataFrame:
@@ -51,14 +50,17 @@ def exp1_frame(rows: list[dict]) -> pd.DataFrame:
     } for r in rows])
 
 
-def exp1_summary(root: Path) -> pd.DataFrame:
+def exp1_summary(rows: Mapping[str, list[dict]]) -> pd.DataFrame:
     """Suffix divergence of each precision on its finished rows, and of both on the rows both finished.
+
+    ``rows`` maps ``"bfloat16"`` and ``"float32"`` to the finished Experiment 1 rows of that arm
+    (:func:`arm_rows`).
 
     Returns a frame with one line per (rows, precision): rows, gate failures, boundary caches not
     bit-exact, suffixes that differ with the Wilson 95% interval, and how many of those are tie-initiated;
     the last line is the exact McNemar test of the paired rows (BF16 differs, FP32 same / the reverse).
     """
-    frames = {dtype: exp1_frame(arm_rows(root, "exp1", dtype)[1]) for dtype in ("bfloat16", "float32")}
+    frames = {dtype: exp1_frame(rows[dtype]) for dtype in ("bfloat16", "float32")}
     shared = set(frames["bfloat16"].problem_id) & set(frames["float32"].problem_id)
     lines = []
     for label, pick in (("all finished", lambda f: f), ("paired (both finished)", lambda f: f[f.problem_id.isin(shared)])):
@@ -85,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ledger-root", type=Path, default=LEDGERS)
     args = ap.parse_args(argv)
     root = args.ledger_root / args.profile
+    rows = {}
     for dtype in ("bfloat16", "float32"):
-        name, rows = arm_rows(root, "exp1", dtype)
-        print(f"{name}: {len(rows)} of 200 rows finished")
-    print(exp1_summary(root).astype(object).fillna("").to_markdown(index=False))
+        folder, rows[dtype] = arm_rows(root, "exp1", dtype)
+        done, wanted = ledger_progress(folder)
+        print(f"{folder.name}: {done} of {wanted} rows finished")
+    print(exp1_summary(rows).astype(object).fillna("").to_markdown(index=False))
     return 0
 
 
