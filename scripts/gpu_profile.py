@@ -27,7 +27,10 @@ in the repository's ``data/ledgers/<profile>/`` are copied there first, so an
 arm cut off earlier resumes from its last finished row. Each arm runs in a
 child process with a time limit (what is left of ``--budget``, default 560 s,
 minus 25 s to pack); a killed arm keeps its finished rows (a cut-off last
-line is removed on resume). After each arm its ledger folder is packed,
+line is removed on resume). The child is also given that limit as
+``KV_CHUNK_DEADLINE``, so a batched arm does not start a chunk that its
+longest chunk so far says would not finish (it stops with ``"stopped"`` in
+its entry) instead of losing the chunk's rows to the kill. After each arm its ledger folder is packed,
 rows sealed (gzip), into ``OUTDIR/<ledger folder>.tar.gz``, and
 ``OUTDIR/gpu_profile.json`` records per arm: wall time, rows done of rows
 wanted, gate failures and the exit status. Nothing about outcomes is asserted.
@@ -58,6 +61,8 @@ NOTEBOOKS = {
 }
 CELL_RUNS_ARM = "run_arm("  # notebooks 03-05: the code cell that computes the arm
 PACK_S = 25.0
+CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"  # kvreplay.runner.CHUNK_DEADLINE_ENV (this process does not import torch)
+DEADLINE_MARGIN_S = 10.0  # a chunk must end this long before the child's time limit
 
 
 def notebook_parameters(notebook: str, profile: str, overrides: dict) -> dict:
@@ -194,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     ledger_root = Path(os.environ.get("KV_LEDGERS", "/tmp/kv/ledgers"))
     if args.child:
-        res = run_one(args.arms[0], args.profile, ledger_root, overrides)
+        from kvreplay.runner import ChunkDeadline
+
+        try:
+            res = run_one(args.arms[0], args.profile, ledger_root, overrides)
+        except ChunkDeadline as stop:  # finished rows are in the ledger; the parent packs it
+            res = {"stopped": str(stop)}
         (args.out / f".{args.arms[0]}.json").write_text(json.dumps(res, default=str) + "\n")
         return 0
     for arm in args.arms:
@@ -220,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         cmd = [sys.executable, __file__, str(args.out), arm, "--profile", args.profile, "--child"]
         cmd += [x for s in args.set for x in ("--set", s)]
+        env = os.environ | {CHUNK_DEADLINE_ENV: f"{time.time() + left - DEADLINE_MARGIN_S:.0f}"}
         try:
-            rc = subprocess.run(cmd, check=False, timeout=left).returncode
+            rc = subprocess.run(cmd, check=False, timeout=left, env=env).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         entry: dict = {"exit": rc, "wall_s": round(time.perf_counter() - t, 1)}

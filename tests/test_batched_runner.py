@@ -4,6 +4,7 @@ The engine's op-by-op step (``step_path="engine-eager"``) runs the batched logic
 path is checked on a GPU (``graph_equals_eager``). Asserted here:
 - batched Experiment 1 and 2 records have exactly the eager runner's layout and pass every gate;
 - a batched arm resumed after a cut (other chunk boundaries) writes byte-identical ledgers;
+- a chunk deadline stops an arm at a chunk boundary, keeping the finished chunk's rows;
 - the composition gate aborts an arm whose problems' bits depend on their companions, before any row is written;
 - the step path and batch shape join the ledger key; the defaults add nothing; refusals are clear;
 - the bridge under the engine: incremental rebuilt by teacher forcing == engine-live, bit for bit;
@@ -13,6 +14,7 @@ path is checked on a GPU (``graph_equals_eager``). Asserted here:
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ from kvreplay.experiments.live_vs_prefill import run_experiment1
 from kvreplay.gates import GateError
 from kvreplay.ledger.store import config_digest
 from kvreplay.problems import Problem
-from kvreplay.runner import ArmSettings, run_arm
+from kvreplay.runner import CHUNK_DEADLINE_ENV, ArmSettings, ChunkDeadline, run_arm
 
 
 @pytest.fixture
@@ -102,6 +104,20 @@ def test_batched_arm_resumes_to_identical_bytes_with_other_chunks(tmp_path, tiny
     again, led2 = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
     assert led2.dir == led.dir and led2.rows_path.read_bytes() == full
     assert again == first
+
+
+def test_chunk_deadline_stops_at_a_chunk_boundary_and_the_arm_resumes_to_identical_bytes(tmp_path, tiny_arm, monkeypatch):
+    problems = _problems(5)
+    settings = tiny_arm(step_path="engine-eager", batch=2)
+    _, whole = run_experiment1(problems, settings, ledger_root=tmp_path / "whole", progress=False)
+    monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time():.3f}")  # now: only the first chunk, which always starts
+    with pytest.raises(ChunkDeadline, match="p-02"):
+        run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
+    (folder,) = (tmp_path / "t").iterdir()
+    assert (folder / "rows.jsonl").read_bytes().count(b"\n") == 2  # the first chunk (always started) is in the ledger
+    monkeypatch.delenv(CHUNK_DEADLINE_ENV)
+    _, led = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
+    assert led.dir == folder and led.rows_path.read_bytes() == whole.rows_path.read_bytes()
 
 
 def test_composition_gate_aborts_on_a_companion_dependent_fault(tmp_path, tiny_arm, monkeypatch):

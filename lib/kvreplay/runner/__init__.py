@@ -16,10 +16,12 @@ The names an experiment module needs are re-exported here.
 from .loop import run_arm
 from .spec import (
     ARM_STEP_PATHS,
+    CHUNK_DEADLINE_ENV,
     GRAPH_CHECK_STEPS,
     ROW_ALGORITHM,
     ArmSettings,
     BatchedRows,
+    ChunkDeadline,
     EngineRun,
     Hook,
     RunSpec,
@@ -32,6 +34,7 @@ from .spec import (
 )
 
 __all__ = [
-    "ARM_STEP_PATHS", "GRAPH_CHECK_STEPS", "ROW_ALGORITHM", "ArmSettings", "BatchedRows", "EngineRun", "Hook", "RunSpec",
+    "ARM_STEP_PATHS", "CHUNK_DEADLINE_ENV", "GRAPH_CHECK_STEPS", "ROW_ALGORITHM", "ArmSettings", "BatchedRows",
+    "ChunkDeadline", "EngineRun", "Hook", "RunSpec",
     "arm_environment", "check_prompts", "leaves", "model_key", "problems_digest", "role_table_key", "run_arm",
 ]

@@ -13,6 +13,8 @@ experiment's row function: a change to any bit of a committed row bumps it.
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -352,6 +354,13 @@ class ArmSettings:
         return lm, resolve_format(lm.tokenizer, self.fmt)
 
 
+CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"
+
+
+class ChunkDeadline(RuntimeError):
+    """A batched arm stopped at a chunk boundary: the next chunk would have ended after ``KV_CHUNK_DEADLINE``."""
+
+
 class BatchedRows:
     """A :func:`kvreplay.ledger.run_rows` mapper that computes rows a chunk of ``B`` problems at a time.
 
@@ -378,11 +387,21 @@ class BatchedRows:
         todo: the problems to compute, in order.
         composition_id: problem ID of the composition gate, or ``None``.
 
+    Deadline: when the environment variable :data:`CHUNK_DEADLINE_ENV` holds
+    a wall-clock time (seconds since the epoch, as ``time.time()``), a chunk
+    is not started if the longest chunk computed so far by this mapper would
+    end after it; the first chunk always starts. A lent machine's time limit
+    kills a process mid-chunk and loses that chunk's rows, so stopping at a
+    chunk boundary keeps the device time for the next call. The rows already
+    yielded are in the ledger; the arm resumes from there.
+
     Raises (while iterating):
         GateError: ``composition`` or ``graph_equals_eager``.
+        ChunkDeadline: the next chunk would end after the deadline.
     """
     def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None):
         self.spec, self.chunk, self.todo = spec, chunk, list(todo)
+        self.seconds: list[float] = []  # wall time of each chunk computed, composition gate included
         self.position = {p.problem_id: i for i, p in enumerate(self.todo)}
         self.composition_id = composition_id
         self.held: dict[str, dict] = {}
@@ -394,6 +413,12 @@ class BatchedRows:
             if it.problem_id not in self.held:
                 start = self.position[it.problem_id]
                 group = [p for p in self.todo[start : start + self.spec.engine.batch] if p.problem_id not in self.held]
+                deadline = os.environ.get(CHUNK_DEADLINE_ENV)
+                if deadline and self.seconds and time.time() + max(self.seconds) > float(deadline):
+                    raise ChunkDeadline(f"not starting a chunk of {len(group)} problems at {it.problem_id}: the "
+                                        f"longest chunk so far took {max(self.seconds):.0f} s and {CHUNK_DEADLINE_ENV} "
+                                        f"is {float(deadline) - time.time():.0f} s away")
+                t0 = time.perf_counter()
                 records = self.chunk(self.spec, group)
                 self.chunks.append([p.problem_id for p in group])
                 ids = [p.problem_id for p in group]
@@ -401,6 +426,7 @@ class BatchedRows:
                     i = ids.index(self.composition_id)
                     self.check_composition(group[i], records[i], len(group))
                 self.held.update(zip(ids, records))
+                self.seconds.append(time.perf_counter() - t0)
             yield self.held.pop(it.problem_id)
 
     def check_composition(self, problem: Problem, record: dict, size: int) -> None:
@@ -412,8 +438,6 @@ class BatchedRows:
         run = self.spec.engine
         verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
         spec = dataclasses.replace(self.spec, engine=dataclasses.replace(run, verify_steps=verify), memo=self.spec.memo)
-        import time
-
         t0, verified0 = time.perf_counter(), engine.VERIFIED_STEPS[0]
         alone = self.chunk(spec, [problem])[0]
         seconds = round(time.perf_counter() - t0, 3)
