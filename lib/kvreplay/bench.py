@@ -36,6 +36,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import pandas as pd
 import torch
@@ -163,7 +164,7 @@ def _sync(lm) -> None:
 def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8, 32, 64), branch_cap: int = 48,
                  exp1_caps: tuple[tuple[int, int, int], ...] = ((48, 160, 12),), exp1_batch: int = 64,
                  exp1_rows: int | None = None, compile_: bool = True, repeats: int = 3,
-                 step_path: str = "graph") -> pd.DataFrame:
+                 step_path: str = "graph", emit: Callable[[dict], None] = lambda row: None) -> pd.DataFrame:
     """The GPU section of ``make bench``: ms per problem-step of each decode path, and batched Experiment 1 rows/hour.
 
     Boundaries: live boundaries of the first ``max(batches)`` bank problems at
@@ -178,7 +179,9 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     :func:`kvreplay.experiments.live_vs_prefill.exp1_chunk` on ``exp1_rows`` problems (default
     ``exp1_batch``) at each caps set, graph path, B = ``exp1_batch``, the first
     chunk of each caps set timed whole (two graph captures, ~0.3 s each, included). ``step_path="eager"``
-    runs the engine's op-by-op step instead (any device; a dry run of this code).
+    runs the engine's op-by-op step instead (any device; a dry run of this code). ``generate`` under
+    ``torch.compile`` is measured last, as its tracing takes minutes; ``emit`` gets each row as it is
+    measured (``main`` prints it at once, so a run cut off by a time limit keeps what it measured).
 
     Returns:
         One row per measurement: ``path``, ``B`` (problems per step), ``rows`` (physical), ``ms per problem-step``
@@ -211,6 +214,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         today.append(1e3 * t / len(s.tokens))
     out.append({"path": "decode.decode_suffix (today: eager, DynamicCache)", "B": 1, "rows": 2,
                 "ms per problem-step": round(statistics.median(today), 2)})
+    emit(out[-1])
     for B in batches:
         states = lives[: max(B, min(n, 2 * B)) if B > 1 else repeats]
         engine.decode_suffixes(lm, fmt, states[:B], caps, batch=B, step_path=step_path, max_len=max_len)  # capture
@@ -219,6 +223,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         steps = sum(len(s.tokens) for s in got)
         out.append({"path": f"engine.decode_suffixes, {label}", "B": B, "rows": 2 * B,
                     "ms per problem-step": round(1e3 * t / steps, 2), "note": f"{len(states)} problems, max_len {max_len}"})
+        emit(out[-1])
     z = lives[0].ids
     ids = torch.tensor([z, z], device=lm.device)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=lm.tokenizer.pad_token_id or 0)
@@ -235,21 +240,11 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
             out.append({"path": label, "B": 1, "rows": 2, "ms per problem-step": round(1e3 * (t_n - t_1) / tokens, 2)})
         except Exception as e:  # reported, not raised: the bench measures what works on the host
             out.append({"path": label, "B": 1, "rows": 2, "note": f"failed: {type(e).__name__}: {str(e)[:200]}"})
+        if "compile" not in label:
+            emit(out[-1])
 
     per_token("HF generate, dynamic cache")
     per_token("HF generate, static cache", cache_implementation="static")
-    if compile_:
-        forward = lm.model.forward
-        try:
-            t0 = time.perf_counter()
-            lm.model.forward = torch.compile(forward, mode="reduce-overhead")
-            per_token("HF generate, static cache + torch.compile (reduce-overhead)", cache_implementation="static")
-            out[-1]["note"] = (out[-1].get("note", "") + f" compile + runs {time.perf_counter() - t0:.0f} s").strip()
-        except Exception as e:
-            out.append({"path": "HF generate, static cache + torch.compile", "B": 1, "rows": 2,
-                        "note": f"failed: {type(e).__name__}: {str(e)[:200]}"})
-        finally:
-            lm.model.forward = forward
     for c in exp1_caps:
         rows = exp1_rows or exp1_batch
         group = bank[1 : 1 + rows]
@@ -261,6 +256,20 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         out.append({"path": f"Experiment 1 batched runner, {label}, caps {tuple(c)}", "B": exp1_batch, "rows": 2 * exp1_batch,
                     "rows per hour": round(3600 * len(group) / t, 1),
                     "note": f"{len(group)} rows in {t:.1f} s, max_len {need}, {failed} gate failures"})
+        emit(out[-1])
+    if compile_:  # last: tracing and capture take minutes, and a time limit may end the process here
+        forward = lm.model.forward
+        try:
+            t0 = time.perf_counter()
+            lm.model.forward = torch.compile(forward, mode="reduce-overhead")
+            per_token("HF generate, static cache + torch.compile (reduce-overhead)", cache_implementation="static")
+            out[-1]["note"] = (out[-1].get("note", "") + f" compile + runs {time.perf_counter() - t0:.0f} s").strip()
+        except Exception as e:
+            out.append({"path": "HF generate, static cache + torch.compile", "B": 1, "rows": 2,
+                        "note": f"failed: {type(e).__name__}: {str(e)[:200]}"})
+        finally:
+            lm.model.forward = forward
+        emit(out[-1])
     return pd.DataFrame(out)
 
 
@@ -295,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         caps_sets = tuple(tuple(c) for c in (args.exp1_caps or [(48, 160, 12), (768, 512, 64)]))
         print(engine_table(lm, fmt, tokens=args.tokens, branch_cap=args.caps[0], exp1_caps=caps_sets,
                            exp1_batch=args.exp1_batch, exp1_rows=args.exp1_rows, compile_=not args.no_compile,
-                           repeats=args.repeats).to_markdown(index=False))
+                           repeats=args.repeats, emit=lambda row: print("measured:", row, flush=True)
+                           ).to_markdown(index=False))
     return 0
 
 
