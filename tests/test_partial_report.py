@@ -58,3 +58,13 @@ def test_cli_counts_finished_rows_against_the_manifest_and_skips_a_cut_off_line(
     assert "exp1-bfloat16-aaaa: 2 of 5 rows finished" in out
     assert "exp1-float32-bbbb: 1 of 5 rows finished" in out
     assert "BF16 only 1, FP32 only 0" in out
+
+
+def test_readme_table_is_what_the_committed_paper_ledgers_give(capsys):
+    from kvreplay.paths import LEDGERS, ROOT
+
+    assert main(["--profile", "paper", "--readme"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("<!-- partial-table: paper"):].rstrip("\n")
+    assert table.count("\n") >= 4 and (LEDGERS / "paper").is_dir()
+    assert table in (ROOT / "README.md").read_text(), "README's paper table differs from the committed ledgers: regenerate it"

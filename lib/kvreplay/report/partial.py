@@ -8,7 +8,8 @@ and prints the suffix-divergence endpoint (live vs prefill) with Wilson
 intervals, the tie-initiated split and the exact McNemar test. It computes
 nothing on a model and writes nothing.
 
-Usage: ``python -m kvreplay.report.partial [--profile paper]``.
+Usage: ``python -m kvreplay.report.partial [--profile paper] [--readme]``; with ``--readme`` the
+table is printed as the README's section on the profile holds it (a test checks that it does).
 """
 
 from __future__ import annotations
@@ -81,10 +82,29 @@ def exp1_summary(rows: Mapping[str, list[dict]]) -> pd.DataFrame:
     return pd.DataFrame(lines)
 
 
+README_HEADER = ("rows", "precision", "n", "gate failures", "boundary cache not bit-exact (prefill vs live)",
+                 "suffix differs (live vs prefill)", "of which tie-initiated")
+README_MARKER = "<!-- partial-table: {profile} (python -m kvreplay.report.partial --profile {profile} --readme; do not edit) -->"
+
+
+def readme_table(summary: pd.DataFrame, profile: str) -> str:
+    """:func:`exp1_summary` as the README shows it: a marker line, then a markdown table (BF16 / FP32 spelled so)."""
+    names = {"bfloat16": "BF16", "float32": "FP32", "McNemar (exact)": "exact McNemar"}
+    lines = [README_MARKER.format(profile=profile), "", "| " + " | ".join(README_HEADER) + " |",
+             "|" + "---|" * len(README_HEADER)]
+    for r in summary.astype(object).where(summary.notna(), "").to_dict("records"):
+        cells = [r["rows"], names.get(r["precision"], r["precision"]), r["n"], r["gate_failures"],
+                 r["boundary_not_exact"], r["suffix_differs"], r["tie_initiated"]]
+        text = [str(int(c)) if isinstance(c, float) else str(c) for c in cells]  # counts, NaN-widened to float
+        lines.append("|" + "|".join(f" {c} " if c else " " for c in text) + "|")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="paper")
     ap.add_argument("--ledger-root", type=Path, default=LEDGERS)
+    ap.add_argument("--readme", action="store_true", help="print the table as the README shows it (with its marker)")
     args = ap.parse_args(argv)
     root = args.ledger_root / args.profile
     rows = {}
@@ -92,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         folder, rows[dtype] = arm_rows(root, "exp1", dtype)
         done, wanted = ledger_progress(folder)
         print(f"{folder.name}: {done} of {wanted} rows finished")
-    print(exp1_summary(rows).astype(object).fillna("").to_markdown(index=False))
+    summary = exp1_summary(rows)
+    print(readme_table(summary, args.profile) if args.readme else summary.astype(object).fillna("").to_markdown(index=False))
     return 0
 
 
