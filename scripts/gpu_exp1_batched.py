@@ -149,13 +149,13 @@ def paper(out: Path, budget: float, n_rows: int, batch: int) -> dict:
         t = time.perf_counter()
         r: dict = {"dtype": dtype, "config_engine": s.engine_key()}
         try:
-            recs, led = run_experiment1(problems, s, ledger_root=Path(f"/tmp/kv_ledgers_{os.getpid()}"), progress=False)
+            recs, ledger = run_experiment1(problems, s, ledger_root=Path(f"/tmp/kv_ledgers_{os.getpid()}"), progress=False)
             wall = time.perf_counter() - t
-            ev = runlog(led)
+            ev = runlog(ledger)
             checks = [c for e in ev if e["event"] == "gates" for c in e["checks"]]
             r.update(
-                wall_s=round(wall, 1), ledger=led.dir.name,
-                engine=json.loads((led.dir / "environment.json").read_text())["execution_contract"].get("engine"),
+                wall_s=round(wall, 1), ledger=ledger.dir.name,
+                engine=json.loads((ledger.dir / "environment.json").read_text())["execution_contract"].get("engine"),
                 preflight_gates=checks, gate_failures=[(x["problem_id"], x["gate_failure"]) for x in recs if x["gate_failure"]],
                 prefix_len=[x.get("prefix_len") for x in recs], prompt_len=[x.get("prompt_len") for x in recs],
                 suffix_len={a: [len(x["arms"][a]["suffix"]) for x in recs if "arms" in x] for a in ("live", "prefill")},
@@ -171,7 +171,7 @@ def paper(out: Path, budget: float, n_rows: int, batch: int) -> dict:
             r["rows_per_hour"] = round(3600 * len(recs) / max(wall - gate_s, 1e-9), 1)
             r["projected_200_rows_min"] = round((200 * (wall - gate_s) / len(recs) + gate_s) / 60, 1)
             if dtype == "bfloat16":
-                shutil.copy(led.rows_path, out / "exp1_bf16_rows.jsonl")
+                shutil.copy(ledger.rows_path, out / "exp1_bf16_rows.jsonl")
         except Exception as ex:
             r["error"] = f"{type(ex).__name__}: {ex}"
             r["traceback"] = traceback.format_exc()[-2000:]

@@ -157,10 +157,10 @@ def test_letter_eval_ledger_resumes_and_summarizes(tmp_path):
         calls.append(1)
         return tiny_lm("llama", torch.float32)
 
-    kw = dict(model="tiny", fmt=TINY_FORMAT, profile="t", ledger_root=tmp_path / "led", threads=1, progress=False,
+    kw = dict(model="tiny", fmt=TINY_FORMAT, profile="t", ledger_root=tmp_path / "ledger", threads=1, progress=False,
               loader=loader, base_key={"model": "tiny-llama"})
     tables = {"ckpt0": (None, None), "later": (str(later.path), later.sha256)}
-    recs, led = adapt.run_letter_eval(probs, tables, **kw)
+    recs, ledger = adapt.run_letter_eval(probs, tables, **kw)
     assert len(calls) == 1 and [r["problem_id"] for r in recs] == [p.problem_id for p in probs]
     assert set(recs[0]["checkpoints"]) == {"ckpt0", "later"} and set(recs[0]["checkpoints"]["later"]["logits"]) == set("ABCD")
     again, _ = adapt.run_letter_eval(probs, tables, **kw)

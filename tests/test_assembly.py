@@ -172,11 +172,11 @@ def _config(experiment: str, dtype: str, ids: list[str], **extra) -> dict:
 
 
 def _write(root, name, dtype, records, **extra) -> Ledger:
-    led = Ledger(root / PROFILE, f"{name}-{dtype}", _config(name, dtype, [r["problem_id"] for r in records], **extra),
+    ledger = Ledger(root / PROFILE, f"{name}-{dtype}", _config(name, dtype, [r["problem_id"] for r in records], **extra),
                  environment=ENV | {"dtype": dtype})
     for r in records:
-        led.append(r)
-    return led
+        ledger.append(r)
+    return ledger
 
 
 PREFIX = {pid: [1, 2, 3 + i, 4] for i, pid in enumerate(IDS)}
@@ -220,13 +220,13 @@ def chain(tmp_path):
 
 def test_load_profile_finds_every_ledger_in_frozen_order(chain):
     root, written = chain
-    pl = load_profile(root, PROFILE)
-    assert list(pl.ledgers) == list(LEDGER_SPECS)
-    assert pl.precisions == ["bfloat16", "float32"]
-    for k, led in pl.ledgers.items():
-        assert led.dir == written[k].dir
-        assert [r["problem_id"] for r in led.records] == led.config["problem_ids"]
-    assert pl["exp1-bfloat16"].contract["device"] == "cpu"
+    profile_ledgers = load_profile(root, PROFILE)
+    assert list(profile_ledgers.ledgers) == list(LEDGER_SPECS)
+    assert profile_ledgers.precisions == ["bfloat16", "float32"]
+    for k, ledger in profile_ledgers.ledgers.items():
+        assert ledger.dir == written[k].dir
+        assert [r["problem_id"] for r in ledger.records] == ledger.config["problem_ids"]
+    assert profile_ledgers["exp1-bfloat16"].contract["device"] == "cpu"
 
 
 @pytest.mark.parametrize("missing", ["exp1-float32", "exp2-bfloat16", "exp2-float32", "exp3-bfloat16", "exp4-bfloat16",
@@ -258,8 +258,8 @@ def test_stale_ledger_of_another_config_is_ignored_but_two_matching_are_ambiguou
     sha = written["exp2-bfloat16"].config["prefix_bank_sha256"]
     _write(root, "exp2", "bfloat16", [matrix_record(p, "incremental", PREFIX[p], 0.01) for p in IDS],
            prefix_bank_sha256="0" * 64)  # an older bank: not part of this chain
-    pl = load_profile(root, PROFILE)
-    assert pl["exp2-bfloat16"].dir == written["exp2-bfloat16"].dir
+    profile_ledgers = load_profile(root, PROFILE)
+    assert profile_ledgers["exp2-bfloat16"].dir == written["exp2-bfloat16"].dir
     _write(root, "exp2", "bfloat16", [matrix_record(p, "incremental", PREFIX[p], 0.01) for p in IDS],
            prefix_bank_sha256=sha, preflight=2)  # same bank, another config
     with pytest.raises(MissingLedgerError, match="2 finished"):
@@ -268,11 +268,11 @@ def test_stale_ledger_of_another_config_is_ignored_but_two_matching_are_ambiguou
 
 def test_precisions_must_include_bf16_and_may_skip_fp32(tmp_path):
     build_chain(tmp_path, skip=("exp1-float32", "exp2-float32"))
-    pl = load_profile(tmp_path, PROFILE, precisions=("bfloat16",))
-    assert pl.precisions == ["bfloat16"]
-    results = summarize(pl, n_resamples=200)
+    profile_ledgers = load_profile(tmp_path, PROFILE, precisions=("bfloat16",))
+    assert profile_ledgers.precisions == ["bfloat16"]
+    results = summarize(profile_ledgers, n_resamples=200)
     assert results["crossing"] is None
-    assert "table_exp2_crossing" not in results_tables(pl, results)
+    assert "table_exp2_crossing" not in results_tables(profile_ledgers, results)
     assert run_value(results, "exp2.fp32.suffix") == NOT_RUN
     with pytest.raises(ValueError, match="bfloat16"):
         load_profile(tmp_path, PROFILE, precisions=("float32",))
@@ -283,8 +283,8 @@ def test_precisions_must_include_bf16_and_may_skip_fp32(tmp_path):
 
 def test_summarize_recomputes_every_endpoint(chain):
     root, _ = chain
-    pl = load_profile(root, PROFILE)
-    R = summarize(pl, n_resamples=500)
+    profile_ledgers = load_profile(root, PROFILE)
+    R = summarize(profile_ledgers, n_resamples=500)
     assert R["exp1"]["bfloat16"]["suffix"].k == 2 and R["exp1"]["bfloat16"]["n"] == 4
     assert R["exp1"]["bfloat16"]["label"].k == 1
     assert R["exp1_cross"] == (4, 4)
@@ -302,7 +302,7 @@ def test_summarize_recomputes_every_endpoint(chain):
     assert (R["replication_accuracy"]["ckpt0"].k, R["replication_accuracy"]["later"].k) == (4, 3)
     assert "later role table of notebook 00 (step 64" in R["replication_checkpoint"]
 
-    tables = results_tables(pl, R)
+    tables = results_tables(profile_ledgers, R)
     assert set(tables) == {"table_exp1_matrix", "table_exp2_matrix", "table_exp2_crossing", "table_exp3_bridge",
                            "table_exp3_audit", "table5_exp4_transplant", "table_exp4_localization", "table_exp5_replication",
                            "table_exp5_accuracy", "table_first_divergence"}
@@ -327,9 +327,9 @@ def test_gate_failure_withholds_endpoints(chain):
     recs = [json.loads(x) for x in rows.read_text().splitlines()]
     recs[1] = {"problem_id": recs[1]["problem_id"], "gate_failure": {"gate": "desync", "reason": "planted"}, "prefix": recs[1]["prefix"]}
     rows.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    pl = load_profile(root, PROFILE)
+    profile_ledgers = load_profile(root, PROFILE)
     with pytest.raises(GateError, match="desync"):
-        summarize(pl, n_resamples=100)
+        summarize(profile_ledgers, n_resamples=100)
 
 
 def test_same_as_saved_compares_csv_bytes(tmp_path):
@@ -342,14 +342,14 @@ def test_same_as_saved_compares_csv_bytes(tmp_path):
 
 def test_paper_tables_from_data_and_code(chain):
     root, _ = chain
-    pl = load_profile(root, PROFILE)
+    profile_ledgers = load_profile(root, PROFILE)
     ref = load_reference()
     t1 = related_work_table()
     assert len(t1) >= 5 and {"studies", "overlap", "separation"} <= set(t1.columns)
     t2 = visibility_frame()
     assert list(t2["raw role"]) == sorted(VISIBILITY)
     assert "branch" not in t2.loc["answer", "may attend to"]  # the answer never sees branch tokens
-    t3 = contract_table(pl, ref)
+    t3 = contract_table(profile_ledgers, ref)
     assert list(t3.columns) == ["paper", *LEDGER_SPECS]
     assert t3.loc["boundary cache tensor", "exp1-bfloat16"].startswith("[2, 1, |z|, 4]")
     assert t3.loc["caps branch / merge / answer", "paper"] == "768 / 512 / 64"
@@ -358,13 +358,13 @@ def test_paper_tables_from_data_and_code(chain):
 
 def test_vs_paper_and_artifact_map_cover_every_reference_endpoint(chain):
     root, _ = chain
-    pl = load_profile(root, PROFILE)
+    profile_ledgers = load_profile(root, PROFILE)
     ref = load_reference()
-    R = summarize(pl, n_resamples=200)
+    R = summarize(profile_ledgers, n_resamples=200)
     ids = [e["id"] for e in ref["endpoints"]]
     assert len(ids) == len(set(ids))
     assert set(ids) == set(RUN_VALUES), set(ids) ^ set(RUN_VALUES)
-    vs = vs_paper_table(pl, R, ref)
+    vs = vs_paper_table(profile_ledgers, R, ref)
     assert list(vs.index) == ids
     assert all(vs.loc[i, "this run"] != NOT_RUN for i in ids)
     assert vs.loc["exp5.interpretation", "this run"].startswith("divergence-underpowered (thresholds ≥ 12 divergent")
@@ -373,14 +373,14 @@ def test_vs_paper_and_artifact_map_cover_every_reference_endpoint(chain):
     assert vs.loc["exp2.reduction.suffix", "this run"].startswith("50.0")  # reduction reported as positive, as the paper does
     assert "caps (8/8/4 vs 768/512/64)" in vs.loc["exp1.bf16.suffix", "what differs"]
     assert "4 MMLU vs 200 GPQA Main rows" in vs.loc["exp1.bf16.suffix", "what differs"]
-    amap = artifact_map(pl, ref, "notebooks/06_tables.ipynb", "notebooks/07_figures.ipynb")
+    amap = artifact_map(profile_ledgers, ref, "notebooks/06_tables.ipynb", "notebooks/07_figures.ipynb")
     assert set(ids) <= set(amap.index)
-    assert amap.loc["exp1.bf16.suffix", "ledger files"] == f"{PROFILE}/{pl['exp1-bfloat16'].dir.name}/rows.jsonl"
+    assert amap.loc["exp1.bf16.suffix", "ledger files"] == f"{PROFILE}/{profile_ledgers['exp1-bfloat16'].dir.name}/rows.jsonl"
     assert amap.loc["near_tie", "reproduced by"] == "notebooks/07_figures.ipynb"
     assert amap.loc["exp4.joint_recovery", "ledger written by"] == "notebooks/04_experiment4_cache_transplant.ipynb"
     assert amap.loc["exp5.accuracy", "ledger written by"] == (
         "notebooks/02_experiment2_fixed_prefix_precision.ipynb; notebooks/05_experiment5_replication.ipynb")
-    setup = setup_table(pl, ref)
+    setup = setup_table(profile_ledgers, ref)
     assert setup.loc["rows, Exp 5", "this run"] == "4"
 
 
@@ -408,10 +408,10 @@ def test_divergence_margins_label_steps_and_drop_after_divergence(chain):
 
 def test_first_divergence_frame_and_transplant_outcomes(chain):
     root, _ = chain
-    pl = load_profile(root, PROFILE)
-    fd = first_divergence_frame({"a": pl.records("exp1-bfloat16"), "b": pl.records("exp2-float32")})
+    profile_ledgers = load_profile(root, PROFILE)
+    fd = first_divergence_frame({"a": profile_ledgers.records("exp1-bfloat16"), "b": profile_ledgers.records("exp2-float32")})
     assert list(fd.group) == ["a", "a"] and set(fd.first_divergence) == {3}
-    out = transplant_outcomes(pl.records("exp4-bfloat16"))
+    out = transplant_outcomes(profile_ledgers.records("exp4-bfloat16"))
     whole = out[(out.intervention == "whole") & (out.stratum == "divergent")]
     assert set(whole.outcome) == {"donor"} and whole.rows.sum() == 4  # 2 rows x 2 directions
     assert out[(out.stratum == "exact")].outcome.unique().tolist() == ["baseline"]
@@ -454,11 +454,11 @@ def test_drift_maps_per_head_and_position():
 
 
 def test_fingerprint_matches_after_json_round_trip():
-    led = {"cache": {"exact": False, "rel_l2": 0.1}, "logits": {"topk_ref": [1, 2]}}
+    ledger = {"cache": {"exact": False, "rel_l2": 0.1}, "logits": {"topk_ref": [1, 2]}}
     rebuilt = {"cache": {"exact": False, "rel_l2": 0.1}, "logits": {"topk_ref": (1, 2)}, "tensors": []}
-    assert fingerprint_matches(led, rebuilt) == {"cache": True, "logits": True}
+    assert fingerprint_matches(ledger, rebuilt) == {"cache": True, "logits": True}
     rebuilt["cache"]["rel_l2"] = 0.1000001
-    assert fingerprint_matches(led, rebuilt)["cache"] is False
+    assert fingerprint_matches(ledger, rebuilt)["cache"] is False
 
 
 class _Tok:
@@ -483,12 +483,12 @@ def test_suffix_alignment_and_topk_frame():
 
 def test_model_for_ledger(chain):
     root, _ = chain
-    led = load_profile(root, PROFILE)["exp1-bfloat16"]
-    assert model_for_ledger(led) == "embedded"
-    assert model_for_ledger(led, "/x/y.gguf") == "/x/y.gguf"
-    led.manifest["config"]["model"] = {"model": "mine", "files": {"config.json": "0"}}
+    ledger = load_profile(root, PROFILE)["exp1-bfloat16"]
+    assert model_for_ledger(ledger) == "embedded"
+    assert model_for_ledger(ledger, "/x/y.gguf") == "/x/y.gguf"
+    ledger.manifest["config"]["model"] = {"model": "mine", "files": {"config.json": "0"}}
     with pytest.raises(ValueError, match="pass its path"):
-        model_for_ledger(led)
+        model_for_ledger(ledger)
 
 
 def test_artifact_map_names_functions_that_exist(tmp_path):

@@ -56,13 +56,13 @@ def prefixes(arm, tmp_path_factory):
 
 def _both(name, arm, tmp_path, row, chunk, problems=PROBLEMS, **kw):
     eager, _ = run_arm(name, arm(**kw), problems, row, ledger_root=tmp_path, progress=False)
-    batched, led = run_arm(name, arm(**(kw | BATCHED)), problems, row, ledger_root=tmp_path, progress=False, chunk=chunk)
+    batched, ledger = run_arm(name, arm(**(kw | BATCHED)), problems, row, ledger_root=tmp_path, progress=False, chunk=chunk)
     assert [r["problem_id"] for r in batched] == [p.problem_id for p in problems]
     failed = [(r["problem_id"], r["gate_failure"]) for r in eager + batched if r["gate_failure"]]
     assert not failed
     for a, b in zip(eager, batched):
         assert key_paths(a) == key_paths(b)
-    assert "composition" in led.rows_path.with_name("runlog.jsonl").read_text()  # the preflight row ran alone too
+    assert "composition" in ledger.rows_path.with_name("runlog.jsonl").read_text()  # the preflight row ran alone too
     return eager, batched
 
 
@@ -98,12 +98,12 @@ def test_replication_runner_scores_both_baselines(arm, prefixes, tmp_path):
 
 def test_controls_runner_reads_out_in_fp32_on_the_plain_caches(arm, prefixes, tmp_path):
     eager, _ = run_controls(PROBLEMS, prefixes, "bank", arm(), ledger_root=tmp_path, progress=False)
-    batched, led = run_controls(PROBLEMS, prefixes, "bank", arm(**BATCHED), ledger_root=tmp_path, progress=False)
+    batched, ledger = run_controls(PROBLEMS, prefixes, "bank", arm(**BATCHED), ledger_root=tmp_path, progress=False)
     assert not [r for r in eager + batched if r["gate_failure"]]  # gate `readout`: same caches with the FP32 head
     for a, b in zip(eager, batched):
         assert key_paths(a) == key_paths(b)
     assert controls_summary(batched)["n"] == len(PROBLEMS)
-    assert "composition" in (led.dir / "runlog.jsonl").read_text()
+    assert "composition" in (ledger.dir / "runlog.jsonl").read_text()
     # the engine's readout: float32 logits from the body's bfloat16 hidden state, the same keys/values
     lm, fmt = arm().load()
     z = [prefixes[p.problem_id] for p in PROBLEMS[:3]]

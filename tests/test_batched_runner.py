@@ -64,10 +64,10 @@ def _problems(n: int) -> list[Problem]:
 
 def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tiny_arm):
     problems = _problems(5)
-    eager, led_e = run_experiment1(problems, tiny_arm(), ledger_root=tmp_path, progress=False)
-    batched, led_b = run_experiment1(problems, tiny_arm(step_path="engine-eager", batch=2), ledger_root=tmp_path,
+    eager, ledger_e = run_experiment1(problems, tiny_arm(), ledger_root=tmp_path, progress=False)
+    batched, ledger_b = run_experiment1(problems, tiny_arm(step_path="engine-eager", batch=2), ledger_root=tmp_path,
                                      progress=False)
-    assert led_b.dir != led_e.dir  # another decode path, another key
+    assert ledger_b.dir != ledger_e.dir  # another decode path, another key
     assert [r["problem_id"] for r in batched] == [p.problem_id for p in problems]
     assert all(r["gate_failure"] is None for r in eager + batched)
     for a, b in zip(eager, batched):
@@ -76,13 +76,13 @@ def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tin
         assert b["boundary"]["live_replica"]["cache"]["exact"] and b["boundary"]["prefill_replica"]["cache"]["exact"]
         assert b["arms"]["live"]["suffix"] == b["arms"]["live_replica"]["suffix"]
         assert b["schedule_calls"] == len(b["prefix"]) - b["prompt_len"] + 1
-    env = json.loads((led_b.dir / "environment.json").read_text())["execution_contract"]
+    env = json.loads((ledger_b.dir / "environment.json").read_text())["execution_contract"]
     assert env["engine"]["step_path"] == "engine-eager" and env["engine"]["batch"] == 2
     fmt = resolve_format(make_tokenizer(), TINY_FORMAT)
     bound = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), TINY_CAPS) for p in problems)
     assert env["engine"]["max_len"] == bound  # the arm's one batch shape: its longest possible sequence
-    assert "engine" not in json.loads((led_e.dir / "environment.json").read_text())["execution_contract"]
-    events = [json.loads(x) for x in (led_b.dir / "runlog.jsonl").read_text().splitlines()]
+    assert "engine" not in json.loads((ledger_e.dir / "environment.json").read_text())["execution_contract"]
+    events = [json.loads(x) for x in (ledger_b.dir / "runlog.jsonl").read_text().splitlines()]
     assert any(e["event"] == "engine" and e["batch"] == 2 and e["step_path"] == "eager" for e in events)
     # Experiment 2 on the batched runner: fixed prefixes, incremental rebuilt through the engine
     prefixes = {r["problem_id"]: r["prefix"] for r in eager}
@@ -97,12 +97,12 @@ def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tin
 def test_batched_arm_resumes_to_identical_bytes_with_other_chunks(tmp_path, tiny_arm):
     problems = _problems(5)
     settings = tiny_arm(step_path="engine-eager", batch=2)
-    first, led = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
-    full = led.rows_path.read_bytes()
+    first, ledger = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
+    full = ledger.rows_path.read_bytes()
     lines = full.splitlines(keepends=True)
-    led.rows_path.write_bytes(b"".join(lines[:3]) + lines[3][:25])  # a cut mid-write: chunks now {3, 4}, not {2, 3}, {4}
-    again, led2 = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
-    assert led2.dir == led.dir and led2.rows_path.read_bytes() == full
+    ledger.rows_path.write_bytes(b"".join(lines[:3]) + lines[3][:25])  # a cut mid-write: chunks now {3, 4}, not {2, 3}, {4}
+    again, ledger2 = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
+    assert ledger2.dir == ledger.dir and ledger2.rows_path.read_bytes() == full
     assert again == first
 
 
@@ -116,8 +116,8 @@ def test_chunk_deadline_stops_at_a_chunk_boundary_and_the_arm_resumes_to_identic
     (folder,) = (tmp_path / "t").iterdir()
     assert (folder / "rows.jsonl").read_bytes().count(b"\n") == 2  # the first chunk (always started) is in the ledger
     monkeypatch.delenv(CHUNK_DEADLINE_ENV)
-    _, led = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
-    assert led.dir == folder and led.rows_path.read_bytes() == whole.rows_path.read_bytes()
+    _, ledger = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
+    assert ledger.dir == folder and ledger.rows_path.read_bytes() == whole.rows_path.read_bytes()
 
 
 def test_composition_gate_aborts_on_a_companion_dependent_fault(tmp_path, tiny_arm, monkeypatch):
@@ -226,16 +226,16 @@ def test_verify_recomputes_a_batched_row_alone_at_the_arm_batch_shape(tmp_path, 
     from kvreplay.verify import verify_ledger
 
     problems = _problems(4)
-    _, led = run_experiment1(problems, tiny_arm(step_path="engine-eager", batch=3), ledger_root=tmp_path, progress=False)
+    _, ledger = run_experiment1(problems, tiny_arm(step_path="engine-eager", batch=3), ledger_root=tmp_path, progress=False)
     model = str(tmp_path / "tiny-llama")
-    checks = verify_ledger(led.dir, rows=4, pick="first", problems=problems, model=model)
+    checks = verify_ledger(ledger.dir, rows=4, pick="first", problems=problems, model=model)
     assert [(c.problem_id, c.mode, c.ok) for c in checks] == [(p.problem_id, "bytes", True) for p in problems]
     # a planted change in a committed row (its last suffix token) is found, with where it parts
-    lines = (led.dir / ROWS).read_text().splitlines()
+    lines = (ledger.dir / ROWS).read_text().splitlines()
     rec = json.loads(lines[2])
     rec["arms"]["prefill"]["suffix"][-1] += 1
     lines[2] = json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    (led.dir / ROWS).write_text("\n".join(lines) + "\n")
-    bad = [c for c in verify_ledger(led.dir, rows=4, pick="first", problems=problems, model=model) if not c.ok]
+    (ledger.dir / ROWS).write_text("\n".join(lines) + "\n")
+    bad = [c for c in verify_ledger(ledger.dir, rows=4, pick="first", problems=problems, model=model) if not c.ok]
     assert [c.problem_id for c in bad] == [problems[2].problem_id]
     assert bad[0].parted.startswith("arms.prefill.suffix[")

@@ -34,28 +34,28 @@ def test_killed_run_resumes_to_byte_identical_ledger(tmp_path):
 
 
 def test_append_only_and_keyed(tmp_path):
-    led = Ledger(tmp_path, "x", {"a": 1})
-    led.append({"problem_id": "p1", "v": 1.5})
+    ledger = Ledger(tmp_path, "x", {"a": 1})
+    ledger.append({"problem_id": "p1", "v": 1.5})
     with pytest.raises(LedgerError, match="already recorded"):
-        led.append({"problem_id": "p1", "v": 2})
-    assert led.records() == [{"problem_id": "p1", "v": 1.5}]
-    assert led.complete(["p1"]) and not led.complete(["p1", "p2"])
+        ledger.append({"problem_id": "p1", "v": 2})
+    assert ledger.records() == [{"problem_id": "p1", "v": 1.5}]
+    assert ledger.complete(["p1"]) and not ledger.complete(["p1", "p2"])
     other = Ledger(tmp_path, "x", {"a": 2})
-    assert other.dir != led.dir  # another config, another folder
+    assert other.dir != ledger.dir  # another config, another folder
 
 
 def test_manifest_mismatch_is_refused(tmp_path):
-    led = Ledger(tmp_path, "x", {"a": 1})
-    manifest = json.loads((led.dir / "manifest.json").read_text())
+    ledger = Ledger(tmp_path, "x", {"a": 1})
+    manifest = json.loads((ledger.dir / "manifest.json").read_text())
     manifest["config_digest"] = "0" * 64
-    (led.dir / "manifest.json").write_text(json.dumps(manifest))
+    (ledger.dir / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(LedgerError, match="belongs to config"):
         Ledger(tmp_path, "x", {"a": 1})
 
 
 def test_other_environment_warns_but_reuses_and_is_not_stale(tmp_path):
-    led = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=3)
-    led.append({"problem_id": "p"})
+    ledger = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=3)
+    ledger.append({"problem_id": "p"})
     with pytest.warns(UserWarning, match="computed in another environment .torch differ"):
         again = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "2"}, row_algorithm=3)
     assert again.records() == [{"problem_id": "p"}]
@@ -82,8 +82,8 @@ def test_canonical_json_is_stable():
 def test_stale_incomplete_ledger_refuses_to_resume(tmp_path, monkeypatch):
     from kvreplay.ledger.store import run_rows
 
-    led = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=1)
-    run_rows(led, ["p1"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False)
+    ledger = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=1)
+    run_rows(ledger, ["p1"], lambda k: {"problem_id": k}, key=lambda k: k, progress=False)
     with pytest.warns(UserWarning, match="stale"):
         stale = Ledger(tmp_path, "x", {"a": 1}, environment={"torch": "1"}, row_algorithm=2)
     with pytest.raises(LedgerError, match="another row-algorithm version; refusing"):
@@ -101,16 +101,16 @@ def test_parquet_export_is_columnar_and_deterministic(tmp_path):
     import pandas as pd
     from kvreplay.ledger.store import export_parquet
 
-    led = Ledger(tmp_path, "x", {"a": 1})
+    ledger = Ledger(tmp_path, "x", {"a": 1})
     for i in range(3):
-        led.append({"problem_id": f"p{i}", "prefix": [1, 2, 3], "endpoints": {"suffix_differs": i == 1},
+        ledger.append({"problem_id": f"p{i}", "prefix": [1, 2, 3], "endpoints": {"suffix_differs": i == 1},
                     "boundary": {"prefill_vs_live": {"cache": {"rel_l2": 0.1 * i},
                                  "tensors": [{"tensor": "L00.key", "rel_l2": 0.2, "ref_geometry": {"shape": [2]}}]}}})
-    first = [p.read_bytes() for p in export_parquet(led.dir)]
-    assert first == [p.read_bytes() for p in export_parquet(led.dir)]
-    rows = pd.read_parquet(led.dir / "rows.parquet")
+    first = [p.read_bytes() for p in export_parquet(ledger.dir)]
+    assert first == [p.read_bytes() for p in export_parquet(ledger.dir)]
+    rows = pd.read_parquet(ledger.dir / "rows.parquet")
     assert list(rows["endpoints.suffix_differs"]) == [False, True, False] and "prefix" not in rows
-    tensors = pd.read_parquet(led.dir / "tensors.parquet")
+    tensors = pd.read_parquet(ledger.dir / "tensors.parquet")
     assert tensors.shape == (3, 4) and set(tensors["comparison"]) == {"prefill_vs_live"}
 
 
@@ -120,40 +120,40 @@ def test_a_sealed_ledger_reads_the_same_and_takes_more_rows(tmp_path):
     from kvreplay.ledger.store import read_rows_text, seal, unseal
 
     config = {"a": 1, "problem_ids": ["p0", "p1", "p2"]}
-    led = Ledger(tmp_path, "exp1-bfloat16", config)
+    ledger = Ledger(tmp_path, "exp1-bfloat16", config)
     for i in range(3):
-        led.append({"problem_id": f"p{i}", "v": [i, 0.5]})
-    plain = (led.dir / "rows.jsonl").read_bytes()
-    first = seal(led.dir)
-    assert first.name == "rows.jsonl.gz" and not (led.dir / "rows.jsonl").exists()
+        ledger.append({"problem_id": f"p{i}", "v": [i, 0.5]})
+    plain = (ledger.dir / "rows.jsonl").read_bytes()
+    first = seal(ledger.dir)
+    assert first.name == "rows.jsonl.gz" and not (ledger.dir / "rows.jsonl").exists()
     sealed_bytes = first.read_bytes()
-    assert len(sealed_bytes) < len(plain) and read_rows_text(led.dir).encode() == plain
-    assert seal(led.dir).read_bytes() == sealed_bytes  # sealing a sealed ledger changes nothing
-    unseal(led.dir)
-    assert (led.dir / "rows.jsonl").read_bytes() == plain
-    assert seal(led.dir).read_bytes() == sealed_bytes  # deterministic: no time stamp in the header
+    assert len(sealed_bytes) < len(plain) and read_rows_text(ledger.dir).encode() == plain
+    assert seal(ledger.dir).read_bytes() == sealed_bytes  # sealing a sealed ledger changes nothing
+    unseal(ledger.dir)
+    assert (ledger.dir / "rows.jsonl").read_bytes() == plain
+    assert seal(ledger.dir).read_bytes() == sealed_bytes  # deterministic: no time stamp in the header
 
     again = Ledger(tmp_path, "exp1-bfloat16", config)
     assert again.records() == [json.loads(x) for x in plain.decode().splitlines()] and again.complete(["p0", "p2"])
-    assert read_ledger(led.dir).records == again.records()
-    assert (led.dir / "rows.jsonl.gz").exists()  # reading did not unseal it
+    assert read_ledger(ledger.dir).records == again.records()
+    assert (ledger.dir / "rows.jsonl.gz").exists()  # reading did not unseal it
     again.append({"problem_id": "p3", "v": [3, 0.5]})  # resuming a sealed ledger
-    assert not (led.dir / "rows.jsonl.gz").exists()
-    assert (led.dir / "rows.jsonl").read_bytes() == plain + (canonical_json({"problem_id": "p3", "v": [3, 0.5]}) + "\n").encode()
+    assert not (ledger.dir / "rows.jsonl.gz").exists()
+    assert (ledger.dir / "rows.jsonl").read_bytes() == plain + (canonical_json({"problem_id": "p3", "v": [3, 0.5]}) + "\n").encode()
 
-    (led.dir / "rows.jsonl.gz").write_bytes(sealed_bytes)  # both forms at once is refused, not guessed
+    (ledger.dir / "rows.jsonl.gz").write_bytes(sealed_bytes)  # both forms at once is refused, not guessed
     with pytest.raises(LedgerError, match="both"):
-        read_rows_text(led.dir)
-    (led.dir / "rows.jsonl.gz").unlink()
-    (led.dir / "rows.jsonl").write_bytes(plain[:-3])  # a cut-off last line is never sealed
+        read_rows_text(ledger.dir)
+    (ledger.dir / "rows.jsonl.gz").unlink()
+    (ledger.dir / "rows.jsonl").write_bytes(plain[:-3])  # a cut-off last line is never sealed
     with pytest.raises(LedgerError, match="cut-off"):
-        seal(led.dir)
+        seal(ledger.dir)
 
 
 def test_seal_command(tmp_path):
-    led = Ledger(tmp_path, "x", {"a": 1})
-    led.append({"problem_id": "p0"})
+    ledger = Ledger(tmp_path, "x", {"a": 1})
+    ledger.append({"problem_id": "p0"})
     run = lambda *a: subprocess.run([sys.executable, "-m", "kvreplay.ledger", *a], capture_output=True, text=True)  # noqa: E731
-    out = run("seal", str(led.dir), str(tmp_path))
-    assert out.returncode == 2 and "not a ledger folder" in out.stderr and (led.dir / "rows.jsonl.gz").exists()
-    assert run("unseal", str(led.dir)).returncode == 0 and (led.dir / "rows.jsonl").exists()
+    out = run("seal", str(ledger.dir), str(tmp_path))
+    assert out.returncode == 2 and "not a ledger folder" in out.stderr and (ledger.dir / "rows.jsonl.gz").exists()
+    assert run("unseal", str(ledger.dir)).returncode == 0 and (ledger.dir / "rows.jsonl").exists()

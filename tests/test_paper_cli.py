@@ -71,16 +71,16 @@ def test_chain_order_and_checkpoint_files_enter_the_stamp(tmp_path):
     from kvreplay import adapt, paper
 
     assert [n[:2] for n in paper.CHAIN] == [f"{i:02d}" for i in range(9)]
-    led = tmp_path / "ledgers"
-    (led / "p").mkdir(parents=True)
+    ledger = tmp_path / "ledgers"
+    (ledger / "p").mkdir(parents=True)
     folder = tmp_path / "ck"
     folder.mkdir()
     (folder / "manifest.json").write_text("{}")
     table = folder / "role_table_step0001.pt"
     table.write_bytes(b"a")
-    adapt.write_pointer(led / "p" / adapt.POINTER, folder, {"config_digest": "x", "checkpoints": {},
+    adapt.write_pointer(ledger / "p" / adapt.POINTER, folder, {"config_digest": "x", "checkpoints": {},
                                                              "base_model": {"key": {}, "model": "m"}})
-    digest = lambda: paper.inputs_digest("05_experiment5_replication.ipynb", "p", {"ledger_root": str(led)})  # noqa: E731
+    digest = lambda: paper.inputs_digest("05_experiment5_replication.ipynb", "p", {"ledger_root": str(ledger)})  # noqa: E731
     d1 = digest()
     table.write_bytes(b"b")  # the role table changed outside the ledgers: notebook 05 must rerun
     d2 = digest()

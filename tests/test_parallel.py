@@ -60,20 +60,20 @@ def _events(ledger) -> list[dict]:
 
 def test_actors_give_the_sequential_ledger_bytes_and_resume(tmp_path, tiny_arm, cluster):
     problems = tiny_problems(5)
-    seq, led_seq = run_experiment1(problems, tiny_arm(), ledger_root=tmp_path / "seq", progress=False)
-    par, led_par = run_experiment1(problems, tiny_arm(workers=2), ledger_root=tmp_path / "par", progress=False)
-    assert led_seq.dir.name == led_par.dir.name  # workers are not part of the scientific key
-    assert led_par.rows_path.read_bytes() == led_seq.rows_path.read_bytes()
+    seq, ledger_seq = run_experiment1(problems, tiny_arm(), ledger_root=tmp_path / "seq", progress=False)
+    par, ledger_par = run_experiment1(problems, tiny_arm(workers=2), ledger_root=tmp_path / "par", progress=False)
+    assert ledger_seq.dir.name == ledger_par.dir.name  # workers are not part of the scientific key
+    assert ledger_par.rows_path.read_bytes() == ledger_seq.rows_path.read_bytes()
     assert par == seq
     # the contract was applied in the actors as in this process: the recorded flags agree
-    assert (led_par.dir / "environment.json").read_bytes() == (led_seq.dir / "environment.json").read_bytes()
-    (start,) = [e for e in _events(led_par) if e["event"] == "workers"]
+    assert (ledger_par.dir / "environment.json").read_bytes() == (ledger_seq.dir / "environment.json").read_bytes()
+    (start,) = [e for e in _events(ledger_par) if e["event"] == "workers"]
     assert start["workers"] == 2 and start["devices"] == ["cpu", "cpu"] and start["ray"] == cluster["address"]
     # resume: keep two finished rows (and half of a third, as a crash mid-write leaves it), finish on actors
-    lines = led_par.rows_path.read_bytes().splitlines(keepends=True)
-    led_par.rows_path.write_bytes(b"".join(lines[:2]) + lines[2][:17])
+    lines = ledger_par.rows_path.read_bytes().splitlines(keepends=True)
+    ledger_par.rows_path.write_bytes(b"".join(lines[:2]) + lines[2][:17])
     again, _ = run_experiment1(problems, tiny_arm(workers=2), ledger_root=tmp_path / "par", progress=False)
-    assert led_par.rows_path.read_bytes() == led_seq.rows_path.read_bytes()
+    assert ledger_par.rows_path.read_bytes() == ledger_seq.rows_path.read_bytes()
     assert again == seq
 
 
@@ -81,12 +81,12 @@ def test_batched_actors_give_the_sequential_batched_ledger_bytes(tmp_path, tiny_
     """Each actor computes whole chunks of the engine; the composition gate runs in the actor holding the first chunk."""
     problems = tiny_problems(5)
     arm = dict(step_path="engine-eager", batch=2)
-    seq, led_seq = run_experiment1(problems, tiny_arm(**arm), ledger_root=tmp_path / "seq", progress=False)
-    par, led_par = run_experiment1(problems, tiny_arm(**arm, workers=2), ledger_root=tmp_path / "par", progress=False)
-    assert led_seq.dir.name == led_par.dir.name
-    assert led_par.rows_path.read_bytes() == led_seq.rows_path.read_bytes() and par == seq
-    assert (led_par.dir / "environment.json").read_bytes() == (led_seq.dir / "environment.json").read_bytes()
-    (gates,) = [e["checks"] for e in _events(led_par) if e["event"] == "gates"]
+    seq, ledger_seq = run_experiment1(problems, tiny_arm(**arm), ledger_root=tmp_path / "seq", progress=False)
+    par, ledger_par = run_experiment1(problems, tiny_arm(**arm, workers=2), ledger_root=tmp_path / "par", progress=False)
+    assert ledger_seq.dir.name == ledger_par.dir.name
+    assert ledger_par.rows_path.read_bytes() == ledger_seq.rows_path.read_bytes() and par == seq
+    assert (ledger_par.dir / "environment.json").read_bytes() == (ledger_seq.dir / "environment.json").read_bytes()
+    (gates,) = [e["checks"] for e in _events(ledger_par) if e["event"] == "gates"]
     assert [(c["gate"], c["problem_id"], c["chunk"]) for c in gates] == [("composition", "tiny-00", 2)]
 
 
@@ -107,7 +107,7 @@ def test_actors_stop_at_a_failing_preflight_row(tmp_path, tiny_arm, cluster):
 def test_a_killed_actor_loses_no_finished_row(tmp_path, tiny_arm, cluster):
     """Actor 1 is killed for good (its rows go to actor 0); actor 0 is killed mid-run, restarted by Ray, its row retried."""
     problems = tiny_problems(6)
-    _, led_seq = run_experiment1(problems, tiny_arm(), ledger_root=tmp_path / "seq", progress=False)
+    _, ledger_seq = run_experiment1(problems, tiny_arm(), ledger_root=tmp_path / "seq", progress=False)
     settings = tiny_arm(workers=2)
     with RowActors(settings, exp1_row, equivalence_ids=frozenset({"tiny-00"})) as pool:
         environment, run = pool.prepare(problems)
@@ -125,8 +125,8 @@ def test_a_killed_actor_loses_no_finished_row(tmp_path, tiny_arm, cluster):
 
         run_rows(ledger, problems, None, key=lambda p: p.problem_id, mapper=killing, preflight=0, progress=False)
         assert ray.get(pool.actors[0].ready.remote())["pid"] != first_pid  # Ray restarted it (the model reloaded)
-    assert ledger.dir.name == led_seq.dir.name
-    assert ledger.rows_path.read_bytes() == led_seq.rows_path.read_bytes()
+    assert ledger.dir.name == ledger_seq.dir.name
+    assert ledger.rows_path.read_bytes() == ledger_seq.rows_path.read_bytes()
     assert [(e["event"], e["actor"]) for e in pool.events] == [("actor_lost", 1)]
 
 

@@ -171,7 +171,7 @@ def _tiny_family(tmp_path):
 
     folder, manifest = adapt.ensure_checkpoints(cfg, tmp_path / "ck", bank=[], problems=tiny_problems(3), progress=False,
                                                 loader=lambda: tiny_lm("llama", torch.float32), base_key=model_key("embedded"))
-    pointer = tmp_path / "led" / adapt.POINTER
+    pointer = tmp_path / "ledger" / adapt.POINTER
     adapt.write_pointer(pointer, folder, manifest)
     return folder, pointer
 

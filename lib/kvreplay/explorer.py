@@ -43,14 +43,14 @@ _TOKENIZERS: dict = {}
 _PAIRS: dict = {}
 
 
-def _model_key(led: LoadedLedger, model: str | None) -> tuple:
-    c = led.config
+def _model_key(ledger: LoadedLedger, model: str | None) -> tuple:
+    c = ledger.config
     role = (c.get("role_table") or {}).get("sha256")
-    return (model_for_ledger(led, model), c["dtype"], role, c["threads"], tuple(c["sdpa_backends"]),
-            led.contract.get("format_digest"))
+    return (model_for_ledger(ledger, model), c["dtype"], role, c["threads"], tuple(c["sdpa_backends"]),
+            ledger.contract.get("format_digest"))
 
 
-def model_for(led: LoadedLedger, model: str | None = None):
+def model_for(ledger: LoadedLedger, model: str | None = None):
     """The ledger's model and block format, loaded once per kernel (:func:`kvreplay.rebuild.load_for_ledger`).
 
     Returns:
@@ -59,18 +59,18 @@ def model_for(led: LoadedLedger, model: str | None = None):
     Raises:
         as :func:`kvreplay.rebuild.load_for_ledger`.
     """
-    key = _model_key(led, model)
+    key = _model_key(ledger, model)
     if key not in _MODELS:
-        _MODELS[key] = load_for_ledger(led, model)
+        _MODELS[key] = load_for_ledger(ledger, model)
     return _MODELS[key]
 
 
-def tokenizer_for(led: LoadedLedger, model: str | None = None):
+def tokenizer_for(ledger: LoadedLedger, model: str | None = None):
     """The ledger's tokenizer alone (no weights), loaded once per kernel; the loaded model's if there is one."""
-    key = _model_key(led, model)
+    key = _model_key(ledger, model)
     if key in _MODELS:
         return _MODELS[key][0].tokenizer
-    name = model_for_ledger(led, model)
+    name = model_for_ledger(ledger, model)
     if name not in _TOKENIZERS:
         _TOKENIZERS[name] = load_tokenizer(name)
     return _TOKENIZERS[name]
@@ -101,11 +101,11 @@ class RebuiltPair:
     seconds: dict[str, float]
 
 
-def rebuild(led: LoadedLedger, row: dict, comparison: str, model: str | None = None, progress=None) -> RebuiltPair:
+def rebuild(ledger: LoadedLedger, row: dict, comparison: str, model: str | None = None, progress=None) -> RebuiltPair:
     """Rebuild (or return the cached) boundary pair of ``row`` for ``comparison``.
 
     Args:
-        led: the row's ledger (Experiment 1 or 2).
+        ledger: the row's ledger (Experiment 1 or 2).
         row: the ledger record.
         comparison: a key of ``row["boundary"]`` (see :data:`kvreplay.rebuild.COMPARISONS`).
         model: overrides the ledger's model path (local folders).
@@ -114,17 +114,17 @@ def rebuild(led: LoadedLedger, row: dict, comparison: str, model: str | None = N
     Raises:
         GateError, ModelLoadError, ContractError: as :func:`kvreplay.rebuild.rebuild_pair`.
     """
-    key = (str(led.dir), row["problem_id"], comparison, model)
+    key = (str(ledger.dir), row["problem_id"], comparison, model)
     if key in _PAIRS:
         return _PAIRS[key]
 
     tell = progress or (lambda *a: None)
-    experiment = led.key.split("-")[0]
+    experiment = ledger.key.split("-")[0]
     ref_arm, other_arm = comparison_arms(experiment, comparison)
     t0 = time.perf_counter()
-    cached = _model_key(led, model) in _MODELS
+    cached = _model_key(ledger, model) in _MODELS
     tell(0, 4, "model cached" if cached else "loading the ledger's model")
-    lm, fmt = model_for(led, model)
+    lm, fmt = model_for(ledger, model)
     t1 = time.perf_counter()
     tell(1, 4, f"rebuilding {ref_arm} and {other_arm} from z ({len(row['prefix'])} tokens)")
     a, b = rebuild_pair(lm, fmt, row["prefix"], ref_arm, other_arm, where=row["problem_id"])
@@ -190,11 +190,11 @@ def available_pairs(ledger_root: str | Path, profile: str) -> dict[str, tuple[Lo
     for experiment, comps in COMPARISONS.items():
         for precision in PRECISIONS:
             try:
-                led = find_chain_ledger(ledger_root, profile, f"{experiment}-{precision}")
+                ledger = find_chain_ledger(ledger_root, profile, f"{experiment}-{precision}")
             except (MissingLedgerError, KeyError):
                 continue
             for comp, (ref, other) in comps.items():
-                out[f"{experiment} {precision}: {other} vs {ref}"] = (led, comp)
+                out[f"{experiment} {precision}: {other} vs {ref}"] = (ledger, comp)
     return out
 
 
@@ -344,7 +344,7 @@ class Explorer:
         return self.widget
 
 
-def rows_frame(led: LoadedLedger, comparison: str) -> pd.DataFrame:
+def rows_frame(ledger: LoadedLedger, comparison: str) -> pd.DataFrame:
     """The rows of a ledger with their divergence status (the list the row picker offers).
 
     Returns:
@@ -352,7 +352,7 @@ def rows_frame(led: LoadedLedger, comparison: str) -> pd.DataFrame:
         ``cache rel L2``, ``gate failure``.
     """
     out = []
-    for r in led.records:
+    for r in ledger.records:
         ep = r.get("endpoints", {})
         cache = r.get("boundary", {}).get(comparison, {}).get("cache", {})
         out.append({"problem_id": r["problem_id"], "suffix differs": ep.get("suffix_differs"),

@@ -67,7 +67,7 @@ def pick_row(records: Sequence[dict], problem: str | None, experiment: str) -> d
     return records[0]
 
 
-def model_for_ledger(led: LoadedLedger, model: str | None = None) -> str:
+def model_for_ledger(ledger: LoadedLedger, model: str | None = None) -> str:
     """The ``model`` argument that reloads the ledger's model (``model`` overrides it).
 
     Raises:
@@ -75,13 +75,13 @@ def model_for_ledger(led: LoadedLedger, model: str | None = None) -> str:
     """
     if model:
         return model
-    key = led.config["model"]
+    key = ledger.config["model"]
     if key.get("model") == "embedded" or "sha256" in key or "files" not in key:
         return key["model"]
-    raise ValueError(f"ledger {led.dir.name} was written with the local model folder {key['model']!r}; pass its path as `model`")
+    raise ValueError(f"ledger {ledger.dir.name} was written with the local model folder {key['model']!r}; pass its path as `model`")
 
 
-def load_for_ledger(led: LoadedLedger, model: str | None = None):
+def load_for_ledger(ledger: LoadedLedger, model: str | None = None):
     """Load the ledger's model and block format exactly as its config says (dtype, threads, SDPA backends, role table,
     and the execution contract's device, determinism and TF32: a ledger computed on CUDA needs a CUDA device).
 
@@ -92,7 +92,7 @@ def load_for_ledger(led: LoadedLedger, model: str | None = None):
         GateError: gate ``provenance`` if the resolved format's digest differs from the ledger's.
         ModelLoadError: the ledger was computed on CUDA and this machine has none.
     """
-    c = led.config
+    c = ledger.config
     execution = c.get("execution", {})
     contract = ExecutionContract(
         device=execution.get("device", "cpu"), sdpa_backends=tuple(c["sdpa_backends"]),
@@ -103,11 +103,11 @@ def load_for_ledger(led: LoadedLedger, model: str | None = None):
     if role:
 
         table = Path(role["model"]) if Path(role["model"]).is_absolute() else ROOT / role["model"]
-    lm = load_model(model_for_ledger(led, model), c["dtype"], role_table=table, contract=contract)
+    lm = load_model(model_for_ledger(ledger, model), c["dtype"], role_table=table, contract=contract)
     if role and lm.identity["role_table_sha256"] != role["sha256"]:
         raise GateError("provenance", f"role table {table} has sha256 {lm.identity['role_table_sha256']}, the ledger keyed {role['sha256']}")
     fmt = resolve_format(lm.tokenizer, c["format"])
-    want = led.contract.get("format_digest")
+    want = ledger.contract.get("format_digest")
     if want and fmt.digest != want:
         raise GateError("provenance", f"resolved format digest {fmt.digest[:12]} differs from the ledger's {want[:12]}")
     return lm, fmt

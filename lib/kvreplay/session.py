@@ -148,7 +148,7 @@ class Session:
 
     def contract(self, ledgers: Mapping[str, Ledger | LoadedLedger]) -> pd.DataFrame:
         """The execution contracts the arms ran under, one column per label (from each ledger's ``environment.json``)."""
-        return contract_frame({label: json.loads((led.dir / "environment.json").read_text()) for label, led in ledgers.items()})
+        return contract_frame({label: json.loads((ledger.dir / "environment.json").read_text()) for label, ledger in ledgers.items()})
 
 
 def open_session(notebook: str, namespace: Mapping[str, object]) -> Session:

@@ -290,5 +290,5 @@ def load_profile(root: str | Path, profile: str, precisions: Sequence[str] = ("b
             f"no BF16 prefix bank at {root / profile / PREFIX_BANK}: {_run_hint(LEDGER_SPECS['exp1-bfloat16'], profile)}"
         )
     keys = [k for k, s in LEDGER_SPECS.items() if s.experiment in ("exp3", "exp4", "exp5") or s.dtype in precisions]
-    led = {k: find_chain_ledger(root, profile, k) for k in keys}
-    return ProfileLedgers(root=root, profile=profile, prefix_bank_sha256=_bank(root, profile)["sha256"], ledgers=led)
+    ledgers = {k: find_chain_ledger(root, profile, k) for k in keys}
+    return ProfileLedgers(root=root, profile=profile, prefix_bank_sha256=_bank(root, profile)["sha256"], ledgers=ledgers)

@@ -53,17 +53,17 @@ def _short(digest: str | None, n: int = 16) -> str:
     return f"{digest[:n]}…" if digest else "—"
 
 
-def _cache_geometry(led: LoadedLedger) -> str:
-    for r in led.records:
+def _cache_geometry(ledger: LoadedLedger) -> str:
+    for r in ledger.records:
         for cmp in r.get("boundary", {}).values():
             if "tensors" in cmp and cmp["tensors"]:
                 g = cmp["tensors"][0]["ref_geometry"]
                 shape = list(g["shape"])
                 shape[2] = "|z|"
                 return f"[{', '.join(map(str, shape))}] per layer, K and V; {g['dtype']} on {g['device']}"
-    m = led.contract.get("model", {})
+    m = ledger.contract.get("model", {})
     if m.get("kv_heads") and m.get("head_dim"):
-        return f"[{led.config['batch']}, {m['kv_heads']}, |z|, {m['head_dim']}] per layer, K and V (from the model)"
+        return f"[{ledger.config['batch']}, {m['kv_heads']}, |z|, {m['head_dim']}] per layer, K and V (from the model)"
     return "—"
 
 
@@ -95,19 +95,19 @@ CONTRACT_ROWS = (
 """Table 3 rows: ``(key, label)``; keys index :func:`contract_column` and the paper column."""
 
 
-def contract_column(led: LoadedLedger) -> dict[str, str]:
+def contract_column(ledger: LoadedLedger) -> dict[str, str]:
     """One ledger's column of Table 3 (numerical contract), from its manifest.json and environment.json."""
-    c, e = led.config, led.contract
+    c, e = ledger.config, ledger.contract
     m = e.get("model", {})
     caps = c["caps"]
     cfg_model = c.get("model", {})
     fmt = c.get("format", {})
     return {
-        "ledger": led.dir.name,
+        "ledger": ledger.dir.name,
         "dtype": c["dtype"],
         "model": f"{m.get('file') or m.get('model') or cfg_model.get('model')} ({m.get('architecture', '?')})",
         "geometry": f"{m.get('layers', '?')} layers; {m.get('kv_heads', '?')} KV heads; head dim {m.get('head_dim', '?')}",
-        "cache_tensor": _cache_geometry(led),
+        "cache_tensor": _cache_geometry(ledger),
         "model_sha256": _short(m.get("file_sha256") or cfg_model.get("sha256")),
         "weights_sha256": _short(m.get("weights_sha256")),
         "role_table": "none (stock model: zero role rows)" if c.get("role_table") is None else _short(m.get("role_table_sha256")),
@@ -124,8 +124,8 @@ def contract_column(led: LoadedLedger) -> dict[str, str]:
         "matmul_precision": str(e.get("float32_matmul_precision", "?")),
         "deterministic": f"{e.get('deterministic_algorithms', '?')}; {e.get('cublas_workspace_config')}",
         "threads": str(c["threads"]),
-        "config_digest": _short(led.manifest["config_digest"]),
-        "library": _short(led.environment.get("library_sha256")),
+        "config_digest": _short(ledger.manifest["config_digest"]),
+        "library": _short(ledger.environment.get("library_sha256")),
     }
 
 
@@ -152,8 +152,8 @@ def contract_table(profile_ledgers: ProfileLedgers, reference: dict) -> pd.DataF
     """Table 3: the numerical contract of every ledger of the run, beside the paper's."""
     paper = paper_contract_column(reference)
     cols = {"paper": {label: paper.get(key, "—") for key, label in CONTRACT_ROWS}}
-    for k, led in profile_ledgers.ledgers.items():
-        col = contract_column(led)
+    for k, ledger in profile_ledgers.ledgers.items():
+        col = contract_column(ledger)
         cols[k] = {label: col[key] for key, label in CONTRACT_ROWS}
     return pd.DataFrame(cols)
 
@@ -258,8 +258,8 @@ def run_value(results: dict, endpoint_id: str) -> str:
 
 def setup_of_run(profile_ledgers: ProfileLedgers) -> dict:
     """What this run used (model, data, caps, hardware), read from the Experiment 1 BF16 manifest and environment."""
-    led = profile_ledgers["exp1-bfloat16"]
-    c, e = led.config, led.contract
+    ledger = profile_ledgers["exp1-bfloat16"]
+    c, e = ledger.config, ledger.contract
     m = e.get("model", {})
     return {
         "model": m.get("file") or m.get("model") or c["model"].get("model"),
@@ -269,10 +269,10 @@ def setup_of_run(profile_ledgers: ProfileLedgers) -> dict:
         "hardware": f"{e.get('device', '?')} ({e.get('device_name', '?')}), {c['threads']} threads, SDPA {'/'.join(c['sdpa_backends'])}",
         "precisions": ", ".join(profile_ledgers.precisions),
         "rows": {
-            "exp1": len(led.records),
+            "exp1": len(ledger.records),
             "exp2": len(profile_ledgers.records("exp2-bfloat16")),
             "exp3": len(profile_ledgers.records("exp3-bfloat16")),
-            "exp3_audit": len(led.records),
+            "exp3_audit": len(ledger.records),
             "exp4": len(profile_ledgers.records("exp4-bfloat16")),
             "exp5": len(profile_ledgers.records("exp5-bfloat16")),
         },
@@ -361,8 +361,8 @@ def artifact_map(profile_ledgers: ProfileLedgers, reference: dict, tables_notebo
         files = []
         nbs = []
         for k in a["ledgers"]:
-            led = profile_ledgers.ledgers.get(k)
-            files.append(f"{profile_ledgers.profile}/{led.dir.name}/{led.rows_path.name}" if led else f"{k}-* (not run)")
+            ledger = profile_ledgers.ledgers.get(k)
+            files.append(f"{profile_ledgers.profile}/{ledger.dir.name}/{ledger.rows_path.name}" if ledger else f"{k}-* (not run)")
             nb = f"notebooks/{LEDGER_SPECS[k].notebook}"
             if nb not in nbs:
                 nbs.append(nb)

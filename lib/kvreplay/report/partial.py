@@ -73,10 +73,10 @@ def exp1_summary(rows: Mapping[str, list[dict]]) -> pd.DataFrame:
                           "boundary_not_exact": int((~ok.boundary_exact.astype(bool)).sum()),
                           "suffix_differs": wilson(k, n).pct() if n else "n/a",
                           "tie_initiated": int((ok.suffix_differs.astype(bool) & ok.tie_initiated.astype(bool)).sum())})
-    bf = frames["bfloat16"].set_index("problem_id").loc[sorted(shared)]
-    fp = frames["float32"].set_index("problem_id").loc[sorted(shared)]
+    bf16 = frames["bfloat16"].set_index("problem_id").loc[sorted(shared)]
+    fp32 = frames["float32"].set_index("problem_id").loc[sorted(shared)]
     if shared:
-        m = mcnemar_exact(bf.suffix_differs.astype(bool), fp.suffix_differs.astype(bool))
+        m = mcnemar_exact(bf16.suffix_differs.astype(bool), fp32.suffix_differs.astype(bool))
         lines.append({"rows": "paired (both finished)", "precision": "McNemar (exact)", "n": len(shared),
                       "suffix_differs": f"BF16 only {m.b}, FP32 only {m.c}, p = {m.pvalue:.3g}"})
     return pd.DataFrame(lines)

@@ -140,7 +140,7 @@ def _match(pattern: str | re.Pattern, text: str, what: str) -> re.Match:
     return m
 
 
-def _kn(text: str, what: str) -> str:
+def _count_of_total(text: str, what: str) -> str:
     """The leading ``k/n`` of a cell such as ``5/16 (31.2%; ...)``."""
     return _match(r"^\d+/\d+", text, what).group(0)
 
@@ -249,7 +249,7 @@ def _exp1(root: Path, profile: str) -> tuple[list[str], list[list[str]]]:
         m = _match(_PROPORTION, fp_cells[0], t.name)
         fp_decoded = f"{m['k']}/{m['n']} each (Wilson [{_round(m['lo'], 1)}, {_round(m['hi'], 1)}])"
     else:
-        fp_decoded = " / ".join(_kn(c, t.name) for c in fp_cells)
+        fp_decoded = " / ".join(_count_of_total(c, t.name) for c in fp_cells)
     if paper("exp1.fp32.decoded") != "no decoded disagreement":
         raise ReadmeTableError(f"{REFERENCE} exp1.fp32.decoded is {paper('exp1.fp32.decoded')!r}, not 'no decoded disagreement'")
 
@@ -268,9 +268,9 @@ def _exp1(root: Path, profile: str) -> tuple[list[str], list[list[str]]]:
         ["BF16: of these, tie-initiated / not", bf(tie), "not reported"],
         [
             "BF16: merge / answer block / predicted letter / correctness label differ",
-            " / ".join(_kn(bf(r), t.name) for r in ["merge differs", *decoded[1:]]),
-            " / ".join(["—", _kn(paper("exp1.bf16.answer"), "exp1.bf16.answer"), "—",
-                        _kn(paper("exp1.bf16.label"), "exp1.bf16.label")]),
+            " / ".join(_count_of_total(bf(r), t.name) for r in ["merge differs", *decoded[1:]]),
+            " / ".join(["—", _count_of_total(paper("exp1.bf16.answer"), "exp1.bf16.answer"), "—",
+                        _count_of_total(paper("exp1.bf16.label"), "exp1.bf16.label")]),
         ],
         [
             "BF16: first divergence, median (range); quartiles",
@@ -333,7 +333,7 @@ def _side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[str]]]
         if dtype == "float32" and len(set(cells)) == 1:
             m = _match(_PROPORTION, cells[0], stem)
             return f"{m['k']}/{m['n']} each (Wilson [{_round(m['lo'], 1)}, {_round(m['hi'], 1)}])"
-        return " / ".join(_kn(c, stem) for c in cells[1:])
+        return " / ".join(_count_of_total(c, stem) for c in cells[1:])
 
     def drift(prof: str, stem: str, dtype: str) -> str:
         med, lo, hi = _drift(cell(prof, stem, "median relative L2 cache drift [range]", dtype), stem)
@@ -364,7 +364,7 @@ def _side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[str]]]
         ["Exp 1 BF16: of these, tie-initiated / not", *both(lambda p: tie_row(p, e1)), "not reported"],
         ["Exp 1 BF16: answer block / predicted letter / correctness label differ",
          *both(lambda p: decoded(p, e1, "bfloat16")),
-         " / ".join([_kn(paper("exp1.bf16.answer"), "exp1.bf16.answer"), "—", _kn(paper("exp1.bf16.label"), "exp1.bf16.label")])],
+         " / ".join([_count_of_total(paper("exp1.bf16.answer"), "exp1.bf16.answer"), "—", _count_of_total(paper("exp1.bf16.label"), "exp1.bf16.label")])],
         ["Exp 1 BF16: first divergence, tokens after the boundary: median (range)",
          *both(lambda p: cell(p, e1, "first divergence, tokens after boundary: median (range)", "bfloat16")),
          f"{pfd.group(1)} ({pfd.group(2)}–{pfd.group(3)})"],
@@ -379,9 +379,9 @@ def _side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[str]]]
          paper("exp1.cross_precision_prefix")],
         ["Exp 2 BF16: prefill vs incremental suffixes differ (tie-initiated / not)",
          *both(lambda p: f"{_wilson_short(cell(p, e2, 'suffix differs', 'bfloat16'), e2)} ({tie_row(p, e2)})"),
-         _kn(paper("exp2.bf16.suffix"), "exp2.bf16.suffix")],
+         _count_of_total(paper("exp2.bf16.suffix"), "exp2.bf16.suffix")],
         ["Exp 2 FP32: decoded disagreement (suffix, answer block, letter, label)",
-         *both(lambda p: decoded(p, e2, "float32")), _kn(paper("exp2.fp32.suffix"), "exp2.fp32.suffix")],
+         *both(lambda p: decoded(p, e2, "float32")), _count_of_total(paper("exp2.fp32.suffix"), "exp2.fp32.suffix")],
         ["Exp 2 median relative L2 cache drift, BF16 [range]", *both(lambda p: drift(p, e2, "bfloat16")),
          _sci(p_drift.group(1))],
         ["Exp 2 median relative L2 cache drift, FP32 [range]", *both(lambda p: drift(p, e2, "float32")),
@@ -436,31 +436,31 @@ def _later_side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[
         ["Exp 3 bridge: new live prefix token-identical to the saved one",
          *both(lambda p: cell(p, b3, "new prefix token-identical to the saved one")), paper("exp3.bridge.same_as_saved")],
         ["Exp 4 whole-cache transplant: joint donor recovery (integrity check)",
-         *both(lambda p: short(p, t4, "joint bidirectional recovery (integrity check)")), _kn(paper("exp4.joint_recovery"), "exp4")],
+         *both(lambda p: short(p, t4, "joint bidirectional recovery (integrity check)")), _count_of_total(paper("exp4.joint_recovery"), "exp4")],
         ["Exp 4: third trajectory among exact controls",
-         *both(lambda p: short(p, t4, "third trajectory among exact controls")), _kn(paper("exp4.third_among_exact"), "exp4")],
+         *both(lambda p: short(p, t4, "third trajectory among exact controls")), _count_of_total(paper("exp4.third_among_exact"), "exp4")],
         ["Exp 4: divergent panel rows tie-initiated / not",
          *both(lambda p: cell(p, t4, "divergent rows (contemporaneous baselines): tie-initiated / not")), "not reported"],
         ["Exp 5 (later checkpoint): incremental/prefill suffix divergence (tie-initiated)",
          *both(lambda p: f"{short(p, r5, 'incremental/prefill suffix divergence')} ({cell(p, r5, tie5)})"),
          _wilson_short(paper("exp5.divergence"), "exp5.divergence", label="")],
         ["Exp 5: joint donor recovery; new trajectory among exact controls",
-         *both(lambda p: f"{_kn(cell(p, r5, 'joint bidirectional recovery (integrity check)'), r5)}; "
-                         f"{_kn(cell(p, r5, 'new trajectory among exact controls'), r5)}"),
-         f"{_kn(paper('exp5.joint_recovery'), 'exp5')}; {_kn(paper('exp5.third_among_exact'), 'exp5')}"],
+         *both(lambda p: f"{_count_of_total(cell(p, r5, 'joint bidirectional recovery (integrity check)'), r5)}; "
+                         f"{_count_of_total(cell(p, r5, 'new trajectory among exact controls'), r5)}"),
+         f"{_count_of_total(paper('exp5.joint_recovery'), 'exp5')}; {_count_of_total(paper('exp5.third_among_exact'), 'exp5')}"],
         ["Exp 5: frozen interpretation (thresholds ≥ 12 divergent, ≥ 6 exact)",
          *both(lambda p: cell(p, r5, "interpretation (frozen matrix)")), paper("exp5.interpretation")],
         ["Controls (exploratory): FP32 readout on the same BF16 caches, suffix differs (tie-initiated)",
          *both(lambda p: f"{short(p, c2, 'FP32 readout (same BF16 caches; final norm and LM head in float32): suffix differs')} "
                          f"({cell(p, c2, 'FP32 readout: of which tie-initiated')})"), "not run"],
         ["Controls: FP32 readout still differs among rows whose BF16 suffixes differ",
-         *both(lambda p: _kn(cell(p, c2, "FP32 readout: still differs among rows whose plain BF16 suffixes differ"), c2)),
+         *both(lambda p: _count_of_total(cell(p, c2, "FP32 readout: still differs among rows whose plain BF16 suffixes differ"), c2)),
          "not run"],
         ["Controls: matched null perturbation moves the trajectory (tie-initiated)",
          *both(lambda p: f"{short(p, c2, 'matched null perturbation of the incremental cache: trajectory moved')} "
                          f"({cell(p, c2, 'null perturbation: of which tie-initiated')})"), "not run"],
         ["Controls: null perturbation moves it among rows whose BF16 suffixes agree",
-         *both(lambda p: _kn(cell(p, c2, "null perturbation: moved among rows whose plain BF16 suffixes agree"), c2)),
+         *both(lambda p: _count_of_total(cell(p, c2, "null perturbation: moved among rows whose plain BF16 suffixes agree"), c2)),
          "not run"],
     ]
     return header, rows
