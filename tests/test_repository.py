@@ -84,3 +84,16 @@ def test_the_import_cycle_check_can_fail(monkeypatch):
 
     g = nx.DiGraph([(a, b) for a, bs in graph.items() for b in bs])
     assert any("kvreplay.experiments.bridge" in c for c in nx.simple_cycles(g))
+
+
+def test_every_notebook_has_its_paired_script_and_they_agree():
+    """notebooks/X.ipynb and notebooks/py/X.py (jupytext percent format, jupytext.toml) hold the same cells."""
+    import jupytext
+
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    scripts = sorted((ROOT / "notebooks" / "py").glob("*.py"))
+    assert notebooks and [p.stem for p in scripts] == [p.stem for p in notebooks]
+    for nb in notebooks:
+        want = jupytext.writes(jupytext.read(nb), fmt="py:percent")
+        got = (ROOT / "notebooks" / "py" / f"{nb.stem}.py").read_text()
+        assert got == want, f"notebooks/py/{nb.stem}.py is not {nb.name} as a script: run `jupytext --sync notebooks/*.ipynb`"

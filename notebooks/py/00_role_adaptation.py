@@ -1,0 +1,204 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Checkpoint family — role-table adaptation (checkpoint 0, early, later)
+#
+# *Paper §3.1 (role-embedding rows 8–13 of an adapted checkpoint) and §4.5 (Experiment 5 runs on a
+# distinct later checkpoint of the same family).* Checkpoint 0 is the embedded model with a zero role
+# table, the model of Experiments 1–4. This notebook makes the later checkpoints **reproducibly, offline,
+# on CPU**: it trains only role rows 8..13 (every base weight frozen and checked bit-unchanged) with a
+# merge-targeted objective — the loss falls on the merge and answer tokens of multi-branch sequences
+# built with the block contract (same delimiters, roles, positions and visibility mask as the decoders)
+# from OpenBookQA problems that are disjoint from the MMLU bank, with the gold answer in the answer
+# block. The role table is saved at an earlier and a later step, with digests, the training config and
+# the loss curves; Experiment 5 (notebook 05) loads the later one as base model + role table, checked
+# by digest. Construction, objective and metric are documented in `kvreplay.adapt`.
+#
+# Defaults are the `smoke` profile; `make paper` passes `notebooks/params/<profile>.yaml`.
+
+# %% tags=["parameters"]
+# Parameters (papermill injects a profile's values below this cell)
+profile = "smoke"
+model = "embedded"            # the base model of the family (checkpoint 0: this model with no role rows)
+format = "chat_multibranch"
+threads = 2
+sdpa_backends = ["math"]
+adapt_name = "smoke"          # label of the training run (folder role-table-<name>-<digest12>)
+adapt_source = "openbookqa"   # training data (a kvreplay.problems.SOURCES key), disjoint from the MMLU bank
+adapt_n_train = 4
+adapt_n_heldout = 2
+adapt_steps = 4
+adapt_batch = 1
+adapt_lr = 0.005
+adapt_checkpoints = [2, 4]    # [early, later] steps whose role tables are saved
+adapt_eval_every = 2
+adapt_seed = 20260729
+n_adapt_eval = 4              # MMLU bank rows for the checkpoint-0 vs later accuracy table
+checkpoint_root = None        # default: data/checkpoints
+ledger_root = None            # default: data/ledgers
+figures_root = None           # default: figures
+n_resamples = 20000
+seed = 20260729
+
+# %%
+import json
+from pathlib import Path
+
+import pandas as pd
+from IPython.display import Markdown, display
+
+from kvreplay import adapt, paths
+from kvreplay.report import figures
+from kvreplay.models import load_tokenizer
+from kvreplay.contract import ROLE_NAMES, resolve_format
+from kvreplay.problems import load_bank
+from kvreplay.models import ExecutionContract, load_model
+from kvreplay.report.files import contract_frame, save_figure, save_table
+
+# %%
+SOURCE = "notebooks/00_role_adaptation.ipynb"
+ledger_root = Path(ledger_root) if ledger_root else paths.LEDGERS
+checkpoint_root = Path(checkpoint_root) if checkpoint_root else paths.CHECKPOINTS
+out_dir = (Path(figures_root) if figures_root else paths.FIGURES) / profile
+cfg = adapt.AdaptConfig(name=adapt_name, model=model, fmt=format, source=adapt_source, n_train=adapt_n_train, n_heldout=adapt_n_heldout,
+                        steps=adapt_steps, batch=adapt_batch, lr=adapt_lr, checkpoints=tuple(adapt_checkpoints),
+                        eval_every=adapt_eval_every, seed=adapt_seed, threads=threads, sdpa_backends=tuple(sdpa_backends))
+bank = load_bank()
+source_rows, source_sha256 = adapt.load_source(adapt_source)
+train_rows, heldout_rows = adapt.split_problems(source_rows, adapt_n_train, adapt_n_heldout)
+adapt.assert_disjoint(source_rows, bank)  # every source row, not only the ones used: no ID or question text in common
+print(f"{adapt_source}: {len(source_rows)} valid rows (sha256 {source_sha256[:12]}), disjoint from the {len(bank)}-row MMLU bank; "
+      f"{len(train_rows)} train, {len(heldout_rows)} held out")
+
+_fp32 = {}
+def fp32_model():
+    """The FP32 base model, loaded once and only when something must be computed."""
+    if "lm" not in _fp32:
+        _fp32["lm"] = load_model(model, "float32", contract=ExecutionContract(sdpa_backends=tuple(sdpa_backends)))
+    return _fp32["lm"]
+
+
+# %% [markdown]
+# ## One training sequence
+# The six blocks of a training row, rebuilt from its token IDs by the contract's parser. Branches and
+# merge never see the gold answer; only the answer block holds it. Loss positions: merge and answer
+# content plus each block's closing token (the tokens the model itself chooses there).
+
+# %%
+fmt = resolve_format(load_tokenizer(model), format)
+example = adapt.build_staged(fmt, train_rows[0])
+roles = example.roles[0].tolist()
+blocks = []
+for r, name in enumerate(ROLE_NAMES):
+    pos = [i for i, x in enumerate(roles) if x == r]
+    if r:  # content only: drop the block's opening and closing delimiters
+        pos = pos[len(fmt.openers[r]): len(pos) - len(fmt.closers[r])]
+    blocks.append({"block": name, "tokens (with delimiters)": roles.count(r), "loss tokens": len(example.targets.get(r, [])),
+                   "content": fmt._tokenizer.decode([example.ids[i] for i in pos])})
+print(f"{train_rows[0].problem_id}: {len(example.ids)} tokens; gold {train_rows[0].answer}")
+pd.DataFrame(blocks).set_index("block")
+
+# %% [markdown]
+# ## Train, or reuse the finished checkpoints
+# The checkpoint folder is keyed by the sha256 of the training config (model key, format, data split and
+# digests, optimizer, steps, seed, threads): a profile with the same training config reuses it, and a
+# folder whose files no longer match their manifest is refused.
+
+# %%
+folder, manifest = adapt.ensure_checkpoints(cfg, checkpoint_root, bank=bank, loader=fp32_model)
+pointer = adapt.write_pointer(ledger_root / profile / adapt.POINTER, folder, manifest)
+family = {name: adapt.checkpoint(folder, name) for name in adapt.CHECKPOINT_NAMES}  # digests checked
+print(folder)
+pd.DataFrame({name: {"step": c.step, "file": c.path.name, "sha256": c.sha256[:16] + "…", "bytes": c.path.stat().st_size}
+              for name, c in family.items()}).T
+
+# %% [markdown]
+# ## Execution contract
+# As recorded when the role table was trained (`environment.json` beside the manifest).
+
+# %%
+contract_frame({"role-table training (FP32)": json.loads((folder / "environment.json").read_text())})
+
+# %% [markdown]
+# ## Training curve
+# Training loss per step (one sequence per step unless `adapt_batch` says otherwise) and the same
+# objective on the held-out OpenBookQA rows; right: on the held-out rows, how often the answer letter
+# with the highest logit at the first answer position is the gold one (the checkpoint metric below).
+
+# %%
+train_curve = pd.DataFrame(manifest["curve"]["train"])
+held_curve = pd.DataFrame(manifest["curve"]["heldout"])
+fig = figures.adaptation_curve(train_curve, held_curve, {name: c.step for name, c in family.items()}, n_heldout=len(heldout_rows),
+                               title=f"Role-table adaptation ({profile}): rows 8-13 only, FP32, lr {adapt_lr}, {adapt_steps} steps")
+save_figure(fig, out_dir / "adapt_training_curve", source=SOURCE)
+curve_table = held_curve.set_index("step")
+save_table(curve_table, out_dir / "adapt_curve", caption="Role-table adaptation: held-out loss and answer-letter accuracy", source=SOURCE)
+curve_table
+
+# %% [markdown]
+# ## Answer accuracy on the MMLU bank: checkpoint 0 vs the later checkpoint
+# The metric (`kvreplay.adapt.LETTER_METRIC`): the same staged template is teacher-forced through the
+# answer opener — branches and merge are gold-blind, so nothing leaks — and the prediction is the option
+# letter whose token has the highest logit at the first answer position; one FP32 forward per problem and
+# checkpoint, in a resumable ledger. Wilson 95% intervals; paired difference by percentile bootstrap;
+# exact two-sided McNemar on the discordant problems (direction, not equivalence). This is a cheap
+# checkpoint metric, not the decoded accuracy of the experiments (notebook 05 reports that on its panel).
+
+# %%
+eval_rows = bank[:n_adapt_eval]
+later = family["later"]
+records, eval_ledger = adapt.run_letter_eval(
+    eval_rows, {"ckpt0": (None, None), "later": (str(later.path), later.sha256)}, model=model, fmt=format,
+    profile=profile, ledger_root=ledger_root, threads=threads, sdpa_backends=tuple(sdpa_backends), loader=fp32_model,
+)
+acc = adapt.accuracy_summary(records, "ckpt0", "later", seed=seed, n_resamples=n_resamples)
+labels = {"ckpt0": "checkpoint 0 (zero role table)", "later": f"later checkpoint (step {later.step})"}
+acc_table = adapt.accuracy_table(acc, labels)
+save_table(acc_table, out_dir / "adapt_accuracy", caption="Checkpoint 0 vs the later checkpoint: teacher-forced answer-letter accuracy on the MMLU bank", source=SOURCE)
+print(eval_ledger.dir.name)
+acc_table
+
+# %% [markdown]
+# ## Integrity assertions
+
+# %%
+assert manifest["base_model"]["unchanged_after_training"]
+assert family["early"].sha256 != family["later"].sha256, "the early and later role tables are identical"
+import torch
+t_later = torch.load(later.path, weights_only=True)
+assert tuple(t_later.shape)[0] == 14 and not t_later[:8].any() and t_later[8:].any(), "rows 0..7 must stay zero, rows 8..13 trained"
+assert [r["problem_id"] for r in records] == [p.problem_id for p in eval_rows]
+assert pointer["checkpoints"]["later"]["sha256"] == later.sha256
+print("checkpoint family verified:", {k: v.sha256[:12] for k, v in family.items()})
+
+# %% [markdown]
+# ## What this shows
+
+# %%
+first, last = train_curve.iloc[0], train_curve.iloc[-1]
+h0, h1 = held_curve.iloc[0], held_curve.iloc[-1]
+m = acc["mcnemar"]
+lines = [
+    f"- Only role rows 8–13 were trained ({adapt_steps} steps, lr {adapt_lr}, FP32, {threads} threads); the base weights' sha256 is unchanged ({manifest['base_model']['weights_sha256_float32'][:12]}…).",
+    f"- Training loss {first.loss:.3f} at step 1 → {last.loss:.3f} at step {int(last.step)}; held-out loss {h0.loss:.3f} → {h1.loss:.3f} "
+    f"(held-out letter accuracy {h0.letter_accuracy:.2f} → {h1.letter_accuracy:.2f} on {len(heldout_rows)} rows).",
+    f"- MMLU bank ({acc['n']} rows), teacher-forced answer letter: checkpoint 0 {acc['acc_a'].pct()}, later {acc['acc_b'].pct()}; "
+    f"McNemar {m.b} vs {m.c}, p = {m.pvalue:.3g}; the two checkpoints pick the same letter on {acc['predicted_same']}/{acc['n']}.",
+    "- Letter prior: " + "; ".join(
+        f"{labels.get(k, k)} predicts its most frequent letter on {max(c.values())}/{acc['n']} rows ({', '.join(f'{L} {n}' for L, n in c.items())})"
+        for k, c in acc["letters"].items() if k != "gold") + f"; gold letters {', '.join(f'{L} {n}' for L, n in acc['letters']['gold'].items())}.",
+    f"- Experiment 5 (notebook 05) runs on the later checkpoint: base model + `{later.path.name}` (sha256 {later.sha256[:12]}…).",
+]
+display(Markdown("\n".join(lines)))

@@ -1,0 +1,240 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Drift explorer — per-layer, per-head and per-position K/V drift of one row
+#
+# *Paper §3.4 (relative drift, d_rel = ‖K_pre − K_inc‖₂ / ‖K_inc‖₂), §4.1–4.2.* The ledgers keep a
+# summary per layer and per K/V tensor; this notebook shows them for one chosen row and comparison,
+# and rebuilds that row's two boundary caches with the ledger's own model, dtype, format, threads and
+# SDPA backends to show drift per KV head and per token position, the boundary-logit difference, and
+# the two suffixes side by side around their first divergence. The rebuilt states must reproduce the
+# ledger's recorded drift fingerprint exactly when run on the machine and software that wrote the
+# ledger (checked below).
+#
+# **Runs as is:** the defaults read the committed `cpu` ledgers (`make lab` opens this notebook; Run All).
+# The last section is the **interactive explorer** (ipywidgets): a row picker listing every row with its
+# divergence status, an experiment/arm-pair picker, layer and KV-head sliders and a K/V switch. The model
+# and the rebuilt caches are cached per kernel, so moving a slider only redraws; picking another row or
+# pair rebuilds it once, with a progress bar. The cells before it draw the same views for the row named in
+# the parameters (they are what the executed copy under `executed/` shows).
+#
+# Comparisons: Experiment 1 `prefill_vs_live`, `live_replica`, `prefill_replica`; Experiment 2
+# `prefill_vs_incremental`, `incremental_replica`, `prefill_replica`. The rebuilt `live` state is built by
+# teacher-forcing the live call schedule, which Experiment 3 shows is bit-identical to live decoding on
+# the same prefix.
+
+# %% tags=["parameters"]
+# Parameters (papermill injects a profile's values below this cell)
+profile = "cpu"               # the committed ledgers; the notebook tests pass the smoke profile explicitly
+ledger_root = None            # default: data/ledgers
+figures_root = None           # default: figures (used only when save_figures is True)
+experiment = "exp1"           # "exp1" (live vs prefill) or "exp2" (incremental vs prefill, fixed BF16 prefixes)
+precision = "bfloat16"        # "bfloat16" or "float32"
+comparison = "prefill_vs_live"  # exp1: prefill_vs_live | live_replica | prefill_replica; exp2: prefill_vs_incremental | incremental_replica | prefill_replica
+problem = None                # a problem ID; None: the first row whose suffixes differ, else the first row
+rebuild = False               # True: rebuild the row's two caches here for the per-head / per-position maps (loads the model)
+model = None                  # None: the ledger's model; give a path for a ledger written from a local folder
+top_k = 10                    # boundary-logit tokens shown per state
+before, after = 8, 12         # suffix tokens shown before and after the first divergence
+save_figures = False          # also write the figures to figures/<profile>/explorer/
+interactive = True            # draw the ipywidgets explorer at the end (make paper and the tests pass False)
+
+# %%
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+
+from kvreplay import explorer, paths
+from kvreplay.report import figures
+from kvreplay.experiments.endpoints import first_divergence
+from kvreplay.ledger.lookup import find_chain_ledger
+from kvreplay.rebuild import comparison_arms, pick_row, suffix_alignment, token_text, topk_frame
+from kvreplay.report.frames import layer_drift_frame
+from kvreplay.report.files import save_figure
+
+# %%
+SOURCE = "notebooks/08_drift_explorer.ipynb"
+ledger_root = Path(ledger_root) if ledger_root else paths.LEDGERS
+out_dir = (Path(figures_root) if figures_root else paths.FIGURES) / profile / "explorer"
+ref_arm, other_arm = comparison_arms(experiment, comparison)
+ledger = find_chain_ledger(ledger_root, profile, f"{experiment}-{precision}")
+row = pick_row(ledger.records, problem, experiment)
+assert not row["gate_failure"], f"row {row['problem_id']} failed gate {row['gate_failure']}: nothing to explore"
+summary = row["boundary"][comparison]
+stem = f"{row['problem_id']}_{experiment}_{precision}_{comparison}"
+shown = {}
+
+def show(fig, name):
+    """Display a figure inline; with save_figures also write it (PNG and PDF) under figures/<profile>/explorer/."""
+    shown[name] = fig
+    if save_figures:
+        save_figure(fig, out_dir / f"{stem}_{name}", source=SOURCE)
+    else:
+        display(fig)
+        plt.close(fig)
+
+print(f"ledger {ledger.dir.name}: {len(ledger.records)} rows; exploring {row['problem_id']} ({experiment}, {precision}, {comparison}: {other_arm} against {ref_arm})")
+explorer.rows_frame(ledger, comparison)
+
+# %% [markdown]
+# ## The row, as the ledger recorded it
+
+# %%
+ep = row["endpoints"]
+overview = pd.Series({
+    "problem": row["problem_id"], "prompt tokens": row["prompt_len"], "boundary prefix |z|": row["prefix_len"],
+    "whole-cache exact": summary["cache"]["exact"], "whole-cache relative L2": summary["cache"]["rel_l2"],
+    "whole-cache max |Δ|": summary["cache"]["max_abs"], "differing cache elements": f"{summary['cache']['n_diff']}/{summary['cache']['numel']}",
+    "boundary logits exact": summary["logits"]["exact"], "boundary logits max |Δ|": summary["logits"]["max_abs"],
+    "argmax reference / other": f"{summary['logits']['argmax_ref']} / {summary['logits']['argmax_other']}",
+    "top-1 minus top-2 margin reference / other": f"{summary['logits']['margin_ref']:.4g} / {summary['logits']['margin_other']:.4g}",
+    "suffix differs (prefill vs reference)": ep["suffix_differs"], "first divergence (tokens after boundary)": ep["first_divergence"],
+    f"correct: {ref_arm} / {other_arm}": f"{row['arms'][ref_arm]['correct']} / {row['arms'][other_arm]['correct']}",
+}, name=comparison)
+overview.to_frame()
+
+# %% [markdown]
+# ## Per-layer drift of K and V (from the ledger)
+
+# %%
+if "tensors" in summary:
+    layers = layer_drift_frame(summary["tensors"])
+    show(figures.explorer_layers(layers, title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision} (ledger)"), "layers")
+    display(layers.pivot(index="layer", columns="kind", values="rel_l2").T)
+else:
+    layers = None
+    print(f"the ledger keeps only the whole-cache summary for {comparison} (exact: {summary['cache']['exact']}); "
+          "rebuild = True gives the per-layer values")
+
+# %% [markdown]
+# ## Rebuild the two caches of this row
+# With `rebuild = True`: loads the ledger's model at its dtype and threads (once per kernel), resolves its block format (the digest must match), rebuilds both states from the recorded prefix z, runs the row's boundary gates on the pair, and recomputes the drift summary.
+
+# %%
+rebuilt = pair = None
+if rebuild:
+    from kvreplay.models import execution_contract
+
+    pair = explorer.rebuild(ledger, row, comparison, model)  # cached per kernel: the model loads once
+    lm, fmt = explorer.model_for(ledger, model)
+    rebuilt, fingerprint = pair.summary, pair.fingerprint
+    here = execution_contract(lm, ledger.config["threads"])
+    same_env = all(here.get(k) == ledger.contract.get(k) for k in ("torch", "transformers", "device_name", "intra_op_threads", "sdpa_backends_used", "dtype")) \
+        and here["model"].get("weights_sha256") == ledger.contract.get("model", {}).get("weights_sha256")
+    print(f"model loaded in {pair.seconds['model']:.1f} s; both states rebuilt and compared in {pair.seconds['rebuild']:.1f} s")
+    print(f"same machine and software as the ledger: {same_env}; rebuilt drift equals the ledger's: {fingerprint}")
+    if same_env:
+        assert all(fingerprint.values()), f"rebuilt states do not reproduce the ledger's fingerprint: {fingerprint}"
+    elif not all(fingerprint.values()):
+        print("note: a different machine or software stack; the rebuilt drift is this machine's, not the ledger's")
+    if layers is None:
+        layers = layer_drift_frame(rebuilt["tensors"])
+        show(figures.explorer_layers(layers, title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision} (rebuilt)"), "layers")
+else:
+    print("rebuild = False: the per-head and per-position maps are drawn by the interactive explorer below, "
+          "or here with rebuild = True")
+
+# %% [markdown]
+# ## Per-head and per-position drift (rebuilt)
+# Each cell is ‖other − reference‖₂ / ‖reference‖₂ over the remaining axes of one layer's K or V tensor `[kv_heads, |z|, head_dim]` (first duplicate copy; the two copies are bit-identical by the desync gate), on a log colour scale. White: exactly 0; grey: an exact zero reference. The position axis shows each token's text; dotted lines mark where each block of z begins.
+
+# %%
+if pair is not None:
+    exact_note = " (bit-exact in every tensor: all zero)" if not np.nanmax([np.nanmax(m.to_numpy()) for m in pair.maps.values()]) else ""
+    show(figures.drift_heatmaps(pair.maps, pair.tokens, pair.blocks,
+                                title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision}{exact_note}"), "heatmaps")
+    starts = sorted(pair.blocks.items(), key=lambda kv: kv[1])
+    block_of = np.empty(len(pair.tokens), dtype=object)
+    for (name, s), nxt in zip(starts, [s for _, s in starts[1:]] + [len(pair.tokens)]):
+        block_of[s:nxt] = name
+    per_block = pd.DataFrame({kind: pair.maps[(kind, "position")].mean(axis=0).groupby(block_of).mean()
+                              for kind in ("key", "value")}).reindex([n for n, _ in starts])
+    display(Markdown("**Mean over layers of the per-position drift, by block of z**"), per_block)
+else:
+    print("rebuild = False: per-head and per-position maps need the rebuilt caches")
+
+# %% [markdown]
+# ## Boundary logits: difference and top-k margins
+
+# %%
+tok = explorer.tokenizer_for(ledger, model)
+lg = summary["logits"]
+display(pd.DataFrame({
+    "reference": [lg["argmax_ref"], token_text(tok, lg["argmax_ref"]), lg["margin_ref"], [token_text(tok, t) for t in lg["topk_ref"]]],
+    "other": [lg["argmax_other"], token_text(tok, lg["argmax_other"]), lg["margin_other"], [token_text(tok, t) for t in lg["topk_other"]]],
+}, index=["argmax", "argmax text", "top-1 minus top-2 margin", "top-5 (ledger)"]))
+if pair is not None:
+    topk = topk_frame(tok, pair.ref.logits[0], pair.other.logits[0], k=top_k)
+    show(figures.topk_logits(topk, ref_arm, other_arm, title=f"{row['problem_id']}: boundary logits on the union of both top-{top_k}"), "logits")
+    display(topk)
+
+# %% [markdown]
+# ## The two suffixes side by side
+
+# %%
+sa, sb = row["arms"][ref_arm]["suffix"], row["arms"][other_arm]["suffix"]
+ma, mb = row["arms"][ref_arm]["margins"], row["arms"][other_arm]["margins"]
+first = first_divergence(sa, sb)
+aligned = suffix_alignment(tok, sa, sb, ma, mb, first, before=before, after=after)
+cut = first if first is not None else len(sa)
+texts = pd.DataFrame({
+    ref_arm: [tok.decode(sa[:cut]), tok.decode(sa[cut:]), row["arms"][ref_arm]["answer_text"], row["arms"][ref_arm]["correct"]],
+    other_arm: [tok.decode(sb[:cut]), tok.decode(sb[cut:]), row["arms"][other_arm]["answer_text"], row["arms"][other_arm]["correct"]],
+}, index=["shared part (up to the first divergence)", "after the first divergence", "answer text", "correct"])
+display(Markdown(f"**First divergence: {first if first is not None else 'none'}** (suffix tokens after the boundary; {len(sa)} and {len(sb)} tokens)"))
+display(aligned)
+texts
+
+# %% [markdown]
+# ## What this shows
+
+# %%
+lines = [f"- Row `{row['problem_id']}` ({experiment}, {precision}): {other_arm} against {ref_arm}; whole-cache relative L2 "
+         f"{summary['cache']['rel_l2']:.3g}, {summary['cache']['n_diff']} of {summary['cache']['numel']} cache elements differ; "
+         f"boundary logits max |Δ| {summary['logits']['max_abs']:.3g}, argmax {'agrees' if lg['argmax_ref'] == lg['argmax_other'] else 'differs'}."]
+if layers is not None:
+    worst = layers.sort_values("rel_l2", ascending=False).iloc[0]
+    lines.append(f"- Largest per-tensor drift: layer {int(worst.layer)} {worst.kind}s (relative L2 {worst.rel_l2:.3g}); "
+                 f"{int((~layers.exact).sum())} of {len(layers)} K/V tensors are not bit-exact.")
+if pair is not None:
+    lines.append(f"- Rebuilt on demand in {pair.seconds['rebuild']:.1f} s; it reproduces the ledger's drift summary: {all(fingerprint.values())} "
+                 f"(same machine and software: {same_env}).")
+if first is None:
+    lines.append(f"- The two suffixes are identical ({len(sa)} tokens).")
+else:
+    m = ma[first] if first < len(ma) else None
+    lines.append(f"- The suffixes first differ {first} tokens after the boundary; there the {ref_arm} arm's top-1 minus top-2 margin was "
+                 f"{m if m is None else f'{m:.3g}'} (answers: {row['arms'][ref_arm]['predicted']} vs {row['arms'][other_arm]['predicted']}).")
+display(Markdown("\n".join(lines)))
+
+# %% [markdown]
+# ## Interactive explorer
+# Pick an arm pair (experiment, precision, comparison) and a row (each listed with where its suffixes first
+# differ and whether this comparison's boundary cache is exact); the pair is rebuilt once (progress bar),
+# then the layer and KV-head sliders and the K/V switch redraw instantly from the cached caches. Top: drift
+# per position (token text on the axis, block boundaries dotted) and per head, log colour scale, the selected
+# layer dashed and head outlined; bottom: the selected layer and head per position. Above the maps: the
+# ledger's per-layer summary of the row.
+
+# %%
+if interactive:
+    ex = explorer.Explorer(ledger_root, profile, model=model, problem=row["problem_id"],
+                           pair=f"{experiment} {precision}: {other_arm} vs {ref_arm}")
+    ex.show()
+else:
+    print("interactive = False (a headless run): open this notebook in JupyterLab (make lab) for the controls")
