@@ -4,8 +4,11 @@
 #
 # Prepare here (both folders are git-ignored), then carry them to the machine:
 #   .whl/     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#               --platform manylinux2014_x86_64 -d .whl gguf==0.19.0 ipython==9.18.1 (+ ipython's
-#               pure-Python dependencies at the versions in requirements.txt)
+#               --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl gguf==0.19.0 \
+#               pydantic==2.14.4 pydantic-core==2.50.5 typing-extensions==4.16.0 annotated-types==0.8.0 \
+#               typing-inspection==0.4.5
+#             (the row schema, kvreplay.ledger.records, needs pydantic; 3 MiB in all. IPython is optional:
+#             scripts/gpu_profile.py stands in for IPython.display where it is missing)
 #   .gguf/    G=$(.venv/bin/python -c "from kvreplay.models import embedded_model_path as p; print(p())")
 #             mkdir -p .gguf/a .gguf/b .gguf/c; head -c 33554432 $G > .gguf/a/part1
 #             tail -c +33554433 $G | head -c 33554432 > .gguf/b/part2; tail -c +67108865 $G > .gguf/c/part3

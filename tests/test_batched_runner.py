@@ -34,6 +34,7 @@ from kvreplay.experiments.bridge import bridge_row
 from kvreplay.experiments.fixed_prefix import run_experiment2
 from kvreplay.experiments.live_vs_prefill import run_experiment1
 from kvreplay.gates import GateError
+from kvreplay.ledger.records import RowSchemaError
 from kvreplay.ledger.store import config_digest
 from kvreplay.problems import Problem
 from kvreplay.runner import CHUNK_DEADLINE_ENV, ArmSettings, ChunkDeadline, run_arm
@@ -118,6 +119,17 @@ def test_chunk_deadline_stops_at_a_chunk_boundary_and_the_arm_resumes_to_identic
     monkeypatch.delenv(CHUNK_DEADLINE_ENV)
     _, ledger = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
     assert ledger.dir == folder and ledger.rows_path.read_bytes() == whole.rows_path.read_bytes()
+
+
+def test_a_row_that_does_not_fit_its_schema_is_not_appended(tmp_path, tiny_arm, monkeypatch):
+    import kvreplay.experiments.live_vs_prefill as exp1
+
+    clean = exp1.exp1_row
+    monkeypatch.setattr(exp1, "exp1_row", lambda spec, p: clean(spec, p) | ({"note": "planted"} if p.problem_id == "p-01" else {}))
+    with pytest.raises(RowSchemaError, match=r"p-01.*note"):
+        run_experiment1(_problems(3), tiny_arm(), ledger_root=tmp_path, progress=False)
+    (folder,) = (tmp_path / "t").iterdir()
+    assert (folder / "rows.jsonl").read_bytes().count(b"\n") == 1  # p-00 stays; p-01 was never written
 
 
 def test_composition_gate_aborts_on_a_companion_dependent_fault(tmp_path, tiny_arm, monkeypatch):

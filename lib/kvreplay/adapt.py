@@ -86,6 +86,7 @@ from .contract import (
     load_spec,
     resolve_format,
 )
+from .ledger.records import validate_row
 from .ledger.store import Ledger, canonical_json, config_digest, run_rows
 from .models import (
     ExecutionContract,
@@ -750,7 +751,7 @@ def run_letter_eval(
     ledger = Ledger(root, "adapt_eval-float32", config, environment=execution_contract(lm, threads) | {"format_digest": block_format.digest},
                     row_algorithm=ROW_ALGORITHM["adapt_eval"])
     records = run_rows(ledger, list(problems), lambda p: letter_row(lm, block_format, loaded, p), key=lambda p: p.problem_id,
-                       progress=progress, desc="answer-letter accuracy")
+                       progress=progress, desc="answer-letter accuracy", validate=lambda rec: validate_row("adapt_eval", rec))
     return records, ledger
 
 

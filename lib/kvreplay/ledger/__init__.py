@@ -4,6 +4,8 @@
   environment, ``rows.jsonl``, run log), :func:`run_rows` (map a per-row
   function over problems, appending each record), canonical JSON and digests,
   sealing (``rows.jsonl.gz``, ``python -m kvreplay.ledger seal``) and columnar parquet copies;
+* :mod:`.records`: the layout of every kind of ledger row as typed records
+  (``TypedDict``, checked with pydantic before a row is appended);
 * :mod:`.prefix_bank`: Experiment 1's BF16 boundary prefixes, frozen for
   Experiments 2-5;
 * :mod:`.lookup`: a profile's ledgers found by provenance (no re-running).

@@ -301,6 +301,7 @@ def run_rows(
     progress: bool = True,
     desc: str = "rows",
     mapper: Callable[[list], Iterable[dict]] | None = None,
+    validate: Callable[[dict], dict] | None = None,
 ) -> list[dict]:
     """Map a pure per-row function over items in frozen order, appending each record.
 
@@ -316,12 +317,17 @@ def run_rows(
             the ledger's bytes equal a sequential run's, and an interrupted
             parallel run resumes like a sequential one. Preflight rows are
             mapped (and checked) before any other row is started.
+        validate: record -> record, raising on a record that does not fit
+            its schema (the experiment's row type,
+            :func:`kvreplay.ledger.records.validate_row`); called before each
+            append, so such a record is never written.
 
     Returns:
         The ledger's records for ``items``, in item order.
 
     Raises:
         GateError: gate ``preflight`` when a preflight row fails a gate.
+        RowSchemaError: (from ``validate``) a record that does not fit its row type; the rows before it stay.
         LedgerError: if rows remain to compute in a stale ledger or one
             computed in another environment (rows of two algorithms or two
             environments would mix); delete the folder, or set
@@ -362,6 +368,8 @@ def run_rows(
             k = key(it)
             if rec.get(ledger.key) != k:
                 raise LedgerError(f"{ledger.dir}: the mapper returned row {rec.get(ledger.key)!r} where {k!r} was due")
+            if validate is not None:
+                validate(rec)
             ledger.append(rec)
             ledger.log(event="row", key=k, seconds=round(time.perf_counter() - t0, 3))
             t0 = time.perf_counter()

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..ledger.records import validate_row
 from ..ledger.store import Ledger, row_bar, run_rows
 from ..models import context_length
 from ..problems import Problem
@@ -64,6 +65,8 @@ def run_arm(
     Raises:
         GateError: ``preflight`` if a preflight row fails a gate; ``composition``
             or ``graph_equals_eager`` (batched arms) before any row is appended.
+        RowSchemaError: a record that does not fit the experiment's row type
+            (:mod:`kvreplay.ledger.records`); it is not appended.
         ModelLoadError, ContractError: bad model or problems (a prompt that
             breaks the block contract, or a sequence longer than the model's
             context), before any row and before the ledger folder is created.
@@ -112,6 +115,7 @@ def run_arm(
                 records = run_rows(
                     ledger, list(problems), None, key=lambda p: p.problem_id, mapper=mapper,
                     preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype} x{pool.workers}",
+                    validate=lambda rec: validate_row(name, rec),
                 )
             finally:
                 for event in pool.events:
@@ -132,6 +136,7 @@ def run_arm(
     records = run_rows(
         ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",
+        validate=lambda rec: validate_row(name, rec),
     )
     if mapper is not None and mapper.checks:
         ledger.log(event="gates", checks=mapper.checks)

@@ -1,0 +1,686 @@
+"""The schema of ledger rows: one typed record per kind of row the experiments write.
+
+A ledger's ``rows.jsonl`` holds one JSON object per problem (:mod:`.store`). The rows stay plain dicts, written and
+read byte for byte as before; this module only *declares* their layout, as :class:`~typing.TypedDict` classes whose
+field names are the JSON keys, and checks a row against it at run time (:func:`validate_row`, pydantic in strict
+mode: a missing key, an extra key or a wrong type is an error; ``True`` is not an int, ``1`` is not a bool nor a
+float, since every writer writes its floats with ``float()``; JSON ``NaN`` and ``Infinity`` are floats).
+
+Row kinds, keyed by the ledger folder's experiment prefix (:data:`ROW_TYPES`):
+
+* ``exp1`` (:class:`Exp1Row`): Experiment 1, the live cache of greedy decoding against a prefill of the same token
+  IDs (paper §4.1), the four-arm matrix of paper §3.5 around the live boundary;
+* ``exp2`` (:class:`Exp2Row`): Experiment 2, fixed BF16 prefixes, the incremental rebuild against prefill at each
+  precision (paper §4.2), the same matrix around the incremental boundary;
+* ``exp2_controls`` (:class:`ControlsRow`): Experiment 2's exploratory controls, the FP32 readout and the matched
+  null perturbation of the incremental cache;
+* ``exp3`` (:class:`BridgeRow`): Experiment 3, the incremental bridge (paper §3.6, §3.7, §4.3): a new live boundary
+  against the incremental rebuild of its prefix;
+* ``exp4`` (:class:`TransplantRow`): Experiment 4, boundary K/V transplants between the incremental and prefill
+  caches (paper §3.8, §4.4);
+* ``exp5`` (:class:`ReplicationRow`): Experiment 5, the whole-cache transplant replicated on a later checkpoint
+  (paper §4.5), with each baseline's answer score;
+* ``adapt_eval`` (:class:`AdaptEvalRow`): the answer-letter metric of each role-table checkpoint of the family
+  Experiment 5's later checkpoint comes from (notebook 00; paper §3.1 role rows, §4.5).
+
+A row whose integrity gate failed has ``gate_failure`` set (:class:`GateFailure`) and keeps only the fields of the
+stages it finished; its layout is :data:`FAILED_ROW_TYPES` (``adapt_eval`` rows never fail a gate). Each of those
+fields is optional on its own there: the stages' grouping (e.g. ``prefix`` comes with ``prefix_len``) is not checked.
+
+The layouts are those of the row-algorithm versions in :data:`SCHEMA_ROW_ALGORITHM`. Rows of an older version (a
+*stale* ledger) may lack keys added since, e.g. ``equivalence`` or ``endpoints.tie_initiated``, and do not validate.
+
+Units: token IDs and counts are ints; ``rel_l2`` is a relative L2 distance ``||other - ref|| / ||ref||``
+(dimensionless, float64); ``max_abs``, ``l2_*`` and margins are in the tensor's own units (logits for the logits and
+margins); positions such as ``first_divergence`` count suffix tokens after the boundary, 0-based.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, ConfigDict, StringConstraints, TypeAdapter, ValidationError, with_config
+from pydantic_core import PydanticCustomError
+from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_extensions' TypedDict before Python 3.12
+
+__all__ = [
+    "FAILED_ROW_TYPES", "ROW_TYPES", "SCHEMA_ROW_ALGORITHM", "RowSchemaError", "experiment_of", "validate_row",
+    "validate_rows",
+    # value types
+    "Float", "InterventionName", "Letter", "Margins", "Rule", "TokenIds",
+    # shared parts
+    "AnswerScore", "ArmSuffix", "BridgeArms", "BridgeBoundary", "BridgeEndpoints", "CacheDiff", "Comparison",
+    "Endpoints", "Equivalence", "GateFailure", "IncrementalArms", "IncrementalArmTokens", "IncrementalBoundary",
+    "Intervention", "LetterChoice", "LiveArms", "LiveArmTokens", "LiveBoundary", "LogitsDiff", "NullPerturbation",
+    "PairMargins", "PartialIntervention", "PartialReplicationInterventions", "ReplicaComparison",
+    "ReplicationInterventions", "ReplicationScores",
+    "SuffixPair", "TensorDiff", "TensorGeometry", "TransplantOutcome",
+    # rows
+    "AdaptEvalRow", "BridgeFailedRow", "BridgeRow", "ControlsFailedRow", "ControlsRow", "Exp1FailedRow", "Exp1Row",
+    "Exp2FailedRow", "Exp2Row", "ReplicationFailedRow", "ReplicationRow", "TransplantFailedRow", "TransplantRow",
+]
+
+SCHEMA_ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
+"""The row-algorithm version of each experiment whose rows this schema describes (``kvreplay.runner.ROW_ALGORITHM``
+when it was written; a test keeps the two equal, so a version bump makes one revisit the schema)."""
+
+_CONFIG = ConfigDict(extra="forbid", strict=True)
+"""Every record below carries this config itself (a nested TypedDict would otherwise be checked only as strictly as
+the record that holds it)."""
+
+
+def _float_not_int(value: object) -> object:
+    """Refuse an int (or bool) where the writers always write a float (strict pydantic alone takes ``1`` as ``1.0``)."""
+    if isinstance(value, int):
+        raise PydanticCustomError("float_type", "Input should be a float, not {kind}", {"kind": type(value).__name__})
+    return value
+
+
+Float = Annotated[float, BeforeValidator(_float_not_int)]
+"""A JSON float (``NaN`` and ``Infinity`` included); an int is refused."""
+TokenIds = list[int]
+"""Token IDs, in order."""
+Margins = list[Float | None]
+"""Per decoded suffix step: top-1 minus top-2 eligible logit when the model chose the token (logits; exactly 0 is
+a tie), ``None`` for a token the block format forced."""
+Letter = Annotated[str, StringConstraints(pattern=r"^[A-Z]$")]
+"""An answer letter."""
+Rule = Literal["boxed", "answer_is", "leading_letter", "option_text", "numeric", "none"]
+"""The answer matcher's rule that produced the prediction (``kvreplay.scoring``)."""
+InterventionName = Annotated[
+    str, StringConstraints(pattern=r"^(whole|keys_only|values_only|first_half|second_half|layer_\d{2,})$")]
+"""A transplant intervention: ``whole`` (primary), ``keys_only``, ``values_only``, ``first_half``, ``second_half``,
+``layer_NN`` (exploratory)."""
+
+
+# ----------------------------------------------------------------------------- shared parts
+
+
+@with_config(_CONFIG)
+class GateFailure(TypedDict):
+    """The failed integrity gate of a row (``kvreplay.experiments.matrix.gate_failure``)."""
+    gate: str  # the gate's name, e.g. "desync", "replica", "storage", "equivalence"
+    reason: str
+
+
+@with_config(_CONFIG)
+class TensorGeometry(TypedDict):
+    """Recorded geometry of one tensor (``kvreplay.gates.geometry``)."""
+    shape: list[int]
+    stride: list[int]  # in elements
+    dtype: str  # torch dtype without "torch.", e.g. "bfloat16"
+    device: str  # e.g. "cpu", "cuda:0"
+    inference: bool  # an inference-mode tensor
+
+
+@with_config(_CONFIG)
+class TensorDiff(TypedDict):
+    """Drift of one tensor of ``other`` against ``ref`` (``kvreplay.drift.tensor_drift``), computed in float64."""
+    tensor: str  # inventory name, e.g. "L00.key", "L27.value", "logits"
+    exact: bool  # bit-identical
+    max_abs: Float  # largest absolute difference
+    l2_diff: Float  # ||other - ref||_2
+    l2_ref: Float  # ||ref||_2
+    rel_l2: Float  # l2_diff / l2_ref, dimensionless (0 when both are 0, Infinity when only ref is 0)
+    n_diff: int  # differing elements
+    numel: int  # elements
+    ref_geometry: TensorGeometry
+    other_geometry: TensorGeometry
+
+
+@with_config(_CONFIG)
+class LogitsDiff(TensorDiff):
+    """Drift of the boundary next-token logits ``[2, vocab]`` (``kvreplay.drift.logit_summary``); ``tensor`` is
+    ``"logits"``. Argmax, margin and top-k read row 0; the argmax takes the lowest token ID on an exact tie."""
+    argmax_ref: int  # token ID
+    argmax_other: int
+    argmax_agree: bool
+    margin_ref: Float  # top-1 minus top-2 logit of ref, in logits
+    margin_other: Float
+    topk_ref: list[int]  # the 5 highest-scoring token IDs, best first
+    topk_other: list[int]
+
+
+@with_config(_CONFIG)
+class CacheDiff(TypedDict):
+    """Whole-cache drift over every K and V tensor (``kvreplay.drift.aggregate``)."""
+    exact: bool  # every tensor bit-identical
+    rel_l2: Float  # relative L2 over all tensors concatenated, dimensionless
+    max_abs: Float
+    n_diff: int  # differing elements, summed over tensors (both duplicate batch rows)
+    numel: int
+
+
+@with_config(_CONFIG)
+class Comparison(TypedDict):
+    """A construction against the reference at the boundary, per tensor too (``matrix.comparison``, per_tensor)."""
+    cache: CacheDiff
+    logits: LogitsDiff
+    tensors: list[TensorDiff]  # every K and V tensor, in layer order
+
+
+@with_config(_CONFIG)
+class ReplicaComparison(TypedDict):
+    """A replica against its original (``matrix.comparison(per_tensor=False)``)."""
+    cache: CacheDiff
+    logits: LogitsDiff
+
+
+@with_config(_CONFIG)
+class LiveBoundary(TypedDict):
+    """Experiment 1's boundary comparisons: prefill against live, and each replica pair."""
+    prefill_vs_live: Comparison
+    live_replica: ReplicaComparison  # live_replica against live
+    prefill_replica: ReplicaComparison  # prefill_replica against prefill
+
+
+@with_config(_CONFIG)
+class IncrementalBoundary(TypedDict):
+    """Experiment 2's boundary comparisons: prefill against incremental, and each replica pair."""
+    prefill_vs_incremental: Comparison
+    incremental_replica: ReplicaComparison
+    prefill_replica: ReplicaComparison
+
+
+@with_config(_CONFIG)
+class BridgeBoundary(TypedDict):
+    """Experiment 3's boundary comparison: the incremental rebuild against the new live boundary."""
+    incremental_vs_live: Comparison
+
+
+@with_config(_CONFIG)
+class Equivalence(TypedDict):
+    """The float32 construction-equivalence gate of a row (``matrix.equivalence_record``)."""
+    dtype: Literal["float32"]
+    compared: Literal["prefill_vs_live", "prefill_vs_incremental"]
+    rel_l2: Float  # whole-cache relative L2 of the two float32 constructions
+    tolerance: Float  # the gate's bound (kvreplay.gates.EQUIVALENCE_TOLERANCE)
+
+
+@with_config(_CONFIG)
+class AnswerScore(TypedDict):
+    """The answer matcher's verdict on a decoded suffix (``kvreplay.scoring``)."""
+    merge_len: int  # merge content tokens
+    answer_len: int  # answer content tokens
+    answer_text: str  # the format's answer prefix + the decoded answer content
+    predicted: str | None  # an upper-case letter (or a canonical number); None when nothing was found
+    correct: bool
+    rule: Rule
+
+
+@with_config(_CONFIG)
+class ArmSuffix(AnswerScore):
+    """One arm's continuation from its boundary through the closed answer block (``matrix.arm_record``)."""
+    suffix: TokenIds  # every token after the boundary
+    margins: Margins  # one per suffix token
+
+
+@with_config(_CONFIG)
+class LiveArms(TypedDict):
+    """Experiment 1's four arms."""
+    live: ArmSuffix
+    live_replica: ArmSuffix
+    prefill: ArmSuffix
+    prefill_replica: ArmSuffix
+
+
+@with_config(_CONFIG)
+class IncrementalArms(TypedDict):
+    """Experiment 2's four arms."""
+    incremental: ArmSuffix
+    incremental_replica: ArmSuffix
+    prefill: ArmSuffix
+    prefill_replica: ArmSuffix
+
+
+@with_config(_CONFIG)
+class BridgeArms(TypedDict):
+    """Experiment 3's four arms."""
+    live: ArmSuffix
+    live_replica: ArmSuffix
+    incremental: ArmSuffix
+    incremental_replica: ArmSuffix
+
+
+@with_config(_CONFIG)
+class LiveArmTokens(TypedDict):
+    """One token ID per Experiment 1 arm, read from its boundary logits."""
+    live: int
+    live_replica: int
+    prefill: int
+    prefill_replica: int
+
+
+@with_config(_CONFIG)
+class IncrementalArmTokens(TypedDict):
+    """One token ID per Experiment 2 arm, read from its boundary logits."""
+    incremental: int
+    incremental_replica: int
+    prefill: int
+    prefill_replica: int
+
+
+@with_config(_CONFIG)
+class Endpoints(TypedDict):
+    """The matrix's endpoints, prefill against the reference arm (``matrix.matrix_arms``,
+    ``endpoints.divergence_endpoints``)."""
+    boundary_exact: bool  # boundary caches bit-identical
+    logits_exact: bool  # boundary logits bit-identical
+    first_token_agree: bool  # first eligible argmax agrees
+    suffix_differs: bool
+    merge_differs: bool
+    answer_differs: bool  # any answer content token differs
+    letter_differs: bool  # the extracted prediction differs
+    label_differs: bool  # correctness differs
+    first_divergence: int | None  # index of the first differing suffix token (0-based); None when the suffixes agree
+    tie_initiated: bool | None  # either arm's margin exactly 0 at first_divergence; None without a divergence
+
+
+@with_config(_CONFIG)
+class BridgeEndpoints(TypedDict):
+    """Experiment 3's endpoints: is the incremental rebuild bit-exact to the live boundary?"""
+    cache_exact: bool
+    layers: int  # layers in the cache
+    layers_exact: int  # layers whose K and V are both bit-exact
+    logits_exact: bool
+    suffix_exact: bool  # the live and incremental suffixes agree
+
+
+@with_config(_CONFIG)
+class PairMargins(TypedDict):
+    """Both constructions' per-step margins."""
+    incremental: Margins
+    prefill: Margins
+
+
+@with_config(_CONFIG)
+class SuffixPair(TypedDict):
+    """The incremental and prefill suffixes from one boundary (``controls._pair``, ``transplant._baseline``)."""
+    incremental: TokenIds
+    prefill: TokenIds
+    margins: PairMargins
+    suffix_differs: bool
+    first_divergence: int | None  # first differing suffix token (0-based), None when the suffixes agree
+    tie_initiated: bool | None  # None without a divergence
+
+
+@with_config(_CONFIG)
+class NullPerturbation(TypedDict):
+    """The incremental cache perturbed as much as prefill differs from it, at random places
+    (``controls.null_perturbation``)."""
+    seed: int  # the row's generator seed
+    elements_target: int  # elements of one duplicate row where incremental and prefill differ
+    elements_changed: int  # elements the perturbation changed (after rounding to the cache dtype)
+    rel_l2: Float  # whole-cache relative L2 of the perturbation
+    real_rel_l2: Float  # whole-cache relative L2 of prefill against incremental
+    suffix: TokenIds  # decoded from the perturbed cache
+    margins: Margins
+    moved: bool  # the suffix differs from the plain incremental one
+    first_divergence: int | None  # against the plain incremental suffix
+    tie_initiated: bool | None
+
+
+@with_config(_CONFIG)
+class TransplantOutcome(TypedDict):
+    """One direction of a transplant (``transplant._record_intervention``)."""
+    outcome: Literal["donor", "recipient", "third", "baseline"]  # whose suffix it follows; "baseline": the two agree
+    suffix: TokenIds  # decoded from the hybrid cache
+    donated_tensors: int  # tensors taken from the donor
+
+
+Intervention = TypedDict("Intervention", {
+    "kind": Literal["primary", "exploratory"],
+    "layers": list[int],  # transplanted layers
+    "parts": list[Literal["key", "value"]],
+    "prefill<-incremental": TransplantOutcome,  # recipient <- donor
+    "incremental<-prefill": TransplantOutcome,
+})
+Intervention.__doc__ = "One transplant intervention and its outcome in both directions (``transplant._interventions``)."
+Intervention.__pydantic_config__ = _CONFIG  # type: ignore[attr-defined]
+
+PartialIntervention = TypedDict("PartialIntervention", {
+    "kind": Literal["primary", "exploratory"],
+    "layers": list[int],
+    "parts": list[Literal["key", "value"]],
+    "prefill<-incremental": NotRequired[TransplantOutcome],
+    "incremental<-prefill": NotRequired[TransplantOutcome],
+})
+PartialIntervention.__doc__ = ("An intervention of a gate-failed row: a direction is missing when its transplant or "
+                               "decoding failed a gate (``transplant.transplant_row``).")
+PartialIntervention.__pydantic_config__ = _CONFIG  # type: ignore[attr-defined]
+
+
+@with_config(_CONFIG)
+class ReplicationInterventions(TypedDict):
+    """Experiment 5 runs only the registered primary intervention."""
+    whole: Intervention
+
+
+@with_config(_CONFIG)
+class PartialReplicationInterventions(TypedDict):
+    """Experiment 5's intervention in a gate-failed row."""
+    whole: PartialIntervention
+
+
+@with_config(_CONFIG)
+class ReplicationScores(TypedDict):
+    """Experiment 5's answer score of each baseline suffix (``replication.score_suffix``)."""
+    incremental: AnswerScore
+    prefill: AnswerScore
+
+
+@with_config(_CONFIG)
+class LetterChoice(TypedDict):
+    """The answer-letter metric under one checkpoint (``kvreplay.adapt.letter_choice``)."""
+    logits: dict[Letter, Float]  # each option letter's next-token logit
+    predicted: Letter  # the highest logit, the earlier letter on a tie
+    correct: bool
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+@with_config(_CONFIG)
+class Exp1Row(TypedDict):
+    """Experiment 1 row (paper §4.1): live decoding to the merge boundary, then the four-arm matrix (``exp1_row``)."""
+    problem_id: str
+    gate_failure: None
+    prompt_len: int  # prompt tokens
+    prefix_len: int  # tokens up to the boundary, prompt included
+    prefix: TokenIds  # the boundary prefix z
+    schedule_calls: int  # model calls of the live schedule
+    boundary: LiveBoundary
+    equivalence: Equivalence | None  # None on rows the float32 gate does not check
+    first_token: LiveArmTokens  # first eligible argmax of each arm's boundary logits
+    raw_argmax: LiveArmTokens  # unmasked argmax of each arm's boundary logits
+    arms: LiveArms
+    endpoints: Endpoints  # prefill against live
+
+
+@with_config(_CONFIG)
+class Exp1FailedRow(TypedDict):
+    """An Experiment 1 row stopped by a gate: the fields of the stages finished before it (never ``arms``,
+    ``endpoints``)."""
+    problem_id: str
+    gate_failure: GateFailure
+    prompt_len: NotRequired[int]  # these four once the live boundary was reached
+    prefix_len: NotRequired[int]
+    prefix: NotRequired[TokenIds]
+    schedule_calls: NotRequired[int]
+    boundary: NotRequired[LiveBoundary]  # once the boundary gates passed
+    equivalence: NotRequired[Equivalence | None]  # these three once the equivalence gate passed
+    first_token: NotRequired[LiveArmTokens]
+    raw_argmax: NotRequired[LiveArmTokens]
+
+
+@with_config(_CONFIG)
+class Exp2Row(TypedDict):
+    """Experiment 2 row (fixed-prefix precision, paper §4.2): the incremental rebuild of a frozen BF16 prefix against
+    prefill, four-arm matrix (``exp2_row``)."""
+    problem_id: str
+    gate_failure: None
+    prompt_len: int
+    prefix_len: int
+    prefix: TokenIds
+    schedule_calls: int  # model calls of the replayed live schedule
+    boundary: IncrementalBoundary
+    equivalence: Equivalence | None
+    first_token: IncrementalArmTokens
+    raw_argmax: IncrementalArmTokens
+    arms: IncrementalArms
+    endpoints: Endpoints  # prefill against incremental
+
+
+@with_config(_CONFIG)
+class Exp2FailedRow(TypedDict):
+    """Experiment 2 row stopped by a gate (the stages of :class:`Exp1FailedRow`)."""
+    problem_id: str
+    gate_failure: GateFailure
+    prompt_len: NotRequired[int]
+    prefix_len: NotRequired[int]
+    prefix: NotRequired[TokenIds]
+    schedule_calls: NotRequired[int]
+    boundary: NotRequired[IncrementalBoundary]
+    equivalence: NotRequired[Equivalence | None]
+    first_token: NotRequired[IncrementalArmTokens]
+    raw_argmax: NotRequired[IncrementalArmTokens]
+
+
+@with_config(_CONFIG)
+class ControlsRow(TypedDict):
+    """Experiment 2's exploratory controls on one frozen BF16 prefix (``controls_row``)."""
+    problem_id: str
+    gate_failure: None
+    prefix_len: int
+    baseline: SuffixPair  # plain BF16 decoding
+    fp32_readout: SuffixPair  # the same BF16 caches, final norm and LM head in float32
+    null_perturbation: NullPerturbation
+
+
+@with_config(_CONFIG)
+class ControlsFailedRow(TypedDict):
+    """A controls row stopped by a gate: nothing is recorded before every suffix is decoded."""
+    problem_id: str
+    gate_failure: GateFailure
+    prefix_len: int
+
+
+@with_config(_CONFIG)
+class BridgeRow(TypedDict):
+    """Experiment 3 bridge row (paper §3.6, §3.7, §4.3): a new live boundary against the incremental rebuild of its
+    prefix (``bridge_row``)."""
+    problem_id: str
+    gate_failure: None
+    prefix_len: int  # the new live prefix
+    prefix: TokenIds
+    saved_prefix_len: int  # the problem's saved prefix (the BF16 prefix bank, from Experiment 1)
+    same_as_saved: bool  # the new prefix is token-identical to the saved one
+    equivalence: Equivalence | None
+    boundary: BridgeBoundary
+    arms: BridgeArms
+    endpoints: BridgeEndpoints
+
+
+@with_config(_CONFIG)
+class BridgeFailedRow(TypedDict):
+    """An Experiment 3 row stopped by a gate (never ``boundary``, ``arms``, ``endpoints``)."""
+    problem_id: str
+    gate_failure: GateFailure
+    prefix_len: NotRequired[int]  # these four once the live boundary was reached
+    prefix: NotRequired[TokenIds]
+    saved_prefix_len: NotRequired[int]
+    same_as_saved: NotRequired[bool]
+    equivalence: NotRequired[Equivalence | None]  # once the boundary and equivalence gates passed
+
+
+@with_config(_CONFIG)
+class TransplantRow(TypedDict):
+    """Experiment 4 row (cache transplant, paper §4.4) on a frozen panel row (``transplant_row``)."""
+    problem_id: str
+    gate_failure: None
+    stratum: Literal["divergent", "exact"]  # the frozen panel's stratum (from Experiment 2)
+    prefix_len: int
+    prefix: TokenIds
+    equivalence: Equivalence | None
+    baseline: SuffixPair  # the contemporaneous incremental and prefill suffixes
+    interventions: dict[InterventionName, Intervention]
+
+
+@with_config(_CONFIG)
+class TransplantFailedRow(TypedDict):
+    """An Experiment 4 row stopped by a gate; ``interventions`` only once ``baseline`` exists (row by row: may be
+    partial; the batched runner drops it)."""
+    problem_id: str
+    gate_failure: GateFailure
+    stratum: Literal["divergent", "exact"]
+    prefix_len: NotRequired[int]
+    prefix: NotRequired[TokenIds]
+    equivalence: NotRequired[Equivalence | None]
+    baseline: NotRequired[SuffixPair]
+    interventions: NotRequired[dict[InterventionName, PartialIntervention]]
+
+
+@with_config(_CONFIG)
+class ReplicationRow(TypedDict):
+    """Experiment 5 row (replication on a later checkpoint, paper §4.5): Experiment 4's six arms with the whole-cache
+    transplant only, plus each baseline's answer score (``replication_row``)."""
+    problem_id: str
+    gate_failure: None
+    stratum: Literal["panel"]  # the panel is not stratified
+    prefix_len: int
+    prefix: TokenIds
+    equivalence: Equivalence | None
+    baseline: SuffixPair
+    interventions: ReplicationInterventions
+    scores: ReplicationScores
+
+
+@with_config(_CONFIG)
+class ReplicationFailedRow(TypedDict):
+    """An Experiment 5 row stopped by a gate (:class:`TransplantFailedRow`'s stages; never ``scores``)."""
+    problem_id: str
+    gate_failure: GateFailure
+    stratum: Literal["panel"]
+    prefix_len: NotRequired[int]
+    prefix: NotRequired[TokenIds]
+    equivalence: NotRequired[Equivalence | None]
+    baseline: NotRequired[SuffixPair]
+    interventions: NotRequired[PartialReplicationInterventions]
+
+
+@with_config(_CONFIG)
+class AdaptEvalRow(TypedDict):
+    """Answer-letter accuracy of one problem under each role-table checkpoint (``adapt.letter_row``); no gates."""
+    problem_id: str
+    gold: Letter
+    gate_failure: None
+    checkpoints: dict[str, LetterChoice]  # checkpoint name ("ckpt0": no role rows, "later", ...) -> its choice
+
+
+ROW_TYPES: dict[str, type] = {
+    "exp1": Exp1Row,
+    "exp2": Exp2Row,
+    "exp2_controls": ControlsRow,
+    "exp3": BridgeRow,
+    "exp4": TransplantRow,
+    "exp5": ReplicationRow,
+    "adapt_eval": AdaptEvalRow,
+}
+"""Experiment (ledger folder prefix) -> the layout of its rows that passed every gate."""
+
+FAILED_ROW_TYPES: dict[str, type] = {
+    "exp1": Exp1FailedRow,
+    "exp2": Exp2FailedRow,
+    "exp2_controls": ControlsFailedRow,
+    "exp3": BridgeFailedRow,
+    "exp4": TransplantFailedRow,
+    "exp5": ReplicationFailedRow,
+}
+"""Experiment -> the layout of its rows whose ``gate_failure`` is set (``adapt_eval`` has no gates)."""
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+class RowSchemaError(ValueError):
+    """A ledger row does not fit its experiment's schema.
+
+    Attributes:
+        experiment: the experiment the row was checked as.
+        problem_id: the row's ``problem_id`` (None if it has none).
+        row_type: the record it was checked against (a :data:`FAILED_ROW_TYPES` one when its ``gate_failure`` is set).
+        path: where the first error is, e.g. ``arms.live.margins[3]`` (``<row>`` for the row itself).
+        errors: every error, as pydantic reports them (``loc``, ``msg``, ``type``, ``input``).
+    """
+
+    def __init__(self, experiment: str, problem_id: object, row_type: type, path: str, errors: list[dict[str, Any]]):
+        self.experiment, self.problem_id, self.row_type, self.path, self.errors = (
+            experiment, problem_id, row_type, path, errors)
+        first = errors[0]
+        got = "" if first["type"] == "missing" else f" (got {_short(first.get('input'))})"
+        more = f" (and {len(errors) - 1} more error{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
+        who = f"problem_id {problem_id!r}" if problem_id is not None else "a row without problem_id"
+        super().__init__(f"{experiment} ledger, {who}, as {row_type.__name__}: {path}: {first['msg']}{got}{more}")
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _path(loc: Iterable[int | str]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<row>"
+
+
+@functools.cache
+def _adapter(row_type: type) -> TypeAdapter:
+    return TypeAdapter(row_type)
+
+
+def validate_row(experiment: str, row: dict) -> dict:
+    """Check one row against its experiment's schema (:data:`FAILED_ROW_TYPES` when its ``gate_failure`` is set).
+
+    Args:
+        experiment: a :data:`ROW_TYPES` key (see :func:`experiment_of`).
+        row: the row as read from the ledger.
+
+    Returns:
+        ``row`` itself, unchanged.
+
+    Raises:
+        RowSchemaError: a missing or extra key, or a value of the wrong type; the message names the experiment,
+            the row's ``problem_id`` and the first error's path.
+        ValueError: an unknown experiment.
+    """
+    if experiment not in ROW_TYPES:
+        raise ValueError(f"unknown experiment {experiment!r}; known: {', '.join(sorted(ROW_TYPES))}")
+    failed = isinstance(row, dict) and row.get("gate_failure") is not None and experiment in FAILED_ROW_TYPES
+    row_type = FAILED_ROW_TYPES[experiment] if failed else ROW_TYPES[experiment]
+    try:
+        _adapter(row_type).validate_python(row)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        pid = row.get("problem_id") if isinstance(row, dict) else None
+        raise RowSchemaError(experiment, pid, row_type, _path(errors[0]["loc"]), errors) from None
+    return row
+
+
+def validate_rows(experiment: str, rows: Iterable[dict]) -> list[dict]:
+    """:func:`validate_row` on every row, in order.
+
+    Returns:
+        the rows themselves, as a list.
+
+    Raises:
+        RowSchemaError: at the first row that does not fit.
+        ValueError: an unknown experiment.
+    """
+    return [validate_row(experiment, r) for r in rows]
+
+
+_FOLDER = re.compile(r"^(?P<experiment>[a-z0-9_]+)-(?P<dtype>[a-z0-9]+)-(?P<digest>[0-9a-f]+)$")
+
+
+def experiment_of(folder_name: str | Path) -> str:
+    """The experiment of a ledger folder ``<experiment>-<dtype>-<digest12>`` (a name or a path).
+
+    Example: ``experiment_of("exp2_controls-bfloat16-2057f13994a1") == "exp2_controls"``.
+
+    Raises:
+        ValueError: a name of another shape, or an experiment without a schema.
+    """
+    name = Path(folder_name).name
+    m = _FOLDER.match(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a ledger folder name (<experiment>-<dtype>-<digest>)")
+    if m["experiment"] not in ROW_TYPES:
+        raise ValueError(f"{name!r}: no row schema for experiment {m['experiment']!r}; "
+                         f"known: {', '.join(sorted(ROW_TYPES))}")
+    return m["experiment"]
