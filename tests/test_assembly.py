@@ -66,32 +66,76 @@ ENV = {"torch": "t", "transformers": "x", "python": "3", "device": "cpu", "devic
                  "head_dim": 4, "file_sha256": "a" * 64, "weights_sha256": "b" * 64, "role_table_sha256": None}}
 
 
+VOCAB = 16
+"""Vocabulary of the synthetic boundary logits ``[2, VOCAB]`` (the suffixes' token IDs 10-15 fit in it)."""
+EQUIVALENCE_TOLERANCE = 1e-4
+"""``kvreplay.gates.EQUIVALENCE_TOLERANCE``, as a float32 row records it."""
+
+
+def _geometry(shape: list[int], dtype: str) -> dict:
+    """A contiguous tensor's recorded geometry (``records.TensorGeometry``)."""
+    stride = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    return {"shape": shape, "stride": stride, "dtype": dtype, "device": "cpu", "inference": True}
+
+
 def _summary(rel: float, n: int = 8) -> dict:
+    """Whole-cache drift (``records.CacheDiff``)."""
     return {"exact": rel == 0, "rel_l2": rel, "max_abs": rel, "n_diff": 0 if rel == 0 else n, "numel": n}
 
 
-def _tensor(name: str, rel: float, seq: int) -> dict:
-    g = {"shape": [2, 1, seq, 4], "stride": [4 * seq, 4 * seq, 4, 1], "dtype": "bfloat16", "device": "cpu", "inference": True}
+def _tensor(name: str, rel: float, seq: int, dtype: str = "bfloat16") -> dict:
+    """One K or V tensor's drift (``records.TensorDiff``), shape ``[2, 1, seq, 4]``."""
+    g = _geometry([2, 1, seq, 4], dtype)
     return {"tensor": name, "exact": rel == 0, "max_abs": rel, "l2_diff": rel, "l2_ref": 1.0, "rel_l2": rel,
             "n_diff": 0 if rel == 0 else 3, "numel": 8 * seq, "ref_geometry": g, "other_geometry": g}
 
 
-def _logits(rel: float) -> dict:
-    return _summary(rel) | {"argmax_ref": 5, "argmax_other": 5, "argmax_agree": True, "margin_ref": 1.0,
-                            "margin_other": 1.0, "topk_ref": [5, 6], "topk_other": [5, 6]}
+def _logits(rel: float, dtype: str = "bfloat16") -> dict:
+    """Boundary logits drift (``records.LogitsDiff``), shape ``[2, VOCAB]``; both argmaxes are token 10."""
+    g = _geometry([2, VOCAB], dtype)
+    top = [10, 11, 12, 13, 14]
+    return {"tensor": "logits", "exact": rel == 0, "max_abs": rel, "l2_diff": rel, "l2_ref": 1.0, "rel_l2": rel,
+            "n_diff": 0 if rel == 0 else 8, "numel": 2 * VOCAB, "ref_geometry": g, "other_geometry": g,
+            "argmax_ref": 10, "argmax_other": 10, "argmax_agree": True, "margin_ref": 1.0, "margin_other": 1.0,
+            "topk_ref": top, "topk_other": list(top)}
+
+
+def _comparison(rel: float, seq: int, dtype: str = "bfloat16") -> dict:
+    """A construction against its reference, per tensor too (``records.Comparison``): 2 layers, K and V."""
+    return {"cache": _summary(rel), "logits": _logits(rel, dtype),
+            "tensors": [_tensor(f"L{i:02d}.{k}", rel * (i + 1), seq, dtype) for i in range(2) for k in ("key", "value")]}
+
+
+def _replica(dtype: str = "bfloat16") -> dict:
+    """A replica against its original, bit-identical (``records.ReplicaComparison``)."""
+    return {"cache": _summary(0.0), "logits": _logits(0.0, dtype)}
+
+
+def _equivalence(compared: str, rel: float) -> dict:
+    """The float32 construction-equivalence record (``records.Equivalence``), as a float32 run writes on every row."""
+    return {"dtype": "float32", "compared": compared, "rel_l2": rel, "tolerance": EQUIVALENCE_TOLERANCE}
 
 
 TIED = "mmlu-aaaa"
 """The divergent row whose first divergence is tie-initiated (its prefill arm's margin there is exactly 0)."""
 
 
+def _score(predicted: str, correct: bool) -> dict:
+    """The answer matcher's verdict (``records.AnswerScore``) on an answer block "The answer is: <letter>"."""
+    return {"merge_len": 3, "answer_len": 1, "answer_text": f"The answer is: {predicted}", "predicted": predicted,
+            "correct": correct, "rule": "answer_is"}
+
+
 def _arm(suffix: list[int], correct: bool, margins: list | None = None, predicted: str = "A") -> dict:
-    return {"suffix": suffix, "margins": (margins or MARGINS)[: len(suffix)], "merge_len": 3, "answer_len": 1,
-            "answer_text": predicted, "predicted": predicted, "correct": correct, "rule": "letter"}
+    """One arm's continuation (``records.ArmSuffix``)."""
+    return {"suffix": suffix, "margins": (margins or MARGINS)[: len(suffix)]} | _score(predicted, correct)
 
 
-def matrix_record(pid: str, ref: str, prefix: list[int], rel: float) -> dict:
-    """An Experiment 1 (``ref="live"``) or 2 (``ref="incremental"``) row; divergent rows part at suffix step 3."""
+def matrix_record(pid: str, ref: str, prefix: list[int], rel: float, dtype: str = "bfloat16") -> dict:
+    """An Experiment 1 (``ref="live"``) or 2 (``ref="incremental"``) row; divergent rows part at suffix step 3.
+
+    A float32 row carries the equivalence record of its own comparison (as a float32 run writes on every row); a
+    bfloat16 row none (this synthetic run checks no BF16 row)."""
     div = DIVERGES[pid]
     base = [10, 11, 12, 13, 14, 15]
     other = base[:3] + [99, 98, 97] if div else list(base)
@@ -102,11 +146,11 @@ def matrix_record(pid: str, ref: str, prefix: list[int], rel: float) -> dict:
         "problem_id": pid, "gate_failure": None, "prompt_len": 2, "prefix_len": len(prefix), "prefix": prefix,
         "schedule_calls": len(prefix) - 1,
         "boundary": {
-            f"prefill_vs_{ref}": {"cache": _summary(rel), "logits": _logits(rel),
-                                  "tensors": [_tensor(f"L{i:02d}.{k}", rel * (i + 1), len(prefix)) for i in range(2) for k in ("key", "value")]},
-            f"{ref}_replica": {"cache": _summary(0.0), "logits": _logits(0.0)},
-            "prefill_replica": {"cache": _summary(0.0), "logits": _logits(0.0)},
+            f"prefill_vs_{ref}": _comparison(rel, len(prefix), dtype),
+            f"{ref}_replica": _replica(dtype),
+            "prefill_replica": _replica(dtype),
         },
+        "equivalence": _equivalence(f"prefill_vs_{ref}", rel) if dtype == "float32" else None,
         "first_token": {a: 10 for a in (ref, f"{ref}_replica", "prefill", "prefill_replica")},
         "raw_argmax": {a: 10 for a in (ref, f"{ref}_replica", "prefill", "prefill_replica")},
         "arms": {ref: _arm(base, c_ref), f"{ref}_replica": _arm(base, c_ref), "prefill": _arm(other, c_pre, tied, pred),
@@ -120,9 +164,8 @@ def matrix_record(pid: str, ref: str, prefix: list[int], rel: float) -> dict:
 
 def bridge_record(pid: str, prefix: list[int]) -> dict:
     return {"problem_id": pid, "gate_failure": None, "prefix_len": len(prefix), "prefix": prefix,
-            "saved_prefix_len": len(prefix), "same_as_saved": True,
-            "boundary": {"incremental_vs_live": {"cache": _summary(0.0), "logits": _logits(0.0),
-                                                 "tensors": [_tensor(f"L{i:02d}.{k}", 0.0, len(prefix)) for i in range(2) for k in ("key", "value")]}},
+            "saved_prefix_len": len(prefix), "same_as_saved": True, "equivalence": None,
+            "boundary": {"incremental_vs_live": _comparison(0.0, len(prefix))},
             "arms": {a: _arm([1, 2], True) for a in ("live", "live_replica", "incremental", "incremental_replica")},
             "endpoints": {"cache_exact": True, "layers": 2, "layers_exact": 2, "logits_exact": True, "suffix_exact": True}}
 
@@ -131,8 +174,8 @@ def transplant_record(pid: str, prefix: list[int]) -> dict:
     div = DIVERGES[pid]
     inc, pre = [1, 2, 3], ([1, 9, 9] if div else [1, 2, 3])
     ivs = {}
-    for name, kind in (("whole", "primary"), ("keys_only", "exploratory")):
-        iv = {"kind": kind, "layers": [0, 1], "parts": ["key", "value"]}
+    for name, kind, parts in (("whole", "primary", ["key", "value"]), ("keys_only", "exploratory", ["key"])):
+        iv = {"kind": kind, "layers": [0, 1], "parts": parts}
         for d in ("prefill<-incremental", "incremental<-prefill"):
             donor = inc if d.endswith("incremental") else pre
             if not div:
@@ -141,10 +184,10 @@ def transplant_record(pid: str, prefix: list[int]) -> dict:
                 outcome, suffix = "donor", donor
             else:
                 outcome, suffix = "third", [7, 7, 7]
-            iv[d] = {"outcome": outcome, "suffix": suffix, "donated_tensors": 4}
+            iv[d] = {"outcome": outcome, "suffix": suffix, "donated_tensors": 2 * len(parts)}  # 2 layers
         ivs[name] = iv
     return {"problem_id": pid, "gate_failure": None, "stratum": "divergent" if div else "exact", "prefix_len": len(prefix),
-            "prefix": prefix, "baseline": {"incremental": inc, "prefill": pre, "suffix_differs": div,
+            "prefix": prefix, "equivalence": None, "baseline": {"incremental": inc, "prefill": pre, "suffix_differs": div,
                                            "margins": {"incremental": [1.0, 0.5, 0.5], "prefill": [1.0, 0.0 if pid == TIED else 0.5, 0.5]},
                                            "first_divergence": 1 if div else None, "tie_initiated": (pid == TIED) if div else None},
             "interventions": ivs}
@@ -155,8 +198,7 @@ def replication_record(pid: str, prefix: list[int]) -> dict:
     rec = transplant_record(pid, prefix)
     rec["stratum"] = "panel"
     del rec["interventions"]["keys_only"]
-    rec["scores"] = {a: {"answer_text": "A", "predicted": "A", "correct": pid != "mmlu-cccc", "rule": "letter",
-                         "merge_len": 3, "answer_len": 1} for a in ("incremental", "prefill")}
+    rec["scores"] = {a: _score("A", pid != "mmlu-cccc") for a in ("incremental", "prefill")}
     return rec
 
 
@@ -189,10 +231,10 @@ def build_chain(root, skip: tuple[str, ...] = ()) -> dict[str, Ledger]:
     out["exp1-bfloat16"] = _write(root, "exp1", "bfloat16", e1)
     sha = write_prefix_bank(e1, root / PROFILE / PREFIX_BANK, out["exp1-bfloat16"].dir.name)
     if "exp1-float32" not in skip:
-        out["exp1-float32"] = _write(root, "exp1", "float32", [matrix_record(p, "live", PREFIX[p], 1e-6) for p in IDS])
+        out["exp1-float32"] = _write(root, "exp1", "float32", [matrix_record(p, "live", PREFIX[p], 1e-6, "float32") for p in IDS])
     for d, rel in (("bfloat16", 0.01), ("float32", 1e-6)):
         if f"exp2-{d}" not in skip:
-            recs = [matrix_record(p, "incremental", PREFIX[p], rel) for p in IDS]
+            recs = [matrix_record(p, "incremental", PREFIX[p], rel, d) for p in IDS]
             if d == "float32":  # FP32: no decoded disagreement
                 for r in recs:
                     r["arms"]["prefill"] = r["arms"]["prefill_replica"] = r["arms"]["incremental"]
@@ -325,7 +367,9 @@ def test_gate_failure_withholds_endpoints(chain):
     root, written = chain
     rows = written["exp1-bfloat16"].rows_path
     recs = [json.loads(x) for x in rows.read_text().splitlines()]
-    recs[1] = {"problem_id": recs[1]["problem_id"], "gate_failure": {"gate": "desync", "reason": "planted"}, "prefix": recs[1]["prefix"]}
+    # a row stopped by a gate after its live boundary was reached: only that stage's fields (records.Exp1FailedRow)
+    recs[1] = {"problem_id": recs[1]["problem_id"], "gate_failure": {"gate": "desync", "reason": "planted"}} | {
+        k: recs[1][k] for k in ("prompt_len", "prefix_len", "prefix", "schedule_calls")}
     rows.write_text("".join(json.dumps(r) + "\n" for r in recs))
     profile_ledgers = load_profile(root, PROFILE)
     with pytest.raises(GateError, match="desync"):

@@ -119,8 +119,8 @@ def test_a_sealed_ledger_reads_the_same_and_takes_more_rows(tmp_path):
     from kvreplay.ledger.lookup import read_ledger
     from kvreplay.ledger.store import read_rows_text, seal, unseal
 
-    config = {"a": 1, "problem_ids": ["p0", "p1", "p2"]}
-    ledger = Ledger(tmp_path, "exp1-bfloat16", config)
+    config = {"a": 1, "problem_ids": ["p0", "p1", "p2"]}  # not an experiment's label: these rows have no row type
+    ledger = Ledger(tmp_path, "sealing-bfloat16", config)
     for i in range(3):
         ledger.append({"problem_id": f"p{i}", "v": [i, 0.5]})
     plain = (ledger.dir / "rows.jsonl").read_bytes()
@@ -133,7 +133,7 @@ def test_a_sealed_ledger_reads_the_same_and_takes_more_rows(tmp_path):
     assert (ledger.dir / "rows.jsonl").read_bytes() == plain
     assert seal(ledger.dir).read_bytes() == sealed_bytes  # deterministic: no time stamp in the header
 
-    again = Ledger(tmp_path, "exp1-bfloat16", config)
+    again = Ledger(tmp_path, "sealing-bfloat16", config)
     assert again.records() == [json.loads(x) for x in plain.decode().splitlines()] and again.complete(["p0", "p2"])
     assert read_ledger(ledger.dir).records == again.records()
     assert (ledger.dir / "rows.jsonl.gz").exists()  # reading did not unseal it
@@ -157,3 +157,14 @@ def test_seal_command(tmp_path):
     out = run("seal", str(ledger.dir), str(tmp_path))
     assert out.returncode == 2 and "not a ledger folder" in out.stderr and (ledger.dir / "rows.jsonl.gz").exists()
     assert run("unseal", str(ledger.dir)).returncode == 0 and (ledger.dir / "rows.jsonl").exists()
+
+
+def test_reading_an_experiment_ledger_checks_every_row_against_its_row_type(tmp_path):
+    """What the notebooks read has the declared layout: a row of the wrong shape stops the read, naming it."""
+    from kvreplay.ledger.lookup import read_ledger
+    from kvreplay.ledger.records import RowSchemaError
+
+    ledger = Ledger(tmp_path, "exp1-bfloat16", {"problem_ids": ["p0"]})
+    ledger.append({"problem_id": "p0", "v": [0, 0.5]})
+    with pytest.raises(RowSchemaError, match=r"problem_id 'p0'.*Exp1Row"):
+        read_ledger(ledger.dir)

@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .records import ROW_TYPES, validate_rows
 from .store import ROWS, SEALED, read_rows_text
 
 PREFIX_BANK = "prefix_bank_bf16.jsonl"
@@ -138,8 +139,12 @@ def ledger_progress(folder: str | Path) -> tuple[int, int]:
 def read_ledger(folder: str | Path, key: str | None = None) -> LoadedLedger:
     """Read a ledger folder (manifest, environment, rows) with its rows in frozen order.
 
+    Every row is checked against its experiment's typed record (:mod:`.records`) on the way in, so
+    what a notebook reads has the layout the code declares.
+
     Raises:
         MissingLedgerError: if the folder has no manifest or is unfinished.
+        RowSchemaError: a row that does not fit its experiment's row type (naming the row and the field).
     """
     folder = Path(folder)
     mpath = folder / "manifest.json"
@@ -154,7 +159,11 @@ def read_ledger(folder: str | Path, key: str | None = None) -> LoadedLedger:
     if missing:
         raise MissingLedgerError(f"ledger {folder} is unfinished: {len(ids) - len(missing)}/{len(ids)} rows")
     key = key or "-".join(folder.name.split("-")[:2])
-    return LoadedLedger(key=key, dir=folder, manifest=manifest, environment=env, records=[by_id[i] for i in ids])
+    records = [by_id[i] for i in ids]
+    experiment = key.rsplit("-", 1)[0]
+    if experiment in ROW_TYPES:
+        validate_rows(experiment, records)
+    return LoadedLedger(key=key, dir=folder, manifest=manifest, environment=env, records=records)
 
 
 def _run_hint(spec: LedgerSpec, profile: str) -> str:
