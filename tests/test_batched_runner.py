@@ -121,6 +121,24 @@ def test_chunk_deadline_stops_at_a_chunk_boundary_and_the_arm_resumes_to_identic
     assert ledger.dir == folder and ledger.rows_path.read_bytes() == whole.rows_path.read_bytes()
 
 
+def test_chunks_larger_than_the_batch_refill_slots_and_write_the_same_ledger(tmp_path, tiny_arm):
+    """More problems per chunk than slots (a finished problem's slot takes the next): same key, same bytes."""
+    problems = _problems(5)
+    _, by_batch = run_experiment1(problems, tiny_arm(step_path="engine-eager", batch=2), ledger_root=tmp_path / "b",
+                                  progress=False)
+    _, by_chunk = run_experiment1(problems, tiny_arm(step_path="engine-eager", batch=2, chunk=5),
+                                  ledger_root=tmp_path / "c", progress=False)
+    assert by_chunk.dir.name == by_batch.dir.name
+    assert by_chunk.rows_path.read_bytes() == by_batch.rows_path.read_bytes()
+    engine_events = [json.loads(x) for x in (by_chunk.dir / "runlog.jsonl").read_text().splitlines()
+                     if '"event": "engine"' in x]
+    assert engine_events and engine_events[0]["chunk"] == 5 and engine_events[0]["batch"] == 2
+    with pytest.raises(ValueError, match="chunk"):
+        tiny_arm(chunk=4)  # the eager path has no chunks
+    with pytest.raises(ValueError, match="chunk"):
+        tiny_arm(step_path="engine-eager", batch=2, chunk=0)
+
+
 def test_a_row_that_does_not_fit_its_schema_is_not_appended(tmp_path, tiny_arm, monkeypatch):
     import kvreplay.experiments.live_vs_prefill as exp1
 
@@ -161,9 +179,9 @@ def test_step_path_and_batch_shape_join_the_key_and_defaults_add_nothing(tmp_pat
     assert len({config_digest(c) for c in keys.values()}) == len(keys)
     for c in keys.values():  # nothing else moves
         assert {k: v for k, v in c.items() if k != "engine"} == base
-    with pytest.raises(ValueError, match="engine's batch shape"):
+    with pytest.raises(ValueError, match="batch, max_len and chunk drive the batched engine"):
         tiny_arm(batch=4)
-    with pytest.raises(ValueError, match="engine's batch shape"):
+    with pytest.raises(ValueError, match="batch, max_len and chunk drive the batched engine"):
         tiny_arm(max_len=300)
     with pytest.raises(ValueError, match="needs device 'cuda'"):
         tiny_arm(step_path="graph")

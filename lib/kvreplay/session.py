@@ -38,7 +38,7 @@ SETTINGS_PARAMETERS = {
     # notebook parameter -> ArmSettings field
     "model": "model", "format": "fmt", "role_table": "role_table", "threads": "threads", "device": "device",
     "deterministic": "deterministic", "allow_tf32": "allow_tf32", "workers": "workers", "ray_address": "ray_address",
-    "step_path": "step_path", "batch": "batch", "max_len": "max_len",
+    "step_path": "step_path", "batch": "batch", "max_len": "max_len", "chunk": "chunk",
 }
 """Notebook parameters passed to every arm's :class:`~kvreplay.runner.ArmSettings` (when the notebook declares them)."""
 
@@ -98,7 +98,7 @@ class Session:
         """
         kw = {field: self.params[name] for name, field in SETTINGS_PARAMETERS.items() if name in self.params}
         if not batched:
-            kw = {k: v for k, v in kw.items() if k not in ("step_path", "batch", "max_len")}
+            kw = {k: v for k, v in kw.items() if k not in ("step_path", "batch", "max_len", "chunk")}
         if model is not None:
             kw["model"] = model
         if role_table is not None:

@@ -42,6 +42,7 @@ ray_address = None            # an existing Ray cluster ("HEAD:6379", "auto"); N
 step_path = "eager"           # "eager" (the reference), "engine-eager" or "graph" (CUDA): the batched engine
 batch = 8                     # problems per batched step (engine paths only)
 max_len = None                # positions per row of the engine's static cache (None: the longest sequence possible)
+chunk = None                  # problems per chunk of the batched runner (None: batch); more than batch keeps slots busy, same bits
 format = "chat_multibranch"
 role_table = None
 ledger_root = None            # default: data/ledgers

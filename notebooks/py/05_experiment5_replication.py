@@ -50,6 +50,7 @@ ray_address = None            # an existing Ray cluster ("HEAD:6379", "auto"); N
 step_path = "eager"           # "eager" (the reference), "engine-eager" or "graph" (CUDA): the batched engine
 batch = 8                     # problems per batched step (engine paths only)
 max_len = None                # positions per row of the engine's static cache (None: the longest sequence possible)
+chunk = None                  # problems per chunk of the batched runner (None: batch); more than batch keeps slots busy, same bits
 format = "chat_multibranch"
 role_table = None             # checkpoint 0's role table (None: zero rows), as in notebooks 01-04
 replication_model = None      # None: the chain's model + the later role table of notebook 00; or any HF folder / .gguf / cached hub id

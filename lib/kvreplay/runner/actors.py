@@ -328,7 +328,7 @@ class RowActors:
         """A :func:`~kvreplay.ledger.run_rows` mapper over ``todo`` (the rows still to compute, in order).
 
         ``run`` (the engine run :meth:`prepare` returned) makes groups of
-        ``run.batch`` problems computed by the batched engine, the composition
+        ``run.problems_per_chunk`` problems computed by the batched engine, the composition
         gate on ``composition_id``; ``None`` makes groups of one row.
         """
         return ActorRows(self, todo, key, run, composition_id)
@@ -411,7 +411,7 @@ class ActorRows:
     """
     def __init__(self, pool: RowActors, todo: Sequence, key: Callable, run=None, composition_id: str | None = None):
         self.pool, self.key, self.run, self.composition_id = pool, key, run, composition_id
-        size = run.batch if run is not None else 1
+        size = run.problems_per_chunk if run is not None else 1
         self.groups = [list(todo[i : i + size]) for i in range(0, len(todo), size)]
         self.group_of = {key(it): g for g, group in enumerate(self.groups) for it in group}
         self.held: dict[str, dict] = {}

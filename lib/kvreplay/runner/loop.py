@@ -44,7 +44,7 @@ def run_arm(
 
     With a non-eager ``settings.step_path`` the arm runs through the batched
     engine instead: ``chunk(spec, problems)`` (e.g. :func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`)
-    computes the records of up to ``settings.batch`` problems at a time
+    computes the records of up to ``settings.chunk`` (default ``settings.batch``) problems at a time
     (:class:`BatchedRows`), appended in problem order as in a sequential run;
     the first preflight problem also passes the ``composition`` gate (and,
     on the graph path, ``graph_equals_eager``).
@@ -98,7 +98,7 @@ def run_arm(
     todo = [p for p in problems if p.problem_id not in done]
     equivalence_ids = frozenset(ids[: settings.preflight])
     first = problems[0].problem_id if settings.preflight > 0 and problems else None  # composition gate (batched)
-    groups = len(todo) if settings.step_path == "eager" else -(-len(todo) // settings.batch)
+    groups = len(todo) if settings.step_path == "eager" else -(-len(todo) // (settings.chunk or settings.batch))
     if settings.workers > 1 and groups > 1:
         # the actors load the model; this process loads none (a second copy would sit on the first GPU)
 

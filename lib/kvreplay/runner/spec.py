@@ -87,11 +87,21 @@ class EngineRun:
         max_len: positions per row (the static cache's key dimension).
         verify_steps: steps of each engine checked against the eager step
             (gate ``graph_equals_eager``; 0 = none).
+        chunk: problems per chunk of :class:`BatchedRows` (``None``: ``batch``); with more problems
+            than slots, a slot freed by a finished problem takes the next one, so a chunk no longer
+            waits on its longest row with the other slots idle. Not in the ledger key: a problem's
+            bits do not depend on its companions (the ``composition`` gate).
     """
     step_path: str
     batch: int
     max_len: int
     verify_steps: int = 0
+    chunk: int | None = None
+
+    @property
+    def problems_per_chunk(self) -> int:
+        """Problems handed to the engine at once by :class:`BatchedRows` (``chunk``, else ``batch``)."""
+        return self.chunk or self.batch
 
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`kvreplay.engine.decode_lives` / ``decode_suffixes`` / ``build_incrementals``."""
@@ -238,6 +248,12 @@ class ArmSettings:
       for the arm's bound: the longest full sequence any of the arm's problems
       can reach (:meth:`~kvreplay.contract.BlockFormat.max_sequence_length`
       of its prompt at the caps), so one arm has one batch shape.
+    * ``chunk``: problems the batched runner gives the engine at once, ``None``
+      for ``batch``. More problems than slots keep the slots busy (a finished
+      problem's slot takes the next one); rows are appended when their chunk
+      ends, so a chunk should fit in the time a run has. It changes no bit
+      (the ``composition`` gate checks that a problem's bits do not depend on
+      its companions) and is not part of the ledger key.
 
     The engine's bits depend on the batch shape ``(B, max_len)`` and differ
     from the eager path's, so a non-eager step path adds
@@ -251,7 +267,7 @@ class ArmSettings:
         ValueError: ``workers`` below 1 or not whole; ``ray_address`` not a
             non-empty string or None; an unknown step path;
             ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len``
-            below 2; a batch shape given with ``step_path="eager"``.
+            below 2; ``chunk`` below 1; a batch shape or chunk given with ``step_path="eager"``.
     """
     profile: str
     dtype: str
@@ -270,6 +286,7 @@ class ArmSettings:
     batch: int = 8
     max_len: int | None = None
     ray_address: str | None = None
+    chunk: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -283,8 +300,10 @@ class ArmSettings:
             raise ValueError(f"batch (problems per step) must be a whole number of at least 1, got {self.batch!r}")
         if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 2):
             raise ValueError(f"max_len must be None or a whole number of at least 2, got {self.max_len!r}")
-        if self.step_path == "eager" and (self.batch != 8 or self.max_len is not None):
-            raise ValueError("batch and max_len are the engine's batch shape: they need step_path 'engine-eager' "
+        if self.chunk is not None and (not isinstance(self.chunk, int) or self.chunk < 1):
+            raise ValueError(f"chunk (problems per chunk) must be None or a whole number of at least 1, got {self.chunk!r}")
+        if self.step_path == "eager" and (self.batch != 8 or self.max_len is not None or self.chunk is not None):
+            raise ValueError("batch, max_len and chunk drive the batched engine: they need step_path 'engine-eager' "
                              "or 'graph' (the eager path decodes one problem at a time)")
         if self.step_path == "graph" and self.contract().device_type != "cuda":
             raise ValueError(f"step path 'graph' replays CUDA graphs: it needs device 'cuda', not {self.device!r}")
@@ -310,7 +329,7 @@ class ArmSettings:
             raise ValueError(f"max_len={self.max_len} is shorter than the {need} positions the arm's longest problem "
                              f"can reach at caps {dataclasses.astuple(self.caps)}")
         return EngineRun("graph" if self.step_path == "graph" else "eager", self.batch,
-                         self.max_len if self.max_len is not None else need)
+                         self.max_len if self.max_len is not None else need, chunk=self.chunk)
 
     def contract(self, device: str | None = None) -> ExecutionContract:
         """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
@@ -365,7 +384,7 @@ class BatchedRows:
     """A :func:`kvreplay.ledger.run_rows` mapper that computes rows a chunk of ``B`` problems at a time.
 
     Called with items in problem order, it yields their records in that
-    order. Each chunk is the next ``spec.engine.batch`` problems of ``todo``
+    order. Each chunk is the next ``spec.engine.problems_per_chunk`` problems of ``todo``
     (the arm's rows still to compute) from the first item not computed yet,
     so the preflight call computes its chunk's other problems ahead; their
     records are held and yielded (and appended) only when
@@ -412,7 +431,8 @@ class BatchedRows:
         for it in items:
             if it.problem_id not in self.held:
                 start = self.position[it.problem_id]
-                group = [p for p in self.todo[start : start + self.spec.engine.batch] if p.problem_id not in self.held]
+                size = self.spec.engine.problems_per_chunk
+                group = [p for p in self.todo[start : start + size] if p.problem_id not in self.held]
                 deadline = os.environ.get(CHUNK_DEADLINE_ENV)
                 if deadline and self.seconds and time.time() + max(self.seconds) > float(deadline):
                     raise ChunkDeadline(f"not starting a chunk of {len(group)} problems at {it.problem_id}: the "
