@@ -116,6 +116,9 @@ def test_chunk_deadline_stops_at_a_chunk_boundary_and_the_arm_resumes_to_identic
         run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
     (folder,) = (tmp_path / "t").iterdir()
     assert (folder / "rows.jsonl").read_bytes().count(b"\n") == 2  # the first chunk (always started) is in the ledger
+    events = [json.loads(x) for x in (folder / "runlog.jsonl").read_text().splitlines()]
+    (gates,) = [e["checks"] for e in events if e["event"] == "gates"]  # logged when they passed, not at the arm's end
+    assert [c["gate"] for c in gates] == ["composition"] and gates[0]["problem_id"] == "p-00"
     monkeypatch.delenv(CHUNK_DEADLINE_ENV)
     _, ledger = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
     assert ledger.dir == folder and ledger.rows_path.read_bytes() == whole.rows_path.read_bytes()

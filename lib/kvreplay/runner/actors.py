@@ -324,14 +324,15 @@ class RowActors:
         """In one actor: check every prompt, return ``(environment, engine run or None)`` (see :meth:`RowActor.prepare`)."""
         return self._get(self.actors[self.live()[0]].prepare.remote(list(problems)))
 
-    def mapper(self, todo: Sequence, *, key: Callable, run=None, composition_id: str | None = None) -> "ActorRows":
+    def mapper(self, todo: Sequence, *, key: Callable, run=None, composition_id: str | None = None,
+               on_checks: Callable[[list[dict]], None] | None = None) -> "ActorRows":
         """A :func:`~kvreplay.ledger.run_rows` mapper over ``todo`` (the rows still to compute, in order).
 
         ``run`` (the engine run :meth:`prepare` returned) makes groups of
         ``run.problems_per_chunk`` problems computed by the batched engine, the composition
         gate on ``composition_id``; ``None`` makes groups of one row.
         """
-        return ActorRows(self, todo, key, run, composition_id)
+        return ActorRows(self, todo, key, run, composition_id, on_checks)
 
     def _ordered(self, groups: list[list], run=None, composition_id: str | None = None
                  ) -> Iterator[tuple[list[dict], list[dict]]]:
@@ -409,8 +410,10 @@ class ActorRows:
     Attributes:
         checks: preflight gates the actors passed (``composition``, ``graph_equals_eager``), for the run log.
     """
-    def __init__(self, pool: RowActors, todo: Sequence, key: Callable, run=None, composition_id: str | None = None):
+    def __init__(self, pool: RowActors, todo: Sequence, key: Callable, run=None, composition_id: str | None = None,
+                 on_checks: Callable[[list[dict]], None] | None = None):
         self.pool, self.key, self.run, self.composition_id = pool, key, run, composition_id
+        self.on_checks = on_checks
         size = run.problems_per_chunk if run is not None else 1
         self.groups = [list(todo[i : i + size]) for i in range(0, len(todo), size)]
         self.group_of = {key(it): g for g, group in enumerate(self.groups) for it in group}
@@ -431,4 +434,6 @@ class ActorRows:
                     raise RuntimeError(f"a row actor returned {len(records)} records for a group of {len(self.groups[g])}")
                 self.held.update(zip(map(self.key, self.groups[g]), records))
                 self.checks += checks
+                if checks and self.on_checks is not None:
+                    self.on_checks(checks)
             yield self.held.pop(k)

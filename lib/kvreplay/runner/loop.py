@@ -110,7 +110,8 @@ def run_arm(
                        ray_started=pool.cluster["started"], startup_s=pool.startup)
             if run is not None:
                 ledger.log(event="engine", **dataclasses.asdict(run))
-            mapper = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first)
+            mapper = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first,
+                                 on_checks=lambda checks: ledger.log(event="gates", checks=checks))
             try:
                 records = run_rows(
                     ledger, list(problems), None, key=lambda p: p.problem_id, mapper=mapper,
@@ -120,8 +121,6 @@ def run_arm(
             finally:
                 for event in pool.events:
                     ledger.log(**event)
-            if mapper.checks:
-                ledger.log(event="gates", checks=mapper.checks)
         return records, ledger
     lm, block_format = settings.load()
     check_prompts(block_format, problems, context_length(lm.model.config), caps=settings.caps)  # before the ledger folder exists
@@ -131,13 +130,12 @@ def run_arm(
     if run is None:
         mapper, row_fn = None, (lambda p: row(spec, p))
     else:
-        mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first), None
+        mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first,
+                                     on_checks=lambda checks: ledger.log(event="gates", checks=checks)), None
         ledger.log(event="engine", **dataclasses.asdict(run))
     records = run_rows(
         ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",
         validate=lambda rec: validate_row(name, rec),
     )
-    if mapper is not None and mapper.checks:
-        ledger.log(event="gates", checks=mapper.checks)
     return records, ledger

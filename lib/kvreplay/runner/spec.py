@@ -405,6 +405,8 @@ class BatchedRows:
         chunk: ``(spec, problems) -> records`` (:func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`, ...).
         todo: the problems to compute, in order.
         composition_id: problem ID of the composition gate, or ``None``.
+        on_checks: called with the preflight gates just passed (``checks`` entries), as soon as they pass,
+            so that an arm stopped later still has them in its run log.
 
     Deadline: when the environment variable :data:`CHUNK_DEADLINE_ENV` holds
     a wall-clock time (seconds since the epoch, as ``time.time()``), a chunk
@@ -418,8 +420,10 @@ class BatchedRows:
         GateError: ``composition`` or ``graph_equals_eager``.
         ChunkDeadline: the next chunk would end after the deadline.
     """
-    def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None):
+    def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None,
+                 on_checks: Callable[[list[dict]], None] | None = None):
         self.spec, self.chunk, self.todo = spec, chunk, list(todo)
+        self.on_checks = on_checks
         self.seconds: list[float] = []  # wall time of each chunk computed, composition gate included
         self.position = {p.problem_id: i for i, p in enumerate(self.todo)}
         self.composition_id = composition_id
@@ -444,7 +448,10 @@ class BatchedRows:
                 ids = [p.problem_id for p in group]
                 if self.composition_id in ids:
                     i = ids.index(self.composition_id)
+                    before = len(self.checks)
                     self.check_composition(group[i], records[i], len(group))
+                    if self.on_checks is not None:
+                        self.on_checks(self.checks[before:])
                 self.held.update(zip(ids, records))
                 self.seconds.append(time.perf_counter() - t0)
             yield self.held.pop(it.problem_id)
