@@ -242,11 +242,11 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
             out.append({"path": label, "B": 1, "rows": 2, "ms per problem-step": round(1e3 * (t_n - t_1) / tokens, 2)})
         except Exception as e:  # reported, not raised: the bench measures what works on the host
             out.append({"path": label, "B": 1, "rows": 2, "note": f"failed: {type(e).__name__}: {str(e)[:200]}"})
-        if "torch.compile" not in label:
-            emit(out[-1])
 
     per_token("HF generate, dynamic cache")
+    emit(out[-1])
     per_token("HF generate, static cache, compile off", cache_implementation="static", disable_compile=True)
+    emit(out[-1])
     for c in exp1_caps:
         rows = exp1_rows or exp1_batch
         group = bank[1 : 1 + rows]
