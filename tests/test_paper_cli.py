@@ -120,3 +120,15 @@ def test_executed_copies_do_not_depend_on_the_run_or_the_checkout(tmp_path):
     assert c["id"] == "injected-parameters" and "execution" not in c.metadata and "papermill" not in out.metadata
     assert c.outputs[0]["text"] == "data/ledgers/cpu/exp4_panel.json\nsecond print\n" and len(c.outputs) == 2
     assert c.outputs[1]["data"]["text/plain"] == "'figures/cpu'"
+
+
+def test_the_index_names_notebooks_outside_the_profile_list_apart(tmp_path):
+    from kvreplay.paper import CHAIN, write_index
+
+    (tmp_path / CHAIN[1]).write_text("{}")
+    write_index([], "paper", tmp_path, None, ["01", "02"])
+    text = (tmp_path / "README.md").read_text()
+    assert f"Not executed into this folder yet: {CHAIN[2]} (" in text  # 02: listed, not there
+    assert "so not executed: " + CHAIN[0] in text and CHAIN[1] + "," not in text
+    write_index([], "cpu", tmp_path, None)
+    assert "so not executed" not in (tmp_path / "README.md").read_text()

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from kvreplay.report.partial import arm_rows, exp1_summary, main
+from kvreplay.report.partial import arm_rows, suffix_summary, main
 
 
 def _row(pid, differs, tie, gate=None):
@@ -22,7 +22,7 @@ def test_paired_rows_and_counts(tmp_path):
     _ledger(tmp_path, "exp1-bfloat16-aaaa", [_row("p1", True, True), _row("p2", True, False), _row("p3", False, None),
                                              _row("p4", True, True)])
     _ledger(tmp_path, "exp1-float32-bbbb", [_row("p1", False, None), _row("p2", False, None), _row("p3", True, False)])
-    s = exp1_summary({d: arm_rows(tmp_path, "exp1", d)[1] for d in ("bfloat16", "float32")}).set_index(["rows", "precision"])
+    s = suffix_summary({d: arm_rows(tmp_path, "exp1", d)[1] for d in ("bfloat16", "float32")}).set_index(["rows", "precision"])
     assert s.loc[("all finished", "bfloat16"), "suffix_differs"].startswith("3/4 ")
     assert s.loc[("all finished", "bfloat16"), "tie_initiated"] == 2
     assert s.loc[("paired (both finished)", "bfloat16"), "suffix_differs"].startswith("2/3 ")
@@ -33,7 +33,7 @@ def test_paired_rows_and_counts(tmp_path):
 def test_gate_failures_are_counted_not_scored(tmp_path):
     _ledger(tmp_path, "exp1-bfloat16-aaaa", [_row("p1", True, True), _row("p2", False, None, gate="replica")])
     _ledger(tmp_path, "exp1-float32-bbbb", [_row("p1", False, None)])
-    s = exp1_summary({d: arm_rows(tmp_path, "exp1", d)[1] for d in ("bfloat16", "float32")}).set_index(["rows", "precision"])
+    s = suffix_summary({d: arm_rows(tmp_path, "exp1", d)[1] for d in ("bfloat16", "float32")}).set_index(["rows", "precision"])
     assert s.loc[("all finished", "bfloat16"), "gate_failures"] == 1
     assert s.loc[("all finished", "bfloat16"), "suffix_differs"].startswith("1/1 ")
 
@@ -60,11 +60,28 @@ def test_cli_counts_finished_rows_against_the_manifest_and_skips_a_cut_off_line(
     assert "BF16 only 1, FP32 only 0" in out
 
 
-def test_readme_table_is_what_the_committed_paper_ledgers_give(capsys):
+def test_one_precision_only_has_no_pairing(tmp_path, capsys):
+    ids = ["p1", "p2", "p3"]
+    _ledger(tmp_path / "paper", "exp2-bfloat16-aaaa", [_row("p1", True, True), _row("p2", False, None)], wanted=ids)
+    s = suffix_summary({"bfloat16": arm_rows(tmp_path / "paper", "exp2", "bfloat16")[1]})
+    assert list(s.rows) == ["all finished"] and s.suffix_differs[0].startswith("1/2 ")
+    with pytest.raises(ValueError, match="neither"):
+        suffix_summary({})
+    assert main(["--ledger-root", str(tmp_path), "--experiments", "exp2"]) == 0
+    out = capsys.readouterr().out
+    assert "exp2-float32: not started" in out and "exp2-bfloat16-aaaa: 2 of 3 rows finished" in out
+    assert "McNemar" not in out
+
+
+def test_readme_tables_are_what_the_committed_paper_ledgers_give(capsys):
     from kvreplay.paths import LEDGERS, ROOT
 
     assert main(["--profile", "paper", "--readme"]) == 0
     out = capsys.readouterr().out
-    table = out[out.index("<!-- partial-table: paper"):].rstrip("\n")
-    assert table.count("\n") >= 4 and (LEDGERS / "paper").is_dir()
-    assert table in (ROOT / "README.md").read_text(), "README's paper table differs from the committed ledgers: regenerate it"
+    blocks = ["<!-- partial-table: paper" + b.split("\n\n", 2)[0] + "\n\n" + b.split("\n\n", 2)[1]
+              for b in out.split("<!-- partial-table: paper")[1:]]
+    assert len(blocks) == 2 and (LEDGERS / "paper").is_dir()
+    readme = (ROOT / "README.md").read_text()
+    for table in blocks:
+        assert table.count("\n") >= 4
+        assert table in readme, f"README's paper table differs from the committed ledgers: regenerate it\n{table}"

@@ -12,7 +12,7 @@ failing cell is named. A notebook whose inputs (source, parameters, library
 source, the profile's ledgers) are unchanged since its last successful run is
 skipped; ``--force`` runs it anyway.
 
-For the profile whose ledgers are committed (:data:`EXECUTED_PROFILES`, ``cpu``)
+For the profiles whose ledgers are committed (:data:`EXECUTED_PROFILES`: ``cpu``, ``gpu``, ``paper``)
 the executed notebooks are also written, without volatile metadata, to
 ``executed/<profile>/`` (committed: a reviewer reads them without running
 anything), with ``executed/<profile>/README.md``, an index linking each table
@@ -45,8 +45,8 @@ from .adapt import read_pointer
 from .ledger.store import TERMINAL_PROGRESS, canonical_json, library_digest
 from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, PARAMS, ROOT
 
-EXECUTED_PROFILES = ("cpu", "gpu")
-"""Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (the committed default profile)."""
+EXECUTED_PROFILES = ("cpu", "gpu", "paper")
+"""Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (those with committed ledgers)."""
 
 RUN_PARAMETERS = {"interactive": False}
 """Parameters every headless run passes (to the notebooks that declare them): no widgets in executed copies."""
@@ -222,8 +222,12 @@ def artifact_index(folder: Path, chain: list[str]) -> list[dict]:
     return out
 
 
-def write_index(entries: list[dict], profile: str, folder: Path, html_folder: Path | None) -> list[Path]:
+def write_index(entries: list[dict], profile: str, folder: Path, html_folder: Path | None,
+                listed: list[str] | None = None) -> list[Path]:
     """Write the one-page index of tables and figures: ``<folder>/README.md`` and ``<html_folder>/index.html``.
+
+    ``listed``: the notebook name prefixes the profile's ``notebooks`` list names (``None``: all of them);
+    a notebook not executed yet is said to be missing, or to be outside that list.
 
     Returns:
         the paths written.
@@ -242,8 +246,12 @@ def write_index(entries: list[dict], profile: str, folder: Path, html_folder: Pa
         lines.append(f"| `{e['stem']}` | {e['kind']} | [{e['notebook']}]({e['notebook']}), code cell {e['cell']} "
                      f"({e['heading']}) | {files} |")
     missing = [n for n in CHAIN if not (folder / n).is_file()]
-    if missing:
-        lines += ["", f"Not executed into this folder yet: {', '.join(missing)} (`make paper PROFILE={profile}` writes them)."]
+    in_list = [n for n in missing if listed is None or any(n.startswith(p) for p in listed)]
+    if in_list:
+        lines += ["", f"Not executed into this folder yet: {', '.join(in_list)} (`make paper PROFILE={profile}` writes them)."]
+    if len(in_list) < len(missing):
+        lines += ["", f"Not in the profile's `notebooks` list (`notebooks/params/{profile}.yaml`), so not executed: "
+                  f"{', '.join(n for n in missing if n not in in_list)}."]
     written = []
     folder.mkdir(parents=True, exist_ok=True)
     md = folder / "README.md"
@@ -422,9 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in chain:
         (out_dir / f".{Path(name).stem}.inputs").write_text(inputs_digest(name, args.profile, params))
     entries = artifact_index(out_dir, CHAIN)
-    write_index(entries, args.profile, out_dir, out_dir)
+    write_index(entries, args.profile, out_dir, out_dir, params.get("notebooks"))
     if executed:
-        write_index(artifact_index(EXECUTED / args.profile, CHAIN), args.profile, EXECUTED / args.profile, None)
+        write_index(artifact_index(EXECUTED / args.profile, CHAIN), args.profile, EXECUTED / args.profile, None,
+                    params.get("notebooks"))
     print(f"\nmake paper ({args.profile}) finished in {time.perf_counter() - t0:.0f} s")
     print(f"  executed notebooks and HTML: {out_dir} (index: {out_dir / 'index.html'})")
     if executed:

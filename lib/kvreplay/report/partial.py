@@ -1,15 +1,18 @@
-"""Experiment 1 endpoints of a profile whose ledgers are not complete yet (paper §4.1, §3.4).
+"""Experiment 1 and 2 endpoints of a profile whose ledgers are not complete yet (paper §4.1, §4.2, §3.4).
 
 ``make paper`` needs every row of an arm; a profile computed across several
 device sessions (the ``paper`` profile: caps 768 / 512 / 64 on the H200) has
 ledgers that stop at their last finished chunk. This module reads those rows
 as they are, pairs the BF16 and FP32 arms on the problems both have finished,
-and prints the suffix-divergence endpoint (live vs prefill) with Wilson
-intervals, the tie-initiated split and the exact McNemar test. It computes
-nothing on a model and writes nothing.
+and prints the suffix-divergence endpoint (Experiment 1: live vs prefill;
+Experiment 2: incremental vs prefill on the fixed BF16 prefixes) with Wilson
+intervals, the tie-initiated split and the exact McNemar test. An arm that
+has not started is left out (and so is the pairing). It computes nothing on a
+model and writes nothing.
 
-Usage: ``python -m kvreplay.report.partial [--profile paper] [--readme]``; with ``--readme`` the
-table is printed as the README's section on the profile holds it (a test checks that it does).
+Usage: ``python -m kvreplay.report.partial [--profile paper] [--experiments exp1 exp2] [--readme]``; with
+``--readme`` each experiment's table is printed as the README's section on the profile holds it (a test
+checks that it does).
 """
 
 from __future__ import annotations
@@ -40,8 +43,12 @@ def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[Path, list[dict]]
     return folders[0], finished_rows(folders[0])
 
 
-def exp1_frame(rows: list[dict]) -> pd.DataFrame:
-    """One line per finished Experiment 1 row: problem, gate failure, suffix differs (live vs prefill), tie-initiated."""
+COMPARISON = {"exp1": "live vs prefill", "exp2": "incremental vs prefill, fixed BF16 prefixes"}
+"""What the suffix-divergence endpoint compares, per experiment (both rows have the same ``endpoints`` layout)."""
+
+
+def suffix_frame(rows: list[dict]) -> pd.DataFrame:
+    """One line per finished Experiment 1 or 2 row: problem, gate failure, suffix differs, tie-initiated, boundary exact."""
     return pd.DataFrame([{
         "problem_id": r["problem_id"],
         "gate_failure": r.get("gate_failure"),
@@ -51,20 +58,29 @@ def exp1_frame(rows: list[dict]) -> pd.DataFrame:
     } for r in rows])
 
 
-def exp1_summary(rows: Mapping[str, list[dict]]) -> pd.DataFrame:
+def suffix_summary(rows: Mapping[str, list[dict]]) -> pd.DataFrame:
     """Suffix divergence of each precision on its finished rows, and of both on the rows both finished.
 
-    ``rows`` maps ``"bfloat16"`` and ``"float32"`` to the finished Experiment 1 rows of that arm
-    (:func:`arm_rows`).
+    ``rows`` maps ``"bfloat16"`` and/or ``"float32"`` to the finished Experiment 1 (or 2) rows of that
+    arm (:func:`arm_rows`); with only one precision there are no paired lines.
 
     Returns a frame with one line per (rows, precision): rows, gate failures, boundary caches not
     bit-exact, suffixes that differ with the Wilson 95% interval, and how many of those are tie-initiated;
     the last line is the exact McNemar test of the paired rows (BF16 differs, FP32 same / the reverse).
+
+    Raises:
+        ValueError: ``rows`` holds neither precision.
     """
-    frames = {dtype: exp1_frame(rows[dtype]) for dtype in ("bfloat16", "float32")}
-    shared = set(frames["bfloat16"].problem_id) & set(frames["float32"].problem_id)
+    frames = {dtype: suffix_frame(rows[dtype]) for dtype in ("bfloat16", "float32") if dtype in rows}
+    if not frames:
+        raise ValueError("no finished arm to summarise (neither bfloat16 nor float32 rows given)")
+    paired = len(frames) == 2
+    shared = set(frames["bfloat16"].problem_id) & set(frames["float32"].problem_id) if paired else set()
     lines = []
-    for label, pick in (("all finished", lambda f: f), ("paired (both finished)", lambda f: f[f.problem_id.isin(shared)])):
+    views = [("all finished", lambda f: f)]
+    if paired:
+        views.append(("paired (both finished)", lambda f: f[f.problem_id.isin(shared)]))
+    for label, pick in views:
         for dtype, frame in frames.items():
             f = pick(frame)
             ok = f[f.gate_failure.isna()]
@@ -73,25 +89,27 @@ def exp1_summary(rows: Mapping[str, list[dict]]) -> pd.DataFrame:
                           "boundary_not_exact": int((~ok.boundary_exact.astype(bool)).sum()),
                           "suffix_differs": wilson(k, n).pct() if n else "n/a",
                           "tie_initiated": int((ok.suffix_differs.astype(bool) & ok.tie_initiated.astype(bool)).sum())})
-    bf16 = frames["bfloat16"].set_index("problem_id").loc[sorted(shared)]
-    fp32 = frames["float32"].set_index("problem_id").loc[sorted(shared)]
     if shared:
+        bf16 = frames["bfloat16"].set_index("problem_id").loc[sorted(shared)]
+        fp32 = frames["float32"].set_index("problem_id").loc[sorted(shared)]
         m = mcnemar_exact(bf16.suffix_differs.astype(bool), fp32.suffix_differs.astype(bool))
         lines.append({"rows": "paired (both finished)", "precision": "McNemar (exact)", "n": len(shared),
                       "suffix_differs": f"BF16 only {m.b}, FP32 only {m.c}, p = {m.pvalue:.3g}"})
     return pd.DataFrame(lines)
 
 
-README_HEADER = ("rows", "precision", "n", "gate failures", "boundary cache not bit-exact (prefill vs live)",
-                 "suffix differs (live vs prefill)", "of which tie-initiated")
-README_MARKER = "<!-- partial-table: {profile} (python -m kvreplay.report.partial --profile {profile} --readme; do not edit) -->"
+README_MARKER = ("<!-- partial-table: {profile} {experiment} (python -m kvreplay.report.partial --profile {profile} "
+                 "--readme; do not edit) -->")
 
 
-def readme_table(summary: pd.DataFrame, profile: str) -> str:
-    """:func:`exp1_summary` as the README shows it: a marker line, then a markdown table (BF16 / FP32 spelled so)."""
+def readme_table(summary: pd.DataFrame, profile: str, experiment: str = "exp1") -> str:
+    """:func:`suffix_summary` as the README shows it: a marker line, then a markdown table (BF16 / FP32 spelled so)."""
     names = {"bfloat16": "BF16", "float32": "FP32", "McNemar (exact)": "exact McNemar"}
-    lines = [README_MARKER.format(profile=profile), "", "| " + " | ".join(README_HEADER) + " |",
-             "|" + "---|" * len(README_HEADER)]
+    first = COMPARISON[experiment].split(",")[0]
+    header = ("rows", "precision", "n", "gate failures", f"boundary cache not bit-exact ({first})",
+              f"suffix differs ({COMPARISON[experiment]})", "of which tie-initiated")
+    lines = [README_MARKER.format(profile=profile, experiment=experiment), "", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
     for r in summary.astype(object).where(summary.notna(), "").to_dict("records"):
         cells = [r["rows"], names.get(r["precision"], r["precision"]), r["n"], r["gate_failures"],
                  r["boundary_not_exact"], r["suffix_differs"], r["tie_initiated"]]
@@ -104,16 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="paper")
     ap.add_argument("--ledger-root", type=Path, default=LEDGERS)
-    ap.add_argument("--readme", action="store_true", help="print the table as the README shows it (with its marker)")
+    ap.add_argument("--experiments", nargs="+", choices=sorted(COMPARISON), default=sorted(COMPARISON))
+    ap.add_argument("--readme", action="store_true", help="print each table as the README shows it (with its marker)")
     args = ap.parse_args(argv)
     root = args.ledger_root / args.profile
-    rows = {}
-    for dtype in ("bfloat16", "float32"):
-        folder, rows[dtype] = arm_rows(root, "exp1", dtype)
-        done, wanted = ledger_progress(folder)
-        print(f"{folder.name}: {done} of {wanted} rows finished")
-    summary = exp1_summary(rows)
-    print(readme_table(summary, args.profile) if args.readme else summary.astype(object).fillna("").to_markdown(index=False))
+    for experiment in args.experiments:
+        rows = {}
+        for dtype in ("bfloat16", "float32"):
+            try:
+                folder, rows[dtype] = arm_rows(root, experiment, dtype)
+            except FileNotFoundError:
+                print(f"{experiment}-{dtype}: not started")
+                continue
+            done, wanted = ledger_progress(folder)
+            print(f"{folder.name}: {done} of {wanted} rows finished")
+        if not rows:
+            continue
+        summary = suffix_summary(rows)
+        print(readme_table(summary, args.profile, experiment) if args.readme
+              else summary.astype(object).fillna("").to_markdown(index=False))
+        print()
     return 0
 
 
