@@ -122,6 +122,9 @@ def test_chunk_deadline_stops_at_a_chunk_boundary_and_the_arm_resumes_to_identic
     monkeypatch.delenv(CHUNK_DEADLINE_ENV)
     _, ledger = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
     assert ledger.dir == folder and ledger.rows_path.read_bytes() == whole.rows_path.read_bytes()
+    # the resumed run (a new process on a device: a new graph capture) passed the gates again, on its first row
+    events = [json.loads(x) for x in (folder / "runlog.jsonl").read_text().splitlines()]
+    assert [[c["problem_id"] for c in e["checks"]] for e in events if e["event"] == "gates"] == [["p-00"], ["p-02"]]
 
 
 def test_chunks_larger_than_the_batch_refill_slots_and_write_the_same_ledger(tmp_path, tiny_arm):

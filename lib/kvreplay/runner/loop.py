@@ -46,8 +46,10 @@ def run_arm(
     engine instead: ``chunk(spec, problems)`` (e.g. :func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`)
     computes the records of up to ``settings.chunk`` (default ``settings.batch``) problems at a time
     (:class:`BatchedRows`), appended in problem order as in a sequential run;
-    the first preflight problem also passes the ``composition`` gate (and,
-    on the graph path, ``graph_equals_eager``).
+    the first problem a run computes also passes the ``composition`` gate (and,
+    on the graph path, ``graph_equals_eager``): the first preflight problem of
+    a new arm, and the first row left of a resumed one, so every process that
+    appends rows (with its own captured graph) has passed both gates first.
 
     With ``settings.workers > 1`` (and more than one row, or chunk, to
     compute) the rows run on Ray actors (:class:`kvreplay.runner.actors.RowActors`:
@@ -97,7 +99,7 @@ def run_arm(
         done = probe.done_keys()
     todo = [p for p in problems if p.problem_id not in done]
     equivalence_ids = frozenset(ids[: settings.preflight])
-    first = problems[0].problem_id if settings.preflight > 0 and problems else None  # composition gate (batched)
+    first = todo[0].problem_id if settings.preflight > 0 and todo else None  # composition gate (batched), per run
     groups = len(todo) if settings.step_path == "eager" else -(-len(todo) // (settings.chunk or settings.batch))
     if settings.workers > 1 and groups > 1:
         # the actors load the model; this process loads none (a second copy would sit on the first GPU)

@@ -392,9 +392,10 @@ class BatchedRows:
     passed. A problem's bits do not depend on which chunk it falls in (the
     batch shape is the arm's), which the ``composition`` gate checks.
 
-    Composition gate: when a chunk holds ``composition_id`` (the first
-    preflight problem), that problem's record is computed again alone (a
-    chunk of one at the same ``B`` and ``max_len``, the other slots idle) and
+    Composition gate: when a chunk holds ``composition_id`` (the first problem
+    the run computes: the first preflight problem, or a resumed arm's first
+    row left), that problem's record is computed again alone (a chunk of one
+    at the same ``B`` and ``max_len``, the other slots idle) and
     must equal its record inside the chunk, byte for byte in canonical JSON.
     On the graph path that alone run also checks the first
     :data:`GRAPH_CHECK_STEPS` steps of each engine against the eager step
