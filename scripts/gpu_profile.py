@@ -19,8 +19,11 @@ put over them as papermill would, handed to :func:`kvreplay.session.open_session
 and :meth:`~kvreplay.session.Session.settings` with the same arguments as the
 notebook's own cell. So the ledgers written here have the config digests the
 notebooks look for, and ``make paper PROFILE=<profile>`` later reads them
-without computing anything. (``--set`` overrides a parameter, for a dry run of
-this script on the CPU; its ledgers then have other keys.)
+without computing anything. (``--set NAME=VALUE`` overrides a parameter, for a dry run of
+this script on the CPU or to change the chunk; a key of the execution contract,
+e.g. ``--set chunk=32`` or ``--set device=cpu``, is put into the profile's
+``execution`` mapping, over its other keys. Anything but ``chunk`` or ``workers``
+gives the ledgers other keys.)
 
 Ledgers are written under ``$KV_LEDGERS`` (default ``/tmp/kv/ledgers``), which
 lasts while the machine stays warm; ledger folders and the prefix bank already
@@ -67,8 +70,13 @@ DEADLINE_MARGIN_S = 10.0  # a chunk must end this long before the child's time l
 
 
 def notebook_parameters(notebook: str, profile: str, overrides: dict) -> dict:
-    """The notebook's ``parameters`` cell evaluated, then the profile's values for the names it declares."""
-    import yaml
+    """The notebook's ``parameters`` cell evaluated, then the profile's values for the names it declares.
+
+    ``overrides`` (``--set``) go over the profile's values; one named by an execution-contract key
+    (:data:`kvreplay.runner.EXECUTION_KEYS`, e.g. ``chunk``) goes into the ``execution`` mapping instead.
+    """
+    from kvreplay.paper import load_profile
+    from kvreplay.runner import EXECUTION_KEYS
 
     nb = json.loads((ROOT / notebook).read_text())
     cell = next(c for c in nb["cells"] if c["cell_type"] == "code" and "parameters" in c["metadata"].get("tags", []))
@@ -78,7 +86,12 @@ def notebook_parameters(notebook: str, profile: str, overrides: dict) -> dict:
                   f"{notebook} parameters", "exec"), ns)
     declared = {t.id for node in ast.parse(src).body if isinstance(node, ast.Assign)
                 for t in node.targets if isinstance(t, ast.Name)}
-    values = yaml.safe_load((ROOT / "notebooks" / "params" / f"{profile}.yaml").read_text()) | overrides
+    values = load_profile(profile)
+    for name, value in overrides.items():
+        if name in EXECUTION_KEYS:
+            values["execution"] = {**(values.get("execution") or {}), name: value}
+        else:
+            values[name] = value
     ns.update({k: v for k, v in values.items() if k in declared})
     return {k: ns[k] for k in declared}
 
@@ -195,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-arm-s", type=float, default=30.0,
                     help="do not start an arm with less time left than this (its first chunk always runs to the end "
                          "or to the kill: at the paper caps set it to a chunk's time, ~300 s)")
-    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a parameter (YAML value)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="override a parameter (YAML value); an execution-contract key (e.g. chunk=32, device=cpu) "
+                         "goes into the profile's `execution` mapping, over its other keys")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     import yaml

@@ -132,3 +132,37 @@ def test_the_index_names_notebooks_outside_the_profile_list_apart(tmp_path):
     assert "so not executed: " + CHAIN[0] in text and CHAIN[1] + "," not in text
     write_index([], "cpu", tmp_path, None)
     assert "so not executed" not in (tmp_path / "README.md").read_text()
+
+
+def test_execution_keys_outside_the_execution_mapping_are_refused(tmp_path, monkeypatch, capsys):
+    """`threads: 4` at a profile's top level would be declared by no notebook and silently dropped (the arms would run
+    under the defaults and key new ledgers): refused, naming the keys."""
+    from kvreplay import paper
+
+    params = tmp_path / "params"
+    params.mkdir()
+    monkeypatch.setattr(paper, "PARAMS", params)
+    monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(paper, "run_notebook", lambda *a, **k: pytest.fail("a notebook ran"))
+    (params / "mini.yaml").write_text("profile: mini\nthreads: 4\nstep_path: graph\nexecution:\n  device: cuda\n")
+    assert paper.main(["--profile", "mini"]) == 2
+    assert "threads, step_path belong to the execution contract: put them under `execution:`" in capsys.readouterr().err
+
+
+def test_the_inprocess_engine_injects_the_execution_mapping(tmp_path):
+    """Notebooks 01-05 declare `execution = {}`; a profile's mapping replaces it whole (its missing keys are the
+    library's defaults, filled by the session), as papermill injects it."""
+    import ast
+    import json
+
+    from kvreplay.paper import run_inprocess
+
+    nb = {"cells": [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": "execution = {}\n", "outputs": [],
+                     "execution_count": None},
+                    {"cell_type": "code", "metadata": {}, "source": "open('seen', 'w').write(repr(execution))\n", "outputs": [],
+                     "execution_count": None}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    path = tmp_path / "nb.ipynb"
+    path.write_text(json.dumps(nb))
+    run_inprocess(path, {"execution": {"step_path": "graph", "batch": 32}, "threads": 4})
+    assert ast.literal_eval((tmp_path / "seen").read_text()) == {"step_path": "graph", "batch": 32}

@@ -157,7 +157,7 @@ def test_cpu_contract_adds_nothing_to_committed_ledger_keys():
     params = yaml.safe_load((LEDGERS.parent.parent / "notebooks" / "params" / "cpu.yaml").read_text())
     rows = load_bank()[: params["n_rows"]]
     s = ArmSettings(profile="cpu", dtype="bfloat16", caps=Caps(params["cap_branch"], params["cap_merge"], params["cap_answer"]),
-                    threads=params["threads"], preflight=params["preflight"], workers=4,
+                    threads=params["execution"]["threads"], preflight=params["preflight"], workers=4,
                     ray_address="auto")
     config = s.config("exp1", rows)
     assert "execution" not in config

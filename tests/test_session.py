@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 from kvreplay.paths import PARAMS
+from kvreplay.runner import EXECUTION_DEFAULTS, ArmSettings, resolve_execution
 from kvreplay.session import open_session
 
 NB = "notebooks/02_experiment2_fixed_prefix_precision.ipynb"
@@ -12,9 +13,7 @@ NB = "notebooks/02_experiment2_fixed_prefix_precision.ipynb"
 
 def _params(**over):
     p = yaml.safe_load((PARAMS / "smoke.yaml").read_text()) | {"model": "embedded", "problems": "bank", "format": "chat_multibranch",
-                                                               "role_table": None, "sdpa_backends": ["math"], "device": "cpu",
-                                                               "deterministic": None, "allow_tf32": False, "workers": 1,
-                                                               "ray_address": None, "ledger_root": None, "figures_root": None}
+                                                               "role_table": None, "ledger_root": None, "figures_root": None}
     return p | over
 
 
@@ -34,10 +33,50 @@ def test_session_builds_the_arm_settings_the_notebooks_use(tmp_path):
 
 
 def test_batched_settings_and_their_eager_fallback():
-    s = open_session(NB, _params(step_path="engine-eager", batch=4, max_len=None))
-    assert (s.settings("float32", 1).step_path, s.settings("float32", 1).batch) == ("engine-eager", 4)
+    s = open_session(NB, _params(execution={"step_path": "engine-eager", "batch": 4, "chunk": 6, "workers": 2}))
+    a = s.settings("float32", 1)
+    assert (a.step_path, a.batch, a.chunk, a.workers, a.threads) == ("engine-eager", 4, 6, 2, 2)  # threads: the default
     eager = s.settings("bfloat16", 1, batched=False)  # an experiment without a batched runner
-    assert (eager.step_path, eager.batch, eager.max_len) == ("eager", 8, None)
+    assert (eager.step_path, eager.batch, eager.max_len, eager.chunk, eager.workers) == ("eager", 8, None, None, 2)
+
+
+def test_execution_defaults_are_the_arm_settings_defaults():
+    """One set of defaults: a notebook's `execution = {}` gives the ArmSettings (and so the ledger key) of no contract at all."""
+    assert dict(EXECUTION_DEFAULTS) == {"threads": 2, "sdpa_backends": ("math",), "device": "cpu", "deterministic": None,
+                                        "allow_tf32": False, "workers": 1, "ray_address": None, "step_path": "eager",
+                                        "batch": 8, "max_len": None, "chunk": None}
+    s = open_session(NB, _params(execution={}))
+    assert s.execution == dict(EXECUTION_DEFAULTS)
+    assert s.settings("bfloat16", 1) == ArmSettings(profile="smoke", dtype="bfloat16", caps=s.caps, preflight=1)
+    assert resolve_execution(NB, None) == dict(EXECUTION_DEFAULTS)
+    gpu = yaml.safe_load((PARAMS / "gpu.yaml").read_text())["execution"]
+    assert resolve_execution(NB, gpu) == dict(EXECUTION_DEFAULTS) | gpu  # the profile's keys over the defaults
+
+
+@pytest.mark.parametrize("execution, match", [
+    ({"step-path": "graph"}, r"02_experiment2_fixed_prefix_precision.ipynb: unknown execution key 'step-path' \(did you mean 'step_path'\?\)"),
+    ({"threads": 2, "gpu": True}, r"02_experiment2_fixed_prefix_precision.ipynb: unknown execution key 'gpu'"),
+    ({"threads": "4"}, r"02_experiment2_fixed_prefix_precision.ipynb: execution key 'threads' must be a whole number of at least 1, got '4'"),
+    ({"threads": 0}, r"execution key 'threads' must be a whole number of at least 1, got 0"),
+    ({"batch": 8.0}, r"execution key 'batch' must be a whole number, got 8.0"),
+    ({"allow_tf32": "no"}, r"execution key 'allow_tf32' must be true or false, got 'no'"),
+    ({"sdpa_backends": "math"}, r"execution key 'sdpa_backends' must be a non-empty list of SDPA backend names, got 'math'"),
+    ({"workers": 0}, r"02_experiment2_fixed_prefix_precision.ipynb: execution: workers must be a whole number of at least 1"),
+    ({"step_path": "fast"}, r"execution: unknown step path 'fast'"),
+    ({"chunk": 64}, r"execution: batch, max_len and chunk drive the batched engine"),  # chunk without a batched step path
+    ({"step_path": "graph"}, r"execution: step path 'graph' replays CUDA graphs: it needs device 'cuda', not 'cpu'"),
+    ({"device": "gpu0"}, r"execution: unknown device 'gpu0'"),
+    (["threads", 2], r"the execution parameter must be a mapping of execution-contract keys \(threads, sdpa_backends, "),
+])
+def test_a_bad_execution_contract_is_refused_before_anything_is_read(monkeypatch, execution, match):
+    import kvreplay.session as session_module
+
+    def no_bank(*a, **k):
+        raise AssertionError("the problem bank was read before the execution contract was checked")
+
+    monkeypatch.setattr(session_module, "load_bank", no_bank)
+    with pytest.raises(ValueError, match=match):
+        open_session(NB, _params(execution=execution))
 
 
 def test_missing_parameters_and_bad_paths_are_named():
@@ -45,7 +84,33 @@ def test_missing_parameters_and_bad_paths_are_named():
     del params["cap_merge"]
     with pytest.raises(ValueError, match="cap_merge"):
         open_session(NB, params)
+    params = _params()
+    del params["execution"]  # a notebook that does not declare it would silently run under the defaults
+    with pytest.raises(ValueError, match=r"\['execution'\] are not set"):
+        open_session(NB, params)
     with pytest.raises(ValueError, match="not under notebooks/"):
         open_session("02.ipynb", _params())
     with pytest.raises(FileNotFoundError):
         open_session(NB, _params(ledger_root="/nonexistent/l")).fixed  # notebook 01 has not written the bank
+
+
+def test_gpu_profile_builds_the_notebooks_parameters_and_sets_contract_keys_inside_execution():
+    """scripts/gpu_profile.py hands open_session what papermill would inject; `--set chunk=32` changes the profile's
+    `execution` mapping (its other keys kept), so the arm keeps its ledger key."""
+    import importlib.util
+
+    from kvreplay.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
+    gpu_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_profile)
+    nb = "notebooks/01_experiment1_live_vs_prefill.ipynb"
+    paper = yaml.safe_load((PARAMS / "paper.yaml").read_text())
+    params = gpu_profile.notebook_parameters(nb, "paper", {})
+    assert params["execution"] == paper["execution"] and params["n_rows"] == paper["n_rows"]
+    assert "done" not in params and "threads" not in params  # only what the notebook declares
+    params32 = gpu_profile.notebook_parameters(nb, "paper", {"chunk": 32, "n_rows": 4})
+    assert params32["execution"] == paper["execution"] | {"chunk": 32} and params32["n_rows"] == 4
+    assert open_session(nb, params32).execution["chunk"] == 32
+    config = {k: open_session(nb, p).settings("float32", 8).config("exp1", []) for k, p in (("64", params), ("32", params32))}
+    assert config["64"] == config["32"]  # the chunk is not part of the ledger key

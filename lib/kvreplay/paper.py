@@ -44,6 +44,7 @@ import yaml
 from .adapt import read_pointer
 from .ledger.store import TERMINAL_PROGRESS, canonical_json, library_digest
 from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, PARAMS, ROOT
+from .runner import EXECUTION_KEYS
 
 EXECUTED_PROFILES = ("cpu", "gpu", "paper")
 """Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (those with committed ledgers)."""
@@ -68,14 +69,24 @@ CHAIN = [
 def load_profile(profile: str) -> dict:
     """Parameters of a profile (``notebooks/params/<profile>.yaml``).
 
+    The execution contract (threads, device, step path, batch shape, ...) is one mapping, ``execution``,
+    which the notebooks check (:func:`kvreplay.runner.resolve_execution`); one of its keys at the top
+    level would be declared by no notebook and silently dropped, so it is refused here.
+
     Raises:
         FileNotFoundError: naming the profiles that exist.
+        ValueError: a key of the execution contract at the top level (named).
     """
     path = PARAMS / f"{profile}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in PARAMS.glob("*.yaml"))
         raise FileNotFoundError(f"unknown profile {profile!r}: no {path}; profiles: {known}")
-    return yaml.safe_load(path.read_text()) or {}
+    params = yaml.safe_load(path.read_text()) or {}
+    flat = [k for k in params if k in EXECUTION_KEYS]
+    if flat:
+        raise ValueError(f"profile {profile!r} ({path}): {', '.join(flat)} belong to the execution contract: put them "
+                         f"under `execution:` (README: The execution contract)")
+    return params
 
 
 def declared_parameters(name: str, params: dict) -> dict:
@@ -364,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         params = load_profile(args.profile)
-    except (FileNotFoundError, yaml.YAMLError) as e:
+    except (FileNotFoundError, ValueError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     params["profile"] = args.profile

@@ -5,8 +5,10 @@ cell (papermill injects a profile's values below it) is followed by ::
 
     session = open_session("notebooks/02_experiment2_fixed_prefix_precision.ipynb", globals())
 
-which reads the declared parameters out of the notebook's namespace and
-returns a :class:`Session`: the frozen problem bank, the caps, the ledger and
+which reads the declared parameters out of the notebook's namespace, checks
+the ``execution`` parameter (the execution contract: a mapping over
+:data:`~kvreplay.runner.EXECUTION_DEFAULTS`, see :func:`~kvreplay.runner.resolve_execution`)
+and returns a :class:`Session`: the frozen problem bank, the caps, the ledger and
 figure folders, :meth:`Session.settings` for an arm, the fixed BF16 prefix
 bank of Experiments 2-5, upstream ledgers found by provenance
 (:meth:`Session.upstream`; never re-run), frozen panels
@@ -32,17 +34,16 @@ from .ledger.store import Ledger
 from .problems import Problem, load_bank, load_problems
 from .report.files import contract_frame, save_figure, save_table
 from .report.summary import TABLE_CAPTIONS
-from .runner import ArmSettings
+from .runner import ArmSettings, resolve_execution
 
-SETTINGS_PARAMETERS = {
-    # notebook parameter -> ArmSettings field
-    "model": "model", "format": "fmt", "role_table": "role_table", "threads": "threads", "device": "device",
-    "deterministic": "deterministic", "allow_tf32": "allow_tf32", "workers": "workers", "ray_address": "ray_address",
-    "step_path": "step_path", "batch": "batch", "max_len": "max_len", "chunk": "chunk",
-}
-"""Notebook parameters passed to every arm's :class:`~kvreplay.runner.ArmSettings` (when the notebook declares them)."""
+SETTINGS_PARAMETERS = {"model": "model", "format": "fmt", "role_table": "role_table"}
+"""Notebook parameter -> :class:`~kvreplay.runner.ArmSettings` field, passed to every arm when the notebook declares
+it; the execution contract's fields come from the ``execution`` parameter (:attr:`Session.execution`)."""
 
-REQUIRED = ("profile", "problems", "cap_branch", "cap_merge", "cap_answer", "sdpa_backends", "ledger_root", "figures_root")
+ENGINE_KEYS = ("step_path", "batch", "max_len", "chunk")
+"""Execution-contract keys that drive the batched engine (left out of an arm without a batched runner)."""
+
+REQUIRED = ("profile", "problems", "cap_branch", "cap_merge", "cap_answer", "execution", "ledger_root", "figures_root")
 """Parameters every experiment notebook declares."""
 
 
@@ -58,6 +59,8 @@ class Session:
         ledger_root: the folder holding ``<profile>/`` ledger folders.
         out_dir: ``<figures_root>/<profile>``, where tables and figures go.
         bank: the problems in frozen source order (the MMLU bank, or a JSONL in its format).
+        execution: the execution contract, every key of :data:`~kvreplay.runner.EXECUTION_KEYS`: the
+            ``execution`` parameter over :data:`~kvreplay.runner.EXECUTION_DEFAULTS`, checked.
     """
     notebook: str
     params: dict
@@ -66,6 +69,7 @@ class Session:
     ledger_root: Path
     out_dir: Path
     bank: list[Problem]
+    execution: dict
 
     @property
     def by_id(self) -> dict[str, Problem]:
@@ -90,21 +94,16 @@ class Session:
             dtype: ``"bfloat16"`` or ``"float32"``.
             preflight: preflight rows of the arm (a gate failure there aborts it).
             model, role_table: override the notebook's (Experiment 5's later checkpoint).
-            batched: ``False`` for an experiment without a batched runner: the notebook's ``step_path``,
-                ``batch`` and ``max_len`` are left out (the eager reference path).
-
-        Raises:
-            ValueError: as :class:`~kvreplay.runner.ArmSettings` (bad dtype, device, step path or batch shape).
+            batched: ``False`` for an experiment without a batched runner: the contract's ``step_path``,
+                ``batch``, ``max_len`` and ``chunk`` are left out (the eager reference path).
         """
         kw = {field: self.params[name] for name, field in SETTINGS_PARAMETERS.items() if name in self.params}
-        if not batched:
-            kw = {k: v for k, v in kw.items() if k not in ("step_path", "batch", "max_len", "chunk")}
+        kw |= {k: v for k, v in self.execution.items() if batched or k not in ENGINE_KEYS}
         if model is not None:
             kw["model"] = model
         if role_table is not None:
             kw["role_table"] = role_table
-        return ArmSettings(profile=self.profile, dtype=dtype, caps=self.caps, preflight=preflight,
-                           sdpa_backends=tuple(self.params["sdpa_backends"]), **kw)
+        return ArmSettings(profile=self.profile, dtype=dtype, caps=self.caps, preflight=preflight, **kw)
 
     @functools.cached_property
     def fixed(self) -> FixedPrefixes:
@@ -159,7 +158,9 @@ def open_session(notebook: str, namespace: Mapping[str, object]) -> Session:
         namespace: the notebook's ``globals()``; only the parameter names are read.
 
     Raises:
-        ValueError: a required parameter is missing (named), or the notebook's path is not under ``notebooks/``.
+        ValueError: a required parameter is missing (named), the notebook's path is not under ``notebooks/``,
+            or the ``execution`` parameter is refused (:func:`~kvreplay.runner.resolve_execution`: an
+            unknown key or a value of the wrong kind, named with the notebook, before anything is read).
         FileNotFoundError, MalformedProblemError, BankIntegrityError: the problem set cannot be read.
     """
     if not notebook.startswith("notebooks/"):
@@ -169,9 +170,10 @@ def open_session(notebook: str, namespace: Mapping[str, object]) -> Session:
     missing = [k for k in REQUIRED if k not in params]
     if missing:
         raise ValueError(f"{notebook}: parameters {missing} are not set (the parameters cell declares them)")
+    execution = resolve_execution(notebook, params["execution"])
     problems = params["problems"]
     bank = load_bank() if problems == "bank" else load_problems(problems)
     ledger_root = Path(params["ledger_root"]) if params["ledger_root"] else paths.LEDGERS
     out_dir = (Path(params["figures_root"]) if params["figures_root"] else paths.FIGURES) / params["profile"]
     caps = Caps(branch=params["cap_branch"], merge=params["cap_merge"], answer=params["cap_answer"])
-    return Session(notebook, params, params["profile"], caps, ledger_root, out_dir, bank)
+    return Session(notebook, params, params["profile"], caps, ledger_root, out_dir, bank, execution)

@@ -121,8 +121,7 @@ def settings_from_manifest(folder: Path):
         profile=config["profile"], dtype=config["dtype"], caps=Caps(**config["caps"]), model=model,
         fmt=config["format"], role_table=str(ROOT / role_table["model"]) if role_table else None,
         threads=config["threads"], sdpa_backends=tuple(config["sdpa_backends"]), preflight=config["preflight"],
-        device=execution.get("device", "cpu"), deterministic=execution.get("deterministic"),
-        allow_tf32=execution.get("allow_tf32", False),
+        **{k: execution[k] for k in ("device", "deterministic", "allow_tf32") if k in execution},  # absent: the defaults
     ), config
 
 

@@ -33,8 +33,8 @@
 profile = "smoke"
 model = "embedded"            # the base model of the family (checkpoint 0: this model with no role rows)
 format = "chat_multibranch"
-threads = 2
-sdpa_backends = ["math"]
+execution = {}                # the execution contract (README: "The execution contract"); training and scoring run in FP32 on
+                              # the CPU under its threads and sdpa_backends (other keys: kvreplay.runner.EXECUTION_DEFAULTS)
 adapt_name = "smoke"          # label of the training run (folder role-table-<name>-<digest12>)
 adapt_source = "openbookqa"   # training data (a kvreplay.problems.SOURCES key), disjoint from the MMLU bank
 adapt_n_train = 4
@@ -66,9 +66,12 @@ from kvreplay.contract import ROLE_NAMES, resolve_format
 from kvreplay.problems import load_bank
 from kvreplay.models import ExecutionContract, load_model
 from kvreplay.report.files import contract_frame, save_figure, save_table
+from kvreplay.runner import resolve_execution
 
 # %%
 SOURCE = "notebooks/00_role_adaptation.ipynb"
+contract = resolve_execution(SOURCE, execution)  # checked; only its threads and SDPA backends apply here
+threads, sdpa_backends = contract["threads"], contract["sdpa_backends"]
 ledger_root = Path(ledger_root) if ledger_root else paths.LEDGERS
 checkpoint_root = Path(checkpoint_root) if checkpoint_root else paths.CHECKPOINTS
 out_dir = (Path(figures_root) if figures_root else paths.FIGURES) / profile

@@ -32,17 +32,9 @@ n_bridge = 2                  # Experiment 3 bridge rows (paper: 12)
 cap_branch = 8
 cap_merge = 8
 cap_answer = 4
-threads = 2
-sdpa_backends = ["math"]
-device = "cpu"                # "cpu", "cuda" or "cuda:N" (README: the execution contract)
-deterministic = None          # None: on for CUDA, off for CPU
-allow_tf32 = False            # TF32 stays off: FP32 means FP32
-workers = 1                   # Ray row actors; 1: this process; on CUDA one per GPU (same ledgers for any number)
-ray_address = None            # an existing Ray cluster ("HEAD:6379", "auto"); None: $RAY_ADDRESS, else a local one
-step_path = "eager"           # "eager" (the reference), "engine-eager" or "graph" (CUDA): the batched engine
-batch = 8                     # problems per batched step (engine paths only)
-max_len = None                # positions per row of the engine's static cache (None: the longest sequence possible)
-chunk = None                  # problems per chunk of the batched runner (None: batch); more than batch keeps slots busy, same bits
+execution = {}                # the execution contract (README: "The execution contract"): threads, SDPA backends, device,
+                              # determinism, TF32, Ray workers, step path and batch shape; a key left out takes its default
+                              # in kvreplay.runner.EXECUTION_DEFAULTS, e.g. {"device": "cuda", "step_path": "graph", "batch": 32}
 format = "chat_multibranch"
 role_table = None
 ledger_root = None            # default: data/ledgers

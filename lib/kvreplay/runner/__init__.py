@@ -3,7 +3,8 @@
 An *arm* is one experiment at one precision under one execution contract.
 
 * :mod:`.spec`: :class:`ArmSettings` (everything that decides an arm's bits,
-  and the ledger key built from it), :class:`RunSpec` (what a per-row function
+  and the ledger key built from it), the execution contract the notebooks pass as
+  their ``execution`` parameter (:data:`EXECUTION_DEFAULTS`, :func:`resolve_execution`), :class:`RunSpec` (what a per-row function
   receives), the batched engine's resolved settings, prompt checks and
   :data:`ROW_ALGORITHM`, the version of each experiment's row function;
 * :mod:`.loop`: :func:`run_arm`, which runs, resumes or reuses an arm's ledger;
@@ -17,6 +18,9 @@ from .loop import run_arm
 from .spec import (
     ARM_STEP_PATHS,
     CHUNK_DEADLINE_ENV,
+    EXECUTION_DEFAULTS,
+    EXECUTION_KEYS,
+    EXECUTION_KINDS,
     GRAPH_CHECK_STEPS,
     ROW_ALGORITHM,
     ArmSettings,
@@ -26,15 +30,18 @@ from .spec import (
     Hook,
     RunSpec,
     arm_environment,
+    check_execution,
     check_prompts,
     leaves,
     model_key,
     problems_digest,
+    resolve_execution,
     role_table_key,
 )
 
 __all__ = [
-    "ARM_STEP_PATHS", "CHUNK_DEADLINE_ENV", "GRAPH_CHECK_STEPS", "ROW_ALGORITHM", "ArmSettings", "BatchedRows",
-    "ChunkDeadline", "EngineRun", "Hook", "RunSpec",
-    "arm_environment", "check_prompts", "leaves", "model_key", "problems_digest", "role_table_key", "run_arm",
+    "ARM_STEP_PATHS", "CHUNK_DEADLINE_ENV", "EXECUTION_DEFAULTS", "EXECUTION_KEYS", "EXECUTION_KINDS",
+    "GRAPH_CHECK_STEPS", "ROW_ALGORITHM", "ArmSettings", "BatchedRows", "ChunkDeadline", "EngineRun", "Hook", "RunSpec",
+    "arm_environment", "check_execution", "check_prompts", "leaves", "model_key", "problems_digest", "resolve_execution",
+    "role_table_key", "run_arm",
 ]

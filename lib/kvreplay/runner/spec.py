@@ -13,10 +13,12 @@ experiment's row function: a change to any bit of a committed row bumps it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -217,6 +219,61 @@ GRAPH_CHECK_STEPS = 256
 """Steps of each engine (live, suffix) of the composition run checked against the eager step on the graph path."""
 
 
+def _whole(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+EXECUTION_KINDS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "threads": ("a whole number of at least 1", lambda v: _whole(v) and v >= 1),
+    "sdpa_backends": ("a non-empty list of SDPA backend names",
+                      lambda v: isinstance(v, (list, tuple)) and bool(v) and all(isinstance(b, str) and b for b in v)),
+    "device": ("a device name such as 'cpu', 'cuda' or 'cuda:0'", lambda v: isinstance(v, str) and bool(v)),
+    "deterministic": ("true, false or null", lambda v: v is None or isinstance(v, bool)),
+    "allow_tf32": ("true or false", lambda v: isinstance(v, bool)),
+    "workers": ("a whole number", _whole),
+    "ray_address": ("null or a Ray cluster address string", lambda v: v is None or isinstance(v, str)),
+    "step_path": (f"one of {ARM_STEP_PATHS}", lambda v: isinstance(v, str)),
+    "batch": ("a whole number", _whole),
+    "max_len": ("null or a whole number", lambda v: v is None or _whole(v)),
+    "chunk": ("null or a whole number", lambda v: v is None or _whole(v)),
+}
+"""The execution contract's keys (the :class:`ArmSettings` fields the notebooks' ``execution`` parameter sets),
+each with the kind of value it takes: a description and a check (ranges are :func:`check_execution`'s)."""
+
+EXECUTION_KEYS = tuple(EXECUTION_KINDS)
+"""The execution contract's keys, in the order of :data:`EXECUTION_KINDS`."""
+
+
+def check_execution(contract: dict) -> None:
+    """Refuse an execution contract (every key of :data:`EXECUTION_KEYS`) whose values do not fit together.
+
+    Raises:
+        ValueError: an unknown device; ``workers`` below 1 or not whole; ``ray_address`` not a non-empty
+            string or None; an unknown step path; ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len`` below 2;
+            ``chunk`` below 1; a batch shape or chunk given with ``step_path="eager"``.
+    """
+    c = contract
+    device_type = ExecutionContract(device=c["device"]).device_type  # ValueError naming an unknown device
+    if not _whole(c["workers"]) or c["workers"] < 1:
+        raise ValueError(f"workers must be a whole number of at least 1, got {c['workers']!r}")
+    if c["ray_address"] is not None and (not isinstance(c["ray_address"], str) or not c["ray_address"]):
+        raise ValueError(f"ray_address must be None or a Ray cluster address such as 'auto' or 'host:6379', "
+                         f"got {c['ray_address']!r}")
+    if c["step_path"] not in ARM_STEP_PATHS:
+        raise ValueError(f"unknown step path {c['step_path']!r}; use one of {ARM_STEP_PATHS}")
+    if not _whole(c["batch"]) or c["batch"] < 1:
+        raise ValueError(f"batch (problems per step) must be a whole number of at least 1, got {c['batch']!r}")
+    if c["max_len"] is not None and (not _whole(c["max_len"]) or c["max_len"] < 2):
+        raise ValueError(f"max_len must be None or a whole number of at least 2, got {c['max_len']!r}")
+    if c["chunk"] is not None and (not _whole(c["chunk"]) or c["chunk"] < 1):
+        raise ValueError(f"chunk (problems per chunk) must be None or a whole number of at least 1, got {c['chunk']!r}")
+    if c["step_path"] == "eager" and (c["batch"] != EXECUTION_DEFAULTS["batch"] or c["max_len"] is not None or c["chunk"] is not None):
+        raise ValueError("batch, max_len and chunk drive the batched engine: they need step_path 'engine-eager' "
+                         "or 'graph' (the eager path decodes one problem at a time)")
+    if c["step_path"] == "graph" and device_type != "cuda":
+        raise ValueError(f"step path 'graph' replays CUDA graphs: it needs device 'cuda', not {c['device']!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ArmSettings:
     """Everything that fixes an arm's numerics besides its rows (part of every ledger key).
@@ -224,9 +281,12 @@ class ArmSettings:
     Attributes mirror the notebooks' parameters: ``profile``, ``dtype``,
     ``caps``, ``model`` (``"embedded"``, folder, ``.gguf`` or cached hub id),
     ``fmt`` (block format name or YAML path), ``role_table`` (path or None),
-    ``threads`` (intra-op threads), ``sdpa_backends``, ``preflight`` (rows),
-    and the CUDA side of the contract (:class:`~kvreplay.models.ExecutionContract`):
-    ``device``, ``deterministic``, ``allow_tf32``.
+    ``preflight`` (rows), and the execution contract: ``threads`` (intra-op
+    threads), ``sdpa_backends``, the CUDA side of the contract
+    (:class:`~kvreplay.models.ExecutionContract`: ``device``, ``deterministic``,
+    ``allow_tf32``), and the fields below. The notebooks take the contract as one
+    mapping parameter, ``execution``, over these fields' defaults
+    (:data:`EXECUTION_DEFAULTS`, checked by :func:`resolve_execution`).
 
     Where the rows run is not part of the key, because the rows are identical
     bit for bit however many actors compute them: ``workers`` is the number of
@@ -264,10 +324,10 @@ class ArmSettings:
     be used). Every arm of an experiment should run under the same contract.
 
     Raises:
-        ValueError: ``workers`` below 1 or not whole; ``ray_address`` not a
-            non-empty string or None; an unknown step path;
-            ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len``
-            below 2; ``chunk`` below 1; a batch shape or chunk given with ``step_path="eager"``.
+        ValueError: an execution contract :func:`check_execution` refuses (an
+            unknown device or step path, ``workers``, ``batch``, ``max_len`` or
+            ``chunk`` out of range, a batch shape with the eager path, ``graph``
+            off CUDA).
     """
     profile: str
     dtype: str
@@ -289,24 +349,7 @@ class ArmSettings:
     chunk: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise ValueError(f"workers must be a whole number of at least 1, got {self.workers!r}")
-        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address):
-            raise ValueError(f"ray_address must be None or a Ray cluster address such as 'auto' or 'host:6379', "
-                             f"got {self.ray_address!r}")
-        if self.step_path not in ARM_STEP_PATHS:
-            raise ValueError(f"unknown step path {self.step_path!r}; use one of {ARM_STEP_PATHS}")
-        if not isinstance(self.batch, int) or self.batch < 1:
-            raise ValueError(f"batch (problems per step) must be a whole number of at least 1, got {self.batch!r}")
-        if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 2):
-            raise ValueError(f"max_len must be None or a whole number of at least 2, got {self.max_len!r}")
-        if self.chunk is not None and (not isinstance(self.chunk, int) or self.chunk < 1):
-            raise ValueError(f"chunk (problems per chunk) must be None or a whole number of at least 1, got {self.chunk!r}")
-        if self.step_path == "eager" and (self.batch != 8 or self.max_len is not None or self.chunk is not None):
-            raise ValueError("batch, max_len and chunk drive the batched engine: they need step_path 'engine-eager' "
-                             "or 'graph' (the eager path decodes one problem at a time)")
-        if self.step_path == "graph" and self.contract().device_type != "cuda":
-            raise ValueError(f"step path 'graph' replays CUDA graphs: it needs device 'cuda', not {self.device!r}")
+        check_execution({k: getattr(self, k) for k in EXECUTION_KEYS})
 
     def engine_key(self) -> dict | None:
         """The ledger-key entry of the decode path: ``None`` for the eager path, else step path and batch shape."""
@@ -371,6 +414,53 @@ class ArmSettings:
         torch.manual_seed(0)
         lm = load_model(self.model, self.dtype, role_table=self.role_table, contract=self.contract(device))
         return lm, resolve_format(lm.tokenizer, self.fmt)
+
+
+EXECUTION_DEFAULTS: Mapping[str, object] = MappingProxyType(
+    {k: {f.name: f.default for f in dataclasses.fields(ArmSettings)}[k] for k in EXECUTION_KEYS})
+"""The execution contract a notebook runs under where its ``execution`` parameter leaves a key out: the
+:class:`ArmSettings` defaults (threads 2, math SDPA, CPU, deterministic per device, TF32 off, one worker,
+no Ray address, the eager step path, batch 8, no ``max_len`` or ``chunk``), read from its fields."""
+
+
+def resolve_execution(notebook: str, execution: Mapping | None) -> dict:
+    """A notebook's execution contract: its ``execution`` parameter over :data:`EXECUTION_DEFAULTS`, checked.
+
+    Called before anything is loaded or decoded, so a bad contract stops the notebook in its setup cell.
+
+    Args:
+        notebook: the notebook's path (named in every error).
+        execution: the ``execution`` parameter (a mapping of contract keys; ``None`` or ``{}``: the defaults).
+
+    Returns:
+        Every key of :data:`EXECUTION_KEYS`, in that order (``sdpa_backends`` as a tuple).
+
+    Raises:
+        ValueError: naming the notebook and the key: ``execution`` is not a mapping, a key is not a contract
+            key, a value is not of its key's kind (:data:`EXECUTION_KINDS`), or the values do not fit
+            together (:func:`check_execution`).
+    """
+    if execution is None:
+        execution = {}
+    if not isinstance(execution, Mapping):
+        raise ValueError(f"{notebook}: the execution parameter must be a mapping of execution-contract keys "
+                         f"({', '.join(EXECUTION_KEYS)}), got {type(execution).__name__} {execution!r}")
+    for key, value in execution.items():
+        if key not in EXECUTION_KINDS:
+            near = difflib.get_close_matches(str(key), EXECUTION_KEYS, n=1)
+            raise ValueError(f"{notebook}: unknown execution key {key!r}"
+                             + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + f"; the execution contract's keys are {', '.join(EXECUTION_KEYS)}")
+        kind, ok = EXECUTION_KINDS[key]
+        if not ok(value):
+            raise ValueError(f"{notebook}: execution key {key!r} must be {kind}, got {value!r}")
+    contract = {k: execution.get(k, EXECUTION_DEFAULTS[k]) for k in EXECUTION_KEYS}
+    contract["sdpa_backends"] = tuple(contract["sdpa_backends"])
+    try:
+        check_execution(contract)
+    except ValueError as e:
+        raise ValueError(f"{notebook}: execution: {e}") from None
+    return contract
 
 
 CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"
