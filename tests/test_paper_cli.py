@@ -166,3 +166,20 @@ def test_the_inprocess_engine_injects_the_execution_mapping(tmp_path):
     path.write_text(json.dumps(nb))
     run_inprocess(path, {"execution": {"step_path": "graph", "batch": 32}, "threads": 4})
     assert ast.literal_eval((tmp_path / "seen").read_text()) == {"step_path": "graph", "batch": 32}
+
+
+def test_a_profile_key_no_notebook_declares_is_refused(tmp_path, monkeypatch, capsys):
+    """A typo (`executon:`, `n_row:`) would be dropped by every notebook and the run would go ahead on defaults."""
+    from kvreplay import paper
+
+    params = tmp_path / "params"
+    params.mkdir()
+    monkeypatch.setattr(paper, "PARAMS", params)
+    monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(paper, "run_notebook", lambda *a, **k: pytest.fail("a notebook ran"))
+    (params / "mini.yaml").write_text("profile: mini\nn_rows: 2\nexecuton:\n  device: cuda\nnotebooks: ['01']\n")
+    assert paper.main(["--profile", "mini"]) == 2
+    assert "'executon' (did you mean 'execution'?) is declared by no notebook" in capsys.readouterr().err
+    for name in ("cpu", "gpu", "paper", "smoke"):  # every committed profile passes
+        monkeypatch.setattr(paper, "PARAMS", paper.ROOT / "notebooks" / "params")
+        assert paper.load_profile(name)["profile"] == name

@@ -54,9 +54,10 @@ def test_cli_counts_finished_rows_against_the_manifest_and_skips_a_cut_off_line(
     with open(tmp_path / "paper" / "exp1-bfloat16-aaaa" / "rows.jsonl", "a") as f:
         f.write('{"problem_id": "p3", "endpo')  # the time limit cut this row off mid-write
     assert main(["--ledger-root", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "exp1-bfloat16-aaaa: 2 of 5 rows finished" in out
-    assert "exp1-float32-bbbb: 1 of 5 rows finished" in out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "exp1-bfloat16-aaaa: 2 of 5 rows finished" in captured.err
+    assert "exp1-float32-bbbb: 1 of 5 rows finished" in captured.err
     assert "BF16 only 1, FP32 only 0" in out
 
 
@@ -68,9 +69,9 @@ def test_one_precision_only_has_no_pairing(tmp_path, capsys):
     with pytest.raises(ValueError, match="neither"):
         suffix_summary({})
     assert main(["--ledger-root", str(tmp_path), "--experiments", "exp2"]) == 0
-    out = capsys.readouterr().out
-    assert "exp2-float32: not started" in out and "exp2-bfloat16-aaaa: 2 of 3 rows finished" in out
-    assert "McNemar" not in out
+    captured = capsys.readouterr()
+    assert "exp2-float32: not started" in captured.err and "exp2-bfloat16-aaaa: 2 of 3 rows finished" in captured.err
+    assert "McNemar" not in captured.out
 
 
 def test_readme_tables_are_what_the_committed_paper_ledgers_give(capsys):

@@ -66,6 +66,7 @@ def test_execution_defaults_are_the_arm_settings_defaults():
     ({"chunk": 64}, r"execution: batch, max_len and chunk drive the batched engine"),  # chunk without a batched step path
     ({"step_path": "graph"}, r"execution: step path 'graph' replays CUDA graphs: it needs device 'cuda', not 'cpu'"),
     ({"device": "gpu0"}, r"execution: unknown device 'gpu0'"),
+    ({"sdpa_backends": ["flash_attention"]}, r"execution: SDPA backend\(s\) \['flash_attention'\] unknown or not on device 'cpu'"),
     (["threads", 2], r"the execution parameter must be a mapping of execution-contract keys \(threads, sdpa_backends, "),
 ])
 def test_a_bad_execution_contract_is_refused_before_anything_is_read(monkeypatch, execution, match):

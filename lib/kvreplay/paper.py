@@ -33,6 +33,10 @@ papermill run executes every notebook (reusing the finished ledgers).
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
+import functools
+import json
 import os
 import re
 import sys
@@ -75,7 +79,8 @@ def load_profile(profile: str) -> dict:
 
     Raises:
         FileNotFoundError: naming the profiles that exist.
-        ValueError: a key of the execution contract at the top level (named).
+        ValueError: a key of the execution contract at the top level, or a key no notebook declares (a typo:
+            named, with the closest known key).
     """
     path = PARAMS / f"{profile}.yaml"
     if not path.is_file():
@@ -86,7 +91,31 @@ def load_profile(profile: str) -> dict:
     if flat:
         raise ValueError(f"profile {profile!r} ({path}): {', '.join(flat)} belong to the execution contract: put them "
                          f"under `execution:` (README: The execution contract)")
+    known = chain_parameters() | set(PROFILE_KEYS)
+    unknown = [k for k in params if k not in known]
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+        named = ", ".join(f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in unknown)
+        raise ValueError(f"profile {profile!r} ({path}): {named} is declared by no notebook, so it would be "
+                         f"dropped without effect; profile keys are the notebooks' parameters and {list(PROFILE_KEYS)}")
     return params
+
+
+PROFILE_KEYS = ("notebooks", "done")
+"""Profile keys that are not notebook parameters: the notebooks ``make paper`` runs, and the rows finished per arm."""
+
+
+@functools.cache
+def chain_parameters() -> frozenset[str]:
+    """Every parameter name that a notebook of :data:`CHAIN` declares in its ``parameters`` cell (read as source,
+    without papermill, so a machine with only the library can check a profile)."""
+    names: set[str] = set()
+    for name in CHAIN:
+        for tags, src in code_cells(NOTEBOOKS / name):
+            if "parameters" in tags:
+                names |= {t.id for node in ast.parse(src).body if isinstance(node, ast.Assign) for t in node.targets
+                          if isinstance(t, ast.Name)}
+    return frozenset(names)
 
 
 def declared_parameters(name: str, params: dict) -> dict:
@@ -288,8 +317,6 @@ def write_index(entries: list[dict], profile: str, folder: Path, html_folder: Pa
 
 def code_cells(path: Path) -> list[tuple[list[str], str]]:
     """``(tags, source)`` of every code cell of a notebook file (read as JSON, no Jupyter needed)."""
-    import json
-
     nb = json.loads(Path(path).read_text(encoding="utf-8"))
     out = []
     for c in nb["cells"]:
@@ -309,8 +336,6 @@ def run_inprocess(path: Path, params: dict) -> None:
     Raises:
         RuntimeError: naming the notebook and the failing cell (1-based among code cells).
     """
-    import ast
-
     cells = code_cells(path)
     ns: dict = {"__name__": "__main__"}
     cwd = os.getcwd()

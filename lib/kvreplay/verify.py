@@ -302,12 +302,16 @@ def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only
 
 def main(argv: Sequence[str] | None = None) -> int:
 
-    ap = argparse.ArgumentParser(prog="python -m kvreplay.verify", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default="cpu")
+    ap = argparse.ArgumentParser(prog="python -m kvreplay.verify", description=__doc__.split("\n\n")[0],
+                                 epilog="Byte-identical rows are expected only where the ledger's environment (device, CPU "
+                                        "kernel ISA, torch, threads, step path, batch shape) matches this machine; "
+                                        "elsewhere the portable checks run (gates pass, FP32 token IDs equal).",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--profile", default="cpu", help="profile whose committed ledgers are recomputed")
     ap.add_argument("--rows", type=int, default=1, help="rows recomputed per ledger")
     ap.add_argument("--pick", choices=("shortest", "fastest", "first"), default="shortest",
                     help="which rows: shortest prefixes, least logged wall time, or ledger order")
-    ap.add_argument("--ledger-root", default=str(LEDGERS))
+    ap.add_argument("--ledger-root", default=str(LEDGERS), help="folder holding <profile>/ ledger folders")
     ap.add_argument("--only", nargs="*", default=(), help="ledger name prefixes, e.g. exp1-bfloat16 exp3")
     args = ap.parse_args(argv)
     results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick)

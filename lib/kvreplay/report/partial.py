@@ -12,12 +12,13 @@ model and writes nothing.
 
 Usage: ``python -m kvreplay.report.partial [--profile paper] [--experiments exp1 exp2] [--readme]``; with
 ``--readme`` each experiment's table is printed as the README's section on the profile holds it (a test
-checks that it does).
+checks that it does). How many rows each arm has finished goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -132,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 folder, rows[dtype] = arm_rows(root, experiment, dtype)
             except FileNotFoundError:
-                print(f"{experiment}-{dtype}: not started")
+                print(f"{experiment}-{dtype}: not started", file=sys.stderr)
                 continue
             done, wanted = ledger_progress(folder)
-            print(f"{folder.name}: {done} of {wanted} rows finished")
+            print(f"{folder.name}: {done} of {wanted} rows finished", file=sys.stderr)
         if not rows:
             continue
         summary = suffix_summary(rows)

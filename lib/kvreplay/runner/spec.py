@@ -27,6 +27,7 @@ from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_form
 from ..gates import GateError
 from ..ledger.store import canonical_json
 from ..models import (
+    DEVICE_SDPA_BACKENDS,
     EMBEDDED,
     EMBEDDED_SHA256,
     ExecutionContract,
@@ -248,7 +249,7 @@ def check_execution(contract: dict) -> None:
     """Refuse an execution contract (every key of :data:`EXECUTION_KEYS`) whose values do not fit together.
 
     Raises:
-        ValueError: an unknown device; ``workers`` below 1 or not whole; ``ray_address`` not a non-empty
+        ValueError: an unknown device, or an SDPA backend unknown or missing on it; ``workers`` below 1 or not whole; ``ray_address`` not a non-empty
             string or None; an unknown step path; ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len`` below 2;
             ``chunk`` below 1; a batch shape or chunk given with ``step_path="eager"``.
     """
@@ -259,6 +260,10 @@ def check_execution(contract: dict) -> None:
     if c["ray_address"] is not None and (not isinstance(c["ray_address"], str) or not c["ray_address"]):
         raise ValueError(f"ray_address must be None or a Ray cluster address such as 'auto' or 'host:6379', "
                          f"got {c['ray_address']!r}")
+    unknown = [b for b in c["sdpa_backends"] if b not in DEVICE_SDPA_BACKENDS.get(device_type, ())]
+    if unknown:
+        raise ValueError(f"SDPA backend(s) {unknown} unknown or not on device {c['device']!r}; use some of "
+                         f"{list(DEVICE_SDPA_BACKENDS.get(device_type, ()))}")
     if c["step_path"] not in ARM_STEP_PATHS:
         raise ValueError(f"unknown step path {c['step_path']!r}; use one of {ARM_STEP_PATHS}")
     if not _whole(c["batch"]) or c["batch"] < 1:
