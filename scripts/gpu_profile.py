@@ -74,8 +74,11 @@ def notebook_parameters(notebook: str, profile: str, overrides: dict) -> dict:
 
     ``overrides`` (``--set``) go over the profile's values; one named by an execution-contract key
     (:data:`kvreplay.runner.EXECUTION_KEYS`, e.g. ``chunk``) goes into the ``execution`` mapping instead.
+
+    Raises:
+        ValueError: an override that no notebook declares (a typo would otherwise be dropped).
     """
-    from kvreplay.paper import load_profile
+    from kvreplay.paper import PROFILE_KEYS, chain_parameters, load_profile
     from kvreplay.runner import EXECUTION_KEYS
 
     nb = json.loads((ROOT / notebook).read_text())
@@ -90,6 +93,8 @@ def notebook_parameters(notebook: str, profile: str, overrides: dict) -> dict:
     for name, value in overrides.items():
         if name in EXECUTION_KEYS:
             values["execution"] = {**(values.get("execution") or {}), name: value}
+        elif name not in chain_parameters() | set(PROFILE_KEYS):
+            raise ValueError(f"--set {name}={value!r}: no notebook declares {name!r} (a typo would be dropped)")
         else:
             values[name] = value
     ns.update({k: v for k, v in values.items() if k in declared})

@@ -115,3 +115,5 @@ def test_gpu_profile_builds_the_notebooks_parameters_and_sets_contract_keys_insi
     assert open_session(nb, params32).execution["chunk"] == 32
     config = {k: open_session(nb, p).settings("float32", 8).config("exp1", []) for k, p in (("64", params), ("32", params32))}
     assert config["64"] == config["32"]  # the chunk is not part of the ledger key
+    with pytest.raises(ValueError, match="--set n_row=4: no notebook declares 'n_row'"):
+        gpu_profile.notebook_parameters(nb, "paper", {"n_row": 4})
