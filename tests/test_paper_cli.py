@@ -134,9 +134,9 @@ def test_the_index_names_notebooks_outside_the_profile_list_apart(tmp_path):
     assert "so not executed" not in (tmp_path / "README.md").read_text()
 
 
-def test_execution_keys_outside_the_execution_mapping_are_refused(tmp_path, monkeypatch, capsys):
-    """`threads: 4` at a profile's top level would be declared by no notebook and silently dropped (the arms would run
-    under the defaults and key new ledgers): refused, naming the keys."""
+def _refused_profile(tmp_path, monkeypatch, text: str) -> None:
+    """Write profile `mini` with ``text`` into a scratch params folder; `make paper` must refuse it (exit 2) before any
+    notebook runs."""
     from kvreplay import paper
 
     params = tmp_path / "params"
@@ -144,8 +144,14 @@ def test_execution_keys_outside_the_execution_mapping_are_refused(tmp_path, monk
     monkeypatch.setattr(paper, "PARAMS", params)
     monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
     monkeypatch.setattr(paper, "run_notebook", lambda *a, **k: pytest.fail("a notebook ran"))
-    (params / "mini.yaml").write_text("profile: mini\nthreads: 4\nstep_path: graph\nexecution:\n  device: cuda\n")
+    (params / "mini.yaml").write_text(text)
     assert paper.main(["--profile", "mini"]) == 2
+
+
+def test_execution_keys_outside_the_execution_mapping_are_refused(tmp_path, monkeypatch, capsys):
+    """`threads: 4` at a profile's top level would be declared by no notebook and silently dropped (the arms would run
+    under the defaults and key new ledgers): refused, naming the keys."""
+    _refused_profile(tmp_path, monkeypatch, "profile: mini\nthreads: 4\nstep_path: graph\nexecution:\n  device: cuda\n")
     assert "threads, step_path belong to the execution contract: put them under `execution:`" in capsys.readouterr().err
 
 
@@ -172,13 +178,7 @@ def test_a_profile_key_no_notebook_declares_is_refused(tmp_path, monkeypatch, ca
     """A typo (`executon:`, `n_row:`) would be dropped by every notebook and the run would go ahead on defaults."""
     from kvreplay import paper
 
-    params = tmp_path / "params"
-    params.mkdir()
-    monkeypatch.setattr(paper, "PARAMS", params)
-    monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
-    monkeypatch.setattr(paper, "run_notebook", lambda *a, **k: pytest.fail("a notebook ran"))
-    (params / "mini.yaml").write_text("profile: mini\nn_rows: 2\nexecuton:\n  device: cuda\nnotebooks: ['01']\n")
-    assert paper.main(["--profile", "mini"]) == 2
+    _refused_profile(tmp_path, monkeypatch, "profile: mini\nn_rows: 2\nexecuton:\n  device: cuda\nnotebooks: ['01']\n")
     assert "'executon' (did you mean 'execution'?) is declared by no notebook" in capsys.readouterr().err
     for name in ("cpu", "gpu", "paper", "smoke"):  # every committed profile passes
         monkeypatch.setattr(paper, "PARAMS", paper.ROOT / "notebooks" / "params")
