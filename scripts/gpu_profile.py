@@ -43,7 +43,6 @@ wanted, gate failures and the exit status. Nothing about outcomes is asserted.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import shutil
@@ -78,17 +77,14 @@ def notebook_parameters(notebook: str, profile: str, overrides: dict) -> dict:
     Raises:
         ValueError: an override that no notebook declares (a typo would otherwise be dropped).
     """
-    from kvreplay.paper import PROFILE_KEYS, chain_parameters, load_profile
+    from kvreplay.paper import PROFILE_KEYS, assigned_names, chain_parameters, code_cells, load_profile
     from kvreplay.runner import EXECUTION_KEYS
 
-    nb = json.loads((ROOT / notebook).read_text())
-    cell = next(c for c in nb["cells"] if c["cell_type"] == "code" and "parameters" in c["metadata"].get("tags", []))
-    src = "".join(cell["source"])
+    src = next(src for tags, src in code_cells(ROOT / notebook) if "parameters" in tags)
     ns: dict = {}
     exec(compile(src,  # noqa: S102 (the notebook's own parameters cell, as papermill runs it)
                   f"{notebook} parameters", "exec"), ns)
-    declared = {t.id for node in ast.parse(src).body if isinstance(node, ast.Assign)
-                for t in node.targets if isinstance(t, ast.Name)}
+    declared = assigned_names(src)
     values = load_profile(profile)
     for name, value in overrides.items():
         if name in EXECUTION_KEYS:

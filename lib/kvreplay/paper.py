@@ -113,8 +113,7 @@ def chain_parameters() -> frozenset[str]:
     for name in CHAIN:
         for tags, src in code_cells(NOTEBOOKS / name):
             if "parameters" in tags:
-                names |= {t.id for node in ast.parse(src).body if isinstance(node, ast.Assign) for t in node.targets
-                          if isinstance(t, ast.Name)}
+                names |= assigned_names(src)
     return frozenset(names)
 
 
@@ -315,6 +314,13 @@ def write_index(entries: list[dict], profile: str, folder: Path, html_folder: Pa
     return written
 
 
+def assigned_names(src: str) -> set[str]:
+    """The names a cell's top-level ``name = ...`` statements assign: a ``parameters`` cell's declared parameters,
+    as papermill sees them."""
+    return {t.id for node in ast.parse(src).body if isinstance(node, ast.Assign) for t in node.targets
+            if isinstance(t, ast.Name)}
+
+
 def code_cells(path: Path) -> list[tuple[list[str], str]]:
     """``(tags, source)`` of every code cell of a notebook file (read as JSON, no Jupyter needed)."""
     nb = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -345,8 +351,7 @@ def run_inprocess(path: Path, params: dict) -> None:
             try:
                 exec(compile(src, f"{Path(path).name}, code cell {i}", "exec"), ns)
                 if "parameters" in tags:
-                    declared = {t.id for node in ast.parse(src).body if isinstance(node, ast.Assign)
-                                for t in node.targets if isinstance(t, ast.Name)}
+                    declared = assigned_names(src)
                     ns.update({k: v for k, v in params.items() if k in declared})
             except Exception as e:
                 raise RuntimeError(f"{Path(path).name} failed in code cell {i} ({type(e).__name__}: {e})") from e
