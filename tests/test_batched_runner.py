@@ -122,9 +122,38 @@ def test_chunk_deadline_stops_at_a_chunk_boundary_and_the_arm_resumes_to_identic
     monkeypatch.delenv(CHUNK_DEADLINE_ENV)
     _, ledger = run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
     assert ledger.dir == folder and ledger.rows_path.read_bytes() == whole.rows_path.read_bytes()
-    # the resumed run (a new process on a device: a new graph capture) passed the gates again, on its first row
+    # the resumed run (a new process on a device: a new graph capture) passed the gate again before appending, on
+    # the committed row with the shortest line, recomputed alone and equal to its committed line
+    first_two = whole.rows_path.read_text().splitlines()[:2]
+    shortest = json.loads(min(first_two, key=len))["problem_id"]
     events = [json.loads(x) for x in (folder / "runlog.jsonl").read_text().splitlines()]
-    assert [[c["problem_id"] for c in e["checks"]] for e in events if e["event"] == "gates"] == [["p-00"], ["p-02"]]
+    gated = [e["checks"] for e in events if e["event"] == "gates"]
+    assert [[c["problem_id"] for c in checks] for checks in gated] == [["p-00"], [shortest]]
+    assert gated[1][0]["reference"] == "committed row" and gated[1][0]["gate"] == "composition"
+
+
+def test_a_resumed_arm_whose_bits_moved_stops_before_appending(tmp_path, tiny_arm, monkeypatch):
+    """A resumed run recomputes a committed row first: bits that moved since (code, machine) append nothing."""
+    problems = _problems(5)
+    settings = tiny_arm(step_path="engine-eager", batch=2)
+    monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time():.3f}")
+    with pytest.raises(ChunkDeadline):
+        run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
+    monkeypatch.delenv(CHUNK_DEADLINE_ENV)
+    (folder,) = (tmp_path / "t").iterdir()
+    before = (folder / "rows.jsonl").read_bytes()
+    clean = engine.StepEngine._compute
+
+    def moved(self):  # planted: every logit scaled alike (no companion dependence: the in-chunk gate would pass)
+        logits, _ = clean(self)
+        logits = logits * (1 + 1e-3)
+        return logits, engine.choice_stats(logits, self._eligible[self.inputs[3]])
+
+    monkeypatch.setattr(engine.StepEngine, "_compute", moved)
+    with pytest.raises(GateError, match="composition") as err:
+        run_experiment1(problems, settings, ledger_root=tmp_path, progress=False)
+    assert "committed record" in err.value.reason and "B=2" in err.value.reason
+    assert (folder / "rows.jsonl").read_bytes() == before  # nothing appended
 
 
 def test_chunks_larger_than_the_batch_refill_slots_and_write_the_same_ledger(tmp_path, tiny_arm):

@@ -9,11 +9,12 @@ record to the arm's ledger (:mod:`kvreplay.ledger`) as it finishes.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..ledger.records import validate_row
-from ..ledger.store import Ledger, row_bar, run_rows
+from ..ledger.store import Ledger, read_rows_text, row_bar, run_rows
 from ..models import context_length
 from ..problems import Problem
 from .actors import RowActors
@@ -46,10 +47,14 @@ def run_arm(
     engine instead: ``chunk(spec, problems)`` (e.g. :func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`)
     computes the records of up to ``settings.chunk`` (default ``settings.batch``) problems at a time
     (:class:`BatchedRows`), appended in problem order as in a sequential run;
-    the first problem a run computes also passes the ``composition`` gate (and,
-    on the graph path, ``graph_equals_eager``): the first preflight problem of
-    a new arm, and the first row left of a resumed one, so every process that
-    appends rows (with its own captured graph) has passed both gates first.
+    every run passes the ``composition`` gate (and, on the graph path,
+    ``graph_equals_eager``) before it appends a row, so every process that
+    appends rows (with its own captured graph) has passed both: a new arm on
+    its first preflight problem (computed alone and inside its chunk), a
+    resumed arm on the committed row with the shortest line (fewest decoded
+    tokens, so the cheapest to recompute), computed alone and compared with
+    its committed line byte for byte (:class:`BatchedRows`); with Ray workers,
+    on the first row left, as for a new arm.
 
     With ``settings.workers > 1`` (and more than one row, or chunk, to
     compute) the rows run on Ray actors (:class:`kvreplay.runner.actors.RowActors`:
@@ -89,6 +94,7 @@ def run_arm(
     label = f"{name}-{settings.dtype}"
     version = ROW_ALGORITHM.get(name)
     done: set[str] = set()
+    committed: list[str] = []  # the ledger's finished lines, for a resumed batched arm's gate
     if Ledger.folder(root, label, config).is_dir():
         probe = Ledger(root, label, config, row_algorithm=version)
         if probe.complete(ids):  # nothing to compute: no model, no actors; the one line a finished ledger gets
@@ -97,6 +103,7 @@ def run_arm(
             by_id = {r["problem_id"]: r for r in probe.records()}
             return [by_id[i] for i in ids], probe
         done = probe.done_keys()
+        committed = [x for x in read_rows_text(probe.dir).splitlines() if x]
     todo = [p for p in problems if p.problem_id not in done]
     equivalence_ids = frozenset(ids[: settings.preflight])
     first = todo[0].problem_id if settings.preflight > 0 and todo else None  # composition gate (batched), per run
@@ -132,7 +139,11 @@ def run_arm(
     if run is None:
         mapper, row_fn = None, (lambda p: row(spec, p))
     else:
-        mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first,
+        reference = None
+        if first is not None and committed:  # a resumed arm: the gate on its shortest committed line, not on a new row
+            line = min(committed, key=len)
+            reference, first = (next(p for p in problems if p.problem_id == json.loads(line)["problem_id"]), line), None
+        mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first, reference=reference,
                                      on_checks=lambda checks: ledger.log(event="gates", checks=checks)), None
         ledger.log(event="engine", **dataclasses.asdict(run))
     records = run_rows(

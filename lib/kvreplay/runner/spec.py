@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -488,11 +489,16 @@ class BatchedRows:
     batch shape is the arm's), which the ``composition`` gate checks.
 
     Composition gate: when a chunk holds ``composition_id`` (the first problem
-    the run computes: the first preflight problem, or a resumed arm's first
-    row left), that problem's record is computed again alone (a chunk of one
-    at the same ``B`` and ``max_len``, the other slots idle) and
-    must equal its record inside the chunk, byte for byte in canonical JSON.
-    On the graph path that alone run also checks the first
+    a new arm computes, its first preflight problem), that problem's record
+    is computed again alone (a chunk of one at the same ``B`` and ``max_len``,
+    the other slots idle) and must equal its record inside the chunk, byte for
+    byte in canonical JSON. A run that resumes an arm is given ``reference``
+    instead: a committed row of the ledger (computed inside a chunk by an
+    earlier run, with its own captured graph), which is computed alone before
+    the first chunk and must equal its committed line byte for byte; this
+    checks the companions as above and also that this run's bits are the
+    ledger's (a code or machine change that moved them stops the arm before it
+    appends a row). On the graph path the alone run also checks the first
     :data:`GRAPH_CHECK_STEPS` steps of each engine against the eager step
     (gate ``graph_equals_eager``).
 
@@ -501,6 +507,8 @@ class BatchedRows:
         chunk: ``(spec, problems) -> records`` (:func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`, ...).
         todo: the problems to compute, in order.
         composition_id: problem ID of the composition gate, or ``None``.
+        reference: ``(problem, committed line)`` of a resumed arm (the line as in ``rows.jsonl``, without its
+            newline), checked before the first chunk; or ``None``.
         on_checks: called with the preflight gates just passed (``checks`` entries), as soon as they pass,
             so that an arm stopped later still has them in its run log.
 
@@ -517,12 +525,14 @@ class BatchedRows:
         ChunkDeadline: the next chunk would end after the deadline.
     """
     def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None,
-                 on_checks: Callable[[list[dict]], None] | None = None):
+                 on_checks: Callable[[list[dict]], None] | None = None,
+                 reference: tuple[Problem, str] | None = None):
         self.spec, self.chunk, self.todo = spec, chunk, list(todo)
         self.on_checks = on_checks
         self.seconds: list[float] = []  # wall time of each chunk computed, composition gate included
         self.position = {p.problem_id: i for i, p in enumerate(self.todo)}
         self.composition_id = composition_id
+        self.reference = reference
         self.held: dict[str, dict] = {}
         self.chunks: list[list[str]] = []
         self.checks: list[dict] = []  # the preflight gates passed: gate, problem, seconds, steps checked
@@ -539,6 +549,12 @@ class BatchedRows:
                                         f"longest chunk so far took {max(self.seconds):.0f} s and {CHUNK_DEADLINE_ENV} "
                                         f"is {float(deadline) - time.time():.0f} s away")
                 t0 = time.perf_counter()
+                if self.reference is not None:
+                    before = len(self.checks)
+                    self.check_reference(*self.reference)
+                    self.reference = None
+                    if self.on_checks is not None:
+                        self.on_checks(self.checks[before:])
                 records = self.chunk(self.spec, group)
                 self.chunks.append([p.problem_id for p in group])
                 ids = [p.problem_id for p in group]
@@ -559,14 +575,7 @@ class BatchedRows:
             GateError: ``composition`` naming the first differing leaf, or ``graph_equals_eager``.
         """
         run = self.spec.engine
-        verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
-        spec = dataclasses.replace(self.spec, engine=dataclasses.replace(run, verify_steps=verify), memo=self.spec.memo)
-        t0, verified0 = time.perf_counter(), engine.VERIFIED_STEPS[0]
-        alone = self.chunk(spec, [problem])[0]
-        seconds = round(time.perf_counter() - t0, 3)
-        if verify:
-            self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
-                                "steps_checked": engine.VERIFIED_STEPS[0] - verified0, "seconds": seconds})
+        alone, seconds = self._alone(problem)
         if canonical_json(alone) != canonical_json(record):
             a, b = leaves(alone), leaves(record)
             where = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
@@ -575,6 +584,47 @@ class BatchedRows:
                             f"problems, first at {where!r}; a problem's bits depend on its companions")
         self.checks.append({"gate": "composition", "problem_id": problem.problem_id, "chunk": size,
                             "batch": run.batch, "max_len": run.max_len, "seconds": seconds})
+
+    def check_reference(self, problem: Problem, line: str) -> None:
+        """The composition gate of a resumed arm (and, on the graph path, ``graph_equals_eager``) on a committed row.
+
+        ``problem``'s record is computed alone at the arm's batch shape and must equal ``line``, its committed
+        ``rows.jsonl`` line (canonical JSON, no newline), byte for byte.
+
+        Raises:
+            GateError: ``composition`` naming the first differing leaf, or ``graph_equals_eager``.
+        """
+        run = self.spec.engine
+        alone, seconds = self._alone(problem)
+        if canonical_json(alone) != line:
+            a, b = leaves(alone), leaves(json.loads(line))
+            where = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
+            raise GateError("composition", f"problem {problem.problem_id}: its committed record (computed in a chunk "
+                            f"by an earlier run) differs from its record computed alone by this run (B={run.batch}, "
+                            f"max_len={run.max_len}, other slots idle), first at {where!r}; this run's bits are not "
+                            f"the ledger's (another code version or machine?), so it appends nothing")
+        self.checks.append({"gate": "composition", "problem_id": problem.problem_id, "reference": "committed row",
+                            "batch": run.batch, "max_len": run.max_len, "seconds": seconds})
+
+    def _alone(self, problem: Problem) -> tuple[dict, float]:
+        """``problem``'s record computed in a chunk of one at the arm's batch shape, and the seconds it took.
+
+        On the graph path the run also checks the first :data:`GRAPH_CHECK_STEPS` steps of each engine against
+        the eager step, recorded as a ``graph_equals_eager`` check.
+
+        Raises:
+            GateError: ``graph_equals_eager``.
+        """
+        run = self.spec.engine
+        verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
+        spec = dataclasses.replace(self.spec, engine=dataclasses.replace(run, verify_steps=verify), memo=self.spec.memo)
+        t0, verified0 = time.perf_counter(), engine.VERIFIED_STEPS[0]
+        alone = self.chunk(spec, [problem])[0]
+        seconds = round(time.perf_counter() - t0, 3)
+        if verify:
+            self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
+                                "steps_checked": engine.VERIFIED_STEPS[0] - verified0, "seconds": seconds})
+        return alone, seconds
 
 
 def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, run: "EngineRun | None" = None) -> dict:
