@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .paths import PARAMS, ROOT
-from .runner import EXECUTION_DEFAULTS, EXECUTION_KEYS, resolve_execution
+from .runner import EXECUTION_KEYS, resolve_execution
 
 PROFILE_KEYS = ("notebooks", "done")
 """Profile keys that are not chain parameters: the notebooks ``make paper`` runs (read by :mod:`kvreplay.paper`) and
@@ -224,13 +224,13 @@ def profile_sha256(profile: str | Path) -> str:
 
 def describe(params: ChainParameters, profile: str | Path, overrides: Mapping[str, Any] | None = None) -> str:
     """One line of the resolved values a reader of an executed notebook needs: the profile file and its sha256 prefix,
-    the overrides, rows, caps, precisions and the execution contract's keys that differ from the defaults."""
-    contract = params.contract
-    changed = {k: v for k, v in contract.items() if v != EXECUTION_DEFAULTS[k]}
+    the overrides, rows, caps, precisions and the ``execution`` mapping as given (its other keys take
+    :data:`~kvreplay.runner.EXECUTION_DEFAULTS`)."""
+    given = ", ".join(f"{k}={v}" for k, v in params.contract.items() if k in params.execution)
     parts = [f"profile {params.profile} ({_shown(profile_path(profile))}, sha256 {profile_sha256(profile)[:12]})",
              f"overrides {dict(overrides or {})}",
              f"rows {params.n_rows} (preflight {params.preflight})",
              f"caps {params.cap_branch}/{params.cap_merge}/{params.cap_answer}",
              f"precisions {', '.join(params.precisions)}",
-             "execution " + (", ".join(f"{k}={v}" for k, v in changed.items()) or "defaults")]
+             f"execution {given}, other keys default" if given else "execution: every key default"]
     return "; ".join(parts)
