@@ -13,17 +13,17 @@ arm also writes the prefix bank, as the notebook does), ``exp2-bfloat16``,
 the profile's parameters, up to and including the cell that runs the arm, so
 its panel is frozen and written exactly as the notebook does it).
 
-Each arm's settings come from the notebook itself: the names assigned in its
-``parameters`` cell, with the profile's values (``notebooks/params/<profile>.yaml``)
-put over them as papermill would, handed to :func:`kvreplay.session.open_session`
-and :meth:`~kvreplay.session.Session.settings` with the same arguments as the
-notebook's own cell. So the ledgers written here have the config digests the
-notebooks look for, and ``make paper PROFILE=<profile>`` later reads them
-without computing anything. (``--set NAME=VALUE`` overrides a parameter, for a dry run of
-this script on the CPU or to change the chunk; a key of the execution contract,
-e.g. ``--set chunk=32`` or ``--set device=cpu``, is put into the profile's
-``execution`` mapping, over its other keys. Anything but ``chunk`` or ``workers``
-gives the ledgers other keys.)
+Each arm's settings come from the notebook's own two parameters, ``profile``
+and ``overrides``, handed to :func:`kvreplay.session.open_session` as the
+notebook's setup cell hands them, and :meth:`~kvreplay.session.Session.settings`
+with the same arguments as the notebook's own cell. So the ledgers written here
+have the config digests the notebooks look for, and ``make paper
+PROFILE=<profile>`` later reads them without computing anything. (``--set
+NAME=VALUE`` adds an override, for a dry run of this script on the CPU or to
+change the chunk; a key of the execution contract, e.g. ``--set chunk=32`` or
+``--set device=cpu``, is put into the profile's ``execution`` mapping, over its
+other keys. Anything but ``chunk`` or ``workers`` gives the ledgers other keys.
+Every ``--set`` is checked against the chain's parameters before any arm starts.)
 
 Ledgers are written under ``$KV_LEDGERS`` (default ``/tmp/kv/ledgers``), which
 lasts while the machine stays warm; ledger folders and the prefix bank already
@@ -68,33 +68,28 @@ CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"  # kvreplay.runner.CHUNK_DEADLINE_ENV (
 DEADLINE_MARGIN_S = 10.0  # a chunk must end this long before the child's time limit
 
 
-def notebook_parameters(notebook: str, profile: str, overrides: dict) -> dict:
-    """The notebook's ``parameters`` cell evaluated, then the profile's values for the names it declares.
+def arm_overrides(profile: str, sets: dict) -> dict:
+    """The ``overrides`` parameter for ``--set NAME=VALUE`` values, checked against the chain's parameters.
 
-    ``overrides`` (``--set``) go over the profile's values; one named by an execution-contract key
-    (:data:`kvreplay.runner.EXECUTION_KEYS`, e.g. ``chunk``) goes into the ``execution`` mapping instead.
+    A name that is an execution-contract key (:data:`kvreplay.runner.EXECUTION_KEYS`, e.g. ``chunk``) goes into
+    the profile's ``execution`` mapping, over its other keys; any other name is an override as given.
 
     Raises:
-        ValueError: an override that no notebook declares (a typo would otherwise be dropped).
+        ValueError: a name that is not a chain parameter (with the closest one), or a value
+            :func:`kvreplay.profiles.load_parameters` refuses.
     """
-    from kvreplay.paper import PROFILE_KEYS, assigned_names, chain_parameters, code_cells, load_profile
+    from kvreplay.profiles import load_parameters
     from kvreplay.runner import EXECUTION_KEYS
 
-    src = next(src for tags, src in code_cells(ROOT / notebook) if "parameters" in tags)
-    ns: dict = {}
-    exec(compile(src,  # noqa: S102 (the notebook's own parameters cell, as papermill runs it)
-                  f"{notebook} parameters", "exec"), ns)
-    declared = assigned_names(src)
-    values = load_profile(profile)
-    for name, value in overrides.items():
-        if name in EXECUTION_KEYS:
-            values["execution"] = {**(values.get("execution") or {}), name: value}
-        elif name not in chain_parameters() | set(PROFILE_KEYS):
-            raise ValueError(f"--set {name}={value!r}: no notebook declares {name!r} (a typo would be dropped)")
-        else:
-            values[name] = value
-    ns.update({k: v for k, v in values.items() if k in declared})
-    return {k: ns[k] for k in declared}
+    overrides = {k: v for k, v in sets.items() if k not in EXECUTION_KEYS}
+    contract = {k: v for k, v in sets.items() if k in EXECUTION_KEYS}
+    if contract:
+        overrides["execution"] = {**load_parameters(profile).execution, **contract}
+    try:
+        load_parameters(profile, overrides)
+    except ValueError as e:
+        raise ValueError(f"--set {', '.join(f'{k}={v!r}' for k, v in sets.items())}: {e}") from None
+    return overrides
 
 
 def _placeholders() -> None:
@@ -122,8 +117,9 @@ def _placeholders() -> None:
         sys.modules["kvreplay.report.figures"] = figs
 
 
-def run_notebook_arm(notebook: str, params: dict) -> tuple[list[dict], object]:
-    """Run a notebook's code cells after its parameters cell, in order, through the one that runs the arm.
+def run_notebook_arm(notebook: str, profile: str, overrides: dict) -> tuple[list[dict], object]:
+    """Run a notebook's code cells after its parameters cell, with its ``profile`` and ``overrides`` parameters, in
+    order, through the one that runs the arm.
 
     Returns the notebook's ``records`` (or ``bridge``) and ``ledger`` (or ``bridge_ledger``) after that cell.
     """
@@ -131,7 +127,7 @@ def run_notebook_arm(notebook: str, params: dict) -> tuple[list[dict], object]:
     nb = json.loads((ROOT / notebook).read_text())
     cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
     first = next(i for i, c in enumerate(cells) if "parameters" in c["metadata"].get("tags", [])) + 1
-    ns: dict = dict(params)
+    ns: dict = {"profile": profile, "overrides": overrides}
     for i, cell in enumerate(cells[first:], first):
         src = "".join(cell["source"])
         exec(compile(src, f"{notebook} code cell {i}", "exec"), ns)  # noqa: S102 (the notebook's own cells)
@@ -149,32 +145,33 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
 
     experiment, dtype = arm.rsplit("-", 1)
     notebook = NOTEBOOKS[experiment]
-    params = notebook_parameters(notebook, profile, overrides) | {"ledger_root": str(ledger_root)}
-    session = open_session(notebook, params)
+    overrides = overrides | {"ledger_root": str(ledger_root)}
+    session = open_session(notebook, profile, overrides)
+    params = session.params
     t = time.perf_counter()
     if experiment == "exp1":
         from kvreplay.experiments.live_vs_prefill import run_experiment1
         from kvreplay.ledger.prefix_bank import write_prefix_bank
 
-        records, ledger = run_experiment1(session.rows(params["n_rows"]), session.settings(dtype, params["preflight"]),
+        records, ledger = run_experiment1(session.rows(params.n_rows), session.settings(dtype, params.preflight),
                                           ledger_root=session.ledger_root)
         if dtype == "bfloat16":
             write_prefix_bank(records, session.ledger_root / session.profile / "prefix_bank_bf16.jsonl", ledger.dir.name)
     elif experiment in ("exp3", "exp4", "exp5"):
-        records, ledger = run_notebook_arm(notebook, params)
+        records, ledger = run_notebook_arm(notebook, profile, overrides)
     elif experiment == "exp2":
         from kvreplay.experiments.fixed_prefix import run_experiment2
 
         fixed = session.fixed
         records, ledger = run_experiment2(fixed.rows, fixed.prefixes, fixed.sha256,
-                                          session.settings(dtype, params["preflight_fixed"]), ledger_root=session.ledger_root)
+                                          session.settings(dtype, params.preflight_fixed), ledger_root=session.ledger_root)
     else:
         from kvreplay.experiments.controls import run_controls
 
         fixed = session.fixed
         records, ledger = run_controls(fixed.rows, fixed.prefixes, fixed.sha256,
-                                       session.settings(dtype, params["preflight_fixed"]),
-                                       ledger_root=session.ledger_root, seed=params["seed"])
+                                       session.settings(dtype, params.preflight_fixed),
+                                       ledger_root=session.ledger_root, seed=params.seed)
     return {"ledger": ledger.dir.name, "rows": len(records), "wall_s": round(time.perf_counter() - t, 1),
             "gate_failures": [(r["problem_id"], r["gate_failure"]) for r in records if r.get("gate_failure")]}
 
@@ -216,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import yaml
 
-    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    sets = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    try:
+        overrides = arm_overrides(args.profile, sets)  # refused here, before any arm starts
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
     ledger_root = Path(os.environ.get("KV_LEDGERS", "/tmp/kv/ledgers"))
     if args.child:
         from kvreplay.runner import ChunkDeadline
@@ -233,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                              "exp3-bfloat16, exp4-bfloat16, exp5-bfloat16")
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    profile = overrides.get("profile", args.profile)  # the ledger folder is the notebook's profile parameter
+    from kvreplay.profiles import load_parameters
+
+    profile = load_parameters(args.profile, overrides).profile  # the ledger folder (an override may relabel it)
     here, there = ROOT / "data" / "ledgers" / profile, ledger_root / profile
     there.mkdir(parents=True, exist_ok=True)
     if here.is_dir():  # resume from ledgers brought back earlier (never overwrite the ones on this machine)

@@ -19,7 +19,7 @@ from kvreplay.ledger.lookup import (
     LEDGER_SPECS,
     PREFIX_BANK,
     MissingLedgerError,
-    load_profile,
+    load_profile_ledgers,
 )
 from kvreplay.ledger.prefix_bank import write_prefix_bank
 from kvreplay.ledger.store import Ledger
@@ -262,7 +262,7 @@ def chain(tmp_path):
 
 def test_load_profile_finds_every_ledger_in_frozen_order(chain):
     root, written = chain
-    profile_ledgers = load_profile(root, PROFILE)
+    profile_ledgers = load_profile_ledgers(root, PROFILE)
     assert list(profile_ledgers.ledgers) == list(LEDGER_SPECS)
     assert profile_ledgers.precisions == ["bfloat16", "float32"]
     for k, ledger in profile_ledgers.ledgers.items():
@@ -276,14 +276,14 @@ def test_load_profile_finds_every_ledger_in_frozen_order(chain):
 def test_missing_ledger_names_its_notebook(tmp_path, missing):
     build_chain(tmp_path, skip=(missing,))
     with pytest.raises(MissingLedgerError) as e:
-        load_profile(tmp_path, PROFILE)
+        load_profile_ledgers(tmp_path, PROFILE)
     assert LEDGER_SPECS[missing].notebook in str(e.value)
     assert missing in str(e.value)
 
 
 def test_missing_profile_or_bank_names_notebook_01(tmp_path):
     with pytest.raises(MissingLedgerError, match="01_experiment1_live_vs_prefill"):
-        load_profile(tmp_path, PROFILE)
+        load_profile_ledgers(tmp_path, PROFILE)
 
 
 def test_unfinished_ledger_is_reported_with_its_progress(chain):
@@ -292,7 +292,7 @@ def test_unfinished_ledger_is_reported_with_its_progress(chain):
     lines = rows.read_text().splitlines(keepends=True)
     rows.write_text("".join(lines[:-1]) + lines[-1][:10])  # last row cut mid-write
     with pytest.raises(MissingLedgerError, match=r"unfinished .*3/4 rows.*04_experiment4"):
-        load_profile(root, PROFILE)
+        load_profile_ledgers(root, PROFILE)
 
 
 def test_stale_ledger_of_another_config_is_ignored_but_two_matching_are_ambiguous(chain):
@@ -300,24 +300,24 @@ def test_stale_ledger_of_another_config_is_ignored_but_two_matching_are_ambiguou
     sha = written["exp2-bfloat16"].config["prefix_bank_sha256"]
     _write(root, "exp2", "bfloat16", [matrix_record(p, "incremental", PREFIX[p], 0.01) for p in IDS],
            prefix_bank_sha256="0" * 64)  # an older bank: not part of this chain
-    profile_ledgers = load_profile(root, PROFILE)
+    profile_ledgers = load_profile_ledgers(root, PROFILE)
     assert profile_ledgers["exp2-bfloat16"].dir == written["exp2-bfloat16"].dir
     _write(root, "exp2", "bfloat16", [matrix_record(p, "incremental", PREFIX[p], 0.01) for p in IDS],
            prefix_bank_sha256=sha, preflight=2)  # same bank, another config
     with pytest.raises(MissingLedgerError, match="2 finished"):
-        load_profile(root, PROFILE)
+        load_profile_ledgers(root, PROFILE)
 
 
 def test_precisions_must_include_bf16_and_may_skip_fp32(tmp_path):
     build_chain(tmp_path, skip=("exp1-float32", "exp2-float32"))
-    profile_ledgers = load_profile(tmp_path, PROFILE, precisions=("bfloat16",))
+    profile_ledgers = load_profile_ledgers(tmp_path, PROFILE, precisions=("bfloat16",))
     assert profile_ledgers.precisions == ["bfloat16"]
     results = summarize(profile_ledgers, n_resamples=200)
     assert results["crossing"] is None
     assert "table_exp2_crossing" not in results_tables(profile_ledgers, results)
     assert run_value(results, "exp2.fp32.suffix") == NOT_RUN
     with pytest.raises(ValueError, match="bfloat16"):
-        load_profile(tmp_path, PROFILE, precisions=("float32",))
+        load_profile_ledgers(tmp_path, PROFILE, precisions=("float32",))
 
 
 # ----------------------------------------------------------------------------- results and tables
@@ -325,7 +325,7 @@ def test_precisions_must_include_bf16_and_may_skip_fp32(tmp_path):
 
 def test_summarize_recomputes_every_endpoint(chain):
     root, _ = chain
-    profile_ledgers = load_profile(root, PROFILE)
+    profile_ledgers = load_profile_ledgers(root, PROFILE)
     R = summarize(profile_ledgers, n_resamples=500)
     assert R["exp1"]["bfloat16"]["suffix"].k == 2 and R["exp1"]["bfloat16"]["n"] == 4
     assert R["exp1"]["bfloat16"]["label"].k == 1
@@ -371,7 +371,7 @@ def test_gate_failure_withholds_endpoints(chain):
     recs[1] = {"problem_id": recs[1]["problem_id"], "gate_failure": {"gate": "desync", "reason": "planted"}} | {
         k: recs[1][k] for k in ("prompt_len", "prefix_len", "prefix", "schedule_calls")}
     rows.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    profile_ledgers = load_profile(root, PROFILE)
+    profile_ledgers = load_profile_ledgers(root, PROFILE)
     with pytest.raises(GateError, match="desync"):
         summarize(profile_ledgers, n_resamples=100)
 
@@ -386,7 +386,7 @@ def test_same_as_saved_compares_csv_bytes(tmp_path):
 
 def test_paper_tables_from_data_and_code(chain):
     root, _ = chain
-    profile_ledgers = load_profile(root, PROFILE)
+    profile_ledgers = load_profile_ledgers(root, PROFILE)
     ref = load_reference()
     t1 = related_work_table()
     assert len(t1) >= 5 and {"studies", "overlap", "separation"} <= set(t1.columns)
@@ -402,7 +402,7 @@ def test_paper_tables_from_data_and_code(chain):
 
 def test_vs_paper_and_artifact_map_cover_every_reference_endpoint(chain):
     root, _ = chain
-    profile_ledgers = load_profile(root, PROFILE)
+    profile_ledgers = load_profile_ledgers(root, PROFILE)
     ref = load_reference()
     R = summarize(profile_ledgers, n_resamples=200)
     ids = [e["id"] for e in ref["endpoints"]]
@@ -433,7 +433,7 @@ def test_vs_paper_and_artifact_map_cover_every_reference_endpoint(chain):
 
 def test_divergence_margins_label_steps_and_drop_after_divergence(chain):
     root, _ = chain
-    recs = load_profile(root, PROFILE).records("exp1-bfloat16")
+    recs = load_profile_ledgers(root, PROFILE).records("exp1-bfloat16")
     df = divergence_margins(recs, "live")
     div = df[df.problem_id == "mmlu-aaaa"]
     assert list(div.step) == [0, 2, 3]  # step 1 forced (no margin), steps 4+ after the divergence
@@ -452,7 +452,7 @@ def test_divergence_margins_label_steps_and_drop_after_divergence(chain):
 
 def test_first_divergence_frame_and_transplant_outcomes(chain):
     root, _ = chain
-    profile_ledgers = load_profile(root, PROFILE)
+    profile_ledgers = load_profile_ledgers(root, PROFILE)
     fd = first_divergence_frame({"a": profile_ledgers.records("exp1-bfloat16"), "b": profile_ledgers.records("exp2-float32")})
     assert list(fd.group) == ["a", "a"] and set(fd.first_divergence) == {3}
     out = transplant_outcomes(profile_ledgers.records("exp4-bfloat16"))
@@ -471,7 +471,7 @@ def test_comparison_arms_and_pick_row(chain):
     assert comparison_arms("exp2", "incremental_replica") == ("incremental", "incremental_replica")
     with pytest.raises(ValueError, match="prefill_vs_incremental"):
         comparison_arms("exp2", "prefill_vs_live")
-    recs = load_profile(root, PROFILE).records("exp1-bfloat16")
+    recs = load_profile_ledgers(root, PROFILE).records("exp1-bfloat16")
     assert pick_row(recs, None, "exp1")["problem_id"] == "mmlu-aaaa"
     assert pick_row(recs, "mmlu-dddd", "exp1")["problem_id"] == "mmlu-dddd"
     with pytest.raises(KeyError, match="mmlu-aaaa"):
@@ -527,7 +527,7 @@ def test_suffix_alignment_and_topk_frame():
 
 def test_model_for_ledger(chain):
     root, _ = chain
-    ledger = load_profile(root, PROFILE)["exp1-bfloat16"]
+    ledger = load_profile_ledgers(root, PROFILE)["exp1-bfloat16"]
     assert model_for_ledger(ledger) == "embedded"
     assert model_for_ledger(ledger, "/x/y.gguf") == "/x/y.gguf"
     ledger.manifest["config"]["model"] = {"model": "mine", "files": {"config.json": "0"}}

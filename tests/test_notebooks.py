@@ -22,9 +22,11 @@ SMOKE = yaml.safe_load((PARAMS / "smoke.yaml").read_text())
 
 
 def _execute(name, out_dir, ledgers, figures, **extra):
-    extra.setdefault("checkpoint_root", str(ledgers.parent / "checkpoints"))
+    """Run one notebook on the smoke profile, its ledgers, checkpoints and figures in the test's folders (overrides);
+    ``extra``: the drift explorer's own parameters (passed to the notebooks that declare them)."""
+    overrides = {"ledger_root": str(ledgers), "figures_root": str(figures), "checkpoint_root": str(ledgers.parent / "checkpoints")}
     extra.setdefault("interactive", False)  # notebook 08: no widgets in a headless run
-    params = declared_parameters(name, dict(SMOKE, ledger_root=str(ledgers), figures_root=str(figures), **extra))
+    params = declared_parameters(name, {"profile": "smoke", "overrides": overrides, **extra})
     return pm.execute_notebook(
         str(NOTEBOOKS / name), str(out_dir / name), parameters=params, cwd=str(NOTEBOOKS), kernel_name="python3",
         progress_bar=False,

@@ -12,7 +12,7 @@ def test_unknown_profile_and_empty_selection_exit_2(capsys):
 
 
 def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
-    from kvreplay import paper
+    from kvreplay import paper, profiles
 
     params = tmp_path / "params"
     params.mkdir()
@@ -20,17 +20,19 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
     (tmp_path / "ledgers" / "mini").mkdir(parents=True)
     ledger_file = tmp_path / "ledgers" / "mini" / "rows.jsonl"
     ledger_file.write_text("{}\n")
-    ran = []
+    ran, injected = [], []
 
     def fake_run(name, profile, prm, out_dir, html=True, progress=True):
         ran.append(name)
+        injected.append(prm)
         (out_dir / name).write_text("executed")
 
-    monkeypatch.setattr(paper, "PARAMS", params)
+    monkeypatch.setattr(profiles, "PARAMS", params)
     monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
     monkeypatch.setattr(paper, "run_notebook", fake_run)
     assert paper.main(["--profile", "mini", "--only", "01", "02"]) == 0
     assert len(ran) == 2
+    assert injected[0] == {"profile": "mini", "overrides": {}, "interactive": False}  # the notebook resolves the rest
     assert paper.main(["--profile", "mini", "--only", "01", "02"]) == 0
     assert len(ran) == 2 and "up to date" in capsys.readouterr().out
     ledger_file.write_text('{"changed": 1}\n')  # a ledger changed: both rerun
@@ -38,6 +40,16 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
     assert len(ran) == 4
     assert paper.main(["--profile", "mini", "--only", "01", "--force"]) == 0
     assert len(ran) == 5
+    text = (params / "mini.yaml").read_text()
+    (params / "mini.yaml").write_text(text + "# a comment only\n")  # the resolved values are unchanged: skipped
+    assert paper.main(["--profile", "mini", "--only", "01"]) == 0
+    assert len(ran) == 5
+    (params / "mini.yaml").write_text(text + "n_rows: 3\n")  # a value changed: rerun
+    assert paper.main(["--profile", "mini", "--only", "01"]) == 0
+    assert len(ran) == 6
+    figures = tmp_path / "figs"  # --figures-root is passed as an override, and enters the stamp
+    assert paper.main(["--profile", "mini", "--only", "01", "--figures-root", str(figures)]) == 0
+    assert len(ran) == 7 and injected[-1]["overrides"] == {"figures_root": str(figures.resolve())}
     # a profile that names its notebooks (a partial reference run) runs only those by default
     (params / "mini.yaml").write_text(f"profile: mini\nledger_root: {tmp_path / 'ledgers'}\nnotebooks: ['03']\n")
     ran.clear()
@@ -46,6 +58,7 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
 
 
 def test_inprocess_engine_injects_parameters_and_names_the_failing_cell(tmp_path):
+    """The in-process runner injects the values of the names the parameters cell declares, as papermill does."""
     import json
 
     from kvreplay.paper import run_inprocess
@@ -69,6 +82,7 @@ def test_inprocess_engine_injects_parameters_and_names_the_failing_cell(tmp_path
 
 def test_chain_order_and_checkpoint_files_enter_the_stamp(tmp_path):
     from kvreplay import adapt, paper
+    from kvreplay.profiles import ChainParameters
 
     assert [n[:2] for n in paper.CHAIN] == [f"{i:02d}" for i in range(9)]
     ledger = tmp_path / "ledgers"
@@ -80,7 +94,8 @@ def test_chain_order_and_checkpoint_files_enter_the_stamp(tmp_path):
     table.write_bytes(b"a")
     adapt.write_pointer(ledger / "p" / adapt.POINTER, folder, {"config_digest": "x", "checkpoints": {},
                                                              "base_model": {"key": {}, "model": "m"}})
-    digest = lambda: paper.inputs_digest("05_experiment5_replication.ipynb", "p", {"ledger_root": str(ledger)})  # noqa: E731
+    params = ChainParameters(profile="p", ledger_root=str(ledger))
+    digest = lambda: paper.inputs_digest("05_experiment5_replication.ipynb", params)  # noqa: E731
     d1 = digest()
     table.write_bytes(b"b")  # the role table changed outside the ledgers: notebook 05 must rerun
     d2 = digest()
@@ -89,11 +104,11 @@ def test_chain_order_and_checkpoint_files_enter_the_stamp(tmp_path):
 
 
 def test_a_malformed_notebooks_key_is_refused(tmp_path, monkeypatch, capsys):
-    from kvreplay import paper
+    from kvreplay import paper, profiles
 
     params = tmp_path / "params"
     params.mkdir()
-    monkeypatch.setattr(paper, "PARAMS", params)
+    monkeypatch.setattr(profiles, "PARAMS", params)
     monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
     for bad in ('"01"', "1", "[]"):
         (params / "mini.yaml").write_text(f"profile: mini\nnotebooks: {bad}\n")
@@ -137,11 +152,11 @@ def test_the_index_names_notebooks_outside_the_profile_list_apart(tmp_path):
 def _refused_profile(tmp_path, monkeypatch, text: str) -> None:
     """Write profile `mini` with ``text`` into a scratch params folder; `make paper` must refuse it (exit 2) before any
     notebook runs."""
-    from kvreplay import paper
+    from kvreplay import paper, profiles
 
     params = tmp_path / "params"
     params.mkdir()
-    monkeypatch.setattr(paper, "PARAMS", params)
+    monkeypatch.setattr(profiles, "PARAMS", params)
     monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
     monkeypatch.setattr(paper, "run_notebook", lambda *a, **k: pytest.fail("a notebook ran"))
     (params / "mini.yaml").write_text(text)
@@ -149,37 +164,39 @@ def _refused_profile(tmp_path, monkeypatch, text: str) -> None:
 
 
 def test_execution_keys_outside_the_execution_mapping_are_refused(tmp_path, monkeypatch, capsys):
-    """`threads: 4` at a profile's top level would be declared by no notebook and silently dropped (the arms would run
-    under the defaults and key new ledgers): refused, naming the keys."""
+    """`threads: 4` at a profile's top level is no chain parameter (the arms would run under the defaults and key new
+    ledgers if it were dropped): refused, naming the keys, before any notebook runs."""
     _refused_profile(tmp_path, monkeypatch, "profile: mini\nthreads: 4\nstep_path: graph\nexecution:\n  device: cuda\n")
     assert "threads, step_path belong to the execution contract: put them under `execution:`" in capsys.readouterr().err
 
 
-def test_the_inprocess_engine_injects_the_execution_mapping(tmp_path):
-    """Notebooks 01-05 declare `execution = {}`; a profile's mapping replaces it whole (its missing keys are the
-    library's defaults, filled by the session), as papermill injects it."""
+def test_the_inprocess_engine_injects_profile_and_overrides(tmp_path):
+    """Every notebook declares `profile` and `overrides`; `make paper --engine inprocess` puts the profile's name and
+    the overrides below the parameters cell, as papermill injects them, and the setup call resolves them."""
     import ast
     import json
 
     from kvreplay.paper import run_inprocess
 
-    nb = {"cells": [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": "execution = {}\n", "outputs": [],
-                     "execution_count": None},
-                    {"cell_type": "code", "metadata": {}, "source": "open('seen', 'w').write(repr(execution))\n", "outputs": [],
-                     "execution_count": None}],
+    nb = {"cells": [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": "profile = 'smoke'\noverrides = {}\n",
+                     "outputs": [], "execution_count": None},
+                    {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+                     "source": "from kvreplay.profiles import load_parameters\n"
+                               "open('seen', 'w').write(repr(load_parameters(profile, overrides).execution))\n"}],
           "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
     path = tmp_path / "nb.ipynb"
     path.write_text(json.dumps(nb))
-    run_inprocess(path, {"execution": {"step_path": "graph", "batch": 32}, "threads": 4})
-    assert ast.literal_eval((tmp_path / "seen").read_text()) == {"step_path": "graph", "batch": 32}
+    run_inprocess(path, {"profile": "gpu", "overrides": {"execution": {"threads": 3}}, "interactive": False})
+    assert ast.literal_eval((tmp_path / "seen").read_text()) == {"threads": 3}
 
 
-def test_a_profile_key_no_notebook_declares_is_refused(tmp_path, monkeypatch, capsys):
-    """A typo (`executon:`, `n_row:`) would be dropped by every notebook and the run would go ahead on defaults."""
+def test_a_profile_key_that_is_no_parameter_is_refused(tmp_path, monkeypatch, capsys):
+    """A typo (`executon:`, `n_row:`) would be dropped and the run would go ahead on defaults: refused with the closest
+    parameter name before any notebook runs."""
     from kvreplay import paper
 
     _refused_profile(tmp_path, monkeypatch, "profile: mini\nn_rows: 2\nexecuton:\n  device: cuda\nnotebooks: ['01']\n")
-    assert "'executon' (did you mean 'execution'?) is declared by no notebook" in capsys.readouterr().err
+    assert "'executon' (did you mean 'execution'?) is not a chain parameter" in capsys.readouterr().err
+    monkeypatch.undo()
     for name in ("cpu", "gpu", "paper", "smoke"):  # every committed profile passes
-        monkeypatch.setattr(paper, "PARAMS", paper.ROOT / "notebooks" / "params")
-        assert paper.load_profile(name)["profile"] == name
+        assert paper.load_parameters(name).profile == name

@@ -1,4 +1,4 @@
-"""The experiment notebooks' one setup call (kvreplay.session): parameters in, settings and paths out; no model."""
+"""The notebooks' one setup call (kvreplay.session): `profile` and `overrides` in, settings and paths out; no model."""
 
 from __future__ import annotations
 
@@ -11,14 +11,10 @@ from kvreplay.session import open_session
 NB = "notebooks/02_experiment2_fixed_prefix_precision.ipynb"
 
 
-def _params(**over):
-    p = yaml.safe_load((PARAMS / "smoke.yaml").read_text()) | {"model": "embedded", "problems": "bank", "format": "chat_multibranch",
-                                                               "role_table": None, "ledger_root": None, "figures_root": None}
-    return p | over
-
-
-def test_session_builds_the_arm_settings_the_notebooks_use(tmp_path):
-    s = open_session(NB, _params(ledger_root=str(tmp_path / "l"), figures_root=str(tmp_path / "f"), unrelated=object()))
+def test_session_builds_the_arm_settings_the_notebooks_use(tmp_path, capsys):
+    s = open_session(NB, "smoke", {"ledger_root": str(tmp_path / "l"), "figures_root": str(tmp_path / "f")})
+    assert capsys.readouterr().out.startswith("profile smoke (notebooks/params/smoke.yaml, sha256 ")  # what the notebook shows
+    assert s.params.n_rows == 2 and s.profile == "smoke"
     assert s.ledger_root == tmp_path / "l" and s.out_dir == tmp_path / "f" / "smoke"
     assert (s.caps.branch, s.caps.merge, s.caps.answer) == (8, 8, 4) and len(s.bank) == 200
     a = s.settings("bfloat16", 1)
@@ -33,7 +29,7 @@ def test_session_builds_the_arm_settings_the_notebooks_use(tmp_path):
 
 
 def test_batched_settings_and_their_eager_fallback():
-    s = open_session(NB, _params(execution={"step_path": "engine-eager", "batch": 4, "chunk": 6, "workers": 2}))
+    s = open_session(NB, "smoke", {"execution": {"step_path": "engine-eager", "batch": 4, "chunk": 6, "workers": 2}})
     a = s.settings("float32", 1)
     assert (a.step_path, a.batch, a.chunk, a.workers, a.threads) == ("engine-eager", 4, 6, 2, 2)  # threads: the default
     eager = s.settings("bfloat16", 1, batched=False)  # an experiment without a batched runner
@@ -45,7 +41,7 @@ def test_execution_defaults_are_the_arm_settings_defaults():
     assert dict(EXECUTION_DEFAULTS) == {"threads": 2, "sdpa_backends": ("math",), "device": "cpu", "deterministic": None,
                                         "allow_tf32": False, "workers": 1, "ray_address": None, "step_path": "eager",
                                         "batch": 8, "max_len": None, "chunk": None}
-    s = open_session(NB, _params(execution={}))
+    s = open_session(NB, "smoke", {"execution": {}})
     assert s.execution == dict(EXECUTION_DEFAULTS)
     assert s.settings("bfloat16", 1) == ArmSettings(profile="smoke", dtype="bfloat16", caps=s.caps, preflight=1)
     assert resolve_execution(NB, None) == dict(EXECUTION_DEFAULTS)
@@ -54,20 +50,20 @@ def test_execution_defaults_are_the_arm_settings_defaults():
 
 
 @pytest.mark.parametrize("execution, match", [
-    ({"step-path": "graph"}, r"02_experiment2_fixed_prefix_precision.ipynb: unknown execution key 'step-path' \(did you mean 'step_path'\?\)"),
-    ({"threads": 2, "gpu": True}, r"02_experiment2_fixed_prefix_precision.ipynb: unknown execution key 'gpu'"),
-    ({"threads": "4"}, r"02_experiment2_fixed_prefix_precision.ipynb: execution key 'threads' must be a whole number of at least 1, got '4'"),
+    ({"step-path": "graph"}, r"02_experiment2_fixed_prefix_precision.ipynb: .*: unknown execution key 'step-path' \(did you mean 'step_path'\?\)"),
+    ({"threads": 2, "gpu": True}, r"02_experiment2_fixed_prefix_precision.ipynb: .*: unknown execution key 'gpu'"),
+    ({"threads": "4"}, r"02_experiment2_fixed_prefix_precision.ipynb: .*: execution key 'threads' must be a whole number of at least 1, got '4'"),
     ({"threads": 0}, r"execution key 'threads' must be a whole number of at least 1, got 0"),
     ({"batch": 8.0}, r"execution key 'batch' must be a whole number, got 8.0"),
     ({"allow_tf32": "no"}, r"execution key 'allow_tf32' must be true or false, got 'no'"),
     ({"sdpa_backends": "math"}, r"execution key 'sdpa_backends' must be a non-empty list of SDPA backend names, got 'math'"),
-    ({"workers": 0}, r"02_experiment2_fixed_prefix_precision.ipynb: execution: workers must be a whole number of at least 1"),
+    ({"workers": 0}, r"02_experiment2_fixed_prefix_precision.ipynb: .*: execution: workers must be a whole number of at least 1"),
     ({"step_path": "fast"}, r"execution: unknown step path 'fast'"),
     ({"chunk": 64}, r"execution: batch, max_len and chunk drive the batched engine"),  # chunk without a batched step path
     ({"step_path": "graph"}, r"execution: step path 'graph' replays CUDA graphs: it needs device 'cuda', not 'cpu'"),
     ({"device": "gpu0"}, r"execution: unknown device 'gpu0'"),
     ({"sdpa_backends": ["flash_attention"]}, r"execution: SDPA backend\(s\) \['flash_attention'\] unknown or not on device 'cpu'"),
-    (["threads", 2], r"the execution parameter must be a mapping of execution-contract keys \(threads, sdpa_backends, "),
+    (["threads", 2], r"execution: Input should be a valid dictionary"),
 ])
 def test_a_bad_execution_contract_is_refused_before_anything_is_read(monkeypatch, execution, match):
     import kvreplay.session as session_module
@@ -77,27 +73,42 @@ def test_a_bad_execution_contract_is_refused_before_anything_is_read(monkeypatch
 
     monkeypatch.setattr(session_module, "load_bank", no_bank)
     with pytest.raises(ValueError, match=match):
-        open_session(NB, _params(execution=execution))
+        open_session(NB, "smoke", {"execution": execution})
 
 
-def test_missing_parameters_and_bad_paths_are_named():
-    params = _params()
-    del params["cap_merge"]
-    with pytest.raises(ValueError, match="cap_merge"):
-        open_session(NB, params)
-    params = _params()
-    del params["execution"]  # a notebook that does not declare it would silently run under the defaults
-    with pytest.raises(ValueError, match=r"\['execution'\] are not set"):
-        open_session(NB, params)
+def test_bad_parameters_and_bad_paths_are_named():
+    with pytest.raises(ValueError, match=r"02_experiment2_fixed_prefix_precision.ipynb: .*'cap_marge' \(did you mean 'cap_merge'\?\)"):
+        open_session(NB, "smoke", {"cap_marge": 4})
+    with pytest.raises(ValueError, match=r"cap_merge: Input should be a valid integer"):
+        open_session(NB, "smoke", {"cap_merge": None})
+    with pytest.raises(FileNotFoundError, match="unknown profile 'smok'"):
+        open_session(NB, "smok")
     with pytest.raises(ValueError, match="not under notebooks/"):
-        open_session("02.ipynb", _params())
+        open_session("02.ipynb")
     with pytest.raises(FileNotFoundError):
-        open_session(NB, _params(ledger_root="/nonexistent/l")).fixed  # notebook 01 has not written the bank
+        open_session(NB, "smoke", {"ledger_root": "/nonexistent/l"}).fixed  # notebook 01 has not written the bank
 
 
-def test_gpu_profile_builds_the_notebooks_parameters_and_sets_contract_keys_inside_execution():
-    """scripts/gpu_profile.py hands open_session what papermill would inject; `--set chunk=32` changes the profile's
-    `execution` mapping (its other keys kept), so the arm keeps its ledger key."""
+def test_every_notebook_takes_profile_and_overrides_and_opens_a_session():
+    """The parameters are defined once (kvreplay.profiles); a notebook's parameters cell only names the profile and
+    the overrides (the drift explorer adds its own explorer parameters), and its setup call takes both."""
+    from kvreplay.paper import CHAIN, assigned_names, code_cells
+    from kvreplay.paths import NOTEBOOKS
+    from kvreplay.profiles import FIELDS
+
+    for name in CHAIN:
+        cells = code_cells(NOTEBOOKS / name)
+        (declared,) = [assigned_names(src) for tags, src in cells if "parameters" in tags]
+        assert {"profile", "overrides"} <= declared, name
+        assert not (declared - {"profile", "overrides"}) & set(FIELDS) - {"model"}, name  # 08's `model`: the explorer's
+        if not name.startswith("08"):
+            assert declared == {"profile", "overrides"}, name
+        assert sum(f'open_session("notebooks/{name}", profile, overrides)' in src for _, src in cells) == 1, name
+
+
+def test_gpu_profile_passes_the_notebooks_parameters_and_sets_contract_keys_inside_execution():
+    """scripts/gpu_profile.py hands open_session the notebook's two parameters; `--set chunk=32` changes the profile's
+    `execution` mapping (its other keys kept), so the arm keeps its ledger key; a misspelled `--set` is refused."""
     import importlib.util
 
     from kvreplay.paths import ROOT
@@ -107,13 +118,15 @@ def test_gpu_profile_builds_the_notebooks_parameters_and_sets_contract_keys_insi
     spec.loader.exec_module(gpu_profile)
     nb = "notebooks/01_experiment1_live_vs_prefill.ipynb"
     paper = yaml.safe_load((PARAMS / "paper.yaml").read_text())
-    params = gpu_profile.notebook_parameters(nb, "paper", {})
-    assert params["execution"] == paper["execution"] and params["n_rows"] == paper["n_rows"]
-    assert "done" not in params and "threads" not in params  # only what the notebook declares
-    params32 = gpu_profile.notebook_parameters(nb, "paper", {"chunk": 32, "n_rows": 4})
-    assert params32["execution"] == paper["execution"] | {"chunk": 32} and params32["n_rows"] == 4
-    assert open_session(nb, params32).execution["chunk"] == 32
-    config = {k: open_session(nb, p).settings("float32", 8).config("exp1", []) for k, p in (("64", params), ("32", params32))}
+    assert gpu_profile.arm_overrides("paper", {}) == {}
+    over32 = gpu_profile.arm_overrides("paper", {"chunk": 32, "n_rows": 4})
+    assert over32 == {"execution": paper["execution"] | {"chunk": 32}, "n_rows": 4}
+    s64, s32 = open_session(nb, "paper"), open_session(nb, "paper", over32)
+    assert s64.params.execution == paper["execution"] and s64.params.n_rows == paper["n_rows"]
+    assert s32.execution["chunk"] == 32 and s32.params.n_rows == 4
+    config = {k: s.settings("float32", 8).config("exp1", []) for k, s in (("64", s64), ("32", s32))}
     assert config["64"] == config["32"]  # the chunk is not part of the ledger key
-    with pytest.raises(ValueError, match="--set n_row=4: no notebook declares 'n_row'"):
-        gpu_profile.notebook_parameters(nb, "paper", {"n_row": 4})
+    with pytest.raises(ValueError, match=r"--set n_row=4: .*'n_row' \(did you mean 'n_rows'\?\)"):
+        gpu_profile.arm_overrides("paper", {"n_row": 4})
+    with pytest.raises(ValueError, match=r"--set chunk='x': .*execution key 'chunk'"):
+        gpu_profile.arm_overrides("paper", {"chunk": "x"})

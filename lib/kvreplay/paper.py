@@ -2,15 +2,19 @@
 
 Usage: ``python -m kvreplay.paper --profile cpu [--only 01]``.
 
-Each notebook runs with ``notebooks/params/<profile>.yaml`` injected as its
-parameters. The executed copy and an HTML rendering go to
+Each notebook runs with its two parameters injected: ``profile`` (the name of
+``notebooks/params/<profile>.yaml``) and ``overrides`` (``--ledger-root`` and
+``--figures-root``, when given); the notebook resolves them into the chain's
+parameters (:func:`kvreplay.profiles.load_parameters`), which are checked here
+first, so a bad profile stops before any notebook runs. The executed copy and an HTML rendering go to
 ``build/<profile>/``; ledgers, tables and figures are written by the
 notebooks themselves (``data/ledgers/<profile>/``, ``figures/<profile>/``).
 A notebook that fails stops the chain: its partial copy is moved to
 ``build/<profile>/failed/`` (never left in place of a good one) and the
 failing cell is named. A notebook whose inputs (source, parameters, library
 source, the profile's ledgers) are unchanged since its last successful run is
-skipped; ``--force`` runs it anyway.
+skipped (the parameters enter as resolved, so editing a profile's value reruns
+what reads it); ``--force`` runs it anyway.
 
 For the profiles whose ledgers are committed (:data:`EXECUTED_PROFILES`: ``cpu``, ``gpu``, ``paper``)
 the executed notebooks are also written, without volatile metadata, to
@@ -34,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import difflib
-import functools
 import json
 import os
 import re
@@ -47,8 +49,8 @@ import yaml
 
 from .adapt import read_pointer
 from .ledger.store import TERMINAL_PROGRESS, canonical_json, library_digest
-from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, PARAMS, ROOT
-from .runner import EXECUTION_KEYS
+from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, ROOT
+from .profiles import ChainParameters, load_parameters, read_profile
 
 EXECUTED_PROFILES = ("cpu", "gpu", "paper")
 """Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (those with committed ledgers)."""
@@ -70,55 +72,9 @@ CHAIN = [
 """Notebooks in dependency order (the checkpoint family, experiments, then tables, then figures)."""
 
 
-def load_profile(profile: str) -> dict:
-    """Parameters of a profile (``notebooks/params/<profile>.yaml``).
-
-    The execution contract (threads, device, step path, batch shape, ...) is one mapping, ``execution``,
-    which the notebooks check (:func:`kvreplay.runner.resolve_execution`); one of its keys at the top
-    level would be declared by no notebook and silently dropped, so it is refused here.
-
-    Raises:
-        FileNotFoundError: naming the profiles that exist.
-        ValueError: a key of the execution contract at the top level, or a key no notebook declares (a typo:
-            named, with the closest known key).
-    """
-    path = PARAMS / f"{profile}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in PARAMS.glob("*.yaml"))
-        raise FileNotFoundError(f"unknown profile {profile!r}: no {path}; profiles: {known}")
-    params = yaml.safe_load(path.read_text()) or {}
-    flat = [k for k in params if k in EXECUTION_KEYS]
-    if flat:
-        raise ValueError(f"profile {profile!r} ({path}): {', '.join(flat)} belong to the execution contract: put them "
-                         f"under `execution:` (README: The execution contract)")
-    known = chain_parameters() | set(PROFILE_KEYS)
-    unknown = [k for k in params if k not in known]
-    if unknown:
-        hints = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
-        named = ", ".join(f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in unknown)
-        raise ValueError(f"profile {profile!r} ({path}): {named} is declared by no notebook, so it would be "
-                         f"dropped without effect; profile keys are the notebooks' parameters and {list(PROFILE_KEYS)}")
-    return params
-
-
-PROFILE_KEYS = ("notebooks", "done")
-"""Profile keys that are not notebook parameters: the notebooks ``make paper`` runs, and the rows finished per arm."""
-
-
-@functools.cache
-def chain_parameters() -> frozenset[str]:
-    """Every parameter name that a notebook of :data:`CHAIN` declares in its ``parameters`` cell (read as source,
-    without papermill, so a machine with only the library can check a profile)."""
-    names: set[str] = set()
-    for name in CHAIN:
-        for tags, src in code_cells(NOTEBOOKS / name):
-            if "parameters" in tags:
-                names |= assigned_names(src)
-    return frozenset(names)
-
-
 def declared_parameters(name: str, params: dict) -> dict:
-    """The subset of ``params`` that the notebook's ``parameters`` cell declares (no unknown-parameter noise)."""
+    """The subset of ``params`` that the notebook's ``parameters`` cell declares (no unknown-parameter noise): every
+    notebook declares ``profile`` and ``overrides``; :data:`RUN_PARAMETERS` go only to the notebooks that declare them."""
     import papermill as pm
 
     declared = pm.inspect_notebook(str(NOTEBOOKS / name))
@@ -361,17 +317,18 @@ def run_inprocess(path: Path, params: dict) -> None:
             sys.modules["matplotlib.pyplot"].close("all")
 
 
-def inputs_digest(name: str, profile: str, params: dict) -> str:
-    """sha256 of everything a notebook's outputs depend on: its source, its parameters, the library source,
-    every ledger (plain or sealed), panel and prefix-bank file of the profile (run logs and parquet copies excluded), and the
-    role-table checkpoint files the profile's pointer names."""
+def inputs_digest(name: str, params: ChainParameters) -> str:
+    """sha256 of everything a notebook's outputs depend on: its source, the resolved chain parameters (so a profile
+    whose values change reruns it, whatever the file's layout), the library source, every ledger (plain or sealed),
+    panel and prefix-bank file of the profile (run logs and parquet copies excluded), and the role-table checkpoint
+    files the profile's pointer names."""
     import hashlib
 
     h = hashlib.sha256()
     h.update((NOTEBOOKS / name).read_bytes())
-    h.update(canonical_json(declared_parameters(name, params)).encode())
+    h.update(canonical_json(params.model_dump(mode="json")).encode())
     h.update(library_digest().encode())
-    root = Path(params.get("ledger_root") or LEDGERS) / profile
+    root = Path(params.ledger_root or LEDGERS) / params.profile
     if root.is_dir():
         for f in sorted(root.rglob("*")):
             if f.is_file() and f.name.endswith((".jsonl", ".json", ".jsonl.gz")) and f.name != "runlog.jsonl":
@@ -396,30 +353,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="notebook name prefixes to run (default: the whole chain)")
     ap.add_argument("--no-html", action="store_true")
     ap.add_argument("--force", action="store_true", help="run every notebook even if its inputs are unchanged")
-    ap.add_argument("--ledger-root", default=None, help="write and read ledgers under this folder instead of data/ledgers")
-    ap.add_argument("--figures-root", default=None, help="write tables and figures under this folder instead of figures/")
+    ap.add_argument("--ledger-root", default=None, help="write and read ledgers under this folder instead of data/ledgers "
+                    "(passed to the notebooks as an override)")
+    ap.add_argument("--figures-root", default=None, help="write tables and figures under this folder instead of figures/ "
+                    "(passed to the notebooks as an override)")
     ap.add_argument("--executed", action="store_true", help=f"also write executed/<profile>/ (default only for {EXECUTED_PROFILES})")
     ap.add_argument("--no-executed", action="store_true", help="do not write executed/<profile>/")
     ap.add_argument("--engine", choices=["papermill", "inprocess"], default="papermill",
                     help="inprocess: run code cells in this process (no Jupyter; writes no executed notebooks)")
     args = ap.parse_args(argv)
+    overrides = {key: str(Path(value).resolve()) for key, value in (("ledger_root", args.ledger_root),
+                                                                    ("figures_root", args.figures_root)) if value}
     try:
-        params = load_profile(args.profile)
+        params = load_parameters(args.profile, overrides)  # what every notebook resolves, checked before any runs
+        doc = read_profile(args.profile)  # its `notebooks` list is this driver's, not a chain parameter
     except (FileNotFoundError, ValueError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    params["profile"] = args.profile
-    params.update(RUN_PARAMETERS)
-    if args.ledger_root:
-        params["ledger_root"] = str(Path(args.ledger_root).resolve())
-    if args.figures_root:
-        params["figures_root"] = str(Path(args.figures_root).resolve())
-    ledgers = Path(params.get("ledger_root") or LEDGERS) / args.profile
-    figures = Path(params.get("figures_root") or FIGURES) / args.profile
+    injected = {"profile": args.profile, "overrides": overrides} | RUN_PARAMETERS
+    ledgers = Path(params.ledger_root or LEDGERS) / params.profile
+    figures = Path(params.figures_root or FIGURES) / params.profile
     out_dir = BUILD / args.profile
     # a profile may name the notebooks it runs (e.g. a reference run that covered only some experiments)
-    selected = args.only or params.get("notebooks")
-    if not args.only and "notebooks" in params:
+    listed = doc.get("notebooks")
+    selected = args.only or listed
+    if not args.only and "notebooks" in doc:
         if not (isinstance(selected, list) and selected and all(isinstance(x, str) and x for x in selected)):
             print(f"error: profile {args.profile!r}: `notebooks` must be a non-empty list of notebook name prefixes "
                   f"such as [\"01\", \"06\"], got {selected!r}", file=sys.stderr)
@@ -439,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name} (profile {args.profile}, in process)", flush=True)
             (out_dir / f".{Path(name).stem}.inputs").unlink(missing_ok=True)
             try:
-                run_inprocess(NOTEBOOKS / name, params)
+                run_inprocess(NOTEBOOKS / name, injected)
             except RuntimeError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
@@ -453,13 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in chain:
         t = time.perf_counter()
         stamp = out_dir / f".{Path(name).stem}.inputs"
-        if not args.force and (out_dir / name).exists() and stamp.exists() and stamp.read_text() == inputs_digest(name, args.profile, params):
+        if not args.force and (out_dir / name).exists() and stamp.exists() and stamp.read_text() == inputs_digest(name, params):
             print(f"== {name}: up to date (source, parameters, library and ledgers unchanged), skipped", flush=True)
             continue
         print(f"== {name} (profile {args.profile})", flush=True)
         stamp.unlink(missing_ok=True)
         try:
-            run_notebook(name, args.profile, params, out_dir, html=not args.no_html)
+            run_notebook(name, args.profile, injected, out_dir, html=not args.no_html)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -469,12 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     # Stamp against the final state: a notebook reads only its own and earlier notebooks' ledgers, so the
     # later notebooks' writes do not change its outputs.
     for name in chain:
-        (out_dir / f".{Path(name).stem}.inputs").write_text(inputs_digest(name, args.profile, params))
+        (out_dir / f".{Path(name).stem}.inputs").write_text(inputs_digest(name, params))
     entries = artifact_index(out_dir, CHAIN)
-    write_index(entries, args.profile, out_dir, out_dir, params.get("notebooks"))
+    write_index(entries, args.profile, out_dir, out_dir, listed)
     if executed:
         write_index(artifact_index(EXECUTED / args.profile, CHAIN), args.profile, EXECUTED / args.profile, None,
-                    params.get("notebooks"))
+                    listed)
     print(f"\nmake paper ({args.profile}) finished in {time.perf_counter() - t0:.0f} s")
     print(f"  executed notebooks and HTML: {out_dir} (index: {out_dir / 'index.html'})")
     if executed:

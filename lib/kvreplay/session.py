@@ -1,19 +1,21 @@
-"""One setup call for an experiment notebook: its parameters, problems, caps, arm settings, upstream ledgers and outputs.
+"""One setup call for a notebook of the chain: its parameters, problems, caps, arm settings, upstream ledgers and outputs.
 
-Every experiment notebook (01-05) starts the same way: its ``parameters``
-cell (papermill injects a profile's values below it) is followed by ::
+Every notebook (00-08) has the same ``parameters`` cell, ``profile = "smoke"``
+and ``overrides = {}`` (papermill injects other values below it), and starts ::
 
-    session = open_session("notebooks/02_experiment2_fixed_prefix_precision.ipynb", globals())
+    session = open_session("notebooks/02_experiment2_fixed_prefix_precision.ipynb", profile, overrides)
+    p = session.params
 
-which reads the declared parameters out of the notebook's namespace, checks
-the ``execution`` parameter (the execution contract: a mapping over
-:data:`~kvreplay.runner.EXECUTION_DEFAULTS`, see :func:`~kvreplay.runner.resolve_execution`)
-and returns a :class:`Session`: the frozen problem bank, the caps, the ledger and
-figure folders, :meth:`Session.settings` for an arm, the fixed BF16 prefix
-bank of Experiments 2-5, upstream ledgers found by provenance
-(:meth:`Session.upstream`; never re-run), frozen panels
-(:meth:`Session.write_panel`) and tables and figures saved under the
-profile's figure folder with their captions and producing notebook.
+which resolves the two into the chain's parameters
+(:func:`kvreplay.profiles.load_parameters`: names, types and the ``execution``
+contract checked before anything is read), prints the values that matter, and
+returns a :class:`Session`: the parameters, the problem bank (read when first
+used), the caps, the ledger, figure and checkpoint folders,
+:meth:`Session.settings` for an arm, the fixed BF16 prefix bank of Experiments
+2-5, upstream ledgers found by provenance (:meth:`Session.upstream`; never
+re-run), frozen panels (:meth:`Session.write_panel`) and tables and figures
+saved under the profile's figure folder with their captions and producing
+notebook.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -32,44 +35,63 @@ from .experiments.fixed_prefix import FixedPrefixes, load_fixed_prefixes
 from .ledger.lookup import PREFIX_BANK, LoadedLedger, find_chain_ledger
 from .ledger.store import Ledger
 from .problems import Problem, load_bank, load_problems
+from .profiles import DEFAULT_PROFILE, ChainParameters, describe, load_parameters
 from .report.files import contract_frame, save_figure, save_table
 from .report.summary import TABLE_CAPTIONS
 from .runner import ArmSettings, resolve_execution
 
-SETTINGS_PARAMETERS = {"model": "model", "format": "fmt", "role_table": "role_table"}
-"""Notebook parameter -> :class:`~kvreplay.runner.ArmSettings` field, passed to every arm when the notebook declares
-it; the execution contract's fields come from the ``execution`` parameter (:attr:`Session.execution`)."""
-
 ENGINE_KEYS = ("step_path", "batch", "max_len", "chunk")
 """Execution-contract keys that drive the batched engine (left out of an arm without a batched runner)."""
-
-REQUIRED = ("profile", "problems", "cap_branch", "cap_merge", "cap_answer", "execution", "ledger_root", "figures_root")
-"""Parameters every experiment notebook declares."""
 
 
 @dataclasses.dataclass
 class Session:
-    """What an experiment notebook works with, built once from its parameters.
+    """What a notebook works with, built once from its parameters.
 
     Attributes:
         notebook: the notebook's path from the repository root (named in every table and figure it saves).
-        params: the notebook's declared parameters (name -> value), as injected.
-        profile: the profile name (``smoke``, ``cpu``, ``gpu``, ``paper``).
-        caps: the branch / merge / answer token caps.
-        ledger_root: the folder holding ``<profile>/`` ledger folders.
-        out_dir: ``<figures_root>/<profile>``, where tables and figures go.
-        bank: the problems in frozen source order (the MMLU bank, or a JSONL in its format).
+        params: the chain's parameters, resolved from the notebook's ``profile`` and ``overrides`` (frozen).
         execution: the execution contract, every key of :data:`~kvreplay.runner.EXECUTION_KEYS`: the
             ``execution`` parameter over :data:`~kvreplay.runner.EXECUTION_DEFAULTS`, checked.
     """
     notebook: str
-    params: dict
-    profile: str
-    caps: Caps
-    ledger_root: Path
-    out_dir: Path
-    bank: list[Problem]
+    params: ChainParameters
     execution: dict
+
+    @property
+    def profile(self) -> str:
+        """The profile label (``smoke``, ``cpu``, ``gpu``, ``paper``): the ledger and figure folders' name."""
+        return self.params.profile
+
+    @property
+    def caps(self) -> Caps:
+        """The branch / merge / answer token caps."""
+        return Caps(branch=self.params.cap_branch, merge=self.params.cap_merge, answer=self.params.cap_answer)
+
+    @property
+    def ledger_root(self) -> Path:
+        """The folder holding ``<profile>/`` ledger folders (``ledger_root``, default ``data/ledgers``)."""
+        return Path(self.params.ledger_root) if self.params.ledger_root else paths.LEDGERS
+
+    @property
+    def out_dir(self) -> Path:
+        """``<figures_root>/<profile>``, where tables and figures go (``figures_root`` default: ``figures``)."""
+        return (Path(self.params.figures_root) if self.params.figures_root else paths.FIGURES) / self.profile
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """The role-table checkpoint folders (``checkpoint_root``, default ``data/checkpoints``)."""
+        return Path(self.params.checkpoint_root) if self.params.checkpoint_root else paths.CHECKPOINTS
+
+    @functools.cached_property
+    def bank(self) -> list[Problem]:
+        """The problems in frozen source order (the MMLU bank, or a JSONL in its format), read on first use.
+
+        Raises:
+            FileNotFoundError, MalformedProblemError, BankIntegrityError: the problem set cannot be read.
+        """
+        problems = self.params.problems
+        return load_bank() if problems == "bank" else load_problems(problems)
 
     @property
     def by_id(self) -> dict[str, Problem]:
@@ -88,16 +110,17 @@ class Session:
 
     def settings(self, dtype: str, preflight: int, *, model: str | None = None, role_table: str | None = None,
                  batched: bool = True) -> ArmSettings:
-        """The :class:`~kvreplay.runner.ArmSettings` of one arm under this notebook's parameters.
+        """The :class:`~kvreplay.runner.ArmSettings` of one arm under these parameters (model, format, role table,
+        caps, execution contract).
 
         Args:
             dtype: ``"bfloat16"`` or ``"float32"``.
             preflight: preflight rows of the arm (a gate failure there aborts it).
-            model, role_table: override the notebook's (Experiment 5's later checkpoint).
+            model, role_table: override the parameters' (Experiment 5's later checkpoint).
             batched: ``False`` for an experiment without a batched runner: the contract's ``step_path``,
                 ``batch``, ``max_len`` and ``chunk`` are left out (the eager reference path).
         """
-        kw = {field: self.params[name] for name, field in SETTINGS_PARAMETERS.items() if name in self.params}
+        kw = {"model": self.params.model, "fmt": self.params.format, "role_table": self.params.role_table}
         kw |= {k: v for k, v in self.execution.items() if batched or k not in ENGINE_KEYS}
         if model is not None:
             kw["model"] = model
@@ -150,30 +173,30 @@ class Session:
         return contract_frame({label: json.loads((ledger.dir / "environment.json").read_text()) for label, ledger in ledgers.items()})
 
 
-def open_session(notebook: str, namespace: Mapping[str, object]) -> Session:
-    """Build a notebook's :class:`Session` from the names its ``parameters`` cell declares.
+def open_session(notebook: str, profile: str | Path = DEFAULT_PROFILE, overrides: Mapping[str, Any] | None = None, *,
+                 quiet: bool = False) -> Session:
+    """Build a notebook's :class:`Session` from its two parameters, and print the resolved values that matter.
 
     Args:
         notebook: the notebook's path from the repository root, e.g. ``"notebooks/01_experiment1_live_vs_prefill.ipynb"``.
-        namespace: the notebook's ``globals()``; only the parameter names are read.
+        profile: the notebook's ``profile`` parameter: a profile name (``notebooks/params/<name>.yaml``) or a YAML path.
+        overrides: the notebook's ``overrides`` parameter: parameter name -> value, over the profile's.
+        quiet: do not print the one-line summary (:func:`kvreplay.profiles.describe`).
 
     Raises:
-        ValueError: a required parameter is missing (named), the notebook's path is not under ``notebooks/``,
-            or the ``execution`` parameter is refused (:func:`~kvreplay.runner.resolve_execution`: an
-            unknown key or a value of the wrong kind, named with the notebook, before anything is read).
-        FileNotFoundError, MalformedProblemError, BankIntegrityError: the problem set cannot be read.
+        ValueError: naming the notebook: its path is not under ``notebooks/``, or the parameters are refused
+            (:func:`~kvreplay.profiles.load_parameters`: an unknown name with the closest known one, a value of the
+            wrong type, or an execution contract :func:`~kvreplay.runner.resolve_execution` refuses), before
+            anything is read.
+        FileNotFoundError: no such profile.
     """
     if not notebook.startswith("notebooks/"):
         raise ValueError(f"notebook path {notebook!r} is not under notebooks/")
-    declared = set(REQUIRED) | set(SETTINGS_PARAMETERS)
-    params = {k: namespace[k] for k in declared if k in namespace}
-    missing = [k for k in REQUIRED if k not in params]
-    if missing:
-        raise ValueError(f"{notebook}: parameters {missing} are not set (the parameters cell declares them)")
-    execution = resolve_execution(notebook, params["execution"])
-    problems = params["problems"]
-    bank = load_bank() if problems == "bank" else load_problems(problems)
-    ledger_root = Path(params["ledger_root"]) if params["ledger_root"] else paths.LEDGERS
-    out_dir = (Path(params["figures_root"]) if params["figures_root"] else paths.FIGURES) / params["profile"]
-    caps = Caps(branch=params["cap_branch"], merge=params["cap_merge"], answer=params["cap_answer"])
-    return Session(notebook, params, params["profile"], caps, ledger_root, out_dir, bank, execution)
+    try:
+        params = load_parameters(profile, overrides)
+    except ValueError as e:
+        raise ValueError(f"{notebook}: {e}") from None
+    session = Session(notebook, params, resolve_execution(notebook, params.execution))
+    if not quiet:
+        print(describe(params, profile, overrides))
+    return session

@@ -26,70 +26,46 @@
 # the loss curves; Experiment 5 (notebook 05) loads the later one as base model + role table, checked
 # by digest. Construction, objective and metric are documented in `kvreplay.adapt`.
 #
-# Defaults are the `smoke` profile; `make paper` passes `notebooks/params/<profile>.yaml`.
+# Defaults are the `smoke` profile; `make paper` sets `profile` to the one it runs (`notebooks/params/<profile>.yaml`).
 
 # %% tags=["parameters"]
-# Parameters (papermill injects a profile's values below this cell)
-profile = "smoke"
-model = "embedded"            # the base model of the family (checkpoint 0: this model with no role rows)
-format = "chat_multibranch"
-execution = {}                # the execution contract (README: "The execution contract"); training and scoring run in FP32 on
-                              # the CPU under its threads and sdpa_backends (other keys: kvreplay.runner.EXECUTION_DEFAULTS)
-adapt_name = "smoke"          # label of the training run (folder role-table-<name>-<digest12>)
-adapt_source = "openbookqa"   # training data (a kvreplay.problems.SOURCES key), disjoint from the MMLU bank
-adapt_n_train = 4
-adapt_n_heldout = 2
-adapt_steps = 4
-adapt_batch = 1
-adapt_lr = 0.005
-adapt_checkpoints = [2, 4]    # [early, later] steps whose role tables are saved
-adapt_eval_every = 2
-adapt_seed = 20260729
-n_adapt_eval = 4              # MMLU bank rows for the checkpoint-0 vs later accuracy table
-checkpoint_root = None        # default: data/checkpoints
-ledger_root = None            # default: data/ledgers
-figures_root = None           # default: figures
-n_resamples = 20000
-seed = 20260729
+profile = "smoke"  # which notebooks/params file: a profile name, or a path to a YAML file
+overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
 import json
-from pathlib import Path
 
 import pandas as pd
 from IPython.display import Markdown, display
 
-from kvreplay import adapt, paths
+from kvreplay import adapt
 from kvreplay.report import figures
 from kvreplay.models import load_tokenizer
 from kvreplay.contract import ROLE_NAMES, resolve_format
 from kvreplay.problems import load_bank
 from kvreplay.models import ExecutionContract, load_model
-from kvreplay.report.files import contract_frame, save_figure, save_table
-from kvreplay.runner import resolve_execution
+from kvreplay.report.files import contract_frame
+from kvreplay.session import open_session
 
 # %%
-SOURCE = "notebooks/00_role_adaptation.ipynb"
-contract = resolve_execution(SOURCE, execution)  # checked; only its threads and SDPA backends apply here
-threads, sdpa_backends = contract["threads"], contract["sdpa_backends"]
-ledger_root = Path(ledger_root) if ledger_root else paths.LEDGERS
-checkpoint_root = Path(checkpoint_root) if checkpoint_root else paths.CHECKPOINTS
-out_dir = (Path(figures_root) if figures_root else paths.FIGURES) / profile
-cfg = adapt.AdaptConfig(name=adapt_name, model=model, fmt=format, source=adapt_source, n_train=adapt_n_train, n_heldout=adapt_n_heldout,
-                        steps=adapt_steps, batch=adapt_batch, lr=adapt_lr, checkpoints=tuple(adapt_checkpoints),
-                        eval_every=adapt_eval_every, seed=adapt_seed, threads=threads, sdpa_backends=tuple(sdpa_backends))
+session = open_session("notebooks/00_role_adaptation.ipynb", profile, overrides)
+p = session.params
+threads, sdpa_backends = session.execution["threads"], session.execution["sdpa_backends"]  # only these apply here
+cfg = adapt.AdaptConfig(name=p.adapt_name, model=p.model, fmt=p.format, source=p.adapt_source, n_train=p.adapt_n_train, n_heldout=p.adapt_n_heldout,
+                        steps=p.adapt_steps, batch=p.adapt_batch, lr=p.adapt_lr, checkpoints=tuple(p.adapt_checkpoints),
+                        eval_every=p.adapt_eval_every, seed=p.adapt_seed, threads=threads, sdpa_backends=tuple(sdpa_backends))
 bank = load_bank()
-source_rows, source_sha256 = adapt.load_source(adapt_source)
-train_rows, heldout_rows = adapt.split_problems(source_rows, adapt_n_train, adapt_n_heldout)
+source_rows, source_sha256 = adapt.load_source(p.adapt_source)
+train_rows, heldout_rows = adapt.split_problems(source_rows, p.adapt_n_train, p.adapt_n_heldout)
 adapt.assert_disjoint(source_rows, bank)  # every source row, not only the ones used: no ID or question text in common
-print(f"{adapt_source}: {len(source_rows)} valid rows (sha256 {source_sha256[:12]}), disjoint from the {len(bank)}-row MMLU bank; "
+print(f"{p.adapt_source}: {len(source_rows)} valid rows (sha256 {source_sha256[:12]}), disjoint from the {len(bank)}-row MMLU bank; "
       f"{len(train_rows)} train, {len(heldout_rows)} held out")
 
 _fp32 = {}
 def fp32_model():
     """The FP32 base model, loaded once and only when something must be computed."""
     if "lm" not in _fp32:
-        _fp32["lm"] = load_model(model, "float32", contract=ExecutionContract(sdpa_backends=tuple(sdpa_backends)))
+        _fp32["lm"] = load_model(p.model, "float32", contract=ExecutionContract(sdpa_backends=tuple(sdpa_backends)))
     return _fp32["lm"]
 
 
@@ -100,7 +76,7 @@ def fp32_model():
 # content plus each block's closing token (the tokens the model itself chooses there).
 
 # %%
-fmt = resolve_format(load_tokenizer(model), format)
+fmt = resolve_format(load_tokenizer(p.model), p.format)
 example = adapt.build_staged(fmt, train_rows[0])
 roles = example.roles[0].tolist()
 blocks = []
@@ -120,8 +96,8 @@ pd.DataFrame(blocks).set_index("block")
 # folder whose files no longer match their manifest is refused.
 
 # %%
-folder, manifest = adapt.ensure_checkpoints(cfg, checkpoint_root, bank=bank, loader=fp32_model)
-pointer = adapt.write_pointer(ledger_root / profile / adapt.POINTER, folder, manifest)
+folder, manifest = adapt.ensure_checkpoints(cfg, session.checkpoint_root, bank=bank, loader=fp32_model)
+pointer = adapt.write_pointer(session.ledger_root / p.profile / adapt.POINTER, folder, manifest)
 family = {name: adapt.checkpoint(folder, name) for name in adapt.CHECKPOINT_NAMES}  # digests checked
 print(folder)
 pd.DataFrame({name: {"step": c.step, "file": c.path.name, "sha256": c.sha256[:16] + "…", "bytes": c.path.stat().st_size}
@@ -144,10 +120,10 @@ contract_frame({"role-table training (FP32)": json.loads((folder / "environment.
 train_curve = pd.DataFrame(manifest["curve"]["train"])
 held_curve = pd.DataFrame(manifest["curve"]["heldout"])
 fig = figures.adaptation_curve(train_curve, held_curve, {name: c.step for name, c in family.items()}, n_heldout=len(heldout_rows),
-                               title=f"Role-table adaptation ({profile}): rows 8-13 only, FP32, lr {adapt_lr}, {adapt_steps} steps")
-save_figure(fig, out_dir / "adapt_training_curve", source=SOURCE)
+                               title=f"Role-table adaptation ({p.profile}): rows 8-13 only, FP32, lr {p.adapt_lr}, {p.adapt_steps} steps")
+session.save_figure(fig, "adapt_training_curve")
 curve_table = held_curve.set_index("step")
-save_table(curve_table, out_dir / "adapt_curve", caption="Role-table adaptation: held-out loss and answer-letter accuracy", source=SOURCE)
+session.save_table(curve_table, "adapt_curve", caption="Role-table adaptation: held-out loss and answer-letter accuracy")
 curve_table
 
 # %% [markdown]
@@ -160,16 +136,16 @@ curve_table
 # checkpoint metric, not the decoded accuracy of the experiments (notebook 05 reports that on its panel).
 
 # %%
-eval_rows = bank[:n_adapt_eval]
+eval_rows = bank[:p.n_adapt_eval]
 later = family["later"]
 records, eval_ledger = adapt.run_letter_eval(
-    eval_rows, {"ckpt0": (None, None), "later": (str(later.path), later.sha256)}, model=model, fmt=format,
-    profile=profile, ledger_root=ledger_root, threads=threads, sdpa_backends=tuple(sdpa_backends), loader=fp32_model,
+    eval_rows, {"ckpt0": (None, None), "later": (str(later.path), later.sha256)}, model=p.model, fmt=p.format,
+    profile=p.profile, ledger_root=session.ledger_root, threads=threads, sdpa_backends=tuple(sdpa_backends), loader=fp32_model,
 )
-acc = adapt.accuracy_summary(records, "ckpt0", "later", seed=seed, n_resamples=n_resamples)
+acc = adapt.accuracy_summary(records, "ckpt0", "later", seed=p.seed, n_resamples=p.n_resamples)
 labels = {"ckpt0": "checkpoint 0 (zero role table)", "later": f"later checkpoint (step {later.step})"}
 acc_table = adapt.accuracy_table(acc, labels)
-save_table(acc_table, out_dir / "adapt_accuracy", caption="Checkpoint 0 vs the later checkpoint: teacher-forced answer-letter accuracy on the MMLU bank", source=SOURCE)
+session.save_table(acc_table, "adapt_accuracy", caption="Checkpoint 0 vs the later checkpoint: teacher-forced answer-letter accuracy on the MMLU bank")
 print(eval_ledger.dir.name)
 acc_table
 
@@ -194,7 +170,7 @@ first, last = train_curve.iloc[0], train_curve.iloc[-1]
 h0, h1 = held_curve.iloc[0], held_curve.iloc[-1]
 m = acc["mcnemar"]
 lines = [
-    f"- Only role rows 8–13 were trained ({adapt_steps} steps, lr {adapt_lr}, FP32, {threads} threads); the base weights' sha256 is unchanged ({manifest['base_model']['weights_sha256_float32'][:12]}…).",
+    f"- Only role rows 8–13 were trained ({p.adapt_steps} steps, lr {p.adapt_lr}, FP32, {threads} threads); the base weights' sha256 is unchanged ({manifest['base_model']['weights_sha256_float32'][:12]}…).",
     f"- Training loss {first.loss:.3f} at step 1 → {last.loss:.3f} at step {int(last.step)}; held-out loss {h0.loss:.3f} → {h1.loss:.3f} "
     f"(held-out letter accuracy {h0.letter_accuracy:.2f} → {h1.letter_accuracy:.2f} on {len(heldout_rows)} rows).",
     f"- MMLU bank ({acc['n']} rows), teacher-forced answer letter: checkpoint 0 {acc['acc_a'].pct()}, later {acc['acc_b'].pct()}; "

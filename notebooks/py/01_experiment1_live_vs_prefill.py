@@ -25,28 +25,11 @@
 # divergence vanishes. Every endpoint below is conditional on fail-closed integrity
 # gates (replicas exact, state identical, storage disjoint, duplicates in sync).
 #
-# Defaults are the `smoke` profile; `make paper` passes `notebooks/params/<profile>.yaml`.
+# Defaults are the `smoke` profile; `make paper` sets `profile` to the one it runs (`notebooks/params/<profile>.yaml`).
 
 # %% tags=["parameters"]
-# Parameters (papermill injects a profile's values below this cell)
-profile = "smoke"
-model = "embedded"            # "embedded", a local HF folder, a .gguf file, or a cached hub id
-problems = "bank"             # "bank" (the frozen MMLU bank) or a path to a JSONL in the bank's format
-n_rows = 2
-preflight = 1
-cap_branch = 8
-cap_merge = 8
-cap_answer = 4
-precisions = ["bfloat16", "float32"]
-execution = {}                # the execution contract (README: "The execution contract"): threads, SDPA backends, device,
-                              # determinism, TF32, Ray workers, step path and batch shape; a key left out takes its default
-                              # in kvreplay.runner.EXECUTION_DEFAULTS, e.g. {"device": "cuda", "step_path": "graph", "batch": 32}
-format = "chat_multibranch"
-role_table = None
-ledger_root = None            # default: data/ledgers
-figures_root = None           # default: figures
-n_resamples = 20000
-seed = 20260729
+profile = "smoke"  # which notebooks/params file: a profile name, or a path to a YAML file
+overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
 import pandas as pd
@@ -59,10 +42,10 @@ from kvreplay.report import figures
 from kvreplay.report.files import drift_by_layer
 from kvreplay.session import open_session
 
-session = open_session("notebooks/01_experiment1_live_vs_prefill.ipynb", globals())
-rows = session.rows(n_rows)
-print(f"{len(rows)} problems from {problems!r}; caps {session.caps}; precisions {precisions}; "
-      f"ledgers under {session.ledger_root / profile}")
+session = open_session("notebooks/01_experiment1_live_vs_prefill.ipynb", profile, overrides)
+p = session.params
+rows = session.rows(p.n_rows)
+print(f"{len(rows)} problems from {p.problems!r}; ledgers under {session.ledger_root / p.profile}")
 
 # %% [markdown]
 # ## Run (or resume, or reuse a finished ledger)
@@ -70,8 +53,8 @@ print(f"{len(rows)} problems from {problems!r}; caps {session.caps}; precisions 
 
 # %%
 records, ledgers = {}, {}
-for dtype in precisions:
-    records[dtype], ledgers[dtype] = run_experiment1(rows, session.settings(dtype, preflight), ledger_root=session.ledger_root)
+for dtype in p.precisions:
+    records[dtype], ledgers[dtype] = run_experiment1(rows, session.settings(dtype, p.preflight), ledger_root=session.ledger_root)
     print(dtype, "->", ledgers[dtype].dir.name)
 
 # %% [markdown]
@@ -86,9 +69,9 @@ session.contract(ledgers)
 # Rates carry Wilson 95% intervals; the accuracy difference is prefill minus live with 20,000 problem-paired percentile bootstrap replicates; McNemar is exact and two-sided on discordant correctness (it reads direction, not equivalence). Drift is the relative L2 over all K and V tensors concatenated, per row; we report its median and range over rows.
 
 # %%
-summaries = {d: matrix_summary(records[d], d, "live", seed=seed, n_resamples=n_resamples) for d in precisions}
+summaries = {d: matrix_summary(records[d], d, "live", seed=p.seed, n_resamples=p.n_resamples) for d in p.precisions}
 cross = None
-if {"bfloat16", "float32"} <= set(precisions):
+if {"bfloat16", "float32"} <= set(p.precisions):
     same = sum(a["prefix"] == b["prefix"] for a, b in zip(records["bfloat16"], records["float32"]))
     cross = (same, len(rows))
 table = matrix_table(list(summaries.values()), cross)
@@ -99,8 +82,8 @@ table
 # ## The BF16 prefix bank read by Experiments 2–5
 
 # %%
-if "bfloat16" in precisions:
-    bank_path = session.ledger_root / profile / "prefix_bank_bf16.jsonl"
+if "bfloat16" in p.precisions:
+    bank_path = session.ledger_root / p.profile / "prefix_bank_bf16.jsonl"
     digest = write_prefix_bank(records["bfloat16"], bank_path, ledgers["bfloat16"].dir.name)
     print(bank_path, digest)
 
@@ -111,11 +94,11 @@ if "bfloat16" in precisions:
 # %%
 firsts = pd.DataFrame([
     {"precision": d, "first divergence": r["endpoints"]["first_divergence"]}
-    for d in precisions for r in records[d] if r["endpoints"]["first_divergence"] is not None
+    for d in p.precisions for r in records[d] if r["endpoints"]["first_divergence"] is not None
 ], columns=["precision", "first divergence"])
-layers = pd.concat([drift_by_layer(records[d]).assign(precision=d) for d in precisions])
+layers = pd.concat([drift_by_layer(records[d]).assign(precision=d) for d in p.precisions])
 fig = figures.divergence_and_drift(firsts, layers, reference="live",
-                                   title=f"Experiment 1 ({profile}): first divergence and per-layer cache drift")
+                                   title=f"Experiment 1 ({p.profile}): first divergence and per-layer cache drift")
 figure_files = session.save_figure(fig, "exp1_divergence_and_drift")
 
 # %% [markdown]
@@ -123,7 +106,7 @@ figure_files = session.save_figure(fig, "exp1_divergence_and_drift")
 # These fail the notebook (and `make paper`) if the run does not meet the contract.
 
 # %%
-for d in precisions:
+for d in p.precisions:
     s = summaries[d]
     assert s["replicas_exact"] == s["n"], f"{d}: replica pairs not exact on every row"
 print("all assertions passed")
@@ -133,7 +116,7 @@ print("all assertions passed")
 
 # %%
 lines = []
-for d in precisions:
+for d in p.precisions:
     s = summaries[d]
     lines.append(
         f"- **{d}**: replicas exact on {s['replicas_exact']}/{s['n']} rows; the prefill boundary cache is non-bit-exact on "

@@ -24,25 +24,8 @@
 # while FP32 changes 0/200, with median relative L2 cache drift 0.01224 vs 4.27e-6.
 
 # %% tags=["parameters"]
-# Parameters (papermill injects a profile's values below this cell)
-profile = "smoke"
-model = "embedded"            # "embedded", a local HF folder, a .gguf file, or a cached hub id
-problems = "bank"             # "bank" (the frozen MMLU bank) or a path to a JSONL in the bank's format
-preflight_fixed = 1           # Experiment 2's preflight rows per precision (paper: 2)
-cap_branch = 8
-cap_merge = 8
-cap_answer = 4
-precisions = ["bfloat16", "float32"]
-exploratory_controls = True   # the exploratory controls (BF16, eager path); False: skipped (a profile without their ledger)
-execution = {}                # the execution contract (README: "The execution contract"): threads, SDPA backends, device,
-                              # determinism, TF32, Ray workers, step path and batch shape; a key left out takes its default
-                              # in kvreplay.runner.EXECUTION_DEFAULTS, e.g. {"device": "cuda", "step_path": "graph", "batch": 32}
-format = "chat_multibranch"
-role_table = None
-ledger_root = None            # default: data/ledgers
-figures_root = None           # default: figures
-n_resamples = 20000
-seed = 20260729
+profile = "smoke"  # which notebooks/params file: a profile name, or a path to a YAML file
+overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
 import pandas as pd
@@ -55,7 +38,8 @@ from kvreplay.report import figures
 from kvreplay.report.files import drift_by_layer
 from kvreplay.session import open_session
 
-session = open_session("notebooks/02_experiment2_fixed_prefix_precision.ipynb", globals())
+session = open_session("notebooks/02_experiment2_fixed_prefix_precision.ipynb", profile, overrides)
+p = session.params
 fixed = session.fixed  # the BF16 prefix bank of notebook 01, digest and order checked
 lengths = [len(z) for z in fixed.prefixes.values()]
 print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}), lengths {min(lengths)}–{max(lengths)} tokens")
@@ -66,8 +50,8 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}), leng
 
 # %%
 records, ledgers = {}, {}
-for dtype in precisions:
-    records[dtype], ledgers[dtype] = run_experiment2(fixed.rows, fixed.prefixes, fixed.sha256, session.settings(dtype, preflight_fixed),
+for dtype in p.precisions:
+    records[dtype], ledgers[dtype] = run_experiment2(fixed.rows, fixed.prefixes, fixed.sha256, session.settings(dtype, p.preflight_fixed),
                                                      ledger_root=session.ledger_root)
     print(dtype, "->", ledgers[dtype].dir.name)
 
@@ -83,10 +67,10 @@ session.contract(ledgers)
 # Wilson 95% intervals; accuracy difference is prefill minus incremental (20,000 paired percentile bootstrap replicates); exact McNemar.
 
 # %%
-summaries = {d: matrix_summary(records[d], d, "incremental", seed=seed, n_resamples=n_resamples) for d in precisions}
-for d in precisions:  # every cell consumed exactly the bank's integer prefix
+summaries = {d: matrix_summary(records[d], d, "incremental", seed=p.seed, n_resamples=p.n_resamples) for d in p.precisions}
+for d in p.precisions:  # every cell consumed exactly the bank's integer prefix
     assert all(r["prefix"] == fixed.prefixes[r["problem_id"]] for r in records[d]), f"{d}: a row did not use its fixed prefix"
-cross = precision_crossing(records["bfloat16"], records["float32"], seed=seed, n_resamples=n_resamples) if {"bfloat16", "float32"} <= set(precisions) else None
+cross = precision_crossing(records["bfloat16"], records["float32"], seed=p.seed, n_resamples=p.n_resamples) if {"bfloat16", "float32"} <= set(p.precisions) else None
 table = matrix_table(list(summaries.values()), (cross["prefix_identical"], cross["n"]) if cross else None)
 session.save_table(table, "table_exp2_matrix")
 table
@@ -111,33 +95,33 @@ if cross:
 # observed |Δ|, at random places: how often does a cache change of that size move the trajectory at all?
 
 # %%
-if exploratory_controls and "bfloat16" in precisions:
+if p.exploratory_controls and "bfloat16" in p.precisions:
     controls, controls_ledger = run_controls(fixed.rows, fixed.prefixes, fixed.sha256,
-                                             session.settings("bfloat16", preflight_fixed),
-                                             ledger_root=session.ledger_root, seed=seed)
+                                             session.settings("bfloat16", p.preflight_fixed),
+                                             ledger_root=session.ledger_root, seed=p.seed)
     csum = controls_summary(controls)
     ctl_table = controls_table(csum)
     session.save_table(ctl_table, "exp2_controls", caption="Experiment 2, exploratory controls: FP32 readout and a matched null perturbation")
     display(ctl_table)
 else:
-    print(f"exploratory controls skipped (exploratory_controls={exploratory_controls}, precisions={precisions})")
+    print(f"exploratory controls skipped (exploratory_controls={p.exploratory_controls}, precisions={p.precisions})")
 
 # %% [markdown]
 # ## Figure: cache drift per layer and per row
 # Left: per-layer median relative L2 of prefill against incremental. Right: the per-row whole-cache value (our aggregation: relative L2 over all K and V tensors concatenated).
 
 # %%
-layers = pd.concat([drift_by_layer(records[d], "prefill_vs_incremental").assign(precision=d) for d in precisions])
+layers = pd.concat([drift_by_layer(records[d], "prefill_vs_incremental").assign(precision=d) for d in p.precisions])
 per_row = pd.DataFrame([{"precision": d, "rel_l2": r["boundary"]["prefill_vs_incremental"]["cache"]["rel_l2"],
-                         "suffix differs": r["endpoints"]["suffix_differs"]} for d in precisions for r in records[d]])
-fig = figures.fixed_prefix_drift(layers, per_row, title=f"Experiment 2 ({profile}): fixed-prefix cache drift")
+                         "suffix differs": r["endpoints"]["suffix_differs"]} for d in p.precisions for r in records[d]])
+fig = figures.fixed_prefix_drift(layers, per_row, title=f"Experiment 2 ({p.profile}): fixed-prefix cache drift")
 figure_files = session.save_figure(fig, "exp2_drift")
 
 # %% [markdown]
 # ## Integrity assertions
 
 # %%
-for d in precisions:
+for d in p.precisions:
     assert summaries[d]["replicas_exact"] == summaries[d]["n"], f"{d}: replica pairs not exact on every row"
 if cross:
     assert cross["prefix_identical"] == cross["n"], "the integer prefix differs across precision"
@@ -148,7 +132,7 @@ print("all assertions passed")
 
 # %%
 lines = []
-for d in precisions:
+for d in p.precisions:
     s = summaries[d]
     lines.append(f"- **{d}** on the same {s['n']} integer prefixes: prefill vs incremental suffixes differ {s['suffix'].pct()} "
                  f"({s['tie_initiated']} of them tie-initiated), answer blocks {s['answer'].k}/{s['n']}, predicted letters "
@@ -161,7 +145,7 @@ if cross:
     e = cross["accuracy_effect"]["change"]
     if e:
         lines.append(f"- Change in the accuracy effect of prefill, FP32 − BF16: {100 * e.estimate:+.1f} pts [{100 * e.low:+.1f}, {100 * e.high:+.1f}] (paper: −1.0 [−5.5, +3.5]).")
-if exploratory_controls and "bfloat16" in precisions:
+if p.exploratory_controls and "bfloat16" in p.precisions:
     lines.append(f"- Exploratory controls (BF16 caches): plain suffixes differ {csum['baseline'].k}/{csum['n']}; with the FP32 readout "
                  f"{csum['fp32_readout'].k}/{csum['n']} ({csum['fp32_readout_ties']} tie-initiated); the matched null perturbation moved "
                  f"the trajectory on {csum['null_moved'].k}/{csum['n']} rows.")

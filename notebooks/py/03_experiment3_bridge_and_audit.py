@@ -24,21 +24,8 @@
 # The **audit** joins the Experiment 1 and 2 BF16 ledgers by problem ID with no new decoding.
 
 # %% tags=["parameters"]
-# Parameters (papermill injects a profile's values below this cell)
-profile = "smoke"
-model = "embedded"            # "embedded", a local HF folder, a .gguf file, or a cached hub id
-problems = "bank"             # "bank" (the frozen MMLU bank) or a path to a JSONL in the bank's format
-n_bridge = 2                  # Experiment 3 bridge rows (paper: 12)
-cap_branch = 8
-cap_merge = 8
-cap_answer = 4
-execution = {}                # the execution contract (README: "The execution contract"): threads, SDPA backends, device,
-                              # determinism, TF32, Ray workers, step path and batch shape; a key left out takes its default
-                              # in kvreplay.runner.EXECUTION_DEFAULTS, e.g. {"device": "cuda", "step_path": "graph", "batch": 32}
-format = "chat_multibranch"
-role_table = None
-ledger_root = None            # default: data/ledgers
-figures_root = None           # default: figures
+profile = "smoke"  # which notebooks/params file: a profile name, or a path to a YAML file
+overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
 from IPython.display import Markdown, display
@@ -48,7 +35,8 @@ from kvreplay.experiments.transplant import order_statistics
 from kvreplay.runner import run_arm
 from kvreplay.session import open_session
 
-session = open_session("notebooks/03_experiment3_bridge_and_audit.ipynb", globals())
+session = open_session("notebooks/03_experiment3_bridge_and_audit.ipynb", profile, overrides)
+p = session.params
 fixed = session.fixed  # the BF16 prefix bank of notebook 01, digest and order checked
 print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]})")
 
@@ -56,7 +44,7 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]})")
 # ## Freeze the bridge panel before decoding
 
 # %%
-panel = order_statistics(fixed.entries, n_bridge, key=lambda e: (len(e["prefix"]), e["problem_id"]))
+panel = order_statistics(fixed.entries, p.n_bridge, key=lambda e: (len(e["prefix"]), e["problem_id"]))
 panel_ids = [e["problem_id"] for e in panel]
 panel_path = session.write_panel("exp3_bridge_panel", rule="evenly spaced order statistics of saved BF16 prefix length, then problem ID",
                                  prefix_bank_sha256=fixed.sha256, problem_ids=panel_ids,

@@ -27,42 +27,22 @@
 # half-depth and single-layer transplants are **exploratory** localization.
 
 # %% tags=["parameters"]
-# Parameters (papermill injects a profile's values below this cell)
-profile = "smoke"
-model = "embedded"            # "embedded", a local HF folder, a .gguf file, or a cached hub id
-problems = "bank"             # "bank" (the frozen MMLU bank) or a path to a JSONL in the bank's format
-n_divergent = 1               # Experiment 4 panel: suffix-divergent rows (paper: 24)
-n_exact = 1                   # Experiment 4 panel: suffix-exact control rows (paper: 8)
-n_sweep = 1                   # divergent panel rows that also get the single-layer sweep
-cap_branch = 8
-cap_merge = 8
-cap_answer = 4
-execution = {}                # the execution contract (README: "The execution contract"): threads, SDPA backends, device,
-                              # determinism, TF32, Ray workers, step path and batch shape; a key left out takes its default
-                              # in kvreplay.runner.EXECUTION_DEFAULTS, e.g. {"device": "cuda", "step_path": "graph", "batch": 32}
-format = "chat_multibranch"
-role_table = None
-ledger_root = None            # default: data/ledgers
-figures_root = None           # default: figures
+profile = "smoke"  # which notebooks/params file: a profile name, or a path to a YAML file
+overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
 import pandas as pd
 from IPython.display import Markdown, display
 
 from kvreplay.experiments.endpoints import rate_text
-from kvreplay.experiments.transplant import (
-    freeze_transplant_panel,
-    localization_table,
-    transplant_chunk,
-    transplant_row,
-    transplant_summary,
-    transplant_table,
-)
+from kvreplay.experiments.transplant import (freeze_transplant_panel, localization_table, transplant_chunk, transplant_row,
+                                              transplant_summary, transplant_table)
 from kvreplay.report import figures
 from kvreplay.runner import run_arm
 from kvreplay.session import open_session
 
-session = open_session("notebooks/04_experiment4_cache_transplant.ipynb", globals())
+session = open_session("notebooks/04_experiment4_cache_transplant.ipynb", profile, overrides)
+p = session.params
 fixed = session.fixed  # the BF16 prefix bank of notebook 01, digest and order checked
 print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]})")
 
@@ -71,8 +51,8 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]})")
 
 # %%
 # the panel is frozen from the committed Experiment 2 BF16 ledger of this chain (found by provenance, not re-run)
-panel = freeze_transplant_panel(session.upstream("exp2-bfloat16").records, n_divergent, n_exact)
-sweep_ids = [e["problem_id"] for e in panel if e["stratum"] == "divergent"][:n_sweep]
+panel = freeze_transplant_panel(session.upstream("exp2-bfloat16").records, p.n_divergent, p.n_exact)
+sweep_ids = [e["problem_id"] for e in panel if e["stratum"] == "divergent"][:p.n_sweep]
 panel_path = session.write_panel(
     "exp4_panel", rule="within each Experiment 2 BF16 stratum, evenly spaced order statistics of prefix length then problem ID",
     prefix_bank_sha256=fixed.sha256, panel=panel, sweep=sweep_ids)
@@ -128,7 +108,7 @@ coarse = (div_loc[~div_loc["intervention"].str.startswith("layer_")].groupby("in
 sweep = div_loc[div_loc["intervention"].str.startswith("layer_")].copy()
 sweep["layer"] = sweep["intervention"].str[6:].astype(int)
 fig = figures.localization(coarse, sweep, n_sweep_rows=len(sweep_ids),
-                           title=f"Experiment 4 ({profile}): transplant outcomes among divergent rows")
+                           title=f"Experiment 4 ({p.profile}): transplant outcomes among divergent rows")
 figure_files = session.save_figure(fig, "exp4_transplants")
 
 # %% [markdown]

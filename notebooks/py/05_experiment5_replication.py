@@ -31,26 +31,8 @@
 # whole K/V swap the recipient must follow the donor unless decoding is nondeterministic.
 
 # %% tags=["parameters"]
-# Parameters (papermill injects a profile's values below this cell)
-profile = "smoke"
-model = "embedded"            # the chain's base model (checkpoint 0 of the family)
-problems = "bank"             # "bank" (the frozen MMLU bank) or a path to a JSONL in the bank's format
-n_exp5 = 2                    # panel rows (paper: 48)
-preflight_fixed = 1           # preflight rows (Experiment 2's; paper: 2)
-cap_branch = 8
-cap_merge = 8
-cap_answer = 4
-execution = {}                # the execution contract (README: "The execution contract"): threads, SDPA backends, device,
-                              # determinism, TF32, Ray workers, step path and batch shape; a key left out takes its default
-                              # in kvreplay.runner.EXECUTION_DEFAULTS, e.g. {"device": "cuda", "step_path": "graph", "batch": 32}
-format = "chat_multibranch"
-role_table = None             # checkpoint 0's role table (None: zero rows), as in notebooks 01-04
-replication_model = None      # None: the chain's model + the later role table of notebook 00; or any HF folder / .gguf / cached hub id
-replication_role_table = None # optional role-table file for the replication checkpoint
-ledger_root = None            # default: data/ledgers
-figures_root = None           # default: figures
-n_resamples = 20000
-seed = 20260729
+profile = "smoke"  # which notebooks/params file: a profile name, or a path to a YAML file
+overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
 import json
@@ -66,9 +48,10 @@ from kvreplay.report import figures
 from kvreplay.runner import run_arm
 from kvreplay.session import open_session
 
-session = open_session("notebooks/05_experiment5_replication.ipynb", globals())
+session = open_session("notebooks/05_experiment5_replication.ipynb", profile, overrides)
+p = session.params
 fixed = session.fixed  # the BF16 prefix bank of notebook 01, digest and order checked
-ckpt = replication.resolve_checkpoint(model, replication_model, replication_role_table, session.ledger_root / profile / adapt.POINTER)
+ckpt = replication.resolve_checkpoint(p.model, p.replication_model, p.replication_role_table, session.ledger_root / p.profile / adapt.POINTER)
 print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}); replication checkpoint: {ckpt.description}")
 
 # %% [markdown]
@@ -78,9 +61,9 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}); repl
 
 # %%
 candidates = replication.panel_candidates(fixed.entries)
-panel = replication.freeze_replication_panel(candidates, n_exp5)
-panel_path = session.ledger_root / profile / "exp5_panel.json"
-replication.write_panel(panel_path, panel, n_requested=n_exp5, prefix_bank_sha256=fixed.sha256, checkpoint=ckpt.record)
+panel = replication.freeze_replication_panel(candidates, p.n_exp5)
+panel_path = session.ledger_root / p.profile / "exp5_panel.json"
+replication.write_panel(panel_path, panel, n_requested=p.n_exp5, prefix_bank_sha256=fixed.sha256, checkpoint=ckpt.record)
 min_div, min_exact = replication.scaled_thresholds(len(panel))
 print(f"{panel_path}: {len(panel)} rows; the verdict needs >= 12 divergent and >= 6 exact rows (the paper's frozen "
       f"thresholds); secondary, scaled to this panel: >= {min_div} and >= {min_exact}")
@@ -99,10 +82,10 @@ pd.DataFrame(panel)
 # checkpoint 0: the committed Experiment 2 BF16 ledger of this chain (found by provenance, not re-run)
 exp2 = session.upstream("exp2-bfloat16")
 chain_format = exp2.contract.get("format_digest")
-if ckpt.model != model:
-    replication.check_same_format(ckpt.model, format, chain_format)
+if ckpt.model != p.model:
+    replication.check_same_format(ckpt.model, p.format, chain_format)
 records, ledger = run_arm(
-    "exp5", session.settings("bfloat16", preflight_fixed, model=ckpt.model, role_table=ckpt.role_table),
+    "exp5", session.settings("bfloat16", p.preflight_fixed, model=ckpt.model, role_table=ckpt.role_table),
     [session.by_id[e["problem_id"]] for e in panel],
     lambda spec, p: replication.replication_row(spec, p, fixed.prefixes[p.problem_id]),
     chunk=lambda spec, ps: replication.replication_chunk(spec, ps, [fixed.prefixes[p.problem_id] for p in ps]),
@@ -145,7 +128,7 @@ table
 # on the discordant rows.
 
 # %%
-acc = replication.accuracy_vs_checkpoint0(exp2.records, records, seed=seed, n_resamples=n_resamples)
+acc = replication.accuracy_vs_checkpoint0(exp2.records, records, seed=p.seed, n_resamples=p.n_resamples)
 acc_table = replication.accuracy_table(acc)
 session.save_table(acc_table, "table_exp5_accuracy")
 acc_table
@@ -158,7 +141,7 @@ acc_table
 
 # %%
 frame = replication.outcome_frame(records)
-fig = figures.replication(frame, DIRECTIONS, title=f"Experiment 5 ({profile}): {verdict.label} — divergence {s['divergence'].k}/{s['rows']}, "
+fig = figures.replication(frame, DIRECTIONS, title=f"Experiment 5 ({p.profile}): {verdict.label} — divergence {s['divergence'].k}/{s['rows']}, "
                           f"thresholds >= {verdict.min_divergent} divergent / >= {verdict.min_exact} exact")
 figure_files = session.save_figure(fig, "exp5_replication")
 

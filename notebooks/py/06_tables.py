@@ -25,49 +25,31 @@
 # equal the tables those notebooks wrote. The paper's own numbers come from one data file,
 # `data/paper/reference.yaml`; Table 1 from `data/paper/related_work.yaml`.
 #
-# Defaults are the `smoke` profile; `make paper` passes `notebooks/params/<profile>.yaml`.
+# Defaults are the `smoke` profile; `make paper` sets `profile` to the one it runs (`notebooks/params/<profile>.yaml`).
 
 # %% tags=["parameters"]
-# Parameters (papermill injects a profile's values below this cell)
-profile = "smoke"
-precisions = ["bfloat16", "float32"]
-ledger_root = None            # default: data/ledgers
-figures_root = None           # default: figures
-n_resamples = 20000
-seed = 20260729
+profile = "smoke"  # which notebooks/params file: a profile name, or a path to a YAML file
+overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
-from pathlib import Path
-
 import pandas as pd
 from IPython.display import Markdown, display
 
-from kvreplay import paths
-from kvreplay.ledger.lookup import LEDGER_SPECS, load_profile
-from kvreplay.report.paper_tables import (
-    artifact_map,
-    contract_table,
-    load_reference,
-    NOT_RUN,
-    related_work_table,
-    run_value,
-    setup_table,
-    visibility_frame,
-    vs_paper_table,
-)
+from kvreplay.ledger.lookup import LEDGER_SPECS, load_profile_ledgers
+from kvreplay.report.paper_tables import (NOT_RUN, artifact_map, contract_table, load_reference, related_work_table, run_value,
+                                          setup_table, visibility_frame, vs_paper_table)
 from kvreplay.report.summary import results_tables, same_as_saved, summarize, TABLE_CAPTIONS, TABLES_BY_EXPERIMENTS
-from kvreplay.report.files import save_table
+from kvreplay.session import open_session
 
 # %%
-SOURCE = "notebooks/06_tables.ipynb"
-ledger_root = Path(ledger_root) if ledger_root else paths.LEDGERS
-out_dir = (Path(figures_root) if figures_root else paths.FIGURES) / profile
-profile_ledgers = load_profile(ledger_root, profile, precisions)  # fails naming the notebook to run if a ledger is missing
+session = open_session("notebooks/06_tables.ipynb", profile, overrides)
+p = session.params
+profile_ledgers = load_profile_ledgers(session.ledger_root, p.profile, p.precisions)  # fails naming the notebook to run if a ledger is missing
 reference = load_reference()
 written = {}
 
 def save(df, stem, caption):
-    written[stem] = save_table(df, out_dir / stem, caption=caption, source=SOURCE)
+    written[stem] = session.save_table(df, stem, caption=caption)
     return df
 
 pd.DataFrame({k: {"folder": ledger.dir.name, "rows": len(ledger.records), "config digest": ledger.manifest["config_digest"][:12],
@@ -111,7 +93,7 @@ table3
 # Wilson 95% intervals for rates; 20,000 problem-paired percentile bootstrap replicates for accuracy and disagreement differences; exact two-sided McNemar tests (direction, not equivalence). Cache drift is our stated aggregation: per row the relative L2 over all K and V tensors concatenated, then median and range over rows. A row that failed any gate withholds every endpoint (the summary functions raise).
 
 # %%
-results = summarize(profile_ledgers, seed=seed, n_resamples=n_resamples)
+results = summarize(profile_ledgers, seed=p.seed, n_resamples=p.n_resamples)
 CAPTIONS = TABLE_CAPTIONS
 tables = results_tables(profile_ledgers, results)
 for stem, df in tables.items():  # the experiment notebooks write their own tables (compared below, not rewritten)
@@ -131,7 +113,7 @@ for stem in ("table_exp2_crossing", "table_exp3_bridge", "table_exp3_audit", "ta
 # Each results table is written once, by the experiment notebook that computes it (`kvreplay.report.summary.TABLES_BY_EXPERIMENTS`); here it is recomputed from the ledger rows alone and must be byte-identical to that CSV (`None`: that notebook has not written into this figures folder).
 
 # %%
-agreement = {stem: same_as_saved(tables[stem], out_dir / f"{stem}.csv")
+agreement = {stem: same_as_saved(tables[stem], session.out_dir / f"{stem}.csv")
              for stem in TABLES_BY_EXPERIMENTS if stem in tables and len(tables[stem])}
 pd.DataFrame({"written by": {s: f"notebooks/{TABLES_BY_EXPERIMENTS[s]}" for s in agreement},
               "recomputed here, byte-identical": agreement})
@@ -151,7 +133,7 @@ vs_paper
 # For every reported statistic: which ledger file and record fields hold its inputs, which library function computes it, which output file shows it, and which notebooks write the ledger and reproduce the statistic (the referee's minor comment 4).
 
 # %%
-amap = save(artifact_map(profile_ledgers, reference, SOURCE, "notebooks/07_figures.ipynb"), "table_artifact_map",
+amap = save(artifact_map(profile_ledgers, reference, session.notebook, "notebooks/07_figures.ipynb"), "table_artifact_map",
             "Artifact map: ledger files and fields behind every reported statistic")
 amap
 
@@ -170,7 +152,7 @@ for d in profile_ledgers.precisions:
         s = results[exp][d]
         assert s["replicas_exact"] == s["n"], f"{exp} {d}: replica pairs not exact on every row"
 assert all(p.stat().st_size > 0 for files in written.values() for p in files)
-print(f"{len(written)} tables written to {out_dir} (CSV, Markdown, LaTeX each)")
+print(f"{len(written)} tables written to {session.out_dir} (CSV, Markdown, LaTeX each)")
 
 # %% [markdown]
 # ## What this shows
@@ -178,7 +160,7 @@ print(f"{len(written)} tables written to {out_dir} (CSV, Markdown, LaTeX each)")
 # %%
 e1, e2, b, a, t = results["exp1"]["bfloat16"], results["exp2"]["bfloat16"], results["bridge"], results["audit"], results["transplant"]
 lines = [
-    f"- Every table above was rebuilt from {sum(len(l.records) for l in profile_ledgers.ledgers.values())} ledger rows in {len(profile_ledgers.ledgers)} ledgers of profile `{profile}`; "
+    f"- Every table above was rebuilt from {sum(len(l.records) for l in profile_ledgers.ledgers.values())} ledger rows in {len(profile_ledgers.ledgers)} ledgers of profile `{p.profile}`; "
     f"{sum(ok is True for ok in agreement.values())} of {len(agreement)} results tables are byte-identical to the ones the experiment notebooks wrote "
     f"({sum(ok is None for ok in agreement.values())} not present to compare).",
     f"- Experiment 1 (BF16): suffixes differ {e1['suffix'].pct()} (paper {vs_paper.loc['exp1.bf16.suffix', 'paper']}).",

@@ -24,33 +24,28 @@
 # loaded. Each figure is saved as PNG and PDF in `figures/<profile>/`.
 
 # %% tags=["parameters"]
-# Parameters (papermill injects a profile's values below this cell)
-profile = "smoke"
-precisions = ["bfloat16", "float32"]
-ledger_root = None            # default: data/ledgers
-figures_root = None           # default: figures
+profile = "smoke"  # which notebooks/params file: a profile name, or a path to a YAML file
+overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
 import statistics
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import seaborn as sns
 from IPython.display import Markdown, display
 
-from kvreplay import paths
 from kvreplay.report import figures
-from kvreplay.ledger.lookup import load_profile
+from kvreplay.ledger.lookup import load_profile_ledgers
 from kvreplay.report.frames import divergence_margins, first_divergence_frame, margin_percentiles, transplant_outcomes
 from kvreplay.decode import BATCH
 from kvreplay.experiments.transplant import DIRECTIONS, interventions
-from kvreplay.report.files import drift_by_layer, save_figure
+from kvreplay.report.files import drift_by_layer
+from kvreplay.session import open_session
 
-SOURCE = "notebooks/07_figures.ipynb"
-ledger_root = Path(ledger_root) if ledger_root else paths.LEDGERS
-out_dir = (Path(figures_root) if figures_root else paths.FIGURES) / profile
-profile_ledgers = load_profile(ledger_root, profile, precisions)
+session = open_session("notebooks/07_figures.ipynb", profile, overrides)
+p = session.params
+profile_ledgers = load_profile_ledgers(session.ledger_root, p.profile, p.precisions)
 sns.set_theme(style="whitegrid", context="paper")
 written = {}
 print({k: ledger.dir.name for k, ledger in profile_ledgers.ledgers.items()})
@@ -61,7 +56,7 @@ print({k: ledger.dir.name for k, ledger in profile_ledgers.ledgers.items()})
 
 # %%
 caps = profile_ledgers["exp1-bfloat16"].config["caps"]
-written["fig1_design"] = save_figure(figures.design_figure(caps, BATCH, profile), out_dir / "fig1_design", source=SOURCE)
+written["fig1_design"] = session.save_figure(figures.design_figure(caps, BATCH, p.profile), "fig1_design")
 
 # %% [markdown]
 # ## First divergence: where the suffixes part (histogram and quartiles)
@@ -79,8 +74,8 @@ for label, recs in groups.items():
         # quartiles as the tables compute them (statistics.quantiles, exclusive method; needs two values)
         q1, q3 = statistics.quantiles(x, n=4)[::2] if len(x) >= 2 else (None, None)
         fd_stats[label].update(q1=q1, median=statistics.median(x), q3=q3, min=int(x.min()), max=int(x.max()))
-fig = figures.first_divergence(firsts, fd_stats, title=f"First divergence ({profile})")
-written["fig_first_divergence"] = save_figure(fig, out_dir / "fig_first_divergence", source=SOURCE)
+fig = figures.first_divergence(firsts, fd_stats, title=f"First divergence ({p.profile})")
+written["fig_first_divergence"] = session.save_figure(fig, "fig_first_divergence")
 pd.DataFrame(fd_stats).T
 
 # %% [markdown]
@@ -89,8 +84,8 @@ pd.DataFrame(fd_stats).T
 
 # %%
 layer = pd.concat([drift_by_layer(profile_ledgers.records(f"exp2-{d}"), "prefill_vs_incremental").assign(precision=d) for d in profile_ledgers.precisions])
-fig = figures.layer_drift(layer, title=f"Experiment 2 ({profile}): per-layer cache drift on fixed prefixes")
-written["fig_layer_drift"] = save_figure(fig, out_dir / "fig_layer_drift", source=SOURCE)
+fig = figures.layer_drift(layer, title=f"Experiment 2 ({p.profile}): per-layer cache drift on fixed prefixes")
+written["fig_layer_drift"] = session.save_figure(fig, "fig_layer_drift")
 ratio = {d: layer[layer.precision == d].rel_l2.median() for d in profile_ledgers.precisions}
 pd.Series(ratio, name="median per-layer relative L2").to_frame()
 
@@ -102,8 +97,8 @@ pd.Series(ratio, name="median per-layer relative L2").to_frame()
 outcomes = transplant_outcomes(profile_ledgers.records("exp4-bfloat16"))
 coarse = outcomes[~outcomes.intervention.str.startswith("layer_")]
 order = [name for name, *_ in interventions(2, sweep=False) if name in set(coarse.intervention)]  # whole first, as registered
-fig = figures.transplant_outcomes(coarse, order, DIRECTIONS, title=f"Experiment 4 ({profile}): transplant outcomes per direction")
-written["fig_transplants"] = save_figure(fig, out_dir / "fig_transplants", source=SOURCE)
+fig = figures.transplant_outcomes(coarse, order, DIRECTIONS, title=f"Experiment 4 ({p.profile}): transplant outcomes per direction")
+written["fig_transplants"] = session.save_figure(fig, "fig_transplants")
 coarse.pivot_table(index=["stratum", "intervention", "direction"], columns="outcome", values="rows", aggfunc="sum", fill_value=0)
 
 # %% [markdown]
@@ -122,8 +117,8 @@ for label, df in margin_sets.items():
         near_tie[label][f"median margin, {kind}"] = float(np.median(m)) if len(m) else None
         near_tie[label][f"exact ties (margin 0), {kind}"] = int((m == 0).sum())
     near_tie[label]["median percentile of divergence margins among shared"] = float(np.median(pct)) if pct else None
-fig = figures.near_tie(margin_sets, title=f"Near ties: greedy margin at the first divergent step vs at shared steps ({profile})")
-written["fig_near_tie"] = save_figure(fig, out_dir / "fig_near_tie", source=SOURCE)
+fig = figures.near_tie(margin_sets, title=f"Near ties: greedy margin at the first divergent step vs at shared steps ({p.profile})")
+written["fig_near_tie"] = session.save_figure(fig, "fig_near_tie")
 pd.DataFrame(near_tie).T
 
 # %% [markdown]
@@ -137,7 +132,7 @@ for label, df in margin_sets.items():
 if {"bfloat16", "float32"} <= set(profile_ledgers.precisions):  # an outcome: reported, never asserted
     print(f"median per-layer drift FP32 {ratio['float32']:.3g} vs BF16 {ratio['bfloat16']:.3g}: "
           + ("FP32 below BF16" if ratio["float32"] < ratio["bfloat16"] else "FP32 NOT below BF16"))
-print(f"{len(written)} figures written to {out_dir} (PNG and PDF each)")
+print(f"{len(written)} figures written to {session.out_dir} (PNG and PDF each)")
 
 # %% [markdown]
 # ## What this shows

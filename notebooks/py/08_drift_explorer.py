@@ -36,10 +36,8 @@
 # the same prefix.
 
 # %% tags=["parameters"]
-# Parameters (papermill injects a profile's values below this cell)
-profile = "cpu"               # the committed ledgers; the notebook tests pass the smoke profile explicitly
-ledger_root = None            # default: data/ledgers
-figures_root = None           # default: figures (used only when save_figures is True)
+profile = "cpu"  # which notebooks/params file: the committed ledgers (the notebook tests pass smoke)
+overrides = {}   # values replacing the profile's, e.g. {"ledger_root": "/tmp/ledgers"}
 experiment = "exp1"           # "exp1" (live vs prefill) or "exp2" (incremental vs prefill, fixed BF16 prefixes)
 precision = "bfloat16"        # "bfloat16" or "float32"
 comparison = "prefill_vs_live"  # exp1: prefill_vs_live | live_replica | prefill_replica; exp2: prefill_vs_incremental | incremental_replica | prefill_replica
@@ -52,27 +50,24 @@ save_figures = False          # also write the figures to figures/<profile>/expl
 interactive = True            # draw the ipywidgets explorer at the end (make paper and the tests pass False)
 
 # %%
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from kvreplay import explorer, paths
+from kvreplay import explorer
 from kvreplay.report import figures
 from kvreplay.experiments.endpoints import first_divergence
 from kvreplay.ledger.lookup import find_chain_ledger
 from kvreplay.rebuild import comparison_arms, pick_row, suffix_alignment, token_text, topk_frame
 from kvreplay.report.frames import layer_drift_frame
 from kvreplay.report.files import save_figure
+from kvreplay.session import open_session
 
 # %%
-SOURCE = "notebooks/08_drift_explorer.ipynb"
-ledger_root = Path(ledger_root) if ledger_root else paths.LEDGERS
-out_dir = (Path(figures_root) if figures_root else paths.FIGURES) / profile / "explorer"
+session = open_session("notebooks/08_drift_explorer.ipynb", profile, overrides)
 ref_arm, other_arm = comparison_arms(experiment, comparison)
-ledger = find_chain_ledger(ledger_root, profile, f"{experiment}-{precision}")
+ledger = find_chain_ledger(session.ledger_root, session.profile, f"{experiment}-{precision}")
 row = pick_row(ledger.records, problem, experiment)
 assert not row["gate_failure"], f"row {row['problem_id']} failed gate {row['gate_failure']}: nothing to explore"
 summary = row["boundary"][comparison]
@@ -83,7 +78,7 @@ def show(fig, name):
     """Display a figure inline; with save_figures also write it (PNG and PDF) under figures/<profile>/explorer/."""
     shown[name] = fig
     if save_figures:
-        save_figure(fig, out_dir / f"{stem}_{name}", source=SOURCE)
+        save_figure(fig, session.out_dir / "explorer" / f"{stem}_{name}", source=session.notebook)
     else:
         display(fig)
         plt.close(fig)
@@ -233,7 +228,7 @@ display(Markdown("\n".join(lines)))
 
 # %%
 if interactive:
-    ex = explorer.Explorer(ledger_root, profile, model=model, problem=row["problem_id"],
+    ex = explorer.Explorer(session.ledger_root, session.profile, model=model, problem=row["problem_id"],
                            pair=f"{experiment} {precision}: {other_arm} vs {ref_arm}")
     ex.show()
 else:

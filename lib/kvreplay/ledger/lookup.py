@@ -168,7 +168,7 @@ def read_ledger(folder: str | Path, key: str | None = None) -> LoadedLedger:
 
 def _run_hint(spec: LedgerSpec, profile: str) -> str:
     return (f"run notebooks/{spec.notebook} for profile {profile!r} first "
-            f"(make paper PROFILE={profile}, or papermill with -f notebooks/params/{profile}.yaml)")
+            f"(make paper PROFILE={profile}, or papermill with -p profile {profile})")
 
 
 def find_ledger(
@@ -280,7 +280,7 @@ def find_chain_ledger(root: str | Path, profile: str, key: str) -> LoadedLedger:
                        why=f"the prefix bank (sha256 {bank['sha256'][:12]})")
 
 
-def load_profile(root: str | Path, profile: str, precisions: Sequence[str] = ("bfloat16", "float32")) -> ProfileLedgers:
+def load_profile_ledgers(root: str | Path, profile: str, precisions: Sequence[str] = ("bfloat16", "float32")) -> ProfileLedgers:
     """Find and read every ledger the paper assembly needs for one profile (no model is loaded).
 
     Needs Experiments 1 and 2 at each of ``precisions`` (which must include

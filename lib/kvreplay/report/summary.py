@@ -2,7 +2,7 @@
 
 The same summary functions the experiment notebooks call
 (:mod:`kvreplay.experiments`) run over the finished ledgers of a profile
-(:func:`kvreplay.ledger.lookup.load_profile`); no model is loaded.
+(:func:`kvreplay.ledger.lookup.load_profile_ledgers`); no model is loaded.
 """
 
 from __future__ import annotations

@@ -1,0 +1,236 @@
+"""The chain's parameters, defined once: a typed model, and the profiles that set them.
+
+Every notebook of the chain (00-08) starts with the same two parameters ::
+
+    profile = "smoke"   # which notebooks/params file
+    overrides = {}      # values replacing the profile's
+
+and its setup call (:func:`kvreplay.session.open_session`) resolves them with
+:func:`load_parameters` into one frozen :class:`ChainParameters`: the field
+defaults, then the profile file's values, then ``overrides``, each name and
+type checked before any model or data is read. ``make paper``
+(:mod:`kvreplay.paper`) and ``scripts/gpu_profile.py`` pass the same two
+values, so a parameter has one name, one type and one default, here.
+
+The defaults are the ``smoke`` profile (``notebooks/params/smoke.yaml``; a
+test keeps the two equal), so a notebook opened and run as is runs in minutes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .paths import PARAMS, ROOT
+from .runner import EXECUTION_KEYS, resolve_execution
+
+PROFILE_KEYS = ("notebooks", "done")
+"""Profile keys that are not chain parameters: the notebooks ``make paper`` runs (read by :mod:`kvreplay.paper`) and
+the rows finished per arm (a record for the reader). :func:`load_parameters` skips them."""
+
+DEFAULT_PROFILE = "smoke"
+"""The profile a notebook opened as is runs (its ``profile`` parameter's default)."""
+
+SEED = 20260729
+
+
+class ChainParameters(BaseModel):
+    """Every parameter of the notebook chain, with its type and its default (the ``smoke`` profile's value).
+
+    Frozen: a notebook reads its resolved values (``session.params.n_rows``) and cannot change them on the way.
+    Unknown names are refused (``extra="forbid"``); values are checked strictly (``"4"`` is not a whole number).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    profile: str = Field(DEFAULT_PROFILE, description="profile label: the ledger folder <ledger_root>/<profile>/ and the "
+                         "figure folder <figures_root>/<profile>/ (the profile file's name)")
+    # the model and the problems
+    model: str = Field("embedded", description='the chain\'s base model (checkpoint 0 of the family): "embedded", a local '
+                       "HF folder, a .gguf file, or a cached hub id")
+    problems: str = Field("bank", description='"bank" (the frozen MMLU bank) or a path to a JSONL in the bank\'s format')
+    format: str = Field("chat_multibranch", description="the block format (kvreplay.contract.resolve_format)")
+    role_table: str | None = Field(None, description="checkpoint 0's role-table file (None: zero role rows)")
+    # the protocol
+    cap_branch: int = Field(8, ge=1, description="token cap of each branch block (paper: 768)")
+    cap_merge: int = Field(8, ge=1, description="token cap of the merge block (paper: 512)")
+    cap_answer: int = Field(4, ge=1, description="token cap of the answer block (paper: 64)")
+    precisions: tuple[Literal["bfloat16", "float32"], ...] = Field(
+        ("bfloat16", "float32"), min_length=1, description="the precisions of Experiments 1 and 2 (paper: both)")
+    execution: dict[str, Any] = Field(
+        default_factory=dict, description="the execution contract (README: \"The execution contract\"): threads, SDPA "
+        "backends, device, determinism, TF32, Ray workers, step path and batch shape; a key left out takes its default in "
+        'kvreplay.runner.EXECUTION_DEFAULTS, e.g. {"device": "cuda", "step_path": "graph", "batch": 32}. Notebook 00 '
+        "trains and scores in FP32 on the CPU under its threads and sdpa_backends only")
+    # Experiment 1 (notebook 01)
+    n_rows: int = Field(2, ge=1, description="Experiment 1 problems, the first of the bank (paper: 200)")
+    preflight: int = Field(1, ge=0, description="Experiment 1 preflight rows per precision (paper: 8)")
+    # Experiment 2 (notebook 02) and its controls
+    preflight_fixed: int = Field(1, ge=0, description="preflight rows of Experiments 2 and 5 (paper: 2)")
+    exploratory_controls: bool = Field(True, description="run Experiment 2's exploratory controls (BF16, eager path); "
+                                       "False: skipped (a profile without their ledger)")
+    # Experiments 3 and 4 (notebooks 03, 04)
+    n_bridge: int = Field(2, ge=1, description="Experiment 3 bridge rows (paper: 12)")
+    n_divergent: int = Field(1, ge=0, description="Experiment 4 panel: suffix-divergent rows (paper: 24)")
+    n_exact: int = Field(1, ge=0, description="Experiment 4 panel: suffix-exact control rows (paper: 8)")
+    n_sweep: int = Field(1, ge=0, description="divergent Experiment 4 rows that also get the single-layer sweep")
+    # Experiment 5 (notebook 05)
+    n_exp5: int = Field(2, ge=1, description="Experiment 5 panel rows (paper: 48)")
+    replication_model: str | None = Field(None, description="None: the chain's model + the later role table of "
+                                          "notebook 00; or any HF folder / .gguf / cached hub id")
+    replication_role_table: str | None = Field(None, description="optional role-table file for the replication checkpoint")
+    # the role-table adaptation (notebook 00)
+    adapt_name: str = Field("smoke", description="label of the training run (folder role-table-<name>-<digest12>)")
+    adapt_source: str = Field("openbookqa", description="training data (a kvreplay.problems.SOURCES key), disjoint "
+                              "from the MMLU bank")
+    adapt_n_train: int = Field(4, ge=1, description="training rows")
+    adapt_n_heldout: int = Field(2, ge=1, description="held-out rows")
+    adapt_steps: int = Field(4, ge=1, description="optimizer steps")
+    adapt_batch: int = Field(1, ge=1, description="sequences per step")
+    adapt_lr: float = Field(0.005, gt=0, description="learning rate")
+    adapt_checkpoints: tuple[int, int] = Field((2, 4), description="[early, later] steps whose role tables are saved")
+    adapt_eval_every: int = Field(2, ge=1, description="held-out evaluation every this many steps")
+    adapt_seed: int = Field(SEED, description="seed of the training run")
+    n_adapt_eval: int = Field(4, ge=1, description="MMLU bank rows of the checkpoint-0 vs later accuracy table")
+    # statistics
+    n_resamples: int = Field(20000, ge=1, description="bootstrap replicates of every interval (paper: 20,000)")
+    seed: int = Field(SEED, description="seed of the bootstrap and of the controls' null perturbation")
+    # folders
+    ledger_root: str | None = Field(None, description="the folder holding <profile>/ ledger folders (None: data/ledgers)")
+    figures_root: str | None = Field(None, description="the folder holding <profile>/ tables and figures (None: figures)")
+    checkpoint_root: str | None = Field(None, description="the role-table checkpoint folders (None: data/checkpoints)")
+
+    @field_validator("precisions", "adapt_checkpoints", mode="before")
+    @classmethod
+    def _list_as_tuple(cls, value):
+        """YAML and ``overrides`` give lists; the frozen model keeps tuples."""
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("execution", mode="before")
+    @classmethod
+    def _no_execution_is_the_defaults(cls, value):
+        """``execution:`` with nothing under it (YAML null) is the empty mapping: every key at its default."""
+        return {} if value is None else value
+
+    @property
+    def contract(self) -> dict:
+        """The execution contract: every key of :data:`~kvreplay.runner.EXECUTION_KEYS`, ``execution`` over the defaults."""
+        return resolve_execution(f"profile {self.profile!r}", self.execution)
+
+
+FIELDS = tuple(ChainParameters.model_fields)
+"""The chain's parameter names, in the order they are declared."""
+
+
+def profile_path(profile: str | Path) -> Path:
+    """The YAML file of a profile: ``notebooks/params/<profile>.yaml`` for a name, else the path as given.
+
+    Raises:
+        FileNotFoundError: no such file; names the profiles that exist.
+    """
+    text = str(profile)
+    path = Path(text) if text.endswith((".yaml", ".yml")) or "/" in text else PARAMS / f"{text}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PARAMS.glob("*.yaml"))
+        raise FileNotFoundError(f"unknown profile {text!r}: no {path}; profiles: {known}")
+    return path
+
+
+def read_profile(profile: str | Path) -> dict:
+    """A profile file's mapping as written (parameters and :data:`PROFILE_KEYS`), unchecked.
+
+    Raises:
+        FileNotFoundError: see :func:`profile_path`.
+        ValueError: the file does not hold a YAML mapping (``yaml.YAMLError``, a subclass, for bad YAML).
+    """
+    path = profile_path(profile)
+    doc = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"profile {path}: expected a mapping of parameter names to values, got {type(doc).__name__}")
+    return doc
+
+
+def _check_names(names, where: str) -> None:
+    """Refuse names that are not chain parameters: an execution-contract key at the top level, or a typo."""
+    flat = [k for k in names if k in EXECUTION_KEYS]
+    if flat:
+        raise ValueError(f"{where}: {', '.join(map(str, flat))} belong to the execution contract: put them under "
+                         "`execution:` (README: The execution contract)")
+    unknown = [k for k in names if k not in FIELDS]
+    if unknown:
+        hints = {k: difflib.get_close_matches(str(k), FIELDS, n=1) for k in unknown}
+        named = ", ".join(f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in unknown)
+        raise ValueError(f"{where}: {named} is not a chain parameter (kvreplay.profiles.ChainParameters), so it would "
+                         "be dropped without effect")
+
+
+def load_parameters(profile: str | Path = DEFAULT_PROFILE, overrides: Mapping[str, Any] | None = None) -> ChainParameters:
+    """Resolve a notebook's ``profile`` and ``overrides`` parameters into the chain's parameters.
+
+    The values are :class:`ChainParameters`' defaults, then the profile file's (its :data:`PROFILE_KEYS` skipped),
+    then ``overrides`` (a value replaces the profile's whole: an ``execution`` override replaces its mapping).
+    ``profile`` defaults to the file's name (``cpu`` for ``notebooks/params/cpu.yaml``); an override may relabel
+    it. Nothing but the profile file is read.
+
+    Args:
+        profile: a profile name (``notebooks/params/<name>.yaml``) or a path to a YAML file.
+        overrides: parameter name -> value, over the profile's.
+
+    Returns:
+        the frozen, checked parameters.
+
+    Raises:
+        FileNotFoundError: no such profile (the known ones are named).
+        ValueError: naming the profile file: a key that is not a chain parameter (with the closest name), in the
+            file or in ``overrides``; an execution-contract key outside ``execution``; a file whose ``profile:``
+            differs from its name; a value of the wrong type or range; an execution contract that
+            :func:`~kvreplay.runner.resolve_execution` refuses.
+    """
+    path = profile_path(profile)
+    where = f"profile {_shown(path)}"
+    doc = {k: v for k, v in read_profile(path).items() if k not in PROFILE_KEYS}
+    _check_names(doc, where)
+    if doc.get("profile", path.stem) != path.stem:
+        raise ValueError(f"{where}: its `profile: {doc['profile']}` differs from the file's name {path.stem!r}")
+    overrides = dict(overrides or {})
+    if overrides:
+        _check_names(overrides, f"{where}, overrides")
+        where += f" with overrides {overrides}"
+    try:
+        params = ChainParameters(**(doc | {"profile": path.stem} | overrides))
+    except ValidationError as e:
+        errors = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}, got {err['input']!r}" for err in e.errors())
+        raise ValueError(f"{where}: {errors}") from None
+    resolve_execution(where, params.execution)
+    return params
+
+
+def _shown(path: Path) -> str:
+    """A path as shown to a reader: relative to the repository when inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def profile_sha256(profile: str | Path) -> str:
+    """sha256 of a profile file's bytes."""
+    return hashlib.sha256(profile_path(profile).read_bytes()).hexdigest()
+
+
+def describe(params: ChainParameters, profile: str | Path, overrides: Mapping[str, Any] | None = None) -> str:
+    """One line of the resolved values a reader of an executed notebook needs: the profile file and its sha256 prefix,
+    the overrides, rows, caps, precisions and the ``execution`` mapping as given (its other keys take
+    :data:`~kvreplay.runner.EXECUTION_DEFAULTS`)."""
+    given = ", ".join(f"{k}={v}" for k, v in params.contract.items() if k in params.execution)
+    parts = [f"profile {params.profile} ({_shown(profile_path(profile))}, sha256 {profile_sha256(profile)[:12]})",
+             f"overrides {dict(overrides or {})}",
+             f"rows {params.n_rows} (preflight {params.preflight})",
+             f"caps {params.cap_branch}/{params.cap_merge}/{params.cap_answer}",
+             f"precisions {', '.join(params.precisions)}",
+             f"execution {given}, other keys default" if given else "execution: every key default"]
+    return "; ".join(parts)
