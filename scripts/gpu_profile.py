@@ -78,9 +78,17 @@ def arm_overrides(profile: str, sets: dict) -> dict:
         ValueError: a name that is not a chain parameter (with the closest one), or a value
             :func:`kvreplay.profiles.load_parameters` refuses.
     """
-    from kvreplay.profiles import load_parameters
+    import difflib
+
+    from kvreplay.profiles import FIELDS, load_parameters
     from kvreplay.runner import EXECUTION_KEYS
 
+    for name in sets:
+        if name not in FIELDS and name not in EXECUTION_KEYS:
+            near = difflib.get_close_matches(name, [*FIELDS, *EXECUTION_KEYS], n=1)
+            raise ValueError(f"--set {name}=...: {name!r} is neither a chain parameter (kvreplay.profiles.ChainParameters) "
+                             f"nor an execution-contract key (kvreplay.runner.EXECUTION_KEYS)"
+                             + (f"; did you mean {near[0]!r}?" if near else ""))
     overrides = {k: v for k, v in sets.items() if k not in EXECUTION_KEYS}
     contract = {k: v for k, v in sets.items() if k in EXECUTION_KEYS}
     if contract:

@@ -108,7 +108,8 @@ def test_every_notebook_takes_profile_and_overrides_and_opens_a_session():
 
 def test_gpu_profile_passes_the_notebooks_parameters_and_sets_contract_keys_inside_execution():
     """scripts/gpu_profile.py hands open_session the notebook's two parameters; `--set chunk=32` changes the profile's
-    `execution` mapping (its other keys kept), so the arm keeps its ledger key; a misspelled `--set` is refused."""
+    `execution` mapping (its other keys kept), so the arm keeps its ledger key; a misspelled `--set` is refused with the
+    closest parameter or execution key."""
     import importlib.util
 
     from kvreplay.paths import ROOT
@@ -119,14 +120,17 @@ def test_gpu_profile_passes_the_notebooks_parameters_and_sets_contract_keys_insi
     nb = "notebooks/01_experiment1_live_vs_prefill.ipynb"
     paper = yaml.safe_load((PARAMS / "paper.yaml").read_text())
     assert gpu_profile.arm_overrides("paper", {}) == {}
-    over32 = gpu_profile.arm_overrides("paper", {"chunk": 32, "n_rows": 4})
-    assert over32 == {"execution": paper["execution"] | {"chunk": 32}, "n_rows": 4}
-    s64, s32 = open_session(nb, "paper"), open_session(nb, "paper", over32)
-    assert s64.params.execution == paper["execution"] and s64.params.n_rows == paper["n_rows"]
-    assert s32.execution["chunk"] == 32 and s32.params.n_rows == 4
-    config = {k: s.settings("float32", 8).config("exp1", []) for k, s in (("64", s64), ("32", s32))}
-    assert config["64"] == config["32"]  # the chunk is not part of the ledger key
-    with pytest.raises(ValueError, match=r"--set n_row=4: .*'n_row' \(did you mean 'n_rows'\?\)"):
+    chunk = 2 * paper["execution"]["chunk"]  # another chunk than the profile's
+    over = gpu_profile.arm_overrides("paper", {"chunk": chunk, "n_rows": 4})
+    assert over == {"execution": paper["execution"] | {"chunk": chunk}, "n_rows": 4}
+    as_is, changed = open_session(nb, "paper"), open_session(nb, "paper", over)
+    assert as_is.params.execution == paper["execution"] and as_is.params.n_rows == paper["n_rows"]
+    assert changed.execution["chunk"] == chunk and changed.params.n_rows == 4
+    config = {k: s.settings("float32", 8).config("exp1", []) for k, s in (("as_is", as_is), ("changed", changed))}
+    assert config["as_is"] == config["changed"]  # the chunk is not part of the ledger key
+    with pytest.raises(ValueError, match=r"--set n_row=\.\.\.: 'n_row' is neither .*did you mean 'n_rows'\?"):
         gpu_profile.arm_overrides("paper", {"n_row": 4})
+    with pytest.raises(ValueError, match=r"did you mean 'chunk'\?"):
+        gpu_profile.arm_overrides("paper", {"chunks": 64})
     with pytest.raises(ValueError, match=r"--set chunk='x': .*execution key 'chunk'"):
         gpu_profile.arm_overrides("paper", {"chunk": "x"})
