@@ -22,7 +22,8 @@ PROFILE=<profile>`` later reads them without computing anything. (``--set
 NAME=VALUE`` adds an override, for a dry run of this script on the CPU or to
 change the chunk; a key of the execution contract, e.g. ``--set chunk=32`` or
 ``--set device=cpu``, is put into the profile's ``execution`` mapping, over its
-other keys. Anything but ``chunk`` or ``workers`` gives the ledgers other keys.
+other keys; a CPU dry run of a graph profile also needs ``--set step_path=engine-eager``.
+Anything but ``chunk`` or ``workers`` gives the ledgers other keys.
 Every ``--set`` is checked against the chain's parameters before any arm starts.)
 
 Ledgers are written under ``$KV_LEDGERS`` (default ``/tmp/kv/ledgers``), which
@@ -206,17 +207,22 @@ def pack(folder: Path, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("arms", nargs="+")
-    ap.add_argument("--profile", default="gpu")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("out", type=Path, help="folder for the packed ledgers (<ledger folder>.tar.gz) and gpu_profile.json "
+                    "(on the device: $OUT)")
+    ap.add_argument("arms", nargs="+", help="arms in order, <experiment>-<dtype>: exp1-bfloat16, exp1-float32, "
+                    "exp2-bfloat16, exp2-float32, exp2_controls-bfloat16, exp3-bfloat16, exp4-bfloat16, exp5-bfloat16")
+    ap.add_argument("--profile", default="gpu", help="the profile whose arms run (notebooks/params/<profile>.yaml)")
     ap.add_argument("--budget", type=float, default=560.0, help="seconds for all arms, packing included")
     ap.add_argument("--min-arm-s", type=float, default=30.0,
-                    help="do not start an arm with less time left than this (its first chunk always runs to the end "
-                         "or to the kill: at the paper caps set it to a chunk's time, ~300 s)")
+                    help="do not start an arm with less time left than this: its first chunk, after the preflight "
+                         "gates, always runs to its end or to the kill (at the paper caps a call's gates and first "
+                         "chunk of 32 took 390-460 s: set it to ~480)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="override a parameter (YAML value); an execution-contract key (e.g. chunk=32, device=cpu) "
-                         "goes into the profile's `execution` mapping, over its other keys")
+                    help="override a parameter (YAML value); an execution-contract key (e.g. chunk=32) goes into the "
+                         "profile's `execution` mapping, over its other keys (a CPU dry run of a CUDA profile needs "
+                         "both device=cpu and step_path=engine-eager, and writes ledgers under other keys)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     import yaml

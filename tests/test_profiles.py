@@ -86,5 +86,16 @@ def test_the_summary_line_names_the_file_and_its_digest():
     line = describe(load_parameters("paper"), "paper")
     assert line.startswith("profile paper (notebooks/params/paper.yaml, sha256 ")
     assert "rows 200 (preflight 8); caps 768/512/64; precisions bfloat16, float32" in line
-    assert line.endswith("execution threads=4, device=cuda, workers=1, step_path=graph, batch=32, chunk=64, other keys default")
+    chunk = yaml.safe_load(profile_path("paper").read_text())["execution"]["chunk"]
+    assert line.endswith(f"execution threads=4, device=cuda, workers=1, step_path=graph, batch=32, chunk={chunk}, "
+                         "other keys default")
     assert describe(ChainParameters(), "smoke").endswith("execution: every key default")
+
+
+def test_overrides_that_are_not_a_mapping_and_bad_yaml_are_refused_with_the_file(tmp_path):
+    with pytest.raises(ValueError, match=r"overrides must be a mapping.*-y 'overrides:"):
+        load_parameters("smoke", '{"n_rows": 1}')  # papermill's -p overrides '{...}' passes a string
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("profile: bad\ncaps: [1, 2\n")
+    with pytest.raises(ValueError, match=r"profile .*bad\.yaml: not valid YAML"):
+        load_parameters(bad)

@@ -50,7 +50,7 @@ import yaml
 from .adapt import read_pointer
 from .ledger.store import TERMINAL_PROGRESS, canonical_json, library_digest
 from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, ROOT
-from .profiles import ChainParameters, load_parameters, read_profile
+from .profiles import ChainParameters, load_parameters, profile_path, read_profile
 
 EXECUTED_PROFILES = ("cpu", "gpu", "paper")
 """Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (those with committed ledgers)."""
@@ -370,16 +370,22 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    injected = {"profile": args.profile, "overrides": overrides} | RUN_PARAMETERS
+    # a profile given as a file is passed on as an absolute path (the notebooks run in notebooks/); its label,
+    # the file's name, names the build, ledger and figure folders
+    path = profile_path(args.profile)
+    label = params.profile
+    named = not (args.profile.endswith((".yaml", ".yml")) or "/" in args.profile)  # as profile_path tells them apart
+    given = args.profile if named else str(path.resolve())
+    injected = {"profile": given, "overrides": overrides} | RUN_PARAMETERS
     ledgers = Path(params.ledger_root or LEDGERS) / params.profile
     figures = Path(params.figures_root or FIGURES) / params.profile
-    out_dir = BUILD / args.profile
+    out_dir = BUILD / label
     # a profile may name the notebooks it runs (e.g. a reference run that covered only some experiments)
     listed = doc.get("notebooks")
     selected = args.only or listed
     if not args.only and "notebooks" in doc:
         if not (isinstance(selected, list) and selected and all(isinstance(x, str) and x for x in selected)):
-            print(f"error: profile {args.profile!r}: `notebooks` must be a non-empty list of notebook name prefixes "
+            print(f"error: profile {label!r}: `notebooks` must be a non-empty list of notebook name prefixes "
                   f"such as [\"01\", \"06\"], got {selected!r}", file=sys.stderr)
             return 2
     chain = [n for n in CHAIN if not selected or any(n.startswith(p) for p in selected)]
@@ -394,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         matplotlib.use("Agg")
         for name in chain:
             t = time.perf_counter()
-            print(f"== {name} (profile {args.profile}, in process)", flush=True)
+            print(f"== {name} (profile {label}, in process)", flush=True)
             (out_dir / f".{Path(name).stem}.inputs").unlink(missing_ok=True)
             try:
                 run_inprocess(NOTEBOOKS / name, injected)
@@ -402,41 +408,41 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
             print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
-        print(f"\nin-process run ({args.profile}) finished in {time.perf_counter() - t0:.0f} s; ledgers: {ledgers}; "
+        print(f"\nin-process run ({label}) finished in {time.perf_counter() - t0:.0f} s; ledgers: {ledgers}; "
               f"tables and figures: {figures}")
         return 0
 
     os.environ[TERMINAL_PROGRESS] = "1"  # kernels inherit it: computed rows get a row bar in this terminal
-    executed = (args.executed or args.profile in EXECUTED_PROFILES) and not args.no_executed
+    executed = (args.executed or label in EXECUTED_PROFILES) and not args.no_executed
     for name in chain:
         t = time.perf_counter()
         stamp = out_dir / f".{Path(name).stem}.inputs"
         if not args.force and (out_dir / name).exists() and stamp.exists() and stamp.read_text() == inputs_digest(name, params):
             print(f"== {name}: up to date (source, parameters, library and ledgers unchanged), skipped", flush=True)
             continue
-        print(f"== {name} (profile {args.profile})", flush=True)
+        print(f"== {name} (profile {label})", flush=True)
         stamp.unlink(missing_ok=True)
         try:
-            run_notebook(name, args.profile, injected, out_dir, html=not args.no_html)
+            run_notebook(name, label, injected, out_dir, html=not args.no_html)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
         if executed:
-            clean_executed(out_dir / name, EXECUTED / args.profile / name)
+            clean_executed(out_dir / name, EXECUTED / label / name)
     # Stamp against the final state: a notebook reads only its own and earlier notebooks' ledgers, so the
     # later notebooks' writes do not change its outputs.
     for name in chain:
         (out_dir / f".{Path(name).stem}.inputs").write_text(inputs_digest(name, params))
     entries = artifact_index(out_dir, CHAIN)
-    write_index(entries, args.profile, out_dir, out_dir, listed)
+    write_index(entries, label, out_dir, out_dir, listed)
     if executed:
-        write_index(artifact_index(EXECUTED / args.profile, CHAIN), args.profile, EXECUTED / args.profile, None,
+        write_index(artifact_index(EXECUTED / label, CHAIN), label, EXECUTED / label, None,
                     listed)
-    print(f"\nmake paper ({args.profile}) finished in {time.perf_counter() - t0:.0f} s")
+    print(f"\nmake paper ({label}) finished in {time.perf_counter() - t0:.0f} s")
     print(f"  executed notebooks and HTML: {out_dir} (index: {out_dir / 'index.html'})")
     if executed:
-        print(f"  committed executed copies:   {EXECUTED / args.profile} (index: README.md)")
+        print(f"  committed executed copies:   {EXECUTED / label} (index: README.md)")
     print(f"  ledgers:                     {ledgers}")
     print(f"  tables and figures:          {figures}")
     return 0

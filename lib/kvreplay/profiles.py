@@ -73,8 +73,8 @@ class ChainParameters(BaseModel):
     preflight: int = Field(1, ge=0, description="Experiment 1 preflight rows per precision (paper: 8)")
     # Experiment 2 (notebook 02) and its controls
     preflight_fixed: int = Field(1, ge=0, description="preflight rows of Experiments 2 and 5 (paper: 2)")
-    exploratory_controls: bool = Field(True, description="run Experiment 2's exploratory controls (BF16, eager path); "
-                                       "False: skipped (a profile without their ledger)")
+    exploratory_controls: bool = Field(True, description="run Experiment 2's exploratory controls (BF16, the "
+                                       "profile's step path); False: skipped (a profile without their ledger)")
     # Experiments 3 and 4 (notebooks 03, 04)
     n_bridge: int = Field(2, ge=1, description="Experiment 3 bridge rows (paper: 12)")
     n_divergent: int = Field(1, ge=0, description="Experiment 4 panel: suffix-divergent rows (paper: 24)")
@@ -147,10 +147,13 @@ def read_profile(profile: str | Path) -> dict:
 
     Raises:
         FileNotFoundError: see :func:`profile_path`.
-        ValueError: the file does not hold a YAML mapping (``yaml.YAMLError``, a subclass, for bad YAML).
+        ValueError: the file is not valid YAML (the parser's message, with the file), or does not hold a mapping.
     """
     path = profile_path(profile)
-    doc = yaml.safe_load(path.read_text()) or {}
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"profile {path}: not valid YAML: {e}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"profile {path}: expected a mapping of parameter names to values, got {type(doc).__name__}")
     return doc
@@ -198,6 +201,9 @@ def load_parameters(profile: str | Path = DEFAULT_PROFILE, overrides: Mapping[st
     _check_names(doc, where)
     if doc.get("profile", path.stem) != path.stem:
         raise ValueError(f"{where}: its `profile: {doc['profile']}` differs from the file's name {path.stem!r}")
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ValueError(f"overrides must be a mapping of parameter names to values, not {type(overrides).__name__} "
+                         f"{overrides!r} (papermill: -y 'overrides: {{n_rows: 4}}', not -p overrides ...)")
     overrides = dict(overrides or {})
     if overrides:
         _check_names(overrides, f"{where}, overrides")

@@ -30,6 +30,9 @@ def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: 
 
     Raises:
         GateError: if a record has no prefix (a failed row).
+        FileExistsError: ``path`` already holds a different bank (another row set or other bits). Experiments
+            2-5 of the profile were built on that one, so it is never overwritten: delete it (and the ledgers
+            built on it) to replace it, or write under another profile label or ledger root.
     """
     lines = []
     for r in records:
@@ -38,6 +41,13 @@ def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: 
         lines.append(canonical_json({"problem_id": r["problem_id"], "prompt_len": r["prompt_len"], "prefix": r["prefix"]}))
     data = ("\n".join(lines) + "\n").encode()
     path = Path(path)
+    if path.is_file() and path.read_bytes() != data:
+        old = hashlib.sha256(path.read_bytes()).hexdigest()
+        raise FileExistsError(
+            f"{path} already holds another prefix bank (sha256 {old[:12]}); this one ({len(lines)} rows from "
+            f"{source_ledger}) differs, and Experiments 2-5 of this profile were built on the one there, so it is not "
+            f"overwritten. Delete it (and the ledgers built on it) to replace it, or run under another profile label "
+            f"(overrides {{'profile': ...}}) or ledger_root")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     digest = hashlib.sha256(data).hexdigest()

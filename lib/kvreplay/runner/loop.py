@@ -106,7 +106,7 @@ def run_arm(
         committed = [x for x in read_rows_text(probe.dir).splitlines() if x]
     todo = [p for p in problems if p.problem_id not in done]
     equivalence_ids = frozenset(ids[: settings.preflight])
-    first = todo[0].problem_id if settings.preflight > 0 and todo else None  # composition gate (batched), per run
+    first = todo[0].problem_id if todo else None  # composition gate (batched), per run, whatever the preflight count
     groups = len(todo) if settings.step_path == "eager" else -(-len(todo) // (settings.chunk or settings.batch))
     if settings.workers > 1 and groups > 1:
         # the actors load the model; this process loads none (a second copy would sit on the first GPU)
