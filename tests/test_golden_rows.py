@@ -83,3 +83,13 @@ def test_a_gpu_row_recomputes_on_this_cpu(capsys):
     assert len(results) == 1 and results[0].mode == "portable"
     assert "recomputed on this CPU through the eager path" in results[0].detail
     assert results[0].ok, results[0]
+
+
+def test_verify_refuses_an_unknown_profile_and_a_selection_of_nothing(capsys):
+    """`make verify` with a typo: exit 2 and a message saying what exists, not a traceback or '0 of 0 match'."""
+    from kvreplay.verify import main
+
+    assert main(["--profile", "no-such-profile"]) == 2
+    assert "profiles with ledgers" in capsys.readouterr().err
+    assert main(["--profile", COMMITTED, "--only", "exp9"]) == 2
+    assert "matches --only exp9" in capsys.readouterr().err

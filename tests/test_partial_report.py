@@ -86,3 +86,11 @@ def test_readme_tables_are_what_the_committed_paper_ledgers_give(capsys):
     for table in blocks:
         assert table.count("\n") >= 4
         assert table in readme, f"README's paper table differs from the committed ledgers: regenerate it\n{table}"
+
+
+def test_an_unknown_profile_is_an_error_not_a_list_of_unstarted_arms(tmp_path, capsys):
+    from kvreplay.report.partial import main
+
+    (tmp_path / "paper").mkdir()
+    assert main(["--profile", "paperr", "--ledger-root", str(tmp_path)]) == 2
+    assert "profiles with ledgers: ['paper']" in capsys.readouterr().err

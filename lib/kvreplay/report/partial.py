@@ -120,13 +120,18 @@ def readme_table(summary: pd.DataFrame, profile: str, experiment: str = "exp1") 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvreplay.report.partial", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="paper")
     ap.add_argument("--ledger-root", type=Path, default=LEDGERS)
     ap.add_argument("--experiments", nargs="+", choices=sorted(COMPARISON), default=sorted(COMPARISON))
     ap.add_argument("--readme", action="store_true", help="print each table as the README shows it (with its marker)")
     args = ap.parse_args(argv)
     root = args.ledger_root / args.profile
+    if not root.is_dir():
+        known = sorted(p.name for p in args.ledger_root.iterdir() if p.is_dir()) if args.ledger_root.is_dir() else []
+        print(f"error: no ledgers of profile {args.profile!r} under {args.ledger_root} (profiles with ledgers: {known})",
+              file=sys.stderr)
+        return 2
     for experiment in args.experiments:
         rows = {}
         for dtype in ("bfloat16", "float32"):
