@@ -99,3 +99,10 @@ def test_overrides_that_are_not_a_mapping_and_bad_yaml_are_refused_with_the_file
     bad.write_text("profile: bad\ncaps: [1, 2\n")
     with pytest.raises(ValueError, match=r"profile .*bad\.yaml: not valid YAML"):
         load_parameters(bad)
+
+
+@pytest.mark.parametrize("checkpoints", [[4, 2], [2, 8], [0, 4]])
+def test_checkpoints_outside_the_training_are_refused_before_anything_runs(checkpoints):
+    with pytest.raises(ValueError, match=r"adapt_checkpoints=.* must satisfy 0 < early < later <= adapt_steps \(4\)"):
+        load_parameters("smoke", {"adapt_checkpoints": checkpoints})
+    assert load_parameters("smoke", {"n_rows": 1}).preflight == 1  # all rows preflight rows: allowed

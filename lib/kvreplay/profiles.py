@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .paths import PARAMS, ROOT
 from .runner import EXECUTION_KEYS, resolve_execution
@@ -117,6 +117,15 @@ class ChainParameters(BaseModel):
     def _no_execution_is_the_defaults(cls, value):
         """``execution:`` with nothing under it (YAML null) is the empty mapping: every key at its default."""
         return {} if value is None else value
+
+    @model_validator(mode="after")
+    def _checkpoints_fit(self):
+        """The role-table checkpoints within the training (refused here, before notebook 00 starts, not by it)."""
+        early, later = self.adapt_checkpoints
+        if not 0 < early < later <= self.adapt_steps:
+            raise ValueError(f"adapt_checkpoints={list(self.adapt_checkpoints)} must satisfy 0 < early < later <= "
+                             f"adapt_steps ({self.adapt_steps})")
+        return self
 
     @property
     def contract(self) -> dict:
