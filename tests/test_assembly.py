@@ -554,3 +554,12 @@ def test_artifact_map_names_functions_that_exist(tmp_path):
     bad.write_text(yaml.safe_dump([{**entries[0], "ledgers": ["exp9-bfloat16"]}]))
     with pytest.raises(ValueError, match="exp9-bfloat16"):
         load_artifacts(bad)
+
+
+def test_a_misspelled_ledger_key_names_the_closest_known_one():
+    """The drift explorer's `precision = "bf16"` ended in a bare KeyError: now it names what exists."""
+    from kvreplay.ledger.lookup import find_chain_ledger
+    from kvreplay.paths import LEDGERS
+
+    with pytest.raises(KeyError, match=r"'exp1-bf16' is not a ledger of the chain \(did you mean 'exp1-bfloat16'\?\)"):
+        find_chain_ledger(LEDGERS, "cpu", "exp1-bf16")

@@ -13,6 +13,7 @@ sha256 in their config. A missing, incomplete or ambiguous ledger raises
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -257,8 +258,13 @@ def find_chain_ledger(root: str | Path, profile: str, key: str) -> LoadedLedger:
 
     Raises:
         MissingLedgerError: naming the notebook that writes the missing ledger.
+        KeyError: ``key`` is not a ledger of the chain (the known keys named, the closest first).
     """
     root = Path(root)
+    if key not in LEDGER_SPECS:
+        near = difflib.get_close_matches(key, LEDGER_SPECS, n=1)
+        raise KeyError(f"{key!r} is not a ledger of the chain" + (f" (did you mean {near[0]!r}?)" if near else "")
+                       + f"; known: {sorted(LEDGER_SPECS)}")
     spec = LEDGER_SPECS[key]
     bank = _bank(root, profile)
     if key == "exp1-bfloat16":
