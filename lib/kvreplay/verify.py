@@ -256,7 +256,9 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
                   caps=settings.caps)
     spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, equivalence_ids=frozenset(config["problem_ids"][: settings.preflight]),
                    engine=run)
-    differs = same_environment(recorded, execution_contract(lm, settings.threads))
+    current = execution_contract(lm, settings.threads)
+    differs = same_environment(recorded, current)
+    shown = "; ".join(f"{k} {recorded.get(k)!r} in the ledger, {current.get(k)!r} here" for k in differs)
     out = []
     for i in chosen:
         old = committed[i]
@@ -282,7 +284,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
         else:
             checks.append("BF16 bits not compared")
         out.append(RowCheck(folder.name, old["problem_id"], "portable", ok, parted,
-                            f"{'; '.join(checks)} (another environment: {', '.join(differs)} differ{where})"))
+                            f"{'; '.join(checks)} (another environment: {shown}{where})"))
     return out
 
 
