@@ -577,8 +577,7 @@ class BatchedRows:
         run = self.spec.engine
         alone, seconds = self._alone(problem)
         if canonical_json(alone) != canonical_json(record):
-            a, b = leaves(alone), leaves(record)
-            where = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
+            where = _first_differing_leaf(alone, record)
             raise GateError("composition", f"problem {problem.problem_id}: its record computed alone (B={run.batch}, "
                             f"max_len={run.max_len}, other slots idle) differs from its record in a chunk of {size} "
                             f"problems, first at {where!r}; a problem's bits depend on its companions")
@@ -597,8 +596,7 @@ class BatchedRows:
         run = self.spec.engine
         alone, seconds = self._alone(problem)
         if canonical_json(alone) != line:
-            a, b = leaves(alone), leaves(json.loads(line))
-            where = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), "?")
+            where = _first_differing_leaf(alone, json.loads(line))
             raise GateError("composition", f"problem {problem.problem_id}: its committed record (computed in a chunk "
                             f"by an earlier run) differs from its record computed alone by this run (B={run.batch}, "
                             f"max_len={run.max_len}, other slots idle), first at {where!r}; this run's bits are not "
@@ -641,6 +639,12 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
     if run is not None:
         env["engine"] = {"step_path": settings.step_path, "batch": run.batch, "max_len": run.max_len}
     return env
+
+
+def _first_differing_leaf(a: dict, b: dict) -> str:
+    """The first leaf path (:func:`leaves`, in sorted order) whose value differs between two records, or ``"?"``."""
+    la, lb = leaves(a), leaves(b)
+    return next((k for k in sorted(set(la) | set(lb)) if la.get(k) != lb.get(k)), "?")
 
 
 def leaves(obj, prefix: str = "") -> dict[str, object]:
