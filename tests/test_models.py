@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm
 from kvreplay import decode
-from kvreplay.contract import resolve_format
+from kvreplay.contract import Caps, resolve_format
 from kvreplay.models import (
     SELF_CHECK_RATIO,
     ExecutionContract,
@@ -81,6 +81,24 @@ def test_bench_runs_and_reports_ratios(qwen_dir):
     assert table.loc["2 Ray actors start-up, model loaded (s)", "value"] > 0
     assert table.loc["suffix decoder / generate (per-token ratio)", "value"] > 0
     assert table.loc["Experiment 1 rows per hour, one process", "value"] > 0
+
+
+def test_bench_engine_section_runs_on_the_cpu_eager_step(qwen_dir):
+    from kvreplay.bench import engine_table
+    from kvreplay.runner import ArmSettings
+
+    lm, fmt = ArmSettings(profile="bench", dtype="float32", caps=Caps(3, 4, 2), model=str(qwen_dir), threads=1).load()
+    kw = dict(tokens=3, batches=(1, 2), branch_cap=3, exp1_caps=((3, 4, 2),), exp1_batch=2, compile_=False, repeats=1,
+              step_path="eager")
+    table = engine_table(lm, fmt, max_lens=(None, 1000), **kw)
+    engine_rows = table[table["path"].str.startswith("engine.decode_suffixes")]
+    assert list(engine_rows["B"]) == [1, 2, 1, 2] and (engine_rows["ms per problem-step"] > 0).all()
+    assert engine_rows["note"].str.contains("sdpa math").all()
+    assert engine_rows["note"].str.contains("max_len 1000,").tolist() == [False, False, True, True]
+    exp1 = table[table["path"].str.startswith("Experiment 1")]
+    assert exp1["note"].str.contains(", 0 gate failures").all() and (exp1["rows per hour"] > 0).all()
+    with pytest.raises(ValueError, match="max_len=5 is shorter than the"):
+        engine_table(lm, fmt, max_lens=(None, 5), **kw)
 
 
 @pytest.mark.parametrize("backend", ["efficient", "cudnn"])

@@ -164,7 +164,8 @@ def _sync(lm) -> None:
 def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8, 32, 64), branch_cap: int = 48,
                  exp1_caps: tuple[tuple[int, int, int], ...] = ((48, 160, 12),), exp1_batch: int = 64,
                  exp1_rows: int | None = None, compile_: bool = True, repeats: int = 3,
-                 step_path: str = "graph", emit: Callable[[dict], None] = lambda row: None) -> pd.DataFrame:
+                 step_path: str = "graph", max_lens: tuple[int | None, ...] = (None,),
+                 emit: Callable[[dict], None] = lambda row: None) -> pd.DataFrame:
     """The GPU section of ``make bench``: ms per problem-step of each decode path, and batched Experiment 1 rows/hour.
 
     Boundaries: live boundaries of the first ``max(batches)`` bank problems at
@@ -172,8 +173,12 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     Every suffix decode runs merge content to ``tokens`` (cap) and a one-token
     answer from those boundaries; ms per problem-step is the decode's wall time
     divided by the tokens its problems decoded (a step of B problems counts B).
-    ``max_len`` is the longest boundary plus the suffix bound for every engine
-    run. Today's decoder and ``generate`` decode one problem (a duplicate batch
+    ``max_len`` (positions per row of the engine's static cache) is the longest
+    boundary plus the suffix bound for every engine run; the engine rows are
+    repeated for each of ``max_lens`` (``None``: that length): a step attends
+    over all ``max_len`` positions, so its cost grows with it (the ``paper``
+    profile's arms have ``max_len`` 4,077). The SDPA backends are ``lm``'s (``lm.sdpa_backends``), as in every
+    run; each row's note names them. Today's decoder and ``generate`` decode one problem (a duplicate batch
     of 2 rows); ``generate`` times are for ``tokens`` new tokens with its own
     prefill subtracted (median of ``repeats``). Experiment 1 rows per hour:
     :func:`kvreplay.experiments.live_vs_prefill.exp1_chunk` on ``exp1_rows`` problems (default
@@ -190,17 +195,22 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         or ``rows per hour``, and ``note`` (a failure's message).
 
     Raises:
-        ValueError: the graph path with a model not on CUDA.
+        ValueError: the graph path with a model not on CUDA; a ``max_lens`` entry shorter than
+            the suffix runs need (before anything is timed).
     """
     if step_path == "graph" and lm.device.type != "cuda":
         raise ValueError("engine_table's graph path needs a CUDA model")
+    sdpa = "+".join(lm.sdpa_backends)
     label = "graph" if step_path == "graph" else "engine eager step"
     bank = load_bank()
     n = max(batches)
     caps = Caps(branch=branch_cap, merge=tokens, answer=1)
     prompts = [fmt.prompt_ids(p.question, p.options) for p in bank[:n]]
     lives = engine.decode_lives(lm, fmt, prompts, caps, batch=n, step_path=step_path)
-    max_len = max(len(b.ids) for b in lives) + engine.suffix_length_bound(fmt, caps)
+    need = max(len(b.ids) for b in lives) + engine.suffix_length_bound(fmt, caps)
+    short = [m for m in max_lens if m is not None and m < need]
+    if short:
+        raise ValueError(f"engine_table: max_len={short[0]} is shorter than the {need} positions the suffix runs need")
     out = []
 
     def timed(fn):
@@ -217,15 +227,17 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     out.append({"path": "decode.decode_suffix (today: eager, DynamicCache)", "B": 1, "rows": 2,
                 "ms per problem-step": round(statistics.median(today), 2)})
     emit(out[-1])
-    for B in batches:
-        states = lives[: max(B, min(n, 2 * B)) if B > 1 else repeats]
-        engine.decode_suffixes(lm, fmt, states[:B], caps, batch=B, step_path=step_path, max_len=max_len)  # capture
-        t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, batch=B, step_path=step_path,
-                                                      max_len=max_len))
-        steps = sum(len(s.tokens) for s in got)
-        out.append({"path": f"engine.decode_suffixes, {label}", "B": B, "rows": 2 * B,
-                    "ms per problem-step": round(1e3 * t / steps, 2), "note": f"{len(states)} problems, max_len {max_len}"})
-        emit(out[-1])
+    for max_len in (m or need for m in max_lens):
+        for B in batches:
+            states = lives[: max(B, min(n, 2 * B)) if B > 1 else repeats]
+            engine.decode_suffixes(lm, fmt, states[:B], caps, batch=B, step_path=step_path, max_len=max_len)  # capture
+            t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, batch=B, step_path=step_path,
+                                                          max_len=max_len))
+            steps = sum(len(s.tokens) for s in got)
+            out.append({"path": f"engine.decode_suffixes, {label}", "B": B, "rows": 2 * B,
+                        "ms per problem-step": round(1e3 * t / steps, 2),
+                        "note": f"{len(states)} problems, max_len {max_len}, sdpa {sdpa}"})
+            emit(out[-1])
     z = lives[0].ids
     ids = torch.tensor([z, z], device=lm.device)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=lm.tokenizer.pad_token_id or 0)
@@ -257,7 +269,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         failed = sum(r["gate_failure"] is not None for r in recs)
         out.append({"path": f"Experiment 1 batched runner, {label}, caps {tuple(c)}", "B": exp1_batch, "rows": 2 * exp1_batch,
                     "rows per hour": round(3600 * len(group) / t, 1),
-                    "note": f"{len(group)} rows in {t:.1f} s, max_len {need}, {failed} gate failures"})
+                    "note": f"{len(group)} rows in {t:.1f} s, max_len {need}, sdpa {sdpa}, {failed} gate failures"})
         emit(out[-1])
     if compile_:  # last: tracing and capture take minutes, and a time limit may end the process here
         # transformers compiles the forward itself for a static cache on CUDA (CompileConfig: torch.compile,
@@ -292,19 +304,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exp1-batch", type=int, default=64, help="problems per batched step of those runs")
     ap.add_argument("--exp1-rows", type=int, default=None, help="rows timed per caps set (default: --exp1-batch)")
     ap.add_argument("--no-compile", action="store_true", help="skip generate with torch.compile")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128], metavar="B",
+                    help="problems per step of the engine rows (default 1 8 32 64 128)")
+    ap.add_argument("--max-len", type=int, nargs="+", default=[0], metavar="N",
+                    help="positions per row of the engine rows' static cache, the rows repeated for each "
+                         "(default 0: what they need; the paper profile's arms have 4077)")
+    ap.add_argument("--engine-only", action="store_true", help="skip the first table (the eager decoder's section)")
+    ap.add_argument("--sdpa", nargs="+", default=["math"], metavar="BACKEND",
+                    help="SDPA backends of the engine section (default math, the execution contract's; on CUDA "
+                         "also efficient, cudnn, flash: other bits, so another contract)")
+    ap.add_argument("--step-path", choices=("graph", "eager"), default="graph",
+                    help="the engine's step in the engine section (eager: op by op, any device; a dry run)")
     args = ap.parse_args(argv)
-    table = run(args.model, args.dtype, args.tokens, args.repeats, args.threads, tuple(args.caps), args.device, args.workers,
-                args.rows, args.worker_threads)
-    print(table.to_markdown())
+    if not args.engine_only:
+        table = run(args.model, args.dtype, args.tokens, args.repeats, args.threads, tuple(args.caps), args.device,
+                    args.workers, args.rows, args.worker_threads)
+        print(table.to_markdown())
     if args.engine or (args.engine is None and torch.device(args.device).type == "cuda"):
 
         settings = ArmSettings(profile="bench", dtype=args.dtype, caps=Caps(*args.caps), model=args.model,
-                               threads=args.threads, device=args.device)
+                               threads=args.threads, device=args.device, sdpa_backends=tuple(args.sdpa))
         lm, fmt = settings.load()
         caps_sets = tuple(tuple(c) for c in (args.exp1_caps or [(48, 160, 12), (768, 512, 64)]))
-        print(engine_table(lm, fmt, tokens=args.tokens, branch_cap=args.caps[0], exp1_caps=caps_sets,
-                           exp1_batch=args.exp1_batch, exp1_rows=args.exp1_rows, compile_=not args.no_compile,
-                           repeats=args.repeats, emit=lambda row: print("measured:", row, flush=True)
+        print(engine_table(lm, fmt, tokens=args.tokens, batches=tuple(args.batches), branch_cap=args.caps[0],
+                           exp1_caps=caps_sets, exp1_batch=args.exp1_batch, exp1_rows=args.exp1_rows,
+                           compile_=not args.no_compile, repeats=args.repeats, step_path=args.step_path,
+                           max_lens=tuple(m or None for m in args.max_len), emit=lambda row: print("measured:", row, flush=True)
                            ).to_markdown(index=False))
     return 0
 
