@@ -1,5 +1,5 @@
-"""The repository stays light enough to travel (a device call carries the tracked tree plus one model part), and the
-library's imports form no cycle."""
+"""The repository stays light enough to travel (a device call carries the tracked tree plus one model part), the
+library's imports form no cycle, and its text points to nothing outside it."""
 
 import subprocess
 from pathlib import Path
@@ -97,3 +97,38 @@ def test_every_notebook_has_its_paired_script_and_they_agree():
         want = jupytext.writes(jupytext.read(nb), fmt="py:percent")
         got = (ROOT / "notebooks" / "py" / f"{nb.stem}.py").read_text()
         assert got == want, f"notebooks/py/{nb.stem}.py is not {nb.name} as a script: run `jupytext --sync notebooks/*.ipynb`"
+
+
+OUTSIDE_REFERENCE = r"\.\./shared|\b(?:DESIGN|PAPER|STYLE)\.md\b|\b[Ii]ssues? #?\d+\b"
+"""What the repository's text must not contain: pointers to files outside it (the planning notes beside the
+checkout) or to tracker issue numbers. The repository explains itself."""
+
+
+def outside_references(files: list[Path], root: Path = ROOT) -> list[str]:
+    import re
+
+    pattern = re.compile(OUTSIDE_REFERENCE)
+    found = []
+    for f in files:
+        if f.suffix not in {".py", ".md", ".yaml", ".yml", ".ipynb", ".cfg", ".toml", ".sh", ".txt"} and f.name not in {
+                "Makefile", "run"}:
+            continue
+        try:
+            text = f.read_text()
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        for no, line in enumerate(text.splitlines(), 1):
+            if pattern.search(line):
+                found.append(f"{f.relative_to(root)}:{no}: {line.strip()[:120]}")
+    return found
+
+
+def test_the_repository_points_to_nothing_outside_it():
+    files = [f for f in tracked_files() if f.is_file() and f != Path(__file__).resolve()]
+    assert outside_references(files) == []
+
+
+def test_the_outside_reference_check_can_fail(tmp_path):
+    bad = tmp_path / "note.md"
+    bad.write_text("fine line\nsee ../shared/DESIGN.md and issue 14\n")
+    assert [x.split(": ")[0] for x in outside_references([bad], tmp_path)] == ["note.md:2"]
