@@ -200,6 +200,22 @@ def test_composition_gate_aborts_on_a_companion_dependent_fault(tmp_path, tiny_a
     assert not any(f.read_bytes() for f in (tmp_path / "t").glob("*/rows.jsonl"))  # nothing was appended
 
 
+def test_first_difference_names_the_first_differing_leaf():
+    """One helper names where two records part, for the composition gates and `make verify` alike."""
+    from kvreplay import verify
+    from kvreplay.runner.spec import first_difference
+
+    assert verify.first_difference is first_difference
+    a = {"arms": {"prefill": {"margins": [0.5, None], "suffix": [1, 2, 3]}}, "problem_id": "p-00"}
+    assert first_difference(a, json.loads(json.dumps(a))) is None
+    b = json.loads(json.dumps(a))
+    b["arms"]["prefill"]["suffix"][2] = 4
+    assert first_difference(a, b) == "arms.prefill.suffix[2]"
+    assert first_difference(a, a | {"gate_failure": None}) == "gate_failure"  # in one record only, even as None
+    assert first_difference({"s": []}, {}) == "s"  # an empty list is a leaf of its own
+    assert first_difference({"s": []}, {"s": [5]}) == "s[0]"  # ... named below it where the other has elements
+
+
 def test_step_path_and_batch_shape_join_the_key_and_defaults_add_nothing(tmp_path, tiny_arm):
     problems = tiny_problems(2)
     base = tiny_arm().config("exp1", problems)

@@ -44,7 +44,7 @@ from .models import context_length, execution_contract
 from .paths import LEDGERS, ROOT
 from .problems import load_bank
 from .runner import ROW_ALGORITHM, ArmSettings, EngineRun, RunSpec, check_prompts
-from .runner.spec import model_key
+from .runner.spec import first_difference, leaves, model_key
 
 ENVIRONMENT_KEYS = ("device_name", "cpu_capability", "cpu_isa_flags", "torch", "intra_op_threads")
 """Execution-contract fields that must match for a byte-for-byte comparison to be owed."""
@@ -71,30 +71,6 @@ class RowCheck:
     detail: str
 
 
-def _leaves(obj, prefix: str = "") -> dict:
-    out: dict = {}
-    if isinstance(obj, dict):
-        for k in sorted(obj):
-            out.update(_leaves(obj[k], f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out.update(_leaves(v, f"{prefix}[{i}]"))
-        if not obj:
-            out[prefix] = []
-    else:
-        out[prefix] = obj
-    return out
-
-
-def first_difference(a: dict, b: dict) -> str | None:
-    """The first dotted leaf path (in sorted order) whose value differs between two records, or None."""
-    la, lb = _leaves(a), _leaves(b)
-    for k in sorted(set(la) | set(lb)):
-        if la.get(k, KeyError) != lb.get(k, KeyError):
-            return k
-    return None
-
-
 def same_environment(recorded: dict, current: dict) -> list[str]:
     """The :data:`ENVIRONMENT_KEYS` that differ between a ledger's recorded contract and this machine's."""
     return [k for k in ENVIRONMENT_KEYS if recorded.get(k) != current.get(k)]
@@ -102,8 +78,8 @@ def same_environment(recorded: dict, current: dict) -> list[str]:
 
 def _token_fields(rec: dict) -> dict:
     """Every token-ID list of a record (prefix and suffixes), by dotted path."""
-    return {k: v for k, v in _leaves(rec).items() if ("suffix" in k or k.startswith("prefix[") or "baseline." in k)
-            and ("margins" not in k)}
+    return {k: v for k, v in leaves(rec, empty=True).items()
+            if ("suffix" in k or k.startswith("prefix[") or "baseline." in k) and ("margins" not in k)}
 
 
 def settings_from_manifest(folder: Path):
@@ -277,7 +253,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
             a, b = _token_fields(old), _token_fields(new)
             tok_ok = a == b
             if not tok_ok:
-                parted = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
+                parted = first_difference(a, b)
             checks.append("float32 token IDs " + ("identical" if tok_ok else f"differ first at {parted}")
                           + " (cache summaries and margins not compared)")
             ok = ok and tok_ok

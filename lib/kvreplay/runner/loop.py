@@ -97,13 +97,12 @@ def run_arm(
     committed: list[str] = []  # the ledger's finished lines, for a resumed batched arm's gate
     if Ledger.folder(root, label, config).is_dir():
         probe = Ledger(root, label, config, row_algorithm=version)
-        if probe.complete(ids):  # nothing to compute: no model, no actors; the one line a finished ledger gets
-
+        committed = [x for x in read_rows_text(probe.dir).splitlines() if x]  # read once: done keys and lines
+        by_id = {r[probe.key]: r for r in map(json.loads, committed)}
+        if set(ids) <= by_id.keys():  # nothing to compute: no model, no actors; the one line a finished ledger gets
             row_bar(len(ids), len(ids), f"{name} {settings.dtype}", progress)
-            by_id = {r["problem_id"]: r for r in probe.records()}
             return [by_id[i] for i in ids], probe
-        done = probe.done_keys()
-        committed = [x for x in read_rows_text(probe.dir).splitlines() if x]
+        done = set(by_id)
     todo = [p for p in problems if p.problem_id not in done]
     equivalence_ids = frozenset(ids[: settings.preflight])
     first = todo[0].problem_id if todo else None  # composition gate (batched), per run, whatever the preflight count

@@ -577,7 +577,7 @@ class BatchedRows:
         run = self.spec.engine
         alone, seconds = self._alone(problem)
         if canonical_json(alone) != canonical_json(record):
-            where = _first_differing_leaf(alone, record)
+            where = first_difference(alone, record) or "?"
             raise GateError("composition", f"problem {problem.problem_id}: its record computed alone (B={run.batch}, "
                             f"max_len={run.max_len}, other slots idle) differs from its record in a chunk of {size} "
                             f"problems, first at {where!r}; a problem's bits depend on its companions")
@@ -596,7 +596,7 @@ class BatchedRows:
         run = self.spec.engine
         alone, seconds = self._alone(problem)
         if canonical_json(alone) != line:
-            where = _first_differing_leaf(alone, json.loads(line))
+            where = first_difference(alone, json.loads(line)) or "?"
             raise GateError("composition", f"problem {problem.problem_id}: its committed record (computed in a chunk "
                             f"by an earlier run) differs from its record computed alone by this run (B={run.batch}, "
                             f"max_len={run.max_len}, other slots idle), first at {where!r}; this run's bits are not "
@@ -641,21 +641,50 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
     return env
 
 
-def _first_differing_leaf(a: dict, b: dict) -> str:
-    """The first leaf path (:func:`leaves`, in sorted order) whose value differs between two records, or ``"?"``."""
-    la, lb = leaves(a), leaves(b)
-    return next((k for k in sorted(set(la) | set(lb)) if la.get(k) != lb.get(k)), "?")
+_ABSENT = object()
 
 
-def leaves(obj, prefix: str = "") -> dict[str, object]:
-    """Flatten nested dicts/lists into ``path -> scalar``."""
+def first_difference(a: dict, b: dict) -> str | None:
+    """The first leaf path (in sorted order) whose value differs between two records, or None.
+
+    The composition gates name it where a record differs, and ``make verify`` (:mod:`kvreplay.verify`) where a
+    recomputed record parts from its committed line. Leaves are :func:`leaves` with ``empty=True``; a leaf that
+    only one record has is a difference, even where its value is None. An empty list facing a non-empty list or
+    dict is not named itself: the difference is named at a leaf below it (``suffix[0]``).
+
+    Args:
+        a, b: records (nested dicts and lists of JSON scalars).
+
+    Returns:
+        A dotted path such as ``arms.prefill.suffix[12]``; None where every leaf agrees (the records may
+        still differ as JSON: an empty dict against a missing key, 1 against 1.0).
+    """
+    la, lb = leaves(a, empty=True), leaves(b, empty=True)
+    for k in sorted(la.keys() | lb.keys()):
+        x, y = la.get(k, _ABSENT), lb.get(k, _ABSENT)
+        if x == y:
+            continue
+        below = (k + "[", k + ".")
+        if [] in (x, y) and _ABSENT in (x, y) and any(p.startswith(below) for p in (la if x is _ABSENT else lb)):
+            continue  # an empty list where the other record has leaves below the path: named at the first of them
+        return k
+    return None
+
+
+def leaves(obj, prefix: str = "", *, empty: bool = False) -> dict[str, object]:
+    """Flatten nested dicts/lists into ``path -> scalar`` (paths such as ``arms.prefill.suffix[3]``).
+
+    With ``empty``, an empty list is a leaf of its own (``path -> []``); without, it leaves no path.
+    """
     out: dict[str, object] = {}
     if isinstance(obj, dict):
         for k, v in obj.items():
-            out.update(leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+            out.update(leaves(v, f"{prefix}.{k}" if prefix else str(k), empty=empty))
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
-            out.update(leaves(v, f"{prefix}[{i}]"))
+            out.update(leaves(v, f"{prefix}[{i}]", empty=empty))
+        if empty and not obj:
+            out[prefix] = []
     else:
         out[prefix] = obj
     return out
