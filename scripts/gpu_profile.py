@@ -73,7 +73,8 @@ def arm_overrides(profile: str, sets: dict) -> dict:
     """The ``overrides`` parameter for ``--set NAME=VALUE`` values, checked against the chain's parameters.
 
     A name that is an execution-contract key (:data:`kvreplay.runner.EXECUTION_KEYS`, e.g. ``chunk``) goes into
-    the profile's ``execution`` mapping, over its other keys; any other name is an override as given.
+    the profile's ``execution`` mapping (or over ``--set execution={...}`` when given, which replaces the
+    profile's, as any override does), over its other keys; any other name is an override as given.
 
     Raises:
         ValueError: a name that is not a chain parameter (with the closest one), or a value
@@ -93,7 +94,8 @@ def arm_overrides(profile: str, sets: dict) -> dict:
     overrides = {k: v for k, v in sets.items() if k not in EXECUTION_KEYS}
     contract = {k: v for k, v in sets.items() if k in EXECUTION_KEYS}
     if contract:
-        overrides["execution"] = {**load_parameters(profile).execution, **contract}
+        base = overrides["execution"] if isinstance(overrides.get("execution"), dict) else load_parameters(profile).execution
+        overrides["execution"] = {**base, **contract}
     try:
         load_parameters(profile, overrides)
     except ValueError as e:

@@ -128,6 +128,8 @@ def test_gpu_profile_passes_the_notebooks_parameters_and_sets_contract_keys_insi
     assert changed.execution["chunk"] == chunk and changed.params.n_rows == 4
     config = {k: s.settings("float32", 8).config("exp1", []) for k, s in (("as_is", as_is), ("changed", changed))}
     assert config["as_is"] == config["changed"]  # the chunk is not part of the ledger key
+    own = {"device": "cpu", "step_path": "engine-eager", "batch": 4}  # --set execution={...} replaces the profile's
+    assert gpu_profile.arm_overrides("paper", {"execution": own, "chunk": 8}) == {"execution": own | {"chunk": 8}}
     with pytest.raises(ValueError, match=r"--set n_row=\.\.\.: 'n_row' is neither .*did you mean 'n_rows'\?"):
         gpu_profile.arm_overrides("paper", {"n_row": 4})
     with pytest.raises(ValueError, match=r"did you mean 'chunk'\?"):
