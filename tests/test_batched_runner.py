@@ -311,6 +311,11 @@ def test_verify_recomputes_a_batched_row_alone_at_the_arm_batch_shape(tmp_path, 
     model = str(tmp_path / "tiny-llama")
     checks = verify_ledger(ledger.dir, rows=4, pick="first", problems=problems, model=model)
     assert [(c.problem_id, c.mode, c.ok) for c in checks] == [(p.problem_id, "bytes", True) for p in problems]
+    # "fastest" on a batched ledger: the shortest committed line (a chunk's logged seconds sit on its first row)
+    lines = (ledger.dir / ROWS).read_text().splitlines()
+    shortest = json.loads(min(lines, key=len))["problem_id"]
+    assert [c.problem_id for c in verify_ledger(ledger.dir, rows=1, pick="fastest", problems=problems, model=model)] \
+        == [shortest]
     # a planted change in a committed row (its last suffix token) is found, with where it parts
     lines = (ledger.dir / ROWS).read_text().splitlines()
     rec = json.loads(lines[2])

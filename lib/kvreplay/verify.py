@@ -169,7 +169,9 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
         folder: the ledger folder.
         rows: how many rows to recompute.
         pick: ``"shortest"`` (rows with the shortest prefix first), ``"fastest"`` (rows that took the least
-            wall time when they were computed, from ``runlog.jsonl``; shortest prefix where the log has none)
+            wall time when they were computed, from ``runlog.jsonl``; shortest prefix where the log has none;
+            on a batched ledger, whose logged seconds are a whole chunk's and sit on its first row, the
+            shortest committed line, i.e. the fewest decoded tokens, as the resumed-arm gate picks)
             or ``"first"`` (ledger order).
         problems: the problem set (default: the frozen bank).
         model: where the ledger's model is, for a local folder (the manifest keys it by folder name and file
@@ -199,7 +201,9 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     if pick not in ("shortest", "fastest", "first"):
         raise ValueError(f"pick must be 'shortest', 'fastest' or 'first', not {pick!r}")
     seconds: dict[str, float] = {}
-    if pick == "fastest" and (folder / "runlog.jsonl").is_file():
+    if pick == "fastest" and "engine" in config:  # a chunk's seconds sit on its first row: cost by line length
+        seconds = {r["problem_id"]: len(x) for r, x in zip(committed, lines)}
+    elif pick == "fastest" and (folder / "runlog.jsonl").is_file():
         for line in (folder / "runlog.jsonl").read_text().splitlines():
             event = json.loads(line)
             if event.get("event") == "row":
@@ -289,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", default="cpu", help="profile whose committed ledgers are recomputed")
     ap.add_argument("--rows", type=int, default=1, help="rows recomputed per ledger")
     ap.add_argument("--pick", choices=("shortest", "fastest", "first"), default="shortest",
-                    help="which rows: shortest prefixes, least logged wall time, or ledger order")
+                    help="which rows: shortest prefixes, least logged wall time (batched ledgers: shortest lines), "
+                         "or ledger order")
     ap.add_argument("--ledger-root", default=str(LEDGERS), help="folder holding <profile>/ ledger folders")
     ap.add_argument("--only", nargs="*", default=(), help="ledger name prefixes, e.g. exp1-bfloat16 exp3")
     args = ap.parse_args(argv)
