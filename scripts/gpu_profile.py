@@ -63,6 +63,9 @@ NOTEBOOKS = {
     "exp4": "notebooks/04_experiment4_cache_transplant.ipynb",
     "exp5": "notebooks/05_experiment5_replication.ipynb",
 }
+ARMS = ("exp1-bfloat16", "exp1-float32", "exp2-bfloat16", "exp2-float32", "exp2_controls-bfloat16", "exp3-bfloat16",
+        "exp4-bfloat16", "exp5-bfloat16")
+"""Every arm this script runs (notebooks 03-05 and the controls are BF16 only)."""
 CELL_RUNS_ARM = "run_arm("  # notebooks 03-05: the code cell that computes the arm
 PACK_S = 25.0
 CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"  # kvreplay.runner.CHUNK_DEADLINE_ENV (this process does not import torch)
@@ -213,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("out", type=Path, help="folder for the packed ledgers (<ledger folder>.tar.gz) and gpu_profile.json "
                     "(on the device: $OUT)")
-    ap.add_argument("arms", nargs="+", help="arms in order, <experiment>-<dtype>: exp1-bfloat16, exp1-float32, "
-                    "exp2-bfloat16, exp2-float32, exp2_controls-bfloat16, exp3-bfloat16, exp4-bfloat16, exp5-bfloat16")
+    ap.add_argument("arms", nargs="+", help=f"arms in order: {', '.join(ARMS)}. Exits 1 when an arm failed (its error "
+                    "is in gpu_profile.json) or was killed at the budget; an arm skipped by --min-arm-s is not a failure")
     ap.add_argument("--profile", default="gpu", help="the profile whose arms run (notebooks/params/<profile>.yaml)")
     ap.add_argument("--budget", type=float, default=560.0, help="seconds for all arms, packing included")
     ap.add_argument("--min-arm-s", type=float, default=30.0,
@@ -242,12 +245,15 @@ def main(argv: list[str] | None = None) -> int:
             res = run_one(args.arms[0], args.profile, ledger_root, overrides)
         except ChunkDeadline as stop:  # finished rows are in the ledger; the parent packs it
             res = {"stopped": str(stop)}
+        except Exception as e:  # the parent reports why the arm failed, then exits non-zero
+            (args.out / f".{args.arms[0]}.json").write_text(
+                json.dumps({"error": f"{type(e).__name__}: {e}"[:1000]}, default=str) + "\n")
+            raise
         (args.out / f".{args.arms[0]}.json").write_text(json.dumps(res, default=str) + "\n")
         return 0
-    for arm in args.arms:
-        if arm.rsplit("-", 1)[0] not in NOTEBOOKS:
-            raise SystemExit(f"unknown arm {arm!r}; arms: exp1-<dtype>, exp2-<dtype>, exp2_controls-bfloat16, "
-                             "exp3-bfloat16, exp4-bfloat16, exp5-bfloat16")
+    unknown = [arm for arm in args.arms if arm not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}; arms: {', '.join(ARMS)}")
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     from kvreplay.profiles import load_parameters
@@ -263,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     for arm in args.arms:
         left = args.budget - (time.perf_counter() - t0) - PACK_S
         if left < args.min_arm_s:
-            report["arms"][arm] = {"skipped": f"{left:.0f} s left"}
+            report["arms"][arm] = {"skipped": f"{left:.0f} s left, --min-arm-s {args.min_arm_s:.0f}"}
+            print(arm, json.dumps(report["arms"][arm]), flush=True)
             continue
         before = {p.name for p in there.iterdir()}
         t = time.perf_counter()
@@ -298,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "gpu_profile.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
     (args.out / "gpu_profile.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    return 0
+    failed = [arm for arm, e in report["arms"].items() if "exit" in e and e["exit"] != 0]
+    if failed:
+        print(f"error: arm(s) {failed} failed or were killed at the budget (their rows so far are packed): "
+              f"see {args.out / 'gpu_profile.json'}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

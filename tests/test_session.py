@@ -136,3 +136,26 @@ def test_gpu_profile_passes_the_notebooks_parameters_and_sets_contract_keys_insi
         gpu_profile.arm_overrides("paper", {"chunks": 64})
     with pytest.raises(ValueError, match=r"--set chunk='x': .*execution key 'chunk'"):
         gpu_profile.arm_overrides("paper", {"chunk": "x"})
+
+
+def test_gpu_profile_exits_non_zero_with_the_reason_when_an_arm_fails(tmp_path):
+    """A failed arm (here: a model path that does not exist) makes scripts/gpu_profile.py exit 1 and records the
+    child's error in gpu_profile.json; an arm name with a dtype the script does not run is refused before any arm."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kvreplay.paths import ROOT
+
+    script = str(ROOT / "scripts" / "gpu_profile.py")
+    env = os.environ | {"KV_LEDGERS": str(tmp_path / "ledgers")}
+    run = subprocess.run([sys.executable, script, str(tmp_path / "out"), "exp1-float32", "--profile", "smoke",
+                          "--set", f"model={tmp_path / 'no-such-model'}", "--budget", "120"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 1, run.stderr[-2000:]
+    entry = json.loads((tmp_path / "out" / "gpu_profile.json").read_text())["arms"]["exp1-float32"]
+    assert entry["exit"] == 1 and entry["error"].startswith("ModelLoadError: unknown model")
+    bad = subprocess.run([sys.executable, script, str(tmp_path / "out"), "exp3-float32"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert bad.returncode == 1 and "unknown arm(s) ['exp3-float32']" in bad.stderr
