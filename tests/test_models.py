@@ -101,6 +101,21 @@ def test_bench_engine_section_runs_on_the_cpu_eager_step(qwen_dir):
         engine_table(lm, fmt, max_lens=(None, 5), **kw)
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--engine-only"], "--step-path graph needs --device cuda"),  # --engine-only implies the engine section
+    (["--engine", "--step-path", "engine-eager", "--batches", "1", "0"], "must be at least 1"),
+    (["--engine", "--step-path", "engine-eager", "--exp1-batch", "0"], "must be at least 1"),
+    (["--engine", "--step-path", "engine-eager", "--sdpa", "efficient"], "not an SDPA backend on device 'cpu'"),
+    (["--engine", "--step-path", "engine-eager", "--max-len", "-3"], "--max-len"),
+])
+def test_bench_refuses_bad_engine_arguments_before_any_work(args, says, capsys):
+    from kvreplay.bench import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("backend", ["efficient", "cudnn"])
 def test_cuda_only_sdpa_backend_is_refused_on_cpu(backend):
     contract = ExecutionContract(device="cpu", sdpa_backends=("math", backend))

@@ -200,12 +200,19 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     """
     if step_path == "graph" and lm.device.type != "cuda":
         raise ValueError("engine_table's graph path needs a CUDA model")
+    if not batches or min(batches) < 1 or exp1_batch < 1:
+        raise ValueError(f"engine_table: batches {tuple(batches)} and exp1_batch {exp1_batch} must be at least 1")
     sdpa = "+".join(lm.sdpa_backends)
     label = "graph" if step_path == "graph" else "engine eager step"
     bank = load_bank()
     n = max(batches)
     caps = Caps(branch=branch_cap, merge=tokens, answer=1)
     prompts = [fmt.prompt_ids(p.question, p.options) for p in bank[:n]]
+    floor = max(map(len, prompts)) + engine.suffix_length_bound(fmt, caps)  # no boundary is shorter than its prompt
+    short = [m for m in max_lens if m is not None and m < floor]
+    if short:  # before the live decode
+        raise ValueError(f"engine_table: max_len={short[0]} is shorter than the {floor} positions the longest prompt "
+                         "and the suffix bound already take")
     lives = engine.decode_lives(lm, fmt, prompts, caps, batch=n, step_path=step_path)
     need = max(len(b.ids) for b in lives) + engine.suffix_length_bound(fmt, caps)
     short = [m for m in max_lens if m is not None and m < need]
@@ -287,16 +294,17 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="embedded")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="embedded", help="the model (embedded: the bundled SmolLM2-135M; or a folder)")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    ap.add_argument("--tokens", type=int, default=64, help="merge tokens each timed suffix decode runs to (its cap)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
+    ap.add_argument("--threads", type=int, default=2, help="intra-op CPU threads")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--workers", type=int, default=2, help="Ray row actors for the rows-per-hour ratio (1: skip)")
     ap.add_argument("--worker-threads", type=int, default=None, help="intra-op threads per actor (default: threads // workers on CPU)")
     ap.add_argument("--rows", type=int, default=None, help="rows timed for the rows-per-hour ratio (default 2 per actor)")
-    ap.add_argument("--caps", type=int, nargs=3, default=(48, 160, 12), metavar=("BRANCH", "MERGE", "ANSWER"))
+    ap.add_argument("--caps", type=int, nargs=3, default=(48, 160, 12), metavar=("BRANCH", "MERGE", "ANSWER"),
+                    help="caps of the first table's Experiment 1 row; BRANCH is also the engine rows' branch cap")
     ap.add_argument("--engine", action=argparse.BooleanOptionalAction, default=None,
                     help="the GPU section (engine_table); default on with a CUDA device")
     ap.add_argument("--exp1-caps", type=int, nargs=3, action="append", metavar=("BRANCH", "MERGE", "ANSWER"),
@@ -309,17 +317,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, nargs="+", default=[0], metavar="N",
                     help="positions per row of the engine rows' static cache, the rows repeated for each "
                          "(default 0: what they need; the paper profile's arms have 4077)")
-    ap.add_argument("--engine-only", action="store_true", help="skip the first table (the eager decoder's section)")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="only the engine section (implies --engine): skip the first table")
     ap.add_argument("--sdpa", nargs="+", default=["math"], metavar="BACKEND",
-                    help="SDPA backends of the engine section (default math, the execution contract's; on CUDA "
-                         "also efficient, cudnn, flash: other bits, so another contract)")
-    ap.add_argument("--step-path", choices=("graph", "eager"), default="graph",
-                    help="the engine's step in the engine section (eager: op by op, any device; a dry run)")
+                    help="SDPA backends of the engine section (default math, the execution contract's; also flash, "
+                         "and on CUDA efficient and cudnn: other bits, so another contract)")
+    ap.add_argument("--step-path", choices=("graph", "engine-eager"), default="graph",
+                    help="the engine's step in the engine section (graph: CUDA only; engine-eager: op by op, any "
+                         "device, a dry run)")
     args = ap.parse_args(argv)
+    from .models import DEVICE_SDPA_BACKENDS
+
+    device_type = torch.device(args.device).type
+    if args.engine_only:
+        args.engine = True
+    if min(args.batches) < 1 or args.exp1_batch < 1 or (args.exp1_rows is not None and args.exp1_rows < 1):
+        ap.error(f"--batches {args.batches}, --exp1-batch {args.exp1_batch} and --exp1-rows must be at least 1")
+    if min(args.max_len) < 0:
+        ap.error(f"--max-len {args.max_len}: positions are at least 1 (0: what the engine rows need)")
+    if args.engine and args.step_path == "graph" and device_type != "cuda":
+        ap.error(f"--step-path graph needs --device cuda (got {args.device!r}); on a CPU use --step-path engine-eager")
+    unknown = [b for b in args.sdpa if b not in DEVICE_SDPA_BACKENDS.get(device_type, ())]
+    if unknown:
+        ap.error(f"--sdpa {unknown}: not an SDPA backend on device {device_type!r}; "
+                 f"choose among {list(DEVICE_SDPA_BACKENDS.get(device_type, ()))}")
     if not args.engine_only:
         table = run(args.model, args.dtype, args.tokens, args.repeats, args.threads, tuple(args.caps), args.device,
                     args.workers, args.rows, args.worker_threads)
-        print(table.to_markdown())
+        print(table.fillna("").to_markdown())
     if args.engine or (args.engine is None and torch.device(args.device).type == "cuda"):
 
         settings = ArmSettings(profile="bench", dtype=args.dtype, caps=Caps(*args.caps), model=args.model,
@@ -328,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         caps_sets = tuple(tuple(c) for c in (args.exp1_caps or [(48, 160, 12), (768, 512, 64)]))
         print(engine_table(lm, fmt, tokens=args.tokens, batches=tuple(args.batches), branch_cap=args.caps[0],
                            exp1_caps=caps_sets, exp1_batch=args.exp1_batch, exp1_rows=args.exp1_rows,
-                           compile_=not args.no_compile, repeats=args.repeats, step_path=args.step_path,
+                           compile_=not args.no_compile, repeats=args.repeats,
+                           step_path="graph" if args.step_path == "graph" else "eager",
                            max_lens=tuple(m or None for m in args.max_len), emit=lambda row: print("measured:", row, flush=True)
-                           ).to_markdown(index=False))
+                           ).fillna("").to_markdown(index=False))
     return 0
 
 
