@@ -171,7 +171,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
         pick: ``"shortest"`` (rows with the shortest prefix first), ``"fastest"`` (rows that took the least
             wall time when they were computed, from ``runlog.jsonl``; shortest prefix where the log has none;
             on a batched ledger, whose logged seconds are a whole chunk's and sit on its first row, the
-            shortest committed line, i.e. the fewest decoded tokens, as the resumed-arm gate picks)
+            shortest committed line, a proxy for the fewest decoded tokens, as the resumed-arm gate picks)
             or ``"first"`` (ledger order).
         problems: the problem set (default: the frozen bank).
         model: where the ledger's model is, for a local folder (the manifest keys it by folder name and file

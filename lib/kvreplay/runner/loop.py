@@ -51,8 +51,8 @@ def run_arm(
     ``graph_equals_eager``) before it appends a row, so every process that
     appends rows (with its own captured graph) has passed both: a new arm on
     its first preflight problem (computed alone and inside its chunk), a
-    resumed arm on the committed row with the shortest line (fewest decoded
-    tokens, so the cheapest to recompute), computed alone and compared with
+    resumed arm on the committed row with the shortest line (a proxy for the
+    fewest decoded tokens, so for the cheapest to recompute), computed alone and compared with
     its committed line byte for byte (:class:`BatchedRows`); with Ray workers,
     on the first row left, as for a new arm.
 
