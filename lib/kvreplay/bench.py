@@ -47,7 +47,7 @@ from .contract import Caps
 from .decode import build_prefill, decode_live, decode_suffix
 from .experiments.live_vs_prefill import exp1_chunk, exp1_row
 from .problems import load_bank
-from .runner import ArmSettings, EngineRun, RunSpec
+from .runner import ArmSettings, EngineRun, RunSpec, resolve_execution
 from .runner.actors import RowActors, shutdown
 
 
@@ -208,16 +208,17 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     n = max(batches)
     caps = Caps(branch=branch_cap, merge=tokens, answer=1)
     prompts = [fmt.prompt_ids(p.question, p.options) for p in bank[:n]]
-    floor = max(map(len, prompts)) + engine.suffix_length_bound(fmt, caps)  # no boundary is shorter than its prompt
-    short = [m for m in max_lens if m is not None and m < floor]
-    if short:  # before the live decode
-        raise ValueError(f"engine_table: max_len={short[0]} is shorter than the {floor} positions the longest prompt "
-                         "and the suffix bound already take")
+    def refuse_short(longest: int, what: str) -> int:
+        need = longest + engine.suffix_length_bound(fmt, caps)
+        short = [m for m in max_lens if m is not None and m < need]
+        if short:
+            raise ValueError(f"engine_table: max_len={short[0]} is shorter than the {need} positions {what}")
+        return need
+
+    # no boundary is shorter than its prompt: an obviously short max_len is refused before the live decode
+    refuse_short(max(map(len, prompts)), "the longest prompt and the suffix bound already take")
     lives = engine.decode_lives(lm, fmt, prompts, caps, batch=n, step_path=step_path)
-    need = max(len(b.ids) for b in lives) + engine.suffix_length_bound(fmt, caps)
-    short = [m for m in max_lens if m is not None and m < need]
-    if short:
-        raise ValueError(f"engine_table: max_len={short[0]} is shorter than the {need} positions the suffix runs need")
+    need = refuse_short(max(len(b.ids) for b in lives), "the suffix runs need")
     out = []
 
     def timed(fn):
@@ -326,26 +327,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engine's step in the engine section (graph: CUDA only; engine-eager: op by op, any "
                          "device, a dry run)")
     args = ap.parse_args(argv)
-    from .models import DEVICE_SDPA_BACKENDS
-
     device_type = torch.device(args.device).type
-    if args.engine_only:
-        args.engine = True
-    if min(args.batches) < 1 or args.exp1_batch < 1 or (args.exp1_rows is not None and args.exp1_rows < 1):
-        ap.error(f"--batches {args.batches}, --exp1-batch {args.exp1_batch} and --exp1-rows must be at least 1")
+    engine_on = args.engine_only or args.engine or (args.engine is None and device_type == "cuda")
+    if args.exp1_rows is not None and args.exp1_rows < 1:
+        ap.error(f"--exp1-rows {args.exp1_rows}: must be at least 1")
     if min(args.max_len) < 0:
         ap.error(f"--max-len {args.max_len}: positions are at least 1 (0: what the engine rows need)")
-    if args.engine and args.step_path == "graph" and device_type != "cuda":
-        ap.error(f"--step-path graph needs --device cuda (got {args.device!r}); on a CPU use --step-path engine-eager")
-    unknown = [b for b in args.sdpa if b not in DEVICE_SDPA_BACKENDS.get(device_type, ())]
-    if unknown:
-        ap.error(f"--sdpa {unknown}: not an SDPA backend on device {device_type!r}; "
-                 f"choose among {list(DEVICE_SDPA_BACKENDS.get(device_type, ()))}")
+    # every engine run's contract, refused as a profile's `execution` would be (the SDPA backends on the device, graph
+    # only on CUDA, a batch of at least 1), before the first table
+    step_path = args.step_path if engine_on else "engine-eager"
+    for option, batch in [*(("--batches", b) for b in args.batches), ("--exp1-batch", args.exp1_batch)]:
+        where = f"{option} {batch}, --sdpa {' '.join(args.sdpa)}, --step-path {step_path}, --device {args.device}"
+        try:
+            resolve_execution(where, {"device": args.device, "sdpa_backends": list(args.sdpa), "step_path": step_path,
+                                      "batch": batch})
+        except ValueError as e:  # names `where`
+            ap.error(str(e))
     if not args.engine_only:
         table = run(args.model, args.dtype, args.tokens, args.repeats, args.threads, tuple(args.caps), args.device,
                     args.workers, args.rows, args.worker_threads)
         print(table.fillna("").to_markdown())
-    if args.engine or (args.engine is None and torch.device(args.device).type == "cuda"):
+    if engine_on:
 
         settings = ArmSettings(profile="bench", dtype=args.dtype, caps=Caps(*args.caps), model=args.model,
                                threads=args.threads, device=args.device, sdpa_backends=tuple(args.sdpa))
