@@ -200,17 +200,17 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     committed = [json.loads(x) for x in lines]
     if pick not in ("shortest", "fastest", "first"):
         raise ValueError(f"pick must be 'shortest', 'fastest' or 'first', not {pick!r}")
-    seconds: dict[str, float] = {}
+    cost: dict[str, float] = {}  # "fastest": logged seconds, or on a batched ledger the line's length
     if pick == "fastest" and "engine" in config:  # a chunk's seconds sit on its first row: cost by line length
-        seconds = {r["problem_id"]: len(x) for r, x in zip(committed, lines)}
+        cost = {r["problem_id"]: len(x) for r, x in zip(committed, lines)}
     elif pick == "fastest" and (folder / "runlog.jsonl").is_file():
         for line in (folder / "runlog.jsonl").read_text().splitlines():
             event = json.loads(line)
             if event.get("event") == "row":
-                seconds[event["key"]] = event["seconds"]
+                cost[event["key"]] = event["seconds"]
     order = list(range(len(committed))) if pick == "first" else sorted(
         range(len(committed)),
-        key=lambda i: (seconds.get(committed[i]["problem_id"], float("inf")), committed[i].get("prefix_len", 0), i))
+        key=lambda i: (cost.get(committed[i]["problem_id"], float("inf")), committed[i].get("prefix_len", 0), i))
     chosen = order[:rows]
     if env.get("row_algorithm") != ROW_ALGORITHM.get(config["experiment"]):
         return [RowCheck(folder.name, committed[i]["problem_id"], "stale", False, None,
