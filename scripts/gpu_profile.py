@@ -34,7 +34,7 @@ child process with a time limit (what is left of ``--budget``, default 560 s,
 minus 25 s to pack); a killed arm keeps its finished rows (a cut-off last
 line is removed on resume). The child is also given that limit as
 ``KV_CHUNK_DEADLINE``, so a batched arm does not start a chunk that its
-longest chunk so far says would not finish (it stops with ``"stopped"`` in
+longest chunk so far (its preflight gates left out) says would not finish (it stops with ``"stopped"`` in
 its entry) instead of losing the chunk's rows to the kill. After each arm its ledger folder is packed,
 rows sealed (gzip), into ``OUTDIR/<ledger folder>.tar.gz``, and
 ``OUTDIR/gpu_profile.json`` records per arm: wall time, rows done of rows

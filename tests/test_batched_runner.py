@@ -325,3 +325,31 @@ def test_verify_recomputes_a_batched_row_alone_at_the_arm_batch_shape(tmp_path, 
     bad = [c for c in verify_ledger(ledger.dir, rows=4, pick="first", problems=problems, model=model) if not c.ok]
     assert [c.problem_id for c in bad] == [problems[2].problem_id]
     assert bad[0].parted.startswith("arms.prefill.suffix[")
+
+
+def test_the_chunk_deadline_leaves_the_preflight_gates_out_of_a_chunks_time(monkeypatch):
+    """A new arm's first chunk carries its one-off gates; the estimate for the next chunk is the chunk alone."""
+    from types import SimpleNamespace
+
+    from kvreplay.runner.spec import BatchedRows
+
+    problems = _problems(4)
+    spec = SimpleNamespace(engine=SimpleNamespace(problems_per_chunk=2))
+    mapper = BatchedRows(spec, lambda _spec, group: [{"problem_id": p.problem_id} for p in group], problems,
+                         composition_id="p-00")
+    monkeypatch.setattr(BatchedRows, "check_composition", lambda *_: time.sleep(0.5))  # a slow gate, a fast chunk
+    monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time() + 60:.3f}")
+    rows = mapper(iter(problems))
+    assert [next(rows)["problem_id"] for _ in range(2)] == ["p-00", "p-01"]
+    assert mapper.seconds[0] < 0.25  # the chunk's own time, not the gate's half second
+    monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time() + 0.3:.3f}")  # room for the chunk, not for the gate
+    assert [r["problem_id"] for r in rows] == ["p-02", "p-03"]
+    monkeypatch.setattr(BatchedRows, "check_composition", lambda *_: None)
+    mapper = BatchedRows(spec, lambda _spec, group: time.sleep(0.5) or [{"problem_id": p.problem_id} for p in group],
+                         problems)
+    rows = mapper(iter(problems))
+    next(rows)
+    next(rows)
+    monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time() + 0.3:.3f}")  # a slow chunk still stops the next one
+    with pytest.raises(ChunkDeadline, match="p-02.*its gates left out"):
+        next(rows)
