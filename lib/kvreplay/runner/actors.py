@@ -189,7 +189,7 @@ class RowActor:
             lm, fmt = settings.load()  # the contract is applied before the model loads
             self.settings, self.row, self.chunk = settings, row, chunk
             self.spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids)
-            self.composition_id: str | None = None
+            self.gated = False  # this actor passed its own preflight gate (a restarted actor starts over)
         except BaseException as e:  # noqa: BLE001 (re-raised, named, by ready() and every call)
             self.error = e
 
@@ -219,15 +219,21 @@ class RowActor:
         run = self.settings.engine_run(spec.fmt, problems)
         return arm_environment(spec.lm, spec.fmt, self.settings, run), run
 
-    def rows(self, group: list, run=None, composition_id: str | None = None) -> tuple[list[dict], list[dict]]:
+    def rows(self, group: list, run=None, composition_id: str | None = None,
+             reference: tuple | None = None) -> tuple[list[dict], list[dict]]:
         """Records of one group of problems in order, and the preflight gates passed (batched path).
 
         ``run`` is ``None`` on the eager path: ``row(spec, problem)`` for each
         problem. Else it is the batched engine's resolved shape (``EngineRun``)
         and the group is one chunk of the engine
-        (:class:`~kvreplay.runner.BatchedRows`, with the composition gate
-        when the group holds ``composition_id``). Both come with every call, so
-        an actor that Ray restarts needs no other state than its model.
+        (:class:`~kvreplay.runner.BatchedRows`). Every actor gates its own
+        engine (its own captured graph, on its own device) before it returns
+        its first group: a resumed arm's actor on ``reference`` (a committed
+        row and its line, recomputed alone and required equal byte for byte),
+        a new arm's on ``composition_id`` when its first group holds it, else
+        on that group's first problem. Both come with every call, so an actor
+        that Ray restarts (a new process, a new graph) needs no other state
+        than its model, and gates again.
 
         Raises:
             GateError: ``composition`` or ``graph_equals_eager``; whatever a row raised.
@@ -238,8 +244,15 @@ class RowActor:
         if run is None:
             return [self.row(self.spec, p) for p in group], []
         spec = dataclasses.replace(self.spec, engine=run, memo=self.spec.memo)
-        batched = BatchedRows(spec, self.chunk, group, composition_id=composition_id)
-        return list(batched(group)), batched.checks
+        ids = [p.problem_id for p in group]
+        gate_on = composition_id if composition_id in ids else None
+        if not self.gated and reference is None and gate_on is None:
+            gate_on = ids[0]
+        batched = BatchedRows(spec, self.chunk, group, composition_id=gate_on,
+                              reference=None if self.gated else reference)
+        records = list(batched(group))
+        self.gated = True
+        return records, [check | {"actor_pid": os.getpid(), "device": self.device} for check in batched.checks]
 
 
 class RowActors:
@@ -325,16 +338,17 @@ class RowActors:
         return self._get(self.actors[self.live()[0]].prepare.remote(list(problems)))
 
     def mapper(self, todo: Sequence, *, key: Callable, run=None, composition_id: str | None = None,
-               on_checks: Callable[[list[dict]], None] | None = None) -> "ActorRows":
+               on_checks: Callable[[list[dict]], None] | None = None, reference: tuple | None = None) -> "ActorRows":
         """A :func:`~kvreplay.ledger.run_rows` mapper over ``todo`` (the rows still to compute, in order).
 
         ``run`` (the engine run :meth:`prepare` returned) makes groups of
-        ``run.problems_per_chunk`` problems computed by the batched engine, the composition
-        gate on ``composition_id``; ``None`` makes groups of one row.
+        ``run.problems_per_chunk`` problems computed by the batched engine; every actor passes the
+        preflight gate on its own first group (:meth:`RowActor.rows`: on ``reference``, a resumed arm's
+        committed ``(problem, line)``, or on ``composition_id``); ``None`` makes groups of one row.
         """
-        return ActorRows(self, todo, key, run, composition_id, on_checks)
+        return ActorRows(self, todo, key, run, composition_id, on_checks, reference)
 
-    def _ordered(self, groups: list[list], run=None, composition_id: str | None = None
+    def _ordered(self, groups: list[list], run=None, composition_id: str | None = None, reference: tuple | None = None
                  ) -> Iterator[tuple[list[dict], list[dict]]]:
         """``(records, checks)`` of each group, computed on the actors, yielded in group order.
 
@@ -354,7 +368,7 @@ class RowActors:
                 if load[a] >= DEPTH:
                     break
                 g = pending.popleft()
-                inflight[self.actors[a].rows.remote(groups[g], run, composition_id)] = (g, a)
+                inflight[self.actors[a].rows.remote(groups[g], run, composition_id, reference)] = (g, a)
                 load[a] += 1
             if nxt in done:
                 out = done.pop(nxt)
@@ -408,11 +422,13 @@ class ActorRows:
     preflight rows passed, as in a sequential batched run).
 
     Attributes:
-        checks: preflight gates the actors passed (``composition``, ``graph_equals_eager``), for the run log.
+        checks: preflight gates the actors passed (``composition``, ``graph_equals_eager``; each actor's own,
+            with its ``actor_pid`` and ``device``), for the run log.
     """
     def __init__(self, pool: RowActors, todo: Sequence, key: Callable, run=None, composition_id: str | None = None,
-                 on_checks: Callable[[list[dict]], None] | None = None):
+                 on_checks: Callable[[list[dict]], None] | None = None, reference: tuple | None = None):
         self.pool, self.key, self.run, self.composition_id = pool, key, run, composition_id
+        self.reference = reference
         self.on_checks = on_checks
         size = run.problems_per_chunk if run is not None else 1
         self.groups = [list(todo[i : i + size]) for i in range(0, len(todo), size)]
@@ -425,7 +441,8 @@ class ActorRows:
         items = list(items)
         wanted = sorted({self.group_of[self.key(it)] for it in items if self.key(it) not in self.held} - self.sent)
         self.sent |= set(wanted)
-        stream = zip(wanted, self.pool._ordered([self.groups[g] for g in wanted], self.run, self.composition_id))
+        stream = zip(wanted, self.pool._ordered([self.groups[g] for g in wanted], self.run, self.composition_id,
+                                                self.reference))
         for it in items:
             k = self.key(it)
             while k not in self.held:

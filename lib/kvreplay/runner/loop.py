@@ -53,8 +53,10 @@ def run_arm(
     its first preflight problem (computed alone and inside its chunk), a
     resumed arm on the committed row with the shortest line (a proxy for the
     fewest decoded tokens, so for the cheapest to recompute), computed alone and compared with
-    its committed line byte for byte (:class:`BatchedRows`); with Ray workers,
-    on the first row left, as for a new arm.
+    its committed line byte for byte (:class:`BatchedRows`). With Ray workers
+    every actor passes the gate on its own first chunk, before that chunk's
+    rows are returned: on the same committed row for a resumed arm, on the
+    arm's first problem or its chunk's first problem for a new one.
 
     With ``settings.workers > 1`` (and more than one row, or chunk, to
     compute) the rows run on Ray actors (:class:`kvreplay.runner.actors.RowActors`:
@@ -107,6 +109,11 @@ def run_arm(
     equivalence_ids = frozenset(ids[: settings.preflight])
     first = todo[0].problem_id if todo else None  # composition gate (batched), per run, whatever the preflight count
     groups = len(todo) if settings.step_path == "eager" else -(-len(todo) // (settings.chunk or settings.batch))
+    reference = None
+    if settings.step_path != "eager" and first is not None and committed:
+        # a resumed batched arm: its gate on the committed row with the shortest line, not on a new row
+        line = min(committed, key=len)
+        reference, first = (next(p for p in problems if p.problem_id == json.loads(line)["problem_id"]), line), None
     if settings.workers > 1 and groups > 1:
         # the actors load the model; this process loads none (a second copy would sit on the first GPU)
 
@@ -118,7 +125,7 @@ def run_arm(
                        ray_started=pool.cluster["started"], startup_s=pool.startup)
             if run is not None:
                 ledger.log(event="engine", **dataclasses.asdict(run))
-            mapper = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first,
+            mapper = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first, reference=reference,
                                  on_checks=lambda checks: ledger.log(event="gates", checks=checks))
             try:
                 records = run_rows(
@@ -138,10 +145,6 @@ def run_arm(
     if run is None:
         mapper, row_fn = None, (lambda p: row(spec, p))
     else:
-        reference = None
-        if first is not None and committed:  # a resumed arm: the gate on its shortest committed line, not on a new row
-            line = min(committed, key=len)
-            reference, first = (next(p for p in problems if p.problem_id == json.loads(line)["problem_id"]), line), None
         mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first, reference=reference,
                                      on_checks=lambda checks: ledger.log(event="gates", checks=checks)), None
         ledger.log(event="engine", **dataclasses.asdict(run))
