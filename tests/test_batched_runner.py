@@ -214,6 +214,13 @@ def test_first_difference_names_the_first_differing_leaf():
     assert first_difference(a, a | {"gate_failure": None}) == "gate_failure"  # in one record only, even as None
     assert first_difference({"s": []}, {}) == "s"  # an empty list is a leaf of its own
     assert first_difference({"s": []}, {"s": [5]}) == "s[0]"  # ... named below it where the other has elements
+    long = {"s": list(range(12)), "t": [{"u": 1}] * 3}
+    other = json.loads(json.dumps(long))
+    other["s"][2], other["s"][10] = -1, -1
+    assert first_difference(long, other) == "s[2]"  # list indices in number order, not string order
+    other = json.loads(json.dumps(long))
+    other["t"][2]["u"] = 0
+    assert first_difference(long, other) == "t[2].u"
 
 
 def test_step_path_and_batch_shape_join_the_key_and_defaults_add_nothing(tmp_path, tiny_arm):

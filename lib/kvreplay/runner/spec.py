@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -652,8 +653,19 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
 _ABSENT = object()
 
 
+_PATH_PART = re.compile(r"\[(\d+)\]|\.?([^.\[]+)")
+
+
+def _path_order(path: str) -> list[tuple[int, object]]:
+    """Sort key of a leaf path: keys as strings, list indices as numbers (``suffix[2]`` before ``suffix[10]``)."""
+    return [(1, int(index)) if index else (0, name) for index, name in _PATH_PART.findall(path)]
+
+
 def first_difference(a: dict, b: dict) -> str | None:
-    """The first leaf path (in sorted order) whose value differs between two records, or None.
+    """The first leaf path whose value differs between two records, or None.
+
+    First in canonical JSON order: keys sorted, list elements by index (``suffix[2]`` before ``suffix[10]``,
+    so a suffix is named at its first differing token).
 
     The composition gates name it where a record differs, and ``make verify`` (:mod:`kvreplay.verify`) where a
     recomputed record parts from its committed line. Leaves are :func:`leaves` with ``empty=True``; a leaf that
@@ -668,7 +680,7 @@ def first_difference(a: dict, b: dict) -> str | None:
         still differ as JSON: an empty dict against a missing key, 1 against 1.0).
     """
     la, lb = leaves(a, empty=True), leaves(b, empty=True)
-    for k in sorted(la.keys() | lb.keys()):
+    for k in sorted(la.keys() | lb.keys(), key=_path_order):
         x, y = la.get(k, _ABSENT), lb.get(k, _ABSENT)
         if x == y:
             continue
