@@ -73,7 +73,9 @@ def run_arm(
 
     Raises:
         GateError: ``preflight`` if a preflight row fails a gate; ``composition``
-            or ``graph_equals_eager`` (batched arms) before any row is appended.
+            or ``graph_equals_eager`` (batched arms) before any row of the process (or, with Ray workers,
+            of the actor) that failed it is appended; rows of actors that passed theirs may be in the
+            ledger already, in problem order.
         RowSchemaError: a record that does not fit the experiment's row type
             (:mod:`kvreplay.ledger.records`); it is not appended.
         ModelLoadError, ContractError: bad model or problems (a prompt that
