@@ -552,29 +552,24 @@ class BatchedRows:
                     raise ChunkDeadline(f"not starting a chunk of {len(group)} problems at {it.problem_id}: the "
                                         f"longest chunk so far took {max(self.seconds):.0f} s (its gates left out) "
                                         f"and {CHUNK_DEADLINE_ENV} is {float(deadline) - time.time():.0f} s away")
-                t0 = time.perf_counter()
-                gate_s = 0.0  # the preflight gates' own time: not part of the chunk's estimate
                 if self.reference is not None:
                     before = len(self.checks)
-                    g0 = time.perf_counter()
                     self.check_reference(*self.reference)
-                    gate_s += time.perf_counter() - g0
                     self.reference = None
                     if self.on_checks is not None:
                         self.on_checks(self.checks[before:])
+                t0 = time.perf_counter()
                 records = self.chunk(self.spec, group)
+                self.seconds.append(time.perf_counter() - t0)  # the chunk alone: its preflight gates left out
                 self.chunks.append([p.problem_id for p in group])
                 ids = [p.problem_id for p in group]
                 if self.composition_id in ids:
                     i = ids.index(self.composition_id)
                     before = len(self.checks)
-                    g0 = time.perf_counter()
                     self.check_composition(group[i], records[i], len(group))
-                    gate_s += time.perf_counter() - g0
                     if self.on_checks is not None:
                         self.on_checks(self.checks[before:])
                 self.held.update(zip(ids, records))
-                self.seconds.append(time.perf_counter() - t0 - gate_s)
             yield self.held.pop(it.problem_id)
 
     def check_composition(self, problem: Problem, record: dict, size: int) -> None:
