@@ -190,6 +190,20 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
             "gate_failures": [(r["problem_id"], r["gate_failure"]) for r in records if r.get("gate_failure")]}
 
 
+def ledger_gate_failures(rows: Path) -> list[tuple[str, dict]]:
+    """``(problem_id, gate_failure)`` of every finished row of an appendable ``rows.jsonl`` that failed a gate (a
+    last line cut off by the time limit is skipped)."""
+    out = []
+    for line in rows.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("gate_failure"):
+            out.append((r["problem_id"], r["gate_failure"]))
+    return out
+
+
 def pack(folder: Path, out: Path) -> Path:
     """``OUTDIR/<folder>.tar.gz`` of a copy of the ledger folder with its rows sealed (the original stays appendable)."""
     from kvreplay.ledger.store import seal
@@ -295,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = folder / "rows.jsonl"
             n = rows.read_bytes().count(b"\n") if rows.exists() else None
             entry.setdefault("packed", {})[pack(folder, args.out).name] = n
+            # every row's gate failure, from the ledger itself: also for an arm stopped by the chunk deadline
+            # or cut off, whose child reported no records
+            entry["gate_failures"] = ledger_gate_failures(rows) if rows.exists() else []
         if experiment == "exp1" and dtype == "bfloat16" and (there / "prefix_bank_bf16.jsonl").exists():
             for f in ("prefix_bank_bf16.jsonl", "prefix_bank_bf16.jsonl.manifest.json"):
                 shutil.copy2(there / f, args.out / f)

@@ -229,3 +229,53 @@ def test_run_arm_refuses_a_too_long_problem_before_any_ledger_exists(tmp_path, s
                                             r".*only 256 \(max_position_embeddings\)"):
         run_experiment1(tiny_problems(2) + [long], short_context_arm(), ledger_root=tmp_path / "ledgers", progress=False)
     assert not (tmp_path / "ledgers").exists()
+
+
+def test_a_row_that_fails_only_the_transplant_precondition_is_named_and_left_out_of_the_endpoints():
+    """The committed `paper` Experiment 4 ledger holds one panel row whose boundary raw argmax differs between
+    the constructions (an exact top-2 tie in the prefill): the summaries leave it out and name it; any other
+    gate failure still withholds every endpoint."""
+    import copy
+
+    from kvreplay.experiments.replication import outcome_frame
+    from kvreplay.experiments.transplant import localization_table, split_precondition, transplant_summary, transplant_table
+    from kvreplay.ledger.lookup import finished_rows
+    from kvreplay.paths import LEDGERS
+    from kvreplay.report.frames import transplant_outcomes
+
+    (folder,) = sorted((LEDGERS / "paper").glob("exp4-bfloat16-*"))
+    rows = finished_rows(folder)
+    failed = [r for r in rows if r["gate_failure"]]
+    assert [(r["problem_id"], r["gate_failure"]["gate"]) for r in failed] == [("mmlu-6bf0fb35afd9b0d6", "argmax")]
+    eligible, ineligible = split_precondition(rows)
+    assert ineligible == failed and len(eligible) == len(rows) - 1
+    s = transplant_summary(rows)
+    assert s["rows"] == len(rows) - 1 == s["divergent"] + s["exact"]
+    assert [r["problem_id"] for r in s["ineligible"]] == ["mmlu-6bf0fb35afd9b0d6"]
+    assert "4590 vs 504" in s["ineligible"][0]["reason"]
+    table = transplant_table(s, rows).iloc[:, 0]
+    assert table["all gates pass (replicas, state, storage, argmax, provenance)"] == f"{len(rows) - 1}/{len(rows)}"
+    assert "mmlu-6bf0fb35afd9b0d6" in table["argmax precondition unmet (no transplant; left out of every line below)"]
+    assert len(localization_table(rows)) and len(transplant_outcomes(rows))
+    assert len(outcome_frame(rows)) == len(rows) - 1
+    # the same row failing any other gate is an integrity failure: nothing is reported
+    broken = copy.deepcopy(rows)
+    next(r for r in broken if r["gate_failure"])["gate_failure"]["gate"] = "replica"
+    for summarise in (transplant_summary, localization_table, transplant_outcomes, split_precondition):
+        with pytest.raises(GateError, match="endpoints withheld"):
+            summarise(broken)
+
+
+def test_a_panel_without_ineligible_rows_keeps_its_table():
+    """The `gpu` profile's Experiment 4 rows all met the precondition: no extra line, and the counts as before."""
+    from kvreplay.experiments.transplant import transplant_summary, transplant_table
+    from kvreplay.ledger.lookup import finished_rows
+    from kvreplay.paths import LEDGERS
+
+    (folder,) = sorted((LEDGERS / "gpu").glob("exp4-bfloat16-*"))
+    rows = finished_rows(folder)
+    s = transplant_summary(rows)
+    assert s["ineligible"] == [] and s["rows"] == len(rows) == 32
+    table = transplant_table(s, rows).iloc[:, 0]
+    assert not any(k.startswith("argmax precondition unmet") for k in table.index)
+    assert table["all gates pass (replicas, state, storage, argmax, provenance)"] == "32/32"

@@ -106,3 +106,18 @@ def test_checkpoints_outside_the_training_are_refused_before_anything_runs(check
     with pytest.raises(ValueError, match=r"adapt_checkpoints=.* must satisfy 0 < early < later <= adapt_steps \(4\)"):
         load_parameters("smoke", {"adapt_checkpoints": checkpoints})
     assert load_parameters("smoke", {"n_rows": 1}).preflight == 1  # all rows preflight rows: allowed
+
+
+def test_the_paper_profiles_done_list_is_what_its_committed_ledgers_hold():
+    """`done:` in notebooks/params/paper.yaml names every started arm of data/ledgers/paper with its finished rows."""
+
+    from kvreplay.ledger.lookup import ledger_progress
+    from kvreplay.paths import LEDGERS, ROOT
+
+    done = yaml.safe_load((ROOT / "notebooks" / "params" / "paper.yaml").read_text())["done"]
+    held = {}
+    for folder in sorted(p for p in (LEDGERS / "paper").iterdir() if p.is_dir()):
+        arm = folder.name.rsplit("-", 1)[0]
+        assert arm not in held, f"two ledgers of {arm} under data/ledgers/paper"
+        held[arm] = ledger_progress(folder)[0]
+    assert done == held

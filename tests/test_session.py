@@ -159,3 +159,21 @@ def test_gpu_profile_exits_non_zero_with_the_reason_when_an_arm_fails(tmp_path):
     bad = subprocess.run([sys.executable, script, str(tmp_path / "out"), "exp3-float32"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert bad.returncode == 1 and "unknown arm(s) ['exp3-float32']" in bad.stderr
+
+
+def test_gpu_profile_reads_gate_failures_from_the_ledger_also_for_a_stopped_arm(tmp_path):
+    """An arm stopped by the chunk deadline reports no records from its child, so its gate failures come from the
+    ledger's rows (a last line cut off by the time limit is skipped)."""
+    import importlib.util
+    import json
+
+    from kvreplay.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
+    gpu_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_profile)
+    failure = {"gate": "argmax", "reason": "raw next-token argmax differs between constructions (4590 vs 504)"}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"problem_id": "a", "gate_failure": None}) + "\n"
+                    + json.dumps({"problem_id": "b", "gate_failure": failure}) + "\n" + '{"problem_id": "c", "gate_fa')
+    assert gpu_profile.ledger_gate_failures(rows) == [("b", failure)]

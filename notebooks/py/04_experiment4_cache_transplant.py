@@ -115,7 +115,9 @@ figure_files = session.save_figure(fig, "exp4_transplants")
 # ## What this shows
 
 # %%
-lines = [
+lines = [f"- {len(s['ineligible'])} panel row(s) did not meet the registered precondition (the boundary's raw argmax already agrees between constructions) and got no transplant: "
+         + "; ".join(f"{r['problem_id']} ({r['stratum']}; {r['reason']})" for r in s["ineligible"]) + ". Every endpoint below leaves them out."] if s["ineligible"] else []
+lines += [
     f"- Whole-cache transplants, divergent rows: prefill <- incremental follows the donor {rate_text(s['recovery']['prefill<-incremental'])}; incremental <- prefill {rate_text(s['recovery']['incremental<-prefill'])}; jointly {rate_text(s['joint_recovery'])} (paper: 24/24, Wilson [86.2, 100]%).",
     f"- Exact controls: a third trajectory in {rate_text(s['third_among_exact'])} (paper: 0/8, [0, 32.4]%).",
     "- Partial transplants are exploratory (not registered): see the localization table.",

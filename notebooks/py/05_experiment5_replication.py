@@ -43,7 +43,7 @@ from IPython.display import Markdown, display
 from kvreplay import adapt
 from kvreplay.experiments import replication
 from kvreplay.experiments.endpoints import rate_text
-from kvreplay.experiments.transplant import DIRECTIONS
+from kvreplay.experiments.transplant import DIRECTIONS, split_precondition
 from kvreplay.report import figures
 from kvreplay.runner import run_arm
 from kvreplay.session import open_session
@@ -154,9 +154,10 @@ assert json.loads(panel_path.read_text())["panel"] == panel
 assert env["execution_contract"]["model"]["role_table_sha256"] == ckpt.record["role_table_sha256"], "the loaded role table is not the checkpoint's"
 for r in records:
     assert set(r["interventions"]) == {"whole"}, "Experiment 5 runs only the registered whole-cache transplant"
-assert s["divergent"] + s["exact"] == s["rows"] == len(panel)
+assert s["divergent"] + s["exact"] == s["rows"] == len(panel) - len(s["ineligible"])
 # outcomes are reported, not asserted: a transplant that does not follow its donor is a result
-not_donor = [(r["problem_id"], d) for r in records for d, donor in (("prefill<-incremental", "incremental"), ("incremental<-prefill", "prefill"))
+eligible, _ = split_precondition(records)
+not_donor = [(r["problem_id"], d) for r in eligible for d, donor in (("prefill<-incremental", "incremental"), ("incremental<-prefill", "prefill"))
              if r["interventions"]["whole"][d]["suffix"] != r["baseline"][donor]]
 print(f"integrity checks passed; whole-cache transplants whose suffix is not the donor's: {len(not_donor)} {not_donor}")
 
@@ -165,7 +166,9 @@ print(f"integrity checks passed; whole-cache transplants whose suffix is not the
 
 # %%
 lines = [
-    f"- Replication checkpoint: {ckpt.description}; panel of {s['rows']} rows frozen from prefix lengths alone (prefixes {s['prefix_len_range'][0]}–{s['prefix_len_range'][1]} tokens).",
+    f"- Replication checkpoint: {ckpt.description}; panel of {len(panel)} rows frozen from prefix lengths alone (prefixes {s['prefix_len_range'][0]}–{s['prefix_len_range'][1]} tokens)"
+    + (f"; {len(s['ineligible'])} did not meet the transplant's precondition (boundary raw argmax differs between constructions) and are left out: "
+       + ", ".join(r["problem_id"] for r in s["ineligible"]) if s["ineligible"] else "") + ".",
     f"- Incremental/prefill suffix divergence {s['divergence'].pct()} (paper 43/48); {s['tie_initiated']} of the "
     f"{s['divergent']} divergent rows are tie-initiated (an exact top-1/top-2 tie in either arm at the first divergent step).",
     f"- Donor recovery among divergent rows: prefill <- incremental {rate_text(s['recovery']['prefill<-incremental'])}; "

@@ -46,6 +46,7 @@ from ..experiments.matrix import arm_record
 from ..experiments.transplant import (
     DIRECTIONS,
     order_statistics,
+    split_precondition,
     transplant_chunk,
     transplant_row,
     transplant_summary,
@@ -340,11 +341,14 @@ def replication_summary(records: Sequence[dict]) -> dict:
         secondary); ``tie_initiated`` (divergent rows whose first divergence is tie-initiated);
         ``prefix_len_range``.
 
+    Rows that did not meet the transplant's registered precondition (the boundary's raw argmax differs
+    between constructions, :func:`~kvreplay.experiments.transplant.split_precondition`) are left out of
+    every count, ``rows`` included, and listed under ``ineligible``.
+
     Raises:
-        GateError: if any row failed a gate (endpoints are withheld).
+        GateError: if a row failed a gate other than the precondition (endpoints are withheld).
     """
-    require_gates(records)
-    t = transplant_summary(records)
+    t = transplant_summary(records)  # splits off the ineligible rows itself, and lists them
     n = t["rows"]
     recovered = t["joint_recovery"].k if t["joint_recovery"] else 0
     novel = t["third_among_exact"].k if t["third_among_exact"] else 0
@@ -355,6 +359,7 @@ def replication_summary(records: Sequence[dict]) -> dict:
         "interpretation": interpret(n, t["divergent"], t["exact"], recovered, novel),
         "interpretation_scaled": interpret(n, t["divergent"], t["exact"], recovered, novel, scaled=True),
         "tie_initiated": t["tie_initiated"],
+        "ineligible": t["ineligible"],
         "prefix_len_range": (min(r["prefix_len"] for r in records), max(r["prefix_len"] for r in records)),
     }
 
@@ -366,8 +371,10 @@ def replication_table(s: dict, checkpoint: str) -> pd.DataFrame:
     lo, hi = s["prefix_len_range"]
     return pd.DataFrame({"Experiment 5 (BF16, later checkpoint)": {
         "replication checkpoint": checkpoint,
-        "panel rows (order statistics of prefix length)": f"{s['rows']} (prefixes {lo}–{hi} tokens)",
-        "all gates pass (replicas, state, storage, argmax, provenance)": f"{s['rows']}/{s['rows']}",
+        "panel rows (order statistics of prefix length)": f"{s['rows'] + len(s['ineligible'])} (prefixes {lo}–{hi} tokens)",
+        "all gates pass (replicas, state, storage, argmax, provenance)": f"{s['rows']}/{s['rows'] + len(s['ineligible'])}",
+        **({"argmax precondition unmet (no transplant; left out of every line below)": "; ".join(
+            f"{r['problem_id']} ({r['reason']})" for r in s["ineligible"])} if s["ineligible"] else {}),
         "incremental/prefill suffix divergence": s["divergence"].pct(),
         "of which tie-initiated (either arm's top-1 minus top-2 margin exactly 0 at the first divergent step)":
             f"{s['tie_initiated']}/{s['divergent']}",
@@ -395,10 +402,11 @@ def accuracy_vs_checkpoint0(exp2_bf16: Sequence[dict], exp5: Sequence[dict], *, 
         after the boundary: a shorter suffix leaves fewer steps at which two constructions can part).
 
     Raises:
-        GateError: if a row failed a gate or a panel row is missing from Experiment 2.
+        GateError: if a row failed a gate (other than the transplant's precondition, whose rows have no
+            scores and are left out) or a panel row is missing from Experiment 2.
     """
     require_gates(exp2_bf16)
-    require_gates(exp5)
+    exp5, _ = split_precondition(exp5)
     by_id = {r["problem_id"]: r for r in exp2_bf16}
     missing = [r["problem_id"] for r in exp5 if r["problem_id"] not in by_id]
     if missing:
@@ -433,9 +441,15 @@ def accuracy_table(acc: dict) -> pd.DataFrame:
 
 
 def outcome_frame(records: Sequence[dict]) -> pd.DataFrame:
-    """Per row: prefix length, contemporaneous stratum and each direction's whole-cache outcome (for the figure)."""
+    """Per row: prefix length, contemporaneous stratum and each direction's whole-cache outcome (for the figure).
+
+    Rows that did not meet the transplant's precondition have no outcome and are left out.
+
+    Raises:
+        GateError: if a row failed a gate other than the precondition.
+    """
     rows = []
-    for r in records:
+    for r in split_precondition(records)[0]:
         row = {"problem_id": r["problem_id"], "prefix_len": r["prefix_len"],
                "stratum": "divergent" if r["baseline"]["suffix_differs"] else "exact"}
         for d in DIRECTIONS:

@@ -55,10 +55,15 @@ def transplant_table(s: dict, records: Sequence[dict]) -> pd.DataFrame:
     ctl = wilson(0, s["exact"]) if s["exact"] else None
     n_div = sum(r["stratum"] == "divergent" for r in records)
     n_ex = sum(r["stratum"] == "exact" for r in records)
-    return pd.DataFrame({"whole-cache transplant (BF16)": {
-        "panel rows (frozen divergent + exact)": f"{s['rows']} ({n_div} + {n_ex})",
+    table = {
+        "panel rows (frozen divergent + exact)": f"{len(records)} ({n_div} + {n_ex})",
         "frozen stratum reproduced by new baselines": f"{s['prior_stratum_reproduced']}/{s['rows']}",
-        "all gates pass (replicas, state, storage, argmax, provenance)": f"{s['rows']}/{s['rows']}",
+        "all gates pass (replicas, state, storage, argmax, provenance)": f"{s['rows']}/{len(records)}",
+    }
+    if s["ineligible"]:  # a line only where it has something to say (profiles without such rows keep their tables)
+        table["argmax precondition unmet (no transplant; left out of every line below)"] = "; ".join(
+            f"{r['problem_id']} ({r['stratum']}: {r['reason']})" for r in s["ineligible"])
+    return pd.DataFrame({"whole-cache transplant (BF16)": table | {
         "divergent rows (contemporaneous baselines): tie-initiated / not": f"{s['tie_initiated']} / {s['divergent'] - s['tie_initiated']}",
         "donor recovery, prefill <- incremental (integrity check)": rate_text(s["recovery"]["prefill<-incremental"]),
         "donor recovery, incremental <- prefill (integrity check)": rate_text(s["recovery"]["incremental<-prefill"]),
@@ -111,6 +116,33 @@ def interventions(n_layers: int, sweep: bool) -> list[tuple[str, str, list[int],
     if sweep:
         out += [(f"layer_{i:02d}", "exploratory", [i], ("key", "value")) for i in every]
     return out
+
+
+PRECONDITION_GATE = "argmax"
+"""The gate that is a transplant's registered precondition (paper §3.8): the raw next-token argmax at the
+boundary must already agree between the incremental and prefill constructions. A row that fails it has its
+panel place but no transplant (nothing after the boundary is decoded)."""
+
+
+def split_precondition(records: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+    """Split transplant rows by the registered precondition (paper §3.8), keeping ledger order.
+
+    A row whose only recorded gate failure is :data:`PRECONDITION_GATE` (the boundary's raw argmax differs
+    between constructions: typically an exact tie of the top two logits in one of them) is *ineligible*: it
+    was frozen into the panel before any transplant, its boundary states passed their gates, and it was
+    stopped before decoding. Endpoints are computed on the eligible rows and the ineligible ones are
+    reported beside them. Any other gate failure is an integrity failure and withholds every endpoint.
+
+    Returns:
+        ``(eligible, ineligible)``, two lists of the given records.
+
+    Raises:
+        GateError: gate ``report``, if an eligible row failed any other gate.
+    """
+    ineligible = [r for r in records if (r.get("gate_failure") or {}).get("gate") == PRECONDITION_GATE]
+    eligible = [r for r in records if (r.get("gate_failure") or {}).get("gate") != PRECONDITION_GATE]
+    require_gates(eligible)
+    return eligible, ineligible
 
 
 def _outcome(suffix: list[int], donor: list[int], recipient: list[int]) -> str:
@@ -282,12 +314,14 @@ def transplant_summary(records: Sequence[dict]) -> dict:
 
     Rows are grouped by their contemporaneous baselines (incremental vs
     prefill suffix), as registered; ``prior_stratum_reproduced`` counts rows
-    whose frozen stratum the new baselines reproduce.
+    whose frozen stratum the new baselines reproduce. Rows that did not meet
+    the registered precondition (:func:`split_precondition`) are left out of
+    every count and listed under ``ineligible``; ``rows`` counts the others.
 
     Raises:
-        GateError: if any row failed a gate.
+        GateError: if a row failed a gate other than the precondition.
     """
-    require_gates(records)
+    records, ineligible = split_precondition(records)
     div = [r for r in records if r["baseline"]["suffix_differs"]]
     exact = [r for r in records if not r["baseline"]["suffix_differs"]]
     whole = lambda r, d: r["interventions"]["whole"][d]["outcome"]  # noqa: E731
@@ -300,6 +334,8 @@ def transplant_summary(records: Sequence[dict]) -> dict:
         "joint_recovery": wilson(sum(all(whole(r, d) == "donor" for d in DIRECTIONS) for r in div), len(div)) if div else None,
         "third_among_exact": wilson(sum(any(whole(r, d) == "third" for d in DIRECTIONS) for r in exact), len(exact)) if exact else None,
         "tie_initiated": sum(bool(r["baseline"].get("tie_initiated")) for r in div),
+        "ineligible": [{"problem_id": r["problem_id"], "stratum": r["stratum"], "reason": r["gate_failure"]["reason"]}
+                       for r in ineligible],
     }
     return out
 
@@ -311,9 +347,13 @@ def localization_table(records: Sequence[dict]) -> pd.DataFrame:
     carries the trajectory; exact rows (the baselines agree) are the controls:
     there a partial transplant should leave the shared baseline (``baseline``),
     and a new trajectory (``third``) means the intervention itself moves the
-    decoder.
+    decoder. Rows that did not meet the precondition (:func:`split_precondition`) have no transplant and
+    are left out.
+
+    Raises:
+        GateError: if a row failed a gate other than the precondition.
     """
-    require_gates(records)
+    records, _ = split_precondition(records)
     rows = []
     coarse = ("whole", "keys_only", "values_only", "first_half", "second_half")
     # a fixed order, whether the records come from memory or from a ledger (whose JSON keys are sorted)

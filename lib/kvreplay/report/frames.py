@@ -8,9 +8,7 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from ..experiments.endpoints import require_gates
-from ..experiments.transplant import (
-    DIRECTIONS,
-)
+from ..experiments.transplant import DIRECTIONS, split_precondition
 
 
 def first_divergence_frame(groups: Mapping[str, Sequence[dict]]) -> pd.DataFrame:
@@ -78,12 +76,13 @@ def transplant_outcomes(records: Sequence[dict]) -> pd.DataFrame:
     Returns:
         DataFrame ``stratum`` (``divergent``/``exact`` by the new baselines), ``intervention``,
         ``kind`` (primary/exploratory), ``direction``, ``outcome`` (``donor``, ``recipient``,
-        ``third``, ``baseline``) and ``rows``.
+        ``third``, ``baseline``) and ``rows``; rows that did not meet the transplant's precondition are left
+        out (:func:`~kvreplay.experiments.transplant.split_precondition`).
 
     Raises:
-        GateError: if any row failed a gate.
+        GateError: if a row failed a gate other than the precondition.
     """
-    require_gates(records)
+    records, _ = split_precondition(records)  # ineligible rows have no transplant
     counts: dict[tuple, int] = {}
     for r in records:
         stratum = "divergent" if r["baseline"]["suffix_differs"] else "exact"

@@ -1,4 +1,4 @@
-"""Experiment 1 and 2 endpoints of a profile whose ledgers are not complete yet (paper §4.1, §4.2, §3.4).
+"""Endpoints of a profile whose ledgers are not complete yet (paper §4.1-§4.4, §3.4).
 
 ``make paper`` needs every row of an arm; a profile computed across several
 device sessions (the ``paper`` profile: caps 768 / 512 / 64 on the H200) has
@@ -6,11 +6,14 @@ ledgers that stop at their last finished chunk. This module reads those rows
 as they are, pairs the BF16 and FP32 arms on the problems both have finished,
 and prints the suffix-divergence endpoint (Experiment 1: live vs prefill;
 Experiment 2: incremental vs prefill on the fixed BF16 prefixes) with Wilson
-intervals, the tie-initiated split and the exact McNemar test. An arm that
-has not started is left out (and so is the pairing). It computes nothing on a
-model and writes nothing.
+intervals, the tie-initiated split and the exact McNemar test. Experiments 3
+and 4 (one BF16 arm each) get the tables their notebooks write, computed on
+the rows finished so far: the bridge table, and the transplant table (with
+any panel row that did not meet the transplant's precondition named). An arm
+that has not started is left out (and so is the pairing). It computes
+nothing on a model and writes nothing.
 
-Usage: ``python -m kvreplay.report.partial [--profile paper] [--experiments exp1 exp2] [--readme]``; with
+Usage: ``python -m kvreplay.report.partial [--profile paper] [--experiments exp1 exp2 exp3 exp4] [--readme]``; with
 ``--readme`` each experiment's table is printed as the README's section on the profile holds it (a test
 checks that it does). How many rows each arm has finished goes to stderr.
 """
@@ -45,6 +48,25 @@ def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[Path, list[dict]]
 
 
 COMPARISON = {"exp1": "live vs prefill", "exp2": "incremental vs prefill, fixed BF16 prefixes"}
+ONE_ARM = ("exp3", "exp4")
+"""Experiments with one BF16 arm, reported by their notebooks' own summary tables (:func:`one_arm_table`)."""
+
+
+def one_arm_table(experiment: str, rows: list[dict]) -> pd.DataFrame:
+    """Experiment 3's bridge table or Experiment 4's transplant table on the finished ``rows`` of its BF16 arm.
+
+    Raises:
+        GateError: a row failed a gate (Experiment 4: a gate other than the transplant's precondition).
+        ValueError: ``experiment`` is not one of :data:`ONE_ARM`.
+    """
+    from ..experiments.bridge import bridge_summary, bridge_table
+    from ..experiments.transplant import transplant_summary, transplant_table
+
+    if experiment == "exp3":
+        return bridge_table(bridge_summary(rows))
+    if experiment == "exp4":
+        return transplant_table(transplant_summary(rows), rows)
+    raise ValueError(f"{experiment!r} is not one of {ONE_ARM}")
 """What the suffix-divergence endpoint compares, per experiment (both rows have the same ``endpoints`` layout)."""
 
 
@@ -123,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.report.partial", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="paper")
     ap.add_argument("--ledger-root", type=Path, default=LEDGERS)
-    ap.add_argument("--experiments", nargs="+", choices=sorted(COMPARISON), default=sorted(COMPARISON))
+    ap.add_argument("--experiments", nargs="+", choices=[*sorted(COMPARISON), *ONE_ARM], default=[*sorted(COMPARISON), *ONE_ARM])
     ap.add_argument("--readme", action="store_true", help="print each table as the README shows it (with its marker)")
     args = ap.parse_args(argv)
     root = args.ledger_root / args.profile
@@ -134,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for experiment in args.experiments:
         rows = {}
-        for dtype in ("bfloat16", "float32"):
+        for dtype in ("bfloat16",) if experiment in ONE_ARM else ("bfloat16", "float32"):
             try:
                 folder, rows[dtype] = arm_rows(root, experiment, dtype)
             except FileNotFoundError:
@@ -143,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             done, wanted = ledger_progress(folder)
             print(f"{folder.name}: {done} of {wanted} rows finished", file=sys.stderr)
         if not rows:
+            continue
+        if experiment in ONE_ARM:
+            table = one_arm_table(experiment, rows["bfloat16"]).to_markdown()
+            print(README_MARKER.format(profile=args.profile, experiment=experiment) + "\n\n" + table if args.readme else table)
+            print()
             continue
         summary = suffix_summary(rows)
         print(readme_table(summary, args.profile, experiment) if args.readme
