@@ -216,3 +216,22 @@ def test_a_profile_key_that_is_no_parameter_is_refused(tmp_path, monkeypatch, ca
     monkeypatch.undo()
     for name in ("cpu", "gpu", "paper", "smoke"):  # every committed profile passes
         assert paper.load_parameters(name).profile == name
+
+
+def test_a_profile_computed_on_a_gpu_refuses_notebooks_whose_arms_are_unfinished(monkeypatch, capsys):
+    """`paper` lists `done:`: make paper reads its complete ledgers but refuses, before any notebook runs, a notebook
+    whose arms the committed ledgers do not hold in full (it would compute them on this machine)."""
+    import kvreplay.paper as paper
+    from kvreplay.paths import LEDGERS
+    from kvreplay.profiles import load_parameters
+
+    ran = []
+    monkeypatch.setattr(paper, "run_notebook", lambda *a, **k: ran.append(a[0]))
+    assert main(["--profile", "paper", "--only", "03", "04", "--no-html", "--no-executed"]) == 2
+    err = capsys.readouterr().err
+    assert "04_experiment4_cache_transplant.ipynb: exp4-bfloat16 (" in err and "03_" not in err and ran == []
+    params = load_parameters("paper")
+    chain = [n for n in paper.CHAIN if n[:2] in ("01", "03")]
+    assert paper.unfinished_arms(chain, params, LEDGERS / "paper") == []  # the profile's own `notebooks:` list
+    assert paper.notebook_arms("02_x.ipynb", params) == ["exp1-bfloat16", "exp2-bfloat16", "exp2-float32", "exp2_controls-bfloat16"]
+    assert paper.unfinished_arms(["05_x.ipynb"], params, LEDGERS / "paper") == ["05_x.ipynb: exp5-bfloat16 (not started)"]

@@ -72,6 +72,43 @@ CHAIN = [
 """Notebooks in dependency order (the checkpoint family, experiments, then tables, then figures)."""
 
 
+def notebook_arms(name: str, params: ChainParameters) -> list[str]:
+    """The ledger arms (``<experiment>-<dtype>``) notebook ``name`` reads or, where they are unfinished, computes.
+
+    Experiments 1 and 2 run at every precision of ``params``; 3-5 and the controls in BF16 only; 02 reads
+    Experiment 1's BF16 prefix bank, 03 the Experiment 1 and 2 BF16 ledgers (its audit), 04 and 05 the
+    Experiment 2 BF16 ledger (the panel, the accuracy comparison); 06 and 07 read all of them, 08 Experiments
+    1 and 2. Notebook 00 (the checkpoint family) is not a ledger arm: ``[]``.
+    """
+    exp1 = [f"exp1-{d}" for d in params.precisions]
+    exp2 = [f"exp2-{d}" for d in params.precisions]
+    controls = ["exp2_controls-bfloat16"] if params.exploratory_controls else []
+    own = {"01": exp1, "02": ["exp1-bfloat16", *exp2, *controls], "03": ["exp1-bfloat16", "exp2-bfloat16", "exp3-bfloat16"],
+           "04": ["exp2-bfloat16", "exp4-bfloat16"], "05": ["exp2-bfloat16", "exp5-bfloat16"],
+           "08": [*exp1, *exp2]}
+    every = [*exp1, *exp2, *controls, "exp3-bfloat16", "exp4-bfloat16", "exp5-bfloat16"]
+    arms = own.get(name[:2], every if name[:2] in ("06", "07") else [])
+    return list(dict.fromkeys(arms))
+
+
+def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) -> list[str]:
+    """For a profile computed elsewhere (one whose file lists ``done:``), every arm the notebooks of ``chain`` need
+    that its ledgers under ``ledgers`` do not hold in full, as ``"<notebook>: <arm> (k of n rows)"`` or
+    ``"... (not started)"``. Run on such a profile, ``make paper`` would compute those rows on this machine
+    (hours on a CPU for the ``paper`` caps), so :func:`main` refuses before any notebook runs."""
+    from .ledger.lookup import ledger_progress
+
+    out = []
+    for name in chain:
+        for arm in notebook_arms(name, params):
+            folders = sorted(ledgers.glob(f"{arm}-*/manifest.json"))
+            progress = [ledger_progress(f.parent) for f in folders]
+            if not any(done == wanted for done, wanted in progress):
+                held = ", ".join(f"{done} of {wanted} rows" for done, wanted in progress) or "not started"
+                out.append(f"{name}: {arm} ({held})")
+    return out
+
+
 def declared_parameters(name: str, params: dict) -> dict:
     """The subset of ``params`` that the notebook's ``parameters`` cell declares (no unknown-parameter noise): every
     notebook declares ``profile`` and ``overrides``; :data:`RUN_PARAMETERS` go only to the notebooks that declare them."""
@@ -392,6 +429,14 @@ def main(argv: list[str] | None = None) -> int:
     if not chain:
         print(f"error: --only / notebooks {selected} matches no notebook of {CHAIN}", file=sys.stderr)
         return 2
+    if "done" in doc:  # computed on a GPU across device sessions: read what is there, never compute the rest here
+        missing = unfinished_arms(chain, params, ledgers)
+        if missing:
+            print(f"error: profile {label!r} is computed on a GPU (its file lists `done:`), and these notebooks need "
+                  f"arms its ledgers under {ledgers} do not hold in full; make paper would compute them here. Finish "
+                  "them with scripts/gpu_profile.py, or leave the notebooks out (`notebooks:` / --only):\n  "
+                  + "\n  ".join(missing), file=sys.stderr)
+            return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if args.engine == "inprocess":
