@@ -264,6 +264,35 @@ def test_a_row_that_fails_only_the_transplant_precondition_is_named_and_left_out
     for summarise in (transplant_summary, localization_table, transplant_outcomes, split_precondition):
         with pytest.raises(GateError, match="endpoints withheld"):
             summarise(broken)
+    # a row recorded under the precondition's name but holding decoded results is not what the gate writes
+    tagged = copy.deepcopy(rows)
+    tagged[0]["gate_failure"] = dict(failure := failed[0]["gate_failure"])
+    assert tagged[0]["interventions"] and failure["gate"] == "argmax"
+    with pytest.raises(GateError, match=r"hold decoded results"):
+        transplant_summary(tagged)
+    # the whole-panel views: notebook 06's run values and Experiment 5's table name the row and count it
+    from kvreplay.experiments.replication import replication_summary, replication_table
+    from kvreplay.report.paper_tables import RUN_VALUES
+
+    n = len(rows)
+    assert RUN_VALUES["exp4.gates"]({"transplant": s}) == f"{n - 1}/{n}"
+    assert RUN_VALUES["exp4.panel"]({"transplant": s}).startswith(f"{n} ({n - 1} + 0, contemporaneous strata + 1 whose argmax")
+    r5 = replication_summary(rows)
+    assert r5["rows"] == n - 1 and [r["problem_id"] for r in r5["ineligible"]] == ["mmlu-6bf0fb35afd9b0d6"]
+    assert f"over all {n} panel rows {n - 1}/{n} to {n}/{n}" in RUN_VALUES["exp5.divergence"]({"replication": r5})
+    t5 = replication_table(r5, "checkpoint").iloc[:, 0]
+    assert t5["panel rows (order statistics of prefix length)"].startswith(f"{n} ")
+    assert t5["all gates pass (replicas, state, storage, argmax, provenance)"] == f"{n - 1}/{n}"
+    assert t5["divergence over the whole panel, the rows left out counted as not / as divergent"].startswith(f"{n - 1}/{n} ")
+
+
+def test_verify_knows_an_experiment4_rows_sweep_from_the_ledger_key_also_without_interventions():
+    from kvreplay.verify import _sweep
+
+    stopped = {"problem_id": "b", "gate_failure": {"gate": "argmax", "reason": "..."}}
+    assert _sweep({"sweep": ["b"]}, stopped) and not _sweep({"sweep": ["a"]}, stopped)
+    assert _sweep({}, {"problem_id": "a", "interventions": {"whole": {}, "layer_03": {}}})
+    assert not _sweep({}, stopped)
 
 
 def test_a_panel_without_ineligible_rows_keeps_its_table():

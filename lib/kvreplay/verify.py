@@ -127,11 +127,19 @@ def row_function(folder: Path, config: dict):
     if name == "exp3":
         return lambda spec, p, rec: bridge.bridge_row(spec, p, bank[p.problem_id])
     if name == "exp4":
-        return lambda spec, p, rec: transplant.transplant_row(
-            spec, p, bank[p.problem_id], rec["stratum"], sweep=any(k.startswith("layer_") for k in rec["interventions"]))
+        return lambda spec, p, rec: transplant.transplant_row(spec, p, bank[p.problem_id], rec["stratum"], sweep=_sweep(config, rec))
     if name == "exp5":
         return lambda spec, p, rec: replication.replication_row(spec, p, bank[p.problem_id])
     raise ValueError(f"{folder.name}: cannot recompute rows of experiment {name!r}")
+
+
+def _sweep(config: dict, rec: dict) -> bool:
+    """Whether an Experiment 4 row ran the single-layer sweep: its problem is in the ledger key's ``sweep`` list (a
+    row stopped by the transplant's precondition has no interventions to tell); older keys without the list: its
+    recorded interventions."""
+    if "sweep" in config:
+        return rec["problem_id"] in config["sweep"]
+    return any(k.startswith("layer_") for k in rec.get("interventions") or {})
 
 
 def chunk_function(folder: Path, config: dict):
@@ -155,7 +163,7 @@ def chunk_function(folder: Path, config: dict):
         return lambda spec, p, rec: bridge.bridge_chunk(spec, [p], [bank[p.problem_id]])[0]
     if name == "exp4":
         return lambda spec, p, rec: transplant.transplant_chunk(
-            spec, [p], [bank[p.problem_id]], [rec["stratum"]], [any(k.startswith("layer_") for k in rec["interventions"])])[0]
+            spec, [p], [bank[p.problem_id]], [rec["stratum"]], [_sweep(config, rec)])[0]
     if name == "exp5":
         return lambda spec, p, rec: replication.replication_chunk(spec, [p], [bank[p.problem_id]])[0]
     raise ValueError(f"{folder.name}: experiment {name!r} has no batched runner")

@@ -376,6 +376,10 @@ def replication_table(s: dict, checkpoint: str) -> pd.DataFrame:
         **({"argmax precondition unmet (no transplant; left out of every line below)": "; ".join(
             f"{r['problem_id']} ({r['reason']})" for r in s["ineligible"])} if s["ineligible"] else {}),
         "incremental/prefill suffix divergence": s["divergence"].pct(),
+        **({"divergence over the whole panel, the rows left out counted as not / as divergent": (
+            f"{wilson(s['divergent'], s['rows'] + len(s['ineligible'])).pct()} to "
+            f"{wilson(s['divergent'] + len(s['ineligible']), s['rows'] + len(s['ineligible'])).pct()}")}
+           if s["ineligible"] else {}),
         "of which tie-initiated (either arm's top-1 minus top-2 margin exactly 0 at the first divergent step)":
             f"{s['tie_initiated']}/{s['divergent']}",
         "donor recovery, prefill <- incremental (integrity check)": rate_text(s["recovery"]["prefill<-incremental"]),

@@ -124,6 +124,10 @@ boundary must already agree between the incremental and prefill constructions. A
 panel place but no transplant (nothing after the boundary is decoded)."""
 
 
+DECODED_FIELDS = ("baseline", "interventions", "equivalence", "scores")
+"""Row fields written only after the precondition passed (a row stopped by it has none of them)."""
+
+
 def split_precondition(records: Sequence[dict]) -> tuple[list[dict], list[dict]]:
     """Split transplant rows by the registered precondition (paper §3.8), keeping ledger order.
 
@@ -137,11 +141,18 @@ def split_precondition(records: Sequence[dict]) -> tuple[list[dict], list[dict]]
         ``(eligible, ineligible)``, two lists of the given records.
 
     Raises:
-        GateError: gate ``report``, if an eligible row failed any other gate.
+        GateError: gate ``report``, if an eligible row failed any other gate, or a row recorded as stopped by
+            the precondition holds decoded results (:data:`DECODED_FIELDS`).
     """
     ineligible = [r for r in records if (r.get("gate_failure") or {}).get("gate") == PRECONDITION_GATE]
     eligible = [r for r in records if (r.get("gate_failure") or {}).get("gate") != PRECONDITION_GATE]
     require_gates(eligible)
+    # the precondition is checked before anything past the boundary is decoded: a row holding decoded results
+    # under this gate's name is not what the gate records, so it is an integrity failure like any other
+    decoded = [r["problem_id"] for r in ineligible if any(r.get(k) for k in DECODED_FIELDS)]
+    if decoded:
+        raise GateError("report", f"row(s) {decoded} record the {PRECONDITION_GATE!r} precondition as failed but hold decoded "
+                                  f"results ({', '.join(DECODED_FIELDS)}): endpoints withheld")
     return eligible, ineligible
 
 

@@ -185,6 +185,23 @@ def _count_text(k, n) -> str:
     return f"{k}/{n}"
 
 
+def _unmet_text(summary: dict) -> str:
+    """``""``, or ``" + k whose argmax precondition was unmet: <ids>"`` for rows left out of the transplant endpoints."""
+    if not summary["ineligible"]:
+        return ""
+    ids = ", ".join(r["problem_id"] for r in summary["ineligible"])
+    return f" + {len(summary['ineligible'])} whose argmax precondition was unmet, left out: {ids}"
+
+
+def _unmet_divergence_text(summary: dict) -> str:
+    """``""``, or the divergence over the whole panel with the rows whose precondition was unmet counted either way."""
+    u = len(summary["ineligible"])
+    if not u:
+        return ""
+    k, n = summary["divergent"], summary["rows"] + u
+    return f"; over all {n} panel rows {k}/{n} to {k + u}/{n} (the {u} left out, unmet argmax precondition, not / all divergent)"
+
+
 def _leaves_agree(audit: dict, kind: str) -> str:
     leaves = ", ".join(map(str, audit[f"{kind}_leaves"]))
     return f"{leaves} leaves; {_count_text(audit[f'{kind}_leaves_agree_rows'], audit['rows'])}"
@@ -226,13 +243,14 @@ RUN_VALUES: dict[str, Callable[[dict], str]] = {
     "exp3.audit.suffix": lambda R: _count_text(min(R["audit"]["suffix_agrees"].values()), R["audit"]["rows"]),
     "exp3.audit.cache_leaves": lambda R: _leaves_agree(R["audit"], "cache"),
     "exp3.audit.logit_leaves": lambda R: _leaves_agree(R["audit"], "logit"),
-    "exp4.panel": lambda R: (lambda t: f"{t['rows']} ({t['divergent']} + {t['exact']}, contemporaneous strata)")(R["transplant"]),
-    "exp4.gates": lambda R: _count_text(R["transplant"]["rows"], R["transplant"]["rows"]),
+    "exp4.panel": lambda R: (lambda t: f"{t['rows'] + len(t['ineligible'])} ({t['divergent']} + {t['exact']}, contemporaneous "
+                             f"strata{_unmet_text(t)})")(R["transplant"]),
+    "exp4.gates": lambda R: _count_text(R["transplant"]["rows"], R["transplant"]["rows"] + len(R["transplant"]["ineligible"])),
     "exp4.recovery.prefill_from_incremental": lambda R: rate_text(R["transplant"]["recovery"]["prefill<-incremental"]),
     "exp4.recovery.incremental_from_prefill": lambda R: rate_text(R["transplant"]["recovery"]["incremental<-prefill"]),
     "exp4.joint_recovery": lambda R: rate_text(R["transplant"]["joint_recovery"]),
     "exp4.third_among_exact": lambda R: rate_text(R["transplant"]["third_among_exact"]),
-    "exp5.divergence": lambda R: R["replication"]["divergence"].pct(),
+    "exp5.divergence": lambda R: R["replication"]["divergence"].pct() + _unmet_divergence_text(R["replication"]),
     "exp5.joint_recovery": lambda R: rate_text(R["replication"]["joint_recovery"]),
     "exp5.third_among_exact": lambda R: rate_text(R["replication"]["third_among_exact"]),
     "exp5.interpretation": lambda R: (lambda i, j: f"{i.label} (thresholds ≥ {i.min_divergent} divergent, ≥ {i.min_exact} "

@@ -113,8 +113,11 @@ def run_arm(
     groups = len(todo) if settings.step_path == "eager" else -(-len(todo) // (settings.chunk or settings.batch))
     reference = None
     if settings.step_path != "eager" and first is not None and committed:
-        # a resumed batched arm: its gate on the committed row with the shortest line, not on a new row
-        line = min(committed, key=len)
+        # a resumed batched arm: its gate on the committed row with the shortest line, not on a new row; a row that
+        # stopped at a gate (e.g. a transplant's precondition) decoded little and would check little, so it is
+        # the reference only when every committed row did
+        passed = [c for c in committed if not json.loads(c).get("gate_failure")]
+        line = min(passed or committed, key=len)
         reference, first = (next(p for p in problems if p.problem_id == json.loads(line)["problem_id"]), line), None
     if settings.workers > 1 and groups > 1:
         # the actors load the model; this process loads none (a second copy would sit on the first GPU)
