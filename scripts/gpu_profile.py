@@ -186,22 +186,16 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
         records, ledger = run_controls(fixed.rows, fixed.prefixes, fixed.sha256,
                                        session.settings(dtype, params.preflight_fixed),
                                        ledger_root=session.ledger_root, seed=params.seed)
-    return {"ledger": ledger.dir.name, "rows": len(records), "wall_s": round(time.perf_counter() - t, 1),
-            "gate_failures": [(r["problem_id"], r["gate_failure"]) for r in records if r.get("gate_failure")]}
+    # the parent reads the gate failures from the ledger it packs (also for an arm stopped or cut off)
+    return {"ledger": ledger.dir.name, "rows": len(records), "wall_s": round(time.perf_counter() - t, 1)}
 
 
-def ledger_gate_failures(rows: Path) -> list[tuple[str, dict]]:
-    """``(problem_id, gate_failure)`` of every finished row of an appendable ``rows.jsonl`` that failed a gate (a
-    last line cut off by the time limit is skipped)."""
-    out = []
-    for line in rows.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if r.get("gate_failure"):
-            out.append((r["problem_id"], r["gate_failure"]))
-    return out
+def ledger_gate_failures(folder: Path) -> list[tuple[str, dict]]:
+    """``(problem_id, gate_failure)`` of every finished row of a ledger folder that failed a gate (a last line cut
+    off by the time limit is left out, as :func:`kvreplay.ledger.lookup.finished_rows` reads it)."""
+    from kvreplay.ledger.lookup import finished_rows
+
+    return [(r["problem_id"], r["gate_failure"]) for r in finished_rows(folder) if r.get("gate_failure")]
 
 
 def pack(folder: Path, out: Path) -> Path:
@@ -311,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             entry.setdefault("packed", {})[pack(folder, args.out).name] = n
             # every row's gate failure, from the ledger itself: also for an arm stopped by the chunk deadline
             # or cut off, whose child reported no records
-            entry["gate_failures"] = ledger_gate_failures(rows) if rows.exists() else []
+            entry["gate_failures"] = ledger_gate_failures(folder) if rows.exists() else []
         if experiment == "exp1" and dtype == "bfloat16" and (there / "prefix_bank_bf16.jsonl").exists():
             for f in ("prefix_bank_bf16.jsonl", "prefix_bank_bf16.jsonl.manifest.json"):
                 shutil.copy2(there / f, args.out / f)

@@ -176,4 +176,4 @@ def test_gpu_profile_reads_gate_failures_from_the_ledger_also_for_a_stopped_arm(
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"problem_id": "a", "gate_failure": None}) + "\n"
                     + json.dumps({"problem_id": "b", "gate_failure": failure}) + "\n" + '{"problem_id": "c", "gate_fa')
-    assert gpu_profile.ledger_gate_failures(rows) == [("b", failure)]
+    assert gpu_profile.ledger_gate_failures(tmp_path) == [("b", failure)]

@@ -48,6 +48,7 @@ from pathlib import Path
 import yaml
 
 from .adapt import read_pointer
+from .ledger.lookup import ledger_progress
 from .ledger.store import TERMINAL_PROGRESS, canonical_json, library_digest
 from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, ROOT
 from .profiles import ChainParameters, load_parameters, profile_path, read_profile
@@ -96,8 +97,6 @@ def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) ->
     that its ledgers under ``ledgers`` do not hold in full, as ``"<notebook>: <arm> (k of n rows)"`` or
     ``"... (not started)"``. Run on such a profile, ``make paper`` would compute those rows on this machine
     (hours on a CPU for the ``paper`` caps), so :func:`main` refuses before any notebook runs."""
-    from .ledger.lookup import ledger_progress
-
     out = []
     for name in chain:
         for arm in notebook_arms(name, params):

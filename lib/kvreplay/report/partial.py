@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..experiments.bridge import bridge_summary, bridge_table
+from ..experiments.transplant import transplant_summary, transplant_table
 from ..ledger.lookup import finished_rows, ledger_progress
 from ..paths import LEDGERS
 from ..stats import mcnemar_exact, wilson
@@ -59,9 +61,6 @@ def one_arm_table(experiment: str, rows: list[dict]) -> pd.DataFrame:
         GateError: a row failed a gate (Experiment 4: a gate other than the transplant's precondition).
         ValueError: ``experiment`` is not one of :data:`ONE_ARM`.
     """
-    from ..experiments.bridge import bridge_summary, bridge_table
-    from ..experiments.transplant import transplant_summary, transplant_table
-
     if experiment == "exp3":
         return bridge_table(bridge_summary(rows))
     if experiment == "exp4":

@@ -99,10 +99,12 @@ def run_arm(
     version = ROW_ALGORITHM.get(name)
     done: set[str] = set()
     committed: list[str] = []  # the ledger's finished lines, for a resumed batched arm's gate
+    parsed: list[dict] = []  # the same lines parsed
     if Ledger.folder(root, label, config).is_dir():
         probe = Ledger(root, label, config, row_algorithm=version)
         committed = [x for x in read_rows_text(probe.dir).splitlines() if x]  # read once: done keys and lines
-        by_id = {r[probe.key]: r for r in map(json.loads, committed)}
+        parsed = [json.loads(x) for x in committed]
+        by_id = {r[probe.key]: r for r in parsed}
         if set(ids) <= by_id.keys():  # nothing to compute: no model, no actors; the one line a finished ledger gets
             row_bar(len(ids), len(ids), f"{name} {settings.dtype}", progress)
             return [by_id[i] for i in ids], probe
@@ -116,9 +118,9 @@ def run_arm(
         # a resumed batched arm: its gate on the committed row with the shortest line, not on a new row; a row that
         # stopped at a gate (e.g. a transplant's precondition) decoded little and would check little, so it is
         # the reference only when every committed row did
-        passed = [c for c in committed if not json.loads(c).get("gate_failure")]
-        line = min(passed or committed, key=len)
-        reference, first = (next(p for p in problems if p.problem_id == json.loads(line)["problem_id"]), line), None
+        lines = list(zip(committed, parsed))
+        line, rec = min([x for x in lines if not x[1].get("gate_failure")] or lines, key=lambda x: len(x[0]))
+        reference, first = (next(p for p in problems if p.problem_id == rec["problem_id"]), line), None
     if settings.workers > 1 and groups > 1:
         # the actors load the model; this process loads none (a second copy would sit on the first GPU)
 
