@@ -6,14 +6,15 @@ ledgers that stop at their last finished chunk. This module reads those rows
 as they are, pairs the BF16 and FP32 arms on the problems both have finished,
 and prints the suffix-divergence endpoint (Experiment 1: live vs prefill;
 Experiment 2: incremental vs prefill on the fixed BF16 prefixes) with Wilson
-intervals, the tie-initiated split and the exact McNemar test. Experiments 3
-and 4 (one BF16 arm each) get the tables their notebooks write, computed on
-the rows finished so far: the bridge table, and the transplant table (with
-any panel row that did not meet the transplant's precondition named). An arm
+intervals, the tie-initiated split and the exact McNemar test. Experiments
+3-5 (one BF16 arm each) get the tables their notebooks write, computed on
+the rows finished so far: the bridge table, the transplant table (with any
+panel row that did not meet the transplant's precondition named) and the
+replication table on the later checkpoint the ledger names. An arm
 that has not started is left out (and so is the pairing). It computes
 nothing on a model and writes nothing.
 
-Usage: ``python -m kvreplay.report.partial [--profile paper] [--experiments exp1 exp2 exp3 exp4] [--readme]``; with
+Usage: ``python -m kvreplay.report.partial [--profile paper] [--experiments exp1 exp2 exp3 exp4 exp5] [--readme]``; with
 ``--readme`` each experiment's table is printed as the README's section on the profile holds it (a test
 checks that it does). How many rows each arm has finished goes to stderr.
 """
@@ -27,7 +28,10 @@ from pathlib import Path
 
 import pandas as pd
 
+import json
+
 from ..experiments.bridge import bridge_summary, bridge_table
+from ..experiments.replication import describe_checkpoint, replication_summary, replication_table
 from ..experiments.transplant import transplant_summary, transplant_table
 from ..ledger.lookup import finished_rows, ledger_progress
 from ..paths import LEDGERS
@@ -50,21 +54,27 @@ def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[Path, list[dict]]
 
 
 COMPARISON = {"exp1": "live vs prefill", "exp2": "incremental vs prefill, fixed BF16 prefixes"}
-ONE_ARM = ("exp3", "exp4")
+ONE_ARM = ("exp3", "exp4", "exp5")
 """Experiments with one BF16 arm, reported by their notebooks' own summary tables (:func:`one_arm_table`)."""
 
 
-def one_arm_table(experiment: str, rows: list[dict]) -> pd.DataFrame:
-    """Experiment 3's bridge table or Experiment 4's transplant table on the finished ``rows`` of its BF16 arm.
+def one_arm_table(experiment: str, rows: list[dict], folder: Path | None = None) -> pd.DataFrame:
+    """Experiment 3's bridge table, Experiment 4's transplant table or Experiment 5's replication table on the
+    finished ``rows`` of its BF16 arm. Experiment 5 names its checkpoint from the ledger ``folder``'s manifest.
 
     Raises:
-        GateError: a row failed a gate (Experiment 4: a gate other than the transplant's precondition).
-        ValueError: ``experiment`` is not one of :data:`ONE_ARM`.
+        GateError: a row failed a gate (Experiments 4 and 5: a gate other than the transplant's precondition).
+        ValueError: ``experiment`` is not one of :data:`ONE_ARM`, or Experiment 5 without its ``folder``.
     """
     if experiment == "exp3":
         return bridge_table(bridge_summary(rows))
     if experiment == "exp4":
         return transplant_table(transplant_summary(rows), rows)
+    if experiment == "exp5":
+        if folder is None:
+            raise ValueError("Experiment 5's table names its checkpoint from the ledger folder's manifest: pass folder")
+        checkpoint = json.loads((folder / "manifest.json").read_text())["config"]["checkpoint"]
+        return replication_table(replication_summary(rows), describe_checkpoint(checkpoint))
     raise ValueError(f"{experiment!r} is not one of {ONE_ARM}")
 """What the suffix-divergence endpoint compares, per experiment (both rows have the same ``endpoints`` layout)."""
 
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if not rows:
             continue
         if experiment in ONE_ARM:
-            table = one_arm_table(experiment, rows["bfloat16"]).to_markdown()
+            table = one_arm_table(experiment, rows["bfloat16"], folder).to_markdown()
             print(README_MARKER.format(profile=args.profile, experiment=experiment) + "\n\n" + table if args.readme else table)
             print()
             continue
