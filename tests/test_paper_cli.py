@@ -218,20 +218,29 @@ def test_a_profile_key_that_is_no_parameter_is_refused(tmp_path, monkeypatch, ca
         assert paper.load_parameters(name).profile == name
 
 
-def test_a_profile_computed_on_a_gpu_refuses_notebooks_whose_arms_are_unfinished(monkeypatch, capsys):
+def test_a_profile_computed_on_a_gpu_refuses_notebooks_whose_arms_are_unfinished(monkeypatch, capsys, tmp_path):
     """`paper` lists `done:`: make paper reads its complete ledgers but refuses, before any notebook runs, a notebook
-    whose arms the committed ledgers do not hold in full (it would compute them on this machine)."""
+    whose arms the committed ledgers do not hold in full (it would compute them on this machine). Its own
+    `notebooks:` list needs only complete arms; with the exploratory controls turned on (not run at its caps),
+    notebooks 02 and 06 need an arm it does not have."""
     import kvreplay.paper as paper
     from kvreplay.paths import LEDGERS
-    from kvreplay.profiles import load_parameters
+    from kvreplay.profiles import load_parameters, profile_path
 
     ran = []
     monkeypatch.setattr(paper, "run_notebook", lambda *a, **k: ran.append(a[0]))
-    assert main(["--profile", "paper", "--only", "03", "02", "--no-html", "--no-executed"]) == 2
-    err = capsys.readouterr().err
-    assert "02_" in err and "exp2_controls-bfloat16 (not started)" in err and "03_" not in err and ran == []
     params = load_parameters("paper")
     chain = [n for n in paper.CHAIN if n[:2] in paper.read_profile("paper")["notebooks"]]
+    assert len(chain) == len(paper.CHAIN) - 1 and not params.exploratory_controls  # all but 00 (the checkpoints are cpu's)
     assert paper.unfinished_arms(chain, params, LEDGERS / "paper") == []  # the profile's own `notebooks:` list
+    text = profile_path("paper").read_text()
+    assert text.count("exploratory_controls: false") == 1
+    (tmp_path / "with_controls").mkdir()
+    with_controls = tmp_path / "with_controls" / "paper.yaml"  # a profile file is named as its `profile:`
+    with_controls.write_text(text.replace("exploratory_controls: false", "exploratory_controls: true"))
+    assert main(["--profile", str(with_controls), "--only", "03", "02", "--no-html", "--no-executed"]) == 2
+    err = capsys.readouterr().err
+    assert "02_" in err and "exp2_controls-bfloat16 (not started)" in err and "03_" not in err and ran == []
+    params = load_parameters(str(with_controls))
     assert paper.notebook_arms("02_x.ipynb", params) == ["exp1-bfloat16", "exp2-bfloat16", "exp2-float32", "exp2_controls-bfloat16"]
     assert paper.unfinished_arms(["06_x.ipynb"], params, LEDGERS / "paper") == ["06_x.ipynb: exp2_controls-bfloat16 (not started)"]

@@ -53,7 +53,7 @@ def _cli(root: Path, *args: str) -> subprocess.CompletedProcess:
 # ----------------------------------------------------------------------------- the committed README
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+@pytest.mark.parametrize("profile", ["cpu", "gpu", "paper"])
 def test_readme_tables_equal_figures(profile):
     diffs = rt.check_tables(_readme(), ROOT, profile)
     assert not diffs, f"README's results tables differ from figures/{profile} (run python -m kvreplay.report.readme_tables " \
@@ -66,7 +66,7 @@ def test_readme_prose_counts_and_intervals_equal_figures(profile):
     assert not diffs, f"README's results prose quotes numbers figures/{profile} does not give:\n" + "\n".join(map(str, diffs))
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+@pytest.mark.parametrize("profile", ["cpu", "gpu", "paper"])
 def test_rewriting_the_readme_changes_nothing(profile):
     readme = _readme()
     assert rt.write(readme, ROOT, profile) == readme
@@ -212,6 +212,27 @@ def test_number_formatting():
     assert [rt._round(x, 1) for x in ("55.60", "77.18", "0.00", "100.00", "14.15")] == ["55.6", "77.2", "0", "100", "14.2"]
     assert rt._same("27.8", "27.75") and rt._same("49", "48.99") and rt._same("−18.8", "-18.8")
     assert rt._same("0", "+0.0") and not rt._same("14.2", "14.26")
+
+
+def test_the_paper_tables_quote_the_gpu_run_and_say_the_controls_were_not_run(tmp_path):
+    """The `paper` blocks set the `gpu` run beside it; a changed `gpu` cell is a difference of the `paper` block, and
+    without figures/paper/exp2_controls.csv the controls' rows say "not run" in the `paper` column."""
+    for prof in ("gpu", "paper"):
+        (tmp_path / "figures" / prof).mkdir(parents=True)
+        for f in (ROOT / "figures" / prof).glob("*.csv"):
+            shutil.copy(f, tmp_path / "figures" / prof / f.name)
+    (tmp_path / rt.REFERENCE).parent.mkdir(parents=True)
+    shutil.copy(ROOT / rt.REFERENCE, tmp_path / rt.REFERENCE)
+    readme = _readme()
+    assert not rt.check_tables(readme, tmp_path, "paper") and not (tmp_path / "figures" / "paper" / "exp2_controls.csv").exists()
+    header, rows = rt.TABLES_BY_PROFILE["paper"]["exp3_exp5"].build(tmp_path, "paper")
+    assert header[1].startswith("`gpu`") and header[2].startswith("`paper`") and header[2].endswith("/ —)")
+    controls = [r for r in rows if r[0].startswith("Controls")]
+    assert len(controls) == 4 and all(r[2] == "not run" and r[1] != "not run" for r in controls)
+    _replace(tmp_path / "figures" / "gpu" / "table_exp2_crossing.csv", '"43 vs 0, p = 2.27e-13"', '"43 vs 1, p = 5e-12"')
+    diffs = rt.check_tables(readme, tmp_path, "paper")
+    assert [d.item for d in diffs] == ["row 'Exp 2 paired FP32 − BF16 suffix disagreement, pts [95% CI]', column "
+                                       "'`gpu`: H200, batched graph engine (200 rows)'"]
 
 
 def test_the_side_by_side_table_follows_the_cpu_tables_too(tmp_path):

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -302,13 +303,22 @@ def _exp1(root: Path, profile: str) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def _side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[str]]]:
-    """Experiments 1 and 2: the ``cpu`` run, this run and the paper, endpoint by endpoint.
+RUN_LABELS = {"cpu": "2-core CPU, eager", "gpu": "H200, batched graph engine",
+              "paper": "H200, batched graph engine, caps 768 / 512 / 64"}
+"""How a side-by-side table's header names each profile's run (its caps are the ``cpu`` profile's unless said)."""
+
+
+def _run_label(profile: str) -> str:
+    return RUN_LABELS.get(profile, "this run")
+
+
+def _side_by_side(root: Path, profile: str, base: str = "cpu") -> tuple[list[str], list[list[str]]]:
+    """Experiments 1 and 2: the ``base`` run, this run and the paper, endpoint by endpoint.
 
     Reads ``table_exp1_matrix``, ``table_exp2_matrix`` and ``table_exp2_crossing`` of both profiles.
     """
     runs = {}
-    for prof in ("cpu", profile):
+    for prof in (base, profile):
         runs[prof] = {stem: _Table(root, prof, stem) for stem in SIDE_BY_SIDE_STEMS}
     reference = load_reference(root)
     paper = _paper(reference)
@@ -325,7 +335,7 @@ def _side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[str]]]
         return t(row, "bfloat16")
 
     def both(fn: Callable[[str], str]) -> list[str]:
-        return [fn("cpu"), fn(profile)]
+        return [fn(base), fn(profile)]
 
     def decoded(prof: str, stem: str, dtype: str) -> str:
         rows = ["suffix differs", "answer block differs (any token)", "predicted letter differs", "correctness label differs"]
@@ -350,8 +360,7 @@ def _side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[str]]]
     pfd = _match(r"median (\d+) \(range (\d+)-(\d+)\)", paper("exp1.bf16.first_divergence"), "exp1.bf16.first_divergence")
     p_red = _match(r"^(\S+) \[(\S+), (\S+)\]; p = (\S+)$", paper("exp2.reduction.suffix"), "exp2.reduction.suffix")
     e1, e2 = "table_exp1_matrix", "table_exp2_matrix"
-    header = ["endpoint", f"`cpu`: 2-core CPU, eager ({cell('cpu', e1, 'rows', 'bfloat16')} rows)",
-              f"`{profile}`: H200, batched graph engine ({cell(profile, e1, 'rows', 'bfloat16')} rows)",
+    header = ["endpoint", *both(lambda p: f"`{p}`: {_run_label(p)} ({cell(p, e1, 'rows', 'bfloat16')} rows)"),
               f"paper ({paper_rows} rows)"]
     rows = [
         ["Exp 1 BF16: boundary cache non-bit-exact; first eligible argmax agrees",
@@ -400,12 +409,15 @@ SIDE_BY_SIDE_STEMS = ("table_exp1_matrix", "table_exp2_matrix", "table_exp2_cros
 LATER_STEMS = ("table_exp3_bridge", "table5_exp4_transplant", "table_exp5_replication", "exp2_controls")
 
 
-def _later_side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[str]]]:
-    """Experiments 3-5 and the exploratory controls: the ``cpu`` run, this run and the paper.
+def _later_side_by_side(root: Path, profile: str, base: str = "cpu",
+                        stems: tuple[str, ...] = LATER_STEMS) -> tuple[list[str], list[list[str]]]:
+    """Experiments 3-5 and the exploratory controls: the ``base`` run, this run and the paper.
 
-    Reads :data:`LATER_STEMS` of both profiles (each table has one column).
+    Reads ``stems`` (:data:`LATER_STEMS`, or those without ``exp2_controls`` for a profile that has not run
+    the controls: their rows then say "not run" in this run's column) of both profiles (each table has one column).
     """
-    tables = {(prof, stem): _Table(root, prof, stem) for prof in ("cpu", profile) for stem in LATER_STEMS}
+    tables = {(prof, stem): _Table(root, prof, stem) for stem in LATER_STEMS
+              for prof in ((base, profile) if stem in stems else (base,))}
     reference = load_reference(root)
     paper = _paper(reference)
     paper_rows = reference["setup"]["rows"]
@@ -415,7 +427,10 @@ def _later_side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[
         return t(row, t.df.columns[0])
 
     def both(fn: Callable[[str], str]) -> list[str]:
-        return [fn("cpu"), fn(profile)]
+        return [fn(base), fn(profile)]
+
+    def controls(fn: Callable[[str], str]) -> list[str]:
+        return [fn(base), fn(profile) if (profile, c2) in tables else "not run"]
 
     def short(prof: str, stem: str, row: str) -> str:
         return _wilson_short(cell(prof, stem, row), stem)
@@ -424,10 +439,11 @@ def _later_side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[
     tie5 = "of which tie-initiated (either arm's top-1 minus top-2 margin exactly 0 at the first divergent step)"
     def sizes(p: str) -> str:
         return " / ".join([cell(p, b3, "rows"), cell(p, t4, "panel rows (frozen divergent + exact)").split(" ")[0],
-                           cell(p, r5, "panel rows (order statistics of prefix length)").split(" ")[0], cell(p, c2, "rows")])
+                           cell(p, r5, "panel rows (order statistics of prefix length)").split(" ")[0],
+                           cell(p, c2, "rows") if (p, c2) in tables else "—"])
 
-    header = ["endpoint (rows: Exp 3 / Exp 4 / Exp 5 / controls)", f"`cpu`: 2-core CPU, eager ({sizes('cpu')})",
-              f"`{profile}`: H200, batched graph engine ({sizes(profile)})", f"paper ({paper_rows['exp3']} / {paper_rows['exp4']} / {paper_rows['exp5']} / —)"]
+    header = ["endpoint (rows: Exp 3 / Exp 4 / Exp 5 / controls)", *both(lambda p: f"`{p}`: {_run_label(p)} ({sizes(p)})"),
+              f"paper ({paper_rows['exp3']} / {paper_rows['exp4']} / {paper_rows['exp5']} / —)"]
     rows = [
         ["Exp 3 bridge: incremental bit-exact to live on every layer; logits; complete suffix",
          *both(lambda p: "; ".join(cell(p, b3, r) for r in ("incremental bit-exact to live on every layer",
@@ -451,16 +467,16 @@ def _later_side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[
         ["Exp 5: frozen interpretation (thresholds ≥ 12 divergent, ≥ 6 exact)",
          *both(lambda p: cell(p, r5, "interpretation (frozen matrix)")), paper("exp5.interpretation")],
         ["Controls (exploratory): FP32 readout on the same BF16 caches, suffix differs (tie-initiated)",
-         *both(lambda p: f"{short(p, c2, 'FP32 readout (same BF16 caches; final norm and LM head in float32): suffix differs')} "
+         *controls(lambda p: f"{short(p, c2, 'FP32 readout (same BF16 caches; final norm and LM head in float32): suffix differs')} "
                          f"({cell(p, c2, 'FP32 readout: of which tie-initiated')})"), "not run"],
         ["Controls: FP32 readout still differs among rows whose BF16 suffixes differ",
-         *both(lambda p: _count_of_total(cell(p, c2, "FP32 readout: still differs among rows whose plain BF16 suffixes differ"), c2)),
+         *controls(lambda p: _count_of_total(cell(p, c2, "FP32 readout: still differs among rows whose plain BF16 suffixes differ"), c2)),
          "not run"],
         ["Controls: matched null perturbation moves the trajectory (tie-initiated)",
-         *both(lambda p: f"{short(p, c2, 'matched null perturbation of the incremental cache: trajectory moved')} "
+         *controls(lambda p: f"{short(p, c2, 'matched null perturbation of the incremental cache: trajectory moved')} "
                          f"({cell(p, c2, 'null perturbation: of which tie-initiated')})"), "not run"],
         ["Controls: null perturbation moves it among rows whose BF16 suffixes agree",
-         *both(lambda p: _count_of_total(cell(p, c2, "null perturbation: moved among rows whose plain BF16 suffixes agree"), c2)),
+         *controls(lambda p: _count_of_total(cell(p, c2, "null perturbation: moved among rows whose plain BF16 suffixes agree"), c2)),
          "not run"],
     ]
     return header, rows
@@ -468,16 +484,26 @@ def _later_side_by_side(root: Path, profile: str) -> tuple[list[str], list[list[
 
 @dataclass(frozen=True)
 class SideBySideSpec(TableSpec):
-    """A table that reads the same stems of the ``cpu`` profile as well as its own."""
+    """A table that reads the stems of a ``base`` profile (``cpu``; the ``gpu`` run beside the ``paper`` one) as well
+    as its own ``stems`` (``base_stems``: what it reads of the base, when that differs)."""
+
+    base: str = "cpu"
+    base_stems: tuple[str, ...] | None = None
 
     def sources(self, profile: str) -> list[str]:
-        return [f"figures/{p}/{s}.csv" for p in ("cpu", profile) for s in self.stems] + [str(REFERENCE)]
+        return ([f"figures/{self.base}/{s}.csv" for s in (self.base_stems or self.stems)]
+                + [f"figures/{profile}/{s}.csv" for s in self.stems] + [str(REFERENCE)])
 
 
 TABLES_BY_PROFILE: dict[str, dict[str, TableSpec]] = {
     "cpu": {"exp1": TableSpec("exp1", ("table_exp1_matrix", "table_first_divergence"), _exp1)},
     "gpu": {"exp1_exp2": SideBySideSpec("exp1_exp2", SIDE_BY_SIDE_STEMS, _side_by_side),
             "exp3_exp5": SideBySideSpec("exp3_exp5", LATER_STEMS, _later_side_by_side)},
+    # the paper's caps beside the gpu profile's (same H200 engine, same 200 problems); the controls are not run there
+    "paper": {"exp1_exp2": SideBySideSpec("exp1_exp2", SIDE_BY_SIDE_STEMS, partial(_side_by_side, base="gpu"), base="gpu"),
+              "exp3_exp5": SideBySideSpec("exp3_exp5", LATER_STEMS[:3], partial(_later_side_by_side, base="gpu",
+                                                                                stems=LATER_STEMS[:3]),
+                                          base="gpu", base_stems=LATER_STEMS)},
 }
 """The README results tables of each profile, by block name."""
 TABLES = TABLES_BY_PROFILE["cpu"]
