@@ -7,8 +7,8 @@ import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
 from kvreplay.experiments.bridge import bridge_row, saved_ledger_audit
 from kvreplay.experiments.endpoints import first_divergence
-from kvreplay.experiments.fixed_prefix import exp2_row, precision_crossing
-from kvreplay.experiments.live_vs_prefill import exp1_row
+from kvreplay.experiments.fixed_prefix import fixed_prefix_row, precision_crossing
+from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.experiments.transplant import order_statistics
 from kvreplay.gates import GateError
 from kvreplay.runner import RunSpec
@@ -59,8 +59,8 @@ def spec(tiny_format):
 
 def test_bridge_row_is_exact_and_audit_joins(spec):
     problems = tiny_problems(2)
-    exp1 = [exp1_row(spec, p) for p in problems]
-    exp2 = [exp2_row(spec, p, r["prefix"]) for p, r in zip(problems, exp1)]
+    exp1 = [live_vs_prefill_row(spec, p) for p in problems]
+    exp2 = [fixed_prefix_row(spec, p, r["prefix"]) for p, r in zip(problems, exp1)]
     audit = saved_ledger_audit(exp1, exp2)
     assert audit["order_agrees"] and audit["prefix_agrees"] == 2
     assert all(v == 2 for v in audit["suffix_agrees"].values())
@@ -88,7 +88,7 @@ def test_transplant_row_outcomes(tiny_format):
 
     spec = _transplant_spec(tiny_format)
     p = tiny_problems(1)[0]
-    prefix = exp1_row(spec, p)["prefix"]
+    prefix = live_vs_prefill_row(spec, p)["prefix"]
     rec = transplant_row(spec, p, prefix, "exact", sweep=True)
     assert rec["gate_failure"] is None
     names = list(rec["interventions"])
@@ -125,7 +125,7 @@ def test_faulty_transplant_is_caught(tiny_format, fault, gate):
 
     spec = _transplant_spec(tiny_format, transplant_faults=fault)
     p = tiny_problems(1)[0]
-    prefix = exp1_row(spec, p)["prefix"]
+    prefix = live_vs_prefill_row(spec, p)["prefix"]
     rec = transplant_row(spec, p, prefix, "exact", sweep=False)
     assert rec["gate_failure"] is not None and rec["gate_failure"]["gate"] == gate, rec["gate_failure"]
 
@@ -221,13 +221,13 @@ def short_context_arm(tmp_path):
 
 def test_run_arm_refuses_a_too_long_problem_before_any_ledger_exists(tmp_path, short_context_arm):
     from kvreplay.contract import ContractError
-    from kvreplay.experiments.live_vs_prefill import run_experiment1
+    from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
     from kvreplay.problems import Problem
 
     long = Problem("long-1", "test", 3, " ".join(["word"] * 400) + "?", ("x", "y"), "A")
     with pytest.raises(ContractError, match=r"problem long-1 \(test line 3\): its full sequence can need \d+ positions"
                                             r".*only 256 \(max_position_embeddings\)"):
-        run_experiment1(tiny_problems(2) + [long], short_context_arm(), ledger_root=tmp_path / "ledgers", progress=False)
+        run_live_vs_prefill(tiny_problems(2) + [long], short_context_arm(), ledger_root=tmp_path / "ledgers", progress=False)
     assert not (tmp_path / "ledgers").exists()
 
 
@@ -274,16 +274,17 @@ def test_a_row_that_fails_only_the_transplant_precondition_is_named_and_left_out
     from kvreplay.experiments.replication import replication_summary, replication_table
     from kvreplay.report.paper_tables import RUN_VALUES
 
-    n = len(rows)
+    n, d, e = len(rows), s["divergent"], s["exact"]  # the row left out is a divergent one
+    assert d + e == n - 1 and failed[0]["stratum"] == "divergent"
     assert RUN_VALUES["exp4.gates"]({"transplant": s}) == f"{n - 1}/{n}"
-    assert RUN_VALUES["exp4.panel"]({"transplant": s}).startswith(f"{n} ({n - 1} + 0, contemporaneous strata + 1 whose argmax")
+    assert RUN_VALUES["exp4.panel"]({"transplant": s}).startswith(f"{n} ({d} + {e}, contemporaneous strata + 1 whose argmax")
     r5 = replication_summary(rows)
     assert r5["rows"] == n - 1 and [r["problem_id"] for r in r5["ineligible"]] == ["mmlu-6bf0fb35afd9b0d6"]
-    assert f"over all {n} panel rows {n - 1}/{n} to {n}/{n}" in RUN_VALUES["exp5.divergence"]({"replication": r5})
+    assert f"over all {n} panel rows {d}/{n} to {d + 1}/{n}" in RUN_VALUES["exp5.divergence"]({"replication": r5})
     t5 = replication_table(r5, "checkpoint").iloc[:, 0]
     assert t5["panel rows (order statistics of prefix length)"].startswith(f"{n} ")
     assert t5["all gates pass (replicas, state, storage, argmax, provenance)"] == f"{n - 1}/{n}"
-    assert t5["divergence over the whole panel, the rows left out counted as not / as divergent"].startswith(f"{n - 1}/{n} ")
+    assert t5["divergence over the whole panel, the rows left out counted as not / as divergent"].startswith(f"{d}/{n} ")
 
 
 def test_verify_knows_an_experiment4_rows_sweep_from_the_ledger_key_also_without_interventions():
