@@ -94,3 +94,45 @@ def test_an_unknown_profile_is_an_error_not_a_list_of_unstarted_arms(tmp_path, c
     (tmp_path / "paper").mkdir()
     assert main(["--profile", "paperr", "--ledger-root", str(tmp_path)]) == 2
     assert "profiles with ledgers: ['paper']" in capsys.readouterr().err
+
+
+def test_an_arm_without_rows_or_manifest_is_not_started_and_errors_exit_without_a_traceback(tmp_path, capsys):
+    """What a cut-off first call leaves (a manifest, no row), a folder with no manifest, two folders of one arm, an
+    Experiment 5 manifest naming no checkpoint and a real gate failure: each a line naming it, never a traceback."""
+    root = tmp_path / "paper"
+    _ledger(root, "exp5-bfloat16-aaaa", [], wanted=["p1", "p2"])  # the run was cut off in its first chunk
+    (root / "exp3-bfloat16-bbbb").mkdir(parents=True)  # no manifest
+    assert main(["--ledger-root", str(tmp_path), "--experiments", "exp3", "exp5"]) == 0
+    captured = capsys.readouterr()
+    assert "exp5-bfloat16: not started (no finished row)" in captured.err
+    assert "exp3-bfloat16: not started (" in captured.err and "has no manifest.json" in captured.err
+    assert captured.out == ""
+
+    _ledger(root, "exp1-bfloat16-cccc", [_row("p1", True, True)])
+    _ledger(root, "exp1-bfloat16-dddd", [_row("p1", True, True)])
+    assert main(["--ledger-root", str(tmp_path), "--experiments", "exp1"]) == 2
+    assert "error: 2 ledgers exp1-bfloat16-* under" in capsys.readouterr().err
+
+    (root / "exp5-bfloat16-aaaa" / "rows.jsonl").write_text(json.dumps({"problem_id": "p1", "gate_failure": None}) + "\n")
+    assert main(["--ledger-root", str(tmp_path), "--experiments", "exp5"]) == 1
+    captured = capsys.readouterr()
+    assert "error: exp5: " in captured.err and "names no replication checkpoint" in captured.err
+
+
+def test_an_unfinished_one_arm_table_says_its_rows_are_the_first_not_a_sample(tmp_path, capsys, monkeypatch):
+    import pandas as pd
+    from kvreplay.report import partial
+
+    root = tmp_path / "paper"
+    _ledger(root, "exp3-bfloat16-aaaa", [{"problem_id": "p1"}], wanted=["p1", "p2"])
+    seen = []
+
+    def table(experiment, rows, folder=None):  # the bridge table itself is tested with the experiment
+        seen.append((experiment, [r["problem_id"] for r in rows], folder.name))
+        return pd.DataFrame({"bridge (BF16)": ["1"]}, index=["rows"])
+
+    monkeypatch.setattr(partial, "one_arm_table", table)
+    assert main(["--ledger-root", str(tmp_path), "--experiments", "exp3"]) == 0
+    out = capsys.readouterr().out
+    assert seen == [("exp3", ["p1"], "exp3-bfloat16-aaaa")]
+    assert out.startswith("unfinished: exp3-bfloat16-aaaa: 1 of 2 rows, the first in the frozen order (not a sample)")

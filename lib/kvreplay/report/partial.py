@@ -1,4 +1,4 @@
-"""Endpoints of a profile whose ledgers are not complete yet (paper §4.1-§4.4, §3.4).
+"""Endpoints of a profile whose ledgers are not complete yet (paper §4.1-§4.5, §3.4).
 
 ``make paper`` needs every row of an arm; a profile computed across several
 device sessions (the ``paper`` profile: caps 768 / 512 / 64 on the H200) has
@@ -22,17 +22,17 @@ checks that it does). How many rows each arm has finished goes to stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
 
-import json
-
 from ..experiments.bridge import bridge_summary, bridge_table
 from ..experiments.replication import describe_checkpoint, replication_summary, replication_table
 from ..experiments.transplant import transplant_summary, transplant_table
+from ..gates import GateError
 from ..ledger.lookup import finished_rows, ledger_progress
 from ..paths import LEDGERS
 from ..stats import mcnemar_exact, wilson
@@ -42,18 +42,21 @@ def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[Path, list[dict]]
     """The one ledger folder ``<experiment>-<dtype>-*`` under ``root`` and its finished rows, in ledger order.
 
     Raises:
-        FileNotFoundError: no such folder.
+        FileNotFoundError: no such folder, or one without its ``manifest.json`` (an arm that never started).
         ValueError: more than one folder (two configs of one arm: name the one to read).
     """
     folders = sorted(root.glob(f"{experiment}-{dtype}-*"))
     if not folders:
         raise FileNotFoundError(f"no ledger {experiment}-{dtype}-* under {root}")
+    if len(folders) == 1 and not (folders[0] / "manifest.json").is_file():
+        raise FileNotFoundError(f"{folders[0]} has no manifest.json")
     if len(folders) > 1:
         raise ValueError(f"{len(folders)} ledgers {experiment}-{dtype}-* under {root}: {[f.name for f in folders]}")
     return folders[0], finished_rows(folders[0])
 
 
 COMPARISON = {"exp1": "live vs prefill", "exp2": "incremental vs prefill, fixed BF16 prefixes"}
+"""What the suffix-divergence endpoint compares, per experiment (both rows have the same ``endpoints`` layout)."""
 ONE_ARM = ("exp3", "exp4", "exp5")
 """Experiments with one BF16 arm, reported by their notebooks' own summary tables (:func:`one_arm_table`)."""
 
@@ -73,10 +76,11 @@ def one_arm_table(experiment: str, rows: list[dict], folder: Path | None = None)
     if experiment == "exp5":
         if folder is None:
             raise ValueError("Experiment 5's table names its checkpoint from the ledger folder's manifest: pass folder")
-        checkpoint = json.loads((folder / "manifest.json").read_text())["config"]["checkpoint"]
+        checkpoint = json.loads((Path(folder) / "manifest.json").read_text())["config"].get("checkpoint")
+        if not isinstance(checkpoint, dict):
+            raise ValueError(f"{Path(folder) / 'manifest.json'}: its config names no replication checkpoint (`checkpoint`)")
         return replication_table(replication_summary(rows), describe_checkpoint(checkpoint))
     raise ValueError(f"{experiment!r} is not one of {ONE_ARM}")
-"""What the suffix-divergence endpoint compares, per experiment (both rows have the same ``endpoints`` layout)."""
 
 
 def suffix_frame(rows: list[dict]) -> pd.DataFrame:
@@ -163,28 +167,48 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no ledgers of profile {args.profile!r} under {args.ledger_root} (profiles with ledgers: {known})",
               file=sys.stderr)
         return 2
+    status = 0
     for experiment in args.experiments:
-        rows = {}
+        rows, folders, unfinished = {}, {}, []
         for dtype in ("bfloat16",) if experiment in ONE_ARM else ("bfloat16", "float32"):
             try:
-                folder, rows[dtype] = arm_rows(root, experiment, dtype)
-            except FileNotFoundError:
-                print(f"{experiment}-{dtype}: not started", file=sys.stderr)
+                folder, arm = arm_rows(root, experiment, dtype)
+            except FileNotFoundError as e:
+                print(f"{experiment}-{dtype}: not started ({e})", file=sys.stderr)
+                continue
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                status = 2
                 continue
             done, wanted = ledger_progress(folder)
             print(f"{folder.name}: {done} of {wanted} rows finished", file=sys.stderr)
+            if not arm:  # a run cut off in its first chunk leaves a manifest and no row
+                print(f"{experiment}-{dtype}: not started (no finished row)", file=sys.stderr)
+                continue
+            rows[dtype], folders[dtype] = arm, folder
+            if done < wanted:
+                unfinished.append(f"{folder.name}: {done} of {wanted} rows, the first in the frozen order (not a sample)")
         if not rows:
             continue
+        try:
+            if experiment in ONE_ARM:
+                table = one_arm_table(experiment, rows["bfloat16"], folders["bfloat16"]).to_markdown()
+            else:
+                summary = suffix_summary(rows)
+        except (GateError, ValueError) as e:
+            print(f"error: {experiment}: {e}", file=sys.stderr)
+            status = max(status, 1)
+            continue
+        if unfinished:
+            print("unfinished: " + "; ".join(unfinished))
         if experiment in ONE_ARM:
-            table = one_arm_table(experiment, rows["bfloat16"], folder).to_markdown()
             print(README_MARKER.format(profile=args.profile, experiment=experiment) + "\n\n" + table if args.readme else table)
             print()
             continue
-        summary = suffix_summary(rows)
         print(readme_table(summary, args.profile, experiment) if args.readme
               else summary.astype(object).fillna("").to_markdown(index=False))
         print()
-    return 0
+    return status
 
 
 if __name__ == "__main__":
