@@ -19,7 +19,7 @@ def test_a_profile_given_as_a_file_is_passed_on_absolute_and_labels_the_build(tm
     (tmp_path / "p" / "mine.yaml").write_text(f"profile: mine\nledger_root: {tmp_path / 'ledgers'}\n")
     seen = []
     monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
-    monkeypatch.setattr(paper, "run_notebook", lambda name, label, prm, out_dir, **kw: seen.append((label, prm, out_dir)))
+    monkeypatch.setattr(paper, "run_notebook", lambda name, prm, out_dir, **kw: seen.append((out_dir.name, prm, out_dir)))
     monkeypatch.chdir(tmp_path)
     assert paper.main(["--profile", "p/mine.yaml", "--only", "01", "--no-executed"]) == 0
     ((label, injected, out_dir),) = seen
@@ -38,7 +38,7 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
     ledger_file.write_text("{}\n")
     ran, injected = [], []
 
-    def fake_run(name, profile, prm, out_dir, html=True, progress=True):
+    def fake_run(name, prm, out_dir, html=True, progress=True):
         ran.append(name)
         injected.append(prm)
         (out_dir / name).write_text("executed")
@@ -244,3 +244,7 @@ def test_a_profile_computed_on_a_gpu_refuses_notebooks_whose_arms_are_unfinished
     params = load_parameters(str(with_controls))
     assert paper.notebook_arms("02_x.ipynb", params) == ["exp1-bfloat16", "exp2-bfloat16", "exp2-float32", "exp2_controls-bfloat16"]
     assert paper.unfinished_arms(["06_x.ipynb"], params, LEDGERS / "paper") == ["06_x.ipynb: exp2_controls-bfloat16 (not started)"]
+    # notebook 00 would train a second checkpoint family here and repoint the profile's Experiment 5 at it
+    assert main(["--profile", "paper", "--only", "00", "--no-html", "--no-executed"]) == 2
+    err = capsys.readouterr().err
+    assert "00_role_adaptation.ipynb: trains a checkpoint family" in err and "role_adaptation.json" in err and ran == []

@@ -96,9 +96,15 @@ def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) ->
     """For a profile computed elsewhere (one whose file lists ``done:``), every arm the notebooks of ``chain`` need
     that its ledgers under ``ledgers`` do not hold in full, as ``"<notebook>: <arm> (k of n rows)"`` or
     ``"... (not started)"``. Run on such a profile, ``make paper`` would compute those rows on this machine
-    (hours on a CPU for the ``paper`` caps), so :func:`main` refuses before any notebook runs."""
+    (hours on a CPU for the ``paper`` caps), so :func:`main` refuses before any notebook runs. Notebook 00 is
+    always listed: such a profile reads the checkpoint family its ``role_adaptation.json`` names (the ``cpu``
+    profile's), and 00 would train another one here and point the profile's Experiment 5 at it."""
     out = []
     for name in chain:
+        if name.startswith("00"):
+            out.append(f"{name}: trains a checkpoint family; this profile reads the one its "
+                       f"{ledgers / 'role_adaptation.json'} names (train it under the `cpu` profile)")
+            continue
         for arm in notebook_arms(name, params):
             folders = sorted(ledgers.glob(f"{arm}-*/manifest.json"))
             progress = [ledger_progress(f.parent) for f in folders]
@@ -117,7 +123,7 @@ def declared_parameters(name: str, params: dict) -> dict:
     return {k: v for k, v in params.items() if k in declared}
 
 
-def run_notebook(name: str, profile: str, params: dict, out_dir: Path, html: bool = True, progress: bool = True) -> Path:
+def run_notebook(name: str, params: dict, out_dir: Path, html: bool = True, progress: bool = True) -> Path:
     """Execute one notebook with papermill into ``out_dir`` (atomically) and render HTML.
 
     The executed copy is written to a hidden partial file and moved into
@@ -467,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name} (profile {label})", flush=True)
         stamp.unlink(missing_ok=True)
         try:
-            run_notebook(name, label, injected, out_dir, html=not args.no_html)
+            run_notebook(name, injected, out_dir, html=not args.no_html)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
