@@ -3,7 +3,7 @@
 Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``):
 
 * ``python3 scripts/gpu_exp1_batched.py tiny OUTDIR`` — the tiny random-weight Llama of ``tests/conftest.py``
-  on CUDA, FP32 and BF16: :func:`kvreplay.experiments.live_vs_prefill.run_experiment1` on the graph path (B=2; the composition
+  on CUDA, FP32 and BF16: :func:`kvreplay.experiments.live_vs_prefill.run_live_vs_prefill` on the graph path (B=2; the composition
   and graph-equals-eager preflight gates run), the same arm on the engine's eager path (whole ledgers compared
   byte for byte), and the bridge under the engine (engine-live == teacher-forced incremental, bit for bit).
   Writes ``OUTDIR/tiny.json``.
@@ -64,7 +64,7 @@ def tiny(out: Path) -> dict:
     from kvreplay import caches, engine, gates
     from kvreplay.contract import resolve_format
     from kvreplay.problems import Problem
-    from kvreplay.experiments.live_vs_prefill import run_experiment1
+    from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
     from kvreplay.runner import ArmSettings
 
     tmp = Path(tempfile.mkdtemp())
@@ -80,8 +80,8 @@ def tiny(out: Path) -> dict:
                     threads=1, preflight=1, device=DEVICE, batch=2)
         r: dict = {}
         try:
-            g, lg = run_experiment1(problems, ArmSettings(**base, step_path=GRAPH), ledger_root=tmp / "l", progress=False)
-            e, le = run_experiment1(problems, ArmSettings(**base, step_path="engine-eager"), ledger_root=tmp / "l",
+            g, lg = run_live_vs_prefill(problems, ArmSettings(**base, step_path=GRAPH), ledger_root=tmp / "l", progress=False)
+            e, le = run_live_vs_prefill(problems, ArmSettings(**base, step_path="engine-eager"), ledger_root=tmp / "l",
                                     progress=False)
             r["rows"] = len(g)
             r["gate_failures_graph"] = [x["gate_failure"] for x in g if x["gate_failure"]]
@@ -133,7 +133,7 @@ def paper(out: Path, budget: float, n_rows: int, batch: int) -> dict:
     from kvreplay import bench
     from kvreplay.contract import Caps
     from kvreplay.problems import load_bank
-    from kvreplay.experiments.live_vs_prefill import run_experiment1
+    from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
     from kvreplay.runner import ArmSettings
 
     res: dict = {"device": NAME, "torch": torch.__version__, "budget_s": budget,
@@ -149,7 +149,7 @@ def paper(out: Path, budget: float, n_rows: int, batch: int) -> dict:
         t = time.perf_counter()
         r: dict = {"dtype": dtype, "config_engine": s.engine_key()}
         try:
-            recs, ledger = run_experiment1(problems, s, ledger_root=Path(f"/tmp/kv_ledgers_{os.getpid()}"), progress=False)
+            recs, ledger = run_live_vs_prefill(problems, s, ledger_root=Path(f"/tmp/kv_ledgers_{os.getpid()}"), progress=False)
             wall = time.perf_counter() - t
             ev = runlog(ledger)
             checks = [c for e in ev if e["event"] == "gates" for c in e["checks"]]

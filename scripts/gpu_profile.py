@@ -164,20 +164,20 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
     params = session.params
     t = time.perf_counter()
     if experiment == "exp1":
-        from kvreplay.experiments.live_vs_prefill import run_experiment1
+        from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
         from kvreplay.ledger.prefix_bank import write_prefix_bank
 
-        records, ledger = run_experiment1(session.rows(params.n_rows), session.settings(dtype, params.preflight),
+        records, ledger = run_live_vs_prefill(session.rows(params.n_rows), session.settings(dtype, params.preflight),
                                           ledger_root=session.ledger_root)
         if dtype == "bfloat16":
             write_prefix_bank(records, session.ledger_root / session.profile / "prefix_bank_bf16.jsonl", ledger.dir.name)
     elif experiment in ("exp3", "exp4", "exp5"):
         records, ledger = run_notebook_arm(notebook, profile, overrides)
     elif experiment == "exp2":
-        from kvreplay.experiments.fixed_prefix import run_experiment2
+        from kvreplay.experiments.fixed_prefix import run_fixed_prefix
 
         fixed = session.fixed
-        records, ledger = run_experiment2(fixed.rows, fixed.prefixes, fixed.sha256,
+        records, ledger = run_fixed_prefix(fixed.rows, fixed.prefixes, fixed.sha256,
                                           session.settings(dtype, params.preflight_fixed), ledger_root=session.ledger_root)
     else:
         from kvreplay.experiments.controls import run_controls

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems  # noqa: E402
 from kvreplay.contract import resolve_format  # noqa: E402
-from kvreplay.experiments.live_vs_prefill import exp1_row
+from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.ledger.store import Ledger, run_rows  # noqa: E402
 from kvreplay.runner import RunSpec  # noqa: E402
 
@@ -31,7 +31,7 @@ def row(p):
         with open(ledger.rows_path, "a") as f:
             f.write('{"problem_id":"' + p.problem_id + '","arms":{"li')
         os.kill(os.getpid(), signal.SIGKILL)
-    return exp1_row(spec, p)
+    return live_vs_prefill_row(spec, p)
 
 
 run_rows(ledger, problems, row, key=lambda p: p.problem_id, progress=False)

@@ -20,7 +20,7 @@ from kvreplay import decode, engine, gates
 from kvreplay.experiments import replication
 from kvreplay.experiments.bridge import bridge_chunk, bridge_row, bridge_summary
 from kvreplay.experiments.controls import controls_summary, run_controls
-from kvreplay.experiments.live_vs_prefill import run_experiment1
+from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
 from kvreplay.experiments.transplant import transplant_chunk, transplant_row, transplant_summary
 from kvreplay.problems import Problem
 from kvreplay.runner import ArmSettings, run_arm
@@ -49,7 +49,7 @@ BATCHED = dict(step_path="engine-eager", batch=2)
 
 @pytest.fixture(scope="module")
 def prefixes(arm, tmp_path_factory):
-    records, _ = run_experiment1(PROBLEMS, arm(), ledger_root=tmp_path_factory.mktemp("l"), progress=False)
+    records, _ = run_live_vs_prefill(PROBLEMS, arm(), ledger_root=tmp_path_factory.mktemp("l"), progress=False)
     return {r["problem_id"]: r["prefix"] for r in records}
 
 

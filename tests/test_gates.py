@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
 from kvreplay import caches, decode
-from kvreplay.experiments.live_vs_prefill import exp1_row
+from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.experiments.matrix import matrix_summary
 from kvreplay.gates import GateError, cache_tensors
 from kvreplay.ledger.store import Ledger, run_rows
@@ -23,7 +23,7 @@ def spec_factory(tiny_format):
 
 
 def test_clean_row_passes_every_gate(spec_factory):
-    rec = exp1_row(spec_factory(), tiny_problems(1)[0])
+    rec = live_vs_prefill_row(spec_factory(), tiny_problems(1)[0])
     assert rec["gate_failure"] is None
     assert rec["boundary"]["live_replica"]["cache"]["exact"]
     assert rec["boundary"]["prefill_replica"]["cache"]["exact"]
@@ -63,7 +63,7 @@ def _replica_value(states):
     [(_alias, "storage"), (_desync, "desync"), (_roles, "functional_state"), (_dtype, "dtype"), (_replica_value, "replica")],
 )
 def test_planted_fault_is_caught(spec_factory, fault, gate):
-    rec = exp1_row(spec_factory(fault), tiny_problems(1)[0])
+    rec = live_vs_prefill_row(spec_factory(fault), tiny_problems(1)[0])
     assert rec["gate_failure"] is not None, "fault was not caught"
     assert rec["gate_failure"]["gate"] == gate, rec["gate_failure"]
     assert "arms" not in rec  # no endpoints from a failed row
@@ -81,7 +81,7 @@ def test_desync_during_decode_fails_closed(spec_factory):
         return out
 
     spec.lm.model.forward = skewed
-    rec = exp1_row(spec, tiny_problems(1)[0])
+    rec = live_vs_prefill_row(spec, tiny_problems(1)[0])
     assert rec["gate_failure"]["gate"] == "desync"
 
 
@@ -115,7 +115,7 @@ def test_preflight_failure_aborts_and_full_run_failure_is_recorded(spec_factory,
     faulty = spec_factory(faults=_desync)
 
     def row(p):
-        return exp1_row(faulty if p.problem_id == bad else spec, p)
+        return live_vs_prefill_row(faulty if p.problem_id == bad else spec, p)
 
     ledger = Ledger(tmp_path, "exp1-test", {"k": 1})
     records = run_rows(ledger, problems, row, key=lambda p: p.problem_id, preflight=1, progress=False)
@@ -130,17 +130,17 @@ def test_preflight_failure_aborts_and_full_run_failure_is_recorded(spec_factory,
 
 
 def test_experiment2_row_gates_and_endpoints(spec_factory):
-    from kvreplay.experiments.fixed_prefix import exp2_row
+    from kvreplay.experiments.fixed_prefix import fixed_prefix_row
 
     spec = spec_factory()
-    live_rec = exp1_row(spec, tiny_problems(1)[0])
-    rec = exp2_row(spec, tiny_problems(1)[0], live_rec["prefix"])
+    live_rec = live_vs_prefill_row(spec, tiny_problems(1)[0])
+    rec = fixed_prefix_row(spec, tiny_problems(1)[0], live_rec["prefix"])
     assert rec["gate_failure"] is None
     assert set(rec["arms"]) == {"incremental", "incremental_replica", "prefill", "prefill_replica"}
     # incremental replays the live schedule: it reproduces the live suffix and cache summaries exactly
     assert rec["arms"]["incremental"]["suffix"] == live_rec["arms"]["live"]["suffix"]
     assert rec["boundary"]["prefill_vs_incremental"] == live_rec["boundary"]["prefill_vs_live"]
-    bad = exp2_row(spec_factory(_alias), tiny_problems(1)[0], live_rec["prefix"])
+    bad = fixed_prefix_row(spec_factory(_alias), tiny_problems(1)[0], live_rec["prefix"])
     assert bad["gate_failure"]["gate"] == "storage"
 
 
@@ -151,7 +151,7 @@ def _positions(states):
 
 
 def test_shifted_positions_are_caught(spec_factory):
-    rec = exp1_row(spec_factory(_positions), tiny_problems(1)[0])
+    rec = live_vs_prefill_row(spec_factory(_positions), tiny_problems(1)[0])
     assert rec["gate_failure"]["gate"] == "functional_state"
 
 

@@ -9,8 +9,8 @@ from kvreplay import decode
 from kvreplay.contract import BRANCH1, Caps, resolve_format
 from kvreplay.experiments.controls import controls_row, controls_summary, controls_table
 from kvreplay.experiments.endpoints import is_tie, tie_initiated
-from kvreplay.experiments.fixed_prefix import exp2_row
-from kvreplay.experiments.live_vs_prefill import exp1_row
+from kvreplay.experiments.fixed_prefix import fixed_prefix_row
+from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.gates import EQUIVALENCE_TOLERANCE, GateError
 from kvreplay.runner import RunSpec
 
@@ -102,7 +102,7 @@ def test_tie_accounting():
 
 def test_row_endpoints_carry_tie_and_letter_fields(tiny_format):
     lm = tiny_lm("llama")
-    rec = exp1_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS), tiny_problems(1)[0])
+    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS), tiny_problems(1)[0])
     ep = rec["endpoints"]
     assert {"letter_differs", "tie_initiated", "answer_differs"} <= set(ep)
     assert ep["tie_initiated"] is None if ep["first_divergence"] is None else isinstance(ep["tie_initiated"], bool)
@@ -139,36 +139,36 @@ def prefill_sees_shifted_positions(monkeypatch):
 def test_clean_rows_record_rounding_sized_float32_drift(tiny_format):
     lm = tiny_lm("llama")
     p = tiny_problems(1)[0]
-    rec = exp1_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS), p)
+    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS), p)
     assert rec["gate_failure"] is None
     assert rec["equivalence"]["rel_l2"] < 1e-5 < EQUIVALENCE_TOLERANCE
     bf = tiny_lm("llama", torch.bfloat16)
     fmt = tiny_format(bf)
-    rec = exp1_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS, equivalence_ids=frozenset({p.problem_id})), p)
+    rec = live_vs_prefill_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS, equivalence_ids=frozenset({p.problem_id})), p)
     assert rec["gate_failure"] is None and rec["equivalence"]["dtype"] == "float32"
     assert rec["equivalence"]["rel_l2"] < EQUIVALENCE_TOLERANCE
-    other = exp1_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS), p)  # not a preflight row: not checked in BF16
+    other = live_vs_prefill_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS), p)  # not a preflight row: not checked in BF16
     assert other["equivalence"] is None
 
 
 def test_a_construction_fault_fails_closed_in_either_precision(tiny_format, prefill_sees_shifted_positions):
     p = tiny_problems(1)[0]
     lm = tiny_lm("llama")
-    rec = exp1_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS), p)
+    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS), p)
     assert rec["gate_failure"]["gate"] == "equivalence", rec["gate_failure"]
     assert "exceeds the float32 tolerance" in rec["gate_failure"]["reason"]
     bf = tiny_lm("llama", torch.bfloat16)
     fmt = tiny_format(bf)
-    rec = exp1_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS, equivalence_ids=frozenset({p.problem_id})), p)
+    rec = live_vs_prefill_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS, equivalence_ids=frozenset({p.problem_id})), p)
     assert rec["gate_failure"]["gate"] == "equivalence"
-    rec2 = exp2_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS, equivalence_ids=frozenset({p.problem_id})), p,
+    rec2 = fixed_prefix_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS, equivalence_ids=frozenset({p.problem_id})), p,
                     rec["prefix"])
     assert rec2["gate_failure"]["gate"] == "equivalence"
 
 
 def test_preflight_rows_carry_the_equivalence_gate_through_the_runner(tmp_path, monkeypatch, prefill_sees_shifted_positions):
     from kvreplay.runner import spec as runner  # ArmSettings.config looks model_key up there
-    from kvreplay.experiments.live_vs_prefill import run_experiment1
+    from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
     from kvreplay.runner import ArmSettings
 
     lm = tiny_lm("llama", torch.bfloat16)
@@ -177,7 +177,7 @@ def test_preflight_rows_carry_the_equivalence_gate_through_the_runner(tmp_path, 
     monkeypatch.setattr(ArmSettings, "config", lambda self, name, problems: {"experiment": name, "t": 1})
     settings = ArmSettings(profile="t", dtype="bfloat16", caps=TINY_CAPS, preflight=1)
     with pytest.raises(GateError, match="preflight row tiny-00 failed gate 'equivalence'"):
-        run_experiment1(tiny_problems(2), settings, ledger_root=tmp_path, progress=False)
+        run_live_vs_prefill(tiny_problems(2), settings, ledger_root=tmp_path, progress=False)
 
 
 def _tiny_spec():
@@ -217,7 +217,7 @@ def test_nan_in_a_cache_is_caught_before_the_duplicate_gate(tiny_format):
         with torch.inference_mode():
             states["prefill"].cache.layers[0].keys[:, 0, 0, 0] = float("nan")
 
-    rec = exp1_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS, faults=poison), tiny_problems(1)[0])
+    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS, faults=poison), tiny_problems(1)[0])
     assert rec["gate_failure"]["gate"] == "nonfinite" and "L00.key" in rec["gate_failure"]["reason"]
 
 

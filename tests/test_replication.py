@@ -11,7 +11,7 @@ from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
 from kvreplay import adapt, decode
 from kvreplay.experiments import replication
 from kvreplay.experiments.fixed_prefix import load_fixed_prefixes
-from kvreplay.experiments.live_vs_prefill import exp1_row
+from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.experiments.replication import (
     CHECKPOINT_SENSITIVE,
     CONDITIONAL,
@@ -119,7 +119,7 @@ def spec(tiny_format):
 
 def test_replication_row_runs_exactly_six_arms(spec, monkeypatch):
     p = tiny_problems(1)[0]
-    prefix = exp1_row(spec, p)["prefix"]
+    prefix = live_vs_prefill_row(spec, p)["prefix"]
     calls = []
     real = decode.decode_suffix
 
@@ -152,7 +152,7 @@ def test_replication_row_runs_exactly_six_arms(spec, monkeypatch):
 
 def test_failed_gate_withholds_the_verdict(spec):
     p = tiny_problems(1)[0]
-    prefix = exp1_row(spec, p)["prefix"]
+    prefix = live_vs_prefill_row(spec, p)["prefix"]
     bad = dataclasses.replace(spec, faults=lambda states: setattr(states["prefill_replica"], "logits",
                                                                     states["prefill_replica"].logits + 1))
     rec = replication.replication_row(bad, p, prefix)

@@ -86,6 +86,51 @@ def test_the_import_cycle_check_can_fail(monkeypatch):
     assert any("kvreplay.experiments.bridge" in c for c in nx.simple_cycles(g))
 
 
+def architecture_layers() -> dict[str, int]:
+    """Module -> its layer's row in docs/ARCHITECTURE.md's layer table (0 = core, then upwards); a package's
+    ``__init__`` is its modules' layer, and ``kvreplay.ledger.__main__`` the ledger's (it is that package's command)."""
+    import re
+
+    rows = [line for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith(("| layer ", "|---"))]
+    layers: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        parent = ""
+        for name in re.findall(r"`([\w.]+)`", row.split("|")[2]):
+            if name.startswith("."):  # `.matrix` after `experiments.endpoints`
+                name = parent + name
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            layers[f"kvreplay.{name}"] = i
+    for m in list(layers):
+        if m.count(".") > 1:
+            layers.setdefault(m.rsplit(".", 1)[0], layers[m])
+    layers.setdefault("kvreplay.ledger.__main__", layers.get("kvreplay.ledger", -1))
+    return layers
+
+
+def test_imports_only_go_down_the_architecture_layers():
+    """docs/ARCHITECTURE.md says nothing imports a layer above it: every module is in its table, and every import
+    (module level or inside a function) goes to the same layer or a lower one."""
+    layers = architecture_layers()
+    graph = import_graph()
+    unmapped = sorted(m for m in graph if m != "kvreplay" and m not in layers)
+    assert not unmapped, f"modules missing from docs/ARCHITECTURE.md's layer table: {unmapped}"
+    assert not set(layers) - set(graph), f"docs/ARCHITECTURE.md lists no such module: {sorted(set(layers) - set(graph))}"
+    upward = sorted((a, b) for a, bs in graph.items() for b in bs
+                    if a in layers and b in layers and layers[b] > layers[a])
+    assert not upward, f"imports that go up a layer: {upward}"
+
+
+def test_the_layer_check_can_fail():
+    layers = architecture_layers()
+    assert layers["kvreplay.gates"] == 0 and layers["kvreplay.experiments.matrix"] > layers["kvreplay.runner.loop"]
+    assert layers["kvreplay.verify"] == max(layers.values())
+    graph = import_graph()
+    graph["kvreplay.decode"].add("kvreplay.experiments.matrix")
+    assert [(a, b) for a, bs in graph.items() for b in bs if layers.get(b, -1) > layers.get(a, 99)] == [
+        ("kvreplay.decode", "kvreplay.experiments.matrix")]
+
+
 def test_every_notebook_has_its_paired_script_and_they_agree():
     """notebooks/X.ipynb and notebooks/py/X.py (jupytext percent format, jupytext.toml) hold the same cells."""
     import jupytext

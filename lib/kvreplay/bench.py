@@ -26,7 +26,7 @@ against the batched engine's CUDA-graph step at B = 1, 8, 32, 64 problems
 own static cache (``cache_implementation="static"``) and, when it works on the
 host, with the model's forward compiled (``torch.compile``, reported if it
 fails), plus Experiment 1 rows per hour with the batched runner
-(:func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`, graph path) at the given caps sets.
+(:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`, graph path) at the given caps sets.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from . import engine
 from .caches import live_replica
 from .contract import Caps
 from .decode import build_prefill, decode_live, decode_suffix
-from .experiments.live_vs_prefill import exp1_chunk, exp1_row
+from .experiments.live_vs_prefill import live_vs_prefill_chunk, live_vs_prefill_row
 from .problems import load_bank
 from .runner import ArmSettings, EngineRun, RunSpec, resolve_execution
 from .runner.actors import RowActors, shutdown
@@ -104,7 +104,7 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     hf_per_token = (t_hf_n - t_hf_1) / steps[-1]
     t_prefill = _median_time(lambda: build_prefill(lm, fmt, z), repeats)
     bank = load_bank()
-    t_row = _median_time(lambda: exp1_row(RunSpec(lm=lm, fmt=fmt, caps=settings.caps), problem), 1)
+    t_row = _median_time(lambda: live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, caps=settings.caps), problem), 1)
     t_seq = None
     if workers > 1:
         import dataclasses
@@ -114,7 +114,7 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
         timed = bank[1 : 1 + n]
         t0 = time.perf_counter()
         for p in timed:
-            exp1_row(spec, p)
+            live_vs_prefill_row(spec, p)
         t_seq = time.perf_counter() - t0
         if worker_threads is None:
             worker_threads = threads if lm.device.type == "cuda" else max(1, threads // workers)
@@ -122,7 +122,7 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
         def pid(p):
             return p.problem_id
 
-        with RowActors(dataclasses.replace(settings, threads=worker_threads), exp1_row, workers=workers) as pool:
+        with RowActors(dataclasses.replace(settings, threads=worker_threads), live_vs_prefill_row, workers=workers) as pool:
             startup, started, address = pool.startup, pool.cluster["started"], pool.cluster["address"]
             warm = bank[1 + n : 1 + n + workers]
             list(pool.mapper(warm, key=pid)(warm))  # one warm-up row per actor
@@ -181,7 +181,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     run; each row's note names them. Today's decoder and ``generate`` decode one problem (a duplicate batch
     of 2 rows); ``generate`` times are for ``tokens`` new tokens with its own
     prefill subtracted (median of ``repeats``). Experiment 1 rows per hour:
-    :func:`kvreplay.experiments.live_vs_prefill.exp1_chunk` on ``exp1_rows`` problems (default
+    :func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk` on ``exp1_rows`` problems (default
     ``exp1_batch``) at each caps set, graph path, B = ``exp1_batch``, the first
     chunk of each caps set timed whole (two graph captures, ~0.3 s each, included). ``step_path="eager"``
     runs the engine's op-by-op step instead (any device; a dry run of this code). ``generate`` with a
@@ -273,7 +273,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         c_caps = Caps(*c)
         need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), c_caps) for p in group + bank[:1])
         spec = RunSpec(lm=lm, fmt=fmt, caps=c_caps, engine=EngineRun(step_path, exp1_batch, need))
-        t, recs = timed(lambda: exp1_chunk(spec, group))
+        t, recs = timed(lambda: live_vs_prefill_chunk(spec, group))
         failed = sum(r["gate_failure"] is not None for r in recs)
         out.append({"path": f"Experiment 1 batched runner, {label}, caps {tuple(c)}", "B": exp1_batch, "rows": 2 * exp1_batch,
                     "rows per hour": round(3600 * len(group) / t, 1),

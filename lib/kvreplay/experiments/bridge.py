@@ -46,7 +46,7 @@ def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> 
         live = decode.decode_live(lm, fmt, fmt.prompt_ids(problem.question, problem.options), spec.caps)
         z = live.ids
         rec.update(prefix_len=len(z), prefix=z, saved_prefix_len=len(saved_prefix), same_as_saved=z == list(saved_prefix))
-        states = _bridge_states(spec, problem, live, decode.build_incremental(lm, fmt, z, where=problem.problem_id))
+        states = _bridge_states(spec, live, decode.build_incremental(lm, fmt, z, where=problem.problem_id))
         cmp = comparison(live, states["incremental"], per_tensor=True)
         rec["equivalence"] = equivalence_record(spec, problem, z)
         arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps) for n, s in states.items()}
@@ -90,7 +90,7 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
             z = live.ids
             rec.update(prefix_len=len(z), prefix=z, saved_prefix_len=len(saved), same_as_saved=z == list(saved))
             raise_gate_errors([inc])
-            states = _bridge_states(spec, p, live, inc)
+            states = _bridge_states(spec, live, inc)
             cmp = comparison(live, states["incremental"], per_tensor=True)
             rec["equivalence"] = equivalence_record(spec, p, z)
             pending.append((i, states, cmp))
@@ -106,7 +106,7 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
     return recs
 
 
-def _bridge_states(spec: RunSpec, problem: Problem, live: decode.Boundary, inc: decode.Boundary) -> dict[str, decode.Boundary]:
+def _bridge_states(spec: RunSpec, live: decode.Boundary, inc: decode.Boundary) -> dict[str, decode.Boundary]:
     """Live, incremental and their verified replicas, with every boundary gate (raises :class:`GateError`)."""
     states = {"live": live, "live_replica": caches.live_replica(live), "incremental": inc,
               "incremental_replica": caches.live_replica(inc)}

@@ -26,7 +26,7 @@ from .endpoints import require_gates, with_derived_endpoints
 from .matrix import gate_failure, matrix_chunk, matrix_row
 
 
-def exp2_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
+def fixed_prefix_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
     """Experiment 2 for one fixed BF16 prefix at the run's precision (paper §3.6).
 
     The incremental cache teacher-forces z through the live call schedule;
@@ -49,8 +49,8 @@ def exp2_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
     return rec
 
 
-def exp2_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[dict]:
-    """Experiment 2 for a chunk of fixed prefixes through the batched engine (the records of :func:`exp2_row`).
+def fixed_prefix_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[dict]:
+    """Experiment 2 for a chunk of fixed prefixes through the batched engine (the records of :func:`fixed_prefix_row`).
 
     The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`
     (teacher forcing of the live call schedule), then :func:`matrix_chunk`.
@@ -105,7 +105,7 @@ def load_fixed_prefixes(path: str | Path, problems: Sequence[Problem]) -> FixedP
     return FixedPrefixes(entries, digest, rows, {e["problem_id"]: e["prefix"] for e in entries})
 
 
-def run_experiment2(
+def run_fixed_prefix(
     problems: Sequence[Problem], prefixes: dict[str, list[int]], bank_sha256: str, settings: ArmSettings, *,
     ledger_root: str | Path, progress: bool = True, faults: Hook | None = None,
 ) -> tuple[list[dict], "Ledger"]:
@@ -120,9 +120,9 @@ def run_experiment2(
     if missing:
         raise GateError("provenance", f"prefix bank has no prefix for {missing}")
     return run_arm(
-        "exp2", settings, problems, lambda spec, p: exp2_row(spec, p, prefixes[p.problem_id]),
+        "exp2", settings, problems, lambda spec, p: fixed_prefix_row(spec, p, prefixes[p.problem_id]),
         ledger_root=ledger_root, extra_config={"prefix_bank_sha256": bank_sha256}, progress=progress, faults=faults,
-        chunk=lambda spec, ps: exp2_chunk(spec, ps, [prefixes[p.problem_id] for p in ps]),
+        chunk=lambda spec, ps: fixed_prefix_chunk(spec, ps, [prefixes[p.problem_id] for p in ps]),
     )
 
 

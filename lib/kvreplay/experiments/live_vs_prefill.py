@@ -19,7 +19,7 @@ from ..runner import ArmSettings, Hook, RunSpec, run_arm
 from .matrix import gate_failure, matrix_chunk, matrix_row
 
 
-def exp1_row(spec: RunSpec, problem: Problem) -> dict:
+def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> dict:
     """Experiment 1 for one problem: live decoding to the boundary, then the four-arm matrix (paper §3.5).
 
     Returns:
@@ -37,11 +37,11 @@ def exp1_row(spec: RunSpec, problem: Problem) -> dict:
     return rec
 
 
-def exp1_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[dict]:
-    """Experiment 1 for a chunk of problems through the batched engine (the records of :func:`exp1_row`).
+def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[dict]:
+    """Experiment 1 for a chunk of problems through the batched engine (the records of :func:`live_vs_prefill_row`).
 
     Live boundaries of the whole chunk come from :func:`kvreplay.engine.decode_lives`;
-    then :func:`matrix_chunk`. Bits may differ from :func:`exp1_row` (another
+    then :func:`matrix_chunk`. Bits may differ from :func:`live_vs_prefill_row` (another
     cache layout and batch shape: the ledger key says which), the layout does not.
 
     Raises:
@@ -57,10 +57,10 @@ def exp1_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[dict]:
     return matrix_chunk(spec, problems, lives, [head(x) for x in prompts])
 
 
-def run_experiment1(
+def run_live_vs_prefill(
     problems: Sequence[Problem], settings: ArmSettings, *, ledger_root: str | Path, progress: bool = True,
     faults: Hook | None = None,
 ) -> tuple[list[dict], "Ledger"]:
-    """Experiment 1 (paper §3.5) at one precision: records and ledger (see :func:`run_arm`; batched: :func:`exp1_chunk`)."""
-    return run_arm("exp1", settings, problems, exp1_row, ledger_root=ledger_root, progress=progress, faults=faults,
-                   chunk=exp1_chunk)
+    """Experiment 1 (paper §3.5) at one precision: records and ledger (see :func:`run_arm`; batched: :func:`live_vs_prefill_chunk`)."""
+    return run_arm("exp1", settings, problems, live_vs_prefill_row, ledger_root=ledger_root, progress=progress, faults=faults,
+                   chunk=live_vs_prefill_chunk)

@@ -386,7 +386,7 @@ class LetterChoice(TypedDict):
 
 @with_config(_CONFIG)
 class Exp1Row(TypedDict):
-    """Experiment 1 row (paper §4.1): live decoding to the merge boundary, then the four-arm matrix (``exp1_row``)."""
+    """Experiment 1 row (paper §4.1): live decoding to the merge boundary, then the four-arm matrix (``live_vs_prefill_row``)."""
     problem_id: str
     gate_failure: None
     prompt_len: int  # prompt tokens
@@ -420,7 +420,7 @@ class Exp1FailedRow(TypedDict):
 @with_config(_CONFIG)
 class Exp2Row(TypedDict):
     """Experiment 2 row (fixed-prefix precision, paper §4.2): the incremental rebuild of a frozen BF16 prefix against
-    prefill, four-arm matrix (``exp2_row``)."""
+    prefill, four-arm matrix (``fixed_prefix_row``)."""
     problem_id: str
     gate_failure: None
     prompt_len: int

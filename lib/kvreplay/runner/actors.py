@@ -263,7 +263,7 @@ class RowActors:
             ``settings.workers`` actors unless ``workers`` is given; ``settings.ray_address`` or
             ``$RAY_ADDRESS`` names an existing cluster, else a local one is started).
         row: ``(RunSpec, problem) -> record``, the function a sequential run maps.
-        chunk: ``(RunSpec, problems) -> records``, the batched runner (:func:`~kvreplay.experiments.live_vs_prefill.exp1_chunk`,
+        chunk: ``(RunSpec, problems) -> records``, the batched runner (:func:`~kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`,
             ...), used when :meth:`prepare` resolves an engine run (``settings.step_path`` not eager).
         faults: optional boundary-state hook passed into each actor's RunSpec (tests).
         equivalence_ids: problem IDs that carry the float32 construction-equivalence gate (the preflight rows).

@@ -44,7 +44,7 @@ def run_arm(
     """Run, resume or reuse one experiment arm: ``row`` mapped over ``problems`` in frozen order.
 
     With a non-eager ``settings.step_path`` the arm runs through the batched
-    engine instead: ``chunk(spec, problems)`` (e.g. :func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`)
+    engine instead: ``chunk(spec, problems)`` (e.g. :func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`)
     computes the records of up to ``settings.chunk`` (default ``settings.batch``) problems at a time
     (:class:`BatchedRows`), appended in problem order as in a sequential run;
     every run passes the ``composition`` gate (and, on the graph path,

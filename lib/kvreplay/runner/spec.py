@@ -505,7 +505,7 @@ class BatchedRows:
 
     Args:
         spec: the arm's run spec (``spec.engine`` set).
-        chunk: ``(spec, problems) -> records`` (:func:`kvreplay.experiments.live_vs_prefill.exp1_chunk`, ...).
+        chunk: ``(spec, problems) -> records`` (:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`, ...).
         todo: the problems to compute, in order.
         composition_id: problem ID of the composition gate, or ``None``.
         reference: ``(problem, committed line)`` of a resumed arm (the line as in ``rows.jsonl``, without its
