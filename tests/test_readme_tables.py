@@ -214,15 +214,20 @@ def test_number_formatting():
     assert rt._same("0", "+0.0") and not rt._same("14.2", "14.26")
 
 
-def test_the_paper_tables_quote_the_gpu_run_and_say_the_controls_were_not_run(tmp_path):
-    """The `paper` blocks set the `gpu` run beside it; a changed `gpu` cell is a difference of the `paper` block, and
-    without figures/paper/exp2_controls.csv the controls' rows say "not run" in the `paper` column."""
-    for prof in ("gpu", "paper"):
+def _copy_figures(tmp_path: Path, *profiles: str) -> None:
+    """figures/<profile>/*.csv of each profile and data/paper/reference.yaml, copied under ``tmp_path``."""
+    for prof in profiles:
         (tmp_path / "figures" / prof).mkdir(parents=True)
         for f in (ROOT / "figures" / prof).glob("*.csv"):
             shutil.copy(f, tmp_path / "figures" / prof / f.name)
     (tmp_path / rt.REFERENCE).parent.mkdir(parents=True)
     shutil.copy(ROOT / rt.REFERENCE, tmp_path / rt.REFERENCE)
+
+
+def test_the_paper_tables_quote_the_gpu_run_and_say_the_controls_were_not_run(tmp_path):
+    """The `paper` blocks set the `gpu` run beside it; a changed `gpu` cell is a difference of the `paper` block, and
+    without figures/paper/exp2_controls.csv the controls' rows say "not run" in the `paper` column."""
+    _copy_figures(tmp_path, "gpu", "paper")
     readme = _readme()
     assert not rt.check_tables(readme, tmp_path, "paper") and not (tmp_path / "figures" / "paper" / "exp2_controls.csv").exists()
     header, rows = rt.TABLES_BY_PROFILE["paper"]["exp3_exp5"].build(tmp_path, "paper")
@@ -237,12 +242,7 @@ def test_the_paper_tables_quote_the_gpu_run_and_say_the_controls_were_not_run(tm
 
 def test_the_side_by_side_table_follows_the_cpu_tables_too(tmp_path):
     """The `gpu` table quotes the `cpu` run beside it: a changed `cpu` cell is a difference of the `gpu` block."""
-    for prof in ("cpu", "gpu"):
-        (tmp_path / "figures" / prof).mkdir(parents=True)
-        for f in (ROOT / "figures" / prof).glob("*.csv"):
-            shutil.copy(f, tmp_path / "figures" / prof / f.name)
-    (tmp_path / rt.REFERENCE).parent.mkdir(parents=True)
-    shutil.copy(ROOT / rt.REFERENCE, tmp_path / rt.REFERENCE)
+    _copy_figures(tmp_path, "cpu", "gpu")
     readme = _readme()
     assert not rt.check_tables(readme, tmp_path, "gpu")
     _replace(tmp_path / "figures" / "cpu" / "table_exp2_crossing.csv", '"5 vs 0, p = 0.0625"', '"5 vs 1, p = 0.219"')
