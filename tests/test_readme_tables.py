@@ -231,13 +231,15 @@ def test_the_paper_tables_quote_the_gpu_run_and_say_the_controls_were_not_run(tm
     readme = _readme()
     assert not rt.check_tables(readme, tmp_path, "paper") and not (tmp_path / "figures" / "paper" / "exp2_controls.csv").exists()
     header, rows = rt.TABLES_BY_PROFILE["paper"]["exp3_exp5"].build(tmp_path, "paper")
-    assert header[1].startswith("`gpu`") and header[2].startswith("`paper`") and header[2].endswith("/ —)")
+    assert header[1].startswith("`gpu` profile") and header[2].startswith("`paper` profile") and header[2].endswith("/ —)")
+    joint = next(r for r in rows if r[0].startswith("Exp 4 whole-cache transplant: joint"))
+    assert joint[2].endswith("; 1 panel row left out (precondition unmet)") and "left out" not in joint[1]
     controls = [r for r in rows if r[0].startswith("Controls")]
-    assert len(controls) == 4 and all(r[2] == "not run" and r[1] != "not run" for r in controls)
+    assert len(controls) == 4 and all(r[2] == "not run" and r[1] != "not run" and r[3] == "not in the paper" for r in controls)
     _replace(tmp_path / "figures" / "gpu" / "table_exp2_crossing.csv", '"43 vs 0, p = 2.27e-13"', '"43 vs 1, p = 5e-12"')
     diffs = rt.check_tables(readme, tmp_path, "paper")
     assert [d.item for d in diffs] == ["row 'Exp 2 paired FP32 − BF16 suffix disagreement, pts [95% CI]', column "
-                                       "'`gpu`: H200, batched graph engine (200 rows)'"]
+                                       "'`gpu` profile: H200, graph engine, 50 problems per step, caps 48 / 160 / 12 (200 rows)'"]
 
 
 def test_the_side_by_side_table_follows_the_cpu_tables_too(tmp_path):
@@ -248,4 +250,16 @@ def test_the_side_by_side_table_follows_the_cpu_tables_too(tmp_path):
     _replace(tmp_path / "figures" / "cpu" / "table_exp2_crossing.csv", '"5 vs 0, p = 0.0625"', '"5 vs 1, p = 0.219"')
     diffs = rt.check_tables(readme, tmp_path, "gpu")
     assert [d.item for d in diffs] == ["row 'Exp 2 paired FP32 − BF16 suffix disagreement, pts [95% CI]', column "
-                                       "'`cpu`: 2-core CPU, eager (16 rows)'"]
+                                       "'`cpu` profile: 2-core CPU, eager, caps 48 / 160 / 12 (16 rows)'"]
+
+
+def test_the_run_labels_give_each_profiles_caps_and_batch():
+    """The side-by-side headers name caps and problems per step: they must be what the profile files say."""
+    import yaml
+
+    for profile, label in rt.RUN_LABELS.items():
+        doc = yaml.safe_load((ROOT / "notebooks" / "params" / f"{profile}.yaml").read_text())
+        assert f"caps {doc['cap_branch']} / {doc['cap_merge']} / {doc['cap_answer']}" in label, profile
+        batch = doc.get("execution", {}).get("batch")
+        assert (f"{batch} problems per step" in label) if doc.get("execution", {}).get("step_path") == "graph" \
+            else "eager" in label, profile

@@ -303,13 +303,15 @@ def _exp1(root: Path, profile: str) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-RUN_LABELS = {"cpu": "2-core CPU, eager", "gpu": "H200, batched graph engine",
-              "paper": "H200, batched graph engine, caps 768 / 512 / 64"}
-"""How a side-by-side table's header names each profile's run (its caps are the ``cpu`` profile's unless said)."""
+RUN_LABELS = {"cpu": "2-core CPU, eager, caps 48 / 160 / 12",
+              "gpu": "H200, graph engine, 50 problems per step, caps 48 / 160 / 12",
+              "paper": "H200, graph engine, 32 problems per step, caps 768 / 512 / 64"}
+"""How a side-by-side table's header names each profile's run: device, step path and batch, caps (a test keeps the
+caps and batch equal to ``notebooks/params/<profile>.yaml``). The last column is the publication's run."""
 
 
 def _run_label(profile: str) -> str:
-    return RUN_LABELS.get(profile, "this run")
+    return f"`{profile}` profile: " + RUN_LABELS.get(profile, "this run")
 
 
 def _side_by_side(root: Path, profile: str, base: str = "cpu") -> tuple[list[str], list[list[str]]]:
@@ -360,7 +362,7 @@ def _side_by_side(root: Path, profile: str, base: str = "cpu") -> tuple[list[str
     pfd = _match(r"median (\d+) \(range (\d+)-(\d+)\)", paper("exp1.bf16.first_divergence"), "exp1.bf16.first_divergence")
     p_red = _match(r"^(\S+) \[(\S+), (\S+)\]; p = (\S+)$", paper("exp2.reduction.suffix"), "exp2.reduction.suffix")
     e1, e2 = "table_exp1_matrix", "table_exp2_matrix"
-    header = ["endpoint", *both(lambda p: f"`{p}`: {_run_label(p)} ({cell(p, e1, 'rows', 'bfloat16')} rows)"),
+    header = ["endpoint", *both(lambda p: f"{_run_label(p)} ({cell(p, e1, 'rows', 'bfloat16')} rows)"),
               f"paper ({paper_rows} rows)"]
     rows = [
         ["Exp 1 BF16: boundary cache non-bit-exact; first eligible argmax agrees",
@@ -435,6 +437,14 @@ def _later_side_by_side(root: Path, profile: str, base: str = "cpu",
     def short(prof: str, stem: str, row: str) -> str:
         return _wilson_short(cell(prof, stem, row), stem)
 
+    def left_out(prof: str) -> str:  # Experiment 4 panel rows whose argmax precondition was unmet
+        t = tables[(prof, LATER_STEMS[1])]
+        row = next((r for r in t.df.index if r.startswith("argmax precondition unmet")), None)
+        if row is None:
+            return ""
+        n = len(re.findall(r"\((?:divergent|exact): ", t(row, t.df.columns[0])))  # "<id> (<stratum>: <reason>)" each
+        return f"; {n} panel row{'s' if n != 1 else ''} left out (precondition unmet)"
+
     b3, t4, r5, c2 = LATER_STEMS
     tie5 = "of which tie-initiated (either arm's top-1 minus top-2 margin exactly 0 at the first divergent step)"
     def sizes(p: str) -> str:
@@ -442,7 +452,7 @@ def _later_side_by_side(root: Path, profile: str, base: str = "cpu",
                            cell(p, r5, "panel rows (order statistics of prefix length)").split(" ")[0],
                            cell(p, c2, "rows") if (p, c2) in tables else "—"])
 
-    header = ["endpoint (rows: Exp 3 / Exp 4 / Exp 5 / controls)", *both(lambda p: f"`{p}`: {_run_label(p)} ({sizes(p)})"),
+    header = ["endpoint (rows: Exp 3 / Exp 4 / Exp 5 / controls)", *both(lambda p: f"{_run_label(p)} ({sizes(p)})"),
               f"paper ({paper_rows['exp3']} / {paper_rows['exp4']} / {paper_rows['exp5']} / —)"]
     rows = [
         ["Exp 3 bridge: incremental bit-exact to live on every layer; logits; complete suffix",
@@ -452,7 +462,8 @@ def _later_side_by_side(root: Path, profile: str, base: str = "cpu",
         ["Exp 3 bridge: new live prefix token-identical to the saved one",
          *both(lambda p: cell(p, b3, "new prefix token-identical to the saved one")), paper("exp3.bridge.same_as_saved")],
         ["Exp 4 whole-cache transplant: joint donor recovery (integrity check)",
-         *both(lambda p: short(p, t4, "joint bidirectional recovery (integrity check)")), _count_of_total(paper("exp4.joint_recovery"), "exp4")],
+         *both(lambda p: short(p, t4, "joint bidirectional recovery (integrity check)") + left_out(p)),
+         _count_of_total(paper("exp4.joint_recovery"), "exp4")],
         ["Exp 4: third trajectory among exact controls",
          *both(lambda p: short(p, t4, "third trajectory among exact controls")), _count_of_total(paper("exp4.third_among_exact"), "exp4")],
         ["Exp 4: divergent panel rows tie-initiated / not",
@@ -468,16 +479,16 @@ def _later_side_by_side(root: Path, profile: str, base: str = "cpu",
          *both(lambda p: cell(p, r5, "interpretation (frozen matrix)")), paper("exp5.interpretation")],
         ["Controls (exploratory): FP32 readout on the same BF16 caches, suffix differs (tie-initiated)",
          *controls(lambda p: f"{short(p, c2, 'FP32 readout (same BF16 caches; final norm and LM head in float32): suffix differs')} "
-                         f"({cell(p, c2, 'FP32 readout: of which tie-initiated')})"), "not run"],
+                         f"({cell(p, c2, 'FP32 readout: of which tie-initiated')})"), "not in the paper"],
         ["Controls: FP32 readout still differs among rows whose BF16 suffixes differ",
          *controls(lambda p: _count_of_total(cell(p, c2, "FP32 readout: still differs among rows whose plain BF16 suffixes differ"), c2)),
-         "not run"],
+         "not in the paper"],
         ["Controls: matched null perturbation moves the trajectory (tie-initiated)",
          *controls(lambda p: f"{short(p, c2, 'matched null perturbation of the incremental cache: trajectory moved')} "
-                         f"({cell(p, c2, 'null perturbation: of which tie-initiated')})"), "not run"],
+                         f"({cell(p, c2, 'null perturbation: of which tie-initiated')})"), "not in the paper"],
         ["Controls: null perturbation moves it among rows whose BF16 suffixes agree",
          *controls(lambda p: _count_of_total(cell(p, c2, "null perturbation: moved among rows whose plain BF16 suffixes agree"), c2)),
-         "not run"],
+         "not in the paper"],
     ]
     return header, rows
 
