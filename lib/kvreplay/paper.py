@@ -437,9 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     if "done" in doc:  # computed on a GPU across device sessions: read what is there, never compute the rest here
         missing = unfinished_arms(chain, params, ledgers)
         if missing:
-            print(f"error: profile {label!r} is computed on a GPU (its file lists `done:`), and these notebooks need "
-                  f"arms its ledgers under {ledgers} do not hold in full; make paper would compute them here. Finish "
-                  "them with scripts/gpu_profile.py, or leave the notebooks out (`notebooks:` / --only):\n  "
+            print(f"error: profile {label!r} is computed on a GPU (its file lists `done:`), and these notebooks would "
+                  f"compute here: they need arms its ledgers under {ledgers} do not hold in full, or (00) would train "
+                  "a checkpoint family. Finish the arms with scripts/gpu_profile.py, or leave the notebooks out "
+                  "(`notebooks:` / --only):\n  "
                   + "\n  ".join(missing), file=sys.stderr)
             return 2
     out_dir.mkdir(parents=True, exist_ok=True)
