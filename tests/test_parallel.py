@@ -154,6 +154,10 @@ def test_actor_resources_and_cluster_limits(tmp_path, tiny_arm, cluster):
         actor_resources("cuda:1", 2, 1, 2)
     with pytest.raises(ValueError, match="no GPU"):
         actor_resources("cuda", 2, 1, 0)
+    with pytest.raises(ValueError, match="unknown device 'mps' for row actors"):
+        actor_resources("mps", 2, 1, 2)
+    with pytest.raises(ValueError, match="unknown device 'gpu0'; use 'cpu', 'cuda' or 'cuda:N'"):
+        actor_resources("gpu0", 2, 1, 2)
     # more actors than the cluster's CPUs: refused before any actor or ledger exists (Ray would wait forever)
     with pytest.raises(ValueError, match=r"3 row actors need 3 CPUs \(1 each\), but the Ray cluster at .* has 2"):
         run_live_vs_prefill(tiny_problems(3), tiny_arm(workers=3), ledger_root=tmp_path, progress=False)

@@ -294,3 +294,29 @@ def test_experiment_of_a_ledger_folder(name, experiment):
 def test_experiment_of_refuses_other_names(name):
     with pytest.raises(ValueError):
         experiment_of(name)
+
+
+def test_row_functions_return_the_schema_layouts():
+    """Each experiment's per-row and per-chunk functions are annotated with its two layouts (passed, failed), and
+    its summary reads them: the schema here is the type the lib writes and reads, not a second description."""
+    import typing
+
+    from kvreplay import adapt
+    from kvreplay.experiments import bridge, controls, fixed_prefix, live_vs_prefill, replication, transplant
+
+    functions = {"exp1": (live_vs_prefill.live_vs_prefill_row, live_vs_prefill.live_vs_prefill_chunk, None),
+                 "exp2": (fixed_prefix.fixed_prefix_row, fixed_prefix.fixed_prefix_chunk, None),
+                 "exp2_controls": (controls.controls_row, controls.controls_chunk, controls.controls_summary),
+                 "exp3": (bridge.bridge_row, bridge.bridge_chunk, bridge.bridge_summary),
+                 "exp4": (transplant.transplant_row, transplant.transplant_chunk, transplant.transplant_summary),
+                 "exp5": (replication.replication_row, replication.replication_chunk, replication.replication_summary)}
+    assert set(functions) | {"adapt_eval"} == set(ROW_TYPES)
+    for experiment, (row, chunk, summary) in functions.items():
+        layouts = {ROW_TYPES[experiment], FAILED_ROW_TYPES[experiment]}
+        assert set(typing.get_args(typing.get_type_hints(row)["return"])) == layouts, experiment
+        (item,) = typing.get_args(typing.get_type_hints(chunk)["return"])  # list[...]
+        assert set(typing.get_args(item)) == layouts, experiment
+        if summary is not None:
+            (item,) = typing.get_args(typing.get_type_hints(summary)["records"])  # Sequence[...]
+            assert set(typing.get_args(item)) == layouts, experiment
+    assert typing.get_type_hints(adapt.letter_row)["return"] is ROW_TYPES["adapt_eval"]

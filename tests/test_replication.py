@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -103,9 +102,8 @@ def test_panel_reads_only_ids_and_lengths(tmp_path):
     with pytest.raises(ValueError, match="repeat"):
         replication.freeze_replication_panel([("a", 1), ("a", 2)], 1)
     assert len(replication.freeze_replication_panel(cand, 100)) == 7  # a small bank: every row
-    doc = replication.write_panel(tmp_path / "p.json", panel, n_requested=4, prefix_bank_sha256=fixed.sha256,
-                                  checkpoint={"kind": "x"})
-    assert json.loads((tmp_path / "p.json").read_text()) == doc and doc["rule"] == replication.PANEL_RULE
+    doc = replication.panel_doc(panel, n_requested=4, prefix_bank_sha256=fixed.sha256, checkpoint={"kind": "x"})
+    assert doc["rule"] == replication.PANEL_RULE and doc["n"] == len(panel) == 4 and doc["panel"] == panel
 
 
 # ----------------------------------------------------------------------------- one row, six arms

@@ -26,6 +26,7 @@ def test_session_builds_the_arm_settings_the_notebooks_use(tmp_path, capsys):
         s.rows(201)
     path = s.write_panel("p", rule="r", problem_ids=["b", "a"])
     assert path.read_text() == '{\n "rule": "r",\n "problem_ids": [\n  "b",\n  "a"\n ]\n}\n'  # keys in the order given
+    assert s.write_panel("p", sort_keys=True, rule="r", n=2).read_text() == '{\n "n": 2,\n "rule": "r"\n}\n'
 
 
 def test_batched_settings_and_their_eager_fallback():

@@ -86,7 +86,7 @@ from .contract import (
     load_spec,
     resolve_format,
 )
-from .ledger.records import validate_row
+from .ledger.records import AdaptEvalRow, validate_row
 from .ledger.store import Ledger, canonical_json, config_digest, run_rows
 from .models import (
     ExecutionContract,
@@ -706,7 +706,8 @@ def load_table(path: str | Path | None, hidden: int) -> torch.Tensor | None:
     return None if path is None else load_role_table(path, hidden, torch.float32)[0]
 
 
-def letter_row(lm: LoadedModel, fmt: BlockFormat, tables: dict[str, torch.Tensor | None], problem: Problem) -> dict:
+def letter_row(lm: LoadedModel, fmt: BlockFormat, tables: dict[str, torch.Tensor | None],
+               problem: Problem) -> AdaptEvalRow:
     """One evaluation-ledger row: :func:`letter_choice` under every named role table."""
     return {"problem_id": problem.problem_id, "gold": problem.answer, "gate_failure": None,
             "checkpoints": {name: letter_choice(lm, fmt, problem, t) for name, t in tables.items()}}
@@ -755,7 +756,7 @@ def run_letter_eval(
     return records, ledger
 
 
-def accuracy_summary(records: Sequence[dict], a: str = "ckpt0", b: str = "later", *, seed: int = 20260729,
+def accuracy_summary(records: Sequence[AdaptEvalRow], a: str = "ckpt0", b: str = "later", *, seed: int = 20260729,
                      n_resamples: int = 20000) -> dict:
     """Accuracy of checkpoints ``a`` and ``b`` (Wilson), their paired difference (bootstrap, b minus a), exact McNemar,
     and how often each predicts each letter (a letter prior shows up there) beside the gold letters."""

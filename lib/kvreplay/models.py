@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -230,12 +231,7 @@ class ExecutionContract:
         kind = self.device_type
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'")
-        unsupported = [b for b in self.sdpa_backends if b not in DEVICE_SDPA_BACKENDS[kind]]
-        if unsupported:
-            raise ValueError(
-                f"SDPA backend(s) {unsupported} cannot run on device {self.device!r}: on {kind} torch implements only "
-                f"{list(DEVICE_SDPA_BACKENDS[kind])}; choose sdpa_backends among those"
-            )
+        check_sdpa_on_device(self.sdpa_backends, self.device)
         if kind == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError(f"device {self.device!r} asked for, but torch {torch.__version__} sees no CUDA device")
         det = self.resolved_deterministic()
@@ -704,6 +700,23 @@ def self_check(lm: "LoadedModel") -> dict:
         "schedule": [first] + [1] * (n - first), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "sdpa_backends": list(lm.sdpa_backends),
     }
+
+
+def check_sdpa_on_device(backends: Sequence[str], device: str) -> None:
+    """Refuse SDPA backend names that torch does not implement on ``device`` (see :data:`DEVICE_SDPA_BACKENDS`).
+
+    On CPU only ``math`` and ``flash`` exist; ``efficient`` and ``cudnn`` are CUDA-only. The one rule for
+    :meth:`ExecutionContract.apply` and a profile's ``execution`` block.
+
+    Raises:
+        ValueError: naming the backends unknown or missing on the device, and those it has; or an unknown device.
+    """
+    kind = ExecutionContract(device=device).device_type
+    allowed = DEVICE_SDPA_BACKENDS.get(kind, ())
+    bad = [b for b in backends if b not in allowed]
+    if bad:
+        raise ValueError(f"SDPA backend(s) {bad} unknown or not on device {device!r}: on {kind} torch implements "
+                         f"only {list(allowed)}; choose sdpa_backends among those")
 
 
 def sdpa_backend_list(names: tuple[str, ...]) -> list:

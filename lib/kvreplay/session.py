@@ -149,15 +149,16 @@ class Session:
         """
         return find_chain_ledger(self.ledger_root, self.profile, key)
 
-    def write_panel(self, name: str, **doc) -> Path:
+    def write_panel(self, name: str, *, sort_keys: bool = False, **doc) -> Path:
         """Write a frozen panel, ``<ledger_root>/<profile>/<name>.json``, before anything on it is decoded.
 
-        ``doc`` holds the rule and the chosen problem IDs (and whatever else defines the panel); it is
-        written as indented JSON with keys in the order given.
+        The one writer of panel files (notebooks 03-05). ``doc`` holds the rule and the chosen problem IDs
+        (and whatever else defines the panel, e.g. :func:`kvreplay.experiments.replication.panel_doc`); it
+        is written as indented JSON, keys in the order given or, with ``sort_keys``, sorted.
         """
         path = self.ledger_root / self.profile / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1) + "\n")
+        path.write_text(json.dumps(doc, indent=1, sort_keys=sort_keys) + "\n")
         return path
 
     def save_table(self, df: pd.DataFrame, stem: str, caption: str | None = None) -> list[Path]:

@@ -57,9 +57,10 @@ print(panel_path, panel_ids)
 # %%
 panel_rows = [session.by_id[i] for i in panel_ids]
 bridge, bridge_ledger = run_arm(
-    "exp3", session.settings("bfloat16", 0), panel_rows, lambda spec, p: bridge_row(spec, p, fixed.prefixes[p.problem_id]),
+    "exp3", session.settings("bfloat16", 0), panel_rows,
+    lambda spec, problem: bridge_row(spec, problem, fixed.prefixes[problem.problem_id]),
     ledger_root=session.ledger_root, extra_config={"prefix_bank_sha256": fixed.sha256},
-    chunk=lambda spec, ps: bridge_chunk(spec, ps, [fixed.prefixes[p.problem_id] for p in ps]),
+    chunk=lambda spec, problems: bridge_chunk(spec, problems, [fixed.prefixes[q.problem_id] for q in problems]),
 )
 failed = [(r["problem_id"], r["gate_failure"]) for r in bridge if r["gate_failure"]]
 assert not failed, f"bridge rows failed gates: {failed}"

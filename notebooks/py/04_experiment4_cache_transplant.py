@@ -67,10 +67,13 @@ stratum = {e["problem_id"]: e["stratum"] for e in panel}
 panel_rows = [session.by_id[e["problem_id"]] for e in panel]
 records, ledger = run_arm(
     "exp4", session.settings("bfloat16", 0), panel_rows,
-    lambda spec, p: transplant_row(spec, p, fixed.prefixes[p.problem_id], stratum[p.problem_id], p.problem_id in sweep_ids),
-    ledger_root=session.ledger_root, extra_config={"prefix_bank_sha256": fixed.sha256, "panel": panel, "sweep": sweep_ids},
-    chunk=lambda spec, ps: transplant_chunk(spec, ps, [fixed.prefixes[p.problem_id] for p in ps], [stratum[p.problem_id] for p in ps],
-                                            [p.problem_id in sweep_ids for p in ps]),
+    lambda spec, problem: transplant_row(spec, problem, fixed.prefixes[problem.problem_id], stratum[problem.problem_id],
+                                         problem.problem_id in sweep_ids),
+    ledger_root=session.ledger_root,
+    extra_config={"prefix_bank_sha256": fixed.sha256, "panel": panel, "sweep": sweep_ids},
+    chunk=lambda spec, problems: transplant_chunk(
+        spec, problems, [fixed.prefixes[q.problem_id] for q in problems], [stratum[q.problem_id] for q in problems],
+        [q.problem_id in sweep_ids for q in problems]),
 )
 print(ledger.dir.name)
 

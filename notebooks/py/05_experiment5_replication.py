@@ -62,8 +62,8 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}); repl
 # %%
 candidates = replication.panel_candidates(fixed.entries)
 panel = replication.freeze_replication_panel(candidates, p.n_exp5)
-panel_path = session.ledger_root / p.profile / "exp5_panel.json"
-replication.write_panel(panel_path, panel, n_requested=p.n_exp5, prefix_bank_sha256=fixed.sha256, checkpoint=ckpt.record)
+panel_path = session.write_panel("exp5_panel", sort_keys=True, **replication.panel_doc(
+    panel, n_requested=p.n_exp5, prefix_bank_sha256=fixed.sha256, checkpoint=ckpt.record))
 min_div, min_exact = replication.scaled_thresholds(len(panel))
 print(f"{panel_path}: {len(panel)} rows; the verdict needs >= 12 divergent and >= 6 exact rows (the paper's frozen "
       f"thresholds); secondary, scaled to this panel: >= {min_div} and >= {min_exact}")
@@ -87,9 +87,11 @@ if ckpt.model != p.model:
 records, ledger = run_arm(
     "exp5", session.settings("bfloat16", p.preflight_fixed, model=ckpt.model, role_table=ckpt.role_table),
     [session.by_id[e["problem_id"]] for e in panel],
-    lambda spec, p: replication.replication_row(spec, p, fixed.prefixes[p.problem_id]),
-    chunk=lambda spec, ps: replication.replication_chunk(spec, ps, [fixed.prefixes[p.problem_id] for p in ps]),
-    ledger_root=session.ledger_root, extra_config={"prefix_bank_sha256": fixed.sha256, "panel": panel, "checkpoint": ckpt.record},
+    lambda spec, problem: replication.replication_row(spec, problem, fixed.prefixes[problem.problem_id]),
+    chunk=lambda spec, problems: replication.replication_chunk(spec, problems,
+                                                               [fixed.prefixes[q.problem_id] for q in problems]),
+    ledger_root=session.ledger_root,
+    extra_config={"prefix_bank_sha256": fixed.sha256, "panel": panel, "checkpoint": ckpt.record},
 )
 env = json.loads((ledger.dir / "environment.json").read_text())
 assert env["execution_contract"].get("format_digest") == chain_format, "the replication checkpoint's block format differs from the chain's"

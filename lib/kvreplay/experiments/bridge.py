@@ -16,6 +16,7 @@ import pandas as pd
 
 from .. import caches, decode, engine, gates
 from ..gates import GateError
+from ..ledger.records import BridgeRecord
 from ..problems import Problem
 from ..runner import RunSpec, leaves
 from .endpoints import require_gates
@@ -30,7 +31,7 @@ from .matrix import (
 )
 
 
-def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> dict:
+def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> BridgeRecord:
     """Experiment 3 bridge for one problem (paper §3.7): new live boundary vs incremental from that prefix.
 
     Both constructions get verified replicas and pass the state, storage and
@@ -56,7 +57,7 @@ def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> 
     return rec
 
 
-def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Sequence[Sequence[int]]) -> list[dict]:
+def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Sequence[Sequence[int]]) -> list[BridgeRecord]:
     """Experiment 3 bridge for a chunk of problems through the batched engine (the records of :func:`bridge_row`).
 
     The live boundaries come from :func:`kvreplay.engine.decode_lives` and the
@@ -188,7 +189,7 @@ def saved_ledger_audit(exp1: Sequence[dict], exp2: Sequence[dict]) -> dict:
     return out
 
 
-def bridge_summary(records: Sequence[dict]) -> dict:
+def bridge_summary(records: Sequence[BridgeRecord]) -> dict:
     """Experiment 3 bridge endpoints (paper §4.3) from its ledger records.
 
     Returns:

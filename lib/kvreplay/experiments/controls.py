@@ -20,6 +20,7 @@ import torch
 
 from .. import caches, decode, drift, engine, gates
 from ..gates import GateError
+from ..ledger.records import ControlsRecord
 from ..ledger.store import Ledger
 from ..problems import Problem
 from ..runner import ArmSettings, Hook, RunSpec, run_arm
@@ -92,7 +93,7 @@ def _pair(a: decode.Suffix, b: decode.Suffix, names: tuple[str, str]) -> dict:
             "tie_initiated": tie_initiated(a.margins, b.margins, fd)}
 
 
-def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: int = 20260729) -> dict:
+def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: int = 20260729) -> ControlsRecord:
     """Two exploratory controls on one fixed BF16 prefix that separate causes of a divergence.
 
     * **FP32 readout**: incremental and prefill are built again with
@@ -183,7 +184,7 @@ def _controls_record(rec: dict, plain: dict, fp32: dict, moved: decode.Suffix, n
 
 
 def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]],
-                   seed: int = 20260729) -> list[dict]:
+                   seed: int = 20260729) -> list[ControlsRecord]:
     """The exploratory controls for a chunk of fixed prefixes through the batched engine (records of :func:`controls_row`).
 
     The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`,
@@ -222,7 +223,7 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
     return recs
 
 
-def controls_summary(records: Sequence[dict]) -> dict:
+def controls_summary(records: Sequence[ControlsRecord]) -> dict:
     """Endpoints of the exploratory controls from their ledger records.
 
     Returns:

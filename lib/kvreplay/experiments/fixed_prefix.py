@@ -18,6 +18,7 @@ import pandas as pd
 from .. import decode, engine
 from ..gates import GateError
 from ..ledger.prefix_bank import read_prefix_bank
+from ..ledger.records import Exp2Record
 from ..ledger.store import Ledger
 from ..problems import Problem
 from ..runner import ArmSettings, Hook, RunSpec, run_arm
@@ -26,7 +27,7 @@ from .endpoints import require_gates, with_derived_endpoints
 from .matrix import gate_failure, matrix_chunk, matrix_row
 
 
-def fixed_prefix_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
+def fixed_prefix_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> Exp2Record:
     """Experiment 2 for one fixed BF16 prefix at the run's precision (paper §3.6).
 
     The incremental cache teacher-forces z through the live call schedule;
@@ -49,7 +50,7 @@ def fixed_prefix_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> 
     return rec
 
 
-def fixed_prefix_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[dict]:
+def fixed_prefix_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[Exp2Record]:
     """Experiment 2 for a chunk of fixed prefixes through the batched engine (the records of :func:`fixed_prefix_row`).
 
     The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`

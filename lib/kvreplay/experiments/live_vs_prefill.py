@@ -13,13 +13,14 @@ from pathlib import Path
 
 from .. import decode, engine
 from ..gates import GateError
+from ..ledger.records import Exp1Record
 from ..ledger.store import Ledger
 from ..problems import Problem
 from ..runner import ArmSettings, Hook, RunSpec, run_arm
 from .matrix import gate_failure, matrix_chunk, matrix_row
 
 
-def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> dict:
+def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> Exp1Record:
     """Experiment 1 for one problem: live decoding to the boundary, then the four-arm matrix (paper §3.5).
 
     Returns:
@@ -37,7 +38,7 @@ def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> dict:
     return rec
 
 
-def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[dict]:
+def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[Exp1Record]:
     """Experiment 1 for a chunk of problems through the batched engine (the records of :func:`live_vs_prefill_row`).
 
     Live boundaries of the whole chunk come from :func:`kvreplay.engine.decode_lives`;

@@ -22,6 +22,7 @@ import torch
 
 from .. import caches, decode, drift, engine, gates
 from ..gates import GateError
+from ..ledger.records import Exp1Record, Exp2Record
 from ..models import LoadedModel
 from ..problems import Problem
 from ..runner import RunSpec
@@ -328,7 +329,8 @@ def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, hea
 
 
 def matrix_summary(
-    records: Sequence[dict], dtype: str, ref: str = "live", seed: int = 20260729, n_resamples: int = 20000
+    records: Sequence[Exp1Record] | Sequence[Exp2Record], dtype: str, ref: str = "live", seed: int = 20260729,
+    n_resamples: int = 20000,
 ) -> dict:
     """Endpoints of the four-arm matrix at one precision (paper §4.1, §4.2), from ledger records alone.
 

@@ -31,7 +31,6 @@ checkpoint of the same family (by default the later role table of notebook
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +51,7 @@ from ..experiments.transplant import (
     transplant_summary,
 )
 from ..gates import GateError
+from ..ledger.records import ReplicationRecord
 from ..models import file_sha256, load_tokenizer
 from ..problems import Problem
 from ..runner import RunSpec, model_key
@@ -198,15 +198,11 @@ def freeze_replication_panel(candidates: Sequence[tuple[str, int]], n: int) -> l
     return [{"problem_id": pid, "prefix_len": length} for pid, length in picks]
 
 
-def write_panel(path: str | Path, panel: Sequence[dict], *, n_requested: int, prefix_bank_sha256: str,
-                checkpoint: dict) -> dict:
-    """Write the frozen panel (rule, prefix-bank digest, the replication checkpoint, the rows) before decoding."""
-    doc = {"rule": PANEL_RULE, "n_requested": n_requested, "n": len(panel), "prefix_bank_sha256": prefix_bank_sha256,
-           "checkpoint": checkpoint, "panel": list(panel)}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    return doc
+def panel_doc(panel: Sequence[dict], *, n_requested: int, prefix_bank_sha256: str, checkpoint: dict) -> dict:
+    """What the frozen panel file holds: rule, requested and frozen size, prefix-bank digest, the replication
+    checkpoint's record and the rows (written by :meth:`kvreplay.session.Session.write_panel` with sorted keys)."""
+    return {"rule": PANEL_RULE, "n_requested": n_requested, "n": len(panel), "prefix_bank_sha256": prefix_bank_sha256,
+            "checkpoint": checkpoint, "panel": list(panel)}
 
 
 # ----------------------------------------------------------------------------- the replication checkpoint
@@ -290,7 +286,7 @@ def check_same_format(model: str, fmt: str, expected_digest: str | None) -> None
 # ----------------------------------------------------------------------------- one row
 
 
-def replication_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
+def replication_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> ReplicationRecord:
     """Experiment 5 for one panel row: the six arms, every Experiment 4 gate, and each baseline's answer score.
 
     Returns:
@@ -304,7 +300,8 @@ def replication_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> d
     return rec
 
 
-def replication_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[dict]:
+def replication_chunk(spec: RunSpec, problems: Sequence[Problem],
+                      prefixes: Sequence[Sequence[int]]) -> list[ReplicationRecord]:
     """Experiment 5 for a chunk of panel rows through the batched engine (the records of :func:`replication_row`).
 
     :func:`~kvreplay.experiments.transplant.transplant_chunk` with the whole-cache transplant only, then each
@@ -330,7 +327,7 @@ def score_suffix(spec: RunSpec, problem: Problem, prefix: Sequence[int], suffix:
 # ----------------------------------------------------------------------------- endpoints and tables
 
 
-def replication_summary(records: Sequence[dict]) -> dict:
+def replication_summary(records: Sequence[ReplicationRecord]) -> dict:
     """Experiment 5 endpoints and the interpretation, from ledger records alone.
 
     Returns:

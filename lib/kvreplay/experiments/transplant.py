@@ -16,6 +16,7 @@ import pandas as pd
 
 from .. import caches, decode, engine, gates
 from ..gates import GateError
+from ..ledger.records import TransplantRecord
 from ..problems import Problem
 from ..runner import RunSpec
 from ..stats import wilson
@@ -168,7 +169,7 @@ def _outcome(suffix: list[int], donor: list[int], recipient: list[int]) -> str:
 
 def transplant_row(
     spec: RunSpec, problem: Problem, prefix: Sequence[int], stratum: str, sweep: bool, primary_only: bool = False,
-) -> dict:
+) -> TransplantRecord:
     """Experiment 4 for one frozen panel row, BF16 (paper §3.8, plus the referee's localization).
 
     Builds incremental and prefill states, each twice with disjoint storage,
@@ -265,7 +266,8 @@ def _record_intervention(rec: dict, name: str, recipient: str, donor: str, suffi
 
 
 def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]],
-                     strata: Sequence[str], sweeps: Sequence[bool], primary_only: bool = False) -> list[dict]:
+                     strata: Sequence[str], sweeps: Sequence[bool],
+                     primary_only: bool = False) -> list[TransplantRecord]:
     """Experiment 4 for a chunk of panel rows through the batched engine (the records of :func:`transplant_row`).
 
     The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`
@@ -320,7 +322,7 @@ def _failed(rec: dict, e: GateError) -> None:
 DIRECTIONS = ("prefill<-incremental", "incremental<-prefill")
 
 
-def transplant_summary(records: Sequence[dict]) -> dict:
+def transplant_summary(records: Sequence[TransplantRecord]) -> dict:
     """Experiment 4 endpoints (paper §4.4): donor recovery among divergent rows, third trajectories among exact rows.
 
     Rows are grouped by their contemporaneous baselines (incremental vs

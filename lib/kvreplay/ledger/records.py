@@ -1,8 +1,10 @@
 """The schema of ledger rows: one typed record per kind of row the experiments write.
 
 A ledger's ``rows.jsonl`` holds one JSON object per problem (:mod:`.store`). The rows stay plain dicts, written and
-read byte for byte as before; this module only *declares* their layout, as :class:`~typing.TypedDict` classes whose
-field names are the JSON keys, and checks a row against it at run time (:func:`validate_row`, pydantic in strict
+read byte for byte as before; this module *declares* their layout, as :class:`~typing.TypedDict` classes whose
+field names are the JSON keys (the experiments' row, chunk and summary functions are annotated with them, e.g.
+:data:`Exp1Record`, a test keeps those annotations equal to :data:`ROW_TYPES` and :data:`FAILED_ROW_TYPES`), and
+checks a row against it at run time (:func:`validate_row`, pydantic in strict
 mode: a missing key, an extra key or a wrong type is an error; ``True`` is not an int, ``1`` is not a bool nor a
 float, since every writer writes its floats with ``float()``; JSON ``NaN`` and ``Infinity`` are floats).
 
@@ -62,6 +64,8 @@ __all__ = [
     # rows
     "AdaptEvalRow", "BridgeFailedRow", "BridgeRow", "ControlsFailedRow", "ControlsRow", "Exp1FailedRow", "Exp1Row",
     "Exp2FailedRow", "Exp2Row", "ReplicationFailedRow", "ReplicationRow", "TransplantFailedRow", "TransplantRow",
+    # a row of either layout, as the row functions return them
+    "BridgeRecord", "ControlsRecord", "Exp1Record", "Exp2Record", "ReplicationRecord", "TransplantRecord",
 ]
 
 SCHEMA_ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
@@ -571,6 +575,19 @@ ROW_TYPES: dict[str, type] = {
     "adapt_eval": AdaptEvalRow,
 }
 """Experiment (ledger folder prefix) -> the layout of its rows that passed every gate."""
+
+Exp1Record = Exp1Row | Exp1FailedRow
+"""What :func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_row` returns and Experiment 1's summaries read."""
+Exp2Record = Exp2Row | Exp2FailedRow
+"""What :func:`kvreplay.experiments.fixed_prefix.fixed_prefix_row` returns and Experiment 2's summaries read."""
+ControlsRecord = ControlsRow | ControlsFailedRow
+"""What :func:`kvreplay.experiments.controls.controls_row` returns and :func:`~kvreplay.experiments.controls.controls_summary` reads."""
+BridgeRecord = BridgeRow | BridgeFailedRow
+"""What :func:`kvreplay.experiments.bridge.bridge_row` returns and :func:`~kvreplay.experiments.bridge.bridge_summary` reads."""
+TransplantRecord = TransplantRow | TransplantFailedRow
+"""What :func:`kvreplay.experiments.transplant.transplant_row` returns and its summary reads."""
+ReplicationRecord = ReplicationRow | ReplicationFailedRow
+"""What :func:`kvreplay.experiments.replication.replication_row` returns and its summary reads."""
 
 FAILED_ROW_TYPES: dict[str, type] = {
     "exp1": Exp1FailedRow,

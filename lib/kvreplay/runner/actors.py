@@ -44,7 +44,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from ..models import context_length
+import torch
+
+from ..models import ExecutionContract, context_length
 from .spec import BatchedRows, RunSpec, arm_environment, check_prompts
 
 DEPTH = 2
@@ -58,6 +60,10 @@ FORWARDED_ENV = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "PYTHONHASHSEED", "
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 """Object store of a local cluster: rows are small JSON-like records, so Ray's default (30% of RAM) is not taken."""
+
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+"""The ``kvreplay`` package folder, shipped to a remote Ray cluster's workers as a ``py_modules`` entry."""
 
 
 def actor_resources(device: str, workers: int, threads: int, gpus: float) -> dict:
@@ -79,12 +85,13 @@ def actor_resources(device: str, workers: int, threads: int, gpus: float) -> dic
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    kind, _, index = device.partition(":")
-    if kind == "cpu" and not index:
+    kind = ExecutionContract(device=device).device_type  # ValueError naming a device torch cannot parse
+    pinned = torch.device(device).index is not None
+    if kind == "cpu" and not pinned:
         return {"num_cpus": threads, "num_gpus": 0}
     if kind != "cuda":
         raise ValueError(f"unknown device {device!r} for row actors; use 'cpu' or 'cuda'")
-    if index:
+    if pinned:
         raise ValueError(f"device {device!r} pins one GPU, but Ray gives each of the {workers} row actors its own: "
                          f"use device 'cuda' (or workers=1 to run in this process on {device})")
     if gpus <= 0:
@@ -135,9 +142,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None, num_gpus
     else:
         quiet = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
         if address:
-            import kvreplay
-
-            ray.init(address=address, runtime_env={"py_modules": [str(Path(kvreplay.__file__).parent)]}, **quiet)
+            ray.init(address=address, runtime_env={"py_modules": [str(PACKAGE_DIR)]}, **quiet)
         else:
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
                      object_store_memory=LOCAL_OBJECT_STORE_BYTES, **quiet)

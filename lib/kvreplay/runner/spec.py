@@ -29,12 +29,12 @@ from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_form
 from ..gates import GateError
 from ..ledger.store import canonical_json
 from ..models import (
-    DEVICE_SDPA_BACKENDS,
     EMBEDDED,
     EMBEDDED_SHA256,
     ExecutionContract,
     LoadedModel,
     ModelLoadError,
+    check_sdpa_on_device,
     execution_contract,
     file_sha256,
     load_model,
@@ -262,10 +262,7 @@ def check_execution(contract: dict) -> None:
     if c["ray_address"] is not None and (not isinstance(c["ray_address"], str) or not c["ray_address"]):
         raise ValueError(f"ray_address must be None or a Ray cluster address such as 'auto' or 'host:6379', "
                          f"got {c['ray_address']!r}")
-    unknown = [b for b in c["sdpa_backends"] if b not in DEVICE_SDPA_BACKENDS.get(device_type, ())]
-    if unknown:
-        raise ValueError(f"SDPA backend(s) {unknown} unknown or not on device {c['device']!r}; use some of "
-                         f"{list(DEVICE_SDPA_BACKENDS.get(device_type, ()))}")
+    check_sdpa_on_device(c["sdpa_backends"], c["device"])
     if c["step_path"] not in ARM_STEP_PATHS:
         raise ValueError(f"unknown step path {c['step_path']!r}; use one of {ARM_STEP_PATHS}")
     if not _whole(c["batch"]) or c["batch"] < 1:
