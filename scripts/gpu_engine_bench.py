@@ -86,7 +86,7 @@ def tiny(outdir: Path) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
 
-    from kvreplay.models import ExecutionContract
+    from kvreplay.execution import ExecutionContract
 
     ExecutionContract(device="cuda" if CUDA else "cpu").apply()
     res: dict = {}
@@ -125,7 +125,8 @@ def tiny(outdir: Path) -> dict:
 
 def bench(outdir: Path, n: int) -> dict:
     from kvreplay.problems import load_bank
-    from kvreplay.models import ExecutionContract, execution_contract, load_model
+    from kvreplay.execution import ExecutionContract
+    from kvreplay.models import execution_contract, load_model
 
     t0 = time.perf_counter()
     if CUDA:

@@ -32,7 +32,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvreplay import engine  # noqa: E402
 from kvreplay.contract import resolve_format  # noqa: E402
-from kvreplay.models import ExecutionContract, LoadedModel  # noqa: E402
+from kvreplay.execution import ExecutionContract  # noqa: E402
+from kvreplay.models import LoadedModel  # noqa: E402
 from tests.conftest import TINY_FORMAT, make_tokenizer  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

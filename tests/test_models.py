@@ -7,9 +7,9 @@ import torch
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm
 from kvreplay import decode
 from kvreplay.contract import Caps, resolve_format
+from kvreplay.execution import ExecutionContract
 from kvreplay.models import (
     SELF_CHECK_RATIO,
-    ExecutionContract,
     ModelLoadError,
     cache_refusal,
     execution_contract,

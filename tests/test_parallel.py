@@ -16,12 +16,8 @@ from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_pr
 from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row, run_live_vs_prefill
 from kvreplay.gates import GateError
 from kvreplay.ledger.store import Ledger, run_rows
-from kvreplay.models import (
-    ExecutionContract,
-    ModelLoadError,
-    execution_contract,
-    load_model,
-)
+from kvreplay.execution import ExecutionContract
+from kvreplay.models import ModelLoadError, execution_contract, load_model
 from kvreplay.paths import LEDGERS
 from kvreplay.problems import load_bank
 from kvreplay.runner import ROW_ALGORITHM, ArmSettings, run_arm

@@ -178,3 +178,13 @@ def test_gpu_profile_reads_gate_failures_from_the_ledger_also_for_a_stopped_arm(
     rows.write_text(json.dumps({"problem_id": "a", "gate_failure": None}) + "\n"
                     + json.dumps({"problem_id": "b", "gate_failure": failure}) + "\n" + '{"problem_id": "c", "gate_fa')
     assert gpu_profile.ledger_gate_failures(tmp_path) == [("b", failure)]
+
+
+def test_adapt_config_comes_from_the_profile_and_the_training_model_loads_only_when_asked():
+    s = open_session("notebooks/00_role_adaptation.ipynb", "smoke", {"adapt_steps": 8, "adapt_checkpoints": [2, 8]})
+    cfg = s.adapt_config()
+    assert (cfg.steps, cfg.checkpoints, cfg.name, cfg.source) == (8, (2, 8), s.params.adapt_name, s.params.adapt_source)
+    assert (cfg.threads, cfg.sdpa_backends) == (s.execution["threads"], tuple(s.execution["sdpa_backends"]))
+    assert s._training_model is None  # nothing loaded until a loader call
+    with pytest.raises(ValueError, match="checkpoints"):
+        open_session("notebooks/00_role_adaptation.ipynb", "smoke", {"adapt_steps": 4, "adapt_checkpoints": [2, 8]}).adapt_config()

@@ -2,7 +2,7 @@
 
 Every notebook calls into this package; each module is one concept and imports
 only the layers below it (docs/ARCHITECTURE.md, which a test keeps true): the
-core (``paths``, ``contract``, ``models``, ``problems``, ``bank``, ``decode``,
+core (``paths``, ``contract``, ``execution``, ``models``, ``problems``, ``bank``, ``decode``,
 ``caches``, ``engine``, ``gates``, ``drift``, ``scoring``, ``stats``),
 ``ledger`` (append-only, resumable results and their lookup by provenance),
 ``runner`` (arm settings, the run loop, Ray row actors), ``experiments`` (one

@@ -88,16 +88,8 @@ from .contract import (
 )
 from .ledger.records import AdaptEvalRow, validate_row
 from .ledger.store import Ledger, canonical_json, config_digest, run_rows
-from .models import (
-    ExecutionContract,
-    LoadedModel,
-    execution_contract,
-    file_sha256,
-    load_model,
-    load_role_table,
-    sdpa_backend_list,
-    weights_sha256,
-)
+from .execution import ExecutionContract, sdpa_backend_list
+from .models import LoadedModel, execution_contract, file_sha256, load_model, load_role_table, weights_sha256
 from .paths import ROOT
 from .bank import SOURCES, locate_source, read_source_file, select_bank
 from .problems import Problem

@@ -36,7 +36,8 @@ from .contract import (
     attention_mask_4d,
 )
 from .gates import GateError
-from .models import LoadedModel, sdpa_backend_list
+from .execution import sdpa_backend_list
+from .models import LoadedModel
 
 BATCH = 2
 """Physical batch: two duplicate copies of one problem."""

@@ -22,10 +22,8 @@ from .experiments.matrix import boundary_gates
 from .gates import GateError
 from .ledger.lookup import LoadedLedger
 from .ledger.store import canonical_json
-from .models import (
-    ExecutionContract,
-    load_model,
-)
+from .execution import ExecutionContract
+from .models import load_model
 from .paths import ROOT
 
 COMPARISONS: dict[str, dict[str, tuple[str, str]]] = {

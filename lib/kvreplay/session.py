@@ -30,10 +30,13 @@ from typing import Any
 import pandas as pd
 
 from . import paths
+from .adapt import AdaptConfig
 from .contract import Caps
+from .execution import ExecutionContract
 from .experiments.fixed_prefix import FixedPrefixes, load_fixed_prefixes
 from .ledger.lookup import PREFIX_BANK, LoadedLedger, find_chain_ledger
 from .ledger.store import Ledger
+from .models import LoadedModel, load_model
 from .problems import Problem, load_bank, load_problems
 from .profiles import DEFAULT_PROFILE, ChainParameters, describe, load_parameters
 from .report.files import contract_frame, save_figure, save_table
@@ -57,6 +60,7 @@ class Session:
     notebook: str
     params: ChainParameters
     execution: dict
+    _training_model: LoadedModel | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def profile(self) -> str:
@@ -148,6 +152,33 @@ class Session:
             MissingLedgerError: the ledger is missing, unfinished or ambiguous; names the notebook that writes it.
         """
         return find_chain_ledger(self.ledger_root, self.profile, key)
+
+    def adapt_config(self) -> AdaptConfig:
+        """Notebook 00's role-table training config: the profile's ``adapt_*`` parameters, model, format and seed,
+        with the ``execution`` contract's threads and SDPA backends (training is FP32 on the CPU whatever the
+        profile's device; the config's digest keys the checkpoint folder).
+
+        Raises:
+            ValueError: checkpoints not ``0 < early < later <= steps``, or a non-positive size.
+        """
+        p, ex = self.params, self.execution
+        return AdaptConfig(name=p.adapt_name, model=p.model, fmt=p.format, source=p.adapt_source,
+                           n_train=p.adapt_n_train, n_heldout=p.adapt_n_heldout, steps=p.adapt_steps,
+                           batch=p.adapt_batch, lr=p.adapt_lr, checkpoints=tuple(p.adapt_checkpoints),
+                           eval_every=p.adapt_eval_every, seed=p.adapt_seed, threads=ex["threads"],
+                           sdpa_backends=tuple(ex["sdpa_backends"]))
+
+    def training_model(self) -> LoadedModel:
+        """The base model in float32 on the CPU under the contract's SDPA backends, for notebook 00's training and
+        letter metric: loaded on the first call only (a notebook whose checkpoints and ledger exist loads none).
+
+        Raises:
+            ModelLoadError: the model cannot be loaded offline.
+        """
+        if self._training_model is None:
+            self._training_model = load_model(
+                self.params.model, "float32", contract=ExecutionContract(sdpa_backends=tuple(self.execution["sdpa_backends"])))
+        return self._training_model
 
     def write_panel(self, name: str, *, sort_keys: bool = False, **doc) -> Path:
         """Write a frozen panel, ``<ledger_root>/<profile>/<name>.json``, before anything on it is decoded.

@@ -39,34 +39,23 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from kvreplay import adapt
-from kvreplay.report import figures
-from kvreplay.models import load_tokenizer
 from kvreplay.contract import ROLE_NAMES, resolve_format
+from kvreplay.models import load_tokenizer
 from kvreplay.problems import load_bank
-from kvreplay.models import ExecutionContract, load_model
+from kvreplay.report import figures
 from kvreplay.report.files import contract_frame
 from kvreplay.session import open_session
 
 # %%
 session = open_session("notebooks/00_role_adaptation.ipynb", profile, overrides)
 p = session.params
-threads, sdpa_backends = session.execution["threads"], session.execution["sdpa_backends"]  # only these apply here
-cfg = adapt.AdaptConfig(name=p.adapt_name, model=p.model, fmt=p.format, source=p.adapt_source, n_train=p.adapt_n_train, n_heldout=p.adapt_n_heldout,
-                        steps=p.adapt_steps, batch=p.adapt_batch, lr=p.adapt_lr, checkpoints=tuple(p.adapt_checkpoints),
-                        eval_every=p.adapt_eval_every, seed=p.adapt_seed, threads=threads, sdpa_backends=tuple(sdpa_backends))
-bank = load_bank()
+cfg = session.adapt_config()  # the adapt_* parameters, with the contract's threads and SDPA backends
+bank = load_bank()  # the MMLU bank: the training source must be disjoint from it, and the letter metric runs on it
 source_rows, source_sha256 = adapt.load_source(p.adapt_source)
 train_rows, heldout_rows = adapt.split_problems(source_rows, p.adapt_n_train, p.adapt_n_heldout)
 adapt.assert_disjoint(source_rows, bank)  # every source row, not only the ones used: no ID or question text in common
-print(f"{p.adapt_source}: {len(source_rows)} valid rows (sha256 {source_sha256[:12]}), disjoint from the {len(bank)}-row MMLU bank; "
-      f"{len(train_rows)} train, {len(heldout_rows)} held out")
-
-_fp32 = {}
-def fp32_model():
-    """The FP32 base model, loaded once and only when something must be computed."""
-    if "lm" not in _fp32:
-        _fp32["lm"] = load_model(p.model, "float32", contract=ExecutionContract(sdpa_backends=tuple(sdpa_backends)))
-    return _fp32["lm"]
+print(f"{p.adapt_source}: {len(source_rows)} valid rows (sha256 {source_sha256[:12]}), disjoint from the "
+      f"{len(bank)}-row MMLU bank; {len(train_rows)} train, {len(heldout_rows)} held out")
 
 
 # %% [markdown]
@@ -96,7 +85,7 @@ pd.DataFrame(blocks).set_index("block")
 # folder whose files no longer match their manifest is refused.
 
 # %%
-folder, manifest = adapt.ensure_checkpoints(cfg, session.checkpoint_root, bank=bank, loader=fp32_model)
+folder, manifest = adapt.ensure_checkpoints(cfg, session.checkpoint_root, bank=bank, loader=session.training_model)
 pointer = adapt.write_pointer(session.ledger_root / p.profile / adapt.POINTER, folder, manifest)
 family = {name: adapt.checkpoint(folder, name) for name in adapt.CHECKPOINT_NAMES}  # digests checked
 print(folder)
@@ -140,7 +129,8 @@ eval_rows = bank[:p.n_adapt_eval]
 later = family["later"]
 records, eval_ledger = adapt.run_letter_eval(
     eval_rows, {"ckpt0": (None, None), "later": (str(later.path), later.sha256)}, model=p.model, fmt=p.format,
-    profile=p.profile, ledger_root=session.ledger_root, threads=threads, sdpa_backends=tuple(sdpa_backends), loader=fp32_model,
+    profile=p.profile, ledger_root=session.ledger_root, threads=cfg.threads, sdpa_backends=cfg.sdpa_backends,
+    loader=session.training_model,
 )
 acc = adapt.accuracy_summary(records, "ckpt0", "later", seed=p.seed, n_resamples=p.n_resamples)
 labels = {"ckpt0": "checkpoint 0 (zero role table)", "later": f"later checkpoint (step {later.step})"}
@@ -170,7 +160,7 @@ first, last = train_curve.iloc[0], train_curve.iloc[-1]
 h0, h1 = held_curve.iloc[0], held_curve.iloc[-1]
 m = acc["mcnemar"]
 lines = [
-    f"- Only role rows 8–13 were trained ({p.adapt_steps} steps, lr {p.adapt_lr}, FP32, {threads} threads); the base weights' sha256 is unchanged ({manifest['base_model']['weights_sha256_float32'][:12]}…).",
+    f"- Only role rows 8–13 were trained ({p.adapt_steps} steps, lr {p.adapt_lr}, FP32, {cfg.threads} threads); the base weights' sha256 is unchanged ({manifest['base_model']['weights_sha256_float32'][:12]}…).",
     f"- Training loss {first.loss:.3f} at step 1 → {last.loss:.3f} at step {int(last.step)}; held-out loss {h0.loss:.3f} → {h1.loss:.3f} "
     f"(held-out letter accuracy {h0.letter_accuracy:.2f} → {h1.letter_accuracy:.2f} on {len(heldout_rows)} rows).",
     f"- MMLU bank ({acc['n']} rows), teacher-forced answer letter: checkpoint 0 {acc['acc_a'].pct()}, later {acc['acc_b'].pct()}; "

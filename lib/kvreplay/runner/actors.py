@@ -4,7 +4,7 @@ Rows of an experiment are independent pure functions of (model, contract,
 problem), so they can be computed in any process, on any host. With
 ``ArmSettings.workers > 1``, :func:`kvreplay.runner.run_arm` runs an arm
 on :class:`RowActors`: each actor applies the arm's
-:class:`~kvreplay.models.ExecutionContract` before it loads the model (intra-op
+:class:`~kvreplay.execution.ExecutionContract` before it loads the model (intra-op
 threads, deterministic algorithms, TF32, SDPA backends, exactly as a
 sequential run does), loads the model once and then computes groups of rows
 on request: one problem at a time on the eager path, or a chunk of ``batch``
@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-from ..models import ExecutionContract, context_length
+from ..execution import ExecutionContract
+from ..models import context_length
 from .spec import BatchedRows, RunSpec, arm_environment, check_prompts
 
 DEPTH = 2

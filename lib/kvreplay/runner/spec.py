@@ -28,13 +28,12 @@ from .. import decode, engine
 from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
 from ..gates import GateError
 from ..ledger.store import canonical_json
+from ..execution import ExecutionContract, check_sdpa_on_device
 from ..models import (
     EMBEDDED,
     EMBEDDED_SHA256,
-    ExecutionContract,
     LoadedModel,
     ModelLoadError,
-    check_sdpa_on_device,
     execution_contract,
     file_sha256,
     load_model,
@@ -287,7 +286,7 @@ class ArmSettings:
     ``fmt`` (block format name or YAML path), ``role_table`` (path or None),
     ``preflight`` (rows), and the execution contract: ``threads`` (intra-op
     threads), ``sdpa_backends``, the CUDA side of the contract
-    (:class:`~kvreplay.models.ExecutionContract`: ``device``, ``deterministic``,
+    (:class:`~kvreplay.execution.ExecutionContract`: ``device``, ``deterministic``,
     ``allow_tf32``), and the fields below. The notebooks take the contract as one
     mapping parameter, ``execution``, over these fields' defaults
     (:data:`EXECUTION_DEFAULTS`, checked by :func:`resolve_execution`).
