@@ -164,6 +164,11 @@ class AdaptConfig:
         """Steps at which the held-out loss is measured (0, every ``eval_every``, both checkpoints, the last)."""
         return sorted({0, self.steps, *self.checkpoints, *range(self.eval_every, self.steps + 1, self.eval_every)})
 
+    def contract(self, deterministic: bool | None = None) -> ExecutionContract:
+        """The execution contract of training and of the letter metric: :func:`training_contract` with this
+        config's threads and SDPA backends."""
+        return training_contract(self.threads, self.sdpa_backends, deterministic=deterministic)
+
     def config(self, model_key: dict, data: dict) -> dict:
         """The training config whose digest keys the checkpoint folder."""
 
@@ -179,6 +184,13 @@ class AdaptConfig:
                          "log-softmax over each block's structural mask",
             "data": data, **d,
         }
+
+
+def training_contract(threads: int, sdpa_backends: Sequence[str], *, deterministic: bool | None = None) -> ExecutionContract:
+    """The CPU execution contract role-table training and the letter metric run under, whatever a profile's device:
+    ``threads`` intra-op threads, ``sdpa_backends``, TF32 off; ``deterministic`` as in
+    :class:`~kvreplay.execution.ExecutionContract` (training asks for ``True``)."""
+    return ExecutionContract(device="cpu", sdpa_backends=tuple(sdpa_backends), threads=threads, deterministic=deterministic)
 
 
 # ----------------------------------------------------------------------------- data
@@ -429,10 +441,9 @@ def train_role_table(
 
     if lm.dtype != torch.float32:
         raise ValueError(f"role-table training runs in float32, the model is {lm.dtype}")
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
     det = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
+    cfg.contract(deterministic=True).apply()  # threads, TF32 off, deterministic algorithms (restored below)
+    torch.manual_seed(cfg.seed)
     try:
         for p in lm.model.parameters():
             p.requires_grad_(False)
@@ -645,8 +656,9 @@ def ensure_checkpoints(
     folder = checkpoint_folder(root, config)
     if (folder / "manifest.json").is_file():
         return folder, verify_folder(folder, config)
-    torch.set_num_threads(cfg.threads)
-    lm = loader() if loader is not None else load_model(cfg.model, "float32", contract=ExecutionContract(sdpa_backends=tuple(cfg.sdpa_backends)))
+    contract = cfg.contract()
+    contract.apply()  # also when the loader hands over a model loaded earlier
+    lm = loader() if loader is not None else load_model(cfg.model, "float32", contract=contract)
     fmt = resolve_format(lm.tokenizer, cfg.fmt)
     t0 = time.perf_counter()
     result = train_role_table(cfg, lm, fmt, train, heldout, progress=progress)
@@ -735,8 +747,9 @@ def run_letter_eval(
         if probe.complete(ids):
             by_id = {r["problem_id"]: r for r in probe.records()}
             return [by_id[i] for i in ids], probe
-    torch.set_num_threads(threads)
-    lm = loader() if loader is not None else load_model(model, "float32", contract=ExecutionContract(sdpa_backends=tuple(sdpa_backends)))
+    contract = training_contract(threads, sdpa_backends)
+    contract.apply()  # also when the loader hands over a model loaded earlier
+    lm = loader() if loader is not None else load_model(model, "float32", contract=contract)
     if lm.dtype != torch.float32:
         raise ValueError(f"the checkpoint metric runs in float32, the model is {lm.dtype}")
     block_format = resolve_format(lm.tokenizer, fmt)

@@ -32,7 +32,6 @@ import pandas as pd
 from . import paths
 from .adapt import AdaptConfig
 from .contract import Caps
-from .execution import ExecutionContract
 from .experiments.fixed_prefix import FixedPrefixes, load_fixed_prefixes
 from .ledger.lookup import PREFIX_BANK, LoadedLedger, find_chain_ledger
 from .ledger.store import Ledger
@@ -169,15 +168,15 @@ class Session:
                            sdpa_backends=tuple(ex["sdpa_backends"]))
 
     def training_model(self) -> LoadedModel:
-        """The base model in float32 on the CPU under the contract's SDPA backends, for notebook 00's training and
-        letter metric: loaded on the first call only (a notebook whose checkpoints and ledger exist loads none).
+        """The base model in float32 on the CPU under :meth:`adapt_config`'s contract (its threads and SDPA backends),
+        for notebook 00's training and letter metric: loaded on the first call only (a notebook whose checkpoints and
+        ledger exist loads none).
 
         Raises:
             ModelLoadError: the model cannot be loaded offline.
         """
         if self._training_model is None:
-            self._training_model = load_model(
-                self.params.model, "float32", contract=ExecutionContract(sdpa_backends=tuple(self.execution["sdpa_backends"])))
+            self._training_model = load_model(self.params.model, "float32", contract=self.adapt_config().contract())
         return self._training_model
 
     def write_panel(self, name: str, *, sort_keys: bool = False, **doc) -> Path:
