@@ -16,8 +16,8 @@ from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_pr
 from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row, run_live_vs_prefill
 from kvreplay.gates import GateError
 from kvreplay.ledger.store import Ledger, run_rows
-from kvreplay.execution import ExecutionContract
-from kvreplay.models import ModelLoadError, execution_contract, load_model
+from kvreplay.execution import DeviceUnavailableError, ExecutionContract
+from kvreplay.models import execution_contract, load_model
 from kvreplay.paths import LEDGERS
 from kvreplay.problems import load_bank
 from kvreplay.runner import ROW_ALGORITHM, ArmSettings, run_arm
@@ -202,7 +202,7 @@ def test_contract_is_applied_and_recorded(tmp_path, tiny_arm):
     with pytest.raises(ValueError, match="unknown SDPA backend"):
         ExecutionContract(sdpa_backends=("fastest",)).apply()
     if not torch.cuda.is_available():
-        with pytest.raises(ModelLoadError, match="sees no CUDA device"):
+        with pytest.raises(DeviceUnavailableError, match="sees no CUDA device"):
             load_model("embedded", "bfloat16", contract=ExecutionContract(device="cuda"))
 
 

@@ -1,5 +1,6 @@
-"""Building the frozen problem bank from its source, and checking it against that source: parse, identify,
-select, write, verify (the record and loading are :mod:`kvreplay.problems`).
+"""Build the frozen problem bank from its source package and verify it against that source.
+
+Parse, identify, select, write, verify; the problem record and loading are :mod:`kvreplay.problems`.
 
 Paper §3.3 data; frozen problem-ID order and dataset digests, Table 3 / §3.9
 release.
@@ -62,7 +63,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from .paths import BANK_DIR, ROOT
 from .problems import (
-    _BANK_KEYS,
+    BANK_KEYS,
     BANK_NAME,
     LETTERS,
     MAX_OPTIONS,
@@ -71,14 +72,14 @@ from .problems import (
     BankIntegrityError,
     MalformedProblemError,
     Problem,
-    _bank_paths,
-    _iter_lines,
-    _sha256_bytes,
-    _unicode_fault,
+    bank_paths,
     content_id,
     file_sha256,
+    iter_lines,
     load_bank,
     read_manifest,
+    sha256_bytes,
+    unicode_fault,
 )
 
 __all__ = [
@@ -298,7 +299,7 @@ def parse_source_row(
             raise MalformedProblemError(
                 source, line_no, key, f"expected a string, got {type(raw[key]).__name__}"
             )
-        fault = _unicode_fault(raw[key])
+        fault = unicode_fault(raw[key])
         if fault is not None:
             raise MalformedProblemError(source, line_no, key, fault)
     question = raw["question"].strip()
@@ -367,7 +368,7 @@ def read_source_file(path: str | Path, *, source: str, n_options: int | None = N
     rejected: list[Rejection] = []
     first_seen: dict[str, Problem] = {}
     n_rows = 0
-    for line_no, raw_line in _iter_lines(data):
+    for line_no, raw_line in iter_lines(data):
         if not raw_line.strip():
             continue
         n_rows += 1
@@ -405,7 +406,7 @@ def read_source_file(path: str | Path, *, source: str, n_options: int | None = N
     return SourceParse(
         source=source,
         path=path,
-        sha256=_sha256_bytes(data),
+        sha256=sha256_bytes(data),
         n_rows=n_rows,
         valid=tuple(valid),
         rejected=tuple(rejected),
@@ -468,7 +469,7 @@ _P = TypeVar("_P", bound=_HasProblemId)
 
 
 def _selection_key(salt: str, problem_id: str) -> str:
-    return _sha256_bytes((salt + problem_id).encode("utf-8"))
+    return sha256_bytes((salt + problem_id).encode("utf-8"))
 
 
 def select_bank(problems: Sequence[_P], n: int = DEFAULT_N, salt: str = DEFAULT_SALT) -> list[_P]:
@@ -553,8 +554,8 @@ def build_bank(
     parsed = read_source_file(locate_source("mmlu"), source=spec.name, n_options=spec.n_options)
     selected = select_bank(parsed.valid, n=n, salt=salt)
     bank_bytes = problems_to_jsonl(selected)
-    bank_sha = _sha256_bytes(bank_bytes)
-    bank_path, manifest_path = _bank_paths(out)
+    bank_sha = sha256_bytes(bank_bytes)
+    bank_path, manifest_path = bank_paths(out)
     manifest: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "bank_name": BANK_NAME,
@@ -579,7 +580,7 @@ def build_bank(
             "file": bank_path.name,
             "sha256": bank_sha,
             "n": len(selected),
-            "keys": list(_BANK_KEYS),
+            "keys": list(BANK_KEYS),
         },
         "problem_ids": [p.problem_id for p in selected],
     }
@@ -592,7 +593,7 @@ def build_bank(
         bank_path=bank_path,
         manifest_path=manifest_path,
         bank_sha256=bank_sha,
-        manifest_sha256=_sha256_bytes(manifest_bytes),
+        manifest_sha256=sha256_bytes(manifest_bytes),
         manifest=manifest,
     )
 
@@ -647,7 +648,7 @@ def verify_bank(bank_dir: str | Path | None = None) -> list[str]:
             rebuilt = build_bank(n=selection.get("n", DEFAULT_N), out_dir=tmp, salt=selection.get("salt", DEFAULT_SALT))
         except (ValueError, SourceNotFoundError) as exc:
             return failures + [f"rebuild failed: {exc}"]
-        for committed, fresh in zip(_bank_paths(bank_dir), (rebuilt.bank_path, rebuilt.manifest_path)):
+        for committed, fresh in zip(bank_paths(bank_dir), (rebuilt.bank_path, rebuilt.manifest_path)):
             if committed.read_bytes() != fresh.read_bytes():
                 failures.append(
                     f"{_rel(committed)} is not byte-identical to a fresh rebuild "
@@ -699,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for f in failures:
             print(f"  - {f}", file=sys.stderr)
         return 1
-    bank_path, manifest_path = _bank_paths(args.dir if args.dir is not None else BANK_DIR)
+    bank_path, manifest_path = bank_paths(args.dir if args.dir is not None else BANK_DIR)
     print(f"bank verified: {_rel(bank_path)} sha256 {file_sha256(bank_path)}")
     print(f"               {_rel(manifest_path)} sha256 {file_sha256(manifest_path)}")
     return 0

@@ -1,8 +1,11 @@
 """The execution contract: the device and kernel choices that fix a run's numerics, and their record (paper Table 3).
 
 :class:`ExecutionContract` says on which device a run computes, with which SDPA backends, deterministic or not,
-with or without TF32, and how many CPU threads; :meth:`ExecutionContract.apply` sets all of it in one place
-before a model is loaded (:func:`kvreplay.models.load_model` calls it). What was in force is recorded in every
+with or without TF32, and how many CPU threads. :meth:`ExecutionContract.apply` sets the device, threads, TF32,
+matmul precision and deterministic flags in one place before a model is loaded (:func:`kvreplay.models.load_model`
+calls it) and checks the SDPA backends against the device; the backends themselves are entered around each
+forward call (:func:`sdpa_backend_list` with ``torch.nn.attention.sdpa_kernel``: the decoders, the engine, the
+training forward and the self-check). What was in force is recorded in every
 ledger's ``environment.json`` by :func:`kvreplay.models.execution_contract`, with the model, the torch and
 transformers versions, the device's name and the CPU's kernel ISA (:func:`cpu_isa_flags`, :func:`cpu_name`): BF16
 bits depend on all of these.

@@ -112,7 +112,7 @@ def rebuild(ledger: LoadedLedger, row: dict, comparison: str, model: str | None 
         progress: optional callable ``(step: int, of: int, what: str)`` told before each stage.
 
     Raises:
-        GateError, ModelLoadError, ContractError: as :func:`kvreplay.rebuild.rebuild_pair`.
+        GateError, ModelLoadError, DeviceUnavailableError, ContractError: as :func:`kvreplay.rebuild.rebuild_pair`.
     """
     key = (str(ledger.dir), row["problem_id"], comparison, model)
     if key in _PAIRS:

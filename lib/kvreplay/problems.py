@@ -37,6 +37,13 @@ __all__ = [
     "load_problems",
     "load_bank",
     "read_manifest",
+    # shared with kvreplay.bank, which writes what this module reads
+    "BANK_KEYS",
+    "LETTERS",
+    "bank_paths",
+    "iter_lines",
+    "sha256_bytes",
+    "unicode_fault",
 ]
 
 
@@ -49,7 +56,7 @@ MAX_OPTIONS = 10
 LETTERS: tuple[str, ...] = tuple(chr(ord("A") + i) for i in range(MAX_OPTIONS))
 
 _PROBLEM_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-_BANK_KEYS = ("problem_id", "source", "source_line", "question", "options", "answer")
+BANK_KEYS = ("problem_id", "source", "source_line", "question", "options", "answer")
 _REQUIRED_USER_KEYS = frozenset({"problem_id", "question", "options", "answer"})
 
 
@@ -106,7 +113,8 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _sha256_bytes(data: bytes) -> str:
+def sha256_bytes(data: bytes) -> str:
+    """sha256 hex digest of ``data``."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -125,10 +133,10 @@ def content_id(question: str, options: Sequence[str], *, prefix: str) -> str:
         sort_keys=True,
         separators=(",", ":"),
     )
-    return f"{prefix}-{_sha256_bytes(canonical.encode('utf-8'))[:16]}"
+    return f"{prefix}-{sha256_bytes(canonical.encode('utf-8'))[:16]}"
 
 
-def _unicode_fault(text: str) -> str | None:
+def unicode_fault(text: str) -> str | None:
     """Why ``text`` is not valid Unicode (a lone surrogate, e.g. from a JSON escape ``\\ud800``), or ``None``.
 
     Such a string loads from JSON but cannot be encoded as UTF-8, so it would
@@ -175,7 +183,7 @@ def _check_problem(
         return MalformedProblemError(location, line, fld, reason)
 
     def unicode(fld: str, text: str) -> None:
-        fault = _unicode_fault(text)
+        fault = unicode_fault(text)
         if fault is not None:
             raise bad(fld, f"problem {problem_id!r}: {fault}")
 
@@ -203,7 +211,7 @@ def _check_problem(
     for i, opt in enumerate(options):
         if not isinstance(opt, str):
             raise bad("options", f"option {LETTERS[i]} is not a string ({type(opt).__name__})")
-        fault = _unicode_fault(opt)
+        fault = unicode_fault(opt)
         if fault is not None:
             raise bad("options", f"problem {problem_id!r}: option {LETTERS[i]} is {fault}")
         if not opt.strip():
@@ -287,11 +295,12 @@ class Problem:
         }
 
 
-def _bank_paths(bank_dir: Path, name: str = BANK_NAME) -> tuple[Path, Path]:
+def bank_paths(bank_dir: Path, name: str = BANK_NAME) -> tuple[Path, Path]:
+    """``(<bank_dir>/<name>.jsonl, <bank_dir>/<name>.manifest.json)``: the bank file and its manifest."""
     return bank_dir / f"{name}.jsonl", bank_dir / f"{name}.manifest.json"
 
 
-def _iter_lines(data: bytes) -> Iterable[tuple[int, bytes]]:
+def iter_lines(data: bytes) -> Iterable[tuple[int, bytes]]:
     """Yield ``(1-based line number, line bytes without \\n / \\r\\n)``."""
     pieces = data.split(b"\n")
     if pieces and pieces[-1] == b"":
@@ -329,8 +338,8 @@ def load_problems(path: str | Path) -> list[Problem]:
     loc = str(path)
     problems: list[Problem] = []
     id_lines: dict[str, int] = {}
-    allowed = set(_BANK_KEYS)
-    for line_no, raw_line in _iter_lines(path.read_bytes()):
+    allowed = set(BANK_KEYS)
+    for line_no, raw_line in iter_lines(path.read_bytes()):
         if not raw_line.strip():
             continue
         try:
@@ -348,13 +357,13 @@ def load_problems(path: str | Path) -> list[Problem]:
             raise MalformedProblemError(loc, line_no, None, f"invalid JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise MalformedProblemError(loc, line_no, None, f"row is not a JSON object ({type(row).__name__})")
-        for key in sorted(_REQUIRED_USER_KEYS, key=_BANK_KEYS.index):
+        for key in sorted(_REQUIRED_USER_KEYS, key=BANK_KEYS.index):
             if key not in row:
                 raise MalformedProblemError(loc, line_no, key, "missing field")
         unknown = sorted(set(row) - allowed)
         if unknown:
             raise MalformedProblemError(
-                loc, line_no, unknown[0], f"unknown field(s) {unknown}; allowed: {list(_BANK_KEYS)}"
+                loc, line_no, unknown[0], f"unknown field(s) {unknown}; allowed: {list(BANK_KEYS)}"
             )
         values = {
             "problem_id": row["problem_id"],
@@ -384,7 +393,7 @@ def read_manifest(bank_dir: str | Path | None = None) -> dict[str, Any]:
     :returns: manifest (``dict``).
     :raises BankIntegrityError: manifest missing, unreadable or of another schema.
     """
-    _, manifest_path = _bank_paths(Path(bank_dir) if bank_dir is not None else BANK_DIR)
+    _, manifest_path = bank_paths(Path(bank_dir) if bank_dir is not None else BANK_DIR)
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -416,7 +425,7 @@ def load_bank(bank_dir: str | Path | None = None) -> list[Problem]:
     """
     bank_dir = Path(bank_dir) if bank_dir is not None else BANK_DIR
     manifest = read_manifest(bank_dir)
-    bank_path, _ = _bank_paths(bank_dir)
+    bank_path, _ = bank_paths(bank_dir)
     if not bank_path.is_file():
         raise BankIntegrityError(f"bank file not found: {bank_path}")
     actual = file_sha256(bank_path)
@@ -431,3 +440,7 @@ def load_bank(bank_dir: str | Path | None = None) -> list[Problem]:
     if ids != manifest.get("problem_ids"):
         raise BankIntegrityError(f"bank file {bank_path}: problem-ID order differs from the manifest")
     return problems
+
+
+if __name__ == "__main__":
+    raise SystemExit("the bank's command line moved: python -m kvreplay.bank build|verify")

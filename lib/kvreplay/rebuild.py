@@ -88,7 +88,7 @@ def load_for_ledger(ledger: LoadedLedger, model: str | None = None):
 
     Raises:
         GateError: gate ``provenance`` if the resolved format's digest differs from the ledger's.
-        ModelLoadError: the ledger was computed on CUDA and this machine has none.
+        DeviceUnavailableError: the ledger was computed on CUDA and this machine has none.
     """
     c = ledger.config
     execution = c.get("execution", {})
