@@ -135,4 +135,5 @@ def test_an_unfinished_one_arm_table_says_its_rows_are_the_first_not_a_sample(tm
     assert main(["--ledger-root", str(tmp_path), "--experiments", "exp3"]) == 0
     out = capsys.readouterr().out
     assert seen == [("exp3", ["p1"], "exp3-bfloat16-aaaa")]
-    assert out.startswith("unfinished: exp3-bfloat16-aaaa: 1 of 2 rows, the first in the frozen order (not a sample)")
+    assert out.startswith("## exp3: the incremental bridge (new live boundary vs its incremental rebuild)\n"
+                          "unfinished: exp3-bfloat16-aaaa: 1 of 2 rows, the first in the frozen order (not a sample)")

@@ -45,6 +45,7 @@ from . import engine
 from .caches import live_replica
 from .contract import Caps
 from .decode import build_prefill, decode_live, decode_suffix
+from .execution import device_or_exit
 from .experiments.live_vs_prefill import live_vs_prefill_chunk, live_vs_prefill_row
 from .problems import load_bank
 from .runner import ArmSettings, EngineRun, RunSpec, resolve_execution
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engine's step in the engine section (graph: CUDA only; engine-eager: op by op, any "
                          "device, a dry run)")
     args = ap.parse_args(argv)
-    device_type = torch.device(args.device).type
+    device_type = device_or_exit(ap, args.device)
     engine_on = args.engine_only or args.engine or (args.engine is None and device_type == "cuda")
     if args.exp1_rows is not None and args.exp1_rows < 1:
         ap.error(f"--exp1-rows {args.exp1_rows}: must be at least 1")

@@ -129,6 +129,18 @@ class ExecutionContract:
             torch.cuda.set_device(torch.device(self.device))
 
 
+def device_or_exit(parser, device: str) -> str:
+    """A command line's ``--device``, checked before anything runs: its type (``"cpu"``, ``"cuda"``), or
+    ``parser.error`` (exit 2, one line) for a device torch cannot parse or a CUDA device this machine lacks."""
+    try:
+        kind = ExecutionContract(device=device).device_type
+    except ValueError as e:
+        parser.error(f"--device {device}: {e}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: torch {torch.__version__} sees no CUDA device on this machine")
+    return kind
+
+
 def check_sdpa_on_device(backends: Sequence[str], device: str) -> None:
     """Refuse SDPA backend names that torch does not implement on ``device`` (see :data:`DEVICE_SDPA_BACKENDS`).
 

@@ -20,6 +20,7 @@ import sys
 import time
 
 from .contract import Caps
+from .execution import device_or_exit
 from .experiments.live_vs_prefill import live_vs_prefill_row
 from .problems import load_bank
 from .runner import ArmSettings, RunSpec
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caps", type=int, nargs=3, default=(32, 64, 8))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    device_or_exit(ap, args.device)
+    if args.rows < 1:
+        ap.error(f"--rows {args.rows}: must be at least 1")
     res = run(args.device, args.rows, tuple(args.caps))
     print(pd.DataFrame(res).to_markdown(index=False))
     if args.out:

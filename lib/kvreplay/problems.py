@@ -398,7 +398,8 @@ def read_manifest(bank_dir: str | Path | None = None) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BankIntegrityError(
-            f"bank manifest not found: {manifest_path} (run: python -m kvreplay.bank build)"
+            f"bank manifest not found: {manifest_path} (run: python -m kvreplay.bank build"
+            + (f" --out {bank_dir})" if bank_dir is not None and Path(bank_dir) != BANK_DIR else ")")
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BankIntegrityError(f"bank manifest {manifest_path} is not valid JSON: {exc}") from None

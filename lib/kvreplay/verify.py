@@ -306,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ledger-root", default=str(LEDGERS), help="folder holding <profile>/ ledger folders")
     ap.add_argument("--only", nargs="*", default=(), help="ledger name prefixes, e.g. exp1-bfloat16 exp3")
     args = ap.parse_args(argv)
+    if args.rows < 1:
+        ap.error(f"--rows {args.rows}: must be at least 1")
     folder = Path(args.ledger_root, args.profile)
     if not folder.is_dir():
         known = sorted(p.name for p in Path(args.ledger_root).iterdir() if p.is_dir()) if Path(args.ledger_root).is_dir() else []

@@ -57,8 +57,12 @@ def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[Path, list[dict]]
 
 COMPARISON = {"exp1": "live vs prefill", "exp2": "incremental vs prefill, fixed BF16 prefixes"}
 """What the suffix-divergence endpoint compares, per experiment (both rows have the same ``endpoints`` layout)."""
-ONE_ARM = ("exp3", "exp4", "exp5")
-"""Experiments with one BF16 arm, reported by their notebooks' own summary tables (:func:`one_arm_table`)."""
+ONE_ARM_TITLES = {"exp3": "the incremental bridge (new live boundary vs its incremental rebuild)",
+                  "exp4": "boundary K/V transplants between incremental and prefill",
+                  "exp5": "whole-cache transplants on the later checkpoint"}
+"""Experiments with one BF16 arm, reported by their notebooks' own summary tables (:func:`one_arm_table`), and what
+each table is about (its heading without ``--readme``)."""
+ONE_ARM = tuple(ONE_ARM_TITLES)
 
 
 def one_arm_table(experiment: str, rows: list[dict], folder: Path | None = None) -> pd.DataFrame:
@@ -155,10 +159,12 @@ def readme_table(summary: pd.DataFrame, profile: str, experiment: str = "exp1") 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvreplay.report.partial", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default="paper")
-    ap.add_argument("--ledger-root", type=Path, default=LEDGERS)
-    ap.add_argument("--experiments", nargs="+", choices=[*sorted(COMPARISON), *ONE_ARM], default=[*sorted(COMPARISON), *ONE_ARM])
+    ap = argparse.ArgumentParser(prog="python -m kvreplay.report.partial", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--profile", default="paper", help="profile whose ledgers are read (<ledger-root>/<profile>/)")
+    ap.add_argument("--ledger-root", type=Path, default=LEDGERS, help="folder holding <profile>/ ledger folders")
+    ap.add_argument("--experiments", nargs="+", choices=[*sorted(COMPARISON), *ONE_ARM],
+                    default=[*sorted(COMPARISON), *ONE_ARM], help="which experiments' tables, in this order")
     ap.add_argument("--readme", action="store_true", help="print each table as the README shows it (with its marker)")
     args = ap.parse_args(argv)
     root = args.ledger_root / args.profile
@@ -199,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {experiment}: {e}", file=sys.stderr)
             status = max(status, 1)
             continue
+        if not args.readme:
+            print(f"## {experiment}: {COMPARISON[experiment] if experiment in COMPARISON else ONE_ARM_TITLES[experiment]}")
         if unfinished:
             print("unfinished: " + "; ".join(unfinished))
         if experiment in ONE_ARM:

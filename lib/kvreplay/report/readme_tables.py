@@ -752,6 +752,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     path = args.root / README
     readme = path.read_text(encoding="utf-8")
+    sections = sorted({m["profile"] for m in BLOCK.finditer(readme)})
+    if args.profile not in sections:
+        print(f"error: README.md has no results tables of profile {args.profile!r}; it has them for "
+              f"{', '.join(sections)}", file=sys.stderr)
+        return 2
     try:
         if args.check:
             diffs = check(readme, args.root, args.profile)
