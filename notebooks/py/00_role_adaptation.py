@@ -73,7 +73,8 @@ for r, name in enumerate(ROLE_NAMES):
     pos = [i for i, x in enumerate(roles) if x == r]
     if r:  # content only: drop the block's opening and closing delimiters
         pos = pos[len(fmt.openers[r]): len(pos) - len(fmt.closers[r])]
-    blocks.append({"block": name, "tokens (with delimiters)": roles.count(r), "loss tokens": len(example.targets.get(r, [])),
+    blocks.append({"block": name, "tokens (with delimiters)": roles.count(r),
+                   "loss tokens": len(example.targets.get(r, [])),
                    "content": fmt._tokenizer.decode([example.ids[i] for i in pos])})
 print(f"{train_rows[0].problem_id}: {len(example.ids)} tokens; gold {train_rows[0].answer}")
 pd.DataFrame(blocks).set_index("block")
@@ -89,7 +90,8 @@ folder, manifest = adapt.ensure_checkpoints(cfg, session.checkpoint_root, bank=b
 pointer = adapt.write_pointer(session.ledger_root / p.profile / adapt.POINTER, folder, manifest)
 family = {name: adapt.checkpoint(folder, name) for name in adapt.CHECKPOINT_NAMES}  # digests checked
 print(folder)
-pd.DataFrame({name: {"step": c.step, "file": c.path.name, "sha256": c.sha256[:16] + "…", "bytes": c.path.stat().st_size}
+pd.DataFrame({name: {"step": c.step, "file": c.path.name, "sha256": c.sha256[:16] + "…",
+                     "bytes": c.path.stat().st_size}
               for name, c in family.items()}).T
 
 # %% [markdown]
@@ -108,11 +110,14 @@ contract_frame({"role-table training (FP32)": json.loads((folder / "environment.
 # %%
 train_curve = pd.DataFrame(manifest["curve"]["train"])
 held_curve = pd.DataFrame(manifest["curve"]["heldout"])
-fig = figures.adaptation_curve(train_curve, held_curve, {name: c.step for name, c in family.items()}, n_heldout=len(heldout_rows),
-                               title=f"Role-table adaptation ({p.profile}): rows 8-13 only, FP32, lr {p.adapt_lr}, {p.adapt_steps} steps")
+fig = figures.adaptation_curve(train_curve, held_curve, {name: c.step for name, c in family.items()},
+                               n_heldout=len(heldout_rows),
+                               title=f"Role-table adaptation ({p.profile}): rows 8-13 only, FP32, "
+                                     f"lr {p.adapt_lr}, {p.adapt_steps} steps")
 session.save_figure(fig, "adapt_training_curve")
 curve_table = held_curve.set_index("step")
-session.save_table(curve_table, "adapt_curve", caption="Role-table adaptation: held-out loss and answer-letter accuracy")
+session.save_table(curve_table, "adapt_curve",
+                   caption="Role-table adaptation: held-out loss and answer-letter accuracy")
 curve_table
 
 # %% [markdown]
@@ -135,7 +140,9 @@ records, eval_ledger = adapt.run_letter_eval(
 acc = adapt.accuracy_summary(records, "ckpt0", "later", seed=p.seed, n_resamples=p.n_resamples)
 labels = {"ckpt0": "checkpoint 0 (zero role table)", "later": f"later checkpoint (step {later.step})"}
 acc_table = adapt.accuracy_table(acc, labels)
-session.save_table(acc_table, "adapt_accuracy", caption="Checkpoint 0 vs the later checkpoint: teacher-forced answer-letter accuracy on the MMLU bank")
+session.save_table(acc_table, "adapt_accuracy",
+                   caption="Checkpoint 0 vs the later checkpoint: "
+                           "teacher-forced answer-letter accuracy on the MMLU bank")
 print(eval_ledger.dir.name)
 acc_table
 
@@ -147,7 +154,8 @@ assert manifest["base_model"]["unchanged_after_training"]
 assert family["early"].sha256 != family["later"].sha256, "the early and later role tables are identical"
 import torch
 t_later = torch.load(later.path, weights_only=True)
-assert tuple(t_later.shape)[0] == 14 and not t_later[:8].any() and t_later[8:].any(), "rows 0..7 must stay zero, rows 8..13 trained"
+assert tuple(t_later.shape)[0] == 14 and not t_later[:8].any() and t_later[8:].any(), (
+    "rows 0..7 must stay zero, rows 8..13 trained")
 assert [r["problem_id"] for r in records] == [p.problem_id for p in eval_rows]
 assert pointer["checkpoints"]["later"]["sha256"] == later.sha256
 print("checkpoint family verified:", {k: v.sha256[:12] for k, v in family.items()})
@@ -160,14 +168,21 @@ first, last = train_curve.iloc[0], train_curve.iloc[-1]
 h0, h1 = held_curve.iloc[0], held_curve.iloc[-1]
 m = acc["mcnemar"]
 lines = [
-    f"- Only role rows 8–13 were trained ({p.adapt_steps} steps, lr {p.adapt_lr}, FP32, {cfg.threads} threads); the base weights' sha256 is unchanged ({manifest['base_model']['weights_sha256_float32'][:12]}…).",
-    f"- Training loss {first.loss:.3f} at step 1 → {last.loss:.3f} at step {int(last.step)}; held-out loss {h0.loss:.3f} → {h1.loss:.3f} "
+    f"- Only role rows 8–13 were trained ({p.adapt_steps} steps, lr {p.adapt_lr}, FP32, {cfg.threads} threads); "
+    f"the base weights' sha256 is unchanged ({manifest['base_model']['weights_sha256_float32'][:12]}…).",
+    f"- Training loss {first.loss:.3f} at step 1 → {last.loss:.3f} at step {int(last.step)}; "
+    f"held-out loss {h0.loss:.3f} → {h1.loss:.3f} "
     f"(held-out letter accuracy {h0.letter_accuracy:.2f} → {h1.letter_accuracy:.2f} on {len(heldout_rows)} rows).",
-    f"- MMLU bank ({acc['n']} rows), teacher-forced answer letter: checkpoint 0 {acc['acc_a'].pct()}, later {acc['acc_b'].pct()}; "
-    f"McNemar {m.b} vs {m.c}, p = {m.pvalue:.3g}; the two checkpoints pick the same letter on {acc['predicted_same']}/{acc['n']}.",
+    f"- MMLU bank ({acc['n']} rows), teacher-forced answer letter: checkpoint 0 {acc['acc_a'].pct()}, "
+    f"later {acc['acc_b'].pct()}; "
+    f"McNemar {m.b} vs {m.c}, p = {m.pvalue:.3g}; "
+    f"the two checkpoints pick the same letter on {acc['predicted_same']}/{acc['n']}.",
     "- Letter prior: " + "; ".join(
-        f"{labels.get(k, k)} predicts its most frequent letter on {max(c.values())}/{acc['n']} rows ({', '.join(f'{L} {n}' for L, n in c.items())})"
-        for k, c in acc["letters"].items() if k != "gold") + f"; gold letters {', '.join(f'{L} {n}' for L, n in acc['letters']['gold'].items())}.",
-    f"- Experiment 5 (notebook 05) runs on the later checkpoint: base model + `{later.path.name}` (sha256 {later.sha256[:12]}…).",
+        f"{labels.get(k, k)} predicts its most frequent letter on {max(c.values())}/{acc['n']} rows "
+        f"({', '.join(f'{L} {n}' for L, n in c.items())})"
+        for k, c in acc["letters"].items() if k != "gold")
+    + f"; gold letters {', '.join(f'{L} {n}' for L, n in acc['letters']['gold'].items())}.",
+    f"- Experiment 5 (notebook 05) runs on the later checkpoint: base model + `{later.path.name}` "
+    f"(sha256 {later.sha256[:12]}…).",
 ]
 display(Markdown("\n".join(lines)))

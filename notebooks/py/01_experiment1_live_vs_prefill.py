@@ -54,19 +54,24 @@ print(f"{len(rows)} problems from {p.problems!r}; ledgers under {session.ledger_
 # %%
 records, ledgers = {}, {}
 for dtype in p.precisions:
-    records[dtype], ledgers[dtype] = run_live_vs_prefill(rows, session.settings(dtype, p.preflight), ledger_root=session.ledger_root)
+    records[dtype], ledgers[dtype] = run_live_vs_prefill(rows, session.settings(dtype, p.preflight),
+                                                         ledger_root=session.ledger_root)
     print(dtype, "->", ledgers[dtype].dir.name)
 
 # %% [markdown]
 # ## Execution contract
-# As recorded in the ledger's `environment.json` when its rows were computed (model loaded, flags applied); the scientific config that keys the ledger is in its `manifest.json`.
+# As recorded in the ledger's `environment.json` when its rows were computed (model loaded, flags applied); the
+# scientific config that keys the ledger is in its `manifest.json`.
 
 # %%
 session.contract(ledgers)
 
 # %% [markdown]
 # ## Results table (paper's terms)
-# Rates carry Wilson 95% intervals; the accuracy difference is prefill minus live with 20,000 problem-paired percentile bootstrap replicates; McNemar is exact and two-sided on discordant correctness (it reads direction, not equivalence). Drift is the relative L2 over all K and V tensors concatenated, per row; we report its median and range over rows.
+# Rates carry Wilson 95% intervals; the accuracy difference is prefill minus live with 20,000 problem-paired
+# percentile bootstrap replicates; McNemar is exact and two-sided on discordant correctness (it reads direction,
+# not equivalence). Drift is the relative L2 over all K and V tensors concatenated, per row; we report its
+# median and range over rows.
 
 # %%
 summaries = {d: matrix_summary(records[d], d, "live", seed=p.seed, n_resamples=p.n_resamples) for d in p.precisions}
@@ -89,7 +94,8 @@ if "bfloat16" in p.precisions:
 
 # %% [markdown]
 # ## Figures
-# Left: where the live and prefill suffixes first differ (tokens after the boundary). Right: per-layer relative L2 drift of prefill against live, median over rows, keys and values, per precision.
+# Left: where the live and prefill suffixes first differ (tokens after the boundary). Right: per-layer relative
+# L2 drift of prefill against live, median over rows, keys and values, per precision.
 
 # %%
 firsts = pd.DataFrame([
@@ -119,11 +125,17 @@ lines = []
 for d in p.precisions:
     s = summaries[d]
     lines.append(
-        f"- **{d}**: replicas exact on {s['replicas_exact']}/{s['n']} rows; the prefill boundary cache is non-bit-exact on "
-        f"{s['boundary_non_exact']}/{s['n']} (median relative L2 {s['drift_median']:.3g}); suffixes differ on {s['suffix'].pct()}, "
-        f"answers on {s['answer'].pct()}, correctness labels on {s['label'].k}/{s['n']}; accuracy live {s['accuracy_ref']}/{s['n']} vs prefill {s['accuracy_prefill']}/{s['n']}."
+        f"- **{d}**: replicas exact on {s['replicas_exact']}/{s['n']} rows; "
+        f"the prefill boundary cache is non-bit-exact on "
+        f"{s['boundary_non_exact']}/{s['n']} (median relative L2 {s['drift_median']:.3g}); "
+        f"suffixes differ on {s['suffix'].pct()}, "
+        f"answers on {s['answer'].pct()}, correctness labels on {s['label'].k}/{s['n']}; "
+        f"accuracy live {s['accuracy_ref']}/{s['n']} vs prefill {s['accuracy_prefill']}/{s['n']}."
     )
 if cross:
-    lines.append(f"- Boundary prefixes token-identical across the two independently decoded precisions: {cross[0]}/{cross[1]}.")
-lines.append("- Paper (14B, GPQA Main, 768/512/64 caps): BF16 suffixes differ 166/200, answers 49/200, labels 20/200; FP32 0/200 decoded disagreement. This run uses a 135M model, MMLU and the caps above, so compare directions, not magnitudes.")
+    lines.append(f"- Boundary prefixes token-identical across the two independently decoded precisions: "
+                 f"{cross[0]}/{cross[1]}.")
+lines.append("- Paper (14B, GPQA Main, 768/512/64 caps): BF16 suffixes differ 166/200, answers 49/200, labels 20/200; "
+             "FP32 0/200 decoded disagreement. This run uses a 135M model, MMLU and the caps above, "
+             "so compare directions, not magnitudes.")
 display(Markdown("\n".join(lines)))

@@ -42,7 +42,8 @@ session = open_session("notebooks/02_experiment2_fixed_prefix_precision.ipynb", 
 p = session.params
 fixed = session.fixed  # the BF16 prefix bank of notebook 01, digest and order checked
 lengths = [len(z) for z in fixed.prefixes.values()]
-print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}), lengths {min(lengths)}–{max(lengths)} tokens")
+print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}), "
+      f"lengths {min(lengths)}–{max(lengths)} tokens")
 
 # %% [markdown]
 # ## Run (or resume, or reuse)
@@ -51,33 +52,40 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}), leng
 # %%
 records, ledgers = {}, {}
 for dtype in p.precisions:
-    records[dtype], ledgers[dtype] = run_fixed_prefix(fixed.rows, fixed.prefixes, fixed.sha256, session.settings(dtype, p.preflight_fixed),
+    records[dtype], ledgers[dtype] = run_fixed_prefix(fixed.rows, fixed.prefixes, fixed.sha256,
+                                                      session.settings(dtype, p.preflight_fixed),
                                                      ledger_root=session.ledger_root)
     print(dtype, "->", ledgers[dtype].dir.name)
 
 # %% [markdown]
 # ## Execution contract
-# As recorded in the ledger's `environment.json` when its rows were computed (model loaded, flags applied); the scientific config that keys the ledger is in its `manifest.json`.
+# As recorded in the ledger's `environment.json` when its rows were computed (model loaded, flags applied); the
+# scientific config that keys the ledger is in its `manifest.json`.
 
 # %%
 session.contract(ledgers)
 
 # %% [markdown]
 # ## Within-precision results (prefill vs incremental)
-# Wilson 95% intervals; accuracy difference is prefill minus incremental (20,000 paired percentile bootstrap replicates); exact McNemar.
+# Wilson 95% intervals; accuracy difference is prefill minus incremental (20,000 paired percentile bootstrap
+# replicates); exact McNemar.
 
 # %%
-summaries = {d: matrix_summary(records[d], d, "incremental", seed=p.seed, n_resamples=p.n_resamples) for d in p.precisions}
+summaries = {d: matrix_summary(records[d], d, "incremental", seed=p.seed, n_resamples=p.n_resamples)
+             for d in p.precisions}
 for d in p.precisions:  # every cell consumed exactly the bank's integer prefix
-    assert all(r["prefix"] == fixed.prefixes[r["problem_id"]] for r in records[d]), f"{d}: a row did not use its fixed prefix"
-cross = precision_crossing(records["bfloat16"], records["float32"], seed=p.seed, n_resamples=p.n_resamples) if {"bfloat16", "float32"} <= set(p.precisions) else None
+    assert all(r["prefix"] == fixed.prefixes[r["problem_id"]] for r in records[d]), (
+        f"{d}: a row did not use its fixed prefix")
+cross = precision_crossing(records["bfloat16"], records["float32"], seed=p.seed,
+                           n_resamples=p.n_resamples) if {"bfloat16", "float32"} <= set(p.precisions) else None
 table = matrix_table(list(summaries.values()), (cross["prefix_identical"], cross["n"]) if cross else None)
 session.save_table(table, "table_exp2_matrix")
 table
 
 # %% [markdown]
 # ## The precision crossing: problem-paired FP32 − BF16 change
-# The paper reports the reduction from BF16 to FP32 as a positive number; we print FP32 minus BF16, so a reduction is negative.
+# The paper reports the reduction from BF16 to FP32 as a positive number; we print FP32 minus BF16, so a
+# reduction is negative.
 
 # %%
 if cross:
@@ -101,14 +109,16 @@ if p.exploratory_controls and "bfloat16" in p.precisions:
                                              ledger_root=session.ledger_root, seed=p.seed)
     csum = controls_summary(controls)
     ctl_table = controls_table(csum)
-    session.save_table(ctl_table, "exp2_controls", caption="Experiment 2, exploratory controls: FP32 readout and a matched null perturbation")
+    session.save_table(ctl_table, "exp2_controls",
+                       caption="Experiment 2, exploratory controls: FP32 readout and a matched null perturbation")
     display(ctl_table)
 else:
     print(f"exploratory controls skipped (exploratory_controls={p.exploratory_controls}, precisions={p.precisions})")
 
 # %% [markdown]
 # ## Figure: cache drift per layer and per row
-# Left: per-layer median relative L2 of prefill against incremental. Right: the per-row whole-cache value (our aggregation: relative L2 over all K and V tensors concatenated).
+# Left: per-layer median relative L2 of prefill against incremental. Right: the per-row whole-cache value (our
+# aggregation: relative L2 over all K and V tensors concatenated).
 
 # %%
 layers = pd.concat([drift_by_layer(records[d], "prefill_vs_incremental").assign(precision=d) for d in p.precisions])
@@ -134,20 +144,29 @@ print("all assertions passed")
 lines = []
 for d in p.precisions:
     s = summaries[d]
-    lines.append(f"- **{d}** on the same {s['n']} integer prefixes: prefill vs incremental suffixes differ {s['suffix'].pct()} "
-                 f"({s['tie_initiated']} of them tie-initiated), answer blocks {s['answer'].k}/{s['n']}, predicted letters "
+    lines.append(f"- **{d}** on the same {s['n']} integer prefixes: "
+                 f"prefill vs incremental suffixes differ {s['suffix'].pct()} "
+                 f"({s['tie_initiated']} of them tie-initiated), answer blocks {s['answer'].k}/{s['n']}, "
+                 f"predicted letters "
                  f"{s['letter'].k}/{s['n']}, labels {s['label'].k}/{s['n']}; median relative L2 cache drift "
-                 f"{s['drift_median']:.3g}; accuracy incremental {s['accuracy_ref']}/{s['n']} vs prefill {s['accuracy_prefill']}/{s['n']}.")
+                 f"{s['drift_median']:.3g}; accuracy incremental {s['accuracy_ref']}/{s['n']} "
+                 f"vs prefill {s['accuracy_prefill']}/{s['n']}.")
 if cross:
     c = cross["suffix"]["change"]
-    lines.append(f"- Paired FP32 − BF16 change in suffix disagreement: {100 * c.estimate:+.1f} pts [{100 * c.low:+.1f}, {100 * c.high:+.1f}] (McNemar p = {cross['suffix']['mcnemar'].pvalue:.3g}); prefixes identical across precision {cross['prefix_identical']}/{cross['n']}.")
+    lines.append(f"- Paired FP32 − BF16 change in suffix disagreement: {100 * c.estimate:+.1f} pts "
+                 f"[{100 * c.low:+.1f}, {100 * c.high:+.1f}] (McNemar p = {cross['suffix']['mcnemar'].pvalue:.3g}); "
+                 f"prefixes identical across precision {cross['prefix_identical']}/{cross['n']}.")
 if cross:
     e = cross["accuracy_effect"]["change"]
     if e:
-        lines.append(f"- Change in the accuracy effect of prefill, FP32 − BF16: {100 * e.estimate:+.1f} pts [{100 * e.low:+.1f}, {100 * e.high:+.1f}] (paper: −1.0 [−5.5, +3.5]).")
+        lines.append(f"- Change in the accuracy effect of prefill, FP32 − BF16: {100 * e.estimate:+.1f} pts "
+                     f"[{100 * e.low:+.1f}, {100 * e.high:+.1f}] (paper: −1.0 [−5.5, +3.5]).")
 if p.exploratory_controls and "bfloat16" in p.precisions:
-    lines.append(f"- Exploratory controls (BF16 caches): plain suffixes differ {csum['baseline'].k}/{csum['n']}; with the FP32 readout "
-                 f"{csum['fp32_readout'].k}/{csum['n']} ({csum['fp32_readout_ties']} tie-initiated); the matched null perturbation moved "
+    lines.append(f"- Exploratory controls (BF16 caches): plain suffixes differ {csum['baseline'].k}/{csum['n']}; "
+                 f"with the FP32 readout "
+                 f"{csum['fp32_readout'].k}/{csum['n']} ({csum['fp32_readout_ties']} tie-initiated); "
+                 f"the matched null perturbation moved "
                  f"the trajectory on {csum['null_moved'].k}/{csum['n']} rows.")
-lines.append("- Paper (14B, GPQA, 768/512/64): BF16 166/200 suffixes, 49 answers, 20 labels; FP32 0/200 each; median drift 0.01224 vs 4.27e-6.")
+lines.append("- Paper (14B, GPQA, 768/512/64): BF16 166/200 suffixes, 49 answers, 20 labels; FP32 0/200 each; "
+             "median drift 0.01224 vs 4.27e-6.")
 display(Markdown("\n".join(lines)))

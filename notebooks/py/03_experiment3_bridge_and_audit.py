@@ -30,7 +30,8 @@ overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "executi
 # %%
 from IPython.display import Markdown, display
 
-from kvreplay.experiments.bridge import audit_table, bridge_chunk, bridge_row, bridge_summary, bridge_table, saved_ledger_audit
+from kvreplay.experiments.bridge import (audit_table, bridge_chunk, bridge_row, bridge_summary, bridge_table,
+                                         saved_ledger_audit)
 from kvreplay.experiments.transplant import order_statistics
 from kvreplay.runner import run_arm
 from kvreplay.session import open_session
@@ -46,7 +47,8 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]})")
 # %%
 panel = order_statistics(fixed.entries, p.n_bridge, key=lambda e: (len(e["prefix"]), e["problem_id"]))
 panel_ids = [e["problem_id"] for e in panel]
-panel_path = session.write_panel("exp3_bridge_panel", rule="evenly spaced order statistics of saved BF16 prefix length, then problem ID",
+panel_path = session.write_panel("exp3_bridge_panel",
+                                 rule="evenly spaced order statistics of saved BF16 prefix length, then problem ID",
                                  prefix_bank_sha256=fixed.sha256, problem_ids=panel_ids,
                                  saved_prefix_lengths=[len(e["prefix"]) for e in panel])
 print(panel_path, panel_ids)
@@ -71,14 +73,17 @@ btable
 
 # %% [markdown]
 # ## Execution contract
-# As recorded in the ledger's `environment.json` when its rows were computed (model loaded, flags applied); the scientific config that keys the ledger is in its `manifest.json`.
+# As recorded in the ledger's `environment.json` when its rows were computed (model loaded, flags applied); the
+# scientific config that keys the ledger is in its `manifest.json`.
 
 # %%
 session.contract({"bridge (BF16)": bridge_ledger})
 
 # %% [markdown]
 # ## Saved-ledger audit (no new decoding)
-# Experiment 1 BF16 `live` is matched to Experiment 2 BF16 `incremental` (and the replicas and prefill arms to theirs); every scalar cache and logit summary leaf the two ledgers share is compared for exact equality. Both ledgers are read, not recomputed, when complete.
+# Experiment 1 BF16 `live` is matched to Experiment 2 BF16 `incremental` (and the replicas and prefill arms to
+# theirs); every scalar cache and logit summary leaf the two ledgers share is compared for exact equality. Both
+# ledgers are read, not recomputed, when complete.
 
 # %%
 # the committed Experiment 1 and 2 BF16 ledgers of this chain, found by provenance (nothing is re-run)
@@ -92,7 +97,14 @@ atable
 
 # %%
 display(Markdown("\n".join([
-    f"- Bridge: incremental equals live bit for bit on every layer in {b['layers_exact']}/{b['n']} rows; boundary logits exact {b['logits_exact']}/{b['n']}; complete suffixes exact {b['suffix_exact']}/{b['n']} (paper: 12/12 each).",
-    f"- New live prefixes identical to the saved ones: {b['same_as_saved']}/{b['n']} (paper: 0/12 on its hardware; here the same machine and software replay the same decode).",
-    f"- Audit: prefixes agree {audit['prefix_agrees']}/{audit['rows']}; live suffix reproduced by the incremental arm {audit['suffix_agrees']['live→incremental']}/{audit['rows']}; all common cache leaves agree on {audit['cache_leaves_agree_rows']}/{audit['rows']} rows, logit leaves on {audit['logit_leaves_agree_rows']}/{audit['rows']} (paper: 200/200 with 1,158 cache and 14 logit leaves).",
+    f"- Bridge: incremental equals live bit for bit on every layer in {b['layers_exact']}/{b['n']} rows; "
+    f"boundary logits exact {b['logits_exact']}/{b['n']}; "
+    f"complete suffixes exact {b['suffix_exact']}/{b['n']} (paper: 12/12 each).",
+    f"- New live prefixes identical to the saved ones: {b['same_as_saved']}/{b['n']} "
+    f"(paper: 0/12 on its hardware; here the same machine and software replay the same decode).",
+    f"- Audit: prefixes agree {audit['prefix_agrees']}/{audit['rows']}; "
+    f"live suffix reproduced by the incremental arm {audit['suffix_agrees']['live→incremental']}/{audit['rows']}; "
+    f"all common cache leaves agree on {audit['cache_leaves_agree_rows']}/{audit['rows']} rows, "
+    f"logit leaves on {audit['logit_leaves_agree_rows']}/{audit['rows']} "
+    f"(paper: 200/200 with 1,158 cache and 14 logit leaves).",
 ])))

@@ -35,8 +35,8 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from kvreplay.experiments.endpoints import rate_text
-from kvreplay.experiments.transplant import (freeze_transplant_panel, localization_table, transplant_chunk, transplant_row,
-                                              transplant_summary, transplant_table)
+from kvreplay.experiments.transplant import (freeze_transplant_panel, localization_table, transplant_chunk,
+                                              transplant_row, transplant_summary, transplant_table)
 from kvreplay.report import figures
 from kvreplay.runner import run_arm
 from kvreplay.session import open_session
@@ -54,7 +54,8 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]})")
 panel = freeze_transplant_panel(session.upstream("exp2-bfloat16").records, p.n_divergent, p.n_exact)
 sweep_ids = [e["problem_id"] for e in panel if e["stratum"] == "divergent"][:p.n_sweep]
 panel_path = session.write_panel(
-    "exp4_panel", rule="within each Experiment 2 BF16 stratum, evenly spaced order statistics of prefix length then problem ID",
+    "exp4_panel",
+    rule="within each Experiment 2 BF16 stratum, evenly spaced order statistics of prefix length then problem ID",
     prefix_bank_sha256=fixed.sha256, panel=panel, sweep=sweep_ids)
 print(panel_path)
 pd.DataFrame(panel)
@@ -79,14 +80,16 @@ print(ledger.dir.name)
 
 # %% [markdown]
 # ## Execution contract
-# As recorded in the ledger's `environment.json` when its rows were computed (model loaded, flags applied); the scientific config that keys the ledger is in its `manifest.json`.
+# As recorded in the ledger's `environment.json` when its rows were computed (model loaded, flags applied); the
+# scientific config that keys the ledger is in its `manifest.json`.
 
 # %%
 session.contract({"transplants (BF16)": ledger})
 
 # %% [markdown]
 # ## Registered endpoints (whole-cache transplants)
-# Rows are grouped by their contemporaneous incremental/prefill baselines, as in the paper. Wilson 95% intervals; the power note gives the largest third-trajectory rate the control stratum can exclude.
+# Rows are grouped by their contemporaneous incremental/prefill baselines, as in the paper. Wilson 95%
+# intervals; the power note gives the largest third-trajectory rate the control stratum can exclude.
 
 # %%
 s = transplant_summary(records)
@@ -96,7 +99,8 @@ table
 
 # %% [markdown]
 # ## Exploratory localization: which part of the cache carries the trajectory
-# Among contemporaneously divergent rows: how often the transplanted state's suffix follows the donor, the recipient, or neither.
+# Among contemporaneously divergent rows: how often the transplanted state's suffix follows the donor, the
+# recipient, or neither.
 
 # %%
 loc = localization_table(records)
@@ -106,8 +110,10 @@ loc
 
 # %%
 OUTCOMES = ["follows donor", "follows recipient", "new (third) trajectory"]
-div_loc = loc[loc["stratum"] == "divergent"] if len(loc) else pd.DataFrame(columns=["intervention", "direction", "rows", *OUTCOMES])
-coarse = (div_loc[~div_loc["intervention"].str.startswith("layer_")].groupby("intervention", sort=False)[OUTCOMES].sum())
+div_loc = loc[loc["stratum"] == "divergent"] if len(loc) else pd.DataFrame(
+    columns=["intervention", "direction", "rows", *OUTCOMES])
+coarse = (div_loc[~div_loc["intervention"].str.startswith("layer_")]
+          .groupby("intervention", sort=False)[OUTCOMES].sum())
 sweep = div_loc[div_loc["intervention"].str.startswith("layer_")].copy()
 sweep["layer"] = sweep["intervention"].str[6:].astype(int)
 fig = figures.localization(coarse, sweep, n_sweep_rows=len(sweep_ids),
@@ -118,10 +124,15 @@ figure_files = session.save_figure(fig, "exp4_transplants")
 # ## What this shows
 
 # %%
-lines = [f"- {len(s['ineligible'])} panel row(s) did not meet the registered precondition (the boundary's raw argmax already agrees between constructions) and got no transplant: "
-         + "; ".join(f"{r['problem_id']} ({r['stratum']}; {r['reason']})" for r in s["ineligible"]) + ". Every endpoint below leaves them out."] if s["ineligible"] else []
+lines = [f"- {len(s['ineligible'])} panel row(s) did not meet the registered precondition "
+         f"(the boundary's raw argmax already agrees between constructions) and got no transplant: "
+         + "; ".join(f"{r['problem_id']} ({r['stratum']}; {r['reason']})" for r in s["ineligible"])
+         + ". Every endpoint below leaves them out."] if s["ineligible"] else []
 lines += [
-    f"- Whole-cache transplants, divergent rows: prefill <- incremental follows the donor {rate_text(s['recovery']['prefill<-incremental'])}; incremental <- prefill {rate_text(s['recovery']['incremental<-prefill'])}; jointly {rate_text(s['joint_recovery'])} (paper: 24/24, Wilson [86.2, 100]%).",
+    f"- Whole-cache transplants, divergent rows: prefill <- incremental follows the donor "
+    f"{rate_text(s['recovery']['prefill<-incremental'])}; "
+    f"incremental <- prefill {rate_text(s['recovery']['incremental<-prefill'])}; "
+    f"jointly {rate_text(s['joint_recovery'])} (paper: 24/24, Wilson [86.2, 100]%).",
     f"- Exact controls: a third trajectory in {rate_text(s['third_among_exact'])} (paper: 0/8, [0, 32.4]%).",
     "- Partial transplants are exploratory (not registered): see the localization table.",
 ]

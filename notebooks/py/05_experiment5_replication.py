@@ -25,8 +25,9 @@
 # prefill replica, and the two whole-cache transplants, behind every gate of Experiment 4. The paper:
 # divergence 43/48, joint donor recovery 43/43, no new trajectory among the 5 exact controls →
 # "conditional replication, underpowered control stratum". The frozen interpretation matrix is applied
-# mechanically by `kvreplay.experiments.replication.interpret` with the paper's absolute thresholds (12 divergent and 6 exact
-# rows); a secondary verdict with the thresholds scaled to this panel's size is shown beside it, named so.
+# mechanically by `kvreplay.experiments.replication.interpret` with the paper's absolute thresholds (12
+# divergent and 6 exact rows); a secondary verdict with the thresholds scaled to this panel's size is shown
+# beside it, named so.
 # Whole-cache donor recovery is an integrity check: token IDs, roles and positions are gated equal, so after a
 # whole K/V swap the recipient must follow the donor unless decoding is nondeterministic.
 
@@ -51,7 +52,8 @@ from kvreplay.session import open_session
 session = open_session("notebooks/05_experiment5_replication.ipynb", profile, overrides)
 p = session.params
 fixed = session.fixed  # the BF16 prefix bank of notebook 01, digest and order checked
-ckpt = replication.resolve_checkpoint(p.model, p.replication_model, p.replication_role_table, session.ledger_root / p.profile / adapt.POINTER)
+ckpt = replication.resolve_checkpoint(p.model, p.replication_model, p.replication_role_table,
+                                      session.ledger_root / p.profile / adapt.POINTER)
 print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}); replication checkpoint: {ckpt.description}")
 
 # %% [markdown]
@@ -94,7 +96,8 @@ records, ledger = run_arm(
     extra_config={"prefix_bank_sha256": fixed.sha256, "panel": panel, "checkpoint": ckpt.record},
 )
 env = json.loads((ledger.dir / "environment.json").read_text())
-assert env["execution_contract"].get("format_digest") == chain_format, "the replication checkpoint's block format differs from the chain's"
+assert env["execution_contract"].get("format_digest") == chain_format, (
+    "the replication checkpoint's block format differs from the chain's")
 print(ledger.dir.name)
 
 # %% [markdown]
@@ -143,7 +146,8 @@ acc_table
 
 # %%
 frame = replication.outcome_frame(records)
-fig = figures.replication(frame, DIRECTIONS, title=f"Experiment 5 ({p.profile}): {verdict.label} — divergence {s['divergence'].k}/{s['rows']}, "
+fig = figures.replication(frame, DIRECTIONS, title=f"Experiment 5 ({p.profile}): {verdict.label} — "
+                          f"divergence {s['divergence'].k}/{s['rows']}, "
                           f"thresholds >= {verdict.min_divergent} divergent / >= {verdict.min_exact} exact")
 figure_files = session.save_figure(fig, "exp5_replication")
 
@@ -151,15 +155,18 @@ figure_files = session.save_figure(fig, "exp5_replication")
 # ## Integrity assertions
 
 # %%
-assert [r["problem_id"] for r in records] == [e["problem_id"] for e in panel], "ledger rows differ from the frozen panel"
+assert [r["problem_id"] for r in records] == [e["problem_id"] for e in panel], (
+    "ledger rows differ from the frozen panel")
 assert json.loads(panel_path.read_text())["panel"] == panel
-assert env["execution_contract"]["model"]["role_table_sha256"] == ckpt.record["role_table_sha256"], "the loaded role table is not the checkpoint's"
+assert env["execution_contract"]["model"]["role_table_sha256"] == ckpt.record["role_table_sha256"], (
+    "the loaded role table is not the checkpoint's")
 eligible, _ = split_precondition(records)  # a row stopped by the transplant's precondition has no transplant
 for r in eligible:
     assert set(r["interventions"]) == {"whole"}, "Experiment 5 runs only the registered whole-cache transplant"
 assert s["divergent"] + s["exact"] == s["rows"] == len(panel) - len(s["ineligible"])
 # outcomes are reported, not asserted: a transplant that does not follow its donor is a result
-not_donor = [(r["problem_id"], d) for r in eligible for d, donor in (("prefill<-incremental", "incremental"), ("incremental<-prefill", "prefill"))
+not_donor = [(r["problem_id"], d) for r in eligible
+             for d, donor in (("prefill<-incremental", "incremental"), ("incremental<-prefill", "prefill"))
              if r["interventions"]["whole"][d]["suffix"] != r["baseline"][donor]]
 print(f"integrity checks passed; whole-cache transplants whose suffix is not the donor's: {len(not_donor)} {not_donor}")
 
@@ -168,21 +175,29 @@ print(f"integrity checks passed; whole-cache transplants whose suffix is not the
 
 # %%
 lines = [
-    f"- Replication checkpoint: {ckpt.description}; panel of {len(panel)} rows frozen from prefix lengths alone (prefixes {s['prefix_len_range'][0]}–{s['prefix_len_range'][1]} tokens)"
-    + (f"; {len(s['ineligible'])} did not meet the transplant's precondition (boundary raw argmax differs between constructions) and are left out: "
+    f"- Replication checkpoint: {ckpt.description}; panel of {len(panel)} rows frozen from prefix lengths alone "
+    f"(prefixes {s['prefix_len_range'][0]}–{s['prefix_len_range'][1]} tokens)"
+    + (f"; {len(s['ineligible'])} did not meet the transplant's precondition "
+       f"(boundary raw argmax differs between constructions) and are left out: "
        + ", ".join(r["problem_id"] for r in s["ineligible"]) if s["ineligible"] else "") + ".",
     f"- Incremental/prefill suffix divergence {s['divergence'].pct()} (paper 43/48); {s['tie_initiated']} of the "
-    f"{s['divergent']} divergent rows are tie-initiated (an exact top-1/top-2 tie in either arm at the first divergent step).",
-    f"- Donor recovery among divergent rows: prefill <- incremental {rate_text(s['recovery']['prefill<-incremental'])}; "
-    f"incremental <- prefill {rate_text(s['recovery']['incremental<-prefill'])}; jointly {rate_text(s['joint_recovery'])} (paper 43/43).",
+    f"{s['divergent']} divergent rows are tie-initiated "
+    f"(an exact top-1/top-2 tie in either arm at the first divergent step).",
+    f"- Donor recovery among divergent rows: "
+    f"prefill <- incremental {rate_text(s['recovery']['prefill<-incremental'])}; "
+    f"incremental <- prefill {rate_text(s['recovery']['incremental<-prefill'])}; "
+    f"jointly {rate_text(s['joint_recovery'])} (paper 43/43).",
     f"- New trajectory among exact controls: {rate_text(s['third_among_exact'])} (paper 0/5).",
-    f"- Interpretation (frozen matrix, thresholds {verdict.thresholds_text()}): **{verdict.label}** — {verdict.reason}. "
+    f"- Interpretation (frozen matrix, thresholds {verdict.thresholds_text()}): "
+    f"**{verdict.label}** — {verdict.reason}. "
     f"Secondary, thresholds scaled to the panel ({scaled.min_divergent} and {scaled.min_exact}): {scaled.label}.",
-    "- Whole-cache donor recovery is an integrity check, true by construction when decoding is deterministic; it is the paper's registered endpoint, not evidence of mechanism.",
+    "- Whole-cache donor recovery is an integrity check, true by construction when decoding is deterministic; "
+    "it is the paper's registered endpoint, not evidence of mechanism.",
     f"- Secondary: decoded accuracy on the panel, checkpoint 0 {acc['ckpt0'].pct()} vs later {acc['later'].pct()}; "
     f"McNemar {acc['mcnemar'].b} vs {acc['mcnemar'].c}, p = {acc['mcnemar'].pvalue:.3g}.",
     "- Incremental suffix length on the panel, median (range) tokens after the boundary: checkpoint 0 "
-    + " vs later ".join(f"{m:g} ({lo}–{hi})" for m, lo, hi in (acc["suffix_len"]["ckpt0"], acc["suffix_len"]["later"]))
+    + " vs later ".join(f"{m:g} ({lo}–{hi})"
+                        for m, lo, hi in (acc["suffix_len"]["ckpt0"], acc["suffix_len"]["later"]))
     + " (the fewer steps a suffix has, the fewer chances two constructions have to part).",
 ]
 display(Markdown("\n".join(lines)))

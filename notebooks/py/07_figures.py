@@ -52,7 +52,9 @@ print({k: ledger.dir.name for k, ledger in profile_ledgers.ledgers.items()})
 
 # %% [markdown]
 # ## Figure 1 — the matched live/prefill design
-# One live decode per problem reaches the boundary (right after the merge opener); the same integer prefix z is rebuilt by one prefill call. Each construction gets a storage-isolated replica (the replica floor), and all four continue through one shared suffix decoder. Caps are this profile's, read from the Experiment 1 manifest.
+# One live decode per problem reaches the boundary (right after the merge opener); the same integer prefix z is
+# rebuilt by one prefill call. Each construction gets a storage-isolated replica (the replica floor), and all
+# four continue through one shared suffix decoder. Caps are this profile's, read from the Experiment 1 manifest.
 
 # %%
 caps = profile_ledgers["exp1-bfloat16"].config["caps"]
@@ -60,7 +62,9 @@ written["fig1_design"] = session.save_figure(figures.design_figure(caps, BATCH, 
 
 # %% [markdown]
 # ## First divergence: where the suffixes part (histogram and quartiles)
-# Tokens after the boundary at which the reference and prefill suffixes first differ, for BF16 Experiment 1 (live reference) and Experiment 2 (incremental reference, fixed prefixes). Dashed lines: quartiles; solid: median.
+# Tokens after the boundary at which the reference and prefill suffixes first differ, for BF16 Experiment 1
+# (live reference) and Experiment 2 (incremental reference, fixed prefixes). Dashed lines: quartiles; solid:
+# median.
 
 # %%
 groups = {"Exp 1 BF16: prefill vs live": profile_ledgers.records("exp1-bfloat16"),
@@ -80,10 +84,13 @@ pd.DataFrame(fd_stats).T
 
 # %% [markdown]
 # ## Per-layer relative drift, BF16 vs FP32 (Experiment 2, same integer prefixes)
-# Median over rows of each layer's relative L2 difference between the prefill and the incremental cache, keys and values separately. Layers that are bit-exact on every row have median 0 and sit on the symlog axis' linear part.
+# Median over rows of each layer's relative L2 difference between the prefill and the incremental cache, keys
+# and values separately. Layers that are bit-exact on every row have median 0 and sit on the symlog axis' linear
+# part.
 
 # %%
-layer = pd.concat([drift_by_layer(profile_ledgers.records(f"exp2-{d}"), "prefill_vs_incremental").assign(precision=d) for d in profile_ledgers.precisions])
+layer = pd.concat([drift_by_layer(profile_ledgers.records(f"exp2-{d}"), "prefill_vs_incremental").assign(precision=d)
+                   for d in profile_ledgers.precisions])
 fig = figures.layer_drift(layer, title=f"Experiment 2 ({p.profile}): per-layer cache drift on fixed prefixes")
 written["fig_layer_drift"] = session.save_figure(fig, "fig_layer_drift")
 ratio = {d: layer[layer.precision == d].rel_l2.median() for d in profile_ledgers.precisions}
@@ -91,19 +98,29 @@ pd.Series(ratio, name="median per-layer relative L2").to_frame()
 
 # %% [markdown]
 # ## Transplant outcomes per direction (Experiment 4)
-# For every intervention and direction, how many panel rows follow the donor, the recipient, a third trajectory, or (rows whose two baselines agree) the shared baseline. Rows are grouped by their contemporaneous baselines, as registered. `whole` is the registered endpoint; the rest are exploratory (single-layer transplants are in notebook 04's figure).
+# For every intervention and direction, how many panel rows follow the donor, the recipient, a third trajectory,
+# or (rows whose two baselines agree) the shared baseline. Rows are grouped by their contemporaneous baselines,
+# as registered. `whole` is the registered endpoint; the rest are exploratory (single-layer transplants are in
+# notebook 04's figure).
 
 # %%
 outcomes = transplant_outcomes(profile_ledgers.records("exp4-bfloat16"))
 coarse = outcomes[~outcomes.intervention.str.startswith("layer_")]
-order = [name for name, *_ in interventions(2, sweep=False) if name in set(coarse.intervention)]  # whole first, as registered
-fig = figures.transplant_outcomes(coarse, order, DIRECTIONS, title=f"Experiment 4 ({p.profile}): transplant outcomes per direction")
+order = [name for name, *_ in interventions(2, sweep=False)
+         if name in set(coarse.intervention)]  # whole first, as registered
+fig = figures.transplant_outcomes(coarse, order, DIRECTIONS,
+                                  title=f"Experiment 4 ({p.profile}): transplant outcomes per direction")
 written["fig_transplants"] = session.save_figure(fig, "fig_transplants")
-coarse.pivot_table(index=["stratum", "intervention", "direction"], columns="outcome", values="rows", aggfunc="sum", fill_value=0)
+coarse.pivot_table(index=["stratum", "intervention", "direction"], columns="outcome", values="rows", aggfunc="sum",
+                   fill_value=0)
 
 # %% [markdown]
 # ## Near ties: the greedy margin where the suffixes part
-# At every suffix step the decoder recorded the top-1 minus top-2 margin over eligible tokens (raw logits; forced delimiter tokens have none). We take the reference arm's margin at the step where the two suffixes first differ and set it against its margins at every shared step (before the divergence, or anywhere in a row whose suffixes never differ). If the cache difference matters only when it meets a near tie, the divergence margins sit in the lowest tail.
+# At every suffix step the decoder recorded the top-1 minus top-2 margin over eligible tokens (raw logits;
+# forced delimiter tokens have none). We take the reference arm's margin at the step where the two suffixes
+# first differ and set it against its margins at every shared step (before the divergence, or anywhere in a row
+# whose suffixes never differ). If the cache difference matters only when it meets a near tie, the divergence
+# margins sit in the lowest tail.
 
 # %%
 margin_sets = {"Exp 1 BF16 (live)": divergence_margins(profile_ledgers.records("exp1-bfloat16"), "live"),
@@ -111,13 +128,15 @@ margin_sets = {"Exp 1 BF16 (live)": divergence_margins(profile_ledgers.records("
 near_tie = {}
 for label, df in margin_sets.items():
     pct = margin_percentiles(df)
-    for kind, sel in (("shared", df.kind == "shared"), ("first divergence", df.kind.str.startswith("first divergence"))):
+    for kind, sel in (("shared", df.kind == "shared"),
+                      ("first divergence", df.kind.str.startswith("first divergence"))):
         m = df.loc[sel, "margin"].to_numpy()
         near_tie.setdefault(label, {})[f"{kind} steps"] = len(m)
         near_tie[label][f"median margin, {kind}"] = float(np.median(m)) if len(m) else None
         near_tie[label][f"exact ties (margin 0), {kind}"] = int((m == 0).sum())
     near_tie[label]["median percentile of divergence margins among shared"] = float(np.median(pct)) if pct else None
-fig = figures.near_tie(margin_sets, title=f"Near ties: greedy margin at the first divergent step vs at shared steps ({p.profile})")
+fig = figures.near_tie(margin_sets,
+                       title=f"Near ties: greedy margin at the first divergent step vs at shared steps ({p.profile})")
 written["fig_near_tie"] = session.save_figure(fig, "fig_near_tie")
 pd.DataFrame(near_tie).T
 
@@ -138,19 +157,32 @@ print(f"{len(written)} figures written to {session.out_dir} (PNG and PDF each)")
 # ## What this shows
 
 # %%
-lines = [f"- Figure 1 draws the matched design with this profile's caps ({caps['branch']}/{caps['merge']}/{caps['answer']})."]
+lines = [f"- Figure 1 draws the matched design with this profile's caps "
+         f"({caps['branch']}/{caps['merge']}/{caps['answer']})."]
 for label, s in fd_stats.items():
     if s["divergent"] >= 2:
-        lines.append(f"- {label}: {s['divergent']}/{s['rows']} rows diverge; first divergence Q1 {s['q1']:g}, median {s['median']:g}, Q3 {s['q3']:g} (range {s['min']}-{s['max']}) tokens after the boundary.")
+        lines.append(f"- {label}: {s['divergent']}/{s['rows']} rows diverge; "
+                     f"first divergence Q1 {s['q1']:g}, median {s['median']:g}, Q3 {s['q3']:g} "
+                     f"(range {s['min']}-{s['max']}) tokens after the boundary.")
     else:
-        lines.append(f"- {label}: {s['divergent']}/{s['rows']} rows diverge" + (f", at {s['median']:g} tokens after the boundary." if s["divergent"] else "."))
+        lines.append(f"- {label}: {s['divergent']}/{s['rows']} rows diverge"
+                     + (f", at {s['median']:g} tokens after the boundary." if s["divergent"] else "."))
 if {"bfloat16", "float32"} <= set(profile_ledgers.precisions):
-    lines.append(f"- Median per-layer relative drift on the same prefixes: BF16 {ratio['bfloat16']:.3g}, FP32 {ratio['float32']:.3g}.")
+    lines.append(f"- Median per-layer relative drift on the same prefixes: "
+                 f"BF16 {ratio['bfloat16']:.3g}, FP32 {ratio['float32']:.3g}.")
 div_whole = coarse[(coarse.intervention == "whole") & (coarse.stratum == "divergent")]
-lines.append(f"- Whole-cache transplants on divergent rows: {int(div_whole.loc[div_whole.outcome == 'donor', 'rows'].sum())} of {int(div_whole.rows.sum())} (row, direction) pairs follow the donor.")
+lines.append(f"- Whole-cache transplants on divergent rows: "
+             f"{int(div_whole.loc[div_whole.outcome == 'donor', 'rows'].sum())} of {int(div_whole.rows.sum())} "
+             f"(row, direction) pairs follow the donor.")
 for label, s in near_tie.items():
     if s["first divergence steps"]:
-        lines.append(f"- {label}: {s['exact ties (margin 0), first divergence']} of {s['first divergence steps']} first divergences are tie-initiated (an exact top-1/top-2 tie in either arm); median margin at the first divergence {s['median margin, first divergence']:.3g} vs {s['median margin, shared']:.3g} at shared steps ({s['exact ties (margin 0), shared']} exact ties among {s['shared steps']} shared steps); the divergence margins sit at a median percentile of {s['median percentile of divergence margins among shared']:.1f} among shared-step margins.")
+        lines.append(f"- {label}: {s['exact ties (margin 0), first divergence']} of {s['first divergence steps']} "
+                     f"first divergences are tie-initiated (an exact top-1/top-2 tie in either arm); "
+                     f"median margin at the first divergence {s['median margin, first divergence']:.3g} "
+                     f"vs {s['median margin, shared']:.3g} at shared steps "
+                     f"({s['exact ties (margin 0), shared']} exact ties among {s['shared steps']} shared steps); "
+                     f"the divergence margins sit at a median percentile of "
+                     f"{s['median percentile of divergence margins among shared']:.1f} among shared-step margins.")
     else:
         lines.append(f"- {label}: no divergent row, so no divergence margin to compare.")
 display(Markdown("\n".join(lines)))

@@ -40,9 +40,11 @@ profile = "cpu"  # which notebooks/params file: the committed ledgers (the noteb
 overrides = {}   # values replacing the profile's, e.g. {"ledger_root": "/tmp/ledgers"}
 experiment = "exp1"           # "exp1" (live vs prefill) or "exp2" (incremental vs prefill, fixed BF16 prefixes)
 precision = "bfloat16"        # "bfloat16" or "float32"
-comparison = "prefill_vs_live"  # exp1: prefill_vs_live | live_replica | prefill_replica; exp2: prefill_vs_incremental | incremental_replica | prefill_replica
+comparison = "prefill_vs_live"  # exp1: prefill_vs_live | live_replica | prefill_replica;
+                                # exp2: prefill_vs_incremental | incremental_replica | prefill_replica
 problem = None                # a problem ID; None: the first row whose suffixes differ, else the first row
-rebuild = False               # True: rebuild the row's two caches here for the per-head / per-position maps (loads the model)
+rebuild = False               # True: rebuild the row's two caches here for the per-head / per-position maps
+                              # (loads the model)
 model = None                  # None: the ledger's model; give a path for a ledger written from a local folder
 top_k = 10                    # boundary-logit tokens shown per state
 before, after = 8, 12         # suffix tokens shown before and after the first divergence
@@ -83,7 +85,8 @@ def show(fig, name):
         display(fig)
         plt.close(fig)
 
-print(f"ledger {ledger.dir.name}: {len(ledger.records)} rows; exploring {row['problem_id']} ({experiment}, {precision}, {comparison}: {other_arm} against {ref_arm})")
+print(f"ledger {ledger.dir.name}: {len(ledger.records)} rows; exploring {row['problem_id']} "
+      f"({experiment}, {precision}, {comparison}: {other_arm} against {ref_arm})")
 explorer.rows_frame(ledger, comparison)
 
 # %% [markdown]
@@ -94,11 +97,14 @@ ep = row["endpoints"]
 overview = pd.Series({
     "problem": row["problem_id"], "prompt tokens": row["prompt_len"], "boundary prefix |z|": row["prefix_len"],
     "whole-cache exact": summary["cache"]["exact"], "whole-cache relative L2": summary["cache"]["rel_l2"],
-    "whole-cache max |Δ|": summary["cache"]["max_abs"], "differing cache elements": f"{summary['cache']['n_diff']}/{summary['cache']['numel']}",
+    "whole-cache max |Δ|": summary["cache"]["max_abs"],
+    "differing cache elements": f"{summary['cache']['n_diff']}/{summary['cache']['numel']}",
     "boundary logits exact": summary["logits"]["exact"], "boundary logits max |Δ|": summary["logits"]["max_abs"],
     "argmax reference / other": f"{summary['logits']['argmax_ref']} / {summary['logits']['argmax_other']}",
-    "top-1 minus top-2 margin reference / other": f"{summary['logits']['margin_ref']:.4g} / {summary['logits']['margin_other']:.4g}",
-    "suffix differs (prefill vs reference)": ep["suffix_differs"], "first divergence (tokens after boundary)": ep["first_divergence"],
+    "top-1 minus top-2 margin reference / other":
+        f"{summary['logits']['margin_ref']:.4g} / {summary['logits']['margin_other']:.4g}",
+    "suffix differs (prefill vs reference)": ep["suffix_differs"],
+    "first divergence (tokens after boundary)": ep["first_divergence"],
     f"correct: {ref_arm} / {other_arm}": f"{row['arms'][ref_arm]['correct']} / {row['arms'][other_arm]['correct']}",
 }, name=comparison)
 overview.to_frame()
@@ -109,7 +115,9 @@ overview.to_frame()
 # %%
 if "tensors" in summary:
     layers = layer_drift_frame(summary["tensors"])
-    show(figures.explorer_layers(layers, title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision} (ledger)"), "layers")
+    show(figures.explorer_layers(layers,
+                                 title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision} (ledger)"),
+         "layers")
     display(layers.pivot(index="layer", columns="kind", values="rel_l2").T)
 else:
     layers = None
@@ -118,7 +126,9 @@ else:
 
 # %% [markdown]
 # ## Rebuild the two caches of this row
-# With `rebuild = True`: loads the ledger's model at its dtype and threads (once per kernel), resolves its block format (the digest must match), rebuilds both states from the recorded prefix z, runs the row's boundary gates on the pair, and recomputes the drift summary.
+# With `rebuild = True`: loads the ledger's model at its dtype and threads (once per kernel), resolves its block
+# format (the digest must match), rebuilds both states from the recorded prefix z, runs the row's boundary gates
+# on the pair, and recomputes the drift summary.
 
 # %%
 rebuilt = pair = None
@@ -129,9 +139,12 @@ if rebuild:
     lm, fmt = explorer.model_for(ledger, model)
     rebuilt, fingerprint = pair.summary, pair.fingerprint
     here = execution_contract(lm, ledger.config["threads"])
-    same_env = all(here.get(k) == ledger.contract.get(k) for k in ("torch", "transformers", "device_name", "intra_op_threads", "sdpa_backends_used", "dtype")) \
+    same_env = all(here.get(k) == ledger.contract.get(k)
+                   for k in ("torch", "transformers", "device_name", "intra_op_threads", "sdpa_backends_used",
+                             "dtype")) \
         and here["model"].get("weights_sha256") == ledger.contract.get("model", {}).get("weights_sha256")
-    print(f"model loaded in {pair.seconds['model']:.1f} s; both states rebuilt and compared in {pair.seconds['rebuild']:.1f} s")
+    print(f"model loaded in {pair.seconds['model']:.1f} s; "
+          f"both states rebuilt and compared in {pair.seconds['rebuild']:.1f} s")
     print(f"same machine and software as the ledger: {same_env}; rebuilt drift equals the ledger's: {fingerprint}")
     if same_env:
         assert all(fingerprint.values()), f"rebuilt states do not reproduce the ledger's fingerprint: {fingerprint}"
@@ -139,20 +152,27 @@ if rebuild:
         print("note: a different machine or software stack; the rebuilt drift is this machine's, not the ledger's")
     if layers is None:
         layers = layer_drift_frame(rebuilt["tensors"])
-        show(figures.explorer_layers(layers, title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision} (rebuilt)"), "layers")
+        show(figures.explorer_layers(layers,
+                                     title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision} (rebuilt)"),
+             "layers")
 else:
     print("rebuild = False: the per-head and per-position maps are drawn by the interactive explorer below, "
           "or here with rebuild = True")
 
 # %% [markdown]
 # ## Per-head and per-position drift (rebuilt)
-# Each cell is ‖other − reference‖₂ / ‖reference‖₂ over the remaining axes of one layer's K or V tensor `[kv_heads, |z|, head_dim]` (first duplicate copy; the two copies are bit-identical by the desync gate), on a log colour scale. White: exactly 0; grey: an exact zero reference. The position axis shows each token's text; dotted lines mark where each block of z begins.
+# Each cell is ‖other − reference‖₂ / ‖reference‖₂ over the remaining axes of one layer's K or V tensor
+# `[kv_heads, |z|, head_dim]` (first duplicate copy; the two copies are bit-identical by the desync gate), on a
+# log colour scale. White: exactly 0; grey: an exact zero reference. The position axis shows each token's text;
+# dotted lines mark where each block of z begins.
 
 # %%
 if pair is not None:
-    exact_note = " (bit-exact in every tensor: all zero)" if not np.nanmax([np.nanmax(m.to_numpy()) for m in pair.maps.values()]) else ""
+    exact_note = " (bit-exact in every tensor: all zero)" if not np.nanmax(
+        [np.nanmax(m.to_numpy()) for m in pair.maps.values()]) else ""
     show(figures.drift_heatmaps(pair.maps, pair.tokens, pair.blocks,
-                                title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision}{exact_note}"), "heatmaps")
+                                title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision}{exact_note}"),
+         "heatmaps")
     starts = sorted(pair.blocks.items(), key=lambda kv: kv[1])
     block_of = np.empty(len(pair.tokens), dtype=object)
     for (name, s), nxt in zip(starts, [s for _, s in starts[1:]] + [len(pair.tokens)]):
@@ -170,12 +190,16 @@ else:
 tok = explorer.tokenizer_for(ledger, model)
 lg = summary["logits"]
 display(pd.DataFrame({
-    "reference": [lg["argmax_ref"], token_text(tok, lg["argmax_ref"]), lg["margin_ref"], [token_text(tok, t) for t in lg["topk_ref"]]],
-    "other": [lg["argmax_other"], token_text(tok, lg["argmax_other"]), lg["margin_other"], [token_text(tok, t) for t in lg["topk_other"]]],
+    "reference": [lg["argmax_ref"], token_text(tok, lg["argmax_ref"]), lg["margin_ref"],
+                  [token_text(tok, t) for t in lg["topk_ref"]]],
+    "other": [lg["argmax_other"], token_text(tok, lg["argmax_other"]), lg["margin_other"],
+              [token_text(tok, t) for t in lg["topk_other"]]],
 }, index=["argmax", "argmax text", "top-1 minus top-2 margin", "top-5 (ledger)"]))
 if pair is not None:
     topk = topk_frame(tok, pair.ref.logits[0], pair.other.logits[0], k=top_k)
-    show(figures.topk_logits(topk, ref_arm, other_arm, title=f"{row['problem_id']}: boundary logits on the union of both top-{top_k}"), "logits")
+    show(figures.topk_logits(topk, ref_arm, other_arm,
+                             title=f"{row['problem_id']}: boundary logits on the union of both top-{top_k}"),
+         "logits")
     display(topk)
 
 # %% [markdown]
@@ -188,10 +212,13 @@ first = first_divergence(sa, sb)
 aligned = suffix_alignment(tok, sa, sb, ma, mb, first, before=before, after=after)
 cut = first if first is not None else len(sa)
 texts = pd.DataFrame({
-    ref_arm: [tok.decode(sa[:cut]), tok.decode(sa[cut:]), row["arms"][ref_arm]["answer_text"], row["arms"][ref_arm]["correct"]],
-    other_arm: [tok.decode(sb[:cut]), tok.decode(sb[cut:]), row["arms"][other_arm]["answer_text"], row["arms"][other_arm]["correct"]],
+    ref_arm: [tok.decode(sa[:cut]), tok.decode(sa[cut:]), row["arms"][ref_arm]["answer_text"],
+              row["arms"][ref_arm]["correct"]],
+    other_arm: [tok.decode(sb[:cut]), tok.decode(sb[cut:]), row["arms"][other_arm]["answer_text"],
+                row["arms"][other_arm]["correct"]],
 }, index=["shared part (up to the first divergence)", "after the first divergence", "answer text", "correct"])
-display(Markdown(f"**First divergence: {first if first is not None else 'none'}** (suffix tokens after the boundary; {len(sa)} and {len(sb)} tokens)"))
+display(Markdown(f"**First divergence: {first if first is not None else 'none'}** "
+                 f"(suffix tokens after the boundary; {len(sa)} and {len(sb)} tokens)"))
 display(aligned)
 texts
 
@@ -199,22 +226,29 @@ texts
 # ## What this shows
 
 # %%
-lines = [f"- Row `{row['problem_id']}` ({experiment}, {precision}): {other_arm} against {ref_arm}; whole-cache relative L2 "
-         f"{summary['cache']['rel_l2']:.3g}, {summary['cache']['n_diff']} of {summary['cache']['numel']} cache elements differ; "
-         f"boundary logits max |Δ| {summary['logits']['max_abs']:.3g}, argmax {'agrees' if lg['argmax_ref'] == lg['argmax_other'] else 'differs'}."]
+lines = [f"- Row `{row['problem_id']}` ({experiment}, {precision}): {other_arm} against {ref_arm}; "
+         f"whole-cache relative L2 "
+         f"{summary['cache']['rel_l2']:.3g}, {summary['cache']['n_diff']} of {summary['cache']['numel']} "
+         f"cache elements differ; "
+         f"boundary logits max |Δ| {summary['logits']['max_abs']:.3g}, "
+         f"argmax {'agrees' if lg['argmax_ref'] == lg['argmax_other'] else 'differs'}."]
 if layers is not None:
     worst = layers.sort_values("rel_l2", ascending=False).iloc[0]
-    lines.append(f"- Largest per-tensor drift: layer {int(worst.layer)} {worst.kind}s (relative L2 {worst.rel_l2:.3g}); "
+    lines.append(f"- Largest per-tensor drift: layer {int(worst.layer)} {worst.kind}s "
+                 f"(relative L2 {worst.rel_l2:.3g}); "
                  f"{int((~layers.exact).sum())} of {len(layers)} K/V tensors are not bit-exact.")
 if pair is not None:
-    lines.append(f"- Rebuilt on demand in {pair.seconds['rebuild']:.1f} s; it reproduces the ledger's drift summary: {all(fingerprint.values())} "
+    lines.append(f"- Rebuilt on demand in {pair.seconds['rebuild']:.1f} s; "
+                 f"it reproduces the ledger's drift summary: {all(fingerprint.values())} "
                  f"(same machine and software: {same_env}).")
 if first is None:
     lines.append(f"- The two suffixes are identical ({len(sa)} tokens).")
 else:
     m = ma[first] if first < len(ma) else None
-    lines.append(f"- The suffixes first differ {first} tokens after the boundary; there the {ref_arm} arm's top-1 minus top-2 margin was "
-                 f"{m if m is None else f'{m:.3g}'} (answers: {row['arms'][ref_arm]['predicted']} vs {row['arms'][other_arm]['predicted']}).")
+    lines.append(f"- The suffixes first differ {first} tokens after the boundary; "
+                 f"there the {ref_arm} arm's top-1 minus top-2 margin was "
+                 f"{m if m is None else f'{m:.3g}'} "
+                 f"(answers: {row['arms'][ref_arm]['predicted']} vs {row['arms'][other_arm]['predicted']}).")
 display(Markdown("\n".join(lines)))
 
 # %% [markdown]
