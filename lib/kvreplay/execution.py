@@ -77,6 +77,20 @@ class ExecutionContract:
         except RuntimeError as e:
             raise ValueError(f"unknown device {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'") from e
 
+    def check_device(self) -> str:
+        """The device's type (``"cpu"`` or ``"cuda"``), once this machine can run it.
+
+        Raises:
+            ValueError: a device torch cannot parse, or another type than CPU and CUDA.
+            DeviceUnavailableError: ``cuda`` asked for but torch sees no CUDA device.
+        """
+        kind = self.device_type
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise DeviceUnavailableError(f"device {self.device!r} asked for, but torch {torch.__version__} sees no CUDA device")
+        return kind
+
     def resolved_deterministic(self) -> bool:
         return self.device_type == "cuda" if self.deterministic is None else bool(self.deterministic)
 
@@ -102,12 +116,8 @@ class ExecutionContract:
             DeviceUnavailableError: ``cuda`` asked for but not available.
         """
         sdpa_backend_list(self.sdpa_backends)
-        kind = self.device_type
-        if kind not in ("cpu", "cuda"):
-            raise ValueError(f"unknown device {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+        kind = self.check_device()
         check_sdpa_on_device(self.sdpa_backends, self.device)
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise DeviceUnavailableError(f"device {self.device!r} asked for, but torch {torch.__version__} sees no CUDA device")
         det = self.resolved_deterministic()
         if kind == "cuda" and det:
             current = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
@@ -130,15 +140,12 @@ class ExecutionContract:
 
 
 def device_or_exit(parser, device: str) -> str:
-    """A command line's ``--device``, checked before anything runs: its type (``"cpu"``, ``"cuda"``), or
-    ``parser.error`` (exit 2, one line) for a device torch cannot parse or a CUDA device this machine lacks."""
+    """A command line's ``--device``, checked before anything runs (:meth:`ExecutionContract.check_device`): its
+    type (``"cpu"``, ``"cuda"``), or ``parser.error`` (exit 2, one line) naming why this machine cannot run it."""
     try:
-        kind = ExecutionContract(device=device).device_type
-    except ValueError as e:
+        return ExecutionContract(device=device).check_device()
+    except (ValueError, DeviceUnavailableError) as e:
         parser.error(f"--device {device}: {e}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {device}: torch {torch.__version__} sees no CUDA device on this machine")
-    return kind
 
 
 def check_sdpa_on_device(backends: Sequence[str], device: str) -> None:
