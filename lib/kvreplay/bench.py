@@ -166,6 +166,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
                  exp1_caps: tuple[tuple[int, int, int], ...] = ((48, 160, 12),), exp1_batch: int = 64,
                  exp1_rows: int | None = None, compile_: bool = True, repeats: int = 3,
                  step_path: str = "graph", max_lens: tuple[int | None, ...] = (None,),
+                 attentions: tuple[str, ...] = ("sdpa",),
                  emit: Callable[[dict], None] = lambda row: None) -> pd.DataFrame:
     """The GPU section of ``make bench``: ms per problem-step of each decode path, and batched Experiment 1 rows/hour.
 
@@ -185,7 +186,9 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     :func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk` on ``exp1_rows`` problems (default
     ``exp1_batch``) at each caps set, graph path, B = ``exp1_batch``, the first
     chunk of each caps set timed whole (two graph captures, ~0.3 s each, included). ``step_path="eager"``
-    runs the engine's op-by-op step instead (any device; a dry run of this code). ``generate`` with a
+    runs the engine's op-by-op step instead (any device; a dry run of this code). The engine rows and the
+    Experiment 1 rows are repeated for each of ``attentions`` (:data:`kvreplay.engine.ATTENTIONS`: the model's
+    SDPA call, or :func:`kvreplay.engine.grouped_attention`); the live boundaries come from the first. ``generate`` with a
     static cache is timed with compilation off (``disable_compile=True``) and, on CUDA, last, as
     transformers compiles it (``torch.compile``, mode ``reduce-overhead``), which takes minutes; ``emit``
     gets each row as it is measured (``main`` prints it at once, so a run cut off by a time limit keeps
@@ -203,6 +206,8 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         raise ValueError("engine_table's graph path needs a CUDA model")
     if not batches or min(batches) < 1 or exp1_batch < 1:
         raise ValueError(f"engine_table: batches {tuple(batches)} and exp1_batch {exp1_batch} must be at least 1")
+    if not attentions or any(a not in engine.ATTENTIONS for a in attentions):
+        raise ValueError(f"engine_table: attentions {tuple(attentions)}: use some of {engine.ATTENTIONS}")
     sdpa = "+".join(lm.sdpa_backends)
     label = "graph" if step_path == "graph" else "engine eager step"
     bank = load_bank()
@@ -218,7 +223,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
 
     # no boundary is shorter than its prompt: an obviously short max_len is refused before the live decode
     refuse_short(max(map(len, prompts)), "the longest prompt and the suffix bound already take")
-    lives = engine.decode_lives(lm, fmt, prompts, caps, batch=n, step_path=step_path)
+    lives = engine.decode_lives(lm, fmt, prompts, caps, batch=n, step_path=step_path, attention=attentions[0])
     need = refuse_short(max(len(b.ids) for b in lives), "the suffix runs need")
     out = []
 
@@ -236,17 +241,19 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     out.append({"path": "decode.decode_suffix (today: eager, DynamicCache)", "B": 1, "rows": 2,
                 "ms per problem-step": round(statistics.median(today), 2)})
     emit(out[-1])
-    for max_len in (m or need for m in max_lens):
-        for B in batches:
-            states = lives[: max(B, min(n, 2 * B)) if B > 1 else repeats]
-            engine.decode_suffixes(lm, fmt, states[:B], caps, batch=B, step_path=step_path, max_len=max_len)  # capture
-            t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, batch=B, step_path=step_path,
-                                                          max_len=max_len))
-            steps = sum(len(s.tokens) for s in got)
-            out.append({"path": f"engine.decode_suffixes, {label}", "B": B, "rows": 2 * B,
-                        "ms per problem-step": round(1e3 * t / steps, 2),
-                        "note": f"{len(states)} problems, max_len {max_len}, sdpa {sdpa}"})
-            emit(out[-1])
+    for attention in attentions:
+        kind = f"{label}, attention {attention}"
+        for max_len in (m or need for m in max_lens):
+            for B in batches:
+                states = lives[: max(B, min(n, 2 * B)) if B > 1 else repeats]
+                run = dict(batch=B, step_path=step_path, max_len=max_len, attention=attention)
+                engine.decode_suffixes(lm, fmt, states[:B], caps, **run)  # capture
+                t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, **run))
+                steps = sum(len(s.tokens) for s in got)
+                out.append({"path": f"engine.decode_suffixes, {kind}", "B": B, "rows": 2 * B,
+                            "ms per problem-step": round(1e3 * t / steps, 2),
+                            "note": f"{len(states)} problems, max_len {max_len}, sdpa {sdpa}"})
+                emit(out[-1])
     z = lives[0].ids
     ids = torch.tensor([z, z], device=lm.device)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=lm.tokenizer.pad_token_id or 0)
@@ -273,13 +280,14 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         group = bank[1 : 1 + rows]
         c_caps = Caps(*c)
         need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), c_caps) for p in group + bank[:1])
-        spec = RunSpec(lm=lm, fmt=fmt, caps=c_caps, engine=EngineRun(step_path, exp1_batch, need))
-        t, recs = timed(lambda: live_vs_prefill_chunk(spec, group))
-        failed = sum(r["gate_failure"] is not None for r in recs)
-        out.append({"path": f"Experiment 1 batched runner, {label}, caps {tuple(c)}", "B": exp1_batch, "rows": 2 * exp1_batch,
-                    "rows per hour": round(3600 * len(group) / t, 1),
-                    "note": f"{len(group)} rows in {t:.1f} s, max_len {need}, sdpa {sdpa}, {failed} gate failures"})
-        emit(out[-1])
+        for attention in attentions:
+            spec = RunSpec(lm=lm, fmt=fmt, caps=c_caps, engine=EngineRun(step_path, exp1_batch, need, attention=attention))
+            t, recs = timed(lambda: live_vs_prefill_chunk(spec, group))
+            failed = sum(r["gate_failure"] is not None for r in recs)
+            out.append({"path": f"Experiment 1 batched runner, {label}, attention {attention}, caps {tuple(c)}",
+                        "B": exp1_batch, "rows": 2 * exp1_batch, "rows per hour": round(3600 * len(group) / t, 1),
+                        "note": f"{len(group)} rows in {t:.1f} s, max_len {need}, sdpa {sdpa}, {failed} gate failures"})
+            emit(out[-1])
     if compile_:  # last: tracing and capture take minutes, and a time limit may end the process here
         # transformers compiles the forward itself for a static cache on CUDA (CompileConfig: torch.compile,
         # mode "reduce-overhead"); a second torch.compile wrapped around it fails on CUDA-graph outputs
@@ -324,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sdpa", nargs="+", default=["math"], metavar="BACKEND",
                     help="SDPA backends of the engine section (default math, the execution contract's; also flash, "
                          "and on CUDA efficient and cudnn: other bits, so another contract)")
+    ap.add_argument("--attention", nargs="+", choices=("sdpa", "grouped"), default=["sdpa"], metavar="ATTENTION",
+                    help="the engine step's attention, the engine and Experiment 1 rows repeated for each (default "
+                         "sdpa: the model's SDPA call; grouped: kvreplay.engine.grouped_attention, other bits)")
     ap.add_argument("--step-path", choices=("graph", "engine-eager"), default="graph",
                     help="the engine's step in the engine section (graph: CUDA only; engine-eager: op by op, any "
                          "device, a dry run)")
@@ -358,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                            exp1_caps=caps_sets, exp1_batch=args.exp1_batch, exp1_rows=args.exp1_rows,
                            compile_=not args.no_compile, repeats=args.repeats,
                            step_path="graph" if args.step_path == "graph" else "eager",
-                           max_lens=tuple(m or None for m in args.max_len), emit=lambda row: print("measured:", row, flush=True)
+                           max_lens=tuple(m or None for m in args.max_len), attentions=tuple(args.attention), emit=lambda row: print("measured:", row, flush=True)
                            ).fillna("").to_markdown(index=False))
     return 0
 

@@ -43,11 +43,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.nn.attention import sdpa_kernel
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import decode
@@ -69,10 +70,86 @@ from .models import LoadedModel
 STEP_PATHS = ("eager", "graph")
 """``eager``: the step runs op by op; ``graph``: captured once in a CUDA graph and replayed (CUDA only)."""
 
+ATTENTIONS = ("sdpa", "grouped")
+"""How the step's attention runs. ``sdpa``: the model's own attention call, ``scaled_dot_product_attention``
+under ``lm.sdpa_backends`` (transformers first repeats each key/value head for the query heads that share it);
+``grouped``: :func:`grouped_attention` (the math backend's float32 arithmetic, one matmul per key/value head for
+its group of query heads, nothing repeated). The two give different bits: the attention is part of the contract."""
+
+_GROUPED = "kvreplay_grouped"  # the name grouped_attention is registered under in transformers' AttentionInterface
+
 _STAT_ROWS = 4  # chosen token, margin, duplicate rows equal, row finite
 
 VERIFIED_STEPS = [0]
 """Steps this process has checked against the eager step (``verify_steps``), all engines together."""
+
+
+# --------------------------------------------------------------------------------------------------- attention
+def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """Grouped-query attention in float32 without repeating keys/values (the engine's ``attention="grouped"``).
+
+    The arithmetic of torch's ``math`` SDPA backend for half-precision inputs (query and keys each multiplied
+    by the square root of the scale after the cast to float32, masked scores set to ``-inf``, softmax over the
+    keys, the weighted sum of the values cast back to the input dtype), but the query heads that share a
+    key/value head are stacked into the rows of one matmul against that head's keys and values. The ``sdpa``
+    path lets transformers copy every key/value head once per query head and the math backend cast those
+    copies to float32: with SmolLM2-135M's 9 query heads on 3 key/value heads, that reads the whole static
+    cache about four times more per step, which is what a decode step over a long static cache spends
+    its time on. The matmul shapes differ, so the bits may differ from ``sdpa`` (and do on the CPUs and GPUs
+    we ran): a different attention is a different contract.
+
+    Called by transformers' attention layers (registered in ``AttentionInterface``); used only inside
+    :class:`StepEngine` steps with ``attention="grouped"``.
+
+    Args:
+        query: ``[rows, heads, q, head_dim]`` in the model dtype.
+        key, value: ``[rows, kv_heads, keys, head_dim]``; ``heads`` must be a multiple of ``kv_heads``
+            (query head ``h`` reads key/value head ``h // (heads // kv_heads)``, as transformers' ``repeat_kv``).
+        attention_mask: boolean ``[rows, 1, q, keys]`` (``True``: attend) or ``None``.
+        dropout: must be 0 (inference only).
+        scaling: the score scale (default ``head_dim ** -0.5``).
+
+    Returns:
+        ``([rows, q, heads, head_dim] in the query's dtype, None)`` (the layout transformers' layers expect).
+
+    Raises:
+        ValueError: a float mask, dropout, or heads not a multiple of kv_heads.
+    """
+    rows, heads, q, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    if heads % kv_heads or dropout:
+        raise ValueError(f"grouped_attention: {heads} heads on {kv_heads} key/value heads, dropout {dropout}")
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError(f"grouped_attention takes a boolean mask, got {attention_mask.dtype}")
+    group = heads // kv_heads
+    root = math.sqrt(scaling if scaling is not None else dim ** -0.5)
+    scores = torch.matmul((query.float() * root).reshape(rows, kv_heads, group * q, dim),
+                          (key.float() * root).transpose(-2, -1)).view(rows, kv_heads, group, q, keys)
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask[:, :, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).view(rows, kv_heads, group * q, keys)
+    out = torch.matmul(weights, value.float()).view(rows, heads, q, dim).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(_GROUPED, grouped_attention)
+
+
+@contextlib.contextmanager
+def _attention(model: torch.nn.Module, attention: str) -> Iterator[None]:
+    """Within the block the model's attention layers call :func:`grouped_attention` (``attention="grouped"``)."""
+    if attention == "sdpa":
+        yield
+        return
+    config = model.config
+    was = config._attn_implementation
+    config._attn_implementation = _GROUPED
+    try:
+        yield
+    finally:
+        config._attn_implementation = was
 
 
 # ---------------------------------------------------------------------------------------------------- KV cache
@@ -283,15 +360,21 @@ class StepEngine:
             dtype and writes the same keys/values, the final norm and LM head run in
             float32 (``[rows, vocab]`` float32 logits; the exploratory control of
             Experiment 2). ``None``: the model's own head.
+        attention: ``"sdpa"`` or ``"grouped"`` (:data:`ATTENTIONS`): the step's attention (prompt blocks and
+            prefills, one call per problem outside the step, always use the model's own SDPA).
 
     Raises:
-        ValueError: unknown step path, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1`` or ``verify_steps < 0``.
+        ValueError: unknown step path or attention, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1`` or
+            ``verify_steps < 0``.
         ContractError: a vocabulary of 2**24 tokens or more.
     """
     def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
-                 verify_steps: int = 0, readout: decode.FP32Readout | None = None):
+                 verify_steps: int = 0, readout: decode.FP32Readout | None = None, attention: str = "sdpa"):
         if step_path not in STEP_PATHS:
             raise ValueError(f"unknown step path {step_path!r}; use one of {STEP_PATHS}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {attention!r}; use one of {ATTENTIONS}")
+        self.attention = attention
         if step_path == "graph" and lm.device.type != "cuda":
             raise ValueError(f"step path 'graph' needs a CUDA device, the model is on {lm.device}")
         if batch < 1 or max_len < 1:
@@ -382,7 +465,7 @@ class StepEngine:
             embeds = embeds + lm.role_table[qrole + ROLE_OFFSET][:, None, :]
         kwargs = dict(inputs_embeds=embeds, attention_mask=allowed[:, None, None, :], position_ids=pos[:, None],
                       past_key_values=self.cache, use_cache=True)
-        with sdpa_kernel(decode._backends(lm.sdpa_backends)):
+        with sdpa_kernel(decode._backends(lm.sdpa_backends)), _attention(lm.model, self.attention):
             if self.readout is None:
                 logits = lm.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
             else:
@@ -624,12 +707,13 @@ def live_length_bound(fmt: BlockFormat, caps: Caps, prompt_len: int) -> int:
     return prompt_len + branches + len(fmt.openers[MERGE])
 
 
-def _engine(lm, fmt, batch, step_path, max_len, need: int, verify_steps: int = 0, readout=None) -> StepEngine:
+def _engine(lm, fmt, batch, step_path, max_len, need: int, verify_steps: int = 0, readout=None,
+            attention: str = "sdpa") -> StepEngine:
     if max_len is None:
         max_len = need
     if need > max_len:
         raise ValueError(f"max_len={max_len} is shorter than the {need} positions the longest problem may need")
-    return StepEngine(lm, fmt, batch, max_len, step_path, verify_steps, readout)
+    return StepEngine(lm, fmt, batch, max_len, step_path, verify_steps, readout, attention)
 
 
 # -------------------------------------------------------------------------------------------- the decoders
@@ -646,6 +730,7 @@ def decode_suffixes(
     on_gate_error: str = "raise",
     verify_steps: int = 0,
     readout: decode.FP32Readout | None = None,
+    attention: str = "sdpa",
 ) -> list:
     """The shared suffix decoder for many boundary states at once (batched :func:`kvreplay.decode.decode_suffix`).
 
@@ -672,6 +757,7 @@ def decode_suffixes(
             puts the :class:`~kvreplay.gates.GateError` in that problem's place
             and goes on with the others.
         verify_steps: steps checked against the eager step (:class:`StepEngine`).
+        attention: the step's attention, ``"sdpa"`` or ``"grouped"`` (:data:`ATTENTIONS`); part of the contract.
         readout: FP32 readout of every step's logits (:class:`StepEngine`); the
             boundaries' logits should come from constructions built with it.
 
@@ -690,7 +776,7 @@ def decode_suffixes(
     if not boundaries:
         return []
     need = max(len(b.ids) for b in boundaries) + suffix_length_bound(fmt, caps)
-    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps, readout)
+    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps, readout, attention)
 
     def admit(index: int, slot: int):
         b = boundaries[index]
@@ -723,6 +809,7 @@ def decode_lives(
     max_len: int | None = None,
     on_gate_error: str = "raise",
     verify_steps: int = 0,
+    attention: str = "sdpa",
 ) -> list:
     """Live multi-branch decoding of many prompts at once (batched :func:`kvreplay.decode.decode_live`).
 
@@ -734,7 +821,7 @@ def decode_lives(
     Args:
         prompts: token IDs of each prompt block (role 0).
         caps: content caps (branches stop at ``caps.branch``).
-        batch, step_path, max_len, on_gate_error, verify_steps: as in :func:`decode_suffixes`
+        batch, step_path, max_len, on_gate_error, verify_steps, attention: as in :func:`decode_suffixes`
             (``max_len`` defaults to the longest prompt plus :func:`live_length_bound`'s blocks).
 
     Returns:
@@ -751,7 +838,7 @@ def decode_lives(
     if not prompts:
         return []
     need = live_length_bound(fmt, caps, max(len(p) for p in prompts)) + 1
-    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps)
+    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps, attention=attention)
     dev = lm.device
 
     def admit(index: int, slot: int):
@@ -787,6 +874,7 @@ def build_incrementals(
     on_gate_error: str = "raise",
     verify_steps: int = 0,
     readout: decode.FP32Readout | None = None,
+    attention: str = "sdpa",
 ) -> list:
     """Teacher-forced replay of the live call schedule through the engine (batched incremental construction).
 
@@ -801,7 +889,7 @@ def build_incrementals(
 
     Args:
         prefixes: boundary prefixes z (token IDs ending right after the merge opener).
-        batch, step_path, max_len, on_gate_error, verify_steps, readout: as in
+        batch, step_path, max_len, on_gate_error, verify_steps, readout, attention: as in
             :func:`decode_suffixes` (``max_len`` defaults to the longest prefix plus one);
             with ``readout`` the prompt call and every step give FP32-readout logits
             and write the same keys/values as without it.
@@ -819,7 +907,7 @@ def build_incrementals(
         return []
     parsed = [fmt.boundary_parse(z, where=f"prefix {i}") for i, z in enumerate(prefixes)]
     need = max(len(z) for z in prefixes) + 1
-    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps, readout)
+    engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps, readout, attention)
     dev = lm.device
     free = Caps(branch=1 << 30, merge=1 << 30, answer=1 << 30)  # every token is forced: no cap applies
 

@@ -237,7 +237,8 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     elif config.get("engine"):
         # a batched ledger: the row alone in a chunk of one at the recorded batch shape (the composition gate's run)
         e = recorded["engine"]
-        run = EngineRun("graph" if e["step_path"] == "graph" else "eager", e["batch"], e["max_len"])
+        run = EngineRun("graph" if e["step_path"] == "graph" else "eager", e["batch"], e["max_len"],
+                        attention=e.get("attention", "sdpa"))
         fn = chunk_function(folder, config)
     lm, fmt = settings.load()
     check_prompts(fmt, [by_id[committed[i]["problem_id"]] for i in chosen], context_length(lm.model.config),

@@ -95,12 +95,14 @@ class EngineRun:
             than slots, a slot freed by a finished problem takes the next one, so a chunk no longer
             waits on its longest row with the other slots idle. Not in the ledger key: a problem's
             bits do not depend on its companions (the ``composition`` gate).
+        attention: the step's attention, ``"sdpa"`` or ``"grouped"`` (:data:`kvreplay.engine.ATTENTIONS`).
     """
     step_path: str
     batch: int
     max_len: int
     verify_steps: int = 0
     chunk: int | None = None
+    attention: str = "sdpa"
 
     @property
     def problems_per_chunk(self) -> int:
@@ -110,7 +112,7 @@ class EngineRun:
     def kwargs(self) -> dict:
         """Keyword arguments of :func:`kvreplay.engine.decode_lives` / ``decode_suffixes`` / ``build_incrementals``."""
         return {"batch": self.batch, "step_path": self.step_path, "max_len": self.max_len,
-                "verify_steps": self.verify_steps}
+                "verify_steps": self.verify_steps, "attention": self.attention}
 
 
 ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
@@ -238,6 +240,7 @@ EXECUTION_KINDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "batch": ("a whole number", _whole),
     "max_len": ("null or a whole number", lambda v: v is None or _whole(v)),
     "chunk": ("null or a whole number", lambda v: v is None or _whole(v)),
+    "attention": (f"one of {engine.ATTENTIONS}", lambda v: isinstance(v, str)),
 }
 """The execution contract's keys (the :class:`ArmSettings` fields the notebooks' ``execution`` parameter sets),
 each with the kind of value it takes: a description and a check (ranges are :func:`check_execution`'s)."""
@@ -252,7 +255,8 @@ def check_execution(contract: dict) -> None:
     Raises:
         ValueError: an unknown device, or an SDPA backend unknown or missing on it; ``workers`` below 1 or not whole; ``ray_address`` not a non-empty
             string or None; an unknown step path; ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len`` below 2;
-            ``chunk`` below 1; a batch shape or chunk given with ``step_path="eager"``.
+            ``chunk`` below 1; a batch shape, chunk or ``attention="grouped"`` given with ``step_path="eager"``;
+            an unknown attention.
     """
     c = contract
     device_type = ExecutionContract(device=c["device"]).device_type  # ValueError naming an unknown device
@@ -275,6 +279,11 @@ def check_execution(contract: dict) -> None:
                          "or 'graph' (the eager path decodes one problem at a time)")
     if c["step_path"] == "graph" and device_type != "cuda":
         raise ValueError(f"step path 'graph' replays CUDA graphs: it needs device 'cuda', not {c['device']!r}")
+    if c["attention"] not in engine.ATTENTIONS:
+        raise ValueError(f"unknown attention {c['attention']!r}; use one of {engine.ATTENTIONS}")
+    if c["step_path"] == "eager" and c["attention"] != "sdpa":
+        raise ValueError(f"attention {c['attention']!r} is the batched engine's: it needs step_path 'engine-eager' or "
+                         f"'graph' (the eager path calls the model's own SDPA)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,12 +326,17 @@ class ArmSettings:
       ends, so a chunk should fit in the time a run has. It changes no bit
       (the ``composition`` gate checks that a problem's bits do not depend on
       its companions) and is not part of the ledger key.
+    * ``attention``: the engine step's attention, ``"sdpa"`` (default: the
+      model's SDPA call under ``sdpa_backends``) or ``"grouped"``
+      (:func:`kvreplay.engine.grouped_attention`: the math backend's float32
+      arithmetic without repeating key/value heads; faster, other bits).
 
     The engine's bits depend on the batch shape ``(B, max_len)`` and differ
     from the eager path's, so a non-eager step path adds
     ``{"engine": {"step_path", "batch", "max_len"}}`` to the ledger key (the
     policy name ``"longest_sequence"`` for ``max_len=None``; the resolved
-    length is recorded in the environment). The defaults add nothing.
+    length is recorded in the environment), and ``"attention": "grouped"``
+    joins that entry when set. The defaults add nothing.
     ``batch`` and ``max_len`` are refused with the eager path (they would not
     be used). Every arm of an experiment should run under the same contract.
 
@@ -350,6 +364,7 @@ class ArmSettings:
     max_len: int | None = None
     ray_address: str | None = None
     chunk: int | None = None
+    attention: str = "sdpa"
 
     def __post_init__(self):
         check_execution({k: getattr(self, k) for k in EXECUTION_KEYS})
@@ -358,8 +373,11 @@ class ArmSettings:
         """The ledger-key entry of the decode path: ``None`` for the eager path, else step path and batch shape."""
         if self.step_path == "eager":
             return None
-        return {"step_path": self.step_path, "batch": self.batch,
-                "max_len": self.max_len if self.max_len is not None else "longest_sequence"}
+        key = {"step_path": self.step_path, "batch": self.batch,
+               "max_len": self.max_len if self.max_len is not None else "longest_sequence"}
+        if self.attention != "sdpa":
+            key["attention"] = self.attention
+        return key
 
     def engine_run(self, fmt: BlockFormat, problems: Sequence[Problem]) -> "EngineRun | None":
         """The resolved engine settings of a batched arm (``None`` on the eager path).
@@ -375,7 +393,7 @@ class ArmSettings:
             raise ValueError(f"max_len={self.max_len} is shorter than the {need} positions the arm's longest problem "
                              f"can reach at caps {dataclasses.astuple(self.caps)}")
         return EngineRun("graph" if self.step_path == "graph" else "eager", self.batch,
-                         self.max_len if self.max_len is not None else need, chunk=self.chunk)
+                         self.max_len if self.max_len is not None else need, chunk=self.chunk, attention=self.attention)
 
     def contract(self, device: str | None = None) -> ExecutionContract:
         """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
@@ -423,7 +441,8 @@ EXECUTION_DEFAULTS: Mapping[str, object] = MappingProxyType(
     {k: {f.name: f.default for f in dataclasses.fields(ArmSettings)}[k] for k in EXECUTION_KEYS})
 """The execution contract a notebook runs under where its ``execution`` parameter leaves a key out: the
 :class:`ArmSettings` defaults (threads 2, math SDPA, CPU, deterministic per device, TF32 off, one worker,
-no Ray address, the eager step path, batch 8, no ``max_len`` or ``chunk``), read from its fields."""
+no Ray address, the eager step path, batch 8, no ``max_len`` or ``chunk``, the model's SDPA attention), read from
+its fields."""
 
 
 def resolve_execution(notebook: str, execution: Mapping | None) -> dict:
@@ -638,6 +657,8 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
         env["contract"]["device"] = settings.device
     if run is not None:
         env["engine"] = {"step_path": settings.step_path, "batch": run.batch, "max_len": run.max_len}
+        if run.attention != "sdpa":
+            env["engine"]["attention"] = run.attention
     return env
 
 
