@@ -105,9 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.report.cross_hardware", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ledger-root", default=str(LEDGERS))
     ap.add_argument("--out", default=str(FIGURES / "gpu" / "table_cross_hardware"), help="output stem")
+    ap.add_argument("--setup", nargs=2, action="append", metavar=("FOLDER", "LABEL"),
+                    help="a setup: its folder under --ledger-root and how it decodes (repeatable; default: "
+                         + ", ".join(f"{p} ({label})" for p, label in SETUPS) + ")")
     args = ap.parse_args(argv)
-    table = cross_hardware_table(args.ledger_root)
-    save_table(table, args.out, caption=CAPTION, source="python -m kvreplay.report.cross_hardware")
+    setups = tuple(tuple(s) for s in args.setup) if args.setup else SETUPS
+    table = cross_hardware_table(args.ledger_root, setups)
+    command = "python -m kvreplay.report.cross_hardware" + "".join(f" --setup {f} '{label}'" for f, label in args.setup or ())
+    save_table(table, args.out, caption=CAPTION, source=command)
     print(table.to_markdown())
     return 0
 
