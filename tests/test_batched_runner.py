@@ -247,6 +247,14 @@ def test_step_path_and_batch_shape_join_the_key_and_defaults_add_nothing(tmp_pat
         tiny_arm(step_path="fast")
     with pytest.raises(ValueError, match="batch"):
         tiny_arm(step_path="engine-eager", batch=0)
+    # the engine step's attention: "grouped" joins the engine entry, the default adds nothing
+    grouped = tiny_arm(step_path="engine-eager", batch=2, attention="grouped").config("exp1", problems)
+    assert grouped["engine"] == keys["engine-eager B=2"]["engine"] | {"attention": "grouped"}
+    assert tiny_arm(step_path="engine-eager", batch=2, attention="sdpa").config("exp1", problems) == keys["engine-eager B=2"]
+    with pytest.raises(ValueError, match="the eager path calls the model's own SDPA"):
+        tiny_arm(attention="grouped")
+    with pytest.raises(ValueError, match="unknown attention"):
+        tiny_arm(step_path="engine-eager", attention="flash")
     # experiments without a batched runner refuse a batched path rather than silently run eager
     with pytest.raises(ValueError, match="no batched runner"):
         run_arm("exp3", tiny_arm(step_path="engine-eager"), problems, lambda s, p: bridge_row(s, p, []),
@@ -360,3 +368,25 @@ def test_the_chunk_deadline_leaves_the_preflight_gates_out_of_a_chunks_time(monk
     monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time() + 0.3:.3f}")  # a slow chunk still stops the next one
     with pytest.raises(ChunkDeadline, match="p-02.*its gates left out"):
         next(rows)
+
+
+def test_a_grouped_attention_arm_passes_every_gate_and_verifies_byte_for_byte(tmp_path, tiny_arm):
+    """The engine's grouped attention through the batched runner: preflight gates, its own key, `make verify`."""
+    from kvreplay.verify import verify_ledger
+
+    problems = _problems(4)
+    sdpa, ledger_s = run_live_vs_prefill(problems, tiny_arm(step_path="engine-eager", batch=2), ledger_root=tmp_path,
+                                         progress=False)
+    grouped, ledger_g = run_live_vs_prefill(problems, tiny_arm(step_path="engine-eager", batch=2, attention="grouped"),
+                                            ledger_root=tmp_path, progress=False)
+    assert ledger_g.dir != ledger_s.dir
+    assert all(r["gate_failure"] is None for r in grouped)
+    assert [r["prefix"] for r in grouped] == [r["prefix"] for r in sdpa]  # FP32 tiny model: same tokens
+    env = json.loads((ledger_g.dir / "environment.json").read_text())["execution_contract"]
+    assert env["engine"]["attention"] == "grouped"
+    assert "attention" not in json.loads((ledger_s.dir / "environment.json").read_text())["execution_contract"]["engine"]
+    events = [json.loads(x) for x in (ledger_g.dir / "runlog.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "engine" and e.get("attention") == "grouped" for e in events)
+    assert any(e["event"] == "gates" and any(c["gate"] == "composition" for c in e["checks"]) for e in events)
+    checks = verify_ledger(ledger_g.dir, rows=2, pick="first", problems=problems, model=str(tmp_path / "tiny-llama"))
+    assert [(c.mode, c.ok) for c in checks] == [("bytes", True)] * 2

@@ -182,3 +182,72 @@ def test_choice_stats_tie_goes_to_lowest_id_and_mask_applies():
     assert token[:2] == [1.0, 1.0] and margin[:2] == [0.0, 0.0]  # exact tie 1 vs 3: lowest ID; 4 is masked out
     assert token[2] == 2.0 and margin[2] == 1.0
     assert same == [1.0, 1.0, 0.0, 0.0] and finite == [1.0, 1.0, 1.0, 0.0]
+
+
+# ----------------------------------------------------------------------------------------- grouped attention
+def _math_sdpa(q, k, v, mask, scale):
+    """torch's math SDPA over keys/values repeated per query head (what the ``sdpa`` step computes)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = q.shape[1] // k.shape[1]
+    with sdpa_kernel([SDPBackend.MATH]):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_attention_computes_attention_and_ignores_masked_keys(dtype):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(*shape, generator=g).to(dtype) for shape in ((4, 6, 1, 16), (4, 2, 40, 16), (4, 2, 40, 16)))
+    lengths = torch.tensor([1, 7, 23, 40])
+    mask = (torch.arange(40)[None, :] < lengths[:, None])[:, None, None, :]
+    out, weights = engine.grouped_attention(None, q, k, v, mask, scaling=0.25)
+    assert weights is None and out.shape == (4, 1, 6, 16) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), _math_sdpa(q, k, v, mask, 0.25).float(),
+                               rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    # what the mask hides changes no bit: garbage beyond each row's length
+    k2, v2 = k.clone(), v.clone()
+    for r, n in enumerate(lengths.tolist()):
+        k2[r, :, n:] = 1e4
+        v2[r, :, n:] = -1e4
+    assert torch.equal(engine.grouped_attention(None, q, k2, v2, mask, scaling=0.25)[0], out)
+    # a row's output does not depend on the other rows (the batch dimension is independent)
+    assert torch.equal(engine.grouped_attention(None, q[2:3], k[2:3], v[2:3], mask[2:3], scaling=0.25)[0], out[2:3])
+
+
+def test_grouped_attention_refuses_what_it_does_not_compute():
+    q, k = torch.zeros(1, 6, 1, 8), torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="6 heads on 4"):
+        engine.grouped_attention(None, q, k, k, None)
+    with pytest.raises(ValueError, match="boolean mask"):
+        engine.grouped_attention(None, q, k[:, :2], k[:, :2], torch.zeros(1, 1, 1, 3))
+    with pytest.raises(ValueError, match="dropout"):
+        engine.grouped_attention(None, q, k[:, :2], k[:, :2], None, dropout=0.1)
+
+
+def test_grouped_step_chooses_the_decoders_tokens_and_restores_the_model(arch):
+    lm, fmt, prompts, lives = _setup(arch)
+    got = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, batch=2, attention="grouped")
+    want = [decode.decode_suffix(lm, fmt, s, TINY_CAPS) for s in _replicas(lives[:3])]
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert lm.model.config._attn_implementation == "sdpa"  # the switch is undone after every step
+    live = engine.decode_lives(lm, fmt, prompts[:2], TINY_CAPS, batch=2, attention="grouped")
+    assert [b.ids for b in live] == [b.ids for b in lives[:2]]
+    with pytest.raises(ValueError, match="unknown attention"):
+        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, attention="flash")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_step_keeps_companions_slots_and_the_bridge_bit_exact(dtype):
+    lm, fmt, prompts, lives = _setup("llama", dtype)
+    run = dict(batch=3, max_len=MAX_SUFFIX, attention="grouped")
+    x = lives[0]
+    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, **run)
+    b = engine.decode_suffixes(lm, fmt, [lives[5], lives[4], x], TINY_CAPS, **run)
+    assert _same_suffix(a[0], b[2])
+    # the bridge under the grouped step: an engine-live boundary and the teacher-forced rebuild of its prefix
+    live = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, batch=3, max_len=MAX_LIVE, attention="grouped")
+    inc = engine.build_incrementals(lm, fmt, [b.ids for b in live], batch=3, max_len=MAX_LIVE, attention="grouped")
+    for l_, i in zip(live, inc):
+        gates.check_exact("live vs incremental (grouped)", caches.boundary_tensors(l_), caches.boundary_tensors(i))
+        assert torch.equal(l_.logits, i.logits)

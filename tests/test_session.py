@@ -30,18 +30,20 @@ def test_session_builds_the_arm_settings_the_notebooks_use(tmp_path, capsys):
 
 
 def test_batched_settings_and_their_eager_fallback():
-    s = open_session(NB, "smoke", {"execution": {"step_path": "engine-eager", "batch": 4, "chunk": 6, "workers": 2}})
+    s = open_session(NB, "smoke", {"execution": {"step_path": "engine-eager", "batch": 4, "chunk": 6, "workers": 2,
+                                                 "attention": "grouped"}})
     a = s.settings("float32", 1)
-    assert (a.step_path, a.batch, a.chunk, a.workers, a.threads) == ("engine-eager", 4, 6, 2, 2)  # threads: the default
+    assert (a.step_path, a.batch, a.chunk, a.workers, a.threads, a.attention) == ("engine-eager", 4, 6, 2, 2, "grouped")
     eager = s.settings("bfloat16", 1, batched=False)  # an experiment without a batched runner
-    assert (eager.step_path, eager.batch, eager.max_len, eager.chunk, eager.workers) == ("eager", 8, None, None, 2)
+    assert (eager.step_path, eager.batch, eager.max_len, eager.chunk, eager.workers, eager.attention) == \
+        ("eager", 8, None, None, 2, "sdpa")
 
 
 def test_execution_defaults_are_the_arm_settings_defaults():
     """One set of defaults: a notebook's `execution = {}` gives the ArmSettings (and so the ledger key) of no contract at all."""
     assert dict(EXECUTION_DEFAULTS) == {"threads": 2, "sdpa_backends": ("math",), "device": "cpu", "deterministic": None,
                                         "allow_tf32": False, "workers": 1, "ray_address": None, "step_path": "eager",
-                                        "batch": 8, "max_len": None, "chunk": None}
+                                        "batch": 8, "max_len": None, "chunk": None, "attention": "sdpa"}
     s = open_session(NB, "smoke", {"execution": {}})
     assert s.execution == dict(EXECUTION_DEFAULTS)
     assert s.settings("bfloat16", 1) == ArmSettings(profile="smoke", dtype="bfloat16", caps=s.caps, preflight=1)

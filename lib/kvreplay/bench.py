@@ -21,8 +21,9 @@ with the pinned contract (``math``), so the ratio includes that choice.
 ``--device cuda`` measures on the GPU under the CUDA execution contract
 (deterministic algorithms, TF32 off), and adds a second table (:func:`engine_table`):
 ms per problem-step of today's decoder (eager, a duplicate batch of 2 rows)
-against the batched engine's CUDA-graph step at B = 1, 8, 32, 64 problems
-(:func:`kvreplay.engine.decode_suffixes`), Hugging Face ``generate`` with its
+against the batched engine's CUDA-graph step at B = 1, 8, 32, 64, 128 problems
+(:func:`kvreplay.engine.decode_suffixes`) with each step attention (``--attention``, default both: the model's
+SDPA call and :func:`kvreplay.engine.grouped_attention`), Hugging Face ``generate`` with its
 own static cache (``cache_implementation="static"``) and, when it works on the
 host, with the model's forward compiled (``torch.compile``, reported if it
 fails), plus Experiment 1 rows per hour with the batched runner
@@ -332,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sdpa", nargs="+", default=["math"], metavar="BACKEND",
                     help="SDPA backends of the engine section (default math, the execution contract's; also flash, "
                          "and on CUDA efficient and cudnn: other bits, so another contract)")
-    ap.add_argument("--attention", nargs="+", choices=("sdpa", "grouped"), default=["sdpa"], metavar="ATTENTION",
-                    help="the engine step's attention, the engine and Experiment 1 rows repeated for each (default "
-                         "sdpa: the model's SDPA call; grouped: kvreplay.engine.grouped_attention, other bits)")
+    ap.add_argument("--attention", nargs="+", choices=("sdpa", "grouped"), default=["sdpa", "grouped"], metavar="ATTENTION",
+                    help="the engine step's attention, the engine and Experiment 1 rows repeated for each (default both: "
+                         "sdpa, the model's SDPA call; grouped, kvreplay.engine.grouped_attention, other bits)")
     ap.add_argument("--step-path", choices=("graph", "engine-eager"), default="graph",
                     help="the engine's step in the engine section (graph: CUDA only; engine-eager: op by op, any "
                          "device, a dry run)")

@@ -42,7 +42,7 @@ from .report.files import contract_frame, save_figure, save_table
 from .report.summary import TABLE_CAPTIONS
 from .runner import ArmSettings, resolve_execution
 
-ENGINE_KEYS = ("step_path", "batch", "max_len", "chunk")
+ENGINE_KEYS = ("step_path", "batch", "max_len", "chunk", "attention")
 """Execution-contract keys that drive the batched engine (left out of an arm without a batched runner)."""
 
 
@@ -121,7 +121,7 @@ class Session:
             preflight: preflight rows of the arm (a gate failure there aborts it).
             model, role_table: override the parameters' (Experiment 5's later checkpoint).
             batched: ``False`` for an experiment without a batched runner: the contract's ``step_path``,
-                ``batch``, ``max_len`` and ``chunk`` are left out (the eager reference path).
+                ``batch``, ``max_len``, ``chunk`` and ``attention`` are left out (the eager reference path).
         """
         kw = {"model": self.params.model, "fmt": self.params.format, "role_table": self.params.role_table}
         kw |= {k: v for k, v in self.execution.items() if batched or k not in ENGINE_KEYS}
