@@ -1,0 +1,53 @@
+"""Batched decode engine: many problems per forward call, one-token step replayable as a CUDA graph.
+
+The decoders of :mod:`kvreplay.decode` run one problem as a physical batch of
+two duplicate rows, one forward call per token, through a ``DynamicCache``.
+This module runs ``B`` problems at once: the batch holds ``2B`` rows (problem
+in slot ``s`` owns rows ``2s`` and ``2s + 1``), every row has its own write
+position in a static KV cache (:class:`RowCache`), and one batched one-token
+step (:class:`StepEngine`) advances every problem by one token. Everything the
+step reads lives in static buffers that are updated in place, so on CUDA the
+step is captured once in a ``torch.cuda.CUDAGraph`` and replayed
+(``step_path="graph"``); ``step_path="eager"`` runs the same code directly.
+
+What stays as in :mod:`kvreplay.decode`:
+
+* prompt blocks and prefills are one forward call per problem (its two
+  duplicates) through :func:`kvreplay.decode.forward` and a ``DynamicCache``;
+  the resulting keys/values are copied into the problem's rows;
+* every step passes an explicit boolean 4-D mask (causal AND role visibility
+  of Table 2, via :func:`kvreplay.contract.visibility_matrix`), explicit
+  position IDs counting from 0, and input embeddings plus the role-embedding
+  rows of ``lm.role_table`` when it is set;
+* the block state machine, structural logits mask, forced delimiters and caps
+  are those of :class:`kvreplay.decode.BlockCursor`; greedy choice is the
+  argmax over eligible tokens (an exact tie goes to the lowest token ID), the
+  margin is top-1 minus top-2 eligible logit (float32);
+* the duplicate rows of every problem must agree bit for bit after every
+  step (gate ``desync``), and logits must be finite (gate ``nonfinite``).
+
+What differs: keys beyond a row's length are zero padding hidden by the mask,
+and the key dimension of every attention call is the cache's ``max_len``.
+Results are reproducible bit for bit for a given *batch shape* (rows,
+``max_len``), dtype and device, whatever the companions of a problem and its
+slot; across batch shapes, and against the ``DynamicCache`` decoders, the bits
+may differ (the kernels' reduction order depends on the shapes), so the step
+path and batch shape belong in any key that records results.
+
+Host synchronisation: one device-to-host read per step (chosen tokens,
+margins, duplicate and finiteness flags of every row together), plus one per
+problem admitted.
+"""
+
+from __future__ import annotations
+
+from .attention import ATTENTIONS, grouped_attention, use_attention
+from .cache import RowCache, RowLayer
+from .decoders import build_incrementals, decode_lives, decode_suffixes, live_length_bound, suffix_length_bound
+from .step import STEP_PATHS, VERIFIED_STEPS, StepEngine, choice_stats
+
+__all__ = [
+    "ATTENTIONS", "STEP_PATHS", "VERIFIED_STEPS", "RowCache", "RowLayer", "StepEngine", "build_incrementals",
+    "choice_stats", "decode_lives", "decode_suffixes", "grouped_attention", "live_length_bound",
+    "suffix_length_bound", "use_attention",
+]

@@ -1,0 +1,292 @@
+"""The batched one-token step: static input buffers, the model call, greedy choice and gates on the device.
+
+:class:`StepEngine` runs ``2B`` rows (``B`` problems, two duplicate rows each) through one forward call per
+step, eagerly or replayed from a CUDA graph, and checks a graph step against the eager one on request
+(gate ``graph_equals_eager``) and each slot's valid length (gate ``functional_state``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn.attention import sdpa_kernel
+from transformers import DynamicCache
+
+from .. import decode
+from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, ContractError, visibility_matrix
+from ..gates import GateError
+from ..models import LoadedModel
+from . import cache as row_cache
+from .attention import ATTENTIONS, use_attention
+from .cache import RowCache
+
+STEP_PATHS = ("eager", "graph")
+"""``eager``: the step runs op by op; ``graph``: captured once in a CUDA graph and replayed (CUDA only)."""
+
+_STAT_ROWS = 4  # chosen token, margin, duplicate rows equal, row finite
+
+VERIFIED_STEPS = [0]
+"""Steps this process has checked against the eager step (``verify_steps``), all engines together."""
+
+
+def choice_stats(logits: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """Greedy choice, margin and integrity flags of every row, computed on the device.
+
+    Args:
+        logits: ``[rows, vocab]`` next-token logits (model dtype), rows in duplicate pairs ``(2s, 2s + 1)``.
+        eligible: ``[rows, vocab]`` bool structural mask (true = may be chosen).
+
+    Returns:
+        ``[4, rows]`` float32: the chosen token (argmax of the eligible logits in
+        float32, the lowest ID on an exact tie; exact for vocabularies below
+        2**24), the margin top-1 minus top-2 eligible logit (float32 units of the
+        logits), 1.0 where the row's duplicate pair is bit-identical (as
+        ``torch.equal``; NaN never is), 1.0 where every logit of the row is finite.
+    """
+    rows, vocab = logits.shape
+    masked = logits.float().masked_fill(~eligible, float("-inf"))
+    idx = masked.argmax(-1)
+    top1 = masked.gather(1, idx[:, None]).squeeze(1)
+    with row_cache._unique_index_writes():  # one index per row
+        top2 = masked.scatter(1, idx[:, None], float("-inf")).amax(-1)
+    pair = logits.reshape(rows // 2, 2, vocab)
+    same = (pair[:, 0] == pair[:, 1]).all(-1)
+    same = same[:, None].expand(rows // 2, 2).reshape(rows)
+    finite = torch.isfinite(logits).all(-1)
+    return torch.stack([idx.float(), top1 - top2, same.float(), finite.float()])
+
+
+class StepEngine:
+    """Static buffers and the batched one-token step of ``rows = 2 * batch`` rows.
+
+    Per row the step reads, from device buffers updated in place: the input
+    token, its position, its raw role (query role), and the raw role of the
+    block the *next* token is chosen in (its structural mask); the raw roles
+    of every earlier position of the row live in :attr:`roles`. It writes the
+    new token's role and keys/values at the row's position, builds the row's
+    mask (role visibility AND ``k <= position``), runs the model, and leaves
+    ``[rows, vocab]`` logits and :func:`choice_stats` in output buffers.
+
+    Args:
+        lm: the loaded model (its ``sdpa_backends`` are used in every step).
+        fmt: block format (structural masks per role).
+        batch: problems per step ``B`` (``2B`` rows).
+        max_len: positions per row (the cache's key dimension).
+        step_path: ``"eager"`` or ``"graph"`` (CUDA only; captured at the first step).
+        verify_steps: the first ``verify_steps`` steps are each computed a second
+            time by the eager step on the same inputs, and the two must agree bit
+            for bit in every row's logits, choice statistics and the keys/values
+            written (gate ``graph_equals_eager``; on the graph path this checks the
+            replayed graph against the op-by-op step). The step is idempotent for
+            fixed inputs, so a passing check changes no bit of the run.
+        readout: a :class:`kvreplay.decode.FP32Readout`: the body runs in the model
+            dtype and writes the same keys/values, the final norm and LM head run in
+            float32 (``[rows, vocab]`` float32 logits; the exploratory control of
+            Experiment 2). ``None``: the model's own head.
+        attention: ``"sdpa"`` or ``"grouped"`` (:data:`ATTENTIONS`): the step's attention (prompt blocks and
+            prefills, one call per problem outside the step, always use the model's own SDPA).
+
+    Raises:
+        ValueError: unknown step path or attention, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1`` or
+            ``verify_steps < 0``.
+        ContractError: a vocabulary of 2**24 tokens or more.
+    """
+    def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
+                 verify_steps: int = 0, readout: decode.FP32Readout | None = None, attention: str = "sdpa"):
+        if step_path not in STEP_PATHS:
+            raise ValueError(f"unknown step path {step_path!r}; use one of {STEP_PATHS}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {attention!r}; use one of {ATTENTIONS}")
+        self.attention = attention
+        if step_path == "graph" and lm.device.type != "cuda":
+            raise ValueError(f"step path 'graph' needs a CUDA device, the model is on {lm.device}")
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"batch and max_len must be at least 1, got {batch} and {max_len}")
+        if verify_steps < 0:
+            raise ValueError(f"verify_steps must be at least 0, got {verify_steps}")
+        self.verify_steps, self.verified = verify_steps, 0
+        self.readout = readout
+        self.lm, self.fmt, self.batch, self.max_len, self.step_path = lm, fmt, batch, max_len, step_path
+        self.rows = rows = 2 * batch
+        dev = lm.device
+        vocab = lm.model.get_output_embeddings().weight.shape[0]
+        if vocab > 1 << 24:
+            raise ContractError(f"vocabulary of {vocab} tokens: token IDs would not be exact in float32")
+        # inputs: token, position, query role, choice role  ([4, rows] int64, one host-to-device copy per step)
+        self.inputs = torch.zeros(4, rows, dtype=torch.long, device=dev)
+        self._host = torch.zeros(4, rows, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.cache = RowCache.for_model(lm, rows, max_len, write_pos=self.inputs[1])
+        self.roles = torch.zeros(rows, max_len, dtype=torch.long, device=dev)
+        self._vis = visibility_matrix(dev)
+        eligible = torch.ones(6, vocab, dtype=torch.bool, device=dev)
+        for role in range(BRANCH1, ANSWER + 1):
+            eligible[role] = fmt.content_mask(role, dev, vocab)
+        self._eligible = eligible
+        self._k = torch.arange(max_len, device=dev)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.steps = 0
+        self.idle_all()
+
+    # ---- buffers
+    def idle_all(self) -> None:
+        """Put every row in the idle state (token 0 at position 0 with role prompt: attends to key 0 only)."""
+        self._host.zero_()
+        self._host[3] = MERGE
+
+    def admit(self, slot: int, cache: DynamicCache, roles: torch.Tensor) -> int:
+        """Load a duplicate pair's state into slot ``slot`` (rows ``2*slot``, ``2*slot + 1``), clearing them first.
+
+        Args:
+            cache: layers ``[2, kv_heads, n, head_dim]`` in the model dtype.
+            roles: ``[2, n]`` int64 raw roles of the ``n`` positions.
+
+        Returns:
+            ``n``.
+
+        Raises:
+            ValueError: wrong geometry, dtype, or ``n >= max_len`` (no room for one more token).
+        """
+        r = 2 * slot
+        n = self.cache.load_rows(r, cache)
+        if tuple(roles.shape) != (2, n):
+            raise ValueError(f"roles must be [2, {n}], got {tuple(roles.shape)}")
+        if n >= self.max_len:
+            raise ValueError(f"a prefix of {n} positions leaves no room in max_len={self.max_len}")
+        self.roles[r : r + 2].zero_()
+        self.roles[r : r + 2, :n].copy_(roles)
+        return n
+
+    def set_row_pair(self, slot: int, token: int, position: int, role: int, choice_role: int) -> None:
+        """Stage the next step's inputs of one problem (both duplicate rows; host side, copied at :meth:`step`).
+
+        Raises:
+            ContractError: ``position >= max_len``.
+        """
+        if position >= self.max_len:
+            raise ContractError(f"slot {slot}: position {position} is beyond max_len={self.max_len}")
+        r = 2 * slot
+        h = self._host
+        h[0, r : r + 2] = token
+        h[1, r : r + 2] = position
+        h[2, r : r + 2] = role
+        h[3, r : r + 2] = choice_role
+
+    def set_idle(self, slot: int) -> None:
+        """Stage slot ``slot`` as idle for the next step (its outputs are ignored)."""
+        self.set_row_pair(slot, 0, 0, PROMPT, MERGE)
+
+    # ---- the step
+    def _compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        lm = self.lm
+        token, pos, qrole, crole = self.inputs
+        with row_cache._unique_index_writes():  # one position per row
+            self.roles.scatter_(1, pos[:, None], qrole[:, None])
+        allowed = self._vis[qrole[:, None], self.roles] & (self._k[None, :] <= pos[:, None])  # [rows, max_len]
+        embeds = lm.model.get_input_embeddings()(token[:, None])
+        if lm.role_table is not None:
+            embeds = embeds + lm.role_table[qrole + ROLE_OFFSET][:, None, :]
+        kwargs = dict(inputs_embeds=embeds, attention_mask=allowed[:, None, None, :], position_ids=pos[:, None],
+                      past_key_values=self.cache, use_cache=True)
+        with sdpa_kernel(decode._backends(lm.sdpa_backends)), use_attention(lm.model, self.attention):
+            if self.readout is None:
+                logits = lm.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
+            else:
+                logits = self.readout(lm, kwargs)
+        return logits, choice_stats(logits, self._eligible[crole])
+
+    def _capture(self) -> None:
+        # The step is idempotent for fixed inputs (it rewrites the same role and keys/values at each row's
+        # position before reading them), so the warm-up runs do not change what the first replay computes.
+        side = torch.cuda.Stream(device=self.lm.device)
+        side.wait_stream(torch.cuda.current_stream(self.lm.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self._compute()
+        torch.cuda.current_stream(self.lm.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._out = self._compute()
+        self._graph = graph
+
+    def step(self) -> tuple[torch.Tensor, list[list[float]]]:
+        """Copy the staged inputs to the device and run one batched step.
+
+        Returns:
+            ``(logits, stats)``: ``[rows, vocab]`` logits on the device (a static
+            buffer on the graph path: valid until the next step) and
+            :func:`choice_stats` read to the host as 4 lists of ``rows`` floats
+            (the step's one host sync).
+        """
+        self.inputs.copy_(self._host, non_blocking=True)
+        if self.step_path == "graph":
+            if self._graph is None:
+                self._capture()
+            self._graph.replay()
+            logits, stats = self._out
+        else:
+            logits, stats = self._compute()
+        if self.steps < self.verify_steps:
+            self._verify(logits, stats)
+        self.lm.calls += 1
+        self.steps += 1
+        return logits, stats.tolist()
+
+    def _written(self) -> list[torch.Tensor]:
+        """Keys and values at every row's current write position: per layer ``[rows, kv_heads, 1, head_dim]``."""
+        return [t.gather(2, layer._index) for layer in self.cache.layers for t in (layer.keys, layer.values)]
+
+    def _verify(self, logits: torch.Tensor, stats: torch.Tensor) -> None:
+        """Recompute this step eagerly on the same inputs; require identical logits, statistics and keys/values.
+
+        Raises:
+            GateError: gate ``graph_equals_eager``, naming the step and what differed.
+        """
+        first = (logits.clone(), stats.clone(), [t.clone() for t in self._written()])
+        again = self._compute()
+        second = (again[0], again[1], self._written())
+        for name, a, b in zip(("logits", "choice statistics"), first[:2], second[:2]):
+            if not torch.equal(a, b):
+                raise GateError("graph_equals_eager", f"step {self.steps} ({self.step_path} vs eager): {name} differ")
+        if not all(torch.equal(a, b) for a, b in zip(first[2], second[2])):
+            raise GateError("graph_equals_eager",
+                            f"step {self.steps} ({self.step_path} vs eager): keys/values written differ")
+        self.verified += 1
+        VERIFIED_STEPS[0] += 1
+
+    def check_valid_length(self, slot: int, n: int, roles: Sequence[int], where: str) -> None:
+        """Functional state of a slot's rows in the padded static cache: exactly ``n`` valid positions.
+
+        Positions ``0..n-1`` must carry the problem's raw roles ``roles[:n]``;
+        every position from ``n`` to ``max_len - 1`` must be padding: role 0 and
+        keys/values exactly zero in every layer (never written, so what the
+        mask hides is nothing), in both duplicate rows.
+
+        Args:
+            slot: the problem's slot (rows ``2*slot``, ``2*slot + 1``).
+            n: positions the problem has written (its valid length).
+            roles: raw roles of at least ``n`` tokens.
+
+        Raises:
+            GateError: gate ``functional_state``.
+        """
+        r = 2 * slot
+        want = torch.zeros(self.max_len, dtype=torch.long, device=self.roles.device)
+        want[:n] = torch.tensor(list(roles[:n]), dtype=torch.long, device=want.device)
+        bad = [(self.roles[r : r + 2] != want).any()]
+        for layer in self.cache.layers:
+            bad += [layer.keys[r : r + 2, :, n:].ne(0).any(), layer.values[r : r + 2, :, n:].ne(0).any()]
+        flags = torch.stack(bad).tolist()
+        if flags[0]:
+            raise GateError("functional_state", f"{where}: the engine's role row differs from the problem's "
+                            f"roles within its valid length {n} or is not padding beyond it")
+        if any(flags[1:]):
+            raise GateError("functional_state", f"{where}: keys/values written beyond the valid length {n} "
+                            f"(positions the mask hides must be untouched padding)")
+
+    def first_choice(self, logits: torch.Tensor, choice_role: int) -> list[list[float]]:
+        """:func:`choice_stats` of a duplicate pair's logits ``[2, vocab]`` (from a prefill), read to the host."""
+        eligible = self._eligible[choice_role].expand(2, -1)
+        return choice_stats(logits, eligible).tolist()
+
