@@ -203,7 +203,7 @@ def test_composition_gate_aborts_on_a_companion_dependent_fault(tmp_path, tiny_a
 def test_first_difference_names_the_first_differing_leaf():
     """One helper names where two records part, for the composition gates and `make verify` alike."""
     from kvreplay import verify
-    from kvreplay.runner.spec import first_difference
+    from kvreplay.runner.batched import first_difference
 
     assert verify.first_difference is first_difference
     a = {"arms": {"prefill": {"margins": [0.5, None], "suffix": [1, 2, 3]}}, "problem_id": "p-00"}
@@ -346,7 +346,7 @@ def test_the_chunk_deadline_leaves_the_preflight_gates_out_of_a_chunks_time(monk
     """A new arm's first chunk carries its one-off gates; the estimate for the next chunk is the chunk alone."""
     from types import SimpleNamespace
 
-    from kvreplay.runner.spec import BatchedRows
+    from kvreplay.runner.batched import BatchedRows
 
     problems = _problems(4)
     spec = SimpleNamespace(engine=SimpleNamespace(problems_per_chunk=2))

@@ -44,7 +44,8 @@ from .models import context_length, execution_contract
 from .paths import LEDGERS, ROOT
 from .problems import load_bank
 from .runner import ROW_ALGORITHM, ArmSettings, EngineRun, RunSpec, check_prompts
-from .runner.spec import first_difference, leaves, model_key
+from .runner.batched import first_difference, leaves
+from .runner.spec import model_key
 
 ENVIRONMENT_KEYS = ("device_name", "cpu_capability", "cpu_isa_flags", "torch", "intra_op_threads")
 """Execution-contract fields that must match for a byte-for-byte comparison to be owed."""

@@ -7,6 +7,8 @@ An *arm* is one experiment at one precision under one execution contract.
   their ``execution`` parameter (:data:`EXECUTION_DEFAULTS`, :func:`resolve_execution`), :class:`RunSpec` (what a per-row function
   receives), the batched engine's resolved settings, prompt checks and
   :data:`ROW_ALGORITHM`, the version of each experiment's row function;
+* :mod:`.batched`: :class:`BatchedRows`, an arm's rows a chunk at a time on the batched engine, with its
+  preflight gates and chunk deadline, and the leaf-by-leaf record comparison behind them;
 * :mod:`.loop`: :func:`run_arm`, which runs, resumes or reuses an arm's ledger;
 * :mod:`.actors`: :class:`~kvreplay.runner.actors.RowActors`, rows spread over
   Ray actors (one per GPU or CPU worker), records appended in problem order.
@@ -14,25 +16,21 @@ An *arm* is one experiment at one precision under one execution contract.
 The names an experiment module needs are re-exported here.
 """
 
+from .batched import CHUNK_DEADLINE_ENV, GRAPH_CHECK_STEPS, BatchedRows, ChunkDeadline, first_difference, leaves
 from .loop import run_arm
 from .spec import (
     ARM_STEP_PATHS,
-    CHUNK_DEADLINE_ENV,
     EXECUTION_DEFAULTS,
     EXECUTION_KEYS,
     EXECUTION_KINDS,
-    GRAPH_CHECK_STEPS,
     ROW_ALGORITHM,
     ArmSettings,
-    BatchedRows,
-    ChunkDeadline,
     EngineRun,
     Hook,
     RunSpec,
     arm_environment,
     check_execution,
     check_prompts,
-    leaves,
     model_key,
     problems_digest,
     resolve_execution,
@@ -42,6 +40,7 @@ from .spec import (
 __all__ = [
     "ARM_STEP_PATHS", "CHUNK_DEADLINE_ENV", "EXECUTION_DEFAULTS", "EXECUTION_KEYS", "EXECUTION_KINDS",
     "GRAPH_CHECK_STEPS", "ROW_ALGORITHM", "ArmSettings", "BatchedRows", "ChunkDeadline", "EngineRun", "Hook", "RunSpec",
-    "arm_environment", "check_execution", "check_prompts", "leaves", "model_key", "problems_digest", "resolve_execution",
+    "arm_environment", "check_execution", "check_prompts", "first_difference", "leaves", "model_key", "problems_digest",
+    "resolve_execution",
     "role_table_key", "run_arm",
 ]

@@ -48,7 +48,8 @@ import torch
 
 from ..execution import ExecutionContract
 from ..models import context_length
-from .spec import BatchedRows, RunSpec, arm_environment, check_prompts
+from .batched import BatchedRows
+from .spec import RunSpec, arm_environment, check_prompts
 
 DEPTH = 2
 """Groups of rows in flight per actor: the next one waits in the actor's queue while it computes the current one."""

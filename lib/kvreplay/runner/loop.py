@@ -18,10 +18,10 @@ from ..ledger.store import Ledger, read_rows_text, row_bar, run_rows
 from ..models import context_length
 from ..problems import Problem
 from .actors import RowActors
+from .batched import BatchedRows
 from .spec import (
     ROW_ALGORITHM,
     ArmSettings,
-    BatchedRows,
     Hook,
     RunSpec,
     arm_environment,

@@ -1,0 +1,244 @@
+"""The batched runner's chunk mapper and the record comparisons behind its gates (paper §3.9).
+
+:class:`BatchedRows` computes an arm's rows a chunk of problems at a time on the batched engine
+(:mod:`kvreplay.engine`), runs the preflight gates ``composition`` and ``graph_equals_eager`` on a chunk's first
+problem (or, when an arm resumes, on a committed row) and stops before a chunk that would end after the call's
+deadline (:data:`CHUNK_DEADLINE_ENV`). :func:`first_difference` and :func:`leaves` compare two records leaf by
+leaf; ``make verify`` uses them too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from .. import engine
+from ..gates import GateError
+from ..ledger.store import canonical_json
+from ..problems import Problem
+from .spec import RunSpec
+
+GRAPH_CHECK_STEPS = 256
+"""Steps of each engine (live, suffix) of the composition run checked against the eager step on the graph path."""
+
+CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"
+
+
+class ChunkDeadline(RuntimeError):
+    """A batched arm stopped at a chunk boundary: the next chunk would have ended after ``KV_CHUNK_DEADLINE``."""
+
+
+class BatchedRows:
+    """A :func:`kvreplay.ledger.run_rows` mapper that computes rows a chunk of ``B`` problems at a time.
+
+    Called with items in problem order, it yields their records in that
+    order. Each chunk is the next ``spec.engine.problems_per_chunk`` problems of ``todo``
+    (the arm's rows still to compute) from the first item not computed yet,
+    so the preflight call computes its chunk's other problems ahead; their
+    records are held and yielded (and appended) only when
+    :func:`~kvreplay.ledger.run_rows` asks for them, after the preflight rows
+    passed. A problem's bits do not depend on which chunk it falls in (the
+    batch shape is the arm's), which the ``composition`` gate checks.
+
+    Composition gate: when a chunk holds ``composition_id`` (the first problem
+    a new arm computes, its first preflight problem), that problem's record
+    is computed again alone (a chunk of one at the same ``B`` and ``max_len``,
+    the other slots idle) and must equal its record inside the chunk, byte for
+    byte in canonical JSON. A run that resumes an arm is given ``reference``
+    instead: a committed row of the ledger (computed inside a chunk by an
+    earlier run, with its own captured graph), which is computed alone before
+    the first chunk and must equal its committed line byte for byte; this
+    checks the companions as above and also that this run's bits are the
+    ledger's (a code or machine change that moved them stops the arm before it
+    appends a row). On the graph path the alone run also checks the first
+    :data:`GRAPH_CHECK_STEPS` steps of each engine against the eager step
+    (gate ``graph_equals_eager``).
+
+    Args:
+        spec: the arm's run spec (``spec.engine`` set).
+        chunk: ``(spec, problems) -> records`` (:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`, ...).
+        todo: the problems to compute, in order.
+        composition_id: problem ID of the composition gate, or ``None``.
+        reference: ``(problem, committed line)`` of a resumed arm (the line as in ``rows.jsonl``, without its
+            newline), checked before the first chunk; or ``None``.
+        on_checks: called with the preflight gates just passed (``checks`` entries), as soon as they pass,
+            so that an arm stopped later still has them in its run log.
+
+    Deadline: when the environment variable :data:`CHUNK_DEADLINE_ENV` holds
+    a wall-clock time (seconds since the epoch, as ``time.time()``), a chunk
+    is not started if the longest chunk computed so far by this mapper would
+    end after it; the first chunk always starts. A chunk's time here leaves
+    out the preflight gates run with it (the alone runs of ``composition`` and
+    ``reference``): they run once a mapper, and a new arm's first chunk would
+    otherwise stand for every later one with its gates' 100-200 s added. A lent machine's time limit
+    kills a process mid-chunk and loses that chunk's rows, so stopping at a
+    chunk boundary keeps the device time for the next call. The rows already
+    yielded are in the ledger; the arm resumes from there.
+
+    Raises (while iterating):
+        GateError: ``composition`` or ``graph_equals_eager``.
+        ChunkDeadline: the next chunk would end after the deadline.
+    """
+    def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None,
+                 on_checks: Callable[[list[dict]], None] | None = None,
+                 reference: tuple[Problem, str] | None = None):
+        self.spec, self.chunk, self.todo = spec, chunk, list(todo)
+        self.on_checks = on_checks
+        self.seconds: list[float] = []  # wall time of each chunk computed, its preflight gates left out
+        self.position = {p.problem_id: i for i, p in enumerate(self.todo)}
+        self.composition_id = composition_id
+        self.reference = reference
+        self.held: dict[str, dict] = {}
+        self.chunks: list[list[str]] = []
+        self.checks: list[dict] = []  # the preflight gates passed: gate, problem, seconds, steps checked
+
+    def __call__(self, items) -> Iterator[dict]:
+        for it in items:
+            if it.problem_id not in self.held:
+                start = self.position[it.problem_id]
+                size = self.spec.engine.problems_per_chunk
+                group = [p for p in self.todo[start : start + size] if p.problem_id not in self.held]
+                deadline = os.environ.get(CHUNK_DEADLINE_ENV)
+                if deadline and self.seconds and time.time() + max(self.seconds) > float(deadline):
+                    raise ChunkDeadline(f"not starting a chunk of {len(group)} problems at {it.problem_id}: the "
+                                        f"longest chunk so far took {max(self.seconds):.0f} s (its gates left out) "
+                                        f"and {CHUNK_DEADLINE_ENV} is {float(deadline) - time.time():.0f} s away")
+                if self.reference is not None:
+                    before = len(self.checks)
+                    self.check_reference(*self.reference)
+                    self.reference = None
+                    if self.on_checks is not None:
+                        self.on_checks(self.checks[before:])
+                t0 = time.perf_counter()
+                records = self.chunk(self.spec, group)
+                self.seconds.append(time.perf_counter() - t0)  # the chunk alone: its preflight gates left out
+                self.chunks.append([p.problem_id for p in group])
+                ids = [p.problem_id for p in group]
+                if self.composition_id in ids:
+                    i = ids.index(self.composition_id)
+                    before = len(self.checks)
+                    self.check_composition(group[i], records[i], len(group))
+                    if self.on_checks is not None:
+                        self.on_checks(self.checks[before:])
+                self.held.update(zip(ids, records))
+            yield self.held.pop(it.problem_id)
+
+    def check_composition(self, problem: Problem, record: dict, size: int) -> None:
+        """The composition gate (and, on the graph path, ``graph_equals_eager``) on one problem.
+
+        Raises:
+            GateError: ``composition`` naming the first differing leaf, or ``graph_equals_eager``.
+        """
+        run = self.spec.engine
+        alone, seconds = self._alone(problem)
+        if canonical_json(alone) != canonical_json(record):
+            where = first_difference(alone, record) or "?"
+            raise GateError("composition", f"problem {problem.problem_id}: its record computed alone (B={run.batch}, "
+                            f"max_len={run.max_len}, other slots idle) differs from its record in a chunk of {size} "
+                            f"problems, first at {where!r}; a problem's bits depend on its companions")
+        self.checks.append({"gate": "composition", "problem_id": problem.problem_id, "chunk": size,
+                            "batch": run.batch, "max_len": run.max_len, "seconds": seconds})
+
+    def check_reference(self, problem: Problem, line: str) -> None:
+        """The composition gate of a resumed arm (and, on the graph path, ``graph_equals_eager``) on a committed row.
+
+        ``problem``'s record is computed alone at the arm's batch shape and must equal ``line``, its committed
+        ``rows.jsonl`` line (canonical JSON, no newline), byte for byte.
+
+        Raises:
+            GateError: ``composition`` naming the first differing leaf, or ``graph_equals_eager``.
+        """
+        run = self.spec.engine
+        alone, seconds = self._alone(problem)
+        if canonical_json(alone) != line:
+            where = first_difference(alone, json.loads(line)) or "?"
+            raise GateError("composition", f"problem {problem.problem_id}: its committed record (computed in a chunk "
+                            f"by an earlier run) differs from its record computed alone by this run (B={run.batch}, "
+                            f"max_len={run.max_len}, other slots idle), first at {where!r}; this run's bits are not "
+                            f"the ledger's (another code version or machine?), so it appends nothing")
+        self.checks.append({"gate": "composition", "problem_id": problem.problem_id, "reference": "committed row",
+                            "batch": run.batch, "max_len": run.max_len, "seconds": seconds})
+
+    def _alone(self, problem: Problem) -> tuple[dict, float]:
+        """``problem``'s record computed in a chunk of one at the arm's batch shape, and the seconds it took.
+
+        On the graph path the run also checks the first :data:`GRAPH_CHECK_STEPS` steps of each engine against
+        the eager step, recorded as a ``graph_equals_eager`` check.
+
+        Raises:
+            GateError: ``graph_equals_eager``.
+        """
+        run = self.spec.engine
+        verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
+        spec = dataclasses.replace(self.spec, engine=dataclasses.replace(run, verify_steps=verify), memo=self.spec.memo)
+        t0, verified0 = time.perf_counter(), engine.VERIFIED_STEPS[0]
+        alone = self.chunk(spec, [problem])[0]
+        seconds = round(time.perf_counter() - t0, 3)
+        if verify:
+            self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
+                                "steps_checked": engine.VERIFIED_STEPS[0] - verified0, "seconds": seconds})
+        return alone, seconds
+
+
+_ABSENT = object()
+
+
+_PATH_PART = re.compile(r"\[(\d+)\]|\.?([^.\[]+)")
+
+
+def _path_order(path: str) -> list[tuple[int, object]]:
+    """Sort key of a leaf path: keys as strings, list indices as numbers (``suffix[2]`` before ``suffix[10]``)."""
+    return [(1, int(index)) if index else (0, name) for index, name in _PATH_PART.findall(path)]
+
+
+def first_difference(a: dict, b: dict) -> str | None:
+    """The first leaf path whose value differs between two records, or None.
+
+    First in canonical JSON order: keys sorted, list elements by index (``suffix[2]`` before ``suffix[10]``,
+    so a suffix is named at its first differing token).
+
+    The composition gates name it where a record differs, and ``make verify`` (:mod:`kvreplay.verify`) where a
+    recomputed record parts from its committed line. Leaves are :func:`leaves` with ``empty=True``; a leaf that
+    only one record has is a difference, even where its value is None. An empty list facing a non-empty list or
+    dict is not named itself: the difference is named at a leaf below it (``suffix[0]``).
+
+    Args:
+        a, b: records (nested dicts and lists of JSON scalars).
+
+    Returns:
+        A dotted path such as ``arms.prefill.suffix[12]``; None where every leaf agrees (the records may
+        still differ as JSON: an empty dict against a missing key, 1 against 1.0).
+    """
+    la, lb = leaves(a, empty=True), leaves(b, empty=True)
+    for k in sorted(la.keys() | lb.keys(), key=_path_order):
+        x, y = la.get(k, _ABSENT), lb.get(k, _ABSENT)
+        if x == y:
+            continue
+        below = (k + "[", k + ".")
+        if [] in (x, y) and _ABSENT in (x, y) and any(p.startswith(below) for p in (la if x is _ABSENT else lb)):
+            continue  # an empty list where the other record has leaves below the path: named at the first of them
+        return k
+    return None
+
+
+def leaves(obj, prefix: str = "", *, empty: bool = False) -> dict[str, object]:
+    """Flatten nested dicts/lists into ``path -> scalar`` (paths such as ``arms.prefill.suffix[3]``).
+
+    With ``empty``, an empty list is a leaf of its own (``path -> []``); without, it leaves no path.
+    """
+    out: dict[str, object] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(leaves(v, f"{prefix}.{k}" if prefix else str(k), empty=empty))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out.update(leaves(v, f"{prefix}[{i}]", empty=empty))
+        if empty and not obj:
+            out[prefix] = []
+    else:
+        out[prefix] = obj
+    return out
