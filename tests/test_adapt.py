@@ -63,7 +63,7 @@ def test_training_forward_uses_the_decoders_inputs():
     lm.role_table = torch.randn(14, lm.model.config.hidden_size, generator=g)
     fmt = _fmt(lm)
     seq = adapt.build_staged(fmt, tiny_problems(1)[0], with_answer=False)
-    mine = adapt._call(lm, seq, None, torch.tensor([len(seq.ids) - 1]))[0]
+    mine = adapt.training._call(lm, seq, None, torch.tensor([len(seq.ids) - 1]))[0]
     ids = torch.tensor(seq.ids).unsqueeze(0).expand(2, -1).contiguous()
     roles = seq.roles.expand(2, -1).contiguous()
     with torch.inference_mode():
@@ -72,8 +72,8 @@ def test_training_forward_uses_the_decoders_inputs():
     # an explicit table overrides lm.role_table, and a zero table equals no table at all
     zero = torch.zeros_like(lm.role_table)
     lm.role_table = None
-    a = adapt._call(lm, seq, zero, torch.tensor([len(seq.ids) - 1]))
-    b = adapt._call(lm, seq, None, torch.tensor([len(seq.ids) - 1]))
+    a = adapt.training._call(lm, seq, zero, torch.tensor([len(seq.ids) - 1]))
+    b = adapt.training._call(lm, seq, None, torch.tensor([len(seq.ids) - 1]))
     assert torch.equal(a, b)
 
 
@@ -191,7 +191,7 @@ def test_load_checkpoint_model_checks_the_table_and_the_base(tmp_path, monkeypat
         loaded.update(model=model, dtype=dtype, role_table=role_table)
         return dataclasses.replace(tiny_lm("llama", torch.float32), identity={"role_table_sha256": models.file_sha256(role_table)})
 
-    monkeypatch.setattr(adapt, "load_model", fake_load)  # adapt binds load_model at import
+    monkeypatch.setattr(adapt.checkpoints, "load_model", fake_load)  # the module binds load_model at import
     lm = adapt.load_checkpoint_model(folder, "later", "bfloat16")
     assert loaded == {"model": "tiny", "dtype": "bfloat16", "role_table": later.path}
     assert lm.identity["role_table_sha256"] == later.sha256
