@@ -217,17 +217,44 @@ def test_grouped_attention_computes_attention_and_ignores_masked_keys(dtype):
 
 def test_grouped_attention_refuses_what_it_does_not_compute():
     q, k = torch.zeros(1, 6, 1, 8), torch.zeros(1, 4, 3, 8)
+    kv, mask = k[:, :2], torch.ones(1, 1, 1, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="6 heads on 4"):
-        engine.grouped_attention(None, q, k, k, None)
+        engine.grouped_attention(None, q, k, k, mask)
     with pytest.raises(ValueError, match="boolean mask"):
-        engine.grouped_attention(None, q, k[:, :2], k[:, :2], torch.zeros(1, 1, 1, 3))
+        engine.grouped_attention(None, q, kv, kv, torch.zeros(1, 1, 1, 3))
+    with pytest.raises(ValueError, match="boolean mask"):
+        engine.grouped_attention(None, q, kv, kv, None)  # no mask: the sdpa path would be causal, this one not
+    with pytest.raises(ValueError, match="boolean mask"):
+        engine.grouped_attention(None, q, kv, kv, torch.ones(1, 1, 1, 5, dtype=torch.bool))  # longer than the keys
     with pytest.raises(ValueError, match="dropout"):
-        engine.grouped_attention(None, q, k[:, :2], k[:, :2], None, dropout=0.1)
+        engine.grouped_attention(None, q, kv, kv, mask, dropout=0.1)
+    with pytest.raises(ValueError, match="softcap"):
+        engine.grouped_attention(None, q, kv, kv, mask, softcap=30.0)
+    out, _ = engine.grouped_attention(None, q, kv, kv, mask, position_ids=torch.zeros(1, 1), use_cache=True,
+                                      is_causal=None)
+    assert out.shape == (1, 1, 6, 8)
 
 
 def test_grouped_step_chooses_the_decoders_tokens_and_restores_the_model(arch):
+    from transformers import AttentionInterface
+    from kvreplay.engine import attention
+
+    calls = []
+
+    def counted(module, query, key, value, mask, **kw):
+        calls.append(tuple(query.shape))
+        return attention.grouped_attention(module, query, key, value, mask, **kw)
+
+    AttentionInterface.register(attention._GROUPED, counted)  # the registered function, restored below
     lm, fmt, prompts, lives = _setup(arch)
-    got = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, batch=2, attention="grouped")
+    try:
+        engine.decode_suffixes(lm, fmt, lives[:2], TINY_CAPS, batch=2)
+        assert calls == []  # the sdpa step never calls it
+        got = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, batch=2, attention="grouped")
+    finally:
+        AttentionInterface.register(attention._GROUPED, attention.grouped_attention)
+    layers = lm.model.config.num_hidden_layers
+    assert calls and len(calls) % layers == 0 and all(c[0] == 4 and c[2] == 1 for c in calls)  # every layer, every step
     want = [decode.decode_suffix(lm, fmt, s, TINY_CAPS) for s in _replicas(lives[:3])]
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert lm.model.config._attn_implementation == "sdpa"  # the switch is undone after every step

@@ -163,6 +163,11 @@ def _sync(lm) -> None:
         torch.cuda.synchronize(lm.device)
 
 
+def _attention_note(attention: str, sdpa: str) -> str:
+    """What attends in an engine row: the SDPA backends, and the step's own attention where it is not SDPA."""
+    return f"sdpa {sdpa}" if attention == "sdpa" else f"step attention {attention}, sdpa {sdpa} outside the step"
+
+
 def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8, 32, 64), branch_cap: int = 48,
                  exp1_caps: tuple[tuple[int, int, int], ...] = ((48, 160, 12),), exp1_batch: int = 64,
                  exp1_rows: int | None = None, compile_: bool = True, repeats: int = 3,
@@ -207,6 +212,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         raise ValueError("engine_table's graph path needs a CUDA model")
     if not batches or min(batches) < 1 or exp1_batch < 1:
         raise ValueError(f"engine_table: batches {tuple(batches)} and exp1_batch {exp1_batch} must be at least 1")
+    attentions = tuple(dict.fromkeys(attentions))  # each once, in the order given
     if not attentions or any(a not in engine.ATTENTIONS for a in attentions):
         raise ValueError(f"engine_table: attentions {tuple(attentions)}: use some of {engine.ATTENTIONS}")
     sdpa = "+".join(lm.sdpa_backends)
@@ -253,7 +259,8 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
                 steps = sum(len(s.tokens) for s in got)
                 out.append({"path": f"engine.decode_suffixes, {kind}", "B": B, "rows": 2 * B,
                             "ms per problem-step": round(1e3 * t / steps, 2),
-                            "note": f"{len(states)} problems, max_len {max_len}, sdpa {sdpa}"})
+                            "note": f"{len(states)} problem{'s' * (len(states) != 1)}, max_len {max_len}, "
+                                    + _attention_note(attention, sdpa)})
                 emit(out[-1])
     z = lives[0].ids
     ids = torch.tensor([z, z], device=lm.device)
@@ -287,7 +294,8 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
             failed = sum(r["gate_failure"] is not None for r in recs)
             out.append({"path": f"Experiment 1 batched runner, {label}, attention {attention}, caps {tuple(c)}",
                         "B": exp1_batch, "rows": 2 * exp1_batch, "rows per hour": round(3600 * len(group) / t, 1),
-                        "note": f"{len(group)} rows in {t:.1f} s, max_len {need}, sdpa {sdpa}, {failed} gate failures"})
+                        "note": f"{len(group)} rows in {t:.1f} s, max_len {need}, {_attention_note(attention, sdpa)}, "
+                                f"{failed} gate failures"})
             emit(out[-1])
     if compile_:  # last: tracing and capture take minutes, and a time limit may end the process here
         # transformers compiles the forward itself for a static cache on CUDA (CompileConfig: torch.compile,
@@ -333,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sdpa", nargs="+", default=["math"], metavar="BACKEND",
                     help="SDPA backends of the engine section (default math, the execution contract's; also flash, "
                          "and on CUDA efficient and cudnn: other bits, so another contract)")
-    ap.add_argument("--attention", nargs="+", choices=("sdpa", "grouped"), default=["sdpa", "grouped"], metavar="ATTENTION",
-                    help="the engine step's attention, the engine and Experiment 1 rows repeated for each (default both: "
-                         "sdpa, the model's SDPA call; grouped, kvreplay.engine.grouped_attention, other bits)")
+    ap.add_argument("--attention", nargs="+", choices=("sdpa", "grouped"), default=None, metavar="ATTENTION",
+                    help="the engine step's attention in the engine section, its rows repeated for each (default "
+                         "both: sdpa, the model's SDPA call; grouped, kvreplay.engine.grouped_attention, other bits)")
     ap.add_argument("--step-path", choices=("graph", "engine-eager"), default="graph",
                     help="the engine's step in the engine section (graph: CUDA only; engine-eager: op by op, any "
                          "device, a dry run)")
@@ -344,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     engine_on = args.engine_only or args.engine or (args.engine is None and device_type == "cuda")
     if args.exp1_rows is not None and args.exp1_rows < 1:
         ap.error(f"--exp1-rows {args.exp1_rows}: must be at least 1")
+    if args.attention is not None and not engine_on:
+        ap.error(f"--attention {' '.join(args.attention)}: the step attention is the engine section's; add --engine "
+                 f"or --engine-only (on by default with a CUDA device)")
     if min(args.max_len) < 0:
         ap.error(f"--max-len {args.max_len}: positions are at least 1 (0: what the engine rows need)")
     # every engine run's contract, refused as a profile's `execution` would be (the SDPA backends on the device, graph
@@ -359,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.engine_only:
         table = run(args.model, args.dtype, args.tokens, args.repeats, args.threads, tuple(args.caps), args.device,
                     args.workers, args.rows, args.worker_threads)
-        print(table.fillna("").to_markdown())
+        print(table.astype(object).fillna("").to_markdown())
     if engine_on:
 
         settings = ArmSettings(profile="bench", dtype=args.dtype, caps=Caps(*args.caps), model=args.model,
@@ -370,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                            exp1_caps=caps_sets, exp1_batch=args.exp1_batch, exp1_rows=args.exp1_rows,
                            compile_=not args.no_compile, repeats=args.repeats,
                            step_path="graph" if args.step_path == "graph" else "eager",
-                           max_lens=tuple(m or None for m in args.max_len), attentions=tuple(args.attention), emit=lambda row: print("measured:", row, flush=True)
-                           ).fillna("").to_markdown(index=False))
+                           max_lens=tuple(m or None for m in args.max_len), attentions=tuple(args.attention or ("sdpa", "grouped")), emit=lambda row: print("measured:", row, flush=True)
+                           ).astype(object).fillna("").to_markdown(index=False))
     return 0
 
 

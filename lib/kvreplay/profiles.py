@@ -172,7 +172,8 @@ def _check_names(names, where: str) -> None:
     """Refuse names that are not chain parameters: an execution-contract key at the top level, or a typo."""
     flat = [k for k in names if k in EXECUTION_KEYS]
     if flat:
-        raise ValueError(f"{where}: {', '.join(map(str, flat))} belong to the execution contract: put them under "
+        raise ValueError(f"{where}: {', '.join(map(str, flat))} {'belongs' if len(flat) == 1 else 'belong'} to the "
+                         f"execution contract: put {'it' if len(flat) == 1 else 'them'} under "
                          "`execution:` (README: The execution contract)")
     unknown = [k for k in names if k not in FIELDS]
     if unknown:

@@ -167,7 +167,9 @@ def contract_frame(environments: dict[str, dict]) -> pd.DataFrame:
             "device": f"{c.get('device')} ({c.get('device_name')})",
             "intra-op threads": c.get("intra_op_threads"),
             "dtype": c.get("dtype"),
-            "attention / SDPA backends used": f"{c.get('attn_implementation')} / {', '.join(c.get('sdpa_backends_used') or []) or '—'}",
+            "attention / SDPA backends used": f"{c.get('attn_implementation')}"
+                + (f" (engine step: {step})" if (step := (c.get("engine") or {}).get("attention", "sdpa")) != "sdpa" else "")
+                + f" / {', '.join(c.get('sdpa_backends_used') or []) or '—'}",
             "deterministic algorithms / TF32 (matmul, cuDNN)": f"{c.get('deterministic_algorithms')} / {c.get('tf32_matmul')}, {c.get('tf32_cudnn')}",
             "model": f"{m.get('model')} ({m.get('architecture')}, {m.get('layers')} layers, {m.get('kv_heads')} KV heads)",
             "model file sha256": _short(m.get("file_sha256")),

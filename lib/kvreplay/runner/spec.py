@@ -337,7 +337,7 @@ class ArmSettings:
         ValueError: an execution contract :func:`check_execution` refuses (an
             unknown device or step path, ``workers``, ``batch``, ``max_len`` or
             ``chunk`` out of range, a batch shape with the eager path, ``graph``
-            off CUDA).
+            off CUDA, an unknown ``attention`` or ``"grouped"`` with the eager path).
     """
     profile: str
     dtype: str
