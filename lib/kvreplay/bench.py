@@ -253,9 +253,9 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         for max_len in (m or need for m in max_lens):
             for B in batches:
                 states = lives[: max(B, min(n, 2 * B)) if B > 1 else repeats]
-                run = dict(batch=B, step_path=step_path, max_len=max_len, attention=attention)
-                engine.decode_suffixes(lm, fmt, states[:B], caps, **run)  # capture
-                t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, **run))
+                shape = dict(batch=B, step_path=step_path, max_len=max_len, attention=attention)
+                engine.decode_suffixes(lm, fmt, states[:B], caps, **shape)  # capture
+                t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, **shape))
                 steps = sum(len(s.tokens) for s in got)
                 out.append({"path": f"engine.decode_suffixes, {kind}", "B": B, "rows": 2 * B,
                             "ms per problem-step": round(1e3 * t / steps, 2),
@@ -289,7 +289,8 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         c_caps = Caps(*c)
         need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), c_caps) for p in group + bank[:1])
         for attention in attentions:
-            spec = RunSpec(lm=lm, fmt=fmt, caps=c_caps, engine=EngineRun(step_path, exp1_batch, need, attention=attention))
+            spec = RunSpec(lm=lm, fmt=fmt, caps=c_caps,
+                           engine=EngineRun(step_path, exp1_batch, need, attention=attention))
             t, recs = timed(lambda: live_vs_prefill_chunk(spec, group))
             failed = sum(r["gate_failure"] is not None for r in recs)
             out.append({"path": f"Experiment 1 batched runner, {label}, attention {attention}, caps {tuple(c)}",
@@ -381,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                            exp1_caps=caps_sets, exp1_batch=args.exp1_batch, exp1_rows=args.exp1_rows,
                            compile_=not args.no_compile, repeats=args.repeats,
                            step_path="graph" if args.step_path == "graph" else "eager",
-                           max_lens=tuple(m or None for m in args.max_len), attentions=tuple(args.attention or ("sdpa", "grouped")), emit=lambda row: print("measured:", row, flush=True)
+                           max_lens=tuple(m or None for m in args.max_len),
+                           attentions=tuple(args.attention or engine.ATTENTIONS),
+                           emit=lambda row: print("measured:", row, flush=True)
                            ).astype(object).fillna("").to_markdown(index=False))
     return 0
 

@@ -73,6 +73,7 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(f"grouped_attention does not compute {unknown}")
     group = heads // kv_heads
     root = math.sqrt(scaling if scaling is not None else dim ** -0.5)
+    # not in place: for float32 inputs .float() returns the cache's own tensor
     scores = torch.matmul((query.float() * root).reshape(rows, kv_heads, group * q, dim),
                           (key.float() * root).transpose(-2, -1)).view(rows, kv_heads, group, q, keys)
     scores = scores.masked_fill(~attention_mask[:, :, None], float("-inf"))
@@ -82,8 +83,6 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 AttentionInterface.register(_GROUPED, grouped_attention)
-
-
 
 
 @contextlib.contextmanager

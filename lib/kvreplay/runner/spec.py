@@ -214,8 +214,6 @@ ARM_STEP_PATHS = ("eager", "engine-eager", "graph")
 """Decode paths of an arm: :mod:`kvreplay.decode` (reference), the engine's op-by-op step, its CUDA graph."""
 
 
-
-
 def _whole(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
