@@ -29,7 +29,9 @@ Every ``--set`` is checked against the chain's parameters before any arm starts.
 Ledgers are written under ``$KV_LEDGERS`` (default ``/tmp/kv/ledgers``), which
 lasts while the machine stays warm; ledger folders and the prefix bank already
 in the repository's ``data/ledgers/<profile>/`` are copied there first, so an
-arm cut off earlier resumes from its last finished row. Each arm runs in a
+arm cut off earlier resumes from its last finished row (``--from-scratch``: none of them is copied, and
+every arm is computed again, e.g. to recompute a whole profile under one library, see
+``scripts/offline_gpu_env.sh`` for carrying a frozen one). Each arm runs in a
 child process with a time limit (what is left of ``--budget``, default 560 s,
 minus 25 s to pack); a killed arm keeps its finished rows (a cut-off last
 line is removed on resume). The child is also given that limit as
@@ -70,6 +72,25 @@ CELL_RUNS_ARM = "run_arm("  # notebooks 03-05: the code cell that computes the a
 PACK_S = 25.0
 CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"  # kvreplay.runner.CHUNK_DEADLINE_ENV (this process does not import torch)
 DEADLINE_MARGIN_S = 10.0  # a chunk must end this long before the child's time limit
+
+
+INPUTS = {"role_adaptation.json"}
+"""Files of a profile's ledger folder that are inputs of its chain, not computed by its arms (the pointer to the
+checkpoint family notebook 00 trains on the CPU): ``--from-scratch`` still copies them."""
+
+
+def seed_ledger_root(here: Path, there: Path, from_scratch: bool = False) -> list[str]:
+    """Copy the committed ledger folders and files of ``here`` (``data/ledgers/<profile>``) into ``there`` (under
+    ``$KV_LEDGERS``), so an arm resumes from them; never overwrite what ``there`` already holds. With
+    ``from_scratch`` only :data:`INPUTS` are copied. Returns the names copied."""
+    copied = []
+    if here.is_dir():
+        for src in sorted(here.iterdir()):
+            if (from_scratch and src.name not in INPUTS) or (there / src.name).exists():
+                continue
+            (shutil.copytree if src.is_dir() else shutil.copy2)(src, there / src.name)
+            copied.append(src.name)
+    return copied
 
 
 def arm_overrides(profile: str, sets: dict) -> dict:
@@ -237,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                          "profile's `execution` mapping, over its other keys (a CPU dry run of a CUDA profile needs "
                          "both device=cpu and step_path=engine-eager, and writes ledgers under other keys)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--from-scratch", action="store_true",
+                    help="copy none of the committed ledgers, prefix bank or panels of the profile (only "
+                         f"{', '.join(sorted(INPUTS))}): every arm computes its rows again under this code, to be "
+                         "compared with the committed ones by `python -m kvreplay.ledger compare` (what this "
+                         "machine already holds under $KV_LEDGERS is still resumed)")
     args = ap.parse_args(argv)
     import yaml
 
@@ -269,10 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_parameters(args.profile, overrides).profile  # the ledger folder (an override may relabel it)
     here, there = ROOT / "data" / "ledgers" / profile, ledger_root / profile
     there.mkdir(parents=True, exist_ok=True)
-    if here.is_dir():  # resume from ledgers brought back earlier (never overwrite the ones on this machine)
-        for src in here.iterdir():
-            if not (there / src.name).exists():
-                (shutil.copytree if src.is_dir() else shutil.copy2)(src, there / src.name)
+    seed_ledger_root(here, there, from_scratch=args.from_scratch)
     report: dict = {"profile": args.profile, "overrides": overrides, "arms": {}}
     for arm in args.arms:
         left = args.budget - (time.perf_counter() - t0) - PACK_S

@@ -25,6 +25,10 @@
 #             tail -c +46137345 $W > .raywhl/b/ray.part2; cp /tmp/raywhl/*.whl .raywhl/b/deps/; rm .raywhl/b/deps/ray-*
 #             (deps: attrs certifi charset-normalizer click filelock idna jsonschema jsonschema-specifications
 #             msgpack packaging protobuf pyyaml referencing requests rpds-py typing-extensions urllib3; 3.5 MiB)
+#   .frozen/  only to recompute ledgers with one library across calls or sessions while the tree's lib changes:
+#             mkdir -p .frozen && git archive <commit> lib/kvreplay | tar -x -C .frozen --strip-components=1
+#             carried (1 MiB) with every call that computes; sourcing puts it in place of lib/kvreplay and prints
+#             its library_sha256, the digest every ledger it writes records in environment.json
 # One transfer carries at most 64 MiB, tracked files included, so each part goes in a call of its own:
 # .gguf/a, then .gguf/b, then .gguf/c, then .raywhl/a, then .raywhl/b (with .whl). Each part is copied to /tmp/kv/,
 # which lasts while the machine stays warm, and sourcing returns 1 until the GGUF parts are all there.
@@ -77,7 +81,14 @@ _kv_offline_env() {
   if [ -d .raywhl ] || [ -d /tmp/kv/raywhl ]; then
     _kv_ray_env $site || return 1
   fi
+  if [ -d .frozen/kvreplay ]; then  # a recomputation that spans calls or sessions runs one library, not the tree's
+    rm -rf lib/kvreplay && cp -r .frozen/kvreplay lib/kvreplay || return 1
+  fi
   export PYTHONPATH=$PWD/lib:$site${PYTHONPATH:+:$PYTHONPATH}
   export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONHASHSEED=0 PYTHONUNBUFFERED=1
+  if [ -d .frozen/kvreplay ]; then
+    echo "offline_gpu_env: lib/kvreplay replaced by the carried .frozen/kvreplay, library_sha256" \
+      "$(python3 -c 'from kvreplay.ledger.store import library_digest as d; print(d())')" >&2
+  fi
 }
 _kv_offline_env

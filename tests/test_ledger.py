@@ -168,3 +168,43 @@ def test_reading_an_experiment_ledger_checks_every_row_against_its_row_type(tmp_
     ledger.append({"problem_id": "p0", "v": [0, 0.5]})
     with pytest.raises(RowSchemaError, match=r"problem_id 'p0'.*Exp1Row"):
         read_ledger(ledger.dir)
+
+
+def test_compare_tells_identical_unfinished_and_parting_recomputations(tmp_path):
+    """`python -m kvreplay.ledger compare`: rows, manifest and plain files byte for byte; where rows first part."""
+    import shutil
+
+    from kvreplay.ledger.compare import compare_ledger_roots
+
+    committed, recomputed = tmp_path / "committed", tmp_path / "recomputed"
+    config = {"a": 1, "problem_ids": ["p0", "p1", "p2"]}
+    ledger = Ledger(committed, "x-bfloat16", config, environment={"library": "this"})
+    for i in range(3):
+        ledger.append({"problem_id": f"p{i}", "v": i})
+    (committed / "panel.json").write_text("[1]\n")
+    (committed / "only_committed.json").write_text("{}\n")
+    again = Ledger(recomputed, "x-bfloat16", config, environment={"library": "other"})
+    for i in range(2):  # unfinished, identical so far
+        again.append({"problem_id": f"p{i}", "v": i})
+    (recomputed / "panel.json").write_text("[1]\n")
+    (recomputed / "extra.json").write_text("{}\n")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvreplay.ledger", *a], capture_output=True, text=True)  # noqa: E731
+    by_name = {e["name"]: e for e in compare_ledger_roots(recomputed / ".", committed)}
+    entry = by_name[ledger.dir.name]
+    assert entry["rows"] == {"rows": (2, 3), "identical": 2, "state": "prefix", "first_difference": None}
+    assert entry["manifest"] == "identical" and entry["environment"] == ["execution_contract.library"]
+    assert by_name["panel.json"] == {"name": "panel.json", "file": "identical"}
+    assert by_name["extra.json"]["missing"] and by_name["only_committed.json"]["not_recomputed"]
+    out = run("compare", str(recomputed), str(committed))
+    assert out.returncode == 0 and "identical so far (2 of 3 committed)" in out.stdout, out.stdout
+
+    again.append({"problem_id": "p2", "v": 99})  # the third row parts
+    out = run("compare", str(recomputed), str(committed))
+    assert out.returncode == 1 and "rows part at row 2 (p2)" in out.stdout, out.stdout
+    shutil.rmtree(again.dir)
+    shutil.copytree(ledger.dir, again.dir)
+    (recomputed / "panel.json").write_text("[2]\n")
+    out = run("compare", str(recomputed), str(committed))
+    assert out.returncode == 1 and "rows identical (3)" in out.stdout and "panel.json: differs" in out.stdout
+    assert run("compare", str(recomputed)).returncode == 2  # argparse: two folders
+    assert run("compare", str(tmp_path / "nowhere"), str(committed)).returncode == 2

@@ -190,3 +190,30 @@ def test_adapt_config_comes_from_the_profile_and_the_training_model_loads_only_w
     assert s._training_model is None  # nothing loaded until a loader call
     with pytest.raises(ValueError, match="checkpoints"):
         open_session("notebooks/00_role_adaptation.ipynb", "smoke", {"adapt_steps": 4, "adapt_checkpoints": [2, 8]}).adapt_config()
+
+
+def test_gpu_profile_from_scratch_copies_only_the_chain_inputs(tmp_path):
+    """`--from-scratch` resumes nothing committed (ledger folders, prefix bank, panels), only the checkpoint pointer;
+    without it every committed entry is copied; neither overwrites what the machine already holds."""
+    import importlib.util
+
+    from kvreplay.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
+    gpu_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_profile)
+    here = tmp_path / "committed"
+    (here / "exp1-bfloat16-abc").mkdir(parents=True)
+    (here / "exp1-bfloat16-abc" / "rows.jsonl").write_text("{}\n")
+    for name in ("prefix_bank_bf16.jsonl", "exp4_panel.json", "role_adaptation.json"):
+        (here / name).write_text(name)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert gpu_profile.seed_ledger_root(here, fresh, from_scratch=True) == ["role_adaptation.json"]
+    assert sorted(p.name for p in fresh.iterdir()) == ["role_adaptation.json"]
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    (resumed / "exp4_panel.json").write_text("this machine's")
+    assert gpu_profile.seed_ledger_root(here, resumed) == ["exp1-bfloat16-abc", "prefix_bank_bf16.jsonl",
+                                                          "role_adaptation.json"]
+    assert (resumed / "exp4_panel.json").read_text() == "this machine's"
