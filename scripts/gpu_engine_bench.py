@@ -126,7 +126,7 @@ def tiny(outdir: Path) -> dict:
 def bench(outdir: Path, n: int) -> dict:
     from kvreplay.problems import load_bank
     from kvreplay.execution import ExecutionContract
-    from kvreplay.models import execution_contract, load_model
+    from kvreplay.models import environment_record, load_model
 
     t0 = time.perf_counter()
     if CUDA:
@@ -138,7 +138,7 @@ def bench(outdir: Path, n: int) -> dict:
 
         lm = tiny_lm("llama", torch.bfloat16)
         fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
-    res: dict = {"load_s": time.perf_counter() - t0, "contract": execution_contract(lm)}
+    res: dict = {"load_s": time.perf_counter() - t0, "contract": environment_record(lm)}
     prompt_max = int(os.environ.get("ENGINE_BENCH_PROMPT_MAX", "0"))  # keep bank problems with prompts this short
     prompts = [fmt.prompt_ids(p.question, p.options) for p in load_bank()]
     prompts = [p for p in prompts if not prompt_max or len(p) <= prompt_max][:n]

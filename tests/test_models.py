@@ -12,7 +12,7 @@ from kvreplay.models import (
     SELF_CHECK_RATIO,
     ModelLoadError,
     cache_refusal,
-    execution_contract,
+    environment_record,
     load_model,
     self_check,
 )
@@ -58,7 +58,7 @@ def test_unknown_model_gives_clear_error(tmp_path):
 
 def test_execution_contract_records_the_numerical_contract(qwen_dir):
     lm = load_model(str(qwen_dir), "float32", contract=ExecutionContract(sdpa_backends=("math",)))
-    c = execution_contract(lm, threads=1)
+    c = environment_record(lm, threads=1)
     assert c["tf32_matmul"] is False and c["tf32_cudnn"] is False
     assert c["float32_matmul_precision"] == "highest"
     assert c["dtype"] == "float32" and c["attn_implementation"] == "sdpa"
@@ -150,7 +150,7 @@ def test_load_model_records_the_self_check(qwen_dir):
     lm = load_model(str(qwen_dir), "bfloat16")
     check = lm.identity["self_check"]
     assert check["passed"] and check["dtype"] == "bfloat16" and check["hidden_vs_visible"] > 0
-    assert execution_contract(lm)["model"]["self_check"] == check  # lands in every ledger's environment
+    assert environment_record(lm)["model"]["self_check"] == check  # lands in every ledger's environment
 
 
 def _ignoring(model, **replace):

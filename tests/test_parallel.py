@@ -17,7 +17,7 @@ from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row, run_live_v
 from kvreplay.gates import GateError
 from kvreplay.ledger.store import Ledger, run_rows
 from kvreplay.execution import DeviceUnavailableError, ExecutionContract
-from kvreplay.models import execution_contract, load_model
+from kvreplay.models import environment_record, load_model
 from kvreplay.paths import LEDGERS
 from kvreplay.problems import load_bank
 from kvreplay.runner import ROW_ALGORITHM, ArmSettings, run_arm
@@ -188,14 +188,14 @@ def test_contract_is_applied_and_recorded(tmp_path, tiny_arm):
     assert ExecutionContract(device="cuda:0").resolved_deterministic() is True
     lm, _ = tiny_arm(deterministic=True).load()
     try:
-        rec = execution_contract(lm, 1)
+        rec = environment_record(lm, 1)
         assert torch.are_deterministic_algorithms_enabled() and rec["deterministic_algorithms"] is True
         assert rec["contract"]["deterministic_resolved"] is True and rec["contract"]["device"] == "cpu"
         assert rec["contract"]["sdpa_backends"] == ["math"] and rec["contract"]["allow_tf32"] is False
         assert rec["tf32_matmul"] is False and rec["float32_matmul_precision"] == "highest"
     finally:
         ExecutionContract().apply()
-    rec = execution_contract(tiny_arm().load()[0], 1)
+    rec = environment_record(tiny_arm().load()[0], 1)
     assert rec["deterministic_algorithms"] is False and rec["contract"]["deterministic_resolved"] is False
     with pytest.raises(ValueError, match="unknown device"):
         ExecutionContract(device="tpu").apply()

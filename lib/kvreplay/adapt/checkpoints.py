@@ -20,7 +20,7 @@ from ..contract import (
 )
 from ..ledger.store import canonical_json, config_digest
 from ..execution import ExecutionContract
-from ..models import LoadedModel, execution_contract, file_sha256, load_model
+from ..models import LoadedModel, environment_record, file_sha256, load_model
 from ..paths import ROOT
 from ..problems import Problem
 from ..runner import model_key
@@ -206,7 +206,7 @@ def ensure_checkpoints(
     t0 = time.perf_counter()
     result = train_role_table(cfg, lm, fmt, train, heldout, progress=progress)
     seconds = time.perf_counter() - t0
-    env = execution_contract(lm, cfg.threads) | {"format_digest": fmt.digest}
+    env = environment_record(lm, cfg.threads) | {"format_digest": fmt.digest}
     manifest = save_checkpoints(folder, config, result, {"model": cfg.model, "key": key}, env)
     with open(folder / "runlog.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps({"event": "trained", "seconds": round(seconds, 1), "steps": cfg.steps,

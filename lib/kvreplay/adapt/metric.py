@@ -15,7 +15,7 @@ from ..contract import (
 )
 from ..ledger.records import AdaptEvalRow, validate_row
 from ..ledger.store import Ledger, run_rows
-from ..models import LoadedModel, execution_contract, load_model, load_role_table
+from ..models import LoadedModel, environment_record, load_model, load_role_table
 from ..problems import Problem
 from ..runner import ROW_ALGORITHM, model_key, problems_digest
 from ..stats import mcnemar_exact, paired_bootstrap, wilson
@@ -75,7 +75,7 @@ def run_letter_eval(
     block_format = resolve_format(lm.tokenizer, fmt)
     hidden = lm.model.config.hidden_size
     loaded = {name: load_table(path, hidden) for name, (path, _) in tables.items()}
-    ledger = Ledger(root, "adapt_eval-float32", config, environment=execution_contract(lm, threads) | {"format_digest": block_format.digest},
+    ledger = Ledger(root, "adapt_eval-float32", config, environment=environment_record(lm, threads) | {"format_digest": block_format.digest},
                     row_algorithm=ROW_ALGORITHM["adapt_eval"])
     records = run_rows(ledger, list(problems), lambda p: letter_row(lm, block_format, loaded, p), key=lambda p: p.problem_id,
                        progress=progress, desc="answer-letter accuracy", validate=lambda rec: validate_row("adapt_eval", rec))

@@ -29,7 +29,7 @@ from ..models import (
     EMBEDDED_SHA256,
     LoadedModel,
     ModelLoadError,
-    execution_contract,
+    environment_record,
     file_sha256,
     load_model,
     looks_like_path,
@@ -484,7 +484,7 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
     A batched arm adds ``engine``: its step path, ``batch`` and the resolved
     ``max_len`` (the eager path adds nothing).
     """
-    env = execution_contract(lm, settings.threads) | {"format_digest": fmt.digest}
+    env = environment_record(lm, settings.threads) | {"format_digest": fmt.digest}
     if "contract" in env:
         env["contract"]["device"] = settings.device
     if run is not None:
