@@ -37,7 +37,9 @@ minus 25 s to pack); a killed arm keeps its finished rows (a cut-off last
 line is removed on resume). The child is also given that limit as
 ``KV_CHUNK_DEADLINE``, so a batched arm does not start a chunk that its
 longest chunk so far (its preflight gates left out) says would not finish (it stops with ``"stopped"`` in
-its entry) instead of losing the chunk's rows to the kill. After each arm its ledger folder is packed,
+its entry) instead of losing the chunk's rows to the kill; the child's first chunk is
+held to the same rule through ``KV_FIRST_CHUNK_ESTIMATE``, the longest chunk (gates included) in the run logs of
+the arm's earlier runs, committed or on this machine, when there are any. After each arm its ledger folder is packed,
 rows sealed (gzip), into ``OUTDIR/<ledger folder>.tar.gz``, and
 ``OUTDIR/gpu_profile.json`` records per arm: wall time, rows done of rows
 wanted, gate failures and the exit status. Nothing about outcomes is asserted.
@@ -71,6 +73,7 @@ ARMS = ("exp1-bfloat16", "exp1-float32", "exp2-bfloat16", "exp2-float32", "exp2_
 CELL_RUNS_ARM = "run_arm("  # notebooks 03-05: the code cell that computes the arm
 PACK_S = 25.0
 CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"  # kvreplay.runner.CHUNK_DEADLINE_ENV (this process does not import torch)
+FIRST_CHUNK_ESTIMATE_ENV = "KV_FIRST_CHUNK_ESTIMATE"  # kvreplay.runner.FIRST_CHUNK_ESTIMATE_ENV
 DEADLINE_MARGIN_S = 10.0  # a chunk must end this long before the child's time limit
 
 
@@ -91,6 +94,26 @@ def seed_ledger_root(here: Path, there: Path, from_scratch: bool = False) -> lis
             (shutil.copytree if src.is_dir() else shutil.copy2)(src, there / src.name)
             copied.append(src.name)
     return copied
+
+
+def longest_chunk_s(folders: list[Path], arm: str) -> float | None:
+    """The longest chunk of ``arm`` in the run logs of ``folders`` (profile folders: committed and this machine's).
+
+    A batched arm logs a chunk's wall time, its preflight gates included when they ran with it, on the chunk's
+    first row (the others get ~0 s); the longest such time over every earlier run of the arm (any ledger folder
+    named ``<arm>-*``) is the estimate for a call's first chunk. ``None`` when no run log has a row of the arm.
+    """
+    times = []
+    for folder in folders:
+        for log in sorted(folder.glob(f"{arm}-*/runlog.jsonl")) if folder.is_dir() else []:
+            for line in log.read_text().splitlines():
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:  # a line cut off by a kill
+                    continue
+                if event.get("event") == "row" and isinstance(event.get("seconds"), (int, float)):
+                    times.append(float(event["seconds"]))
+    return max(times) if times else None
 
 
 def arm_overrides(profile: str, sets: dict) -> dict:
@@ -308,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, str(args.out), arm, "--profile", args.profile, "--child"]
         cmd += [x for s in args.set for x in ("--set", s)]
         env = os.environ | {CHUNK_DEADLINE_ENV: f"{time.time() + left - DEADLINE_MARGIN_S:.0f}"}
+        estimate = longest_chunk_s([here, there], arm)
+        if estimate is not None:  # a first chunk that would be killed is not started either
+            env[FIRST_CHUNK_ESTIMATE_ENV] = f"{estimate:.0f}"
         try:
             rc = subprocess.run(cmd, check=False, timeout=left, env=env).returncode
         except subprocess.TimeoutExpired:

@@ -370,6 +370,31 @@ def test_the_chunk_deadline_leaves_the_preflight_gates_out_of_a_chunks_time(monk
         next(rows)
 
 
+def test_a_first_chunk_is_not_started_when_its_estimate_passes_the_deadline(monkeypatch):
+    """With KV_FIRST_CHUNK_ESTIMATE (an earlier run's longest chunk) a first chunk that would be killed is not begun;
+    without it, or with room for it, the first chunk starts as before."""
+    from types import SimpleNamespace
+
+    from kvreplay.runner import FIRST_CHUNK_ESTIMATE_ENV
+    from kvreplay.runner.batched import BatchedRows
+
+    problems = _problems(4)
+    spec = SimpleNamespace(engine=SimpleNamespace(problems_per_chunk=2))
+    calls = []
+    chunk = lambda _spec, group: calls.append(len(group)) or [{"problem_id": p.problem_id} for p in group]  # noqa: E731
+    monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time() + 30:.3f}")
+    monkeypatch.setenv(FIRST_CHUNK_ESTIMATE_ENV, "45")
+    with pytest.raises(ChunkDeadline, match=r"first chunk of 2 problems at p-00: KV_FIRST_CHUNK_ESTIMATE says 45 s"):
+        next(BatchedRows(spec, chunk, problems)(iter(problems)))
+    assert calls == []  # nothing computed, nothing lost
+    monkeypatch.setenv(FIRST_CHUNK_ESTIMATE_ENV, "5")
+    assert [r["problem_id"] for r in BatchedRows(spec, chunk, problems)(iter(problems))] == [p.problem_id for p in problems]
+    monkeypatch.delenv(FIRST_CHUNK_ESTIMATE_ENV)
+    monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time():.3f}")  # no estimate: the first chunk always starts
+    rows = BatchedRows(spec, chunk, problems)(iter(problems))
+    assert next(rows)["problem_id"] == "p-00" and calls == [2, 2, 2]
+
+
 def test_a_grouped_attention_arm_passes_every_gate_and_verifies_byte_for_byte(tmp_path, tiny_arm):
     """The engine's grouped attention through the batched runner: preflight gates, its own key, `make verify`."""
     from kvreplay.verify import verify_ledger

@@ -217,3 +217,25 @@ def test_gpu_profile_from_scratch_copies_only_the_chain_inputs(tmp_path):
     assert gpu_profile.seed_ledger_root(here, resumed) == ["exp1-bfloat16-abc", "prefix_bank_bf16.jsonl",
                                                           "role_adaptation.json"]
     assert (resumed / "exp4_panel.json").read_text() == "this machine's"
+
+
+def test_gpu_profile_estimates_a_first_chunk_from_earlier_run_logs(tmp_path):
+    """The longest row time in the arm's earlier run logs (a chunk's time sits on its first row), over every folder
+    of the arm in the committed and this machine's profile folders; a cut-off last line is skipped; none: None."""
+    import importlib.util
+    import json
+
+    from kvreplay.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
+    gpu_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_profile)
+    committed, machine = tmp_path / "committed", tmp_path / "machine"
+    for folder, times in ((committed / "exp4-bfloat16-aaa", [84.2, 0.001]), (machine / "exp4-bfloat16-bbb", [91.5]),
+                          (machine / "exp5-bfloat16-ccc", [300.0])):
+        folder.mkdir(parents=True)
+        lines = [json.dumps({"event": "start"})] + [json.dumps({"event": "row", "seconds": t}) for t in times]
+        (folder / "runlog.jsonl").write_text("\n".join(lines) + "\n" + '{"event": "row", "seco')
+    assert gpu_profile.longest_chunk_s([committed, machine], "exp4-bfloat16") == 91.5
+    assert gpu_profile.longest_chunk_s([committed], "exp4-bfloat16") == 84.2
+    assert gpu_profile.longest_chunk_s([committed, tmp_path / "none"], "exp2-float32") is None

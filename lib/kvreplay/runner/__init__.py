@@ -16,7 +16,15 @@ An *arm* is one experiment at one precision under one execution contract.
 The names an experiment module needs are re-exported here.
 """
 
-from .batched import CHUNK_DEADLINE_ENV, GRAPH_CHECK_STEPS, BatchedRows, ChunkDeadline, first_difference, leaves
+from .batched import (
+    CHUNK_DEADLINE_ENV,
+    FIRST_CHUNK_ESTIMATE_ENV,
+    GRAPH_CHECK_STEPS,
+    BatchedRows,
+    ChunkDeadline,
+    first_difference,
+    leaves,
+)
 from .loop import run_arm
 from .spec import (
     ARM_STEP_PATHS,
@@ -38,7 +46,7 @@ from .spec import (
 )
 
 __all__ = [
-    "ARM_STEP_PATHS", "CHUNK_DEADLINE_ENV", "EXECUTION_DEFAULTS", "EXECUTION_KEYS", "EXECUTION_KINDS",
+    "ARM_STEP_PATHS", "CHUNK_DEADLINE_ENV", "EXECUTION_DEFAULTS", "EXECUTION_KEYS", "EXECUTION_KINDS", "FIRST_CHUNK_ESTIMATE_ENV",
     "GRAPH_CHECK_STEPS", "ROW_ALGORITHM", "ArmSettings", "BatchedRows", "ChunkDeadline", "EngineRun", "Hook", "RunSpec",
     "arm_environment", "check_execution", "check_prompts", "first_difference", "leaves", "model_key", "problems_digest",
     "resolve_execution",

@@ -27,6 +27,11 @@ GRAPH_CHECK_STEPS = 256
 
 CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"
 
+FIRST_CHUNK_ESTIMATE_ENV = "KV_FIRST_CHUNK_ESTIMATE"
+"""Seconds the arm's first chunk is expected to take, gates included (e.g. the longest chunk in an earlier run log
+of the same arm): with :data:`CHUNK_DEADLINE_ENV`, a first chunk that would end after the deadline is not
+started either. Unset: a first chunk always starts."""
+
 
 class ChunkDeadline(RuntimeError):
     """A batched arm stopped at a chunk boundary: the next chunk would have ended after ``KV_CHUNK_DEADLINE``."""
@@ -71,7 +76,8 @@ class BatchedRows:
     Deadline: when the environment variable :data:`CHUNK_DEADLINE_ENV` holds
     a wall-clock time (seconds since the epoch, as ``time.time()``), a chunk
     is not started if the longest chunk computed so far by this mapper would
-    end after it; the first chunk always starts. A chunk's time here leaves
+    end after it; the first chunk always starts, unless :data:`FIRST_CHUNK_ESTIMATE_ENV` gives its expected
+    time and that would end after the deadline. A chunk's time here leaves
     out the preflight gates run with it (the alone runs of ``composition`` and
     ``reference``): they run once a mapper, and a new arm's first chunk would
     otherwise stand for every later one with its gates' 100-200 s added. A lent machine's time limit
@@ -81,7 +87,7 @@ class BatchedRows:
 
     Raises (while iterating):
         GateError: ``composition`` or ``graph_equals_eager``.
-        ChunkDeadline: the next chunk would end after the deadline.
+        ChunkDeadline: the next chunk (or, by its estimate, the first) would end after the deadline.
     """
     def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None,
                  on_checks: Callable[[list[dict]], None] | None = None,
@@ -103,9 +109,14 @@ class BatchedRows:
                 size = self.spec.engine.problems_per_chunk
                 group = [p for p in self.todo[start : start + size] if p.problem_id not in self.held]
                 deadline = os.environ.get(CHUNK_DEADLINE_ENV)
+                estimate = os.environ.get(FIRST_CHUNK_ESTIMATE_ENV)
                 if deadline and self.seconds and time.time() + max(self.seconds) > float(deadline):
                     raise ChunkDeadline(f"not starting a chunk of {len(group)} problems at {it.problem_id}: the "
                                         f"longest chunk so far took {max(self.seconds):.0f} s (its gates left out) "
+                                        f"and {CHUNK_DEADLINE_ENV} is {float(deadline) - time.time():.0f} s away")
+                if deadline and estimate and not self.seconds and time.time() + float(estimate) > float(deadline):
+                    raise ChunkDeadline(f"not starting the first chunk of {len(group)} problems at {it.problem_id}: "
+                                        f"{FIRST_CHUNK_ESTIMATE_ENV} says {float(estimate):.0f} s (gates included) "
                                         f"and {CHUNK_DEADLINE_ENV} is {float(deadline) - time.time():.0f} s away")
                 if self.reference is not None:
                     before = len(self.checks)
