@@ -38,8 +38,11 @@ line is removed on resume). The child is also given that limit as
 ``KV_CHUNK_DEADLINE``, so a batched arm does not start a chunk that its
 longest chunk so far (its preflight gates left out) says would not finish (it stops with ``"stopped"`` in
 its entry) instead of losing the chunk's rows to the kill; the child's first chunk is
-held to the same rule through ``KV_FIRST_CHUNK_ESTIMATE``, the longest chunk (gates included) in the run logs of
-the arm's earlier runs, committed or on this machine, when there are any. After each arm its ledger folder is packed,
+held to the same rule through ``KV_FIRST_CHUNK_ESTIMATE`` (:func:`longest_chunk_s`: the longest earlier chunk of
+the same size, gates included, in the arm's run logs, committed or on this machine; none: unguarded; an empty
+value set by the caller turns it off), and an arm stopped before its first chunk counts as a failure
+(``no_progress``). With ``--from-scratch`` an arm whose ledger on this machine holds rows of another library is
+refused (they would be resumed, not recomputed); each entry records ``rows_before``, the rows it resumed from. After each arm its ledger folder is packed,
 rows sealed (gzip), into ``OUTDIR/<ledger folder>.tar.gz``, and
 ``OUTDIR/gpu_profile.json`` records per arm: wall time, rows done of rows
 wanted, gate failures and the exit status. Nothing about outcomes is asserted.
@@ -96,23 +99,50 @@ def seed_ledger_root(here: Path, there: Path, from_scratch: bool = False) -> lis
     return copied
 
 
-def longest_chunk_s(folders: list[Path], arm: str) -> float | None:
-    """The longest chunk of ``arm`` in the run logs of ``folders`` (profile folders: committed and this machine's).
+def _library_of(folder: Path) -> str | None:
+    """The ``library_sha256`` a ledger folder was written by (its ``environment.json``), or ``None``."""
+    env = folder / "environment.json"
+    return json.loads(env.read_text()).get("library_sha256") if env.is_file() else None
 
-    A batched arm logs a chunk's wall time, its preflight gates included when they ran with it, on the chunk's
-    first row (the others get ~0 s); the longest such time over every earlier run of the arm (any ledger folder
-    named ``<arm>-*``) is the estimate for a call's first chunk. ``None`` when no run log has a row of the arm.
+
+def _rows_in(folder: Path) -> int:
+    """Finished rows of a ledger folder (plain or sealed), 0 when none."""
+    from kvreplay.ledger.store import read_rows_text
+
+    return read_rows_text(folder).count("\n") if (folder / "manifest.json").is_file() else 0
+
+
+def longest_chunk_s(folders: list[Path], arm: str, chunk: int, resuming: bool) -> float | None:
+    """The estimate of a call's first chunk of ``arm``: its longest earlier chunk of the same size, from run logs.
+
+    A batched arm logs each chunk's wall time on the chunk's first row (its other rows get ~0 s), and a run's first
+    chunk carries that run's preflight gates: a new arm's (``composition``, ``graph_equals_eager``: 100-200 s at the
+    paper caps) or a resumed arm's (one committed row, 30-80 s). Counted here: the row times under an ``engine``
+    event of ``chunk`` problems per chunk (``chunk``, else ``batch``), in every ledger folder of the arm
+    (``<arm>-*``) in ``folders`` (the committed profile folder and this machine's); when ``resuming``, a new arm's
+    first chunk is left out (this call runs the cheaper resumed-arm gate). A line cut off by a kill is skipped.
+
+    Returns:
+        seconds, or ``None`` when no run log has a chunk of that size (the first chunk is then not guarded).
     """
     times = []
     for folder in folders:
         for log in sorted(folder.glob(f"{arm}-*/runlog.jsonl")) if folder.is_dir() else []:
+            size, new_arm, first = None, False, False
             for line in log.read_text().splitlines():
                 try:
                     event = json.loads(line)
-                except json.JSONDecodeError:  # a line cut off by a kill
+                except json.JSONDecodeError:
                     continue
-                if event.get("event") == "row" and isinstance(event.get("seconds"), (int, float)):
-                    times.append(float(event["seconds"]))
+                kind = event.get("event")
+                if kind == "engine":
+                    size = event.get("chunk") or event.get("batch")
+                elif kind == "start":
+                    new_arm, first = event.get("todo") == event.get("rows"), True
+                elif kind == "row" and isinstance(event.get("seconds"), (int, float)):
+                    if size is not None and size == chunk and not (first and new_arm and resuming):
+                        times.append(float(event["seconds"]))
+                    first = False
     return max(times) if times else None
 
 
@@ -269,13 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path, help="folder for the packed ledgers (<ledger folder>.tar.gz) and gpu_profile.json "
                     "(on the device: $OUT)")
     ap.add_argument("arms", nargs="+", help=f"arms in order: {', '.join(ARMS)}. Exits 1 when an arm failed (its error "
-                    "is in gpu_profile.json) or was killed at the budget; an arm skipped by --min-arm-s is not a failure")
+                    "is in gpu_profile.json), was killed at the budget, was refused (--from-scratch) or stopped before "
+                    "computing a row (no_progress); an arm skipped by --min-arm-s is not a failure")
     ap.add_argument("--profile", default="gpu", help="the profile whose arms run (notebooks/params/<profile>.yaml)")
     ap.add_argument("--budget", type=float, default=560.0, help="seconds for all arms, packing included")
     ap.add_argument("--min-arm-s", type=float, default=30.0,
-                    help="do not start an arm with less time left than this: its first chunk, after the preflight "
-                         "gates, always runs to its end or to the kill (at the paper caps a call's gates and first "
-                         "chunk of 32 took 390-460 s: set it to ~480)")
+                    help="do not start an arm with less time left than this. Its first chunk is not begun when the "
+                         "longest earlier chunk of its size in its run logs (KV_FIRST_CHUNK_ESTIMATE; set it empty to "
+                         "turn that off) says it would not end in time; with no such run log it runs to its end or to "
+                         "the kill (at the paper caps a call's gates and first chunk of 32 took 390-460 s: set ~480)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="override a parameter (YAML value); an execution-contract key (e.g. chunk=32) goes into the "
                          "profile's `execution` mapping, over its other keys (a CPU dry run of a CUDA profile needs "
@@ -319,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     here, there = ROOT / "data" / "ledgers" / profile, ledger_root / profile
     there.mkdir(parents=True, exist_ok=True)
     seed_ledger_root(here, there, from_scratch=args.from_scratch)
+    execution = load_parameters(args.profile, overrides).execution
+    chunk = execution.get("chunk") or execution.get("batch")  # kvreplay.runner.EngineRun.problems_per_chunk
+    from kvreplay.ledger.store import library_digest
+
+    library = library_digest()
     report: dict = {"profile": args.profile, "overrides": overrides, "arms": {}}
     for arm in args.arms:
         left = args.budget - (time.perf_counter() - t0) - PACK_S
@@ -331,14 +368,24 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, str(args.out), arm, "--profile", args.profile, "--child"]
         cmd += [x for s in args.set for x in ("--set", s)]
         env = os.environ | {CHUNK_DEADLINE_ENV: f"{time.time() + left - DEADLINE_MARGIN_S:.0f}"}
-        estimate = longest_chunk_s([here, there], arm)
-        if estimate is not None:  # a first chunk that would be killed is not started either
-            env[FIRST_CHUNK_ESTIMATE_ENV] = f"{estimate:.0f}"
+        held = {p.name: _rows_in(p) for p in sorted(there.glob(f"{arm}-*")) if p.is_dir()}
+        if args.from_scratch:  # rows this machine holds from a run that resumed committed ones are not recomputed
+            stale = [name for name in held if held[name] and _library_of(there / name) != library]
+            if stale:
+                report["arms"][arm] = {"error": f"--from-scratch: {there} already holds {stale} written by another "
+                                                f"library than this one ({library[:12]}); move it away first"}
+                print(arm, json.dumps(report["arms"][arm]), flush=True)
+                continue
+        estimate = longest_chunk_s([here, there], arm, chunk, resuming=any(held.values()))
+        if estimate is not None and FIRST_CHUNK_ESTIMATE_ENV not in os.environ:  # set it empty to turn this off
+            env[FIRST_CHUNK_ESTIMATE_ENV] = f"{estimate:.0f}"  # a first chunk that would be killed is not begun
         try:
             rc = subprocess.run(cmd, check=False, timeout=left, env=env).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-        entry: dict = {"exit": rc, "wall_s": round(time.perf_counter() - t, 1)}
+        entry: dict = {"exit": rc, "wall_s": round(time.perf_counter() - t, 1), "rows_before": sum(held.values())}
+        if env.get(FIRST_CHUNK_ESTIMATE_ENV):
+            entry["first_chunk_estimate_s"] = float(env[FIRST_CHUNK_ESTIMATE_ENV])
         done = args.out / f".{arm}.json"
         if done.exists():
             entry |= json.loads(done.read_text())
@@ -360,14 +407,17 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copy2(there / f, args.out / f)
         for panel in there.glob(f"{experiment}*_panel.json"):  # the frozen panel the notebook wrote
             shutil.copy2(panel, args.out / panel.name)
+        if "stopped" in entry and sum(n or 0 for n in entry.get("packed", {}).values()) <= entry["rows_before"]:
+            entry["no_progress"] = True  # stopped before its first chunk: nothing computed in this call
         report["arms"][arm] = entry
-        print(arm, json.dumps(entry, default=str)[:2000], flush=True)
+        print(arm, json.dumps(entry, default=str), flush=True)
         (args.out / "gpu_profile.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
     (args.out / "gpu_profile.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    failed = [arm for arm, e in report["arms"].items() if "exit" in e and e["exit"] != 0]
+    failed = [arm for arm, e in report["arms"].items() if e.get("exit", 0) != 0 or "error" in e or e.get("no_progress")]
     if failed:
-        print(f"error: arm(s) {failed} failed or were killed at the budget (their rows so far are packed): "
+        print(f"error: arm(s) {failed} failed, were killed at the budget (their rows so far are packed), were refused, "
+              "or stopped before computing a row: "
               f"see {args.out / 'gpu_profile.json'}", file=sys.stderr)
     return 1 if failed else 0
 

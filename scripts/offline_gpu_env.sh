@@ -27,8 +27,9 @@
 #             msgpack packaging protobuf pyyaml referencing requests rpds-py typing-extensions urllib3; 3.5 MiB)
 #   .frozen/  only to recompute ledgers with one library across calls or sessions while the tree's lib changes:
 #             mkdir -p .frozen && git archive <commit> lib/kvreplay | tar -x -C .frozen --strip-components=1
-#             carried (1 MiB) with every call that computes; sourcing puts it in place of lib/kvreplay and prints
-#             its library_sha256, the digest every ledger it writes records in environment.json
+#             carried (1 MiB) with every call that computes; sourcing puts .frozen, not lib, on PYTHONPATH (the
+#             tree's lib/ is left as it is) and prints its library_sha256, the digest every ledger it writes
+#             records in environment.json (its paths resolve to the same repository root as lib/kvreplay's)
 # One transfer carries at most 64 MiB, tracked files included, so each part goes in a call of its own:
 # .gguf/a, then .gguf/b, then .gguf/c, then .raywhl/a, then .raywhl/b (with .whl). Each part is copied to /tmp/kv/,
 # which lasts while the machine stays warm, and sourcing returns 1 until the GGUF parts are all there.
@@ -81,13 +82,16 @@ _kv_offline_env() {
   if [ -d .raywhl ] || [ -d /tmp/kv/raywhl ]; then
     _kv_ray_env $site || return 1
   fi
+  local lib=$PWD/lib
   if [ -d .frozen/kvreplay ]; then  # a recomputation that spans calls or sessions runs one library, not the tree's
-    rm -rf lib/kvreplay && cp -r .frozen/kvreplay lib/kvreplay || return 1
+    lib=$PWD/.frozen
+  elif [ -d .frozen ]; then
+    echo "offline_gpu_env: .frozen has no kvreplay/ inside (extract with --strip-components=1); using lib/" >&2
   fi
-  export PYTHONPATH=$PWD/lib:$site${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$lib:$site${PYTHONPATH:+:$PYTHONPATH}
   export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONHASHSEED=0 PYTHONUNBUFFERED=1
-  if [ -d .frozen/kvreplay ]; then
-    echo "offline_gpu_env: lib/kvreplay replaced by the carried .frozen/kvreplay, library_sha256" \
+  if [ "$lib" != "$PWD/lib" ]; then
+    echo "offline_gpu_env: kvreplay imported from the carried .frozen/kvreplay (not lib/), library_sha256" \
       "$(python3 -c 'from kvreplay.ledger.store import library_digest as d; print(d())')" >&2
   fi
 }

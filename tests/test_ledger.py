@@ -171,10 +171,12 @@ def test_reading_an_experiment_ledger_checks_every_row_against_its_row_type(tmp_
 
 
 def test_compare_tells_identical_unfinished_and_parting_recomputations(tmp_path):
-    """`python -m kvreplay.ledger compare`: rows, manifest and plain files byte for byte; where rows first part."""
+    """`python -m kvreplay.ledger compare`: rows, manifest and plain files byte for byte; where rows first part; what
+    exit status each case gets (missing counterpart, nothing compared, --complete, folders that cannot be compared)."""
+    import gzip
     import shutil
 
-    from kvreplay.ledger.compare import compare_ledger_roots
+    from kvreplay.ledger.compare import compare_ledger_roots, compare_rows
 
     committed, recomputed = tmp_path / "committed", tmp_path / "recomputed"
     config = {"a": 1, "problem_ids": ["p0", "p1", "p2"]}
@@ -187,24 +189,52 @@ def test_compare_tells_identical_unfinished_and_parting_recomputations(tmp_path)
     for i in range(2):  # unfinished, identical so far
         again.append({"problem_id": f"p{i}", "v": i})
     (recomputed / "panel.json").write_text("[1]\n")
-    (recomputed / "extra.json").write_text("{}\n")
+    (recomputed / "tmp-x").mkdir()  # not a ledger: left out
     run = lambda *a: subprocess.run([sys.executable, "-m", "kvreplay.ledger", *a], capture_output=True, text=True)  # noqa: E731
-    by_name = {e["name"]: e for e in compare_ledger_roots(recomputed / ".", committed)}
+    by_name = {e["name"]: e for e in compare_ledger_roots(recomputed, committed)}
+    assert "tmp-x" not in by_name
     entry = by_name[ledger.dir.name]
     assert entry["rows"] == {"rows": (2, 3), "identical": 2, "state": "prefix", "first_difference": None}
     assert entry["manifest"] == "identical" and entry["environment"] == ["execution_contract.library"]
-    assert by_name["panel.json"] == {"name": "panel.json", "file": "identical"}
-    assert by_name["extra.json"]["missing"] and by_name["only_committed.json"]["not_recomputed"]
+    assert by_name["panel.json"] == {"name": "panel.json", "kind": "file", "file": "identical"}
+    assert by_name["only_committed.json"]["not_recomputed"]
     out = run("compare", str(recomputed), str(committed))
     assert out.returncode == 0 and "identical so far (2 of 3 committed)" in out.stdout, out.stdout
+    assert "1 ledger(s) compared, 0 identical, 1 committed entries not recomputed" in out.stdout
+    assert run("compare", "--complete", str(recomputed), str(committed)).returncode == 1
 
-    again.append({"problem_id": "p2", "v": 99})  # the third row parts
+    rows = again.dir / "rows.jsonl"
+    text = ledger.rows_path.read_text()
+    rows.write_text(text[: text.index("p2") + 1])  # a last line being written, the same so far: unfinished
+    assert compare_rows(rows.read_text(), text)["state"] == "prefix"
+    rows.write_text(text.replace('"v":2', '"v":99'))  # the third row parts
     out = run("compare", str(recomputed), str(committed))
-    assert out.returncode == 1 and "rows part at row 2 (p2)" in out.stdout, out.stdout
-    shutil.rmtree(again.dir)
-    shutil.copytree(ledger.dir, again.dir)
+    assert out.returncode == 1 and "rows part after 2 identical rows, at row 3 (p2)" in out.stdout, out.stdout
+    rows.write_text(text[:-5] + "\u2028" + text[-5:])  # a raw line separator inside a row is not a new row
+    assert compare_rows(rows.read_text(), text)["rows"] == (3, 3)
+    rows.unlink()
+    shutil.copy(ledger.rows_path, rows)
     (recomputed / "panel.json").write_text("[2]\n")
+    (recomputed / "extra.json").write_text("{}\n")
     out = run("compare", str(recomputed), str(committed))
     assert out.returncode == 1 and "rows identical (3)" in out.stdout and "panel.json: differs" in out.stdout
+    assert "extra.json: recomputed, not in the committed folder" in out.stdout
+    (recomputed / "panel.json").write_text("[1]\n")
+    (recomputed / "extra.json").unlink()
+    assert run("compare", str(recomputed), str(committed)).returncode == 0
+    assert run("compare", "--complete", str(recomputed), str(committed)).returncode == 1  # only_committed.json
+    (committed / "only_committed.json").unlink()
+    assert run("compare", "--complete", str(recomputed), str(committed)).returncode == 0
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = run("compare", str(empty), str(committed))
+    assert out.returncode == 1 and "nothing compared" in out.stderr
+    (again.dir / "rows.jsonl.gz").write_bytes(gzip.compress(b"x")[:-4])  # a broken gzip beside the rows
+    rows.unlink()
+    out = run("compare", str(recomputed), str(committed))
+    assert out.returncode == 2 and "cannot be read" in out.stderr, out.stderr
+    out = run("compare", str(ledger.dir), str(committed))
+    assert out.returncode == 2 and "is a ledger folder" in out.stderr
     assert run("compare", str(recomputed)).returncode == 2  # argparse: two folders
     assert run("compare", str(tmp_path / "nowhere"), str(committed)).returncode == 2

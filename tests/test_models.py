@@ -56,7 +56,7 @@ def test_unknown_model_gives_clear_error(tmp_path):
         load_model(str(tmp_path / "x.gguf"), "float32")
 
 
-def test_execution_contract_records_the_numerical_contract(qwen_dir):
+def test_environment_record_records_the_numerical_contract(qwen_dir):
     lm = load_model(str(qwen_dir), "float32", contract=ExecutionContract(sdpa_backends=("math",)))
     c = environment_record(lm, threads=1)
     assert c["tf32_matmul"] is False and c["tf32_cudnn"] is False

@@ -220,8 +220,9 @@ def test_gpu_profile_from_scratch_copies_only_the_chain_inputs(tmp_path):
 
 
 def test_gpu_profile_estimates_a_first_chunk_from_earlier_run_logs(tmp_path):
-    """The longest row time in the arm's earlier run logs (a chunk's time sits on its first row), over every folder
-    of the arm in the committed and this machine's profile folders; a cut-off last line is skipped; none: None."""
+    """The estimate is the longest earlier chunk of the same size in the arm's run logs (a chunk's time sits on its
+    first row), committed or on this machine; a resumed call leaves out a new arm's first chunk (its gates are the
+    dearer ones); other chunk sizes, other arms, eager rows and a cut-off line do not count; none: None."""
     import importlib.util
     import json
 
@@ -231,11 +232,47 @@ def test_gpu_profile_estimates_a_first_chunk_from_earlier_run_logs(tmp_path):
     gpu_profile = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_profile)
     committed, machine = tmp_path / "committed", tmp_path / "machine"
-    for folder, times in ((committed / "exp4-bfloat16-aaa", [84.2, 0.001]), (machine / "exp4-bfloat16-bbb", [91.5]),
-                          (machine / "exp5-bfloat16-ccc", [300.0])):
+
+    def log(folder, *runs):
         folder.mkdir(parents=True)
-        lines = [json.dumps({"event": "start"})] + [json.dumps({"event": "row", "seconds": t}) for t in times]
+        lines = []
+        for engine, todo, times in runs:
+            lines += [json.dumps({"event": "engine", **engine}) if engine else json.dumps({"event": "note"}),
+                      json.dumps({"event": "start", "rows": 200, "todo": todo})]
+            lines += [json.dumps({"event": "row", "seconds": t}) for t in times]
         (folder / "runlog.jsonl").write_text("\n".join(lines) + "\n" + '{"event": "row", "seco')
-    assert gpu_profile.longest_chunk_s([committed, machine], "exp4-bfloat16") == 91.5
-    assert gpu_profile.longest_chunk_s([committed], "exp4-bfloat16") == 84.2
-    assert gpu_profile.longest_chunk_s([committed, tmp_path / "none"], "exp2-float32") is None
+
+    log(committed / "exp4-bfloat16-aaa", ({"batch": 32, "chunk": 64}, 200, [520.0, 0.001, 300.0]),  # chunks of 64
+        ({"batch": 32, "chunk": 32}, 136, [150.0, 0.001, 140.0]), ({"batch": 32, "chunk": 32}, 72, [90.0]))
+    log(machine / "exp4-bfloat16-bbb", ({"batch": 32}, 200, [190.0, 0.001, 120.0]))  # chunk = batch = 32, new arm
+    log(machine / "exp4_controls-bfloat16-ccc", ({"batch": 32}, 200, [900.0]))
+    log(machine / "exp5-bfloat16-ddd", (None, 200, [999.0]))  # the eager path: no engine event
+    assert gpu_profile.longest_chunk_s([committed, machine], "exp4-bfloat16", 32, resuming=False) == 190.0
+    assert gpu_profile.longest_chunk_s([committed, machine], "exp4-bfloat16", 32, resuming=True) == 150.0
+    assert gpu_profile.longest_chunk_s([committed], "exp4-bfloat16", 64, resuming=False) == 520.0
+    assert gpu_profile.longest_chunk_s([committed, machine], "exp5-bfloat16", 32, resuming=False) is None
+    assert gpu_profile.longest_chunk_s([committed, tmp_path / "none"], "exp2-float32", 32, resuming=False) is None
+
+
+def test_gpu_profile_from_scratch_refuses_rows_of_another_library_on_the_machine(tmp_path):
+    """Rows a machine holds from a call that resumed committed ones (another library) would be resumed, not
+    recomputed: `--from-scratch` refuses that arm before starting it, exits 1, and says why."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kvreplay.paths import ROOT
+
+    folder = tmp_path / "ledgers" / "smoke" / "exp1-float32-000000000000"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}\n")
+    (folder / "environment.json").write_text(json.dumps({"library_sha256": "0" * 64}) + "\n")
+    (folder / "rows.jsonl").write_text('{"problem_id": "p"}\n')
+    env = os.environ | {"KV_LEDGERS": str(tmp_path / "ledgers")}
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_profile.py"), str(tmp_path / "out"),
+                          "exp1-float32", "--profile", "smoke", "--from-scratch"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 1, run.stderr[-2000:]
+    entry = json.loads((tmp_path / "out" / "gpu_profile.json").read_text())["arms"]["exp1-float32"]
+    assert "written by another library" in entry["error"] and "exit" not in entry

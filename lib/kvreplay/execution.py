@@ -6,7 +6,7 @@ matmul precision and deterministic flags in one place before a model is loaded (
 calls it) and checks the SDPA backends against the device; the backends themselves are entered around each
 forward call (:func:`sdpa_backend_list` with ``torch.nn.attention.sdpa_kernel``: the decoders, the engine, the
 training forward and the self-check). What was in force is recorded in every
-ledger's ``environment.json`` by :func:`kvreplay.models.execution_contract`, with the model, the torch and
+ledger's ``environment.json`` by :func:`kvreplay.models.environment_record`, with the model, the torch and
 transformers versions, the device's name and the CPU's kernel ISA (:func:`cpu_isa_flags`, :func:`cpu_name`): BF16
 bits depend on all of these.
 """

@@ -3,8 +3,10 @@
 
 A sealed ledger keeps its rows as ``rows.jsonl.gz`` (the same bytes, gzip level 9, no time stamp); every reader
 takes either form, and appending to a sealed ledger unseals it first. ``compare`` prints one line per ledger folder
-or file (:mod:`kvreplay.ledger.compare`) and exits 1 if any row, manifest, prefix bank or panel differs (an
-unfinished recomputation whose rows so far are identical does not count as differing).
+or file (:mod:`kvreplay.ledger.compare`) and a count, and exits 1 if any row, manifest, prefix bank or panel
+differs, a recomputed folder has no committed counterpart, or no ledger was compared at all; an unfinished
+recomputation whose rows so far are identical, and committed folders not recomputed, fail only with
+``--complete``. Exit 2: a folder that cannot be compared.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .compare import agrees, compare_ledger_roots, describe
+from .compare import CompareError, agrees, compare_ledger_roots, describe
 from .store import LedgerError, seal, unseal
 
 
@@ -23,18 +25,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("folders", nargs="+", type=Path,
                     help="ledger folders (holding manifest.json); for compare: two profile folders, the recomputed "
                          "one first (e.g. /tmp/kv/ledgers/gpu data/ledgers/gpu)")
+    ap.add_argument("--complete", action="store_true",
+                    help="compare: also fail on an unfinished recomputed ledger and on a committed entry not recomputed")
     args = ap.parse_args(argv)
     if args.action == "compare":
         if len(args.folders) != 2:
             ap.error("compare takes two profile folders: RECOMPUTED COMMITTED")
         try:
             entries = compare_ledger_roots(*args.folders)
-        except (FileNotFoundError, LedgerError) as e:
+        except (FileNotFoundError, CompareError, LedgerError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         for entry in entries:
             print(describe(entry))
-        return 0 if all(agrees(e) for e in entries) else 1
+        compared = [e for e in entries if "rows" in e]
+        bad = [e["name"] for e in entries if not agrees(e, complete=args.complete)]
+        print(f"{len(compared)} ledger(s) compared, {sum(agrees(e, True) for e in compared)} identical, "
+              f"{sum(bool(e.get('not_recomputed')) for e in entries)} committed entries not recomputed, "
+              f"{len(bad)} that {'differ or are missing' if not args.complete else 'differ, are missing or unfinished'}")
+        if not compared:
+            print(f"error: no ledger folder of {args.folders[0]} has a committed counterpart in {args.folders[1]}: "
+                  "nothing compared (profile folders, e.g. /tmp/kv/ledgers/gpu data/ledgers/gpu?)", file=sys.stderr)
+            return 1
+        return 1 if bad else 0
     status = 0
     for folder in args.folders:
         if not (folder / "manifest.json").is_file():
