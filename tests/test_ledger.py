@@ -238,3 +238,20 @@ def test_compare_tells_identical_unfinished_and_parting_recomputations(tmp_path)
     assert out.returncode == 2 and "is a ledger folder" in out.stderr
     assert run("compare", str(recomputed)).returncode == 2  # argparse: two folders
     assert run("compare", str(tmp_path / "nowhere"), str(committed)).returncode == 2
+
+
+def test_a_row_holding_a_unicode_line_separator_reads_back_as_one_row(tmp_path):
+    """canonical_json writes U+2028 / U+0085 raw inside strings (ensure_ascii=False): every reader splits rows at
+    newlines only, so such a row (e.g. a decoded suffix) is neither split nor mistaken for a cut-off write."""
+    from kvreplay.ledger.lookup import read_ledger
+    from kvreplay.ledger.store import read_rows_text, row_lines, seal
+
+    ledger = Ledger(tmp_path, "sep-bfloat16", {"a": 1, "problem_ids": ["p0", "p1"]})
+    rows = [{"problem_id": "p0", "text": "a\u2028b\x85c"}, {"problem_id": "p1", "text": "d"}]
+    for row in rows:
+        ledger.append(row)
+    assert "\u2028" in ledger.rows_path.read_text(encoding="utf-8")
+    assert ledger.records() == rows and len(row_lines(read_rows_text(ledger.dir))) == 2
+    seal(ledger.dir)
+    assert read_ledger(ledger.dir).records == rows
+    assert Ledger(tmp_path, "sep-bfloat16", {"a": 1, "problem_ids": ["p0", "p1"]}).complete(["p0", "p1"])

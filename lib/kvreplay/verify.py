@@ -39,7 +39,7 @@ from .experiments import (
 )
 from .gates import GateError
 from .ledger.prefix_bank import read_prefix_bank
-from .ledger.store import canonical_json, read_rows_text
+from .ledger.store import canonical_json, read_rows_text, row_lines
 from .models import context_length, environment_record
 from .paths import LEDGERS, ROOT
 from .problems import load_bank
@@ -205,7 +205,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
                              f"({config['model'].get('model')!r}: other files or digests)")
         settings = dataclasses.replace(settings, model=model)
     env = json.loads((folder / "environment.json").read_text())
-    lines = [x for x in read_rows_text(folder).splitlines() if x]
+    lines = row_lines(read_rows_text(folder))
     committed = [json.loads(x) for x in lines]
     if pick not in ("shortest", "fastest", "first"):
         raise ValueError(f"pick must be 'shortest', 'fastest' or 'first', not {pick!r}")

@@ -24,6 +24,7 @@ from .store import (
     library_digest,
     read_rows_text,
     row_bar,
+    row_lines,
     run_rows,
     seal,
     unseal,
@@ -31,5 +32,5 @@ from .store import (
 
 __all__ = [
     "SCHEMA_VERSION", "TERMINAL_PROGRESS", "Ledger", "LedgerError", "canonical_json", "config_digest", "export_parquet",
-    "library_digest", "read_rows_text", "row_bar", "run_rows", "seal", "unseal",
+    "library_digest", "read_rows_text", "row_bar", "row_lines", "run_rows", "seal", "unseal",
 ]

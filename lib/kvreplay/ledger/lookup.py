@@ -114,7 +114,7 @@ def finished_rows(folder: str | Path) -> list[dict]:
         json.JSONDecodeError: a line other than the last is not JSON.
         LedgerError: the folder holds both the plain and the sealed rows file.
     """
-    lines = read_rows_text(folder).splitlines()
+    lines = read_rows_text(folder).split("\n")
     out = []
     for i, line in enumerate(lines):
         if not line:

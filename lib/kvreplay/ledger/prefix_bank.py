@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..gates import GateError
-from .store import canonical_json
+from .store import canonical_json, row_lines
 
 
 def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: str) -> str:
@@ -74,4 +74,4 @@ def read_prefix_bank(path: str | Path) -> tuple[list[dict], str]:
     manifest = json.loads(Path(str(path) + ".manifest.json").read_text())
     if manifest["sha256"] != digest:
         raise GateError("provenance", f"{path} has sha256 {digest}, its manifest says {manifest['sha256']}")
-    return [json.loads(x) for x in data.decode().splitlines() if x], digest
+    return [json.loads(x) for x in row_lines(data.decode())], digest

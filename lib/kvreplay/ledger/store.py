@@ -82,6 +82,15 @@ def read_rows_text(folder: str | Path) -> str:
     return plain.read_text(encoding="utf-8") if plain.exists() else ""
 
 
+def row_lines(text: str) -> list[str]:
+    """The rows of a ``rows.jsonl`` text, one JSON line each: split at ``\\n`` only, empty lines dropped.
+
+    ``str.splitlines`` would also split at U+2028, U+0085 and the other Unicode line breaks, which
+    :func:`canonical_json` writes raw inside strings (``ensure_ascii=False``), e.g. in a decoded suffix.
+    """
+    return [line for line in text.split("\n") if line]
+
+
 def seal(folder: str | Path) -> Path:
     """Replace a ledger folder's ``rows.jsonl`` by ``rows.jsonl.gz`` (same bytes inside; deterministic output).
 
@@ -211,7 +220,7 @@ class Ledger:
 
     def records(self) -> list[dict]:
         """All finished records, in the order they were appended."""
-        return [json.loads(line) for line in read_rows_text(self.dir).splitlines() if line]
+        return [json.loads(line) for line in row_lines(read_rows_text(self.dir))]
 
     def done_keys(self) -> set[str]:
         if self._done is None:
@@ -409,7 +418,7 @@ def export_parquet(folder: str | Path) -> list[Path]:
     import pandas as pd
 
     folder = Path(folder)
-    records = [json.loads(x) for x in read_rows_text(folder).splitlines() if x]
+    records = [json.loads(x) for x in row_lines(read_rows_text(folder))]
     rows = pd.DataFrame([_flat_scalars(r) for r in records])
     tensors = pd.DataFrame([
         {"problem_id": r["problem_id"], "comparison": comp, **{k: v for k, v in t.items() if not isinstance(v, dict)}}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..ledger.store import read_rows_text
+from ..ledger.store import read_rows_text, row_lines
 from ..paths import FIGURES, LEDGERS
 from .files import save_table
 
@@ -52,7 +52,7 @@ def exp1_records(ledger_root: str | Path, profile: str, dtype: str) -> dict[str,
     """
     out: dict[str, dict] = {}
     for folder in sorted(Path(ledger_root, profile).glob(f"exp1-{dtype}-*")):
-        for line in read_rows_text(folder).splitlines():
+        for line in row_lines(read_rows_text(folder)):
             if line:
                 rec = json.loads(line)
                 if rec["problem_id"] in out:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..ledger.records import validate_row
-from ..ledger.store import Ledger, read_rows_text, row_bar, run_rows
+from ..ledger.store import Ledger, read_rows_text, row_bar, row_lines, run_rows
 from ..models import context_length
 from ..problems import Problem
 from .actors import RowActors
@@ -102,7 +102,7 @@ def run_arm(
     parsed: list[dict] = []  # the same lines parsed
     if Ledger.folder(root, label, config).is_dir():
         probe = Ledger(root, label, config, row_algorithm=version)
-        committed = [x for x in read_rows_text(probe.dir).splitlines() if x]  # read once: done keys and lines
+        committed = row_lines(read_rows_text(probe.dir))  # read once: done keys and lines
         parsed = [json.loads(x) for x in committed]
         by_id = {r[probe.key]: r for r in parsed}
         if set(ids) <= by_id.keys():  # nothing to compute: no model, no actors; the one line a finished ledger gets
