@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="copy none of the committed ledgers, prefix bank or panels of the profile (only "
                          f"{', '.join(sorted(INPUTS))}): every arm computes its rows again under this code, to be "
                          "compared with the committed ones by `python -m kvreplay.ledger compare` (what this "
-                         "machine already holds under $KV_LEDGERS is still resumed)")
+                         "machine already holds under $KV_LEDGERS is resumed if this library wrote it, else refused)")
     args = ap.parse_args(argv)
     import yaml
 
