@@ -110,14 +110,13 @@ class BatchedRows:
                 group = [p for p in self.todo[start : start + size] if p.problem_id not in self.held]
                 deadline = os.environ.get(CHUNK_DEADLINE_ENV)
                 estimate = os.environ.get(FIRST_CHUNK_ESTIMATE_ENV)
-                if deadline and self.seconds and time.time() + max(self.seconds) > float(deadline):
-                    raise ChunkDeadline(f"not starting a chunk of {len(group)} problems at {it.problem_id}: the "
-                                        f"longest chunk so far took {max(self.seconds):.0f} s (its gates left out) "
-                                        f"and {CHUNK_DEADLINE_ENV} is {float(deadline) - time.time():.0f} s away")
-                if deadline and estimate and not self.seconds and time.time() + float(estimate) > float(deadline):
-                    raise ChunkDeadline(f"not starting the first chunk of {len(group)} problems at {it.problem_id}: "
-                                        f"{FIRST_CHUNK_ESTIMATE_ENV} says {float(estimate):.0f} s (gates included) "
-                                        f"and {CHUNK_DEADLINE_ENV} is {float(deadline) - time.time():.0f} s away")
+                expected = max(self.seconds) if self.seconds else float(estimate) if estimate else None
+                if deadline and expected is not None and time.time() + expected > float(deadline):
+                    which, why = (("a", f"the longest chunk so far took {expected:.0f} s (its gates left out)")
+                                  if self.seconds else
+                                  ("the first", f"{FIRST_CHUNK_ESTIMATE_ENV} says {expected:.0f} s (gates included)"))
+                    raise ChunkDeadline(f"not starting {which} chunk of {len(group)} problems at {it.problem_id}: "
+                                        f"{why} and {CHUNK_DEADLINE_ENV} is {float(deadline) - time.time():.0f} s away")
                 if self.reference is not None:
                     before = len(self.checks)
                     self.check_reference(*self.reference)
