@@ -41,7 +41,9 @@ its entry) instead of losing the chunk's rows to the kill; the child's first chu
 held to the same rule through ``KV_FIRST_CHUNK_ESTIMATE`` (:func:`longest_chunk_s`: the longest earlier chunk of
 the same size, gates included, in the arm's run logs, committed or on this machine; none: unguarded; an empty
 value set by the caller turns it off), and an arm stopped before its first chunk counts as a failure
-(``no_progress``). With ``--from-scratch`` an arm whose ledger on this machine holds rows of another library is
+(``no_progress``). ``--from-scratch --upstream-of-this-library`` also copies the committed ledger folders that the
+running library wrote and the prefix bank built from one of them, so that a later arm (Experiments 3-5, the
+controls) is recomputed on a fresh machine without recomputing its upstream. With ``--from-scratch`` an arm whose ledger on this machine holds rows of another library is
 refused (they would be resumed, not recomputed); each entry records ``rows_before``, the rows it resumed from. After each arm its ledger folder is packed,
 rows sealed (gzip), into ``OUTDIR/<ledger folder>.tar.gz``, and
 ``OUTDIR/gpu_profile.json`` records per arm: wall time, rows done of rows
@@ -85,14 +87,27 @@ INPUTS = {"role_adaptation.json"}
 checkpoint family notebook 00 trains on the CPU): ``--from-scratch`` still copies them."""
 
 
-def seed_ledger_root(here: Path, there: Path, from_scratch: bool = False) -> list[str]:
+def seed_ledger_root(here: Path, there: Path, from_scratch: bool = False, library: str | None = None) -> list[str]:
     """Copy the committed ledger folders and files of ``here`` (``data/ledgers/<profile>``) into ``there`` (under
     ``$KV_LEDGERS``), so an arm resumes from them; never overwrite what ``there`` already holds. With
-    ``from_scratch`` only :data:`INPUTS` are copied. Returns the names copied."""
+    ``from_scratch`` only :data:`INPUTS` are copied, and, when ``library`` (a ``library_sha256``) is given, also
+    the ledger folders that library wrote (their ``environment.json``) and the prefix bank whose source ledger is
+    one of them: the upstream an arm reads, never rows or a panel of another library. Returns the names copied."""
+    def own(src: Path) -> bool:
+        if src.is_dir():
+            return _library_of(src) == library
+        if src.name.startswith("prefix_bank_") and src.name.endswith((".jsonl", ".jsonl.manifest.json")):
+            manifest = here / (src.name if src.name.endswith(".manifest.json") else src.name + ".manifest.json")
+            source = json.loads(manifest.read_text()).get("source_ledger") if manifest.is_file() else None
+            return bool(source) and _library_of(here / source) == library
+        return False
+
     copied = []
     if here.is_dir():
         for src in sorted(here.iterdir()):
-            if (from_scratch and src.name not in INPUTS) or (there / src.name).exists():
+            if (there / src.name).exists():
+                continue
+            if from_scratch and src.name not in INPUTS and not (library and own(src)):
                 continue
             (shutil.copytree if src.is_dir() else shutil.copy2)(src, there / src.name)
             copied.append(src.name)
@@ -318,7 +333,14 @@ def main(argv: list[str] | None = None) -> int:
                          f"{', '.join(sorted(INPUTS))}): every arm computes its rows again under this code, to be "
                          "compared with the committed ones by `python -m kvreplay.ledger compare` (what this "
                          "machine already holds under $KV_LEDGERS is resumed if this library wrote it, else refused)")
+    ap.add_argument("--upstream-of-this-library", action="store_true",
+                    help="with --from-scratch: also copy the committed ledger folders this library wrote (their "
+                         "environment.json) and the prefix bank whose source ledger is one of them, so that an arm "
+                         "reading upstream ledgers (Experiments 3-5, the controls) finds them instead of needing "
+                         "them computed in the same call; nothing written by another library is copied")
     args = ap.parse_args(argv)
+    if args.upstream_of_this_library and not args.from_scratch:
+        ap.error("--upstream-of-this-library needs --from-scratch")
     import yaml
 
     sets = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
@@ -350,13 +372,15 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_parameters(args.profile, overrides).profile  # the ledger folder (an override may relabel it)
     here, there = ROOT / "data" / "ledgers" / profile, ledger_root / profile
     there.mkdir(parents=True, exist_ok=True)
-    seed_ledger_root(here, there, from_scratch=args.from_scratch)
-    execution = load_parameters(args.profile, overrides).execution
-    chunk = execution.get("chunk") or execution.get("batch")  # kvreplay.runner.EngineRun.problems_per_chunk
     from kvreplay.ledger.store import library_digest
 
     library = library_digest()
-    report: dict = {"profile": args.profile, "overrides": overrides, "arms": {}}
+    seeded = seed_ledger_root(here, there, from_scratch=args.from_scratch,
+                              library=library if args.upstream_of_this_library else None)
+    execution = load_parameters(args.profile, overrides).execution
+    chunk = execution.get("chunk") or execution.get("batch")  # kvreplay.runner.EngineRun.problems_per_chunk
+    report: dict = {"profile": args.profile, "overrides": overrides, "library_sha256": library, "seeded": seeded,
+                    "arms": {}}
     for arm in args.arms:
         left = args.budget - (time.perf_counter() - t0) - PACK_S
         if left < args.min_arm_s:

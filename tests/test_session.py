@@ -219,6 +219,39 @@ def test_gpu_profile_from_scratch_copies_only_the_chain_inputs(tmp_path):
     assert (resumed / "exp4_panel.json").read_text() == "this machine's"
 
 
+def test_gpu_profile_from_scratch_can_seed_the_upstream_this_library_wrote(tmp_path):
+    """`--upstream-of-this-library`: ledger folders written by this library and the prefix bank built from one of
+    them are copied; a folder of another library, a bank built from one, and panels are not."""
+    import importlib.util
+    import json
+
+    from kvreplay.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
+    gpu_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_profile)
+    here = tmp_path / "committed"
+    for name, library in (("exp1-bfloat16-abc", "ours"), ("exp4-bfloat16-def", "theirs")):
+        (here / name).mkdir(parents=True)
+        (here / name / "environment.json").write_text(json.dumps({"library_sha256": library}))
+    for name in ("exp4_panel.json", "role_adaptation.json", "prefix_bank_bf16.jsonl"):
+        (here / name).write_text(name)
+    bank_manifest = here / "prefix_bank_bf16.jsonl.manifest.json"
+    bank_manifest.write_text(json.dumps({"source_ledger": "exp1-bfloat16-abc"}))
+    seeded = tmp_path / "seeded"
+    seeded.mkdir()
+    assert gpu_profile.seed_ledger_root(here, seeded, from_scratch=True, library="ours") == [
+        "exp1-bfloat16-abc", "prefix_bank_bf16.jsonl", "prefix_bank_bf16.jsonl.manifest.json", "role_adaptation.json"]
+    bank_manifest.write_text(json.dumps({"source_ledger": "exp4-bfloat16-def"}))
+    other = tmp_path / "other"
+    other.mkdir()
+    assert gpu_profile.seed_ledger_root(here, other, from_scratch=True, library="ours") == [
+        "exp1-bfloat16-abc", "role_adaptation.json"]
+    (tmp_path / "none").mkdir()
+    assert gpu_profile.seed_ledger_root(here, tmp_path / "none", from_scratch=True,
+                                        library="nobody's") == ["role_adaptation.json"]
+
+
 def test_gpu_profile_estimates_a_first_chunk_from_earlier_run_logs(tmp_path):
     """The estimate is the longest earlier chunk of the same size in the arm's run logs (a chunk's time sits on its
     first row), committed or on this machine; a resumed call leaves out a new arm's first chunk (its gates are the
