@@ -5,7 +5,7 @@
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu; also writes executed/cpu/)
 #   make lab      JupyterLab on the drift explorer (notebooks/08_drift_explorer.ipynb; --allow-root as root)
 #   make verify   recompute committed rows of each experiment and compare bit for bit
-#                 (VERIFY_ARGS="--profile cpu --rows 1"; see python -m kvreplay.verify -h)
+#                 (PROFILE=gpu VERIFY_ARGS="--rows 1 --only exp1"; see python -m kvreplay.verify -h)
 #   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
 #                 (BENCH_ARGS="--device cuda --workers 2": 2 Ray row actors; see python -m kvreplay.bench -h)
 #   make clean    remove build/ and caches   (keeps data/ and .venv)

@@ -42,7 +42,7 @@ held to the same rule through ``KV_FIRST_CHUNK_ESTIMATE`` (:func:`longest_chunk_
 the same size, gates included, in the arm's run logs, committed or on this machine; none: unguarded; an empty
 value set by the caller turns it off), and an arm stopped before its first chunk counts as a failure
 (``no_progress``). ``--from-scratch --upstream-of-this-library`` also copies the committed ledger folders that the
-running library wrote and the prefix bank built from one of them, so that a later arm (Experiments 3-5, the
+running library wrote (but not those of the arms it runs) and the prefix bank built from one of them, so that a later arm (Experiments 3-5, the
 controls) is recomputed on a fresh machine without recomputing its upstream. With ``--from-scratch`` an arm whose ledger on this machine holds rows of another library is
 refused (they would be resumed, not recomputed); each entry records ``rows_before``, the rows it resumed from. After each arm its ledger folder is packed,
 rows sealed (gzip), into ``OUTDIR/<ledger folder>.tar.gz``, and
@@ -87,19 +87,21 @@ INPUTS = {"role_adaptation.json"}
 checkpoint family notebook 00 trains on the CPU): ``--from-scratch`` still copies them."""
 
 
-def seed_ledger_root(here: Path, there: Path, from_scratch: bool = False, library: str | None = None) -> list[str]:
+def seed_ledger_root(here: Path, there: Path, from_scratch: bool = False, library: str | None = None,
+                     arms: tuple[str, ...] = ()) -> list[str]:
     """Copy the committed ledger folders and files of ``here`` (``data/ledgers/<profile>``) into ``there`` (under
     ``$KV_LEDGERS``), so an arm resumes from them; never overwrite what ``there`` already holds. With
     ``from_scratch`` only :data:`INPUTS` are copied, and, when ``library`` (a ``library_sha256``) is given, also
     the ledger folders that library wrote (their ``environment.json``) and the prefix bank whose source ledger is
-    one of them: the upstream an arm reads, never rows or a panel of another library. Returns the names copied."""
+    one of them, except the folders of ``arms`` (``exp4-bfloat16``, ...: those are recomputed) and a bank built from
+    one of those: the upstream an arm reads, never rows or a panel of another library. Returns the names copied."""
     def own(src: Path) -> bool:
         if src.is_dir():
-            return _library_of(src) == library
+            return _library_of(src) == library and not any(src.name.startswith(f"{arm}-") for arm in arms)
         if src.name.startswith("prefix_bank_") and src.name.endswith((".jsonl", ".jsonl.manifest.json")):
             manifest = here / (src.name if src.name.endswith(".manifest.json") else src.name + ".manifest.json")
             source = json.loads(manifest.read_text()).get("source_ledger") if manifest.is_file() else None
-            return bool(source) and _library_of(here / source) == library
+            return bool(source) and own(here / source)  # not when its source arm is recomputed here
         return False
 
     copied = []
@@ -335,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                          "machine already holds under $KV_LEDGERS is resumed if this library wrote it, else refused)")
     ap.add_argument("--upstream-of-this-library", action="store_true",
                     help="with --from-scratch: also copy the committed ledger folders this library wrote (their "
-                         "environment.json) and the prefix bank whose source ledger is one of them, so that an arm "
+                         "environment.json), except those of the arms named here, and the prefix bank whose source ledger is one of them, so that an arm "
                          "reading upstream ledgers (Experiments 3-5, the controls) finds them instead of needing "
                          "them computed in the same call; nothing written by another library is copied")
     args = ap.parse_args(argv)
@@ -376,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
     library = library_digest()
     seeded = seed_ledger_root(here, there, from_scratch=args.from_scratch,
-                              library=library if args.upstream_of_this_library else None)
+                              library=library if args.upstream_of_this_library else None, arms=tuple(args.arms))
     execution = load_parameters(args.profile, overrides).execution
     chunk = execution.get("chunk") or execution.get("batch")  # kvreplay.runner.EngineRun.problems_per_chunk
     report: dict = {"profile": args.profile, "overrides": overrides, "library_sha256": library, "seeded": seeded,

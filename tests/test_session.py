@@ -242,6 +242,15 @@ def test_gpu_profile_from_scratch_can_seed_the_upstream_this_library_wrote(tmp_p
     seeded.mkdir()
     assert gpu_profile.seed_ledger_root(here, seeded, from_scratch=True, library="ours") == [
         "exp1-bfloat16-abc", "prefix_bank_bf16.jsonl", "prefix_bank_bf16.jsonl.manifest.json", "role_adaptation.json"]
+    rerun = tmp_path / "rerun"  # an arm named on the command line is recomputed, even if this library wrote it
+    rerun.mkdir()
+    assert gpu_profile.seed_ledger_root(here, rerun, from_scratch=True, library="ours", arms=("exp1-bfloat16",)) == [
+        "role_adaptation.json"]  # nor the bank built from it
+    upstream = tmp_path / "upstream"
+    upstream.mkdir()
+    assert gpu_profile.seed_ledger_root(here, upstream, from_scratch=True, library="ours",
+                                        arms=("exp4-bfloat16", "exp2_controls-bfloat16")) == [
+        "exp1-bfloat16-abc", "prefix_bank_bf16.jsonl", "prefix_bank_bf16.jsonl.manifest.json", "role_adaptation.json"]
     bank_manifest.write_text(json.dumps({"source_ledger": "exp4-bfloat16-def"}))
     other = tmp_path / "other"
     other.mkdir()

@@ -20,7 +20,8 @@ from .store import LedgerError, seal, unseal
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvreplay.ledger", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvreplay.ledger", description=__doc__.replace("``", "`").replace(":mod:`", "`"),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("action", choices=("seal", "unseal", "compare"))
     ap.add_argument("folders", nargs="+", type=Path,
                     help="ledger folders (holding manifest.json); for compare: two profile folders, the recomputed "

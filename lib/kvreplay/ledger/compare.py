@@ -183,8 +183,9 @@ def describe(entry: dict) -> str:
     rows = {"identical": f"rows identical ({n})",
             "prefix": f"rows identical so far ({k} of {m} committed)",
             "longer": f"rows: the {m} committed are the first {m} of {n} recomputed",
-            "differs": f"rows part after {k} identical rows, at row {k + 1} ({r['first_difference']}); {n} "
-                       f"recomputed, {m} committed"}[r["state"]]
+            "differs": f"rows part after {k} identical rows, at row {k + 1} "
+                       f"({r['first_difference'] if r['first_difference'] is not None else 'no readable problem_id'}); "
+                       f"{n} recomputed, {m} committed"}[r["state"]]
     env = ", ".join(entry["environment"]) or "none"
     return f"{name}: {rows}; manifest {entry['manifest']}; environment keys that differ: {env}"
 
