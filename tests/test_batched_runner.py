@@ -415,3 +415,30 @@ def test_a_grouped_attention_arm_passes_every_gate_and_verifies_byte_for_byte(tm
     assert any(e["event"] == "gates" and any(c["gate"] == "composition" for c in e["checks"]) for e in events)
     checks = verify_ledger(ledger_g.dir, rows=2, pick="first", problems=problems, model=str(tmp_path / "tiny-llama"))
     assert [(c.mode, c.ok) for c in checks] == [("bytes", True)] * 2
+
+
+def test_a_read_only_run_reads_finished_ledgers_and_refuses_to_compute(tmp_path, tiny_arm, monkeypatch):
+    """`KV_LEDGERS_READ_ONLY=1` (what `make paper` sets for a profile computed on a GPU): a finished arm is read;
+    an arm with rows left, under its own key or another one (a changed parameter), raises before a model is
+    loaded or a folder made, and names the arm's other folders with their rows."""
+    from kvreplay.runner import READ_ONLY_ENV, ReadOnlyLedgerError
+
+    problems = _problems(3)
+    rows, ledger = run_live_vs_prefill(problems, tiny_arm(), ledger_root=tmp_path, progress=False)
+    monkeypatch.setenv(READ_ONLY_ENV, "1")
+    loads = []
+    monkeypatch.setattr(ArmSettings, "load", lambda self: loads.append(self) or pytest.fail("model loaded"))
+    again, same = run_live_vs_prefill(problems, tiny_arm(), ledger_root=tmp_path, progress=False)
+    assert again == rows and same.dir == ledger.dir
+    folders = sorted(p.name for p in (tmp_path / "t").iterdir())
+    with pytest.raises(ReadOnlyLedgerError, match=r"4 of 4 rows of this arm are not in any ledger") as e:
+        run_live_vs_prefill(_problems(4), tiny_arm(), ledger_root=tmp_path, progress=False)  # another key
+    assert f"other folders of this arm: {ledger.dir.name} (3 of 3 rows)" in str(e.value) and e.value.todo == 4
+    with pytest.raises(ReadOnlyLedgerError, match="changed a ledger key or a panel"):
+        run_live_vs_prefill(problems, tiny_arm(preflight=2), ledger_root=tmp_path, progress=False)
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == folders and loads == []
+    text = (ledger.dir / "rows.jsonl").read_text()
+    (ledger.dir / "rows.jsonl").write_text("".join(text.splitlines(keepends=True)[:2]))  # an unfinished arm
+    with pytest.raises(ReadOnlyLedgerError, match=r"1 of 3 rows .* no other folder of this arm") as e:
+        run_live_vs_prefill(problems, tiny_arm(), ledger_root=tmp_path, progress=False)
+    assert e.value.path == ledger.dir and loads == []

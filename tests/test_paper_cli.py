@@ -248,3 +248,40 @@ def test_a_profile_computed_on_a_gpu_refuses_notebooks_whose_arms_are_unfinished
     assert main(["--profile", "paper", "--only", "00", "--no-html", "--no-executed"]) == 2
     err = capsys.readouterr().err
     assert "00_role_adaptation.ipynb: trains a checkpoint family" in err and "role_adaptation.json" in err and ran == []
+
+
+def test_a_profile_computed_on_a_gpu_runs_its_notebooks_read_only(monkeypatch, tmp_path):
+    """For a profile whose file lists `done:` the notebooks' kernels get KV_LEDGERS_READ_ONLY=1 (run_arm then
+    refuses to compute a row whose key no ledger holds, e.g. after an edit that changes a key); for another
+    profile they do not; either way `main` restores the variable when it returns."""
+    import os
+
+    import kvreplay.paper as paper
+    from kvreplay.runner import READ_ONLY_ENV
+
+    seen = []
+    monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(paper, "run_notebook", lambda name, *a, **k: seen.append((name, os.environ.get(READ_ONLY_ENV))))
+    monkeypatch.delenv(READ_ONLY_ENV, raising=False)
+    assert paper.main(["--profile", "paper", "--only", "06", "--force", "--no-html", "--no-executed"]) == 0
+    assert seen == [("06_tables.ipynb", "1")] and READ_ONLY_ENV not in os.environ
+    assert paper.main(["--profile", "smoke", "--only", "01", "--force", "--no-html", "--no-executed"]) == 0
+    assert seen[1] == ("01_experiment1_live_vs_prefill.ipynb", None) and READ_ONLY_ENV not in os.environ
+
+
+def test_a_read_only_session_keeps_its_frozen_panels(monkeypatch, tmp_path):
+    """Under KV_LEDGERS_READ_ONLY=1 a notebook may write a panel only as it already is: a changed or new panel
+    (parameters that choose other problems) is refused before it is written."""
+    import pytest
+    from kvreplay.runner import READ_ONLY_ENV, ReadOnlyLedgerError
+    from kvreplay.session import open_session
+
+    session = open_session("notebooks/04_experiment4_cache_transplant.ipynb", "smoke", {"ledger_root": str(tmp_path)})
+    path = session.write_panel("exp4_panel", rule="r", panel=[1, 2])
+    monkeypatch.setenv(READ_ONLY_ENV, "1")
+    assert session.write_panel("exp4_panel", rule="r", panel=[1, 2]) == path  # the same bytes: allowed
+    with pytest.raises(ReadOnlyLedgerError, match="this frozen panel would be changed"):
+        session.write_panel("exp4_panel", rule="r", panel=[1, 3])
+    with pytest.raises(ReadOnlyLedgerError, match="this frozen panel would be created"):
+        session.write_panel("exp5_panel", rule="r", panel=[1])
+    assert path.read_text().count("3") == 0 and not (path.parent / "exp5_panel.json").exists()

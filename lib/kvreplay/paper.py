@@ -52,6 +52,7 @@ from .ledger.lookup import ledger_progress
 from .ledger.store import TERMINAL_PROGRESS, canonical_json, library_digest
 from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, ROOT
 from .profiles import ChainParameters, load_parameters, profile_path, read_profile
+from .runner import READ_ONLY_ENV
 
 EXECUTED_PROFILES = ("cpu", "gpu", "paper")
 """Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (those with committed ledgers)."""
@@ -390,6 +391,21 @@ def inputs_digest(name: str, params: ChainParameters) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``make paper``; see the module docstring. The environment variables it sets for the notebooks' kernels
+    (:data:`~kvreplay.ledger.store.TERMINAL_PROGRESS`, and :data:`~kvreplay.runner.READ_ONLY_ENV` for a profile
+    whose file lists ``done:``) are restored when it returns."""
+    saved = {k: os.environ.get(k) for k in (TERMINAL_PROGRESS, READ_ONLY_ENV)}
+    try:
+        return _main(argv)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.paper", description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="cpu")
     ap.add_argument("--only", nargs="*", help="notebook name prefixes to run (default: the whole chain)")
@@ -443,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
                   "(`notebooks:` / --only):\n  "
                   + "\n  ".join(missing), file=sys.stderr)
             return 2
+        # every arm is complete under some folder; should a notebook build another key (a profile file edited in a
+        # way that changes one), its run_arm refuses to compute rather than compute here (kernels inherit this)
+        os.environ[READ_ONLY_ENV] = "1"
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if args.engine == "inprocess":

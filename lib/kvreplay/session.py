@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from .problems import Problem, load_bank, load_problems
 from .profiles import DEFAULT_PROFILE, ChainParameters, describe, load_parameters
 from .report.files import contract_frame, save_figure, save_table
 from .report.summary import TABLE_CAPTIONS
-from .runner import ArmSettings, resolve_execution
+from .runner import READ_ONLY_ENV, ArmSettings, ReadOnlyLedgerError, resolve_execution
 
 ENGINE_KEYS = ("step_path", "batch", "max_len", "chunk", "attention")
 """Execution-contract keys that drive the batched engine (left out of an arm without a batched runner)."""
@@ -185,10 +186,17 @@ class Session:
         The one writer of panel files (notebooks 03-05). ``doc`` holds the rule and the chosen problem IDs
         (and whatever else defines the panel, e.g. :func:`kvreplay.experiments.replication.panel_doc`); it
         is written as indented JSON, keys in the order given or, with ``sort_keys``, sorted.
+
+        Raises:
+            ReadOnlyLedgerError: :data:`~kvreplay.runner.READ_ONLY_ENV` is ``1`` and the file would change or be
+                created (``make paper`` on a profile computed on a GPU).
         """
         path = self.ledger_root / self.profile / f"{name}.json"
+        text = json.dumps(doc, indent=1, sort_keys=sort_keys) + "\n"
+        if os.environ.get(READ_ONLY_ENV) == "1" and not (path.is_file() and path.read_text() == text):
+            raise ReadOnlyLedgerError(path, "this frozen panel would be " + ("changed" if path.is_file() else "created"))
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1, sort_keys=sort_keys) + "\n")
+        path.write_text(text)
         return path
 
     def save_table(self, df: pd.DataFrame, stem: str, caption: str | None = None) -> list[Path]:

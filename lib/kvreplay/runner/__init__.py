@@ -25,7 +25,7 @@ from .batched import (
     first_difference,
     leaves,
 )
-from .loop import run_arm
+from .loop import READ_ONLY_ENV, ReadOnlyLedgerError, run_arm
 from .spec import (
     ARM_STEP_PATHS,
     EXECUTION_DEFAULTS,
@@ -47,7 +47,7 @@ from .spec import (
 
 __all__ = [
     "ARM_STEP_PATHS", "CHUNK_DEADLINE_ENV", "EXECUTION_DEFAULTS", "EXECUTION_KEYS", "EXECUTION_KINDS", "FIRST_CHUNK_ESTIMATE_ENV",
-    "GRAPH_CHECK_STEPS", "ROW_ALGORITHM", "ArmSettings", "BatchedRows", "ChunkDeadline", "EngineRun", "Hook", "RunSpec",
+    "GRAPH_CHECK_STEPS", "READ_ONLY_ENV", "ROW_ALGORITHM", "ArmSettings", "BatchedRows", "ChunkDeadline", "EngineRun", "Hook", "ReadOnlyLedgerError", "RunSpec",
     "arm_environment", "check_execution", "check_prompts", "first_difference", "leaves", "model_key", "problems_digest",
     "resolve_execution",
     "role_table_key", "run_arm",

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..ledger.lookup import ledger_progress
 from ..ledger.records import validate_row
 from ..ledger.store import Ledger, read_rows_text, row_bar, row_lines, run_rows
 from ..models import context_length
@@ -27,6 +29,38 @@ from .spec import (
     arm_environment,
     check_prompts,
 )
+
+READ_ONLY_ENV = "KV_LEDGERS_READ_ONLY"
+"""Set to ``1`` (``make paper`` does, for a profile whose file lists ``done:``: one computed on a GPU across device
+sessions), :func:`run_arm` reads finished ledgers but computes no row: an arm with any row left to compute raises
+:class:`ReadOnlyLedgerError` before a model is loaded or a ledger folder created."""
+
+
+class ReadOnlyLedgerError(RuntimeError):
+    """Something under the ledger root would be computed or rewritten while :data:`READ_ONLY_ENV` is ``1``: an
+    arm's rows (:func:`run_arm`) or a frozen panel (:meth:`kvreplay.session.Session.write_panel`).
+
+    Attributes:
+        path: the ledger folder the arm's config names, or the panel file (either may not exist).
+        todo: how many of the arm's rows no ledger holds (``None`` for a panel).
+    """
+
+    def __init__(self, path: Path, what: str, todo: int | None = None):
+        self.path, self.todo = path, todo
+        super().__init__(
+            f"{path}: {what}, and {READ_ONLY_ENV}=1 (make paper on a profile computed on a GPU, whose file lists "
+            "`done:`) forbids that here. A profile file or notebook parameters that changed a ledger key or a "
+            "panel do this: undo that change, or compute the rows with scripts/gpu_profile.py.")
+
+
+def _other_folders(root: Path, label: str, folder: Path) -> list[str]:
+    out = []
+    for f in sorted(root.glob(f"{label}-*/manifest.json")):
+        if f.parent != folder:
+            done, wanted = ledger_progress(f.parent)
+            out.append(f"{f.parent.name} ({done} of {wanted} rows)")
+    return out
+
 
 
 def run_arm(
@@ -87,6 +121,8 @@ def run_arm(
             or GPUs), or an explicit ``cuda:N`` with ``workers > 1``.
         RuntimeError: a row actor failed to start (its cause is named), or
             every row actor died (finished rows stay in the ledger).
+        ReadOnlyLedgerError: a row left to compute while :data:`READ_ONLY_ENV` is ``1``, before any model is
+            loaded or ledger folder created.
     """
     if settings.step_path != "eager" and chunk is None:
         raise ValueError(f"experiment {name!r} has no batched runner: step path {settings.step_path!r} is "
@@ -110,6 +146,12 @@ def run_arm(
             return [by_id[i] for i in ids], probe
         done = set(by_id)
     todo = [p for p in problems if p.problem_id not in done]
+    if todo and os.environ.get(READ_ONLY_ENV) == "1":
+        folder = Ledger.folder(root, label, config)
+        others = _other_folders(root, label, folder)
+        held = "; other folders of this arm: " + ", ".join(others) if others else "; no other folder of this arm"
+        raise ReadOnlyLedgerError(folder, f"{len(todo)} of {len(ids)} rows of this arm are not in any ledger{held}",
+                                  len(todo))
     equivalence_ids = frozenset(ids[: settings.preflight])
     first = todo[0].problem_id if todo else None  # composition gate (batched), per run, whatever the preflight count
     groups = len(todo) if settings.step_path == "eager" else -(-len(todo) // (settings.chunk or settings.batch))
