@@ -288,3 +288,23 @@ def test_embedded_checkpoint_is_the_gguf_converted_once(tmp_path, monkeypatch):
     assert models.embedded_checkpoint() == folder
     assert models.file_sha256(weights) == json.loads((folder / "conversion.json").read_text())["model_safetensors_sha256"]
     assert bytes(data) != weights.read_bytes()
+
+
+def test_a_bpe_tokenizer_decodes_without_the_ignored_cleanup_warning(capsys):
+    """transformers ignores clean_up_tokenization_spaces for BPE and warns on every decode: it is turned off there
+    (same text), and kept on for a WordPiece tokenizer, where it changes the text."""
+    from conftest import make_tokenizer
+    from kvreplay.models import without_ignored_cleanup
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = make_tokenizer()
+    tok.clean_up_tokenization_spaces = True
+    ids = tok.encode("a , b .")
+    before = tok.decode(ids)
+    assert without_ignored_cleanup(tok) is tok and tok.clean_up_tokenization_spaces is False
+    assert tok.decode(ids) == before
+    wp = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, ",": 2}, unk_token="[UNK]"))
+    wp.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece = PreTrainedTokenizerFast(tokenizer_object=wp, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    assert without_ignored_cleanup(wordpiece).clean_up_tokenization_spaces is True

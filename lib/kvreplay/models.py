@@ -313,7 +313,7 @@ def load_model(
         identity = {"model": model_str}
     try:
         with quiet_loading():
-            tok = AutoTokenizer.from_pretrained(source, **kwargs)
+            tok = without_ignored_cleanup(AutoTokenizer.from_pretrained(source, **kwargs))
             # GGUF weights are dequantized in float32, then cast: the same bits in every run.
             m = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as e:
@@ -662,6 +662,19 @@ def environment_record(lm: LoadedModel | None = None, threads: int | None = None
     return contract
 
 
+def without_ignored_cleanup(tok):
+    """``tok`` with ``clean_up_tokenization_spaces`` off when its backend is BPE, returned.
+
+    transformers ignores that flag for a BPE tokenizer (decoding is the same either way) but warns on every decode
+    while it is on, which filled the executed notebooks' output; a WordPiece tokenizer, for which the flag does
+    change the text, keeps it as its config says.
+    """
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        tok.clean_up_tokenization_spaces = False
+    return tok
+
+
 def load_tokenizer(model: str):
     """The tokenizer alone (no weights), for decoding ledger token IDs when nothing is rebuilt."""
     from transformers import AutoTokenizer
@@ -669,8 +682,8 @@ def load_tokenizer(model: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with quiet_loading():
         if model == EMBEDDED:
-            return AutoTokenizer.from_pretrained(str(embedded_checkpoint()))
+            return without_ignored_cleanup(AutoTokenizer.from_pretrained(str(embedded_checkpoint())))
         if str(model).endswith(".gguf"):
             p = Path(model)
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-        return AutoTokenizer.from_pretrained(model)
+            return without_ignored_cleanup(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
+        return without_ignored_cleanup(AutoTokenizer.from_pretrained(model))
