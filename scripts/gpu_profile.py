@@ -100,7 +100,7 @@ def seed_ledger_root(here: Path, there: Path, from_scratch: bool = False, librar
             return _library_of(src) == library and not any(src.name.startswith(f"{arm}-") for arm in arms)
         if src.name.startswith("prefix_bank_") and src.name.endswith((".jsonl", ".jsonl.manifest.json")):
             manifest = here / (src.name if src.name.endswith(".manifest.json") else src.name + ".manifest.json")
-            source = json.loads(manifest.read_text()).get("source_ledger") if manifest.is_file() else None
+            source = _json_file(manifest).get("source_ledger") if manifest.is_file() else None
             return bool(source) and own(here / source)  # not when its source arm is recomputed here
         return False
 
@@ -116,10 +116,21 @@ def seed_ledger_root(here: Path, there: Path, from_scratch: bool = False, librar
     return copied
 
 
+def _json_file(path: Path) -> dict:
+    """A JSON object from ``path``; a file that is not one stops the script with its name (before any arm runs)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {path}: not readable as JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise SystemExit(f"error: {path}: a JSON {type(doc).__name__}, not an object")
+    return doc
+
+
 def _library_of(folder: Path) -> str | None:
     """The ``library_sha256`` a ledger folder was written by (its ``environment.json``), or ``None``."""
     env = folder / "environment.json"
-    return json.loads(env.read_text()).get("library_sha256") if env.is_file() else None
+    return _json_file(env).get("library_sha256") if env.is_file() else None
 
 
 def _rows_in(folder: Path) -> int:
@@ -381,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
                               library=library if args.upstream_of_this_library else None, arms=tuple(args.arms))
     execution = load_parameters(args.profile, overrides).execution
     chunk = execution.get("chunk") or execution.get("batch")  # kvreplay.runner.EngineRun.problems_per_chunk
+    if args.upstream_of_this_library and not set(seeded) - INPUTS:
+        written = sorted({str(_library_of(f))[:12] for f in here.iterdir() if f.is_dir()}) if here.is_dir() else []
+        print(f"warning: --upstream-of-this-library: no committed folder of {here} was written by this library "
+              f"({library[:12]}; they were written by {written or 'none'}), so an arm that reads upstream ledgers will "
+              "find none (carry the library that wrote them, see scripts/offline_gpu_env.sh)", file=sys.stderr)
     report: dict = {"profile": args.profile, "overrides": overrides, "library_sha256": library, "seeded": seeded,
                     "arms": {}}
     for arm in args.arms:

@@ -255,3 +255,25 @@ def test_a_row_holding_a_unicode_line_separator_reads_back_as_one_row(tmp_path):
     seal(ledger.dir)
     assert read_ledger(ledger.dir).records == rows
     assert Ledger(tmp_path, "sep-bfloat16", {"a": 1, "problem_ids": ["p0", "p1"]}).complete(["p0", "p1"])
+
+
+def test_a_read_only_ledger_root_keeps_its_prefix_bank(tmp_path, monkeypatch):
+    """Under KV_LEDGERS_READ_ONLY=1 the bank is left untouched when it already holds the same bank (same source
+    ledger), and refused when it would be created or its manifest would change."""
+    import pytest
+    from kvreplay.ledger import READ_ONLY_ENV, ReadOnlyLedgerError
+    from kvreplay.ledger.prefix_bank import write_prefix_bank
+
+    rows = [{"problem_id": "p1", "prompt_len": 3, "prefix": [1, 2, 3, 4]}]
+    bank = tmp_path / "prefix_bank_bf16.jsonl"
+    digest = write_prefix_bank(rows, bank, "exp1-bfloat16-abc")
+    manifest = bank.with_name(bank.name + ".manifest.json")
+    stamps = (bank.stat().st_mtime_ns, manifest.stat().st_mtime_ns)
+    monkeypatch.setenv(READ_ONLY_ENV, "1")
+    assert write_prefix_bank(rows, bank, "exp1-bfloat16-abc") == digest
+    assert (bank.stat().st_mtime_ns, manifest.stat().st_mtime_ns) == stamps  # not even rewritten
+    with pytest.raises(ReadOnlyLedgerError, match="prefix bank .* would be changed"):
+        write_prefix_bank(rows, bank, "exp1-bfloat16-other")
+    with pytest.raises(ReadOnlyLedgerError, match="would be created"):
+        write_prefix_bank(rows, tmp_path / "new" / "prefix_bank_bf16.jsonl", "exp1-bfloat16-abc")
+    assert not (tmp_path / "new").exists() and '"exp1-bfloat16-abc"' in manifest.read_text()

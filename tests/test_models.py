@@ -304,6 +304,10 @@ def test_a_bpe_tokenizer_decodes_without_the_ignored_cleanup_warning(capsys):
     before = tok.decode(ids)
     assert without_ignored_cleanup(tok) is tok and tok.clean_up_tokenization_spaces is False
     assert tok.decode(ids) == before
+    forced = make_tokenizer()
+    forced.clean_up_tokenization_spaces = True
+    forced.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert without_ignored_cleanup(forced).clean_up_tokenization_spaces is True  # its config asks for the cleanup
     wp = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, ",": 2}, unk_token="[UNK]"))
     wp.pre_tokenizer = pre_tokenizers.Whitespace()
     wordpiece = PreTrainedTokenizerFast(tokenizer_object=wp, unk_token="[UNK]", clean_up_tokenization_spaces=True)

@@ -318,3 +318,23 @@ def test_gpu_profile_from_scratch_refuses_rows_of_another_library_on_the_machine
     assert run.returncode == 1, run.stderr[-2000:]
     entry = json.loads((tmp_path / "out" / "gpu_profile.json").read_text())["arms"]["exp1-float32"]
     assert "written by another library" in entry["error"] and "exit" not in entry
+
+
+def test_gpu_profile_names_an_unreadable_manifest_instead_of_a_traceback(tmp_path):
+    import importlib.util
+
+    import pytest
+    from kvreplay.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
+    gpu_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_profile)
+    here = tmp_path / "committed"
+    (here / "exp1-bfloat16-abc").mkdir(parents=True)
+    (here / "exp1-bfloat16-abc" / "environment.json").write_text("[1, 2]")
+    (tmp_path / "there").mkdir()
+    with pytest.raises(SystemExit, match="environment.json: a JSON list, not an object"):
+        gpu_profile.seed_ledger_root(here, tmp_path / "there", from_scratch=True, library="ours")
+    (here / "exp1-bfloat16-abc" / "environment.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="not readable as JSON"):
+        gpu_profile.seed_ledger_root(here, tmp_path / "there", from_scratch=True, library="ours")

@@ -665,12 +665,14 @@ def environment_record(lm: LoadedModel | None = None, threads: int | None = None
 def without_ignored_cleanup(tok):
     """``tok`` with ``clean_up_tokenization_spaces`` off when its backend is BPE, returned.
 
-    transformers ignores that flag for a BPE tokenizer (decoding is the same either way) but warns on every decode
-    while it is on, which filled the executed notebooks' output; a WordPiece tokenizer, for which the flag does
-    change the text, keeps it as its config says.
+    transformers ignores that flag for a BPE tokenizer (decoding is the same either way) but warns (once per
+    process) when it decodes while the flag is on, which put the warning into the executed notebooks' output. A
+    WordPiece tokenizer, for which the flag does change the text, keeps it as its config says, and so does a BPE
+    tokenizer whose config forces the cleanup (``clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output``).
     """
     backend = getattr(tok, "backend_tokenizer", None)
-    if backend is not None and type(backend.model).__name__ == "BPE":
+    forced = getattr(tok, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    if backend is not None and type(backend.model).__name__ == "BPE" and not forced:
         tok.clean_up_tokenization_spaces = False
     return tok
 

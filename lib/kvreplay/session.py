@@ -188,12 +188,15 @@ class Session:
         is written as indented JSON, keys in the order given or, with ``sort_keys``, sorted.
 
         Raises:
-            ReadOnlyLedgerError: :data:`~kvreplay.runner.READ_ONLY_ENV` is ``1`` and the file would change or be
-                created (``make paper`` on a profile computed on a GPU).
+            ReadOnlyLedgerError: :data:`~kvreplay.ledger.store.READ_ONLY_ENV` is ``1`` and the file would change or
+                be created (``make paper`` on a profile computed on a GPU; with the same bytes there, nothing is
+                written).
         """
         path = self.ledger_root / self.profile / f"{name}.json"
         text = json.dumps(doc, indent=1, sort_keys=sort_keys) + "\n"
-        if os.environ.get(READ_ONLY_ENV) == "1" and not (path.is_file() and path.read_text() == text):
+        if os.environ.get(READ_ONLY_ENV) == "1":  # make paper on a profile computed elsewhere: leave it, or refuse
+            if path.is_file() and path.read_text() == text:
+                return path
             raise ReadOnlyLedgerError(path, "this frozen panel would be " + ("changed" if path.is_file() else "created"))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -14,10 +14,12 @@ The store's names are re-exported here.
 """
 
 from .store import (
+    READ_ONLY_ENV,
     SCHEMA_VERSION,
     TERMINAL_PROGRESS,
     Ledger,
     LedgerError,
+    ReadOnlyLedgerError,
     canonical_json,
     config_digest,
     export_parquet,
@@ -31,6 +33,6 @@ from .store import (
 )
 
 __all__ = [
-    "SCHEMA_VERSION", "TERMINAL_PROGRESS", "Ledger", "LedgerError", "canonical_json", "config_digest", "export_parquet",
+    "READ_ONLY_ENV", "SCHEMA_VERSION", "TERMINAL_PROGRESS", "Ledger", "LedgerError", "ReadOnlyLedgerError", "canonical_json", "config_digest", "export_parquet",
     "library_digest", "read_rows_text", "row_bar", "row_lines", "run_rows", "seal", "unseal",
 ]

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..gates import GateError
-from .store import canonical_json, row_lines
+from .store import READ_ONLY_ENV, ReadOnlyLedgerError, canonical_json, row_lines
 
 
 def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: str) -> str:
@@ -33,6 +34,8 @@ def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: 
         FileExistsError: ``path`` already holds a different bank (another row set or other bits). Experiments
             2-5 of the profile were built on that one, so it is never overwritten: delete it (and the ledgers
             built on it) to replace it, or write under another profile label or ledger root.
+        ReadOnlyLedgerError: :data:`~kvreplay.ledger.store.READ_ONLY_ENV` is ``1`` and the bank or its manifest
+            would be created or changed (with the same bytes there, nothing is written).
     """
     lines = []
     for r in records:
@@ -48,11 +51,18 @@ def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: 
             f"{source_ledger}) differs, and Experiments 2-5 of this profile were built on the one there, so it is not "
             f"overwritten. Delete it (and the ledgers built on it) to replace it, or run under another profile label "
             f"(overrides {{'profile': ...}}) or ledger_root")
+    digest = hashlib.sha256(data).hexdigest()
+    manifest = json.dumps({"sha256": digest, "rows": len(lines), "source_ledger": source_ledger}, indent=1,
+                          sort_keys=True) + "\n"
+    manifest_path = Path(str(path) + ".manifest.json")
+    if os.environ.get(READ_ONLY_ENV) == "1":  # make paper on a profile computed elsewhere: leave it, or refuse
+        if path.is_file() and manifest_path.is_file() and manifest_path.read_text() == manifest:
+            return digest
+        raise ReadOnlyLedgerError(path, "this prefix bank (or its manifest) would be " + (
+            "changed" if path.is_file() else "created"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    manifest = {"sha256": digest, "rows": len(lines), "source_ledger": source_ledger}
-    Path(str(path) + ".manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    manifest_path.write_text(manifest)
     return digest
 
 

@@ -138,6 +138,32 @@ def library_digest() -> str:
     return h.hexdigest()
 
 
+READ_ONLY_ENV = "KV_LEDGERS_READ_ONLY"
+"""Set to ``1`` (``make paper`` does, for a profile whose file lists ``done:``: one computed on a GPU across device
+sessions), the ledger root is read, never written: :func:`kvreplay.runner.run_arm` computes no row (an arm with
+any row left raises :class:`ReadOnlyLedgerError` before a model is loaded or a ledger folder created), and a frozen
+panel (:meth:`kvreplay.session.Session.write_panel`) or the prefix bank
+(:func:`kvreplay.ledger.prefix_bank.write_prefix_bank`) is left as it is when it already holds the same bytes and
+refused when it would change or be created."""
+
+
+class ReadOnlyLedgerError(RuntimeError):
+    """Something under the ledger root would be computed or rewritten while :data:`READ_ONLY_ENV` is ``1``: an
+    arm's rows (:func:`kvreplay.runner.run_arm`), a frozen panel or the prefix bank.
+
+    Attributes:
+        path: the ledger folder the arm's config names, or the panel file (either may not exist).
+        todo: how many of the arm's rows no ledger holds (``None`` for a panel).
+    """
+
+    def __init__(self, path: Path, what: str, todo: int | None = None):
+        self.path, self.todo = path, todo
+        super().__init__(
+            f"{path}: {what}, and {READ_ONLY_ENV}=1 (make paper on a profile computed on a GPU, whose file lists "
+            "`done:`) forbids that here. A profile file or notebook parameters that changed a ledger key or a "
+            "panel do this: undo that change, or compute the rows with scripts/gpu_profile.py.")
+
+
 class Ledger:
     """One experiment's append-only ledger for one scientific config.
 

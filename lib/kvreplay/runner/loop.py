@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..ledger.lookup import ledger_progress
 from ..ledger.records import validate_row
-from ..ledger.store import Ledger, read_rows_text, row_bar, row_lines, run_rows
+from ..ledger.store import READ_ONLY_ENV, Ledger, ReadOnlyLedgerError, read_rows_text, row_bar, row_lines, run_rows
 from ..models import context_length
 from ..problems import Problem
 from .actors import RowActors
@@ -29,29 +29,6 @@ from .spec import (
     arm_environment,
     check_prompts,
 )
-
-READ_ONLY_ENV = "KV_LEDGERS_READ_ONLY"
-"""Set to ``1`` (``make paper`` does, for a profile whose file lists ``done:``: one computed on a GPU across device
-sessions), :func:`run_arm` reads finished ledgers but computes no row: an arm with any row left to compute raises
-:class:`ReadOnlyLedgerError` before a model is loaded or a ledger folder created."""
-
-
-class ReadOnlyLedgerError(RuntimeError):
-    """Something under the ledger root would be computed or rewritten while :data:`READ_ONLY_ENV` is ``1``: an
-    arm's rows (:func:`run_arm`) or a frozen panel (:meth:`kvreplay.session.Session.write_panel`).
-
-    Attributes:
-        path: the ledger folder the arm's config names, or the panel file (either may not exist).
-        todo: how many of the arm's rows no ledger holds (``None`` for a panel).
-    """
-
-    def __init__(self, path: Path, what: str, todo: int | None = None):
-        self.path, self.todo = path, todo
-        super().__init__(
-            f"{path}: {what}, and {READ_ONLY_ENV}=1 (make paper on a profile computed on a GPU, whose file lists "
-            "`done:`) forbids that here. A profile file or notebook parameters that changed a ledger key or a "
-            "panel do this: undo that change, or compute the rows with scripts/gpu_profile.py.")
-
 
 def _other_folders(root: Path, label: str, folder: Path) -> list[str]:
     out = []
