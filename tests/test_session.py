@@ -11,6 +11,18 @@ from kvreplay.session import open_session
 NB = "notebooks/02_experiment2_fixed_prefix_precision.ipynb"
 
 
+def _gpu_profile_script():
+    """scripts/gpu_profile.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+
+    from kvreplay.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_session_builds_the_arm_settings_the_notebooks_use(tmp_path, capsys):
     s = open_session(NB, "smoke", {"ledger_root": str(tmp_path / "l"), "figures_root": str(tmp_path / "f")})
     assert capsys.readouterr().out.startswith("profile smoke (notebooks/params/smoke.yaml, sha256 ")  # what the notebook shows
@@ -113,13 +125,7 @@ def test_gpu_profile_passes_the_notebooks_parameters_and_sets_contract_keys_insi
     """scripts/gpu_profile.py hands open_session the notebook's two parameters; `--set chunk=32` changes the profile's
     `execution` mapping (its other keys kept), so the arm keeps its ledger key; a misspelled `--set` is refused with the
     closest parameter or execution key."""
-    import importlib.util
-
-    from kvreplay.paths import ROOT
-
-    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
-    gpu_profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_profile)
+    gpu_profile = _gpu_profile_script()
     nb = "notebooks/01_experiment1_live_vs_prefill.ipynb"
     paper = yaml.safe_load((PARAMS / "paper.yaml").read_text())
     assert gpu_profile.arm_overrides("paper", {}) == {}
@@ -167,14 +173,9 @@ def test_gpu_profile_exits_non_zero_with_the_reason_when_an_arm_fails(tmp_path):
 def test_gpu_profile_reads_gate_failures_from_the_ledger_also_for_a_stopped_arm(tmp_path):
     """An arm stopped by the chunk deadline reports no records from its child, so its gate failures come from the
     ledger's rows (a last line cut off by the time limit is skipped)."""
-    import importlib.util
     import json
 
-    from kvreplay.paths import ROOT
-
-    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
-    gpu_profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_profile)
+    gpu_profile = _gpu_profile_script()
     failure = {"gate": "argmax", "reason": "raw next-token argmax differs between constructions (4590 vs 504)"}
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"problem_id": "a", "gate_failure": None}) + "\n"
@@ -195,13 +196,7 @@ def test_adapt_config_comes_from_the_profile_and_the_training_model_loads_only_w
 def test_gpu_profile_from_scratch_copies_only_the_chain_inputs(tmp_path):
     """`--from-scratch` resumes nothing committed (ledger folders, prefix bank, panels), only the checkpoint pointer;
     without it every committed entry is copied; neither overwrites what the machine already holds."""
-    import importlib.util
-
-    from kvreplay.paths import ROOT
-
-    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
-    gpu_profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_profile)
+    gpu_profile = _gpu_profile_script()
     here = tmp_path / "committed"
     (here / "exp1-bfloat16-abc").mkdir(parents=True)
     (here / "exp1-bfloat16-abc" / "rows.jsonl").write_text("{}\n")
@@ -222,14 +217,9 @@ def test_gpu_profile_from_scratch_copies_only_the_chain_inputs(tmp_path):
 def test_gpu_profile_from_scratch_can_seed_the_upstream_this_library_wrote(tmp_path):
     """`--upstream-of-this-library`: ledger folders written by this library and the prefix bank built from one of
     them are copied; a folder of another library, a bank built from one, and panels are not."""
-    import importlib.util
     import json
 
-    from kvreplay.paths import ROOT
-
-    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
-    gpu_profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_profile)
+    gpu_profile = _gpu_profile_script()
     here = tmp_path / "committed"
     for name, library in (("exp1-bfloat16-abc", "ours"), ("exp4-bfloat16-def", "theirs")):
         (here / name).mkdir(parents=True)
@@ -265,14 +255,9 @@ def test_gpu_profile_estimates_a_first_chunk_from_earlier_run_logs(tmp_path):
     """The estimate is the longest earlier chunk of the same size in the arm's run logs (a chunk's time sits on its
     first row), committed or on this machine; a resumed call leaves out a new arm's first chunk (its gates are the
     dearer ones); other chunk sizes, other arms, eager rows and a cut-off line do not count; none: None."""
-    import importlib.util
     import json
 
-    from kvreplay.paths import ROOT
-
-    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
-    gpu_profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_profile)
+    gpu_profile = _gpu_profile_script()
     committed, machine = tmp_path / "committed", tmp_path / "machine"
 
     def log(folder, *runs):
@@ -321,14 +306,9 @@ def test_gpu_profile_from_scratch_refuses_rows_of_another_library_on_the_machine
 
 
 def test_gpu_profile_names_an_unreadable_manifest_instead_of_a_traceback(tmp_path):
-    import importlib.util
-
     import pytest
-    from kvreplay.paths import ROOT
 
-    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "scripts" / "gpu_profile.py")
-    gpu_profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_profile)
+    gpu_profile = _gpu_profile_script()
     here = tmp_path / "committed"
     (here / "exp1-bfloat16-abc").mkdir(parents=True)
     (here / "exp1-bfloat16-abc" / "environment.json").write_text("[1, 2]")

@@ -152,8 +152,8 @@ class ReadOnlyLedgerError(RuntimeError):
     arm's rows (:func:`kvreplay.runner.run_arm`), a frozen panel or the prefix bank.
 
     Attributes:
-        path: the ledger folder the arm's config names, or the panel file (either may not exist).
-        todo: how many of the arm's rows no ledger holds (``None`` for a panel).
+        path: the ledger folder the arm's config names, or the panel or prefix bank file (it may not exist).
+        todo: how many of the arm's rows no ledger holds (``None`` for a panel or the bank).
     """
 
     def __init__(self, path: Path, what: str, todo: int | None = None):

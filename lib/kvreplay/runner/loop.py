@@ -30,14 +30,15 @@ from .spec import (
     check_prompts,
 )
 
+
 def _other_folders(root: Path, label: str, folder: Path) -> list[str]:
+    """The arm's ledger folders under ``root`` other than ``folder``, each with its finished and wanted rows."""
     out = []
     for f in sorted(root.glob(f"{label}-*/manifest.json")):
         if f.parent != folder:
             done, wanted = ledger_progress(f.parent)
             out.append(f"{f.parent.name} ({done} of {wanted} rows)")
     return out
-
 
 
 def run_arm(
