@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,13 +34,13 @@ from .adapt import AdaptConfig
 from .contract import Caps
 from .experiments.fixed_prefix import FixedPrefixes, load_fixed_prefixes
 from .ledger.lookup import PREFIX_BANK, LoadedLedger, find_chain_ledger
-from .ledger.store import Ledger
+from .ledger.store import Ledger, unchanged_when_read_only
 from .models import LoadedModel, load_model
 from .problems import Problem, load_bank, load_problems
 from .profiles import DEFAULT_PROFILE, ChainParameters, describe, load_parameters
 from .report.files import contract_frame, save_figure, save_table
 from .report.summary import TABLE_CAPTIONS
-from .runner import READ_ONLY_ENV, ArmSettings, ReadOnlyLedgerError, resolve_execution
+from .runner import ArmSettings, resolve_execution
 
 ENGINE_KEYS = ("step_path", "batch", "max_len", "chunk", "attention")
 """Execution-contract keys that drive the batched engine (left out of an arm without a batched runner)."""
@@ -194,10 +193,8 @@ class Session:
         """
         path = self.ledger_root / self.profile / f"{name}.json"
         text = json.dumps(doc, indent=1, sort_keys=sort_keys) + "\n"
-        if os.environ.get(READ_ONLY_ENV) == "1":  # make paper on a profile computed elsewhere: leave it, or refuse
-            if path.is_file() and path.read_text() == text:
-                return path
-            raise ReadOnlyLedgerError(path, "this frozen panel would be " + ("changed" if path.is_file() else "created"))
+        if unchanged_when_read_only({path: text}, "this frozen panel"):  # make paper on a profile computed elsewhere
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         return path

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..gates import GateError
-from .store import READ_ONLY_ENV, ReadOnlyLedgerError, canonical_json, row_lines
+from .store import canonical_json, row_lines, unchanged_when_read_only
 
 
 def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: str) -> str:
@@ -55,11 +54,8 @@ def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: 
     manifest = json.dumps({"sha256": digest, "rows": len(lines), "source_ledger": source_ledger}, indent=1,
                           sort_keys=True) + "\n"
     manifest_path = Path(str(path) + ".manifest.json")
-    if os.environ.get(READ_ONLY_ENV) == "1":  # make paper on a profile computed elsewhere: leave it, or refuse
-        if path.is_file() and manifest_path.is_file() and manifest_path.read_text() == manifest:
-            return digest
-        raise ReadOnlyLedgerError(path, "this prefix bank (or its manifest) would be " + (
-            "changed" if path.is_file() else "created"))
+    if unchanged_when_read_only({path: data, manifest_path: manifest}, "this prefix bank (or its manifest)"):
+        return digest
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     manifest_path.write_text(manifest)

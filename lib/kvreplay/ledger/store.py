@@ -164,6 +164,22 @@ class ReadOnlyLedgerError(RuntimeError):
             "panel do this: undo that change, or compute the rows with scripts/gpu_profile.py.")
 
 
+def unchanged_when_read_only(files: dict[Path, str | bytes], what: str) -> bool:
+    """Whether a writer under the ledger root may skip its write because :data:`READ_ONLY_ENV` is ``1`` and every
+    file of ``files`` (path -> the content it would get) already holds that content. ``False`` when not read-only
+    (the caller writes).
+
+    Raises:
+        ReadOnlyLedgerError: read-only, and a file would be changed, or created (the first one missing).
+    """
+    if os.environ.get(READ_ONLY_ENV) != "1":
+        return False
+    if all(p.is_file() and (p.read_bytes() if isinstance(c, bytes) else p.read_text()) == c for p, c in files.items()):
+        return True
+    raise ReadOnlyLedgerError(next(iter(files)), f"{what} would be " + (
+        "changed" if next(iter(files)).is_file() else "created"))
+
+
 class Ledger:
     """One experiment's append-only ledger for one scientific config.
 
