@@ -27,11 +27,15 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
 
 from .paths import FORMATS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PROMPT, BRANCH1, BRANCH2, BRANCH3, MERGE, ANSWER = range(6)
 ROLE_NAMES = ("prompt", "branch1", "branch2", "branch3", "merge", "answer")
@@ -165,7 +169,7 @@ class BlockFormat:
     special_ids: frozenset[int]
     vocab_size: int
     answer_prefix_text: str
-    _tokenizer: object = dataclasses.field(repr=False, compare=False)
+    _tokenizer: PreTrainedTokenizerBase = dataclasses.field(repr=False, compare=False)
 
     # ---------------------------------------------------------------- prompt
     def prompt_ids(self, question: str, options: Sequence[str]) -> list[int]:

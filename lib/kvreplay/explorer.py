@@ -14,6 +14,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -35,6 +36,9 @@ from .rebuild import (
 )
 from .report import figures
 from .report.frames import layer_drift_frame
+
+if TYPE_CHECKING:
+    from .decode import Boundary
 
 PRECISIONS = ("bfloat16", "float32")
 
@@ -90,8 +94,8 @@ class RebuiltPair:
         blocks: block name -> first position in z.
         seconds: ``{"model": s, "rebuild": s}`` wall times (model 0 when it was cached).
     """
-    ref: object
-    other: object
+    ref: Boundary
+    other: Boundary
     tensors: tuple
     maps: dict
     summary: dict
@@ -219,7 +223,7 @@ class Explorer:
             raise MissingLedgerError(
                 f"no Experiment 1 or 2 ledger for profile {profile!r} under {ledger_root}; run notebooks 01 and 02 "
                 f"(make paper PROFILE={profile}) or pick a profile with committed ledgers")
-        self.last_draw_s = None
+        self.last_draw_s: float | None = None
         self._quiet = False  # no redraws while a refresh resets the controls
         self.pair_picker = w.Dropdown(options=list(self.pairs), value=pair if pair in self.pairs else next(iter(self.pairs)),
                                       description="arm pair", layout=w.Layout(width="460px"))

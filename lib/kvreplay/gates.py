@@ -8,7 +8,8 @@ preflight).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -155,7 +156,7 @@ def check_dtype(name: str, tensors: Sequence[tuple[str, torch.Tensor]], dtype: t
             raise GateError("dtype", f"{name}: {n} is {t.dtype}, expected {dtype}")
 
 
-def check_functional_state(states: dict[str, object]) -> None:
+def check_functional_state(states: Mapping[str, Any]) -> None:
     """All arms share token IDs, roles, the position IDs actually passed to the model, and cache lengths.
 
     There is no padding in the duplicate design: every token is valid, which

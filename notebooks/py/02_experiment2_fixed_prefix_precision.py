@@ -32,6 +32,7 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from kvreplay.experiments.controls import controls_summary, controls_table, run_controls
+from kvreplay.experiments.endpoints import require_gates
 from kvreplay.experiments.fixed_prefix import crossing_table, precision_crossing, run_fixed_prefix
 from kvreplay.experiments.matrix import matrix_summary, matrix_table
 from kvreplay.report import figures
@@ -123,7 +124,8 @@ else:
 # %%
 layers = pd.concat([drift_by_layer(records[d], "prefill_vs_incremental").assign(precision=d) for d in p.precisions])
 per_row = pd.DataFrame([{"precision": d, "rel_l2": r["boundary"]["prefill_vs_incremental"]["cache"]["rel_l2"],
-                         "suffix differs": r["endpoints"]["suffix_differs"]} for d in p.precisions for r in records[d]])
+                         "suffix differs": r["endpoints"]["suffix_differs"]}
+                        for d in p.precisions for r in require_gates(records[d])])
 fig = figures.fixed_prefix_drift(layers, per_row, title=f"Experiment 2 ({p.profile}): fixed-prefix cache drift")
 figure_files = session.save_figure(fig, "exp2_drift")
 

@@ -45,6 +45,7 @@ from kvreplay import adapt
 from kvreplay.experiments import replication
 from kvreplay.experiments.endpoints import rate_text
 from kvreplay.experiments.transplant import DIRECTIONS, split_precondition
+from kvreplay.ledger.records import outcome_of
 from kvreplay.report import figures
 from kvreplay.runner import run_arm
 from kvreplay.session import open_session
@@ -166,8 +167,9 @@ for r in eligible:
 assert s["divergent"] + s["exact"] == s["rows"] == len(panel) - len(s["ineligible"])
 # outcomes are reported, not asserted: a transplant that does not follow its donor is a result
 not_donor = [(r["problem_id"], d) for r in eligible
-             for d, donor in (("prefill<-incremental", "incremental"), ("incremental<-prefill", "prefill"))
-             if r["interventions"]["whole"][d]["suffix"] != r["baseline"][donor]]
+             for d, donor_suffix in (("prefill<-incremental", r["baseline"]["incremental"]),
+                                     ("incremental<-prefill", r["baseline"]["prefill"]))
+             if outcome_of(r["interventions"]["whole"], d)["suffix"] != donor_suffix]
 print(f"integrity checks passed; whole-cache transplants whose suffix is not the donor's: {len(not_donor)} {not_donor}")
 
 # %% [markdown]

@@ -70,7 +70,7 @@ written["fig1_design"] = session.save_figure(figures.design_figure(caps, BATCH, 
 groups = {"Exp 1 BF16: prefill vs live": profile_ledgers.records("exp1-bfloat16"),
           "Exp 2 BF16: prefill vs incremental": profile_ledgers.records("exp2-bfloat16")}
 firsts = first_divergence_frame(groups)
-fd_stats = {}
+fd_stats: dict[str, dict] = {}
 for label, recs in groups.items():
     x = firsts.loc[firsts.group == label, "first_divergence"].to_numpy()
     fd_stats[label] = {"divergent": len(x), "rows": len(recs)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -13,13 +14,17 @@ from ..contract import (
     load_spec,
     resolve_format,
 )
-from ..ledger.records import AdaptEvalRow, validate_row
+from ..ledger.records import AdaptEvalRow, LetterChoice, validate_row
 from ..ledger.store import Ledger, run_rows
 from ..models import LoadedModel, environment_record, load_model, load_role_table
 from ..problems import Problem
 from ..runner import ROW_ALGORITHM, model_key, problems_digest
 from ..stats import mcnemar_exact, paired_bootstrap, wilson
 from .training import CONSTRUCTION, LETTER_METRIC, letter_choice, training_contract
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from transformers import PretrainedConfig
 
 
 # ----------------------------------------------------------------------------- the checkpoint metric
@@ -35,14 +40,15 @@ def letter_row(lm: LoadedModel, fmt: BlockFormat, tables: dict[str, torch.Tensor
                problem: Problem) -> AdaptEvalRow:
     """One evaluation-ledger row: :func:`letter_choice` under every named role table."""
     return {"problem_id": problem.problem_id, "gold": problem.answer, "gate_failure": None,
-            "checkpoints": {name: letter_choice(lm, fmt, problem, t) for name, t in tables.items()}}
+            # letter_choice is annotated -> dict; what it returns is a LetterChoice (its docstring's keys)
+            "checkpoints": {name: cast(LetterChoice, letter_choice(lm, fmt, problem, t)) for name, t in tables.items()}}
 
 
 def run_letter_eval(
     problems: Sequence[Problem], tables: dict[str, tuple[str | None, str | None]], *, model: str, fmt: str | dict,
     profile: str, ledger_root: str | Path, threads: int = 2, sdpa_backends: tuple[str, ...] = ("math",),
     progress: bool = True, loader: Callable[[], LoadedModel] | None = None, base_key: dict | None = None,
-) -> tuple[list[dict], object]:
+) -> tuple[list[AdaptEvalRow], Ledger]:
     """:data:`LETTER_METRIC` on ``problems`` under each checkpoint, in a resumable ledger ``adapt_eval-float32-<digest12>``.
 
     Args:
@@ -73,7 +79,8 @@ def run_letter_eval(
     if lm.dtype != torch.float32:
         raise ValueError(f"the checkpoint metric runs in float32, the model is {lm.dtype}")
     block_format = resolve_format(lm.tokenizer, fmt)
-    hidden = lm.model.config.hidden_size
+    # torch types a module's attributes as Tensor | Module; a transformers model's config is its PretrainedConfig
+    hidden: int = cast("PretrainedConfig", lm.model.config).hidden_size
     loaded = {name: load_table(path, hidden) for name, (path, _) in tables.items()}
     ledger = Ledger(root, "adapt_eval-float32", config, environment=environment_record(lm, threads) | {"format_digest": block_format.digest},
                     row_algorithm=ROW_ALGORITHM["adapt_eval"])
@@ -105,7 +112,7 @@ def _letter_counts(letters) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def accuracy_table(s: dict, labels: dict[str, str]) -> "pd.DataFrame":  # noqa: F821
+def accuracy_table(s: dict, labels: dict[str, str]) -> pd.DataFrame:
     """The checkpoint-0 vs later accuracy table (:data:`LETTER_METRIC`)."""
     import pandas as pd
 

@@ -11,12 +11,13 @@ Experiment 2 on the same prefixes).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import pandas as pd
 
 from .. import caches, decode, engine, gates
 from ..gates import GateError
-from ..ledger.records import BridgeRecord
+from ..ledger.records import BridgeRecord, Exp1Record, Exp2Record, arm_of
 from ..problems import Problem
 from ..runner import RunSpec, leaves
 from .endpoints import require_gates
@@ -42,7 +43,7 @@ def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> 
         The ledger record (``gate_failure`` set on a gate failure).
     """
     lm, fmt = spec.lm, spec.fmt
-    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None}
+    rec: dict[str, Any] = {"problem_id": problem.problem_id, "gate_failure": None}
     try:
         live = decode.decode_live(lm, fmt, fmt.prompt_ids(problem.question, problem.options), spec.caps)
         z = live.ids
@@ -54,7 +55,7 @@ def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> 
         _bridge_endpoints(spec, problem, rec, cmp, arms)
     except GateError as e:
         rec["gate_failure"] = gate_failure(e)
-    return rec
+    return cast(BridgeRecord, rec)  # built stage by stage; run_arm checks it against the record before appending
 
 
 def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Sequence[Sequence[int]]) -> list[BridgeRecord]:
@@ -76,13 +77,13 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
     """
     lm, fmt = spec.lm, spec.fmt
     prompts = [fmt.prompt_ids(p.question, p.options) for p in problems]
-    lives = engine.decode_lives(lm, fmt, prompts, spec.caps, on_gate_error="return", **spec.engine.kwargs())
+    lives = engine.decode_lives(lm, fmt, prompts, spec.caps, on_gate_error="return", **spec.engine_kwargs())
     ok = [i for i, x in enumerate(lives) if not isinstance(x, GateError)]
-    rebuilt = engine.build_incrementals(lm, fmt, [lives[i].ids for i in ok], on_gate_error="return", **spec.engine.kwargs())
+    rebuilt = engine.build_incrementals(lm, fmt, [lives[i].ids for i in ok], on_gate_error="return", **spec.engine_kwargs())
     incs: list = list(lives)
     for i, x in zip(ok, rebuilt):
         incs[i] = x
-    recs: list[dict] = [{"problem_id": p.problem_id, "gate_failure": None} for p in problems]
+    recs: list[dict[str, Any]] = [{"problem_id": p.problem_id, "gate_failure": None} for p in problems]
     pending = []
     for i, (p, live, inc, saved) in enumerate(zip(problems, lives, incs, saved_prefixes)):
         rec = recs[i]
@@ -104,7 +105,7 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
             _bridge_endpoints(spec, problems[i], recs[i], cmp, dict(zip(states, suffixes)))
         except GateError as e:
             recs[i]["gate_failure"] = gate_failure(e)
-    return recs
+    return cast(list[BridgeRecord], recs)  # as bridge_row's
 
 
 def _bridge_states(spec: RunSpec, live: decode.Boundary, inc: decode.Boundary) -> dict[str, decode.Boundary]:
@@ -140,7 +141,7 @@ AUDIT_ARMS = {"live": "incremental", "live_replica": "incremental_replica", "pre
 BOUNDARY_RENAME = {"prefill_vs_live": "prefill_vs_incremental", "live_replica": "incremental_replica"}
 
 
-def saved_ledger_audit(exp1: Sequence[dict], exp2: Sequence[dict]) -> dict:
+def saved_ledger_audit(exp1_rows: Sequence[Exp1Record], exp2_rows: Sequence[Exp2Record]) -> dict:
     """Deterministic join of the Experiment 1 and 2 BF16 ledgers by problem ID (paper §3.7 audit).
 
     Compares problem order, prefix IDs, complete suffix arrays per arm
@@ -155,8 +156,7 @@ def saved_ledger_audit(exp1: Sequence[dict], exp2: Sequence[dict]) -> dict:
     Raises:
         GateError: if either ledger has a failed row.
     """
-    require_gates(exp1)
-    require_gates(exp2)
+    exp1, exp2 = require_gates(exp1_rows), require_gates(exp2_rows)
     by2 = {r["problem_id"]: r for r in exp2}
     rows = [(a, by2.get(a["problem_id"])) for a in exp1]
     out = {
@@ -164,11 +164,13 @@ def saved_ledger_audit(exp1: Sequence[dict], exp2: Sequence[dict]) -> dict:
         "order_agrees": [r["problem_id"] for r in exp1] == [r["problem_id"] for r in exp2],
         "prefix_agrees": sum(b is not None and a["prefix"] == b["prefix"] for a, b in rows),
         "suffix_agrees": {
-            f"{x}→{y}": sum(b is not None and a["arms"][x]["suffix"] == b["arms"][y]["suffix"] for a, b in rows)
+            f"{x}→{y}": sum(b is not None and arm_of(a, x)["suffix"] == arm_of(b, y)["suffix"] for a, b in rows)
             for x, y in AUDIT_ARMS.items()
         },
     }
-    cache_counts, logit_counts, cache_rows, logit_rows = set(), set(), 0, 0
+    cache_counts: set[int] = set()
+    logit_counts: set[int] = set()
+    cache_rows = logit_rows = 0
     for a, b in rows:
         if b is None:
             continue
@@ -199,17 +201,17 @@ def bridge_summary(records: Sequence[BridgeRecord]) -> dict:
     Raises:
         GateError: if any row failed a gate.
     """
-    require_gates(records)
-    ep = [r["endpoints"] for r in records]
+    passed = require_gates(records)
+    ep = [r["endpoints"] for r in passed]
     return {
-        "n": len(records),
+        "n": len(passed),
         "layers_exact": sum(e["layers_exact"] == e["layers"] for e in ep),
         "layers": sorted({e["layers"] for e in ep}),
         "logits_exact": sum(e["logits_exact"] for e in ep),
         "suffix_exact": sum(e["suffix_exact"] for e in ep),
-        "same_as_saved": sum(r["same_as_saved"] for r in records),
-        "prefix_len_range": (min(r["prefix_len"] for r in records), max(r["prefix_len"] for r in records)),
-        "saved_prefix_len_range": (min(r["saved_prefix_len"] for r in records), max(r["saved_prefix_len"] for r in records)),
+        "same_as_saved": sum(r["same_as_saved"] for r in passed),
+        "prefix_len_range": (min(r["prefix_len"] for r in passed), max(r["prefix_len"] for r in passed)),
+        "saved_prefix_len_range": (min(r["saved_prefix_len"] for r in passed), max(r["saved_prefix_len"] for r in passed)),
     }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import weakref
 from collections.abc import Sequence
+from typing import Any, cast
 from pathlib import Path
 
 import pandas as pd
@@ -117,7 +118,7 @@ def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: i
         ``first_divergence``, ``tie_initiated``); ``gate_failure`` on a gate failure.
     """
     lm, fmt = spec.lm, spec.fmt
-    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None, "prefix_len": len(prefix)}
+    rec: dict[str, Any] = {"problem_id": problem.problem_id, "gate_failure": None, "prefix_len": len(prefix)}
     try:
         readout = _readout(lm)
         inc = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id)
@@ -130,7 +131,7 @@ def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: i
         _controls_record(rec, plain, fp32, moved, null_rec)
     except GateError as e:
         rec["gate_failure"] = gate_failure(e)
-    return rec
+    return cast(ControlsRecord, rec)  # built stage by stage; run_arm checks it against the record before appending
 
 
 _READOUTS: "weakref.WeakKeyDictionary[torch.nn.Module, decode.FP32Readout]" = weakref.WeakKeyDictionary()
@@ -200,10 +201,11 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
     """
     lm, fmt = spec.lm, spec.fmt
     readout = _readout(lm)
-    kw = spec.engine.kwargs()
+    kw = spec.engine_kwargs()
     incs = engine.build_incrementals(lm, fmt, prefixes, on_gate_error="return", **kw)
     incs_ro = engine.build_incrementals(lm, fmt, prefixes, on_gate_error="return", readout=readout, **kw)
-    recs = [{"problem_id": p.problem_id, "gate_failure": None, "prefix_len": len(z)} for p, z in zip(problems, prefixes)]
+    recs: list[dict[str, Any]] = [{"problem_id": p.problem_id, "gate_failure": None, "prefix_len": len(z)}
+                                  for p, z in zip(problems, prefixes)]
     pending = []
     for i, (p, z, inc, inc_ro) in enumerate(zip(problems, prefixes, incs, incs_ro)):
         try:
@@ -220,7 +222,7 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
             _controls_record(recs[i], {"incremental": a, "prefill": b}, {"incremental": c, "prefill": d}, moved, null_rec)
         except GateError as e:
             recs[i]["gate_failure"] = gate_failure(e)
-    return recs
+    return cast(list[ControlsRecord], recs)  # as controls_row's
 
 
 def controls_summary(records: Sequence[ControlsRecord]) -> dict:
@@ -237,25 +239,25 @@ def controls_summary(records: Sequence[ControlsRecord]) -> dict:
     Raises:
         GateError: if a row failed a gate.
     """
-    require_gates(records)
-    n = len(records)
-    div = [r for r in records if r["baseline"]["suffix_differs"]]
-    ex = [r for r in records if not r["baseline"]["suffix_differs"]]
+    passed = require_gates(records)
+    n = len(passed)
+    div = [r for r in passed if r["baseline"]["suffix_differs"]]
+    ex = [r for r in passed if not r["baseline"]["suffix_differs"]]
     count = lambda rows, f: sum(bool(f(r)) for r in rows)  # noqa: E731
     return {
         "n": n,
-        "baseline": wilson(count(records, lambda r: r["baseline"]["suffix_differs"]), n),
+        "baseline": wilson(count(passed, lambda r: r["baseline"]["suffix_differs"]), n),
         "baseline_ties": count(div, lambda r: r["baseline"]["tie_initiated"]),
-        "fp32_readout": wilson(count(records, lambda r: r["fp32_readout"]["suffix_differs"]), n),
-        "fp32_readout_ties": count(records, lambda r: r["fp32_readout"]["tie_initiated"]),
+        "fp32_readout": wilson(count(passed, lambda r: r["fp32_readout"]["suffix_differs"]), n),
+        "fp32_readout_ties": count(passed, lambda r: r["fp32_readout"]["tie_initiated"]),
         "fp32_readout_among_divergent": wilson(count(div, lambda r: r["fp32_readout"]["suffix_differs"]), len(div)) if div else None,
-        "null_moved": wilson(count(records, lambda r: r["null_perturbation"]["moved"]), n),
-        "null_ties": count(records, lambda r: r["null_perturbation"]["tie_initiated"]),
+        "null_moved": wilson(count(passed, lambda r: r["null_perturbation"]["moved"]), n),
+        "null_ties": count(passed, lambda r: r["null_perturbation"]["tie_initiated"]),
         "null_moved_among_exact": wilson(count(ex, lambda r: r["null_perturbation"]["moved"]), len(ex)) if ex else None,
-        "null_elements_median": statistics.median(r["null_perturbation"]["elements_changed"] for r in records),
-        "real_elements_median": statistics.median(r["null_perturbation"]["elements_target"] for r in records),
-        "null_rel_l2_median": statistics.median(r["null_perturbation"]["rel_l2"] for r in records),
-        "real_rel_l2_median": statistics.median(r["null_perturbation"]["real_rel_l2"] for r in records),
+        "null_elements_median": statistics.median(r["null_perturbation"]["elements_changed"] for r in passed),
+        "real_elements_median": statistics.median(r["null_perturbation"]["elements_target"] for r in passed),
+        "null_rel_l2_median": statistics.median(r["null_perturbation"]["rel_l2"] for r in passed),
+        "real_rel_l2_median": statistics.median(r["null_perturbation"]["real_rel_l2"] for r in passed),
     }
 
 
@@ -281,7 +283,7 @@ def controls_table(c: dict) -> pd.DataFrame:
 def run_controls(
     problems: Sequence[Problem], prefixes: dict[str, list[int]], bank_sha256: str, settings: ArmSettings, *,
     ledger_root: str | Path, seed: int = 20260729, progress: bool = True, faults: Hook | None = None,
-) -> tuple[list[dict], "Ledger"]:
+) -> tuple[list[ControlsRecord], "Ledger"]:
     """The exploratory controls (:func:`controls_row`; batched: :func:`controls_chunk`) on the fixed BF16 prefixes: records and ledger ``exp2_controls``."""
     missing = [p.problem_id for p in problems if p.problem_id not in prefixes]
     if missing:

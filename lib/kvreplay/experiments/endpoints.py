@@ -9,9 +9,27 @@ change of the cache can flip it).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, overload
 
 from .. import decode
 from ..gates import GateError
+from ..ledger.records import (
+    AdaptEvalRow,
+    BridgeRecord,
+    BridgeRow,
+    ControlsRecord,
+    ControlsRow,
+    Endpoints,
+    Exp1Record,
+    Exp1Row,
+    Exp2Record,
+    Exp2Row,
+    ReplicationRecord,
+    ReplicationRow,
+    TransplantRecord,
+    TransplantRow,
+    arm_of,
+)
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -65,8 +83,33 @@ def divergence_endpoints(a: "decode.Suffix", b: "decode.Suffix", rec_a: dict, re
     }
 
 
-def require_gates(records: Sequence[dict]) -> None:
+# An empty sequence fits every overload below (mypy's overload-overlap); any row of it picks exactly one.
+@overload
+def require_gates(records: Sequence[Exp1Record]) -> list[Exp1Row]: ...  # type: ignore[overload-overlap]
+@overload
+def require_gates(records: Sequence[Exp2Record]) -> list[Exp2Row]: ...  # type: ignore[overload-overlap]
+@overload
+def require_gates(records: Sequence[ControlsRecord]) -> list[ControlsRow]: ...  # type: ignore[overload-overlap]
+@overload
+def require_gates(records: Sequence[BridgeRecord]) -> list[BridgeRow]: ...
+@overload
+def require_gates(records: Sequence[TransplantRecord]) -> list[TransplantRow]: ...
+@overload
+def require_gates(records: Sequence[ReplicationRecord]) -> list[ReplicationRow]: ...
+@overload
+def require_gates(
+    records: Sequence[TransplantRecord | ReplicationRecord]) -> list[TransplantRow | ReplicationRow]: ...
+@overload
+def require_gates(records: Sequence[AdaptEvalRow]) -> list[AdaptEvalRow]: ...
+def require_gates(records: Sequence[Any]) -> list[Any]:
     """Refuse to report endpoints unless every row passed every gate (gates are conjunctive).
+
+    Args:
+        records: an experiment's ledger rows (:mod:`kvreplay.ledger.records`), each passed or failed.
+
+    Returns:
+        the same rows, as a list typed as rows that passed every gate (e.g. ``list[Exp1Row]`` for
+        ``Sequence[Exp1Record]``), so a summary reads their stages without a check per row.
 
     Raises:
         GateError: gate ``report``, naming the failed rows and their gates.
@@ -74,15 +117,16 @@ def require_gates(records: Sequence[dict]) -> None:
     failed = [(r["problem_id"], r["gate_failure"]["gate"]) for r in records if r.get("gate_failure")]
     if failed:
         raise GateError("report", f"{len(failed)} row(s) failed integrity gates, endpoints withheld: {failed}")
+    return list(records)
 
 
-def with_derived_endpoints(rec: dict, ref: str) -> dict:
+def with_derived_endpoints(rec: Exp1Row | Exp2Row, ref: str) -> Endpoints:
     """A row's endpoints; rows of row-algorithm version 1 (which recorded neither ``letter_differs`` nor
     ``tie_initiated``) get them derived from the arms' recorded predictions and margins, as version 2 computes them."""
     ep = rec["endpoints"]
     if "letter_differs" in ep and "tie_initiated" in ep:
         return ep
-    a, b = rec["arms"][ref], rec["arms"]["prefill"]
+    a, b = arm_of(rec, ref), rec["arms"]["prefill"]
     return ep | {"letter_differs": a["predicted"] != b["predicted"],
                  "tie_initiated": tie_initiated(a["margins"], b["margins"], ep["first_divergence"])}
 

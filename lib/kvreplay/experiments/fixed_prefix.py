@@ -10,15 +10,16 @@ precisions row by row (paired bootstrap differences, exact McNemar).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import pandas as pd
 
 from .. import decode, engine
 from ..gates import GateError
 from ..ledger.prefix_bank import read_prefix_bank
-from ..ledger.records import Exp2Record
+from ..ledger.records import Endpoints, Exp2Record, arm_of
 from ..ledger.store import Ledger
 from ..problems import Problem
 from ..runner import ArmSettings, Hook, RunSpec, run_arm
@@ -39,7 +40,7 @@ def fixed_prefix_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> 
     Raises:
         ContractError: if the prefix does not end at the boundary.
     """
-    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None}
+    rec: dict[str, Any] = {"problem_id": problem.problem_id, "gate_failure": None}
     try:
         inc = decode.build_incremental(spec.lm, spec.fmt, prefix, where=problem.problem_id)
         parsed = spec.fmt.boundary_parse(prefix, where=problem.problem_id)
@@ -47,7 +48,7 @@ def fixed_prefix_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> 
         matrix_row(spec, problem, rec, inc)
     except GateError as e:
         rec["gate_failure"] = gate_failure(e)
-    return rec
+    return cast(Exp2Record, rec)  # built stage by stage; run_arm checks it against the record before appending
 
 
 def fixed_prefix_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[Exp2Record]:
@@ -59,7 +60,7 @@ def fixed_prefix_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seq
     Raises:
         ContractError: a prefix that does not end at the boundary.
     """
-    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine.kwargs())
+    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine_kwargs())
 
     def head(prefix, pid):
         def fill(rec, inc):
@@ -68,7 +69,8 @@ def fixed_prefix_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seq
                        schedule_calls=len(inc.schedule))
         return fill
 
-    return matrix_chunk(spec, problems, incs, [head(z, p.problem_id) for z, p in zip(prefixes, problems)])
+    return cast(list[Exp2Record],
+                matrix_chunk(spec, problems, incs, [head(z, p.problem_id) for z, p in zip(prefixes, problems)]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +111,7 @@ def load_fixed_prefixes(path: str | Path, problems: Sequence[Problem]) -> FixedP
 def run_fixed_prefix(
     problems: Sequence[Problem], prefixes: dict[str, list[int]], bank_sha256: str, settings: ArmSettings, *,
     ledger_root: str | Path, progress: bool = True, faults: Hook | None = None,
-) -> tuple[list[dict], "Ledger"]:
+) -> tuple[list[Exp2Record], "Ledger"]:
     """Experiment 2 (paper §3.6) at one precision on fixed prefixes: records and ledger.
 
     Args:
@@ -127,7 +129,13 @@ def run_fixed_prefix(
     )
 
 
-def precision_crossing(bf16: Sequence[dict], fp32: Sequence[dict], seed: int = 20260729, n_resamples: int = 20000) -> dict:
+def _differs(endpoints: Endpoints, key: str) -> bool:
+    """``endpoints[f"{key}_differs"]`` for a key known at run time (``suffix``, ``answer``, ``letter``, ``label``)."""
+    return cast(Mapping[str, bool], endpoints)[f"{key}_differs"]
+
+
+def precision_crossing(bf16_rows: Sequence[Exp2Record], fp32_rows: Sequence[Exp2Record], seed: int = 20260729,
+                       n_resamples: int = 20000) -> dict:
     """Problem-paired FP32-minus-BF16 change in each disagreement indicator (paper §4.2).
 
     Returns:
@@ -143,13 +151,12 @@ def precision_crossing(bf16: Sequence[dict], fp32: Sequence[dict], seed: int = 2
     Raises:
         GateError: if rows are not paired by problem ID in the same order, or a row failed a gate.
     """
-    require_gates(bf16)
-    require_gates(fp32)
+    bf16, fp32 = require_gates(bf16_rows), require_gates(fp32_rows)
     if [r["problem_id"] for r in bf16] != [r["problem_id"] for r in fp32]:
         raise GateError("report", "BF16 and FP32 rows are not paired in the same problem order")
-    out = {"n": len(bf16), "prefix_identical": sum(a["prefix"] == b["prefix"] for a, b in zip(bf16, fp32))}
-    ref = next(k for k in bf16[0]["arms"] if not k.startswith("prefill") and not k.endswith("_replica")) if bf16 else None
-    effect = {d: [int(r["arms"]["prefill"]["correct"]) - int(r["arms"][ref]["correct"]) for r in rows]
+    out: dict[str, Any] = {"n": len(bf16), "prefix_identical": sum(a["prefix"] == b["prefix"] for a, b in zip(bf16, fp32))}
+    ref = next(k for k in bf16[0]["arms"] if not k.startswith("prefill") and not k.endswith("_replica")) if bf16 else ""
+    effect = {d: [int(r["arms"]["prefill"]["correct"]) - int(arm_of(r, ref)["correct"]) for r in rows]
               for d, rows in (("bfloat16", bf16), ("float32", fp32))}
     out["accuracy_effect"] = {
         "bfloat16": sum(effect["bfloat16"]) / len(bf16), "float32": sum(effect["float32"]) / len(fp32),
@@ -157,8 +164,8 @@ def precision_crossing(bf16: Sequence[dict], fp32: Sequence[dict], seed: int = 2
         if len(bf16) >= 2 else None,
     }
     for key in ("suffix", "answer", "letter", "label"):
-        a = [with_derived_endpoints(r, ref)[f"{key}_differs"] for r in bf16]  # version-1 rows: derived, as elsewhere
-        b = [with_derived_endpoints(r, ref)[f"{key}_differs"] for r in fp32]
+        a = [_differs(with_derived_endpoints(r, ref), key) for r in bf16]  # version-1 rows: derived, as elsewhere
+        b = [_differs(with_derived_endpoints(r, ref), key) for r in fp32]
         out[key] = {
             "change": paired_bootstrap(a, b, n_resamples=n_resamples, seed=seed) if len(a) >= 2 else None,
             "mcnemar": mcnemar_exact(a, b),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 from .. import decode, engine
 from ..gates import GateError
@@ -27,7 +28,7 @@ def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> Exp1Record:
         The ledger record; on a gate failure, a record with ``gate_failure``
         ``{"gate", "reason"}`` (and the prefix if the boundary was reached).
     """
-    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None}
+    rec: dict[str, Any] = {"problem_id": problem.problem_id, "gate_failure": None}
     try:
         prompt = spec.fmt.prompt_ids(problem.question, problem.options)
         live = decode.decode_live(spec.lm, spec.fmt, prompt, spec.caps)
@@ -35,7 +36,7 @@ def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> Exp1Record:
         matrix_row(spec, problem, rec, live)
     except GateError as e:
         rec["gate_failure"] = gate_failure(e)
-    return rec
+    return cast(Exp1Record, rec)  # built stage by stage; run_arm checks it against the record before appending
 
 
 def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[Exp1Record]:
@@ -49,19 +50,19 @@ def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[Ex
         ContractError: a prompt that breaks the block contract, or an unclosed answer block.
     """
     prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
-    lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.caps, on_gate_error="return", **spec.engine.kwargs())
+    lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.caps, on_gate_error="return", **spec.engine_kwargs())
 
     def head(prompt):
         return lambda rec, live: rec.update(prompt_len=len(prompt), prefix_len=len(live.ids), prefix=live.ids,
                                             schedule_calls=len(live.schedule))
 
-    return matrix_chunk(spec, problems, lives, [head(x) for x in prompts])
+    return cast(list[Exp1Record], matrix_chunk(spec, problems, lives, [head(x) for x in prompts]))
 
 
 def run_live_vs_prefill(
     problems: Sequence[Problem], settings: ArmSettings, *, ledger_root: str | Path, progress: bool = True,
     faults: Hook | None = None,
-) -> tuple[list[dict], "Ledger"]:
+) -> tuple[list[Exp1Record], "Ledger"]:
     """Experiment 1 (paper §3.5) at one precision: records and ledger (see :func:`run_arm`; batched: :func:`live_vs_prefill_chunk`)."""
     return run_arm("exp1", settings, problems, live_vs_prefill_row, ledger_root=ledger_root, progress=progress, faults=faults,
                    chunk=live_vs_prefill_chunk)

@@ -16,13 +16,14 @@ import dataclasses
 import statistics
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import pandas as pd
 import torch
 
 from .. import caches, decode, drift, engine, gates
 from ..gates import GateError
-from ..ledger.records import Exp1Record, Exp2Record
+from ..ledger.records import Exp1Record, Exp2Record, arm_of, comparison_of
 from ..models import LoadedModel
 from ..problems import Problem
 from ..runner import RunSpec
@@ -33,7 +34,7 @@ from .endpoints import divergence_endpoints, require_gates, with_derived_endpoin
 
 def arm_record(spec: RunSpec, problem: Problem, suffix: decode.Suffix) -> dict:
     tok = spec.lm.tokenizer
-    text = spec.fmt.answer_prefix_text + tok.decode(suffix.answer)
+    text = spec.fmt.answer_prefix_text + cast(str, tok.decode(suffix.answer))  # one flat ID list decodes to one str
     score = score_answer(text, problem.answer, problem.options)
     return {
         "suffix": suffix.tokens,
@@ -70,10 +71,10 @@ def boundary_gates(states: dict[str, decode.Boundary], dtype: torch.dtype, pairs
     gates.check_disjoint({n: [t for _, t in caches.boundary_tensors(s)] for n, s in states.items()})
 
 
-def comparison(ref: decode.Boundary, other: decode.Boundary, per_tensor: bool) -> dict:
+def comparison(ref: decode.Boundary, other: decode.Boundary, per_tensor: bool) -> dict[str, Any]:
     """Drift of ``other`` against ``ref``: whole-cache aggregate, boundary logits, optionally every tensor."""
     rows = drift.cache_drift(gates.cache_tensors(ref.cache), gates.cache_tensors(other.cache))
-    out = {"cache": drift.aggregate(rows), "logits": drift.logit_summary(ref.logits, other.logits)}
+    out: dict[str, Any] = {"cache": drift.aggregate(rows), "logits": drift.logit_summary(ref.logits, other.logits)}
     if per_tensor:
         out["tensors"] = rows
     return out
@@ -142,7 +143,7 @@ def _construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[
         inc = decode.build_incremental(lm32, spec.fmt, prefix, where=problem.problem_id)
     else:
 
-        inc = engine.build_incrementals(lm32, spec.fmt, [prefix], **(spec.engine.kwargs() | {"batch": 1}))[0]
+        inc = engine.build_incrementals(lm32, spec.fmt, [prefix], **(spec.engine_kwargs() | {"batch": 1}))[0]
     pre = decode.build_prefill(lm32, spec.fmt, prefix, where=problem.problem_id)
     for name, s in (("incremental (float32 check)", inc), ("prefill (float32 check)", pre)):
         gates.check_finite(name, caches.boundary_tensors(s))
@@ -284,7 +285,7 @@ def decode_groups(spec: RunSpec, groups: Sequence[Sequence[decode.Boundary]],
     """
     flat = [b for g in groups for b in g]
     out = iter(engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.caps, on_gate_error="return", readout=readout,
-                                      **spec.engine.kwargs()))
+                                      **spec.engine_kwargs()))
     return [[next(out) for _ in g] for g in groups]
 
 
@@ -346,16 +347,16 @@ def matrix_summary(
     Raises:
         GateError: if any row failed a gate.
     """
-    require_gates(records)
-    n = len(records)
-    ep = [with_derived_endpoints(r, ref) for r in records]
-    live_c = [r["arms"][ref]["correct"] for r in records]
-    pre_c = [r["arms"]["prefill"]["correct"] for r in records]
+    passed = require_gates(records)
+    n = len(passed)
+    ep = [with_derived_endpoints(r, ref) for r in passed]
+    live_c = [arm_of(r, ref)["correct"] for r in passed]
+    pre_c = [r["arms"]["prefill"]["correct"] for r in passed]
     firsts = [e["first_divergence"] for e in ep if e["first_divergence"] is not None]
-    drifts = [r["boundary"][f"prefill_vs_{ref}"]["cache"]["rel_l2"] for r in records]
+    drifts = [comparison_of(r, f"prefill_vs_{ref}")["cache"]["rel_l2"] for r in passed]
     replicas_exact = sum(
-        r["boundary"][f"{ref}_replica"]["cache"]["exact"] and r["boundary"]["prefill_replica"]["cache"]["exact"]
-        for r in records
+        comparison_of(r, f"{ref}_replica")["cache"]["exact"] and r["boundary"]["prefill_replica"]["cache"]["exact"]
+        for r in passed
     )
     return {
         "dtype": dtype,
@@ -379,7 +380,7 @@ def matrix_summary(
         "mcnemar": mcnemar_exact(live_c, pre_c),
         "drift_median": statistics.median(drifts),
         "drift_range": (min(drifts), max(drifts)),
-        "prefix_len_range": (min(r["prefix_len"] for r in records), max(r["prefix_len"] for r in records)),
+        "prefix_len_range": (min(r["prefix_len"] for r in passed), max(r["prefix_len"] for r in passed)),
     }
 
 

@@ -34,6 +34,7 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import pandas as pd
 
@@ -51,7 +52,7 @@ from ..experiments.transplant import (
     transplant_summary,
 )
 from ..gates import GateError
-from ..ledger.records import ReplicationRecord
+from ..ledger.records import Exp2Record, ReplicationRecord, ReplicationRow, outcome_of
 from ..models import file_sha256, load_tokenizer
 from ..problems import Problem
 from ..runner import RunSpec, model_key
@@ -262,7 +263,8 @@ def describe_checkpoint(record: dict) -> str:
     model = record["model"].get("model", "?")
     sha = record.get("role_table_sha256")
     if record["kind"].startswith("later role table"):
-        return f"{model} + later role table of notebook 00 (step {record['role_table_step']}, sha256 {sha[:12]}…)"
+        return (f"{model} + later role table of notebook 00 (step {record['role_table_step']}, "
+                f"sha256 {record['role_table_sha256'][:12]}…)")
     return f"{model}" + (f" + given role table (sha256 {sha[:12]}…)" if sha else " (given checkpoint, no role table)")
 
 
@@ -294,10 +296,10 @@ def replication_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> R
         stratified; rows are grouped by their contemporaneous baselines) plus ``scores[arm]`` for the
         incremental and prefill baselines (``answer_text``, ``predicted``, ``correct``, ``rule``).
     """
-    rec = transplant_row(spec, problem, prefix, "panel", sweep=False, primary_only=True)
+    rec = cast(dict[str, Any], transplant_row(spec, problem, prefix, "panel", sweep=False, primary_only=True))
     if rec["gate_failure"] is None:
         rec["scores"] = {arm: score_suffix(spec, problem, prefix, rec["baseline"][arm]) for arm in ("incremental", "prefill")}
-    return rec
+    return cast(ReplicationRecord, rec)  # run_arm checks it against the record before appending
 
 
 def replication_chunk(spec: RunSpec, problems: Sequence[Problem],
@@ -307,11 +309,12 @@ def replication_chunk(spec: RunSpec, problems: Sequence[Problem],
     :func:`~kvreplay.experiments.transplant.transplant_chunk` with the whole-cache transplant only, then each
     clean row's baseline scores.
     """
-    recs = transplant_chunk(spec, problems, prefixes, ["panel"] * len(problems), [False] * len(problems), primary_only=True)
+    recs = cast(list[dict[str, Any]], transplant_chunk(spec, problems, prefixes, ["panel"] * len(problems),
+                                                        [False] * len(problems), primary_only=True))
     for rec, p, z in zip(recs, problems, prefixes):
         if rec["gate_failure"] is None:
             rec["scores"] = {arm: score_suffix(spec, p, z, rec["baseline"][arm]) for arm in ("incremental", "prefill")}
-    return recs
+    return cast(list[ReplicationRecord], recs)  # as replication_row's
 
 
 def score_suffix(spec: RunSpec, problem: Problem, prefix: Sequence[int], suffix: Sequence[int]) -> dict:
@@ -319,7 +322,10 @@ def score_suffix(spec: RunSpec, problem: Problem, prefix: Sequence[int], suffix:
 
     full = list(prefix) + list(suffix)
     parsed = spec.fmt.parse(full, where=f"{problem.problem_id} suffix")
-    (m0, m1), (a0, a1) = parsed.content[MERGE], parsed.content[ANSWER]
+    merge, answer = parsed.content[MERGE], parsed.content[ANSWER]
+    if merge is None or answer is None:
+        raise ContractError(f"{problem.problem_id}: the decoded suffix does not hold both a merge and an answer block")
+    (m0, m1), (a0, a1) = merge, answer
     arm = arm_record(spec, problem, decode.Suffix(list(suffix), [], full[m0:m1], full[a0:a1]))
     return {k: arm[k] for k in ("answer_text", "predicted", "correct", "rule", "merge_len", "answer_len")}
 
@@ -392,7 +398,8 @@ def replication_table(s: dict, checkpoint: str) -> pd.DataFrame:
     }})
 
 
-def accuracy_vs_checkpoint0(exp2_bf16: Sequence[dict], exp5: Sequence[dict], *, seed: int = 20260729,
+def accuracy_vs_checkpoint0(exp2_rows: Sequence[Exp2Record], exp5_rows: Sequence[ReplicationRecord], *,
+                            seed: int = 20260729,
                             n_resamples: int = 20000) -> dict:
     """Secondary: decoded accuracy, later checkpoint (Exp 5 incremental) vs checkpoint 0 (Exp 2 BF16 incremental), same prefixes and caps.
 
@@ -406,8 +413,8 @@ def accuracy_vs_checkpoint0(exp2_bf16: Sequence[dict], exp5: Sequence[dict], *, 
         GateError: if a row failed a gate (other than the transplant's precondition, whose rows have no
             scores and are left out) or a panel row is missing from Experiment 2.
     """
-    require_gates(exp2_bf16)
-    exp5, _ = split_precondition(exp5)
+    exp2_bf16 = require_gates(exp2_rows)
+    exp5 = cast(list[ReplicationRow], split_precondition(exp5_rows)[0])  # Experiment 5's rows only
     by_id = {r["problem_id"]: r for r in exp2_bf16}
     missing = [r["problem_id"] for r in exp5 if r["problem_id"] not in by_id]
     if missing:
@@ -441,7 +448,7 @@ def accuracy_table(acc: dict) -> pd.DataFrame:
     }})
 
 
-def outcome_frame(records: Sequence[dict]) -> pd.DataFrame:
+def outcome_frame(records: Sequence[ReplicationRecord]) -> pd.DataFrame:
     """Per row: prefix length, contemporaneous stratum and each direction's whole-cache outcome (for the figure).
 
     Rows that did not meet the transplant's precondition have no outcome and are left out.
@@ -454,6 +461,6 @@ def outcome_frame(records: Sequence[dict]) -> pd.DataFrame:
         row = {"problem_id": r["problem_id"], "prefix_len": r["prefix_len"],
                "stratum": "divergent" if r["baseline"]["suffix_differs"] else "exact"}
         for d in DIRECTIONS:
-            row[d] = r["interventions"]["whole"][d]["outcome"]
+            row[d] = outcome_of(r["interventions"]["whole"], d)["outcome"]
         rows.append(row)
     return pd.DataFrame(rows, columns=["problem_id", "prefix_len", "stratum", *DIRECTIONS])

@@ -11,12 +11,22 @@ partial transplants localise the effect.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import pandas as pd
 
 from .. import caches, decode, engine, gates
 from ..gates import GateError
-from ..ledger.records import TransplantRecord
+from ..ledger.records import (
+    Exp2Record,
+    ReplicationFailedRow,
+    ReplicationRecord,
+    ReplicationRow,
+    TransplantFailedRow,
+    TransplantRecord,
+    TransplantRow,
+    outcome_of,
+)
 from ..problems import Problem
 from ..runner import RunSpec
 from ..stats import wilson
@@ -46,7 +56,7 @@ def order_statistics(items: Sequence, k: int, key: Callable) -> list:
     return [srt[i] for i in idx]
 
 
-def transplant_table(s: dict, records: Sequence[dict]) -> pd.DataFrame:
+def transplant_table(s: dict, records: Sequence[TransplantRecord]) -> pd.DataFrame:
     """Experiment 4 registered endpoints with the power note (same rows as notebook 04 writes to ``exp4_table``).
 
     Args:
@@ -77,7 +87,7 @@ def transplant_table(s: dict, records: Sequence[dict]) -> pd.DataFrame:
     }})
 
 
-def freeze_transplant_panel(exp2_bf16: Sequence[dict], n_divergent: int, n_exact: int) -> list[dict]:
+def freeze_transplant_panel(exp2_rows: Sequence[Exp2Record], n_divergent: int, n_exact: int) -> list[dict]:
     """Freeze the transplant panel from Experiment 2's BF16 rows before any transplant is decoded (paper §3.8).
 
     Within the suffix-divergent and suffix-exact strata, takes evenly spaced
@@ -89,7 +99,7 @@ def freeze_transplant_panel(exp2_bf16: Sequence[dict], n_divergent: int, n_exact
     Raises:
         GateError: if a source row failed a gate.
     """
-    require_gates(exp2_bf16)
+    exp2_bf16 = require_gates(exp2_rows)
     out = []
     for stratum, k in (("divergent", n_divergent), ("exact", n_exact)):
         pool = [r for r in exp2_bf16 if r["endpoints"]["suffix_differs"] == (stratum == "divergent")]
@@ -107,7 +117,7 @@ def interventions(n_layers: int, sweep: bool) -> list[tuple[str, str, list[int],
     """
     every = list(range(n_layers))
     half = n_layers // 2
-    out = [("whole", "primary", every, ("key", "value"))]
+    out: list[tuple[str, str, list[int], tuple[str, ...]]] = [("whole", "primary", every, ("key", "value"))]
     out += [
         ("keys_only", "exploratory", every, ("key",)),
         ("values_only", "exploratory", every, ("value",)),
@@ -129,7 +139,9 @@ DECODED_FIELDS = ("baseline", "interventions", "equivalence", "scores")
 """Row fields written only after the precondition passed (a row stopped by it has none of them)."""
 
 
-def split_precondition(records: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+def split_precondition(
+    records: Sequence[TransplantRecord] | Sequence[ReplicationRecord],
+) -> tuple[list[TransplantRow | ReplicationRow], list[TransplantFailedRow | ReplicationFailedRow]]:
     """Split transplant rows by the registered precondition (paper §3.8), keeping ledger order.
 
     A row whose only recorded gate failure is :data:`PRECONDITION_GATE` (the boundary's raw argmax differs
@@ -145,9 +157,14 @@ def split_precondition(records: Sequence[dict]) -> tuple[list[dict], list[dict]]
         GateError: gate ``report``, if an eligible row failed any other gate, or a row recorded as stopped by
             the precondition holds decoded results (:data:`DECODED_FIELDS`).
     """
-    ineligible = [r for r in records if (r.get("gate_failure") or {}).get("gate") == PRECONDITION_GATE]
-    eligible = [r for r in records if (r.get("gate_failure") or {}).get("gate") != PRECONDITION_GATE]
-    require_gates(eligible)
+    def gate(r: TransplantRecord | ReplicationRecord) -> str | None:
+        failure = r.get("gate_failure")
+        return failure["gate"] if failure else None
+
+    stopped = [r for r in records if gate(r) == PRECONDITION_GATE]
+    ineligible = cast(list[TransplantFailedRow | ReplicationFailedRow], stopped)  # their gate_failure is set
+    kept: list[TransplantRecord | ReplicationRecord] = [r for r in records if gate(r) != PRECONDITION_GATE]
+    eligible = require_gates(kept)
     # the precondition is checked before anything past the boundary is decoded: a row holding decoded results
     # under this gate's name is not what the gate records, so it is an integrity failure like any other
     decoded = [r["problem_id"] for r in ineligible if any(r.get(k) for k in DECODED_FIELDS)]
@@ -186,7 +203,7 @@ def transplant_row(
         baselines agree) and the suffix.
     """
     lm, fmt = spec.lm, spec.fmt
-    rec: dict = {"problem_id": problem.problem_id, "gate_failure": None, "stratum": stratum}
+    rec: dict[str, Any] = {"problem_id": problem.problem_id, "gate_failure": None, "stratum": stratum}
     try:
         inc = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id)
         states, src = _transplant_states(spec, problem, prefix, inc, rec)
@@ -197,7 +214,7 @@ def transplant_row(
                                  base, prov)
     except GateError as e:
         rec["gate_failure"] = gate_failure(e)
-    return rec
+    return cast(TransplantRecord, rec)  # built stage by stage; run_arm checks it against the record before appending
 
 
 def _transplant_states(spec: RunSpec, problem: Problem, prefix: Sequence[int], inc: decode.Boundary,
@@ -288,8 +305,9 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
     Raises:
         ContractError: a suffix did not close its answer block.
     """
-    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine.kwargs())
-    recs = [{"problem_id": p.problem_id, "gate_failure": None, "stratum": s} for p, s in zip(problems, strata)]
+    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine_kwargs())
+    recs: list[dict[str, Any]] = [{"problem_id": p.problem_id, "gate_failure": None, "stratum": s}
+                                  for p, s in zip(problems, strata)]
     pending = []
     for i, (p, z, inc) in enumerate(zip(problems, prefixes, incs)):
         try:
@@ -309,7 +327,7 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
                 _record_intervention(rec, name, recipient, donor, x.tokens, base, prov)
         except GateError as e:
             _failed(rec, e)
-    return recs
+    return cast(list[TransplantRecord], recs)  # as transplant_row's
 
 
 def _failed(rec: dict, e: GateError) -> None:
@@ -322,7 +340,7 @@ def _failed(rec: dict, e: GateError) -> None:
 DIRECTIONS = ("prefill<-incremental", "incremental<-prefill")
 
 
-def transplant_summary(records: Sequence[TransplantRecord]) -> dict:
+def transplant_summary(records: Sequence[TransplantRecord] | Sequence[ReplicationRecord]) -> dict:
     """Experiment 4 endpoints (paper §4.4): donor recovery among divergent rows, third trajectories among exact rows.
 
     Rows are grouped by their contemporaneous baselines (incremental vs
@@ -334,13 +352,13 @@ def transplant_summary(records: Sequence[TransplantRecord]) -> dict:
     Raises:
         GateError: if a row failed a gate other than the precondition.
     """
-    records, ineligible = split_precondition(records)
-    div = [r for r in records if r["baseline"]["suffix_differs"]]
-    exact = [r for r in records if not r["baseline"]["suffix_differs"]]
-    whole = lambda r, d: r["interventions"]["whole"][d]["outcome"]  # noqa: E731
+    eligible, ineligible = split_precondition(records)
+    div = [r for r in eligible if r["baseline"]["suffix_differs"]]
+    exact = [r for r in eligible if not r["baseline"]["suffix_differs"]]
+    whole = lambda r, d: outcome_of(r["interventions"]["whole"], d)["outcome"]  # noqa: E731
     out = {
-        "rows": len(records),
-        "prior_stratum_reproduced": sum(r["baseline"]["suffix_differs"] == (r["stratum"] == "divergent") for r in records),
+        "rows": len(eligible),
+        "prior_stratum_reproduced": sum(r["baseline"]["suffix_differs"] == (r["stratum"] == "divergent") for r in eligible),
         "divergent": len(div),
         "exact": len(exact),
         "recovery": {d: wilson(sum(whole(r, d) == "donor" for r in div), len(div)) if div else None for d in DIRECTIONS},
@@ -353,7 +371,7 @@ def transplant_summary(records: Sequence[TransplantRecord]) -> dict:
     return out
 
 
-def localization_table(records: Sequence[dict]) -> pd.DataFrame:
+def localization_table(rows: Sequence[TransplantRecord]) -> pd.DataFrame:
     """Per intervention, direction and stratum: how often the suffix follows the donor, the recipient, or neither.
 
     Divergent rows (the two baselines part) show which part of the cache
@@ -366,8 +384,8 @@ def localization_table(records: Sequence[dict]) -> pd.DataFrame:
     Raises:
         GateError: if a row failed a gate other than the precondition.
     """
-    records, _ = split_precondition(records)
-    rows = []
+    records = cast(list[TransplantRow], split_precondition(rows)[0])  # Experiment 4's rows only
+    table = []
     coarse = ("whole", "keys_only", "values_only", "first_half", "second_half")
     # a fixed order, whether the records come from memory or from a ledger (whose JSON keys are sorted)
     names = sorted({n for r in records for n in r["interventions"]},
@@ -379,11 +397,11 @@ def localization_table(records: Sequence[dict]) -> pd.DataFrame:
             if not have:
                 continue
             for d in DIRECTIONS:
-                outcomes = [r["interventions"][name][d]["outcome"] for r in have]
-                rows.append({
+                outcomes = [outcome_of(r["interventions"][name], d)["outcome"] for r in have]
+                table.append({
                     "intervention": name, "kind": have[0]["interventions"][name]["kind"], "stratum": stratum,
                     "direction": d, "rows": len(have), "follows donor": outcomes.count("donor"),
                     "follows recipient": outcomes.count("recipient"), "stays on the shared baseline": outcomes.count("baseline"),
                     "new (third) trajectory": outcomes.count("third"),
                 })
-    return pd.DataFrame(rows)
+    return pd.DataFrame(table)

@@ -17,6 +17,7 @@ import difflib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from .records import ROW_TYPES, validate_rows
 from .store import ROWS, SEALED, read_rows_text
@@ -81,13 +82,16 @@ class LoadedLedger:
         dir: the folder.
         manifest: ``manifest.json`` (``schema_version``, ``name``, ``config_digest``, ``config``).
         environment: ``environment.json`` (``execution_contract``, ``library_sha256``), ``{}`` if absent.
-        records: the rows, in the config's frozen ``problem_ids`` order.
+        records: the rows, in the config's frozen ``problem_ids`` order, each checked against its experiment's
+            record (:mod:`.records`). Typed ``Any``: which record depends on ``key``, known only at run time; a
+            summary function that takes them (e.g. ``matrix_summary(records: Sequence[Exp1Record] | ...)``)
+            reads them as its record.
     """
     key: str
     dir: Path
     manifest: dict
     environment: dict
-    records: list[dict]
+    records: list[Any]
 
     @property
     def config(self) -> dict:
@@ -235,7 +239,8 @@ class ProfileLedgers:
     def __getitem__(self, key: str) -> LoadedLedger:
         return self.ledgers[key]
 
-    def records(self, key: str) -> list[dict]:
+    def records(self, key: str) -> list[Any]:
+        """The rows of ledger ``key`` (:attr:`LoadedLedger.records`)."""
         return self.ledgers[key].records
 
     @property
@@ -300,10 +305,11 @@ def load_profile_ledgers(root: str | Path, profile: str, precisions: Sequence[st
     if "bfloat16" not in precisions:
         raise ValueError(f"precisions {list(precisions)} must include 'bfloat16' (Experiments 2-5 read the BF16 prefix bank)")
     root = Path(root)
-    if _bank(root, profile) is None:
+    bank = _bank(root, profile)
+    if bank is None:
         raise MissingLedgerError(
             f"no BF16 prefix bank at {root / profile / PREFIX_BANK}: {_run_hint(LEDGER_SPECS['exp1-bfloat16'], profile)}"
         )
     keys = [k for k, s in LEDGER_SPECS.items() if s.experiment in ("exp3", "exp4", "exp5") or s.dtype in precisions]
     ledgers = {k: find_chain_ledger(root, profile, k) for k in keys}
-    return ProfileLedgers(root=root, profile=profile, prefix_bank_sha256=_bank(root, profile)["sha256"], ledgers=ledgers)
+    return ProfileLedgers(root=root, profile=profile, prefix_bank_sha256=bank["sha256"], ledgers=ledgers)

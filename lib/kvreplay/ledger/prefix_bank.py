@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..gates import GateError
+from .records import Exp1Record
 from .store import canonical_json, row_lines, unchanged_when_read_only
 
 
-def write_prefix_bank(records: Sequence[dict], path: str | Path, source_ledger: str) -> str:
+def write_prefix_bank(records: Sequence[Exp1Record], path: str | Path, source_ledger: str) -> str:
     """Write the BF16 boundary-prefix bank Experiments 2–5 read (paper §3.6).
 
     One JSON line per problem in frozen order: ``problem_id``, ``prompt_len``,

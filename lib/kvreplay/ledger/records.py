@@ -6,7 +6,10 @@ field names are the JSON keys (the experiments' row, chunk and summary functions
 :data:`Exp1Record`, a test keeps those annotations equal to :data:`ROW_TYPES` and :data:`FAILED_ROW_TYPES`), and
 checks a row against it at run time (:func:`validate_row`, pydantic in strict
 mode: a missing key, an extra key or a wrong type is an error; ``True`` is not an int, ``1`` is not a bool nor a
-float, since every writer writes its floats with ``float()``; JSON ``NaN`` and ``Infinity`` are floats).
+float, since every writer writes its floats with ``float()``; JSON ``NaN`` and ``Infinity`` are floats). mypy checks
+the reads statically (``tests/test_static_types.py``): a summary narrows a ledger's rows to the passed layout with
+``kvreplay.experiments.endpoints.require_gates``, and reads a key known only at run time through :func:`arm_of`,
+:func:`comparison_of` or :func:`outcome_of`.
 
 Row kinds, keyed by the ledger folder's experiment prefix (:data:`ROW_TYPES`):
 
@@ -43,7 +46,8 @@ import functools
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import BeforeValidator, ConfigDict, StringConstraints, TypeAdapter, ValidationError, with_config
 from pydantic_core import PydanticCustomError
@@ -52,6 +56,8 @@ from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_ex
 __all__ = [
     "FAILED_ROW_TYPES", "ROW_TYPES", "SCHEMA_ROW_ALGORITHM", "RowSchemaError", "experiment_of", "validate_row",
     "validate_rows",
+    # reads by a key known only at run time
+    "arm_of", "comparison_of", "outcome_of",
     # value types
     "Float", "InterventionName", "Letter", "Margins", "Rule", "TokenIds",
     # shared parts
@@ -589,6 +595,38 @@ TransplantRecord = TransplantRow | TransplantFailedRow
 ReplicationRecord = ReplicationRow | ReplicationFailedRow
 """What :func:`kvreplay.experiments.replication.replication_row` returns and its summary reads."""
 
+def arm_of(row: Exp1Row | Exp2Row, arm: str) -> ArmSuffix:
+    """One arm of a matrix row by name, when the name is known only at run time (e.g. ``live`` or
+    ``incremental``, a summary's ``ref``); a literal name reads as ``row["arms"]["live"]`` instead.
+
+    Raises:
+        KeyError: the row has no such arm (Experiment 1 rows have ``live*`` and ``prefill*``, Experiment 2 rows
+            ``incremental*`` and ``prefill*``).
+    """
+    return cast(Mapping[str, ArmSuffix], row["arms"])[arm]
+
+
+def comparison_of(row: Exp1Row | Exp2Row, name: str) -> ReplicaComparison:
+    """One boundary comparison of a matrix row by name, when the name is known only at run time (e.g.
+    ``prefill_vs_live`` or ``incremental_replica``), read through the keys every comparison has (``cache``,
+    ``logits``; a :class:`Comparison` also has ``tensors``).
+
+    Raises:
+        KeyError: the row has no such comparison.
+    """
+    return cast(Mapping[str, ReplicaComparison], row["boundary"])[name]
+
+
+def outcome_of(intervention: Intervention, direction: str) -> TransplantOutcome:
+    """One direction of a transplant by name, when the name is known only at run time
+    (``"prefill<-incremental"`` or ``"incremental<-prefill"``, recipient <- donor).
+
+    Raises:
+        KeyError: no such direction.
+    """
+    return cast(Mapping[str, TransplantOutcome], intervention)[direction]
+
+
 FAILED_ROW_TYPES: dict[str, type] = {
     "exp1": Exp1FailedRow,
     "exp2": Exp2FailedRow,
@@ -636,12 +674,15 @@ def _path(loc: Iterable[int | str]) -> str:
     return out or "<row>"
 
 
+_Row = TypeVar("_Row", bound=Mapping[str, Any])
+
+
 @functools.cache
 def _adapter(row_type: type) -> TypeAdapter:
     return TypeAdapter(row_type)
 
 
-def validate_row(experiment: str, row: dict) -> dict:
+def validate_row(experiment: str, row: _Row) -> _Row:
     """Check one row against its experiment's schema (:data:`FAILED_ROW_TYPES` when its ``gate_failure`` is set).
 
     Args:
@@ -663,13 +704,13 @@ def validate_row(experiment: str, row: dict) -> dict:
     try:
         _adapter(row_type).validate_python(row)
     except ValidationError as e:
-        errors = e.errors(include_url=False)
-        pid = row.get("problem_id") if isinstance(row, dict) else None
+        errors = cast(list[dict[str, Any]], e.errors(include_url=False))
+        pid = row.get("problem_id") if isinstance(row, Mapping) else None
         raise RowSchemaError(experiment, pid, row_type, _path(errors[0]["loc"]), errors) from None
     return row
 
 
-def validate_rows(experiment: str, rows: Iterable[dict]) -> list[dict]:
+def validate_rows(experiment: str, rows: Iterable[_Row]) -> list[_Row]:
     """:func:`validate_row` on every row, in order.
 
     Returns:

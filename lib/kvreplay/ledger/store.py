@@ -39,12 +39,15 @@ import platform
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ..gates import GateError
 
 SCHEMA_VERSION = 1
+
+_Item = TypeVar("_Item")
 
 
 class LedgerError(RuntimeError):
@@ -260,8 +263,9 @@ class Ledger:
             with open(self.rows_path, "r+b") as f:
                 f.truncate(cut)
 
-    def records(self) -> list[dict]:
-        """All finished records, in the order they were appended."""
+    def records(self) -> list[Any]:
+        """All finished records, in the order they were appended (parsed JSON; typed ``Any``, since which record of
+        :mod:`kvreplay.ledger.records` they are depends on the ledger's experiment)."""
         return [json.loads(line) for line in row_lines(read_rows_text(self.dir))]
 
     def done_keys(self) -> set[str]:
@@ -269,7 +273,7 @@ class Ledger:
             self._done = {r[self.key] for r in self.records()}
         return self._done
 
-    def append(self, record: dict) -> None:
+    def append(self, record: Mapping[str, Any]) -> None:
         """Append one finished record and flush it to disk.
 
         Raises:
@@ -344,16 +348,16 @@ def row_bar(total: int, done: int, desc: str, progress: bool = True):
 
 def run_rows(
     ledger: Ledger,
-    items: list,
-    row_fn: Callable[[object], dict] | None,
+    items: list[_Item],
+    row_fn: Callable[[_Item], Mapping[str, Any]] | None,
     *,
-    key: Callable[[object], str],
+    key: Callable[[_Item], str],
     preflight: int = 0,
     progress: bool = True,
     desc: str = "rows",
-    mapper: Callable[[list], Iterable[dict]] | None = None,
-    validate: Callable[[dict], dict] | None = None,
-) -> list[dict]:
+    mapper: Callable[[list[_Item]], Iterable[Mapping[str, Any]]] | None = None,
+    validate: Callable[[Mapping[str, Any]], object] | None = None,
+) -> list[Any]:
     """Map a pure per-row function over items in frozen order, appending each record.
 
     Rows already in the ledger are skipped (resume). A record whose
@@ -384,7 +388,7 @@ def run_rows(
             environments would mix); delete the folder, or set
             ``KVREPLAY_ALLOW_STALE=1`` to append anyway.
     """
-    done = {r[ledger.key]: r for r in ledger.records()}
+    done: dict[str, Any] = {r[ledger.key]: r for r in ledger.records()}
     todo = [it for it in items if key(it) not in done]
     if todo and done and (ledger.stale or ledger.other_environment) and os.environ.get("KVREPLAY_ALLOW_STALE") != "1":
         why = ("by another row-algorithm version" if ledger.stale

@@ -182,10 +182,10 @@ def design_figure(caps: Mapping[str, int], batch: int, profile: str):
 
 def first_divergence_hist(ax, x: Sequence[int], label: str = "rows") -> None:
     """Histogram of first-divergence positions (integer bins, integer count ticks) on ``ax``."""
-    x = np.asarray(x, dtype=int)
-    if len(x):
-        bins = np.arange(0, x.max() + 2) - 0.5 if x.max() < 40 else 30
-        ax.hist(x, bins=bins, color="#4c72b0", alpha=0.85, label=label)
+    xs = np.asarray(x, dtype=int)
+    if len(xs):
+        bins = np.arange(0, xs.max() + 2) - 0.5 if xs.max() < 40 else 30
+        ax.hist(xs, bins=bins, color="#4c72b0", alpha=0.85, label=label)
     integer_axis(ax.yaxis)
     integer_axis(ax.xaxis)
     ax.set_xlim(left=-0.5)
@@ -616,6 +616,7 @@ def drift_heatmaps(maps: Mapping[tuple[str, str], pd.DataFrame], tokens: Sequenc
                                 transform=ax.get_xaxis_transform())
                 token_ticks(ax, tokens, lo, hi)
             ax.set_title(f"{k}s: drift per {axis}", fontsize=9, loc="left")
+    assert im is not None  # kinds is never empty (kinds[0] is read above), so the loop drew at least one image
     fig.colorbar(im, ax=axes, shrink=0.7, label="relative L2 (log; white: exactly 0)")
     fig.suptitle(title, fontsize=10)
     return fig

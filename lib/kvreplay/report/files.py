@@ -7,10 +7,14 @@ number back to its code and ledger.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import pandas as pd
+
+from ..experiments.endpoints import require_gates
+from ..ledger.records import Comparison, Exp1Record, Exp2Record
 
 LATEX_UNICODE = {
     "…": r"\ldots{}", "–": "--", "—": "---", "−": "$-$", "→": r"$\rightarrow$", "←": r"$\leftarrow$",
@@ -128,15 +132,24 @@ def save_figure(fig, stem: str | Path, *, source: str, show: bool = True) -> lis
     return [png, pdf]
 
 
-def drift_by_layer(records: Sequence[dict], comparison: str = "prefill_vs_live") -> pd.DataFrame:
+def drift_by_layer(records: Sequence[Exp1Record] | Sequence[Exp2Record],
+                   comparison: str = "prefill_vs_live") -> pd.DataFrame:
     """Median over rows of each layer's relative L2 drift, keys and values separately.
+
+    Args:
+        records: an Experiment 1 or 2 arm's rows.
+        comparison: the boundary comparison holding per-tensor drift (``prefill_vs_live`` or
+            ``prefill_vs_incremental``).
 
     Returns:
         DataFrame with columns ``layer`` (int), ``kind`` (``key``/``value``), ``rel_l2``.
+
+    Raises:
+        GateError: a row failed a gate.
     """
     rows = []
-    for r in records:
-        for t in r["boundary"][comparison]["tensors"]:
+    for r in require_gates(records):
+        for t in cast(Mapping[str, Comparison], r["boundary"])[comparison]["tensors"]:
             layer, kind = t["tensor"].split(".")
             rows.append({"layer": int(layer[1:]), "kind": kind, "rel_l2": t["rel_l2"]})
     df = pd.DataFrame(rows)

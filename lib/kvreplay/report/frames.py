@@ -4,15 +4,32 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import pandas as pd
 
 from ..experiments.endpoints import require_gates
 from ..experiments.transplant import DIRECTIONS, split_precondition
+from ..ledger.records import (
+    Exp1Record,
+    Exp1Row,
+    Exp2Record,
+    Exp2Row,
+    Intervention,
+    ReplicationRecord,
+    TensorDiff,
+    TransplantRecord,
+    arm_of,
+    outcome_of,
+)
 
 
-def first_divergence_frame(groups: Mapping[str, Sequence[dict]]) -> pd.DataFrame:
-    """First-divergence positions of divergent rows, long form: ``group``, ``problem_id``, ``first_divergence``."""
+def first_divergence_frame(groups: Mapping[str, Sequence[Exp1Row | Exp2Row]]) -> pd.DataFrame:
+    """First-divergence positions of divergent rows, long form: ``group``, ``problem_id``, ``first_divergence``.
+
+    Args:
+        groups: group label -> matrix rows that passed every gate (e.g. :func:`require_gates` of a ledger's rows).
+    """
     rows = [
         {"group": g, "problem_id": r["problem_id"], "first_divergence": r["endpoints"]["first_divergence"]}
         for g, recs in groups.items() for r in recs if r["endpoints"]["first_divergence"] is not None
@@ -20,7 +37,7 @@ def first_divergence_frame(groups: Mapping[str, Sequence[dict]]) -> pd.DataFrame
     return pd.DataFrame(rows, columns=["group", "problem_id", "first_divergence"])
 
 
-def divergence_margins(records: Sequence[dict], ref: str) -> pd.DataFrame:
+def divergence_margins(rows: Sequence[Exp1Record] | Sequence[Exp2Record], ref: str) -> pd.DataFrame:
     """Top-1 minus top-2 eligible-logit margins by step kind (the near-tie figure).
 
     For each row, every model-chosen suffix step (forced tokens have no
@@ -39,11 +56,11 @@ def divergence_margins(records: Sequence[dict], ref: str) -> pd.DataFrame:
     Raises:
         GateError: if any row failed a gate.
     """
-    require_gates(records)
-    rows = []
+    records = require_gates(rows)
+    table = []
     for r in records:
         fd = r["endpoints"]["first_divergence"]
-        margins = r["arms"][ref]["margins"]
+        margins = arm_of(r, ref)["margins"]
         other = r["arms"]["prefill"]["margins"]
         stop = len(margins) if fd is None else min(fd + 1, len(margins))
         for i in range(stop):
@@ -58,8 +75,8 @@ def divergence_margins(records: Sequence[dict], ref: str) -> pd.DataFrame:
                 continue
             else:
                 kind = "shared"
-            rows.append({"problem_id": r["problem_id"], "step": i, "margin": m, "kind": kind})
-    return pd.DataFrame(rows, columns=["problem_id", "step", "margin", "kind"])
+            table.append({"problem_id": r["problem_id"], "step": i, "margin": m, "kind": kind})
+    return pd.DataFrame(table, columns=["problem_id", "step", "margin", "kind"])
 
 
 def margin_percentiles(df: pd.DataFrame) -> list[float]:
@@ -70,7 +87,7 @@ def margin_percentiles(df: pd.DataFrame) -> list[float]:
     return [float(100 * (shared <= m).mean()) for m in df.loc[df["kind"].str.startswith("first divergence"), "margin"]]
 
 
-def transplant_outcomes(records: Sequence[dict]) -> pd.DataFrame:
+def transplant_outcomes(rows: Sequence[TransplantRecord] | Sequence[ReplicationRecord]) -> pd.DataFrame:
     """Counts of transplant outcomes per contemporaneous stratum, intervention and direction.
 
     Returns:
@@ -82,19 +99,21 @@ def transplant_outcomes(records: Sequence[dict]) -> pd.DataFrame:
     Raises:
         GateError: if a row failed a gate other than the precondition.
     """
-    records, _ = split_precondition(records)  # ineligible rows have no transplant
+    records, _ = split_precondition(rows)  # ineligible rows have no transplant
     counts: dict[tuple, int] = {}
     for r in records:
         stratum = "divergent" if r["baseline"]["suffix_differs"] else "exact"
-        for name, iv in r["interventions"].items():
+        # Experiment 4: intervention name -> Intervention; Experiment 5: its one "whole" Intervention
+        done = cast(Mapping[str, Intervention], r["interventions"])
+        for name, iv in done.items():
             for d in DIRECTIONS:
-                key = (stratum, name, iv["kind"], d, iv[d]["outcome"])
+                key = (stratum, name, iv["kind"], d, outcome_of(iv, d)["outcome"])
                 counts[key] = counts.get(key, 0) + 1
-    rows = [dict(zip(("stratum", "intervention", "kind", "direction", "outcome"), k), rows=v) for k, v in counts.items()]
-    return pd.DataFrame(rows, columns=["stratum", "intervention", "kind", "direction", "outcome", "rows"])
+    table = [dict(zip(("stratum", "intervention", "kind", "direction", "outcome"), k), rows=v) for k, v in counts.items()]
+    return pd.DataFrame(table, columns=["stratum", "intervention", "kind", "direction", "outcome", "rows"])
 
 
-def layer_drift_frame(tensors: Sequence[dict]) -> pd.DataFrame:
+def layer_drift_frame(tensors: Sequence[TensorDiff]) -> pd.DataFrame:
     """Per-tensor ledger summaries (``boundary.<cmp>.tensors``) as a frame.
 
     Returns:

@@ -24,8 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -34,12 +35,14 @@ from ..experiments.replication import describe_checkpoint, replication_summary, 
 from ..experiments.transplant import transplant_summary, transplant_table
 from ..gates import GateError
 from ..ledger.lookup import finished_rows, ledger_progress
+from ..ledger.records import Exp1Record, Exp2Record
 from ..paths import LEDGERS
 from ..stats import mcnemar_exact, wilson
 
 
-def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[Path, list[dict]]:
-    """The one ledger folder ``<experiment>-<dtype>-*`` under ``root`` and its finished rows, in ledger order.
+def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[Path, list[Any]]:
+    """The one ledger folder ``<experiment>-<dtype>-*`` under ``root`` and its finished rows, in ledger order
+    (typed ``Any``: their record, :mod:`kvreplay.ledger.records`, depends on ``experiment``).
 
     Raises:
         FileNotFoundError: no such folder, or one without its ``manifest.json`` (an arm that never started).
@@ -65,7 +68,7 @@ each table is about (its heading without ``--readme``)."""
 ONE_ARM = tuple(ONE_ARM_TITLES)
 
 
-def one_arm_table(experiment: str, rows: list[dict], folder: Path | None = None) -> pd.DataFrame:
+def one_arm_table(experiment: str, rows: list[Any], folder: Path | None = None) -> pd.DataFrame:
     """Experiment 3's bridge table, Experiment 4's transplant table or Experiment 5's replication table on the
     finished ``rows`` of its BF16 arm. Experiment 5 names its checkpoint from the ledger ``folder``'s manifest.
 
@@ -87,18 +90,22 @@ def one_arm_table(experiment: str, rows: list[dict], folder: Path | None = None)
     raise ValueError(f"{experiment!r} is not one of {ONE_ARM}")
 
 
-def suffix_frame(rows: list[dict]) -> pd.DataFrame:
+def suffix_frame(rows: Sequence[Exp1Record] | Sequence[Exp2Record]) -> pd.DataFrame:
     """One line per finished Experiment 1 or 2 row: problem, gate failure, suffix differs, tie-initiated, boundary exact."""
-    return pd.DataFrame([{
-        "problem_id": r["problem_id"],
-        "gate_failure": r.get("gate_failure"),
-        "suffix_differs": bool(r["endpoints"]["suffix_differs"]) if r.get("endpoints") else None,
-        "tie_initiated": bool(r["endpoints"].get("tie_initiated")) if r.get("endpoints") else None,
-        "boundary_exact": r["endpoints"]["boundary_exact"] if r.get("endpoints") else None,
-    } for r in rows])
+    def line(r: Exp1Record | Exp2Record) -> dict:
+        ep = r["endpoints"] if r["gate_failure"] is None else None  # a row stopped by a gate has none
+        return {
+            "problem_id": r["problem_id"],
+            "gate_failure": r.get("gate_failure"),
+            "suffix_differs": bool(ep["suffix_differs"]) if ep else None,
+            "tie_initiated": bool(ep.get("tie_initiated")) if ep else None,
+            "boundary_exact": ep["boundary_exact"] if ep else None,
+        }
+
+    return pd.DataFrame([line(r) for r in rows])
 
 
-def suffix_summary(rows: Mapping[str, list[dict]]) -> pd.DataFrame:
+def suffix_summary(rows: Mapping[str, Sequence[Exp1Record]] | Mapping[str, Sequence[Exp2Record]]) -> pd.DataFrame:
     """Suffix divergence of each precision on its finished rows, and of both on the rows both finished.
 
     ``rows`` maps ``"bfloat16"`` and/or ``"float32"`` to the finished Experiment 1 (or 2) rows of that

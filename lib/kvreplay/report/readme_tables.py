@@ -584,6 +584,8 @@ def check_tables(readme: str, root: Path, profile: str) -> list[Difference]:
             out.append(Difference(where, "block", m.group(0)[:80], f"a table named one of {sorted(expected)}"))
             continue
         want = BLOCK.fullmatch(expected[m["name"]])
+        if want is None:
+            raise ReadmeTableError(f"the generated block {profile}/{m['name']} is not a results-table block")
         marker, want_marker = m.group(0).split("\n", 1)[0], want.group(0).split("\n", 1)[0]
         if marker != want_marker:
             out.append(Difference(where, "marker comment", marker, want_marker))
@@ -667,7 +669,10 @@ def _num(text: str) -> Decimal:
 def _same(printed: str, value: str) -> bool:
     """``printed`` equals ``value`` rounded to the decimals ``printed`` shows."""
     p = _num(printed)
-    places = max(0, -p.as_tuple().exponent)
+    exponent = p.as_tuple().exponent
+    if not isinstance(exponent, int):
+        raise ValueError(f"printed number {printed!r} is not finite")
+    places = max(0, -exponent)
     return abs(p - _num(value)) <= Decimal(5).scaleb(-places - 1) + Decimal("1e-9")
 
 

@@ -49,7 +49,7 @@ import torch
 from ..execution import ExecutionContract
 from ..models import context_length
 from .batched import BatchedRows
-from .spec import RunSpec, arm_environment, check_prompts
+from .spec import EngineRun, RunSpec, arm_environment, check_prompts
 
 DEPTH = 2
 """Groups of rows in flight per actor: the next one waits in the actor's queue while it computes the current one."""
@@ -213,7 +213,7 @@ class RowActor:
         self._ready()
         return {"pid": os.getpid(), "device": self.device, "node": ray.get_runtime_context().get_node_id()[:12]}
 
-    def prepare(self, problems: Sequence) -> tuple[dict, object]:
+    def prepare(self, problems: Sequence) -> tuple[dict, EngineRun | None]:
         """Check every prompt against the block contract and the context; return the ledger environment and engine run.
 
         Raises:
@@ -250,6 +250,8 @@ class RowActor:
         self._ready()
         if run is None:
             return [self.row(self.spec, p) for p in group], []
+        if self.chunk is None:
+            raise ValueError("row actor: an engine run needs the arm's chunk function (RowActors(..., chunk=...))")
         spec = dataclasses.replace(self.spec, engine=run, memo=self.spec.memo)
         ids = [p.problem_id for p in group]
         gate_on = composition_id if composition_id in ids else None
@@ -340,7 +342,7 @@ class RowActors:
     def live(self) -> list[int]:
         return [i for i in range(len(self.actors)) if i not in self.dead]
 
-    def prepare(self, problems: Sequence) -> tuple[dict, object]:
+    def prepare(self, problems: Sequence) -> tuple[dict, EngineRun | None]:
         """In one actor: check every prompt, return ``(environment, engine run or None)`` (see :meth:`RowActor.prepare`)."""
         return self._get(self.actors[self.live()[0]].prepare.remote(list(problems)))
 
@@ -367,7 +369,7 @@ class RowActors:
         pending = deque(range(len(groups)))
         inflight: dict = {}  # ObjectRef -> (group index, actor index)
         load = dict.fromkeys(range(len(self.actors)), 0)
-        done: dict[int, object] = {}
+        done: dict[int, tuple[list[dict], list[dict]] | BaseException] = {}  # group -> (records, checks), or its error
         nxt = 0
         while nxt < len(groups):
             while pending and self.live():

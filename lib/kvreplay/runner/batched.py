@@ -20,7 +20,7 @@ from .. import engine
 from ..gates import GateError
 from ..ledger.store import canonical_json
 from ..problems import Problem
-from .spec import RunSpec
+from .spec import EngineRun, RunSpec
 
 GRAPH_CHECK_STEPS = 256
 """Steps of each engine (live, suffix) of the composition run checked against the eager step on the graph path."""
@@ -102,11 +102,22 @@ class BatchedRows:
         self.chunks: list[list[str]] = []
         self.checks: list[dict] = []  # the preflight gates passed: gate, problem, seconds, steps checked
 
+    @property
+    def _run(self) -> EngineRun:
+        """``spec.engine``, the batch shape and step path every chunk runs at.
+
+        Raises:
+            ValueError: the spec has no engine run (a batched runner needs one).
+        """
+        if self.spec.engine is None:
+            raise ValueError("BatchedRows: spec.engine is not set (the batched runner needs the engine's batch shape)")
+        return self.spec.engine
+
     def __call__(self, items) -> Iterator[dict]:
         for it in items:
             if it.problem_id not in self.held:
                 start = self.position[it.problem_id]
-                size = self.spec.engine.problems_per_chunk
+                size = self._run.problems_per_chunk
                 group = [p for p in self.todo[start : start + size] if p.problem_id not in self.held]
                 deadline = os.environ.get(CHUNK_DEADLINE_ENV)
                 estimate = os.environ.get(FIRST_CHUNK_ESTIMATE_ENV)
@@ -143,7 +154,7 @@ class BatchedRows:
         Raises:
             GateError: ``composition`` naming the first differing leaf, or ``graph_equals_eager``.
         """
-        run = self.spec.engine
+        run = self._run
         alone, seconds = self._alone(problem)
         if canonical_json(alone) != canonical_json(record):
             where = first_difference(alone, record) or "?"
@@ -162,7 +173,7 @@ class BatchedRows:
         Raises:
             GateError: ``composition`` naming the first differing leaf, or ``graph_equals_eager``.
         """
-        run = self.spec.engine
+        run = self._run
         alone, seconds = self._alone(problem)
         if canonical_json(alone) != line:
             where = first_difference(alone, json.loads(line)) or "?"
@@ -182,7 +193,7 @@ class BatchedRows:
         Raises:
             GateError: ``graph_equals_eager``.
         """
-        run = self.spec.engine
+        run = self._run
         verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
         spec = dataclasses.replace(self.spec, engine=dataclasses.replace(run, verify_steps=verify), memo=self.spec.memo)
         t0, verified0 = time.perf_counter(), engine.VERIFIED_STEPS[0]

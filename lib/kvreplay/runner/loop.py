@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ..ledger.lookup import ledger_progress
 from ..ledger.records import validate_row
@@ -31,6 +32,10 @@ from .spec import (
 )
 
 
+_Record = TypeVar("_Record", bound=Mapping[str, Any])
+"""An experiment's row record (:mod:`kvreplay.ledger.records`, e.g. ``Exp1Record``)."""
+
+
 def _other_folders(root: Path, label: str, folder: Path) -> list[str]:
     """The arm's ledger folders under ``root`` other than ``folder``, each with its finished and wanted rows."""
     out = []
@@ -45,14 +50,14 @@ def run_arm(
     name: str,
     settings: ArmSettings,
     problems: Sequence[Problem],
-    row: Callable[[RunSpec, Problem], dict],
+    row: Callable[[RunSpec, Problem], _Record],
     *,
     ledger_root: str | Path,
     extra_config: dict | None = None,
     progress: bool = True,
     faults: Hook | None = None,
-    chunk: Callable[[RunSpec, Sequence[Problem]], list[dict]] | None = None,
-) -> tuple[list[dict], "Ledger"]:
+    chunk: Callable[[RunSpec, Sequence[Problem]], list[_Record]] | None = None,
+) -> tuple[list[_Record], "Ledger"]:
     """Run, resume or reuse one experiment arm: ``row`` mapped over ``problems`` in frozen order.
 
     With a non-eager ``settings.step_path`` the arm runs through the batched
@@ -113,7 +118,7 @@ def run_arm(
     version = ROW_ALGORITHM.get(name)
     done: set[str] = set()
     committed: list[str] = []  # the ledger's finished lines, for a resumed batched arm's gate
-    parsed: list[dict] = []  # the same lines parsed
+    parsed: list[Any] = []  # the same lines parsed
     if Ledger.folder(root, label, config).is_dir():
         probe = Ledger(root, label, config, row_algorithm=version)
         committed = row_lines(read_rows_text(probe.dir))  # read once: done keys and lines
@@ -152,11 +157,11 @@ def run_arm(
                        ray_started=pool.cluster["started"], startup_s=pool.startup)
             if run is not None:
                 ledger.log(event="engine", **dataclasses.asdict(run))
-            mapper = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first, reference=reference,
+            pooled = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first, reference=reference,
                                  on_checks=lambda checks: ledger.log(event="gates", checks=checks))
             try:
                 records = run_rows(
-                    ledger, list(problems), None, key=lambda p: p.problem_id, mapper=mapper,
+                    ledger, list(problems), None, key=lambda p: p.problem_id, mapper=pooled,
                     preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype} x{pool.workers}",
                     validate=lambda rec: validate_row(name, rec),
                 )
@@ -169,9 +174,12 @@ def run_arm(
     run = settings.engine_run(block_format, problems)
     ledger = Ledger(root, label, config, environment=arm_environment(lm, block_format, settings, run), row_algorithm=version)
     spec = RunSpec(lm=lm, fmt=block_format, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids, engine=run)
+    mapper: Callable[[list[Problem]], Iterable[Mapping[str, Any]]] | None
+    row_fn: Callable[[Problem], _Record] | None
     if run is None:
         mapper, row_fn = None, (lambda p: row(spec, p))
     else:
+        assert chunk is not None  # a non-eager step path without a chunk function was refused above
         mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first, reference=reference,
                                      on_checks=lambda checks: ledger.log(event="gates", checks=checks)), None
         ledger.log(event="engine", **dataclasses.asdict(run))

@@ -17,6 +17,7 @@ import difflib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
+from typing import TypeGuard
 
 import torch
 
@@ -74,6 +75,16 @@ class RunSpec:
     equivalence_ids: frozenset = frozenset()
     engine: "EngineRun | None" = None
     memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def engine_kwargs(self) -> dict:
+        """The keyword arguments a batched runner passes to :mod:`kvreplay.engine` (:meth:`EngineRun.kwargs`).
+
+        Raises:
+            ValueError: a one-problem run (``engine`` is None), which has no batched runner to drive.
+        """
+        if self.engine is None:
+            raise ValueError("this run has no engine (RunSpec.engine is None): a chunk function needs a batched run")
+        return self.engine.kwargs()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +164,7 @@ def check_prompts(
             raise ContractError(f"problem {p.problem_id} (line {p.source_line}): {e}") from e
         if max_positions is None:
             continue
+        assert caps is not None  # refused above: max_positions is given, so caps is too
         need = fmt.max_sequence_length(len(ids), caps)
         if need > max_positions:
             raise ContractError(
@@ -214,7 +226,7 @@ ARM_STEP_PATHS = ("eager", "engine-eager", "graph")
 """Decode paths of an arm: :mod:`kvreplay.decode` (reference), the engine's op-by-op step, its CUDA graph."""
 
 
-def _whole(v: object) -> bool:
+def _whole(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
