@@ -23,6 +23,7 @@ from .contract import ROLE_NAMES
 from .experiments.matrix import comparison as compare_states
 from .gates import cache_tensors
 from .ledger.lookup import LoadedLedger, MissingLedgerError, find_chain_ledger
+from .ledger.records import Exp1Row, Exp2Row, comparison_of
 from .models import load_tokenizer
 from .rebuild import (
     COMPARISONS,
@@ -105,12 +106,13 @@ class RebuiltPair:
     seconds: dict[str, float]
 
 
-def rebuild(ledger: LoadedLedger, row: dict, comparison: str, model: str | None = None, progress=None) -> RebuiltPair:
+def rebuild(ledger: LoadedLedger, row: Exp1Row | Exp2Row, comparison: str, model: str | None = None,
+            progress=None) -> RebuiltPair:
     """Rebuild (or return the cached) boundary pair of ``row`` for ``comparison``.
 
     Args:
         ledger: the row's ledger (Experiment 1 or 2).
-        row: the ledger record.
+        row: the ledger record (one that passed every gate).
         comparison: a key of ``row["boundary"]`` (see :data:`kvreplay.rebuild.COMPARISONS`).
         model: overrides the ledger's model path (local folders).
         progress: optional callable ``(step: int, of: int, what: str)`` told before each stage.
@@ -140,7 +142,7 @@ def rebuild(ledger: LoadedLedger, row: dict, comparison: str, model: str | None 
     roles = fmt.parse(row["prefix"]).roles
     blocks = {ROLE_NAMES[r]: list(roles).index(r) for r in sorted(set(roles))}
     tokens = [token_text(lm.tokenizer, t) for t in row["prefix"]]
-    pair = RebuiltPair(a, b, inv, maps, summary, fingerprint_matches(row["boundary"][comparison], summary),
+    pair = RebuiltPair(a, b, inv, maps, summary, fingerprint_matches(comparison_of(row, comparison), summary),
                        tokens, blocks, {"model": 0.0 if cached else t1 - t0, "rebuild": time.perf_counter() - t1})
     tell(4, 4, "done")
     _PAIRS[key] = pair
@@ -256,7 +258,8 @@ class Explorer:
         return self.pairs[self.pair_picker.value][1]
 
     @property
-    def row(self) -> dict:
+    def row(self) -> Exp1Row | Exp2Row:
+        """The picked row (the picker lists only rows that passed every gate)."""
         return next(r for r in self.ledger.records if r["problem_id"] == self.row_picker.value)
 
     def _fill_rows(self, problem: str | None = None) -> None:
@@ -297,7 +300,7 @@ class Explorer:
 
         row, comp = self.row, self.comparison
         ref, other = comparison_arms(self.ledger.key.split("-")[0], comp)
-        summary = row["boundary"][comp]
+        summary = comparison_of(row, comp)
         with self.summary_out:
             self.summary_out.clear_output(wait=True)
             if "tensors" in summary:

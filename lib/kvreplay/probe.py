@@ -18,14 +18,16 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 from .contract import Caps
 from .execution import device_or_exit
+from .ledger.records import Exp1Record, GateFailure
 from .experiments.live_vs_prefill import live_vs_prefill_row
 from .problems import load_bank
 from .runner import ArmSettings, RunSpec
 
-SETTINGS = {
+SETTINGS: dict[str, dict[str, Any]] = {
     "contract default (math SDPA; deterministic on CUDA)": {"sdpa_backends": ("math",), "deterministic": None},
     "all SDPA backends incl. cuDNN, nondeterministic": {"sdpa_backends": ("cudnn", "flash", "efficient", "math"), "deterministic": False},
     "cuDNN SDPA only, nondeterministic": {"sdpa_backends": ("cudnn",), "deterministic": False},
@@ -49,16 +51,20 @@ def run(device: str = "cuda", rows: int = 2, caps: tuple[int, int, int] = (32, 6
                 out.append({"setting": label, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
                 continue
             spec = RunSpec(lm=lm, fmt=fmt, caps=s.caps)
-            recs = []
+            recs: list[Exp1Record] = []
+            failures: list[GateFailure] = []  # in problem order, a kernel error among them
             for p in problems:
                 try:
-                    recs.append(live_vs_prefill_row(spec, p))
+                    rec = live_vs_prefill_row(spec, p)
                 except RuntimeError as e:  # a kernel refusing the mask, say: not a gate, but not silent either
-                    recs.append({"gate_failure": {"gate": "error", "reason": f"{type(e).__name__}: {str(e)[:200]}"}})
-            failures = [r["gate_failure"] for r in recs if r["gate_failure"]]
-            ok = [r for r in recs if not r["gate_failure"]]
+                    failures.append({"gate": "error", "reason": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
+                recs.append(rec)
+                if rec["gate_failure"] is not None:
+                    failures.append(rec["gate_failure"])
+            ok = [r for r in recs if r["gate_failure"] is None]
             out.append({
-                "setting": label, "dtype": dtype, "rows": len(recs), "passed_all_gates": len(ok),
+                "setting": label, "dtype": dtype, "rows": len(problems), "passed_all_gates": len(ok),
                 "gates_failed": sorted({f["gate"] for f in failures}),
                 "first_failure": failures[0]["reason"] if failures else None,
                 "boundary_non_exact": sum(not r["endpoints"]["boundary_exact"] for r in ok),

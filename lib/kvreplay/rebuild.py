@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -22,6 +22,7 @@ from .contract import resolve_format
 from .experiments.matrix import boundary_gates
 from .gates import GateError
 from .ledger.lookup import LoadedLedger
+from .ledger.records import Exp1Record, Exp2Record
 from .ledger.store import canonical_json
 from .execution import ExecutionContract
 from .models import load_model
@@ -52,7 +53,8 @@ def comparison_arms(experiment: str, comparison: str) -> tuple[str, str]:
     return COMPARISONS[experiment][comparison]
 
 
-def pick_row(records: Sequence[dict], problem: str | None, experiment: str) -> dict:
+def pick_row(records: Sequence[Exp1Record] | Sequence[Exp2Record], problem: str | None,
+             experiment: str) -> Exp1Record | Exp2Record:
     """The row to explore: ``problem`` if given, else the first row whose suffixes differ, else the first row.
 
     Raises:
@@ -64,7 +66,7 @@ def pick_row(records: Sequence[dict], problem: str | None, experiment: str) -> d
                 return r
         raise KeyError(f"problem {problem!r} is not in the {experiment} ledger; it has {[r['problem_id'] for r in records]}")
     for r in records:
-        if r.get("endpoints", {}).get("suffix_differs"):
+        if r["gate_failure"] is None and r["endpoints"]["suffix_differs"]:  # a failed row has no endpoints
             return r
     return records[0]
 
@@ -154,7 +156,7 @@ def rebuild_pair(lm, fmt, prefix: Sequence[int], ref: str, other: str, *, where:
     return a, b
 
 
-def fingerprint_matches(ledger_summary: dict, rebuilt: dict) -> dict[str, bool]:
+def fingerprint_matches(ledger_summary: Mapping[str, Any], rebuilt: Mapping[str, Any]) -> dict[str, bool]:
     """Whether a rebuilt comparison (:func:`kvreplay.experiments.matrix.comparison`) equals the ledger's, part by part.
 
     Compares ``cache``, ``logits`` and (when the ledger has them) ``tensors`` after a JSON round trip.

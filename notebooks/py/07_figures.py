@@ -37,6 +37,7 @@ from IPython.display import Markdown, display
 
 from kvreplay.report import figures
 from kvreplay.ledger.lookup import load_profile_ledgers
+from kvreplay.ledger.records import Exp1Record, Exp2Record
 from kvreplay.report.frames import divergence_margins, first_divergence_frame, margin_percentiles, transplant_outcomes
 from kvreplay.decode import BATCH
 from kvreplay.experiments.transplant import DIRECTIONS, interventions
@@ -67,8 +68,9 @@ written["fig1_design"] = session.save_figure(figures.design_figure(caps, BATCH, 
 # median.
 
 # %%
-groups = {"Exp 1 BF16: prefill vs live": profile_ledgers.records("exp1-bfloat16"),
-          "Exp 2 BF16: prefill vs incremental": profile_ledgers.records("exp2-bfloat16")}
+groups: dict[str, list[Exp1Record] | list[Exp2Record]] = {
+    "Exp 1 BF16: prefill vs live": profile_ledgers.records("exp1-bfloat16"),
+    "Exp 2 BF16: prefill vs incremental": profile_ledgers.records("exp2-bfloat16")}
 firsts = first_divergence_frame(groups)
 fd_stats: dict[str, dict] = {}
 for label, recs in groups.items():

@@ -61,6 +61,7 @@ from kvreplay import explorer
 from kvreplay.report import figures
 from kvreplay.experiments.endpoints import first_divergence
 from kvreplay.ledger.lookup import find_chain_ledger
+from kvreplay.ledger.records import arm_of, comparison_of
 from kvreplay.rebuild import comparison_arms, pick_row, suffix_alignment, token_text, topk_frame
 from kvreplay.report.frames import layer_drift_frame
 from kvreplay.report.files import save_figure
@@ -72,7 +73,7 @@ ref_arm, other_arm = comparison_arms(experiment, comparison)
 ledger = find_chain_ledger(session.ledger_root, session.profile, f"{experiment}-{precision}")
 row = pick_row(ledger.records, problem, experiment)
 assert not row["gate_failure"], f"row {row['problem_id']} failed gate {row['gate_failure']}: nothing to explore"
-summary = row["boundary"][comparison]
+summary = comparison_of(row, comparison)
 stem = f"{row['problem_id']}_{experiment}_{precision}_{comparison}"
 shown = {}
 
@@ -105,7 +106,7 @@ overview = pd.Series({
         f"{summary['logits']['margin_ref']:.4g} / {summary['logits']['margin_other']:.4g}",
     "suffix differs (prefill vs reference)": ep["suffix_differs"],
     "first divergence (tokens after boundary)": ep["first_divergence"],
-    f"correct: {ref_arm} / {other_arm}": f"{row['arms'][ref_arm]['correct']} / {row['arms'][other_arm]['correct']}",
+    f"correct: {ref_arm} / {other_arm}": f"{arm_of(row, ref_arm)['correct']} / {arm_of(row, other_arm)['correct']}",
 }, name=comparison)
 overview.to_frame()
 
@@ -206,16 +207,15 @@ if pair is not None:
 # ## The two suffixes side by side
 
 # %%
-sa, sb = row["arms"][ref_arm]["suffix"], row["arms"][other_arm]["suffix"]
-ma, mb = row["arms"][ref_arm]["margins"], row["arms"][other_arm]["margins"]
+ra, rb = arm_of(row, ref_arm), arm_of(row, other_arm)
+sa, sb = ra["suffix"], rb["suffix"]
+ma, mb = ra["margins"], rb["margins"]
 first = first_divergence(sa, sb)
 aligned = suffix_alignment(tok, sa, sb, ma, mb, first, before=before, after=after)
 cut = first if first is not None else len(sa)
 texts = pd.DataFrame({
-    ref_arm: [tok.decode(sa[:cut]), tok.decode(sa[cut:]), row["arms"][ref_arm]["answer_text"],
-              row["arms"][ref_arm]["correct"]],
-    other_arm: [tok.decode(sb[:cut]), tok.decode(sb[cut:]), row["arms"][other_arm]["answer_text"],
-                row["arms"][other_arm]["correct"]],
+    ref_arm: [tok.decode(sa[:cut]), tok.decode(sa[cut:]), ra["answer_text"], ra["correct"]],
+    other_arm: [tok.decode(sb[:cut]), tok.decode(sb[cut:]), rb["answer_text"], rb["correct"]],
 }, index=["shared part (up to the first divergence)", "after the first divergence", "answer text", "correct"])
 display(Markdown(f"**First divergence: {first if first is not None else 'none'}** "
                  f"(suffix tokens after the boundary; {len(sa)} and {len(sb)} tokens)"))
@@ -248,7 +248,7 @@ else:
     lines.append(f"- The suffixes first differ {first} tokens after the boundary; "
                  f"there the {ref_arm} arm's top-1 minus top-2 margin was "
                  f"{m if m is None else f'{m:.3g}'} "
-                 f"(answers: {row['arms'][ref_arm]['predicted']} vs {row['arms'][other_arm]['predicted']}).")
+                 f"(answers: {ra['predicted']} vs {rb['predicted']}).")
 display(Markdown("\n".join(lines)))
 
 # %% [markdown]

@@ -141,7 +141,7 @@ AUDIT_ARMS = {"live": "incremental", "live_replica": "incremental_replica", "pre
 BOUNDARY_RENAME = {"prefill_vs_live": "prefill_vs_incremental", "live_replica": "incremental_replica"}
 
 
-def saved_ledger_audit(exp1_rows: Sequence[Exp1Record], exp2_rows: Sequence[Exp2Record]) -> dict:
+def saved_ledger_audit(exp1: Sequence[Exp1Record], exp2: Sequence[Exp2Record]) -> dict:
     """Deterministic join of the Experiment 1 and 2 BF16 ledgers by problem ID (paper §3.7 audit).
 
     Compares problem order, prefix IDs, complete suffix arrays per arm
@@ -156,12 +156,12 @@ def saved_ledger_audit(exp1_rows: Sequence[Exp1Record], exp2_rows: Sequence[Exp2
     Raises:
         GateError: if either ledger has a failed row.
     """
-    exp1, exp2 = require_gates(exp1_rows), require_gates(exp2_rows)
-    by2 = {r["problem_id"]: r for r in exp2}
-    rows = [(a, by2.get(a["problem_id"])) for a in exp1]
+    exp1_passed, exp2_passed = require_gates(exp1), require_gates(exp2)
+    by2 = {r["problem_id"]: r for r in exp2_passed}
+    rows = [(a, by2.get(a["problem_id"])) for a in exp1_passed]
     out = {
-        "rows": len(exp1),
-        "order_agrees": [r["problem_id"] for r in exp1] == [r["problem_id"] for r in exp2],
+        "rows": len(exp1_passed),
+        "order_agrees": [r["problem_id"] for r in exp1_passed] == [r["problem_id"] for r in exp2_passed],
         "prefix_agrees": sum(b is not None and a["prefix"] == b["prefix"] for a, b in rows),
         "suffix_agrees": {
             f"{x}→{y}": sum(b is not None and arm_of(a, x)["suffix"] == arm_of(b, y)["suffix"] for a, b in rows)

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import statistics
 import weakref
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import pandas as pd
 import torch
 
 from .. import caches, decode, drift, engine, gates
 from ..gates import GateError
-from ..ledger.records import ControlsRecord
+from ..ledger.records import ControlsRecord, ControlsRow
 from ..ledger.store import Ledger
 from ..problems import Problem
 from ..runner import ArmSettings, Hook, RunSpec, run_arm
@@ -243,7 +243,10 @@ def controls_summary(records: Sequence[ControlsRecord]) -> dict:
     n = len(passed)
     div = [r for r in passed if r["baseline"]["suffix_differs"]]
     ex = [r for r in passed if not r["baseline"]["suffix_differs"]]
-    count = lambda rows, f: sum(bool(f(r)) for r in rows)  # noqa: E731
+
+    def count(rows: Sequence[ControlsRow], f: Callable[[ControlsRow], object]) -> int:
+        return sum(bool(f(r)) for r in rows)
+
     return {
         "n": n,
         "baseline": wilson(count(passed, lambda r: r["baseline"]["suffix_differs"]), n),

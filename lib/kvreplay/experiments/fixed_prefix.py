@@ -134,7 +134,7 @@ def _differs(endpoints: Endpoints, key: str) -> bool:
     return cast(Mapping[str, bool], endpoints)[f"{key}_differs"]
 
 
-def precision_crossing(bf16_rows: Sequence[Exp2Record], fp32_rows: Sequence[Exp2Record], seed: int = 20260729,
+def precision_crossing(bf16: Sequence[Exp2Record], fp32: Sequence[Exp2Record], seed: int = 20260729,
                        n_resamples: int = 20000) -> dict:
     """Problem-paired FP32-minus-BF16 change in each disagreement indicator (paper §4.2).
 
@@ -151,21 +151,23 @@ def precision_crossing(bf16_rows: Sequence[Exp2Record], fp32_rows: Sequence[Exp2
     Raises:
         GateError: if rows are not paired by problem ID in the same order, or a row failed a gate.
     """
-    bf16, fp32 = require_gates(bf16_rows), require_gates(fp32_rows)
-    if [r["problem_id"] for r in bf16] != [r["problem_id"] for r in fp32]:
+    bf16_passed, fp32_passed = require_gates(bf16), require_gates(fp32)
+    if [r["problem_id"] for r in bf16_passed] != [r["problem_id"] for r in fp32_passed]:
         raise GateError("report", "BF16 and FP32 rows are not paired in the same problem order")
-    out: dict[str, Any] = {"n": len(bf16), "prefix_identical": sum(a["prefix"] == b["prefix"] for a, b in zip(bf16, fp32))}
-    ref = next(k for k in bf16[0]["arms"] if not k.startswith("prefill") and not k.endswith("_replica")) if bf16 else ""
+    out: dict[str, Any] = {"n": len(bf16_passed),
+                           "prefix_identical": sum(a["prefix"] == b["prefix"] for a, b in zip(bf16_passed, fp32_passed))}
+    ref = (next(k for k in bf16_passed[0]["arms"] if not k.startswith("prefill") and not k.endswith("_replica"))
+           if bf16_passed else "")
     effect = {d: [int(r["arms"]["prefill"]["correct"]) - int(arm_of(r, ref)["correct"]) for r in rows]
-              for d, rows in (("bfloat16", bf16), ("float32", fp32))}
+              for d, rows in (("bfloat16", bf16_passed), ("float32", fp32_passed))}
     out["accuracy_effect"] = {
-        "bfloat16": sum(effect["bfloat16"]) / len(bf16), "float32": sum(effect["float32"]) / len(fp32),
+        "bfloat16": sum(effect["bfloat16"]) / len(bf16_passed), "float32": sum(effect["float32"]) / len(fp32_passed),
         "change": paired_bootstrap(effect["bfloat16"], effect["float32"], n_resamples=n_resamples, seed=seed)
-        if len(bf16) >= 2 else None,
+        if len(bf16_passed) >= 2 else None,
     }
     for key in ("suffix", "answer", "letter", "label"):
-        a = [_differs(with_derived_endpoints(r, ref), key) for r in bf16]  # version-1 rows: derived, as elsewhere
-        b = [_differs(with_derived_endpoints(r, ref), key) for r in fp32]
+        a = [_differs(with_derived_endpoints(r, ref), key) for r in bf16_passed]  # version-1 rows: derived, as elsewhere
+        b = [_differs(with_derived_endpoints(r, ref), key) for r in fp32_passed]
         out[key] = {
             "change": paired_bootstrap(a, b, n_resamples=n_resamples, seed=seed) if len(a) >= 2 else None,
             "mcnemar": mcnemar_exact(a, b),

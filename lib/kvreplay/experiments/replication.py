@@ -398,7 +398,7 @@ def replication_table(s: dict, checkpoint: str) -> pd.DataFrame:
     }})
 
 
-def accuracy_vs_checkpoint0(exp2_rows: Sequence[Exp2Record], exp5_rows: Sequence[ReplicationRecord], *,
+def accuracy_vs_checkpoint0(exp2_bf16: Sequence[Exp2Record], exp5: Sequence[ReplicationRecord], *,
                             seed: int = 20260729,
                             n_resamples: int = 20000) -> dict:
     """Secondary: decoded accuracy, later checkpoint (Exp 5 incremental) vs checkpoint 0 (Exp 2 BF16 incremental), same prefixes and caps.
@@ -413,19 +413,19 @@ def accuracy_vs_checkpoint0(exp2_rows: Sequence[Exp2Record], exp5_rows: Sequence
         GateError: if a row failed a gate (other than the transplant's precondition, whose rows have no
             scores and are left out) or a panel row is missing from Experiment 2.
     """
-    exp2_bf16 = require_gates(exp2_rows)
-    exp5 = cast(list[ReplicationRow], split_precondition(exp5_rows)[0])  # Experiment 5's rows only
-    by_id = {r["problem_id"]: r for r in exp2_bf16}
-    missing = [r["problem_id"] for r in exp5 if r["problem_id"] not in by_id]
+    exp2_passed = require_gates(exp2_bf16)
+    exp5_eligible = cast(list[ReplicationRow], split_precondition(exp5)[0])  # Experiment 5's rows only
+    by_id = {r["problem_id"]: r for r in exp2_passed}
+    missing = [r["problem_id"] for r in exp5_eligible if r["problem_id"] not in by_id]
     if missing:
         raise GateError("report", f"panel rows missing from the Experiment 2 BF16 ledger: {missing}")
-    a = [by_id[r["problem_id"]]["arms"]["incremental"]["correct"] for r in exp5]
-    b = [r["scores"]["incremental"]["correct"] for r in exp5]
-    n = len(exp5)
+    a = [by_id[r["problem_id"]]["arms"]["incremental"]["correct"] for r in exp5_eligible]
+    b = [r["scores"]["incremental"]["correct"] for r in exp5_eligible]
+    n = len(exp5_eligible)
     diff_answer = sum(by_id[r["problem_id"]]["arms"]["incremental"]["predicted"] != r["scores"]["incremental"]["predicted"]
-                      for r in exp5)
-    lengths = {"ckpt0": [len(by_id[r["problem_id"]]["arms"]["incremental"]["suffix"]) for r in exp5],
-               "later": [len(r["baseline"]["incremental"]) for r in exp5]}
+                      for r in exp5_eligible)
+    lengths = {"ckpt0": [len(by_id[r["problem_id"]]["arms"]["incremental"]["suffix"]) for r in exp5_eligible],
+               "later": [len(r["baseline"]["incremental"]) for r in exp5_eligible]}
     return {"n": n, "ckpt0": wilson(sum(a), n), "later": wilson(sum(b), n),
             "diff": paired_bootstrap(a, b, n_resamples=n_resamples, seed=seed) if n >= 2 else None,
             "mcnemar": mcnemar_exact(a, b), "answers_differ": diff_answer,

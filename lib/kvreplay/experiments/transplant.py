@@ -11,7 +11,7 @@ partial transplants localise the effect.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import pandas as pd
 
@@ -40,7 +40,10 @@ from .matrix import (
 )
 
 
-def order_statistics(items: Sequence, k: int, key: Callable) -> list:
+_Item = TypeVar("_Item")
+
+
+def order_statistics(items: Sequence[_Item], k: int, key: Callable[[_Item], Any]) -> list[_Item]:
     """``k`` evenly spaced order statistics of ``items`` sorted by ``key`` (outcome-blind selection).
 
     Picks sorted positions ``round(i * (n - 1) / (k - 1))`` for ``i = 0..k-1``
@@ -87,7 +90,7 @@ def transplant_table(s: dict, records: Sequence[TransplantRecord]) -> pd.DataFra
     }})
 
 
-def freeze_transplant_panel(exp2_rows: Sequence[Exp2Record], n_divergent: int, n_exact: int) -> list[dict]:
+def freeze_transplant_panel(exp2_bf16: Sequence[Exp2Record], n_divergent: int, n_exact: int) -> list[dict]:
     """Freeze the transplant panel from Experiment 2's BF16 rows before any transplant is decoded (paper §3.8).
 
     Within the suffix-divergent and suffix-exact strata, takes evenly spaced
@@ -99,10 +102,10 @@ def freeze_transplant_panel(exp2_rows: Sequence[Exp2Record], n_divergent: int, n
     Raises:
         GateError: if a source row failed a gate.
     """
-    exp2_bf16 = require_gates(exp2_rows)
+    passed = require_gates(exp2_bf16)
     out = []
     for stratum, k in (("divergent", n_divergent), ("exact", n_exact)):
-        pool = [r for r in exp2_bf16 if r["endpoints"]["suffix_differs"] == (stratum == "divergent")]
+        pool = [r for r in passed if r["endpoints"]["suffix_differs"] == (stratum == "divergent")]
         for r in order_statistics(pool, k, key=lambda r: (r["prefix_len"], r["problem_id"])):
             out.append({"problem_id": r["problem_id"], "stratum": stratum, "prefix_len": r["prefix_len"]})
     return out
@@ -355,7 +358,10 @@ def transplant_summary(records: Sequence[TransplantRecord] | Sequence[Replicatio
     eligible, ineligible = split_precondition(records)
     div = [r for r in eligible if r["baseline"]["suffix_differs"]]
     exact = [r for r in eligible if not r["baseline"]["suffix_differs"]]
-    whole = lambda r, d: outcome_of(r["interventions"]["whole"], d)["outcome"]  # noqa: E731
+
+    def whole(r: TransplantRow | ReplicationRow, direction: str) -> str:
+        return outcome_of(r["interventions"]["whole"], direction)["outcome"]
+
     out = {
         "rows": len(eligible),
         "prior_stratum_reproduced": sum(r["baseline"]["suffix_differs"] == (r["stratum"] == "divergent") for r in eligible),
@@ -371,7 +377,7 @@ def transplant_summary(records: Sequence[TransplantRecord] | Sequence[Replicatio
     return out
 
 
-def localization_table(rows: Sequence[TransplantRecord]) -> pd.DataFrame:
+def localization_table(records: Sequence[TransplantRecord]) -> pd.DataFrame:
     """Per intervention, direction and stratum: how often the suffix follows the donor, the recipient, or neither.
 
     Divergent rows (the two baselines part) show which part of the cache
@@ -384,14 +390,14 @@ def localization_table(rows: Sequence[TransplantRecord]) -> pd.DataFrame:
     Raises:
         GateError: if a row failed a gate other than the precondition.
     """
-    records = cast(list[TransplantRow], split_precondition(rows)[0])  # Experiment 4's rows only
+    eligible = cast(list[TransplantRow], split_precondition(records)[0])  # Experiment 4's rows only
     table = []
     coarse = ("whole", "keys_only", "values_only", "first_half", "second_half")
-    # a fixed order, whether the records come from memory or from a ledger (whose JSON keys are sorted)
-    names = sorted({n for r in records for n in r["interventions"]},
+    # a fixed order, whether the eligible come from memory or from a ledger (whose JSON keys are sorted)
+    names = sorted({n for r in eligible for n in r["interventions"]},
                    key=lambda n: (coarse.index(n), "") if n in coarse else (len(coarse), n))
     for stratum, want in (("divergent", True), ("exact", False)):
-        group = [r for r in records if r["baseline"]["suffix_differs"] == want]
+        group = [r for r in eligible if r["baseline"]["suffix_differs"] == want]
         for name in names:
             have = [r for r in group if name in r["interventions"]]
             if not have:

@@ -17,9 +17,17 @@ import difflib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
-from .records import ROW_TYPES, validate_rows
+from .records import (
+    ROW_TYPES,
+    BridgeRecord,
+    Exp1Record,
+    Exp2Record,
+    ReplicationRecord,
+    TransplantRecord,
+    validate_rows,
+)
 from .store import ROWS, SEALED, read_rows_text
 
 PREFIX_BANK = "prefix_bank_bf16.jsonl"
@@ -239,8 +247,21 @@ class ProfileLedgers:
     def __getitem__(self, key: str) -> LoadedLedger:
         return self.ledgers[key]
 
+    @overload
+    def records(self, key: Literal["exp1-bfloat16", "exp1-float32"]) -> list[Exp1Record]: ...
+    @overload
+    def records(self, key: Literal["exp2-bfloat16", "exp2-float32"]) -> list[Exp2Record]: ...
+    @overload
+    def records(self, key: Literal["exp3-bfloat16"]) -> list[BridgeRecord]: ...
+    @overload
+    def records(self, key: Literal["exp4-bfloat16"]) -> list[TransplantRecord]: ...
+    @overload
+    def records(self, key: Literal["exp5-bfloat16"]) -> list[ReplicationRecord]: ...
+    @overload
+    def records(self, key: str) -> list[Any]: ...
     def records(self, key: str) -> list[Any]:
-        """The rows of ledger ``key`` (:attr:`LoadedLedger.records`)."""
+        """The rows of ledger ``key`` (:attr:`LoadedLedger.records`), typed as their record when ``key`` is a
+        literal :data:`LEDGER_SPECS` key (``records("exp4-bfloat16")`` is ``list[TransplantRecord]``)."""
         return self.ledgers[key].records
 
     @property

@@ -57,7 +57,7 @@ __all__ = [
     "FAILED_ROW_TYPES", "ROW_TYPES", "SCHEMA_ROW_ALGORITHM", "RowSchemaError", "experiment_of", "validate_row",
     "validate_rows",
     # reads by a key known only at run time
-    "arm_of", "comparison_of", "outcome_of",
+    "AnyComparison", "arm_of", "comparison_of", "outcome_of",
     # value types
     "Float", "InterventionName", "Letter", "Margins", "Rule", "TokenIds",
     # shared parts
@@ -606,15 +606,23 @@ def arm_of(row: Exp1Row | Exp2Row, arm: str) -> ArmSuffix:
     return cast(Mapping[str, ArmSuffix], row["arms"])[arm]
 
 
-def comparison_of(row: Exp1Row | Exp2Row, name: str) -> ReplicaComparison:
+@with_config(_CONFIG)
+class AnyComparison(TypedDict):
+    """What :func:`comparison_of` returns: a :class:`Comparison` or a :class:`ReplicaComparison`, read by a name
+    known only at run time; ``tensors`` is there for a construction against the reference (test ``"tensors" in``)."""
+    cache: CacheDiff
+    logits: LogitsDiff
+    tensors: NotRequired[list[TensorDiff]]
+
+
+def comparison_of(row: Exp1Row | Exp2Row, name: str) -> AnyComparison:
     """One boundary comparison of a matrix row by name, when the name is known only at run time (e.g.
-    ``prefill_vs_live`` or ``incremental_replica``), read through the keys every comparison has (``cache``,
-    ``logits``; a :class:`Comparison` also has ``tensors``).
+    ``prefill_vs_live`` or ``incremental_replica``).
 
     Raises:
         KeyError: the row has no such comparison.
     """
-    return cast(Mapping[str, ReplicaComparison], row["boundary"])[name]
+    return cast(Mapping[str, AnyComparison], row["boundary"])[name]
 
 
 def outcome_of(intervention: Intervention, direction: str) -> TransplantOutcome:

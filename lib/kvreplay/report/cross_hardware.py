@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
 
+from ..ledger.records import Exp1Record, arm_of
 from ..ledger.store import read_rows_text, row_lines
 from ..paths import FIGURES, LEDGERS
 from .files import save_table
@@ -44,13 +45,13 @@ CAPTION = ("Cross-hardware: Experiment 1 rows computed in two setups, token IDs 
            "(same prefix; same prefix and suffix per arm)")
 
 
-def exp1_records(ledger_root: str | Path, profile: str, dtype: str) -> dict[str, dict]:
+def exp1_records(ledger_root: str | Path, profile: str, dtype: str) -> dict[str, Exp1Record]:
     """Problem ID -> Experiment 1 record of one profile and precision (every ledger folder ``exp1-<dtype>-*``).
 
     Raises:
         ValueError: two ledgers of the profile hold the same problem (two configs of one arm).
     """
-    out: dict[str, dict] = {}
+    out: dict[str, Exp1Record] = {}
     for folder in sorted(Path(ledger_root, profile).glob(f"exp1-{dtype}-*")):
         for line in row_lines(read_rows_text(folder)):
             if line:
@@ -61,20 +62,22 @@ def exp1_records(ledger_root: str | Path, profile: str, dtype: str) -> dict[str,
     return out
 
 
-def compare(a: dict[str, dict], b: dict[str, dict]) -> dict:
+def compare(a: Mapping[str, Exp1Record], b: Mapping[str, Exp1Record]) -> dict:
     """Counts over the problems both record sets hold (rows with a gate failure are left out).
 
     Returns:
         ``rows``, ``prefix_same``, ``<arm>_same`` (prefix and that arm's suffix token-identical) for each arm,
         ``divergent_a`` / ``divergent_b`` (prefill vs live suffixes differ in each setup).
     """
-    ids = [k for k in a if k in b and not a[k].get("gate_failure") and not b[k].get("gate_failure")]
-    out = {"rows": len(ids), "prefix_same": sum(a[k]["prefix"] == b[k]["prefix"] for k in ids)}
+    pa = {k: r for k, r in a.items() if r["gate_failure"] is None}
+    pb = {k: r for k, r in b.items() if r["gate_failure"] is None}
+    ids = [k for k in pa if k in pb]
+    out = {"rows": len(ids), "prefix_same": sum(pa[k]["prefix"] == pb[k]["prefix"] for k in ids)}
     for arm in ARMS:
-        out[f"{arm}_same"] = sum(a[k]["prefix"] == b[k]["prefix"]
-                                 and a[k]["arms"][arm]["suffix"] == b[k]["arms"][arm]["suffix"] for k in ids)
-    out["divergent_a"] = sum(bool(a[k]["endpoints"]["suffix_differs"]) for k in ids)
-    out["divergent_b"] = sum(bool(b[k]["endpoints"]["suffix_differs"]) for k in ids)
+        out[f"{arm}_same"] = sum(pa[k]["prefix"] == pb[k]["prefix"]
+                                 and arm_of(pa[k], arm)["suffix"] == arm_of(pb[k], arm)["suffix"] for k in ids)
+    out["divergent_a"] = sum(bool(pa[k]["endpoints"]["suffix_differs"]) for k in ids)
+    out["divergent_b"] = sum(bool(pb[k]["endpoints"]["suffix_differs"]) for k in ids)
     return out
 
 

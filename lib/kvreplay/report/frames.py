@@ -12,9 +12,7 @@ from ..experiments.endpoints import require_gates
 from ..experiments.transplant import DIRECTIONS, split_precondition
 from ..ledger.records import (
     Exp1Record,
-    Exp1Row,
     Exp2Record,
-    Exp2Row,
     Intervention,
     ReplicationRecord,
     TensorDiff,
@@ -24,20 +22,23 @@ from ..ledger.records import (
 )
 
 
-def first_divergence_frame(groups: Mapping[str, Sequence[Exp1Row | Exp2Row]]) -> pd.DataFrame:
+def first_divergence_frame(groups: Mapping[str, Sequence[Exp1Record] | Sequence[Exp2Record]]) -> pd.DataFrame:
     """First-divergence positions of divergent rows, long form: ``group``, ``problem_id``, ``first_divergence``.
 
     Args:
-        groups: group label -> matrix rows that passed every gate (e.g. :func:`require_gates` of a ledger's rows).
+        groups: group label -> an Experiment 1 or 2 arm's rows.
+
+    Raises:
+        GateError: a row failed a gate.
     """
     rows = [
         {"group": g, "problem_id": r["problem_id"], "first_divergence": r["endpoints"]["first_divergence"]}
-        for g, recs in groups.items() for r in recs if r["endpoints"]["first_divergence"] is not None
+        for g, recs in groups.items() for r in require_gates(recs) if r["endpoints"]["first_divergence"] is not None
     ]
     return pd.DataFrame(rows, columns=["group", "problem_id", "first_divergence"])
 
 
-def divergence_margins(rows: Sequence[Exp1Record] | Sequence[Exp2Record], ref: str) -> pd.DataFrame:
+def divergence_margins(records: Sequence[Exp1Record] | Sequence[Exp2Record], ref: str) -> pd.DataFrame:
     """Top-1 minus top-2 eligible-logit margins by step kind (the near-tie figure).
 
     For each row, every model-chosen suffix step (forced tokens have no
@@ -56,9 +57,8 @@ def divergence_margins(rows: Sequence[Exp1Record] | Sequence[Exp2Record], ref: s
     Raises:
         GateError: if any row failed a gate.
     """
-    records = require_gates(rows)
     table = []
-    for r in records:
+    for r in require_gates(records):
         fd = r["endpoints"]["first_divergence"]
         margins = arm_of(r, ref)["margins"]
         other = r["arms"]["prefill"]["margins"]
@@ -87,7 +87,7 @@ def margin_percentiles(df: pd.DataFrame) -> list[float]:
     return [float(100 * (shared <= m).mean()) for m in df.loc[df["kind"].str.startswith("first divergence"), "margin"]]
 
 
-def transplant_outcomes(rows: Sequence[TransplantRecord] | Sequence[ReplicationRecord]) -> pd.DataFrame:
+def transplant_outcomes(records: Sequence[TransplantRecord] | Sequence[ReplicationRecord]) -> pd.DataFrame:
     """Counts of transplant outcomes per contemporaneous stratum, intervention and direction.
 
     Returns:
@@ -99,9 +99,9 @@ def transplant_outcomes(rows: Sequence[TransplantRecord] | Sequence[ReplicationR
     Raises:
         GateError: if a row failed a gate other than the precondition.
     """
-    records, _ = split_precondition(rows)  # ineligible rows have no transplant
+    eligible, _ = split_precondition(records)  # ineligible rows have no transplant
     counts: dict[tuple, int] = {}
-    for r in records:
+    for r in eligible:
         stratum = "divergent" if r["baseline"]["suffix_differs"] else "exact"
         # Experiment 4: intervention name -> Intervention; Experiment 5: its one "whole" Intervention
         done = cast(Mapping[str, Intervention], r["interventions"])
