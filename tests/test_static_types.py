@@ -40,7 +40,8 @@ def test_the_check_covers_the_row_code():
     """The configured files still hold the code that builds and reads rows, and nothing switches errors off."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
     for path in ("lib/kvreplay/ledger", "lib/kvreplay/experiments", "lib/kvreplay/report", "lib/kvreplay/runner",
-                 "lib/kvreplay/session.py", "lib/kvreplay/explorer.py", "notebooks/py"):
+                 "lib/kvreplay/adapt/metric.py", "lib/kvreplay/session.py", "lib/kvreplay/explorer.py",
+                 "lib/kvreplay/rebuild.py", "lib/kvreplay/verify.py", "lib/kvreplay/probe.py", "notebooks/py"):
         assert path in config["files"], path
     assert config.get("check_untyped_defs") is True
     overrides = config.get("overrides", [])
@@ -63,7 +64,7 @@ def test_what_the_check_catches_and_what_it_does_not(tmp_path, mypy_cache):
     probe = tmp_path / "probe_records.py"
     probe.write_text(textwrap.dedent('''
         from kvreplay.experiments.endpoints import require_gates
-        from kvreplay.ledger.records import Exp1Record
+        from kvreplay.ledger.records import Exp1Record, validate_rows
 
 
         def misspelled(rows: list[Exp1Record]) -> int:
@@ -80,6 +81,10 @@ def test_what_the_check_catches_and_what_it_does_not(tmp_path, mypy_cache):
 
         def not_required(rows: list[Exp1Record]) -> int:
             return sum(r["prefix_len"] for r in rows) + len([r.get("endpointz") for r in rows])
+
+
+        def loaded(rows: list[dict]) -> int:
+            return sum(r["endpoints"]["suffix_differ"] for r in require_gates(validate_rows("exp1", rows)))
     '''))
     out = _mypy(str(probe), cache=mypy_cache)
     lines = out.stdout.splitlines()
@@ -88,3 +93,5 @@ def test_what_the_check_catches_and_what_it_does_not(tmp_path, mypy_cache):
     assert any(":11: error:" in x and "Exp1FailedRow" in x and "endpoints" in x for x in lines), out.stdout
     assert not any(":15: error:" in x for x in lines), out.stdout
     assert not any(":19: error:" in x for x in lines), out.stdout
+    # rows loaded as plain dicts are typed by validate_rows with a literal experiment
+    assert any(":23: error:" in x and "suffix_differ" in x for x in lines), out.stdout

@@ -7,9 +7,11 @@ field names are the JSON keys (the experiments' row, chunk and summary functions
 checks a row against it at run time (:func:`validate_row`, pydantic in strict
 mode: a missing key, an extra key or a wrong type is an error; ``True`` is not an int, ``1`` is not a bool nor a
 float, since every writer writes its floats with ``float()``; JSON ``NaN`` and ``Infinity`` are floats). mypy checks
-the reads statically (``tests/test_static_types.py``): a summary narrows a ledger's rows to the passed layout with
-``kvreplay.experiments.endpoints.require_gates``, and reads a key known only at run time through :func:`arm_of`,
-:func:`comparison_of` or :func:`outcome_of`.
+the reads statically (``tests/test_static_types.py``; ``python -m mypy`` from the repository root): a summary
+narrows a ledger's rows to the passed layout with ``kvreplay.experiments.endpoints.require_gates``, and reads a key
+known only at run time through :func:`arm_of`, :func:`comparison_of` or :func:`outcome_of`. Rows loaded as plain
+dicts are typed by :func:`validate_rows` with a literal experiment (``validate_rows("exp1", rows)``); rows typed
+``Any`` stay unchecked (docs/ARCHITECTURE.md, "Row records").
 
 Row kinds, keyed by the ledger folder's experiment prefix (:data:`ROW_TYPES`):
 
@@ -47,7 +49,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast, overload
 
 from pydantic import BeforeValidator, ConfigDict, StringConstraints, TypeAdapter, ValidationError, with_config
 from pydantic_core import PydanticCustomError
@@ -603,7 +605,10 @@ def arm_of(row: Exp1Row | Exp2Row, arm: str) -> ArmSuffix:
         KeyError: the row has no such arm (Experiment 1 rows have ``live*`` and ``prefill*``, Experiment 2 rows
             ``incremental*`` and ``prefill*``).
     """
-    return cast(Mapping[str, ArmSuffix], row["arms"])[arm]
+    arms = cast(Mapping[str, ArmSuffix], row["arms"])
+    if arm not in arms:
+        raise KeyError(f"{row['problem_id']} has no arm {arm!r}; its arms: {', '.join(arms)}")
+    return arms[arm]
 
 
 @with_config(_CONFIG)
@@ -622,7 +627,11 @@ def comparison_of(row: Exp1Row | Exp2Row, name: str) -> AnyComparison:
     Raises:
         KeyError: the row has no such comparison.
     """
-    return cast(Mapping[str, AnyComparison], row["boundary"])[name]
+    boundary = cast(Mapping[str, AnyComparison], row["boundary"])
+    if name not in boundary:
+        raise KeyError(f"{row['problem_id']} has no boundary comparison {name!r}; its comparisons: "
+                       f"{', '.join(boundary)}")
+    return boundary[name]
 
 
 def outcome_of(intervention: Intervention, direction: str) -> TransplantOutcome:
@@ -718,8 +727,29 @@ def validate_row(experiment: str, row: _Row) -> _Row:
     return row
 
 
-def validate_rows(experiment: str, rows: Iterable[_Row]) -> list[_Row]:
+# A literal experiment types the rows as its record.
+@overload
+def validate_rows(experiment: Literal["exp1"], rows: Iterable[Any]) -> list[Exp1Record]: ...
+@overload
+def validate_rows(experiment: Literal["exp2"], rows: Iterable[Any]) -> list[Exp2Record]: ...
+@overload
+def validate_rows(experiment: Literal["exp2_controls"], rows: Iterable[Any]) -> list[ControlsRecord]: ...
+@overload
+def validate_rows(experiment: Literal["exp3"], rows: Iterable[Any]) -> list[BridgeRecord]: ...
+@overload
+def validate_rows(experiment: Literal["exp4"], rows: Iterable[Any]) -> list[TransplantRecord]: ...
+@overload
+def validate_rows(experiment: Literal["exp5"], rows: Iterable[Any]) -> list[ReplicationRecord]: ...
+@overload
+def validate_rows(experiment: Literal["adapt_eval"], rows: Iterable[Any]) -> list[AdaptEvalRow]: ...
+@overload
+def validate_rows(experiment: str, rows: Iterable[_Row]) -> list[_Row]: ...
+def validate_rows(experiment: str, rows: Iterable[Any]) -> list[Any]:
     """:func:`validate_row` on every row, in order.
+
+    With a literal experiment the result is typed as its record, e.g. ``validate_rows("exp1", rows)`` is
+    ``list[Exp1Record]`` (then ``kvreplay.experiments.endpoints.require_gates`` gives ``list[Exp1Row]``): the way
+    to read rows you loaded yourself with the static check on.
 
     Returns:
         the rows themselves, as a list.
