@@ -14,7 +14,7 @@ from ..contract import (
     load_spec,
     resolve_format,
 )
-from ..ledger.records import AdaptEvalRow, LetterChoice, validate_row
+from ..ledger.records import AdaptEvalRow, validate_row
 from ..ledger.store import Ledger, run_rows
 from ..models import LoadedModel, environment_record, load_model, load_role_table
 from ..problems import Problem
@@ -40,8 +40,7 @@ def letter_row(lm: LoadedModel, fmt: BlockFormat, tables: dict[str, torch.Tensor
                problem: Problem) -> AdaptEvalRow:
     """One evaluation-ledger row: :func:`letter_choice` under every named role table."""
     return {"problem_id": problem.problem_id, "gold": problem.answer, "gate_failure": None,
-            # letter_choice is annotated -> dict; what it returns is a LetterChoice (its docstring's keys)
-            "checkpoints": {name: cast(LetterChoice, letter_choice(lm, fmt, problem, t)) for name, t in tables.items()}}
+            "checkpoints": {name: letter_choice(lm, fmt, problem, t) for name, t in tables.items()}}
 
 
 def run_letter_eval(

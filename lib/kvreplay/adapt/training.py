@@ -22,6 +22,7 @@ from ..contract import (
     load_spec,
 )
 from ..execution import ExecutionContract, sdpa_backend_list
+from ..ledger.records import LetterChoice
 from ..models import LoadedModel, weights_sha256
 from ..bank import SOURCES, locate_source, read_source_file, select_bank
 from ..problems import Problem
@@ -329,7 +330,7 @@ def letter_tokens(fmt: BlockFormat, letters: Sequence[str] = "ABCD") -> tuple[li
 
 
 @torch.inference_mode()
-def letter_choice(lm: LoadedModel, fmt: BlockFormat, problem: Problem, table: torch.Tensor | None) -> dict:
+def letter_choice(lm: LoadedModel, fmt: BlockFormat, problem: Problem, table: torch.Tensor | None) -> LetterChoice:
     """:data:`LETTER_METRIC` for one problem under one role table (``None`` = checkpoint 0, no role rows).
 
     Returns:
