@@ -323,3 +323,44 @@ def test_row_functions_return_the_schema_layouts():
                 typing.Union, types.UnionType) else list(typing.get_args(hint))
             assert layouts in [set(typing.get_args(item)) for item in items], experiment
     assert typing.get_type_hints(adapt.letter_row)["return"] is ROW_TYPES["adapt_eval"]
+
+
+def test_the_typed_overloads_agree_with_the_schema():
+    """validate_rows, require_gates and ProfileLedgers.records spell the experiment -> record map again as
+    overloads (mypy cannot read it from ROW_TYPES): each overload must name the records ROW_TYPES and
+    FAILED_ROW_TYPES give its experiment."""
+    import typing
+
+    from kvreplay.experiments.endpoints import require_gates
+    from kvreplay.ledger.lookup import LEDGER_SPECS, ProfileLedgers
+    from kvreplay.ledger.records import validate_rows
+
+    def layouts(experiment):
+        return {ROW_TYPES[experiment]} | ({FAILED_ROW_TYPES[experiment]} if experiment in FAILED_ROW_TYPES else set())
+
+    def members(t):  # A | B -> {A, B}; A -> {A}
+        return set(typing.get_args(t)) or {t}
+
+    def returned(hints):  # list[A | B] -> {A, B}
+        (item,) = typing.get_args(hints["return"])
+        return members(item)
+
+    literal = {}
+    for f in typing.get_overloads(validate_rows):
+        hints = typing.get_type_hints(f)
+        if typing.get_origin(hints["experiment"]) is typing.Literal:
+            (experiment,) = typing.get_args(hints["experiment"])
+            literal[experiment] = returned(hints)
+    assert literal == {e: layouts(e) for e in ROW_TYPES}
+
+    typed = {}
+    for f in typing.get_overloads(ProfileLedgers.records):
+        hints = typing.get_type_hints(f)
+        if typing.get_origin(hints["key"]) is typing.Literal:
+            typed.update(dict.fromkeys(typing.get_args(hints["key"]), returned(hints)))
+    assert typed == {k: layouts(s.experiment) for k, s in LEDGER_SPECS.items()}
+
+    passed = {frozenset(members(typing.get_args(h["records"])[0])): returned(h)
+              for h in map(typing.get_type_hints, typing.get_overloads(require_gates))}
+    for experiment in ROW_TYPES:
+        assert passed[frozenset(layouts(experiment))] == {ROW_TYPES[experiment]}, experiment

@@ -393,7 +393,7 @@ def localization_table(records: Sequence[TransplantRecord]) -> pd.DataFrame:
     eligible = cast(list[TransplantRow], split_precondition(records)[0])  # Experiment 4's rows only
     table = []
     coarse = ("whole", "keys_only", "values_only", "first_half", "second_half")
-    # a fixed order, whether the eligible come from memory or from a ledger (whose JSON keys are sorted)
+    # a fixed order, whether the rows come from memory or from a ledger (whose JSON keys are sorted)
     names = sorted({n for r in eligible for n in r["interventions"]},
                    key=lambda n: (coarse.index(n), "") if n in coarse else (len(coarse), n))
     for stratum, want in (("divergent", True), ("exact", False)):

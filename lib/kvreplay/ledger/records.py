@@ -46,9 +46,8 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar, cast, overload
 
 from pydantic import BeforeValidator, ConfigDict, StringConstraints, TypeAdapter, ValidationError, with_config
@@ -597,6 +596,16 @@ TransplantRecord = TransplantRow | TransplantFailedRow
 ReplicationRecord = ReplicationRow | ReplicationFailedRow
 """What :func:`kvreplay.experiments.replication.replication_row` returns and its summary reads."""
 
+_Entry = TypeVar("_Entry")
+
+
+def _by_name(entries: Mapping[str, _Entry], name: str, what: str) -> _Entry:
+    """``entries[name]``; a missing name raises ``KeyError`` naming ``what`` and the names there are."""
+    if name not in entries:
+        raise KeyError(f"{what}: no {name!r}; there are {', '.join(entries)}")
+    return entries[name]
+
+
 def arm_of(row: Exp1Row | Exp2Row, arm: str) -> ArmSuffix:
     """One arm of a matrix row by name, when the name is known only at run time (e.g. ``live`` or
     ``incremental``, a summary's ``ref``); a literal name reads as ``row["arms"]["live"]`` instead.
@@ -605,10 +614,7 @@ def arm_of(row: Exp1Row | Exp2Row, arm: str) -> ArmSuffix:
         KeyError: the row has no such arm (Experiment 1 rows have ``live*`` and ``prefill*``, Experiment 2 rows
             ``incremental*`` and ``prefill*``).
     """
-    arms = cast(Mapping[str, ArmSuffix], row["arms"])
-    if arm not in arms:
-        raise KeyError(f"{row['problem_id']} has no arm {arm!r}; its arms: {', '.join(arms)}")
-    return arms[arm]
+    return _by_name(cast(Mapping[str, ArmSuffix], row["arms"]), arm, f"{row['problem_id']} arms")
 
 
 @with_config(_CONFIG)
@@ -628,10 +634,7 @@ def comparison_of(row: Exp1Row | Exp2Row, name: str) -> AnyComparison:
         KeyError: the row has no such comparison.
     """
     boundary = cast(Mapping[str, AnyComparison], row["boundary"])
-    if name not in boundary:
-        raise KeyError(f"{row['problem_id']} has no boundary comparison {name!r}; its comparisons: "
-                       f"{', '.join(boundary)}")
-    return boundary[name]
+    return _by_name(boundary, name, f"{row['problem_id']} boundary comparisons")
 
 
 def outcome_of(intervention: Intervention, direction: str) -> TransplantOutcome:
@@ -641,7 +644,7 @@ def outcome_of(intervention: Intervention, direction: str) -> TransplantOutcome:
     Raises:
         KeyError: no such direction.
     """
-    return cast(Mapping[str, TransplantOutcome], intervention)[direction]
+    return _by_name(cast(Mapping[str, TransplantOutcome], intervention), direction, "transplant directions")
 
 
 FAILED_ROW_TYPES: dict[str, type] = {

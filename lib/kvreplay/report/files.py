@@ -7,14 +7,13 @@ number back to its code and ledger.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
 
 import pandas as pd
 
 from ..experiments.endpoints import require_gates
-from ..ledger.records import Comparison, Exp1Record, Exp2Record
+from ..ledger.records import Exp1Record, Exp2Record, comparison_of
 
 LATEX_UNICODE = {
     "…": r"\ldots{}", "–": "--", "—": "---", "−": "$-$", "→": r"$\rightarrow$", "←": r"$\leftarrow$",
@@ -149,7 +148,7 @@ def drift_by_layer(records: Sequence[Exp1Record] | Sequence[Exp2Record],
     """
     rows = []
     for r in require_gates(records):
-        for t in cast(Mapping[str, Comparison], r["boundary"])[comparison]["tensors"]:
+        for t in comparison_of(r, comparison)["tensors"]:
             layer, kind = t["tensor"].split(".")
             rows.append({"layer": int(layer[1:]), "kind": kind, "rel_l2": t["rel_l2"]})
     df = pd.DataFrame(rows)
