@@ -390,6 +390,56 @@ def inputs_digest(name: str, params: ChainParameters) -> str:
     return h.hexdigest()
 
 
+def _results_inputs(label: str, ledgers: Path, targets: list[Path]) -> str:
+    """sha256 of what a results page reads and writes: the library, the paper's numbers, the profile's ledgers (and
+    the cross-hardware setups' when the profile is one of them; run logs excluded) and the files it writes."""
+    import hashlib
+
+    from .report.cross_hardware import SETUPS
+    from .report.results import REFERENCE
+
+    h = hashlib.sha256(library_digest().encode() + REFERENCE.read_bytes())
+    setups = [p for p, _ in SETUPS]
+    for folder in (ledgers.parent / name for name in ([label] + setups if label in setups else [label])):
+        for f in sorted(folder.rglob("*")) if folder.is_dir() else ():
+            if f.is_file() and f.name != "runlog.jsonl":
+                h.update(str(f.relative_to(ledgers.parent)).encode() + f.read_bytes())
+    for t in targets:
+        h.update(t.read_bytes() if t.is_file() else b"missing")
+    return h.hexdigest()
+
+
+def write_results(label: str, params: ChainParameters, ledgers: Path) -> str:
+    """Rewrite a profile's results page from its ledgers (:mod:`kvreplay.report.results_pages`).
+
+    A committed profile (:data:`EXECUTED_PROFILES`, default ledger root) gets ``docs/results-<profile>.md`` and,
+    for :data:`~kvreplay.report.results_pages.HEADLINE_PROFILE`, the README's headline block; any other gets
+    ``build/<profile>/results.md``. Skipped while its inputs (:func:`_results_inputs`) are unchanged. A chain
+    that is not complete gets no page.
+
+    Returns:
+        one line saying what was written or skipped, or why no page was made.
+    """
+    from .ledger.lookup import MissingLedgerError
+    from .report import results_pages
+
+    committed = label in EXECUTED_PROFILES and params.ledger_root is None
+    page = results_pages.page_path(label) if committed else BUILD / label / "results.md"
+    readme = committed and label == results_pages.HEADLINE_PROFILE
+    targets = [page] + ([ROOT / "README.md"] if readme else [])
+    stamp = BUILD / label / ".results.inputs"
+    if stamp.is_file() and stamp.read_text() == _results_inputs(label, ledgers, targets):
+        return f"results page up to date: {page}"
+    try:
+        res = results_pages.profile_results(label, ledgers.parent, **results_pages.profile_stats(label))
+        changed = results_pages.regenerate(label, ROOT, res, page=page, readme=readme)
+    except (MissingLedgerError, ValueError) as e:
+        return f"no results page ({e})"
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(_results_inputs(label, ledgers, targets))
+    return f"results page: {', '.join(map(str, changed))} rewritten" if changed else f"results page unchanged: {page}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``make paper``; see the module docstring. The environment variables it sets for the notebooks' kernels
     (:data:`~kvreplay.ledger.store.TERMINAL_PROGRESS`, and :data:`~kvreplay.runner.READ_ONLY_ENV` for a profile
@@ -509,12 +559,14 @@ def _main(argv: list[str] | None) -> int:
     if executed:
         write_index(artifact_index(EXECUTED / label, CHAIN), label, EXECUTED / label, None,
                     listed)
+    results_line = write_results(label, params, ledgers)
     print(f"\nmake paper ({label}) finished in {time.perf_counter() - t0:.0f} s")
     print(f"  executed notebooks and HTML: {out_dir} (index: {out_dir / 'index.html'})")
     if executed:
         print(f"  committed executed copies:   {EXECUTED / label} (index: README.md)")
     print(f"  ledgers:                     {ledgers}")
     print(f"  tables and figures:          {figures}")
+    print(f"  {results_line}")
     return 0
 
 

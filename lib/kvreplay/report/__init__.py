@@ -3,7 +3,8 @@
 * :mod:`.summary`: every experiment's summary and endpoint table recomputed from the ledgers;
 * :mod:`.paper_tables`: the paper's tables beside ours (numbers and artifact map as data in ``data/paper/``);
 * :mod:`.frames`: figure data as tidy frames; :mod:`.figures`: the figures;
-* :mod:`.files`: table and figure files; :mod:`.readme_tables`: the README's results tables;
+* :mod:`.files`: table and figure files;
+* :mod:`.results`: a profile's results as data; :mod:`.results_pages`: the README's headline block and the results pages;
 * :mod:`.cross_hardware`: one row set computed in several setups, compared token for token;
 * :mod:`.partial`: Experiments 1-5 endpoints of a profile's ledgers, finished or not (unfinished arms included).
 """

@@ -1,8 +1,8 @@
 """Endpoints of a profile whose ledgers are not complete yet (paper §4.1-§4.5, §3.4).
 
-``make paper`` needs every row of an arm; a profile computed across several
-device sessions (the ``paper`` profile: caps 768 / 512 / 64 on the H200) has
-ledgers that stop at their last finished chunk. This module reads those rows
+``make paper`` needs every row of an arm; a profile computed on a GPU in
+several runs has ledgers that stop at their last finished chunk until the
+last run ends. This module reads those rows
 as they are, pairs the BF16 and FP32 arms on the problems both have finished,
 and prints the suffix-divergence endpoint (Experiment 1: live vs prefill;
 Experiment 2: incremental vs prefill on the fixed BF16 prefixes) with Wilson
@@ -14,9 +14,8 @@ replication table on the later checkpoint the ledger names. An arm
 that has not started is left out (and so is the pairing). It computes
 nothing on a model and writes nothing.
 
-Usage: ``python -m kvreplay.report.partial [--profile paper] [--experiments exp1 exp2 exp3 exp4 exp5] [--readme]``; with
-``--readme`` each experiment's table is printed as the README's section on the profile holds it (a test
-checks that it does). How many rows each arm has finished goes to stderr.
+Usage: ``python -m kvreplay.report.partial [--profile paper] [--experiments exp1 exp2 exp3 exp4 exp5]``. How many
+rows each arm has finished goes to stderr.
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ ONE_ARM_TITLES = {"exp3": "the incremental bridge (new live boundary vs its incr
                   "exp4": "boundary K/V transplants between incremental and prefill",
                   "exp5": "whole-cache transplants on the later checkpoint"}
 """Experiments with one BF16 arm, reported by their notebooks' own summary tables (:func:`one_arm_table`), and what
-each table is about (its heading without ``--readme``)."""
+each table is about (its heading)."""
 ONE_ARM = tuple(ONE_ARM_TITLES)
 
 
@@ -145,26 +144,6 @@ def suffix_summary(rows: Mapping[str, Sequence[Exp1Record]] | Mapping[str, Seque
     return pd.DataFrame(lines)
 
 
-README_MARKER = ("<!-- partial-table: {profile} {experiment} (python -m kvreplay.report.partial --profile {profile} "
-                 "--readme; do not edit) -->")
-
-
-def readme_table(summary: pd.DataFrame, profile: str, experiment: str = "exp1") -> str:
-    """:func:`suffix_summary` as the README shows it: a marker line, then a markdown table (BF16 / FP32 spelled so)."""
-    names = {"bfloat16": "BF16", "float32": "FP32", "McNemar (exact)": "exact McNemar"}
-    first = COMPARISON[experiment].split(",")[0]
-    header = ("rows", "precision", "n", "gate failures", f"boundary cache not bit-exact ({first})",
-              f"suffix differs ({COMPARISON[experiment]})", "of which tie-initiated")
-    lines = [README_MARKER.format(profile=profile, experiment=experiment), "", "| " + " | ".join(header) + " |",
-             "|" + "---|" * len(header)]
-    for r in summary.astype(object).where(summary.notna(), "").to_dict("records"):
-        cells = [r["rows"], names.get(r["precision"], r["precision"]), r["n"], r["gate_failures"],
-                 r["boundary_not_exact"], r["suffix_differs"], r["tie_initiated"]]
-        text = [str(int(c)) if isinstance(c, float) else str(c) for c in cells]  # counts, NaN-widened to float
-        lines.append("|" + "|".join(f" {c} " if c else " " for c in text) + "|")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.report.partial", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -172,7 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ledger-root", type=Path, default=LEDGERS, help="folder holding <profile>/ ledger folders")
     ap.add_argument("--experiments", nargs="+", choices=[*sorted(COMPARISON), *ONE_ARM],
                     default=[*sorted(COMPARISON), *ONE_ARM], help="which experiments' tables, in this order")
-    ap.add_argument("--readme", action="store_true", help="print each table as the README shows it (with its marker)")
     args = ap.parse_args(argv)
     root = args.ledger_root / args.profile
     if not root.is_dir():
@@ -212,16 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {experiment}: {e}", file=sys.stderr)
             status = max(status, 1)
             continue
-        if not args.readme:
-            print(f"## {experiment}: {COMPARISON[experiment] if experiment in COMPARISON else ONE_ARM_TITLES[experiment]}")
+        print(f"## {experiment}: {COMPARISON[experiment] if experiment in COMPARISON else ONE_ARM_TITLES[experiment]}")
         if unfinished:
             print("unfinished: " + "; ".join(unfinished))
-        if experiment in ONE_ARM:
-            print(README_MARKER.format(profile=args.profile, experiment=experiment) + "\n\n" + table if args.readme else table)
-            print()
-            continue
-        print(readme_table(summary, args.profile, experiment) if args.readme
-              else summary.astype(object).fillna("").to_markdown(index=False))
+        print(table if experiment in ONE_ARM else summary.astype(object).fillna("").to_markdown(index=False))
         print()
     return status
 
