@@ -187,3 +187,46 @@ def test_the_outside_reference_check_can_fail(tmp_path):
     bad = tmp_path / "note.md"
     bad.write_text("fine line\nsee " + "/".join(["..", "sha" + "red", "DES" + "IGN.md"]) + f" and issue {14}\n")
     assert [x.split(": ")[0] for x in outside_references([bad], tmp_path)] == ["note.md:2"]
+
+
+README_MAX_LINES = 250
+"""The README is a front door read in minutes; everything else lives in docs/."""
+
+
+def test_the_readme_is_short():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines, over {README_MAX_LINES}: move text to docs/"
+
+
+RUN_HISTORY = (r"\bsessions? [A-Z]\b", r"\bdevice (?:time|sessions?)\b", r"\bcall'?s? (?:time )?limit\b",
+               r"\b(?:10|ten)-minute (?:device )?calls?\b", r"\blent\b", r"\blost (?:chunks?|rows?)\b",
+               r"\bchunks? (?:was|were) lost\b", r"\b64 MiB\b", r"(?<![\w/.-])20\d\d-\d\d-\d\d(?![\w.-])")
+"""Marks of a lab notebook rather than documentation: labels of past device sessions, the limits of a particular
+borrowed machine, what a particular run lost, dates of particular runs (a date inside a file name is data, not
+prose). A run's history lives in its ledger's run log (`runlog.jsonl`)."""
+
+
+def run_history(files: list[Path], root: Path = ROOT) -> list[str]:
+    """Lines of ``files`` (for YAML files, their comments only) that match a :data:`RUN_HISTORY` pattern."""
+    import re
+
+    pattern = re.compile("|".join(RUN_HISTORY), re.I)
+    found = []
+    for f in files:
+        for no, line in enumerate(f.read_text().splitlines(), 1):
+            text = line.split("#", 1)[1] if f.suffix == ".yaml" and "#" in line else "" if f.suffix == ".yaml" else line
+            if pattern.search(text):
+                found.append(f"{f.relative_to(root)}:{no}: {line.strip()[:120]}")
+    return found
+
+
+def test_readme_docs_and_profile_comments_hold_no_run_history():
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "notebooks" / "params").glob("*.yaml"))]
+    assert run_history(files) == []
+
+
+def test_the_run_history_check_can_fail(tmp_path):
+    (tmp_path / "a.md").write_text("fine\nas planned in session K\nsee bench_2026-12-01.md\non 2026-12-03 it ran\n")
+    (tmp_path / "p.yaml").write_text("n_rows: 200  # one lent H200\nnote: session K  \n")
+    assert [x.split(": ")[0] for x in run_history([tmp_path / "a.md", tmp_path / "p.yaml"], tmp_path)] == [
+        "a.md:2", "a.md:4", "p.yaml:1"]
