@@ -24,6 +24,10 @@ and figure to the notebook cell that makes it; ``build/<profile>/index.html`` is
 the same index for the HTML renderings, which show outputs with the code hidden.
 ``--executed`` writes them for any profile, ``--no-executed`` for none.
 
+After a run of the profile's notebooks (not ``--only``), :func:`write_results` rewrites its results page from
+the ledgers: ``docs/results-<profile>.md`` for the committed profiles (and the README's headline block for
+``paper``), ``build/<profile>/results.md`` for any other.
+
 While a notebook runs, one progress bar counts its cells; rows that are
 computed (not read from a finished ledger) get a row bar with counts below it.
 
@@ -414,8 +418,8 @@ def write_results(label: str, params: ChainParameters, ledgers: Path) -> str:
 
     A committed profile (:data:`EXECUTED_PROFILES`, default ledger root) gets ``docs/results-<profile>.md`` and,
     for :data:`~kvreplay.report.results_pages.HEADLINE_PROFILE`, the README's headline block; any other gets
-    ``build/<profile>/results.md``. Skipped while its inputs (:func:`_results_inputs`) are unchanged. A chain
-    that is not complete gets no page.
+    ``build/<profile>/results.md``. Skipped while its inputs (:func:`_results_inputs`) are unchanged; a chain
+    that is not complete gets no page. :func:`main` calls it after a run of the profile's notebooks, not ``--only``.
 
     Returns:
         one line saying what was written or skipped, or why no page was made.
@@ -559,7 +563,8 @@ def _main(argv: list[str] | None) -> int:
     if executed:
         write_index(artifact_index(EXECUTED / label, CHAIN), label, EXECUTED / label, None,
                     listed)
-    results_line = write_results(label, params, ledgers)
+    results_line = ("results page: not rewritten by a run with --only" if args.only
+                    else write_results(label, params, ledgers))
     print(f"\nmake paper ({label}) finished in {time.perf_counter() - t0:.0f} s")
     print(f"  executed notebooks and HTML: {out_dir} (index: {out_dir / 'index.html'})")
     if executed:
