@@ -15,19 +15,15 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-import yaml
-
 from ..adapt.metric import accuracy_summary
 from ..experiments.controls import controls_summary
 from ..experiments.transplant import localization_table
 from ..ledger.lookup import PREFIX_BANK, LoadedLedger, ProfileLedgers, ledger_progress, load_profile_ledgers, read_ledger
-from ..paths import DATA, LEDGERS
+from ..paths import LEDGERS
 from ..runner import EXECUTION_DEFAULTS
 from .cross_hardware import SETUPS, compare, exp1_records
+from .paper_tables import REFERENCE, load_reference
 from .summary import summarize
-
-REFERENCE = DATA / "paper" / "reference.yaml"
-"""The paper's reported numbers; entries with a ``value`` mapping give them as data (counts ``k`` of ``n``, ...)."""
 
 SEED = 20260729
 """Bootstrap seed of every committed profile (the chain parameter ``seed``'s default)."""
@@ -117,11 +113,6 @@ class ProfileResults:
             if e["id"] == endpoint_id:
                 return e["paper"]
         raise KeyError(f"{REFERENCE} has no endpoint {endpoint_id!r}")
-
-
-def load_reference(path: str | Path = REFERENCE) -> dict:
-    """The paper's reported numbers (``data/paper/reference.yaml``)."""
-    return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
 
 
 def setup_of(ledger: LoadedLedger) -> tuple:
