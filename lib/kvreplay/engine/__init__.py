@@ -41,13 +41,35 @@ problem admitted.
 
 from __future__ import annotations
 
-from .attention import ATTENTIONS, grouped_attention, use_attention
+from .attention import (
+    ATTENTIONS,
+    FLEX_BLOCK,
+    TOLERANCE,
+    FlexMask,
+    flex_attention_step,
+    flex_environment,
+    flex_kernel_options,
+    flex_reference,
+    grouped_attention,
+    reference_attention,
+    use_attention,
+)
 from .cache import RowCache, RowLayer
-from .decoders import build_incrementals, decode_lives, decode_suffixes, live_length_bound, suffix_length_bound
-from .step import STEP_PATHS, VERIFIED_STEPS, StepEngine, choice_stats
+from .decoders import (
+    build_incrementals,
+    decode_chains,
+    decode_forced,
+    decode_lives,
+    decode_suffixes,
+    live_length_bound,
+    suffix_length_bound,
+)
+from .step import ATTENTION_CHECKS, SLOT_STEPS, STEP_PATHS, VERIFIED_STEPS, StepEngine, choice_stats
 
 __all__ = [
-    "ATTENTIONS", "STEP_PATHS", "VERIFIED_STEPS", "RowCache", "RowLayer", "StepEngine", "build_incrementals",
-    "choice_stats", "decode_lives", "decode_suffixes", "grouped_attention", "live_length_bound",
+    "ATTENTIONS", "ATTENTION_CHECKS", "FLEX_BLOCK", "SLOT_STEPS", "STEP_PATHS", "TOLERANCE", "VERIFIED_STEPS",
+    "FlexMask", "RowCache", "RowLayer", "StepEngine", "build_incrementals", "choice_stats", "decode_chains",
+    "decode_forced", "decode_lives", "decode_suffixes", "flex_attention_step", "flex_environment",
+    "flex_kernel_options", "flex_reference", "grouped_attention", "live_length_bound", "reference_attention",
     "suffix_length_bound", "use_attention",
 ]

@@ -109,11 +109,16 @@ class _Scheduler:
     ``on_gate_error="raise"`` stops at the first failed gate; ``"return"`` gives the ``GateError`` to the
     job's ``done`` and goes on. With ``tolerance_check`` the engine runs its ``attention_tolerance`` gate
     (:meth:`StepEngine.check_attention`) before the first step in which a slot continues from a boundary.
+    ``fill_from="last"`` hands out free slots from the last one down (the ``composition`` gate's run alone).
     """
-    def __init__(self, engine: StepEngine, on_gate_error: str = "raise", tolerance_check: bool = False):
+    def __init__(self, engine: StepEngine, on_gate_error: str = "raise", tolerance_check: bool = False,
+                 fill_from: str = "first"):
         if on_gate_error not in ("raise", "return"):
             raise ValueError(f"on_gate_error must be 'raise' or 'return', got {on_gate_error!r}")
+        if fill_from not in ("first", "last"):
+            raise ValueError(f"fill_from must be 'first' or 'last', got {fill_from!r}")
         self.engine, self.on_gate_error = engine, on_gate_error
+        self.order = range(engine.batch) if fill_from == "first" else range(engine.batch - 1, -1, -1)
         self.tolerance_check = tolerance_check and engine.attention != "sdpa"
         self.slots: list[_Job | None] = [None] * engine.batch
         self.urgent: deque[_Work] = deque()
@@ -161,7 +166,7 @@ class _Scheduler:
 
     def _fill(self) -> None:
         engine = self.engine
-        for slot in range(engine.batch):
+        for slot in self.order:
             while self.slots[slot] is None and (self.urgent or self.waiting):
                 work = (self.urgent or self.waiting).popleft()
                 job, logits = work.admit(slot)
@@ -340,6 +345,7 @@ def decode_suffixes(
     readout: decode.FP32Readout | None = None,
     attention: str = "sdpa",
     tolerance_check: bool = False,
+    fill_from: str = "first",
 ) -> list:
     """The shared suffix decoder for many boundary states at once (batched :func:`kvreplay.decode.decode_suffix`).
 
@@ -370,6 +376,8 @@ def decode_suffixes(
             (:data:`kvreplay.engine.ATTENTIONS`); part of the contract.
         tolerance_check: run the gate ``attention_tolerance`` before the first step
             (:meth:`StepEngine.check_attention`; nothing for ``"sdpa"``).
+        fill_from: ``"first"`` (default) or ``"last"``: the free slot a waiting problem takes first (no bit
+            depends on it; the ``composition`` gate's run alone takes the last).
         readout: FP32 readout of every step's logits (:class:`StepEngine`); the
             boundaries' logits should come from constructions built with it.
 
@@ -389,7 +397,7 @@ def decode_suffixes(
         return []
     need = max(len(b.ids) for b in boundaries) + suffix_length_bound(fmt, caps)
     engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps, readout, attention)
-    scheduler = _Scheduler(engine, on_gate_error, tolerance_check)
+    scheduler = _Scheduler(engine, on_gate_error, tolerance_check, fill_from)
     results, into = _collect(len(boundaries))
     for i, b in enumerate(boundaries):
         scheduler.submit(_suffix_work(engine, fmt, caps, i, b, into(i)))
@@ -411,6 +419,7 @@ def decode_lives(
     verify_steps: int = 0,
     attention: str = "sdpa",
     tolerance_check: bool = False,
+    fill_from: str = "first",
 ) -> list:
     """Live multi-branch decoding of many prompts at once (batched :func:`kvreplay.decode.decode_live`).
 
@@ -422,8 +431,9 @@ def decode_lives(
     Args:
         prompts: token IDs of each prompt block (role 0).
         caps: content caps (branches stop at ``caps.branch``).
-        batch, step_path, max_len, on_gate_error, verify_steps, attention: as in :func:`decode_suffixes`
-            (``max_len`` defaults to the longest prompt plus :func:`live_length_bound`'s blocks).
+        batch, step_path, max_len, on_gate_error, verify_steps, attention, fill_from: as in
+            :func:`decode_suffixes` (``max_len`` defaults to the longest prompt plus :func:`live_length_bound`'s
+            blocks).
         tolerance_check: accepted for a uniform call; a live decode holds no boundary, so nothing is checked.
 
     Returns:
@@ -441,7 +451,7 @@ def decode_lives(
         return []
     need = live_length_bound(fmt, caps, max(len(p) for p in prompts)) + 1
     engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps, attention=attention)
-    scheduler = _Scheduler(engine, on_gate_error)
+    scheduler = _Scheduler(engine, on_gate_error, fill_from=fill_from)
     results, into = _collect(len(prompts))
     for i, p in enumerate(prompts):
         scheduler.submit(_live_work(engine, lm, fmt, caps, i, p, into(i)))
@@ -463,6 +473,7 @@ def build_incrementals(
     readout: decode.FP32Readout | None = None,
     attention: str = "sdpa",
     tolerance_check: bool = False,
+    fill_from: str = "first",
 ) -> list:
     """Teacher-forced replay of the live call schedule through the engine (batched incremental construction).
 
@@ -477,7 +488,7 @@ def build_incrementals(
 
     Args:
         prefixes: boundary prefixes z (token IDs ending right after the merge opener).
-        batch, step_path, max_len, on_gate_error, verify_steps, readout, attention: as in
+        batch, step_path, max_len, on_gate_error, verify_steps, readout, attention, fill_from: as in
             :func:`decode_suffixes` (``max_len`` defaults to the longest prefix plus one);
             with ``readout`` the prompt call and every step give FP32-readout logits
             and write the same keys/values as without it.
@@ -497,7 +508,7 @@ def build_incrementals(
     parsed = [fmt.boundary_parse(z, where=f"prefix {i}") for i, z in enumerate(prefixes)]
     need = max(len(z) for z in prefixes) + 1
     engine = _engine(lm, fmt, batch, step_path, max_len, need, verify_steps, readout, attention)
-    scheduler = _Scheduler(engine, on_gate_error)
+    scheduler = _Scheduler(engine, on_gate_error, fill_from=fill_from)
     results, into = _collect(len(prefixes))
     for i, (z, p) in enumerate(zip(prefixes, parsed)):
         scheduler.submit(_incremental_work(engine, lm, fmt, i, z, p, readout, into(i)))
@@ -521,6 +532,7 @@ def decode_chains(
     verify_steps: int = 0,
     attention: str = "sdpa",
     tolerance_check: bool = False,
+    fill_from: str = "first",
 ) -> dict[str, int]:
     """Boundary constructions and their suffixes through one engine, with a slot's next job entering at once.
 
@@ -540,7 +552,8 @@ def decode_chains(
         continue_with: ``(i, Boundary or GateError) -> boundary states`` (an empty list: nothing to decode; a
             ``GateError`` is the one that stopped the construction).
         finished: ``(i, [Suffix or GateError, ...])``, once per problem (an empty list when nothing was decoded).
-        batch, step_path, max_len, verify_steps, attention, tolerance_check: as in :func:`decode_suffixes`;
+        batch, step_path, max_len, verify_steps, attention, tolerance_check, fill_from: as in
+            :func:`decode_suffixes`;
             ``max_len`` defaults to the longest boundary a start can give plus :func:`suffix_length_bound`.
 
     Returns:
@@ -564,7 +577,7 @@ def decode_chains(
         longest = max(len(z) for z in starts)
     engine = _engine(lm, fmt, batch, step_path, max_len, longest + suffix_length_bound(fmt, caps), verify_steps,
                      attention=attention)
-    scheduler = _Scheduler(engine, "return", tolerance_check)
+    scheduler = _Scheduler(engine, "return", tolerance_check, fill_from)
 
     def built(i: int) -> Callable[[object], None]:
         def done(boundary: object) -> None:
