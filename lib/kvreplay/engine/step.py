@@ -132,8 +132,9 @@ class StepEngine:
         # inputs: token, position, query role, choice role  ([4, rows] int64, one host-to-device copy per step)
         self.inputs = torch.zeros(4, rows, dtype=torch.long, device=dev)
         self._host = torch.zeros(4, rows, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self._staged = self._host.numpy()  # the same memory: staging a slot is four numpy writes, not torch calls
-        self._busy = np.zeros(batch, dtype=bool)
+        self._staged = self._host.numpy()  # the same memory, written once per step from the per-slot lists below
+        self._next: list[list[int]] = [[0] * batch, [0] * batch, [PROMPT] * batch, [MERGE] * batch]
+        self._busy = [False] * batch
         self.busy_slot_steps = 0
         self.cache = RowCache.for_model(lm, rows, max_len, write_pos=self.inputs[1])
         self.roles = torch.zeros(rows, max_len, dtype=torch.long, device=dev)
@@ -157,9 +158,8 @@ class StepEngine:
     # ---- buffers
     def idle_all(self) -> None:
         """Put every row in the idle state (token 0 at position 0 with role prompt: attends to key 0 only)."""
-        self._staged[:] = 0
-        self._staged[3] = MERGE
-        self._busy[:] = False
+        self._next = [[0] * self.batch, [0] * self.batch, [PROMPT] * self.batch, [MERGE] * self.batch]
+        self._busy = [False] * self.batch
 
     def admit(self, slot: int, cache: DynamicCache, roles: torch.Tensor) -> int:
         """Load a duplicate pair's state into slot ``slot`` (rows ``2*slot``, ``2*slot + 1``), clearing them first.
@@ -192,13 +192,13 @@ class StepEngine:
         """
         if position >= self.max_len:
             raise ContractError(f"slot {slot}: position {position} is beyond max_len={self.max_len}")
-        r = 2 * slot
-        h = self._staged
-        h[0, r : r + 2] = token
-        h[1, r : r + 2] = position
-        h[2, r : r + 2] = role
-        h[3, r : r + 2] = choice_role
+        n = self._next
+        n[0][slot], n[1][slot], n[2][slot], n[3][slot] = token, position, role, choice_role
         self._busy[slot] = True
+
+    def _stage(self) -> None:
+        """Write the staged inputs of every slot into the pinned host buffer (both duplicate rows of each)."""
+        self._staged[:] = np.repeat(np.asarray(self._next, dtype=np.int64), 2, axis=1)
 
     def set_idle(self, slot: int) -> None:
         """Stage slot ``slot`` as idle for the next step (its outputs are ignored)."""
@@ -256,8 +256,9 @@ class StepEngine:
             :func:`choice_stats` read to the host as 4 lists of ``rows`` floats
             (the step's one host sync).
         """
+        self._stage()
         self.inputs.copy_(self._host, non_blocking=True)
-        busy = int(self._busy.sum())
+        busy = sum(self._busy)
         self.busy_slot_steps += busy
         SLOT_STEPS["steps"] += 1
         SLOT_STEPS["slot_steps"] += self.batch
@@ -324,6 +325,7 @@ class StepEngine:
         if self.attention == "sdpa":
             raise ValueError("attention_tolerance checks an attention of the engine's own; 'sdpa' is the model's call")
         tolerance = attn.TOLERANCE[self.lm.dtype]
+        self._stage()
         self.inputs.copy_(self._host)
         busy = np.flatnonzero(np.repeat(self._busy, 2))
         rows = torch.as_tensor(busy if busy.size else np.arange(self.rows), device=self.inputs.device)

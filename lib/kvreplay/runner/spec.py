@@ -17,7 +17,7 @@ import difflib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 
@@ -529,7 +529,7 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
         if run.attention != "sdpa":
             env["engine"]["attention"] = run.attention
         if run.attention == "flex":
-            cfg = lm.model.config
+            cfg: Any = lm.model.config
             heads = cfg.num_attention_heads
             kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
             env["engine"]["flex"] = engine.flex_environment(2 * run.batch, kv_heads, heads // kv_heads, lm.device)
