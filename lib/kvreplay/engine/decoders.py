@@ -622,7 +622,8 @@ def decode_forced(
     step_path: str = "eager",
     max_len: int | None = None,
     attention: str = "sdpa",
-) -> tuple[list[list[int]], StepEngine]:
+    engine: StepEngine | None = None,
+) -> tuple[list[list[int]], dict[str, int]]:
     """Exactly ``new_tokens`` greedy tokens after each boundary, no blocks: the benchmark's like-for-like decode.
 
     The engine's step, scheduler and gates (``nonfinite``, ``desync``, ``functional_state``) as in
@@ -634,10 +635,11 @@ def decode_forced(
         boundaries: the states to continue (caches ``[2, kv_heads, |z|, head_dim]``).
         new_tokens: tokens per boundary (at least 1).
         batch, step_path, max_len, attention: as in :func:`decode_suffixes` (``max_len`` defaults to the longest
-            ``|z|`` plus ``new_tokens``).
+            ``|z|`` plus ``new_tokens``); ignored when ``engine`` is given.
+        engine: an engine to run in (its captured graph is reused; its slots must be free), else a new one.
 
     Returns:
-        ``(tokens per boundary, the engine)`` (its ``steps`` and ``busy_slot_steps`` count the work done).
+        ``(tokens per boundary, {"steps", "busy_slot_steps", "batch"})`` of this call.
 
     Raises:
         GateError: any gate (they all raise here).
@@ -645,11 +647,14 @@ def decode_forced(
     """
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
-    need = max(len(b.ids) for b in boundaries) + new_tokens
-    engine = _engine(lm, fmt, batch, step_path, max_len, need, attention=attention)
+    if engine is None:
+        need = max(len(b.ids) for b in boundaries) + new_tokens
+        engine = _engine(lm, fmt, batch, step_path, max_len, need, attention=attention)
+    steps, busy = engine.steps, engine.busy_slot_steps
     scheduler = _Scheduler(engine, "raise")
     results, into = _collect(len(boundaries))
     for i, b in enumerate(boundaries):
         scheduler.submit(_forced_work(engine, i, b, new_tokens, into(i)))
     scheduler.run()
-    return results, engine
+    return results, {"steps": engine.steps - steps, "busy_slot_steps": engine.busy_slot_steps - busy,
+                     "batch": engine.batch}
