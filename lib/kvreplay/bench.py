@@ -495,19 +495,20 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
     ``flag_sets`` (:data:`FLAG_SETS`) with its own SDPA choice.
 
     The memory floor of a step is the weights read once plus keys and values read once, at ``bandwidth``
-    bytes/s: ``floor_ms`` over every row's filled positions (the same for every path: the same work), and
-    ``floor_ms_layout`` over what the path's cache layout must read (the engine's whole static cache for
-    ``sdpa``/``grouped``, its filled 128-position blocks for ``flex``, the padded width for ``generate``'s dynamic
-    cache, the cache length for its static cache). Positions are taken at the middle of the timed window.
+    bytes/s. ``floor_ms`` counts every row's filled positions: the same for every path, as the work is.
+    ``floor_ms_layout`` counts what the path's cache layout must read: the engine's whole static cache for
+    ``sdpa``/``grouped``, its filled 128-position blocks for ``flex``, the padded width for ``generate``'s
+    dynamic cache, the cache length for its static cache. Positions are taken at the middle of the timed window.
 
     Args:
         lm, fmt: the loaded model and block format.
         prefixes: boundary prefixes z, at least ``max(batches)``.
         batches: problems per step B.
-        max_len: the engine's positions per row (default: the longest prefix plus ``new_tokens[1]``, rounded up
-            to 128 for ``flex``); the ``paper`` arms' is 4,077 (4,096 for ``flex``).
+        max_len: the engine's positions per row (default: the longest prefix plus ``new_tokens[1]``), rounded up
+            to a multiple of 128 for ``flex``; the ``paper`` arms' is 4,077 (4,096 for ``flex``).
         new_tokens: ``(short, long)`` tokens per row of the two timed runs.
-        attentions: engine attentions (``flex`` is reported as path ``engine``, others as ``engine-<name>``).
+        attentions: engine attentions (``flex`` is reported as path ``engine``, others as ``engine-<name>``; none:
+            ``generate`` only).
         hf: ``generate`` configurations (:data:`HF_PATHS`; ``compile`` runs on CUDA only).
         step_path: the engine's step, ``"graph"`` (CUDA) or ``"eager"``.
         bandwidth: memory bandwidth of the device, bytes/s (the H200 moves about 4.3e12 in practice).
@@ -541,7 +542,8 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
         out.append(rec)
         emit(rec)
 
-    states = [build_prefill(lm, fmt, z, where=f"boundary {i}") for i, z in enumerate(prefixes[: max(batches)])]
+    states = [build_prefill(lm, fmt, z, where=f"boundary {i}")
+              for i, z in enumerate(prefixes[: max(batches) if attentions else 0])]
     for B in batches:
         zs = [len(z) for z in prefixes[:B]]
         middle = (short + long_) / 2
@@ -550,8 +552,9 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
         base = {"B": B, "rows": 2 * B, "caps": caps_s, "new_tokens": long_, "timed_steps": long_ - short,
                 "mean_boundary": round(sum(zs) / B, 1), "floor_ms": round(floor, 6)}
         for attention in attentions:
-            need = max(zs) + long_
-            length = max_len or (-(-need // engine.FLEX_BLOCK) * engine.FLEX_BLOCK if attention == "flex" else need)
+            length = max_len or max(zs) + long_
+            if attention == "flex":  # whole blocks of 128 (the mask hides the padding)
+                length = -(-length // engine.FLEX_BLOCK) * engine.FLEX_BLOCK
             eng = engine.StepEngine(lm, fmt, B, length, step_path, attention=attention)
             run = lambda n: engine.decode_forced(lm, fmt, states[:B], n, engine=eng)  # noqa: E731
             warm = timer(lambda: run(short))  # capture, compile
@@ -652,8 +655,9 @@ def profile_step(lm, fmt, prefixes: Sequence[Sequence[int]], *, batch: int, atte
     from .contract import MERGE, PROMPT
 
     states = [build_prefill(lm, fmt, z) for z in prefixes[:batch]]
-    need = max(len(z) for z in prefixes[:batch]) + steps + 4
-    length = max_len or (-(-need // engine.FLEX_BLOCK) * engine.FLEX_BLOCK if attention == "flex" else need)
+    length = max_len or max(len(z) for z in prefixes[:batch]) + steps + 4
+    if attention == "flex":
+        length = -(-length // engine.FLEX_BLOCK) * engine.FLEX_BLOCK
     eng = engine.StepEngine(lm, fmt, batch, length, step_path, attention=attention)
     position = []
     with torch.inference_mode():
@@ -749,6 +753,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(--e2e), profile_step (--profile-steps); records to --json, tables to --md")
     vs.add_argument("--hf", nargs="*", choices=HF_PATHS, default=list(HF_PATHS), metavar="PATH",
                     help="generate configurations: dynamic, static, compile (default all; none: the engine only)")
+    vs.add_argument("--skip-engine", action="store_true",
+                    help="no engine rows (e.g. a process for generate's rows only; --e2e and --profile-steps still run)")
     vs.add_argument("--flags", nargs="+", choices=FLAG_SETS, default=list(FLAG_SETS),
                     help="flag sets generate runs under (default both)")
     vs.add_argument("--new-tokens", type=int, nargs=2, default=(8, 72), metavar=("SHORT", "LONG"),
@@ -836,7 +842,8 @@ def _vs_generate_main(ap: argparse.ArgumentParser, args, argv: list[str] | None)
     show = lambda rec: print("measured:", json.dumps(rec), flush=True)  # noqa: E731
     max_len = next((m for m in args.max_len if m), None)
     records = engine_vs_generate(lm, fmt, prefixes, batches=batches, max_len=max_len,
-                                 new_tokens=tuple(args.new_tokens), attentions=attentions, hf=tuple(args.hf),
+                                 new_tokens=tuple(args.new_tokens), attentions=() if args.skip_engine else attentions,
+                                 hf=tuple(args.hf),
                                  flag_sets=tuple(args.flags), repeats=args.repeats, step_path=step_path,
                                  bandwidth=args.bandwidth_tbs * 1e12, caps=tuple(args.vs_caps), emit=show)
     if args.e2e:

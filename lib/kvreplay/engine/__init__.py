@@ -30,16 +30,16 @@ What differs: keys beyond a row's length are zero padding hidden by the mask,
 and the key dimension of every attention call is the cache's ``max_len``.
 Results are reproducible bit for bit for a given *batch shape* (rows,
 ``max_len``), attention, dtype and device, whatever the companions of a problem
-and its slot; across batch shapes, and against the ``DynamicCache`` decoders,
-the bits may differ (the kernels' reduction order depends on the shapes), so
+and its slot. Across batch shapes, and against the ``DynamicCache`` decoders,
+the bits may differ (the kernels' reduction order depends on the shapes). So
 the step path, batch shape and attention belong in any key that records results.
 
 The step's attention (:data:`ATTENTIONS`) is the model's SDPA call, :func:`grouped_attention`, or
-:func:`flex_attention_step` (FlexAttention over the blocks each row has filled, its block mask
-:class:`FlexMask` updated in place every step; compiled on CUDA); an attention of the engine's own is checked
-against math SDPA on every layer (:meth:`StepEngine.check_attention`, gate ``attention_tolerance``).
+:func:`flex_attention_step`: FlexAttention over the blocks each row has filled, compiled on CUDA, its block
+mask :class:`FlexMask` updated in place every step. An attention of the engine's own is checked against math
+SDPA on every layer (:meth:`StepEngine.check_attention`, gate ``attention_tolerance``).
 
-One slot scheduler drives every decoder: a free slot takes the next waiting job before each step, and
+One slot scheduler drives every decoder: a free slot takes the next waiting job before each step.
 :func:`decode_chains` lets a problem's suffix jobs follow its boundary construction in the same engine, so the
 slots stay full (:data:`SLOT_STEPS` counts the slot occupancy). ``docs/engine.md`` describes it all for users.
 

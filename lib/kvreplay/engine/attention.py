@@ -122,9 +122,9 @@ def flex_kernel_options(rows: int, kv_heads: int, group: int) -> dict[str, int]:
 
     ``BLOCK_N`` 64, 2 warps, 1 pipeline stage: torch's default decoding configuration for these head sizes.
     ``BLOCK_M``: the group of query heads stacked per key/value head, rounded up to a power of two, at least 16
-    (torch's default). ``SPLIT_KV``: the keys are cut into this many parts, reduced in float32 after; torch sizes
-    it from the GPU's multiprocessor count, here fixed at 2 x (132 // (rows x kv_heads)), at least 1 (an H200's
-    default), so the kernel does not change with the GPU.
+    (torch's default). ``SPLIT_KV``: the number of parts the keys are cut into, reduced in float32 after. Torch
+    sizes it from the GPU's multiprocessor count; here it is 2 x (132 // (rows x kv_heads)), at least 1 (an
+    H200's default), so the kernel does not change with the GPU.
 
     Args:
         rows: physical rows of the step (``2B``).
@@ -159,9 +159,9 @@ def flex_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    scale: float) -> torch.Tensor:
     """The arithmetic of torch's uncompiled ``flex_attention`` (its reference), with the mask built by broadcasting.
 
-    Torch's eager ``flex_attention`` applies ``mask_mod`` through four nested ``vmap`` calls, tens of
-    milliseconds of Python per call; a :class:`FlexMask`'s ``mask_mod`` indexes with broadcasting index tensors
-    as it is, so here it is called once on ``[rows, 1, group, keys]`` index grids. The rest is torch's: float32
+    Torch's eager ``flex_attention`` applies ``mask_mod`` through four nested ``vmap`` calls: tens of
+    milliseconds of Python per call. A :class:`FlexMask`'s ``mask_mod`` broadcasts as it is, so here it is
+    called once on ``[rows, 1, group, keys]`` index grids. The rest is torch's: float32
     scores (float64 for float64 inputs), scaled, ``-inf`` where masked, ``torch._safe_softmax``, then the
     probabilities in the input dtype times the values. The CPU tests check it equals ``flex_attention`` bit
     for bit.
@@ -198,12 +198,12 @@ def _torch_flex_reference(query, key, value, block_mask, scale):
 class FlexMask:
     """The ``flex`` step's block mask over an engine's buffers: role visibility AND causal, filled blocks only.
 
-    Built once per engine at ``max_len`` (:data:`FLEX_BLOCK` positions a block, every row's block list
-    ``0, 1, ...``); :meth:`update` sets each row's count of blocks to read from its position, in place on the
-    device, so the mask lives inside a captured CUDA graph. Its ``mask_mod`` reads the engine's own buffers:
-    key ``k`` of row ``b`` is visible iff ``k <= position[b]``, ``k`` lies in a block the row reads, and
-    ``visibility[query_role[b], roles[b, k]]`` (Table 2): the boolean mask the other attentions get, the block
-    term added so that torch's reference on the CPU computes what the block-sparse kernel on a GPU reads.
+    Built once per engine at ``max_len``: :data:`FLEX_BLOCK` positions a block, every row's block list
+    ``0, 1, ...``. :meth:`update` sets each row's count of blocks to read from its position, in place on the
+    device, so the mask lives inside a captured CUDA graph. Its ``mask_mod`` reads the engine's own buffers.
+    Key ``k`` of row ``b`` is visible iff ``k <= position[b]``, ``k`` lies in a block the row reads, and
+    ``visibility[query_role[b], roles[b, k]]`` (Table 2). That is the boolean mask the other attentions get.
+    The block term makes the CPU reference compute what the block-sparse GPU kernel reads.
 
     Args:
         position: ``[rows]`` int64, each row's position this step (the engine's input buffer).
@@ -250,10 +250,10 @@ def flex_attention_step(module: torch.nn.Module, query: torch.Tensor, key: torch
                         **kwargs) -> tuple[torch.Tensor, None]:
     """One decode step's attention through FlexAttention (the engine's ``attention="flex"``).
 
-    The query heads that share a key/value head are stacked as that head's query positions (the engine's
-    one-token step has one query per row), so the kernel reads each key/value head once, in the model dtype,
-    with float32 accumulation and softmax, and only the blocks the mask's ``kv_num_blocks`` give each row. No
-    float32 copy of the cache is made. Torch's GQA option is not used: its decoding kernel refuses a group that
+    The query heads that share a key/value head are stacked as that head's query positions (one query per row
+    in the engine's step). So the kernel reads each key/value head once, in the model dtype, with float32
+    accumulation and softmax, and only the blocks the mask's ``kv_num_blocks`` give each row. No float32 copy of
+    the cache is made. Torch's GQA option is not used: its decoding kernel refuses a group that
     is not a power of two (SmolLM2-135M: 3). On CUDA the call is ``torch.compile(flex_attention)`` with the
     options of :func:`flex_kernel_options` (the same kernels in a captured graph and in the eager step); on the
     CPU it is torch's unfused reference (float32 scores over every position, the mask applied densely).

@@ -1,12 +1,12 @@
 """The batched decoders: live decoding, incremental rebuilds and suffixes of many problems through one engine.
 
 :func:`decode_lives`, :func:`build_incrementals` and :func:`decode_suffixes` are the batched counterparts of
-:mod:`kvreplay.decode`'s one-problem constructions; :func:`decode_chains` runs a problem's boundary construction
-and then its suffixes in the same engine, so a slot freed by any job takes the next one at once (live or
-incremental jobs and suffix jobs share the slots); :func:`decode_forced` decodes a fixed number of tokens per
-boundary for the benchmark. Each admits jobs into free slots of a :class:`~kvreplay.engine.step.StepEngine` and
-advances them one token per step with the block state machine; a problem's bits do not depend on its slot or
-its companions, so the order in which jobs enter the slots changes no bit.
+:mod:`kvreplay.decode`'s one-problem constructions. :func:`decode_chains` runs a problem's boundary construction
+and then its suffixes in the same engine: boundary jobs and suffix jobs share the slots, and a freed slot takes
+the next job at once. :func:`decode_forced` decodes a fixed number of tokens per boundary for the benchmark.
+Each admits jobs into free slots of a :class:`~kvreplay.engine.step.StepEngine` and advances them one token per
+step with the block state machine. A problem's bits do not depend on its slot or its companions, so the order in
+which jobs enter the slots changes no bit.
 """
 
 from __future__ import annotations
@@ -536,14 +536,14 @@ def decode_chains(
 ) -> dict[str, int]:
     """Boundary constructions and their suffixes through one engine, with a slot's next job entering at once.
 
-    Every problem's boundary is built as :func:`decode_lives` (``construction="live"``, ``starts`` the prompts)
-    or :func:`build_incrementals` (``"incremental"``, ``starts`` the prefixes z) builds it; when it is done,
-    ``continue_with(i, boundary)`` (run between two steps: e.g. the replica, prefill calls and boundary gates of
-    the four-arm matrix) returns the boundary states whose suffixes the same engine then decodes, as
-    :func:`decode_suffixes` would, before any boundary not yet started (they wait least, and few states stay in
-    memory). When all of problem ``i``'s suffixes are done, ``finished(i, suffixes)`` gets them in the order
-    ``continue_with`` gave their boundaries. At the same batch shape (``batch``, ``max_len``) every boundary and
-    suffix is bit-identical to the phase-wise decoders' (:func:`decode_lives` or :func:`build_incrementals`, then
+    Every problem's boundary is built as :func:`decode_lives` builds it (``construction="live"``, ``starts`` the
+    prompts) or :func:`build_incrementals` (``"incremental"``, ``starts`` the prefixes z). When it is done,
+    ``continue_with(i, boundary)`` runs between two steps (e.g. the four-arm matrix's replica, prefill calls and
+    boundary gates). It returns the boundary states whose suffixes the same engine then decodes, as
+    :func:`decode_suffixes` would. Those suffixes go ahead of boundaries not yet started, so few states wait in
+    memory. When all of problem ``i``'s suffixes are done, ``finished(i, suffixes)`` gets them in the order
+    ``continue_with`` gave. At the same batch shape (``batch``, ``max_len``) every boundary and suffix is
+    bit-identical to the phase-wise decoders' (:func:`decode_lives` or :func:`build_incrementals`, then
     :func:`decode_suffixes`): a problem's bits depend neither on its slot nor on its companions.
 
     Args:
@@ -627,9 +627,9 @@ def decode_forced(
     """Exactly ``new_tokens`` greedy tokens after each boundary, no blocks: the benchmark's like-for-like decode.
 
     The engine's step, scheduler and gates (``nonfinite``, ``desync``, ``functional_state``) as in
-    :func:`decode_suffixes`, but no delimiter is forced and no cap or structural mask applies: each token is
-    the argmax over the whole vocabulary (lowest ID on a tie) and takes the merge block's role, so every row
-    decodes the same number of tokens, as Hugging Face ``generate`` with ``min_new_tokens = max_new_tokens``.
+    :func:`decode_suffixes`, but no delimiter is forced and no cap or structural mask applies. Each token is the
+    argmax over the whole vocabulary (lowest ID on a tie) and takes the merge block's role. So every row decodes
+    the same number of tokens, as Hugging Face ``generate`` with ``min_new_tokens = max_new_tokens``.
 
     Args:
         boundaries: the states to continue (caches ``[2, kv_heads, |z|, head_dim]``).

@@ -302,13 +302,13 @@ class StepEngine:
     def check_attention(self, where: str = "") -> dict:
         """Gate ``attention_tolerance``: every layer's attention output of the staged step against the reference.
 
-        Runs the staged step once eagerly (the step is idempotent for fixed inputs, so no bit of the run changes)
-        with each layer's attention computed twice on the same query, keys, values and mask: by the engine's
-        attention (which feeds the next layer, as in a real step) and by
-        :func:`~kvreplay.engine.attention.reference_attention` (torch's math SDPA in float64). Over the rows of
-        the slots that hold a problem (every row if none does), the relative error of layer ``l`` is
-        ``||out_l - ref_l||_2 / ||ref_l||_2``; every layer's must stay within
-        :data:`~kvreplay.engine.attention.TOLERANCE` of the model dtype (1e-2 in BF16, 1e-5 in FP32).
+        Runs the staged step once more, eagerly; the step is idempotent for fixed inputs, so no bit of the run
+        changes. Each layer's attention is computed twice on the same query, keys, values and mask: by the
+        engine's attention (which feeds the next layer, as in a real step) and by
+        :func:`~kvreplay.engine.attention.reference_attention` (torch's math SDPA in float64). The relative
+        error of layer ``l`` is ``||out_l - ref_l||_2 / ||ref_l||_2`` over the rows of the busy slots (every row
+        if none is). Every layer's must stay within :data:`~kvreplay.engine.attention.TOLERANCE` (1e-2 in BF16,
+        1e-5 in FP32).
 
         Args:
             where: named in the record and in a failure (e.g. the problem whose boundary is in a slot).

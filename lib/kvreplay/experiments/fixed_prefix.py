@@ -54,10 +54,9 @@ def fixed_prefix_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> 
 def fixed_prefix_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[Exp2Record]:
     """Experiment 2 for a chunk of fixed prefixes through the batched engine (the records of :func:`fixed_prefix_row`).
 
-    Each incremental cache is rebuilt in the engine (teacher forcing of the live call schedule) and its
-    matrix's suffixes decode in the same engine as soon as it is done (:func:`matrix_pipeline`); the records
-    equal the phase-wise schedule's (:func:`kvreplay.engine.build_incrementals`, then :func:`matrix_chunk`) bit
-    for bit.
+    Each incremental cache is rebuilt in the engine (teacher forcing of the live call schedule). Its matrix's
+    suffixes decode in the same engine as soon as it is done (:func:`matrix_pipeline`). The records equal the
+    phase-wise schedule's (:func:`kvreplay.engine.build_incrementals`, then :func:`matrix_chunk`) bit for bit.
 
     Raises:
         ContractError: a prefix that does not end at the boundary.

@@ -42,10 +42,10 @@ def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> Exp1Record:
 def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[Exp1Record]:
     """Experiment 1 for a chunk of problems through the batched engine (the records of :func:`live_vs_prefill_row`).
 
-    Live boundaries and the four arms' suffixes run in one engine (:func:`matrix_pipeline`): a problem whose
-    live boundary is done gets its matrix and its suffixes decode while other problems still decode live, and a
-    slot a job leaves takes the next one at once. The records equal those of the phase-wise
-    schedule (:func:`kvreplay.engine.decode_lives`, then :func:`matrix_chunk`) bit for bit. Bits may differ
+    Live boundaries and the four arms' suffixes run in one engine (:func:`matrix_pipeline`). A problem whose
+    live boundary is done gets its matrix, and its suffixes decode while other problems still decode live; a
+    slot a job leaves takes the next one at once. The records equal those of the phase-wise schedule
+    (:func:`kvreplay.engine.decode_lives`, then :func:`matrix_chunk`) bit for bit. Bits may differ
     from :func:`live_vs_prefill_row` (another cache layout and batch shape: the ledger key says which), the
     layout does not.
 

@@ -337,13 +337,13 @@ def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: st
     """The four-arm matrix of a chunk with one engine for boundaries and suffixes, its slots kept full.
 
     The records of :func:`matrix_chunk`, bit for bit at the same batch shape, by another schedule
-    (:func:`kvreplay.engine.decode_chains`): every problem's reference boundary (``construction`` ``"live"``
-    from its prompt, ``"incremental"`` from its prefix; ``starts`` gives them) is built in the engine; as soon
-    as one is, ``heads[i](rec, ref)``, :func:`matrix_states` (replica, the two prefill calls, every boundary
-    gate) run between two steps, and its four arms' suffixes join the same engine's queue ahead of boundaries
-    not yet started, so a slot a job leaves takes the next job at once. When its four suffixes are done,
-    :func:`matrix_arms` finishes the record. A gate failure of one problem is recorded in its record only, the
-    first failing arm in the arms' order, as in :func:`matrix_chunk`.
+    (:func:`kvreplay.engine.decode_chains`). Every problem's reference boundary is built in the engine
+    (``construction`` ``"live"`` from its prompt, ``"incremental"`` from its prefix; ``starts`` gives them).
+    As soon as one is, ``heads[i](rec, ref)`` and :func:`matrix_states` (replica, the two prefill calls, every
+    boundary gate) run between two steps. Its four arms' suffixes then join the engine's queue ahead of
+    boundaries not yet started, and a slot a job leaves takes the next job at once. When its four suffixes are
+    done, :func:`matrix_arms` finishes the record. A gate failure of one problem is recorded in its record only,
+    the first failing arm in the arms' order, as in :func:`matrix_chunk`.
 
     Returns:
         One record per problem, in order.

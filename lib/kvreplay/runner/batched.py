@@ -53,11 +53,11 @@ class BatchedRows:
 
     Composition gate: when a chunk holds ``composition_id`` (the first problem
     a new arm computes, its first preflight problem), that problem's record
-    is computed again alone (a chunk of one at the same ``B`` and ``max_len``,
-    the other slots idle, its jobs placed from the *last* slot down, so the
-    problem sits in another slot than in its chunk) and must equal its record
-    inside the chunk, byte for byte in canonical JSON: its bits depend neither
-    on its companions nor on its slot. A run that resumes an arm is given ``reference``
+    is computed again alone: a chunk of one at the same ``B`` and ``max_len``,
+    the other slots idle, its jobs placed from the *last* slot down. So the
+    problem sits in another slot than in its chunk. Its record must equal its
+    record inside the chunk, byte for byte in canonical JSON: its bits depend
+    neither on its companions nor on its slot. A run that resumes an arm is given ``reference``
     instead: a committed row of the ledger (computed inside a chunk by an
     earlier run, with its own captured graph), which is computed alone before
     the first chunk and must equal its committed line byte for byte; this
@@ -246,10 +246,10 @@ ENVIRONMENT_CHECK = "attention_tolerance"
 def gate_recorder(log: Callable[..., None], folder: str | Path, first_id: str | None) -> Callable[[list[dict]], None]:
     """The ``on_checks`` of an arm: log each batch of passed gates, and keep the attention check in the environment.
 
-    The first ``attention_tolerance`` check on the arm's first problem (``first_id``, its first preflight row:
-    the one a new arm's ``composition`` gate runs on) is written into the ledger's ``environment.json`` under
-    :data:`ENVIRONMENT_CHECK`, if it holds none yet: the largest relative error per layer, the tolerance, the
-    attention and dtype. Later runs (a resumed arm checks a committed row) only log theirs.
+    The first ``attention_tolerance`` check on the arm's first problem (``first_id``: its first preflight row, on
+    which a new arm's ``composition`` gate runs) goes into the ledger's ``environment.json``. It is written under
+    :data:`ENVIRONMENT_CHECK` if that holds none yet: each layer's relative error, the largest, the tolerance,
+    the attention and the dtype. Later runs (a resumed arm checks a committed row) only log theirs.
 
     Args:
         log: the ledger's ``log`` (``log(event="gates", checks=...)``).
