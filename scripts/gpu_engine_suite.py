@@ -79,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     from kvreplay.contract import ANSWER, MERGE, Caps
     from kvreplay.decode import build_prefill
     from kvreplay.experiments.live_vs_prefill import live_vs_prefill_chunk, live_vs_prefill_row
-    from kvreplay.experiments.matrix import float32_copy
     from kvreplay.ledger.prefix_bank import read_prefix_bank
     from kvreplay.ledger.store import read_rows_text, row_lines
     from kvreplay.paths import LEDGERS
@@ -105,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     res["boundaries"] = {"source": "data/ledgers/gpu/prefix_bank_bf16.jsonl", "sha256": bank_sha, "n": len(prefixes),
                          "max_len": max_len}
     first: dict = {}
+    fp32: list = []
+
+    def model32():
+        """The model loaded in float32 (as the FP32 arms load it: not an upcast of the BF16 weights)."""
+        if not fp32:
+            fp32.append(dataclasses.replace(settings, dtype="float32").load()[0])
+        return fp32[0]
 
     def graph_equals_eager() -> dict:
         verified = engine.VERIFIED_STEPS[0]
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def tolerance() -> dict:
         out = {}
-        for dtype_name, model in (("bfloat16", lm), ("float32", float32_copy(lm))):
+        for dtype_name, model in (("bfloat16", lm), ("float32", model32())):
             for attention in ("flex", "grouped"):
                 eng = engine.StepEngine(model, fmt, B, max_len, "eager", attention=attention)
                 for slot in range(min(4, B)):  # real boundaries; an answer query must not see the branches
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     def fp32_rows() -> dict:
         folder = next((LEDGERS / "gpu").glob("exp1-float32-*"))
         committed = {r["problem_id"]: r for r in (json.loads(x) for x in row_lines(read_rows_text(folder)))}
-        lm32 = float32_copy(lm)
+        lm32 = model32()
         problems = [p for p in load_bank() if p.problem_id in committed][: args.rows]
         need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), caps) for p in problems)
         spec = RunSpec(lm=lm32, fmt=fmt, caps=caps, engine=EngineRun(graph, B, -(-need // 128) * 128,

@@ -198,6 +198,15 @@ def test_flex_suffixes_keep_slots_companions_idle_slots_and_refills_bit_exact():
     assert sum(w.tokens == g.tokens for w, g in zip(want, a)) >= 2  # BF16: another attention may part late
 
 
+def test_flex_chooses_the_reference_decoders_tokens_in_fp32():
+    lm, fmt, prompts, lives = _setup(torch.float32)
+    got = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, batch=2, max_len=MAX_LEN, attention="flex")
+    want = [decode.decode_suffix(lm, fmt, caches.live_replica(s), TINY_CAPS) for s in lives]
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    live = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, batch=2, max_len=MAX_LEN, attention="flex")
+    assert [b.ids for b in live] == [b.ids for b in lives]
+
+
 def test_flex_bridge_incremental_rebuilt_equals_engine_live_bit_for_bit():
     lm, fmt, prompts, _ = _setup(torch.bfloat16)
     live = engine.decode_lives(lm, fmt, prompts[:4], TINY_CAPS, batch=3, max_len=MAX_LEN, attention="flex")

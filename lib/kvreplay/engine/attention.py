@@ -42,6 +42,7 @@ _FLEX = "kvreplay_flex"  # the name flex_attention_step is registered under
 _CHECK = "kvreplay_attention_check"  # a step of the attention_tolerance gate (kvreplay.engine.StepEngine)
 _REGISTERED = {"grouped": _GROUPED, "flex": _FLEX}
 _RECOMPILE_LIMIT = 64  # compiled flex kernels one process may hold (one per step shape and dtype); beyond: an error
+_LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def _unknown_keywords(kwargs: dict) -> list[str]:
@@ -150,7 +151,7 @@ def _run_flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
     """FlexAttention of ``[rows, kv_heads, group, D]`` queries: compiled on CUDA, the reference elsewhere."""
     if query.device.type == "cuda":
         options = flex_kernel_options(query.shape[0], query.shape[1], query.shape[2])
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(**{_LIMIT_NAME: _RECOMPILE_LIMIT}):
             return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, kernel_options=options)
     return flex_reference(query, key, value, block_mask, scale)
 
