@@ -245,6 +245,25 @@ def test_one_engine_for_boundaries_and_suffixes_gives_the_phase_wise_records(att
     assert [canonical_json(r) for r in two] == [canonical_json(r) for r in two_phased]
 
 
+def test_the_order_boundaries_and_suffixes_take_the_slots_changes_no_bit():
+    lm, fmt, prompts, _ = _setup(torch.bfloat16)
+    got = {}
+    for hold in (0, 3, 100):  # suffixes always first; first from 3 waiting on; boundaries always first
+        out: dict = {}
+
+        def keep(i, boundary):
+            out[i] = [boundary.ids]
+            return [boundary, caches.live_replica(boundary)]
+
+        def done(i, suffixes, out=out):
+            out[i] += [(s.tokens, s.margins) for s in suffixes]
+
+        stats = engine.decode_chains(lm, fmt, TINY_CAPS, "live", prompts, keep, done, batch=2, max_len=MAX_LEN,
+                                     hold=hold)
+        got[hold] = (out, stats["busy_slot_steps"])
+    assert got[0] == got[3] == got[100]  # the same work, the same bits, whatever the order
+
+
 def test_a_gate_failure_in_one_engine_stays_in_its_problem():
     lm, fmt, _, _ = _setup(torch.float32)
     problems = _problems(4)

@@ -101,9 +101,10 @@ def _check(stats: list[list[float]], row: int, job: _Job, position: int) -> None
 class _Scheduler:
     """The slot scheduler every batched decoder drives: a queue of jobs, ``B`` slots, one step at a time.
 
-    Before each step every free slot takes the next waiting job, suffix jobs (``urgent``) before new boundary
-    constructions, so a problem whose boundary is built continues at once and the states held in memory stay
-    few. After each step every busy slot checks its rows (gates ``nonfinite``, ``desync``), takes its token and
+    Before each step every free slot takes the next waiting job. New boundary constructions go first while
+    fewer than ``hold`` suffix jobs (``urgent``) wait, so long chains start early; from ``hold`` waiting suffix
+    jobs on, those go first, which bounds the boundary states held in memory (``hold=None``: suffix jobs always
+    first). After each step every busy slot checks its rows (gates ``nonfinite``, ``desync``), takes its token and
     stages the next; a job that ends hands its result to its ``done`` callback, which may submit more jobs.
 
     ``on_gate_error="raise"`` stops at the first failed gate; ``"return"`` gives the ``GateError`` to the
@@ -112,7 +113,7 @@ class _Scheduler:
     ``fill_from="last"`` hands out free slots from the last one down (the ``composition`` gate's run alone).
     """
     def __init__(self, engine: StepEngine, on_gate_error: str = "raise", tolerance_check: bool = False,
-                 fill_from: str = "first"):
+                 fill_from: str = "first", hold: int | None = None):
         if on_gate_error not in ("raise", "return"):
             raise ValueError(f"on_gate_error must be 'raise' or 'return', got {on_gate_error!r}")
         if fill_from not in ("first", "last"):
@@ -123,6 +124,7 @@ class _Scheduler:
         self.slots: list[_Job | None] = [None] * engine.batch
         self.urgent: deque[_Work] = deque()
         self.waiting: deque[_Work] = deque()
+        self.hold = hold
 
     def submit(self, work: _Work, urgent: bool = False) -> None:
         (self.urgent if urgent else self.waiting).append(work)
@@ -168,7 +170,8 @@ class _Scheduler:
         engine = self.engine
         for slot in self.order:
             while self.slots[slot] is None and (self.urgent or self.waiting):
-                work = (self.urgent or self.waiting).popleft()
+                late = not self.urgent or (self.hold is not None and len(self.urgent) < self.hold)
+                work = (self.waiting if self.waiting and late else self.urgent).popleft()
                 job, logits = work.admit(slot)
                 self.slots[slot] = job
                 stats = engine.first_choice(logits, job.cursor.prepare())
@@ -533,6 +536,7 @@ def decode_chains(
     attention: str = "sdpa",
     tolerance_check: bool = False,
     fill_from: str = "first",
+    hold: int | None = None,
 ) -> dict[str, int]:
     """Boundary constructions and their suffixes through one engine, with a slot's next job entering at once.
 
@@ -540,8 +544,8 @@ def decode_chains(
     prompts) or :func:`build_incrementals` (``"incremental"``, ``starts`` the prefixes z). When it is done,
     ``continue_with(i, boundary)`` runs between two steps (e.g. the four-arm matrix's replica, prefill calls and
     boundary gates). It returns the boundary states whose suffixes the same engine then decodes, as
-    :func:`decode_suffixes` would. Those suffixes go ahead of boundaries not yet started, so few states wait in
-    memory. When all of problem ``i``'s suffixes are done, ``finished(i, suffixes)`` gets them in the order
+    :func:`decode_suffixes` would. Boundaries not yet started take free slots first while fewer than ``hold``
+    suffixes wait (long chains start early); beyond that the suffixes go first (bounded memory). When all of problem ``i``'s suffixes are done, ``finished(i, suffixes)`` gets them in the order
     ``continue_with`` gave. At the same batch shape (``batch``, ``max_len``) every boundary and suffix is
     bit-identical to the phase-wise decoders' (:func:`decode_lives` or :func:`build_incrementals`, then
     :func:`decode_suffixes`): a problem's bits depend neither on its slot nor on its companions.
@@ -552,6 +556,8 @@ def decode_chains(
         continue_with: ``(i, Boundary or GateError) -> boundary states`` (an empty list: nothing to decode; a
             ``GateError`` is the one that stopped the construction).
         finished: ``(i, [Suffix or GateError, ...])``, once per problem (an empty list when nothing was decoded).
+        hold: waiting suffix jobs from which they go before new boundaries (default ``4 * batch``: the states of
+            about ``batch`` problems wait; ``0``: suffixes always first). No bit depends on it.
         batch, step_path, max_len, verify_steps, attention, tolerance_check, fill_from: as in
             :func:`decode_suffixes`;
             ``max_len`` defaults to the longest boundary a start can give plus :func:`suffix_length_bound`.
@@ -577,7 +583,7 @@ def decode_chains(
         longest = max(len(z) for z in starts)
     engine = _engine(lm, fmt, batch, step_path, max_len, longest + suffix_length_bound(fmt, caps), verify_steps,
                      attention=attention)
-    scheduler = _Scheduler(engine, "return", tolerance_check, fill_from)
+    scheduler = _Scheduler(engine, "return", tolerance_check, fill_from, 4 * batch if hold is None else hold)
 
     def built(i: int) -> Callable[[object], None]:
         def done(boundary: object) -> None:

@@ -340,8 +340,8 @@ def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: st
     (:func:`kvreplay.engine.decode_chains`). Every problem's reference boundary is built in the engine
     (``construction`` ``"live"`` from its prompt, ``"incremental"`` from its prefix; ``starts`` gives them).
     As soon as one is, ``heads[i](rec, ref)`` and :func:`matrix_states` (replica, the two prefill calls, every
-    boundary gate) run between two steps. Its four arms' suffixes then join the engine's queue ahead of
-    boundaries not yet started, and a slot a job leaves takes the next job at once. When its four suffixes are
+    boundary gate) run between two steps. Its four arms' suffixes then join the engine's queue (they go first
+    once ``4 * batch`` of them wait), and a slot a job leaves takes the next job at once. When its four suffixes are
     done, :func:`matrix_arms` finishes the record. A gate failure of one problem is recorded in its record only,
     the first failing arm in the arms' order, as in :func:`matrix_chunk`.
 
