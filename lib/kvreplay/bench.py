@@ -28,16 +28,24 @@ own static cache (``cache_implementation="static"``) and, when it works on the
 host, with the model's forward compiled (``torch.compile``, reported if it
 fails), plus Experiment 1 rows per hour with the batched runner
 (:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`, graph path) at the given caps sets.
+
+``--vs-generate`` runs only the side-by-side section instead (``docs/engine.md``): :func:`engine_vs_generate`
+(the engine and ``generate`` continuing the same saved boundaries by the same number of tokens, per batched
+step, with the memory floor), :func:`exp1_end_to_end` (a real Experiment 1 chunk: useful problem-steps per
+second and slot occupancy) and :func:`profile_step` (where a step's time goes), written to ``--json`` and
+``--md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -48,6 +56,7 @@ from .contract import Caps
 from .decode import build_prefill, decode_live, decode_suffix
 from .execution import device_or_exit
 from .experiments.live_vs_prefill import live_vs_prefill_chunk, live_vs_prefill_row
+from .paths import ROOT
 from .problems import load_bank
 from .runner import ArmSettings, EngineRun, RunSpec, resolve_execution
 from .runner.actors import RowActors, shutdown
@@ -312,6 +321,394 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     return pd.DataFrame(out)
 
 
+# ------------------------------------------------------------------------------ engine vs generate, same work
+PAPER_CAPS = (768, 512, 64)
+"""The caps whose boundary prefixes :func:`engine_vs_generate` decodes by default (the ``paper`` profile's)."""
+
+FLAG_SETS = ("engine", "torch-defaults")
+"""Flags ``generate`` runs under in :func:`engine_vs_generate`: ``engine``, the engine's execution contract on the
+device (on CUDA: deterministic algorithms, no NaN fill of new memory, cuDNN deterministic, TF32 off); and
+``torch-defaults``, torch's own (nondeterministic algorithms, NaN fill on, cuDNN's TF32 on). The faster is the one
+to beat. ``generate`` picks its SDPA backend as torch does in both (it is not held to the contract's ``math``)."""
+
+HF_PATHS = ("dynamic", "static", "compile")
+"""Hugging Face ``generate`` configurations of :func:`engine_vs_generate`: its dynamic cache; a static cache with
+compilation off; a static cache that transformers compiles (``torch.compile`` of the forward, its CompileConfig;
+CUDA only)."""
+
+
+def load_boundaries(path: str | Path | None, n: int, source: str | Path | None = None) -> tuple[list[list[int]], dict]:
+    """The boundary prefixes both sides decode, saved once to ``path`` and read back from it after that.
+
+    Args:
+        path: a JSON file ``{"source", "sha256", "prefixes"}``; read when it exists, else written from ``source``.
+        n: prefixes needed (the largest batch).
+        source: a prefix bank (``prefix_bank_bf16.jsonl``, default the ``paper`` profile's: caps 768/512/64).
+
+    Returns:
+        ``(prefixes, {"file", "source", "sha256", "n"})``.
+
+    Raises:
+        ValueError: the file holds fewer than ``n`` prefixes.
+    """
+    import hashlib
+    import json
+
+    from .ledger.prefix_bank import read_prefix_bank
+    from .paths import LEDGERS
+
+    p = Path(path) if path is not None else None
+    if p is not None and p.is_file():
+        saved = json.loads(p.read_text())
+    else:
+        bank = Path(source) if source is not None else LEDGERS / "paper" / "prefix_bank_bf16.jsonl"
+        entries, digest = read_prefix_bank(bank)
+        saved = {"source": str(bank.relative_to(ROOT)) if bank.resolve().is_relative_to(ROOT) else str(bank),
+                 "source_sha256": digest, "prefixes": [e["prefix"] for e in entries]}
+        if p is not None:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(saved) + "\n")
+    if len(saved["prefixes"]) < n:
+        raise ValueError(f"{path or source}: {len(saved['prefixes'])} boundary prefixes, {n} needed")
+    sha = hashlib.sha256(json.dumps(saved["prefixes"]).encode()).hexdigest()
+    return saved["prefixes"][:n], {"file": str(p) if p else None, "source": saved["source"], "sha256": sha, "n": n}
+
+
+@contextlib.contextmanager
+def _flags(name: str, device_type: str):
+    """Run the block under a flag set of :data:`FLAG_SETS`; the flags in force before are restored after."""
+    import torch.utils.deterministic as det_mod
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             det_mod.fill_uninitialized_memory, cudnn.deterministic, cudnn.benchmark, matmul.allow_tf32,
+             cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    try:
+        if name == "engine":
+            det = device_type == "cuda"  # the contract's default: deterministic on CUDA, not needed on the CPU
+            torch.use_deterministic_algorithms(det)
+            det_mod.fill_uninitialized_memory = not det
+            cudnn.deterministic, cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32 = det, False, False, False
+            torch.set_float32_matmul_precision("highest")
+        elif name == "torch-defaults":
+            torch.use_deterministic_algorithms(False)
+            det_mod.fill_uninitialized_memory = True
+            cudnn.deterministic, cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32 = False, False, False, True
+            torch.set_float32_matmul_precision("highest")
+        else:
+            raise ValueError(f"unknown flag set {name!r}; use one of {FLAG_SETS}")
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        det_mod.fill_uninitialized_memory = saved[2]
+        cudnn.deterministic, cudnn.benchmark, matmul.allow_tf32, cudnn.allow_tf32 = saved[3:7]
+        torch.set_float32_matmul_precision(saved[7])
+
+
+class _Timer:
+    """Wall time of a block: CUDA events on a GPU (after a synchronize), ``time.perf_counter`` on the CPU."""
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        """Seconds ``fn()`` took."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+
+def _layout(lm) -> dict:
+    """Bytes of the weights (once) and of one position's keys and values across layers, of ``lm``."""
+    cfg = lm.model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    size = torch.tensor([], dtype=lm.dtype).element_size()
+    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    return {"weights_bytes": weights, "kv_bytes_per_position": cfg.num_hidden_layers * 2 * kv_heads * head_dim * size}
+
+
+def _floor_ms(layout: dict, positions: float, bandwidth: float) -> float:
+    """Milliseconds to read the weights once and ``positions`` row-positions of K/V at ``bandwidth`` bytes/s."""
+    return 1e3 * (layout["weights_bytes"] + positions * layout["kv_bytes_per_position"]) / bandwidth
+
+
+def _steady(timer: _Timer, run: Callable[[int], object], lengths: tuple[int, int], repeats: int) -> float:
+    """Steady-state seconds per step: median over ``repeats`` of ``(T(long) - T(short)) / (long - short)``.
+
+    Each side's fixed costs (admission or prefill, graph capture, the first token) are in both runs and cancel.
+    """
+    short, long_ = lengths
+    per = []
+    for _ in range(repeats):
+        t_short = timer(lambda: run(short))
+        t_long = timer(lambda: run(long_))
+        per.append((t_long - t_short) / (long_ - short))
+    return statistics.median(per)
+
+
+def _hf_generate(lm, prefixes: Sequence[Sequence[int]], kind: str, max_new: int) -> Callable[[int], object]:
+    """``generate`` on left-padded duplicate rows of ``prefixes`` (2 per problem), greedy, exactly ``n`` new tokens."""
+    from transformers import StaticCache
+
+    dev = lm.device
+    width = max(len(z) for z in prefixes)
+    rows = [list(z) for z in prefixes for _ in range(2)]
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(z)) + z for z in rows], device=dev)
+    mask = torch.tensor([[0] * (width - len(z)) + [1] * len(z) for z in rows], device=dev)
+    kw: dict = dict(attention_mask=mask, do_sample=False, pad_token_id=pad)
+    if kind == "static":
+        kw["disable_compile"] = True
+
+    def run(n: int):
+        extra = {}
+        if kind in ("static", "compile"):  # one cache length for every n: one compiled graph
+            extra["past_key_values"] = StaticCache(config=lm.model.config, max_cache_len=width + max_new)
+        with torch.inference_mode():
+            return lm.model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw, **extra)
+    return run
+
+
+def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: Sequence[int] = (32, 64, 128),
+                       max_len: int | None = None, new_tokens: tuple[int, int] = (8, 72),
+                       attentions: Sequence[str] = ("flex", "grouped"), hf: Sequence[str] = HF_PATHS,
+                       flag_sets: Sequence[str] = FLAG_SETS, repeats: int = 3, step_path: str = "graph",
+                       bandwidth: float = 4.3e12, caps: tuple[int, int, int] = PAPER_CAPS,
+                       emit: Callable[[dict], None] = lambda record: None) -> list[dict]:
+    """The engine and Hugging Face ``generate`` doing the same work, per batched step, and the memory floor.
+
+    Both sides continue the same boundary prefixes (``prefixes[:B]``, e.g. :func:`load_boundaries`), B problems
+    as 2B duplicate rows, by exactly the same number of greedy tokens, with no delimiter, cap or structural
+    mask on the engine's side (:func:`kvreplay.engine.decode_forced`). A step's time is the steady state:
+    ``(T(long) - T(short)) / (long - short)`` for ``new_tokens = (short, long)`` on one warmed-up engine or
+    model, median of ``repeats`` pairs, timed with CUDA events (``perf_counter`` on the CPU). The engine runs
+    under its contract (its attention, its SDPA backends for the prefill); ``generate`` under each of
+    ``flag_sets`` (:data:`FLAG_SETS`) with its own SDPA choice.
+
+    The memory floor of a step is the weights read once plus keys and values read once, at ``bandwidth``
+    bytes/s. ``floor_ms`` counts every row's filled positions: the same for every path, as the work is.
+    ``floor_ms_layout`` counts what the path's cache layout must read: the engine's whole static cache for
+    ``sdpa``/``grouped``, its filled 128-position blocks for ``flex``, the padded width for ``generate``'s
+    dynamic cache, the cache length for its static cache. Positions are taken at the middle of the timed window.
+
+    Args:
+        lm, fmt: the loaded model and block format.
+        prefixes: boundary prefixes z, at least ``max(batches)``.
+        batches: problems per step B.
+        max_len: the engine's positions per row (default: the longest prefix plus ``new_tokens[1]``), rounded up
+            to a multiple of 128 for ``flex``; the ``paper`` arms' is 4,077 (4,096 for ``flex``).
+        new_tokens: ``(short, long)`` tokens per row of the two timed runs.
+        attentions: engine attentions (``flex`` is reported as path ``engine``, others as ``engine-<name>``; none:
+            ``generate`` only).
+        hf: ``generate`` configurations (:data:`HF_PATHS`; ``compile`` runs on CUDA only).
+        step_path: the engine's step, ``"graph"`` (CUDA) or ``"eager"``.
+        bandwidth: memory bandwidth of the device, bytes/s (the H200 moves about 4.3e12 in practice).
+        caps: the caps the prefixes were decoded at (recorded).
+        emit: called with each record as it is measured.
+
+    Returns:
+        Records with ``path``, ``B``, ``rows``, ``caps``, ``new_tokens``, ``ms_per_step``, ``ms_per_problem_step``,
+        ``floor_ms``, ``floor_ms_layout``, ``x_floor``, ``flags``, ``attention`` (engine) and ``note``.
+
+    Raises:
+        ValueError: fewer prefixes than the largest batch, ``new_tokens`` not increasing, an unknown path,
+            attention or flag set (before anything is timed).
+    """
+    short, long_ = new_tokens
+    if not 1 <= short < long_:
+        raise ValueError(f"new_tokens {new_tokens}: need 1 <= short < long")
+    if len(prefixes) < max(batches):
+        raise ValueError(f"{len(prefixes)} boundary prefixes for a batch of {max(batches)}")
+    bad = [a for a in attentions if a not in engine.ATTENTIONS] + [h for h in hf if h not in HF_PATHS] + \
+        [f for f in flag_sets if f not in FLAG_SETS]
+    if bad:
+        raise ValueError(f"engine_vs_generate: unknown {bad}; attentions {engine.ATTENTIONS}, hf {HF_PATHS}, "
+                         f"flags {FLAG_SETS}")
+    layout = _layout(lm)
+    timer = _Timer(lm.device)
+    caps_s = "/".join(map(str, caps))
+    out: list[dict] = []
+
+    def record(rec: dict) -> None:
+        out.append(rec)
+        emit(rec)
+
+    states = [build_prefill(lm, fmt, z, where=f"boundary {i}")
+              for i, z in enumerate(prefixes[: max(batches) if attentions else 0])]
+    for B in batches:
+        zs = [len(z) for z in prefixes[:B]]
+        middle = (short + long_) / 2
+        filled = 2 * sum(n + middle for n in zs)  # row-positions read per step, both duplicates
+        floor = _floor_ms(layout, filled, bandwidth)
+        base = {"B": B, "rows": 2 * B, "caps": caps_s, "new_tokens": long_, "timed_steps": long_ - short,
+                "mean_boundary": round(sum(zs) / B, 1), "floor_ms": round(floor, 6)}
+        for attention in attentions:
+            length = max_len or max(zs) + long_
+            if attention == "flex":  # whole blocks of 128 (the mask hides the padding)
+                length = -(-length // engine.FLEX_BLOCK) * engine.FLEX_BLOCK
+            eng = engine.StepEngine(lm, fmt, B, length, step_path, attention=attention)
+            run = lambda n: engine.decode_forced(lm, fmt, states[:B], n, engine=eng)  # noqa: E731
+            warm = timer(lambda: run(short))  # capture, compile
+            sec = _steady(timer, run, new_tokens, repeats)
+            if attention == "flex":
+                read = 2 * sum(-(-(n + middle + 1) // engine.FLEX_BLOCK) * engine.FLEX_BLOCK for n in zs)
+            else:
+                read = 2 * B * length
+            record(base | {"path": "engine" if attention == "flex" else f"engine-{attention}", "attention": attention,
+                           "flags": "engine", "step_path": step_path, "max_len": length,
+                           "ms_per_step": round(1e3 * sec, 4), "ms_per_problem_step": round(1e3 * sec / B, 5),
+                           "floor_ms_layout": round(_floor_ms(layout, read, bandwidth), 6),
+                           "x_floor": round(1e3 * sec / floor, 1),
+                           "note": f"first run (capture, compile, {short} tokens) {warm:.1f} s; sdpa backends "
+                                   f"{'+'.join(lm.sdpa_backends)} for the prefill"})
+            del eng
+        for kind in hf:
+            for flags in flag_sets:
+                path = {"dynamic": "generate-dynamic", "static": "generate-static",
+                        "compile": "generate-static-compile"}[kind]
+                rec = base | {"path": path, "flags": flags}
+                if kind == "compile" and lm.device.type != "cuda":
+                    record(rec | {"note": "not run: transformers compiles generate on CUDA only"})
+                    continue
+                try:
+                    with _flags(flags, lm.device.type):
+                        run = _hf_generate(lm, prefixes[:B], kind, long_)
+                        warm = timer(lambda: run(short))
+                        sec = _steady(timer, run, new_tokens, repeats)
+                except Exception as e:  # reported, not raised: the bench measures what works on the host
+                    record(rec | {"note": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+                    continue
+                width = max(zs)
+                read = 2 * B * (width + middle) if kind == "dynamic" else 2 * B * (width + long_)
+                record(rec | {"ms_per_step": round(1e3 * sec, 4), "ms_per_problem_step": round(1e3 * sec / B, 5),
+                              "floor_ms_layout": round(_floor_ms(layout, read, bandwidth), 6),
+                              "x_floor": round(1e3 * sec / floor, 1),
+                              "note": f"first run ({short} tokens, compile if any) {warm:.1f} s; left-padded to "
+                                      f"{width}"})
+    return out
+
+
+def exp1_end_to_end(lm, fmt, problems: Sequence, *, batch: int, caps: tuple[int, int, int] = PAPER_CAPS,
+                    attention: str = "flex", step_path: str = "graph", gates: bool = True,
+                    emit: Callable[[dict], None] = lambda record: None) -> dict:
+    """A real Experiment 1 chunk end to end: useful problem-steps per second and slot occupancy.
+
+    :func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk` on ``problems`` at ``caps`` through one
+    engine of ``batch`` slots (live boundaries, replicas, prefill calls, boundary gates, the four arms' suffixes,
+    refills, the ragged tail), the arm's ``max_len`` as a run would resolve it. With ``gates`` the chunk runs as
+    a new arm's first chunk does (:class:`kvreplay.runner.BatchedRows`): its first problem also computed alone
+    (``composition``, ``graph_equals_eager`` on the graph path, ``attention_tolerance``) and the float32
+    construction-equivalence check on it, timed apart.
+
+    Returns:
+        ``{"path": "exp1-chunk", "B", "problems", "caps", "attention", "seconds" (the chunk), "gate_seconds" (the
+        preflight runs), "steps", "busy_slot_steps", "occupancy", "problem_steps_per_s", "rows_per_hour" (the
+        chunk), "rows_per_hour_with_gates", "gate_failures", "checks"}``; steps and occupancy are the chunk's.
+    """
+    from .runner.batched import BatchedRows
+
+    settings = ArmSettings(profile="bench", dtype=str(lm.dtype).split(".")[-1], caps=Caps(*caps),
+                           step_path="graph" if step_path == "graph" else "engine-eager", batch=batch,
+                           device=str(lm.device), attention=attention, chunk=len(problems))
+    run = settings.engine_run(fmt, problems)
+    ids = frozenset([problems[0].problem_id]) if gates else frozenset()
+    spec = RunSpec(lm=lm, fmt=fmt, caps=Caps(*caps), engine=run, equivalence_ids=ids)
+    timer = _Timer(lm.device)
+    chunk: dict = {}
+    mapper = BatchedRows(spec, live_vs_prefill_chunk, problems, on_chunk=chunk.update,
+                         composition_id=problems[0].problem_id if gates else None)
+    got: list = []
+    total = timer(lambda: got.extend(mapper(problems)))
+    rec = {"path": "exp1-chunk", "B": batch, "problems": len(problems), "caps": "/".join(map(str, caps)),
+           "attention": attention, "step_path": step_path, "max_len": run.max_len, "seconds": chunk["seconds"],
+           "gate_seconds": round(total - chunk["seconds"], 2), "steps": chunk["steps"],
+           "busy_slot_steps": chunk["busy_slot_steps"], "occupancy": chunk["occupancy"],
+           "problem_steps_per_s": round(chunk["busy_slot_steps"] / chunk["seconds"], 1),
+           "rows_per_hour": round(3600 * len(problems) / chunk["seconds"], 1),
+           "rows_per_hour_with_gates": round(3600 * len(problems) / total, 1),
+           "gate_failures": sum(r["gate_failure"] is not None for r in got), "checks": [c["gate"] for c in mapper.checks]}
+    emit(rec)
+    return rec
+
+
+def profile_step(lm, fmt, prefixes: Sequence[Sequence[int]], *, batch: int, attention: str = "flex",
+                 max_len: int | None = None, step_path: str = "graph", steps: int = 20, rows: int = 15) -> str:
+    """Where an engine step's time goes: a Markdown table of ``torch.profiler``'s top operations over ``steps`` steps.
+
+    ``batch`` boundaries (``prefixes[:batch]``, prefill states) fill the slots; after three warm-up steps (the
+    graph's capture, the kernels' compilation) ``steps`` steps are profiled, each followed by the host's staging
+    of the next (the greedy token at the next position). Admission and the end-of-job checks are left out. On
+    CUDA ops are ranked by their own device time (a replayed graph's kernels appear as the profiler sees them),
+    on the CPU by their own CPU time.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from .contract import MERGE, PROMPT
+
+    states = [build_prefill(lm, fmt, z) for z in prefixes[:batch]]
+    length = max_len or max(len(z) for z in prefixes[:batch]) + steps + 4
+    if attention == "flex":
+        length = -(-length // engine.FLEX_BLOCK) * engine.FLEX_BLOCK
+    eng = engine.StepEngine(lm, fmt, batch, length, step_path, attention=attention)
+    position = []
+    with torch.inference_mode():
+        for slot, b in enumerate(states):
+            position.append(eng.admit(slot, b.cache, b.roles))
+            eng.set_row_pair(slot, int(b.logits[0].argmax()), position[-1], MERGE, PROMPT)
+
+        def advance() -> None:
+            _, stats = eng.step()
+            for slot in range(len(states)):
+                position[slot] += 1
+                eng.set_row_pair(slot, int(stats[0][2 * slot]), position[slot], MERGE, PROMPT)
+
+        for _ in range(3):
+            advance()
+        cuda = lm.device.type == "cuda"
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                advance()
+            _sync(lm)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    averages = prof.key_averages()
+    events = sorted(averages, key=lambda e: getattr(e, key, 0), reverse=True)[:rows]
+    total = sum(getattr(e, key, 0) for e in averages) or 1
+    lines = [f"| op | calls | self {'device' if cuda else 'CPU'} time per step (ms) | share |", "|---|---|---|---|"]
+    for e in events:
+        t = getattr(e, key, 0)
+        lines.append(f"| `{e.key[:90]}` | {e.count} | {t / 1e3 / steps:.3f} | {100 * t / total:.1f}% |")
+    return (f"Engine step profile: B = {batch}, attention `{attention}`, step path `{step_path}`, max_len {length}, "
+            f"{steps} steps after 3 warm-up steps ({'CUDA' if cuda else 'CPU'}; the step and the host's staging "
+            f"only).\n\n" + "\n".join(lines) + "\n")
+
+
+def merge_records(path: str | Path, records: Sequence[dict]) -> list[dict]:
+    """Write ``records`` into the JSON list at ``path``, replacing any with the same path, B, flags and attention.
+
+    So one file collects the records of several processes (one per B, or per group of paths).
+    """
+    import json
+
+    p = Path(path)
+    old = json.loads(p.read_text()) if p.is_file() else []
+    key = lambda r: (r.get("path"), r.get("B"), r.get("flags"), r.get("attention"), r.get("problems"))  # noqa: E731
+    new = {key(r) for r in records}
+    merged = [r for r in old if key(r) not in new] + list(records)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(merged, indent=1) + "\n")
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded", help="the model (embedded: the bundled SmolLM2-135M; or a folder)")
@@ -332,8 +729,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exp1-batch", type=int, default=64, help="problems per batched step of those runs")
     ap.add_argument("--exp1-rows", type=int, default=None, help="rows timed per caps set (default: --exp1-batch)")
     ap.add_argument("--no-compile", action="store_true", help="skip generate with torch.compile")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128], metavar="B",
-                    help="problems per step of the engine rows (default 1 8 32 64 128)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, metavar="B",
+                    help="problems per step of the engine rows (default 1 8 32 64 128; with --vs-generate 32 64 128)")
     ap.add_argument("--max-len", type=int, nargs="+", default=[0], metavar="N",
                     help="positions per row of the engine rows' static cache, the rows repeated for each "
                          "(default 0: what they need; the paper profile's arms have 4077)")
@@ -342,14 +739,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sdpa", nargs="+", default=["math"], metavar="BACKEND",
                     help="SDPA backends of the engine section (default math, the execution contract's; also flash, "
                          "and on CUDA efficient and cudnn: other bits, so another contract)")
-    ap.add_argument("--attention", nargs="+", choices=("sdpa", "grouped"), default=None, metavar="ATTENTION",
+    ap.add_argument("--attention", nargs="+", choices=engine.ATTENTIONS, default=None, metavar="ATTENTION",
                     help="the engine step's attention in the engine section, its rows repeated for each (default "
-                         "both: sdpa, the model's SDPA call; grouped, kvreplay.engine.grouped_attention, other bits)")
+                         "all: sdpa, the model's SDPA call; grouped, kvreplay.engine.grouped_attention; flex, "
+                         "kvreplay.engine.flex_attention_step; each other bits). With --vs-generate: default flex "
+                         "grouped")
     ap.add_argument("--step-path", choices=("graph", "engine-eager"), default="graph",
                     help="the engine's step in the engine section (graph: CUDA only; engine-eager: op by op, any "
                          "device, a dry run)")
+    vs = ap.add_argument_group("engine against generate, the same work (--vs-generate)")
+    vs.add_argument("--vs-generate", action="store_true",
+                    help="only this section: engine_vs_generate at --batches (default 32 64 128), exp1_end_to_end "
+                         "(--e2e), profile_step (--profile-steps); records to --json, tables to --md")
+    vs.add_argument("--hf", nargs="*", choices=HF_PATHS, default=list(HF_PATHS), metavar="PATH",
+                    help="generate configurations: dynamic, static, compile (default all; none: the engine only)")
+    vs.add_argument("--skip-engine", action="store_true",
+                    help="no engine rows (e.g. a process for generate's rows only; --e2e and --profile-steps still run)")
+    vs.add_argument("--flags", nargs="+", choices=FLAG_SETS, default=list(FLAG_SETS),
+                    help="flag sets generate runs under (default both)")
+    vs.add_argument("--new-tokens", type=int, nargs=2, default=(8, 72), metavar=("SHORT", "LONG"),
+                    help="tokens per row of the two timed runs; a step is (T(LONG) - T(SHORT)) / (LONG - SHORT)")
+    vs.add_argument("--boundaries", default=None, metavar="FILE",
+                    help="the saved boundary prefixes (JSON; written from the paper profile's prefix bank when "
+                         "missing, read after that)")
+    vs.add_argument("--e2e", type=int, default=0, metavar="N",
+                    help="also an Experiment 1 chunk of the first N bank problems at --vs-caps (0: none)")
+    vs.add_argument("--e2e-batch", type=int, default=None, metavar="B", help="its problems per step (default the first of --batches)")
+    vs.add_argument("--no-gates", action="store_true", help="the Experiment 1 chunk without its preflight gates")
+    vs.add_argument("--vs-caps", type=int, nargs=3, default=PAPER_CAPS, metavar=("BRANCH", "MERGE", "ANSWER"),
+                    help="caps of the Experiment 1 chunk and of the recorded boundaries (default 768 512 64)")
+    vs.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                    help="also profile N engine steps at the first of --batches (torch.profiler, top ops; 0: none)")
+    vs.add_argument("--bandwidth-tbs", type=float, default=4.3, help="memory bandwidth for the floor, TB/s (default 4.3)")
+    vs.add_argument("--json", default=None, metavar="FILE", help="merge the records into this JSON list")
+    vs.add_argument("--md", default=None, metavar="FILE", help="append this run's tables (and command) to this Markdown file")
     args = ap.parse_args(argv)
     device_type = device_or_exit(ap, args.device)
+    if args.vs_generate:
+        return _vs_generate_main(ap, args, argv)
     engine_on = args.engine_only or args.engine or (args.engine is None and device_type == "cuda")
     if args.exp1_rows is not None and args.exp1_rows < 1:
         ap.error(f"--exp1-rows {args.exp1_rows}: must be at least 1")
@@ -361,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     # every engine run's contract, refused as a profile's `execution` would be (the SDPA backends on the device, graph
     # only on CUDA, a batch of at least 1), before the first table
     step_path = args.step_path if engine_on else "engine-eager"
+    args.batches = args.batches or [1, 8, 32, 64, 128]
     for option, batch in [*(("--batches", b) for b in args.batches), ("--exp1-batch", args.exp1_batch)]:
         where = f"{option} {batch}, --sdpa {' '.join(args.sdpa)}, --step-path {step_path}, --device {args.device}"
         try:
@@ -386,6 +814,62 @@ def main(argv: list[str] | None = None) -> int:
                            attentions=tuple(args.attention or engine.ATTENTIONS),
                            emit=lambda row: print("measured:", row, flush=True)
                            ).astype(object).fillna("").to_markdown(index=False))
+    return 0
+
+
+def _vs_generate_main(ap: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
+    """``--vs-generate``: the side-by-side records, the end-to-end chunk and the step profile (see :func:`main`)."""
+    import json
+    import shlex
+
+    batches = tuple(args.batches or (32, 64, 128))
+    attentions = tuple(args.attention or ("flex", "grouped"))
+    step_path = "graph" if args.step_path == "graph" else "eager"
+    e2e_batch = args.e2e_batch or batches[0]
+    for b in (*batches, e2e_batch):
+        try:
+            resolve_execution(f"--batches/--e2e-batch {b}", {"device": args.device, "step_path": args.step_path,
+                                                               "batch": b, "sdpa_backends": list(args.sdpa),
+                                                               "attention": attentions[0]})
+        except ValueError as e:
+            ap.error(str(e))
+    if not 1 <= args.new_tokens[0] < args.new_tokens[1]:
+        ap.error(f"--new-tokens {args.new_tokens}: need 1 <= SHORT < LONG")
+    prefixes, source = load_boundaries(args.boundaries, max(batches))
+    settings = ArmSettings(profile="bench", dtype=args.dtype, caps=Caps(*args.vs_caps), model=args.model,
+                           threads=args.threads, device=args.device, sdpa_backends=tuple(args.sdpa))
+    lm, fmt = settings.load()
+    show = lambda rec: print("measured:", json.dumps(rec), flush=True)  # noqa: E731
+    max_len = next((m for m in args.max_len if m), None)
+    records = engine_vs_generate(lm, fmt, prefixes, batches=batches, max_len=max_len,
+                                 new_tokens=tuple(args.new_tokens), attentions=() if args.skip_engine else attentions,
+                                 hf=tuple(args.hf),
+                                 flag_sets=tuple(args.flags), repeats=args.repeats, step_path=step_path,
+                                 bandwidth=args.bandwidth_tbs * 1e12, caps=tuple(args.vs_caps), emit=show)
+    if args.e2e:
+        problems = load_bank()[: args.e2e]
+        records.append(exp1_end_to_end(lm, fmt, problems, batch=e2e_batch, caps=tuple(args.vs_caps),
+                                       attention=attentions[0], step_path=step_path, gates=not args.no_gates,
+                                       emit=show))
+    env = {"device": torch.cuda.get_device_name() if lm.device.type == "cuda" else "cpu", "torch": torch.__version__,
+           "dtype": args.dtype, "boundaries": source, "bandwidth_tbs": args.bandwidth_tbs}
+    for r in records:
+        r["environment"] = env
+    profile = profile_step(lm, fmt, prefixes, batch=batches[0], attention=attentions[0], max_len=max_len,
+                           step_path=step_path, steps=args.profile_steps) if args.profile_steps else ""
+    if args.json:
+        merge_records(args.json, records)
+    table = pd.DataFrame(records).drop(columns=["environment"], errors="ignore")
+    text = table.astype(object).fillna("").to_markdown(index=False)
+    print(text)
+    if profile:
+        print(profile)
+    if args.md:
+        command = "python -m kvreplay.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+        with open(args.md, "a", encoding="utf-8") as f:
+            f.write(f"## `{command}`\n\n{env['device']}, torch {env['torch']}, {args.dtype}; boundaries "
+                    f"{source['source']} (sha256 {source['sha256'][:12]}, {source['n']} prefixes)\n\n{text}\n\n"
+                    + (profile + "\n" if profile else ""))
     return 0
 
 

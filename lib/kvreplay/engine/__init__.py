@@ -29,10 +29,19 @@ What stays as in :mod:`kvreplay.decode`:
 What differs: keys beyond a row's length are zero padding hidden by the mask,
 and the key dimension of every attention call is the cache's ``max_len``.
 Results are reproducible bit for bit for a given *batch shape* (rows,
-``max_len``), dtype and device, whatever the companions of a problem and its
-slot; across batch shapes, and against the ``DynamicCache`` decoders, the bits
-may differ (the kernels' reduction order depends on the shapes), so the step
-path and batch shape belong in any key that records results.
+``max_len``), attention, dtype and device, whatever the companions of a problem
+and its slot. Across batch shapes, and against the ``DynamicCache`` decoders,
+the bits may differ (the kernels' reduction order depends on the shapes). So
+the step path, batch shape and attention belong in any key that records results.
+
+The step's attention (:data:`ATTENTIONS`) is the model's SDPA call, :func:`grouped_attention`, or
+:func:`flex_attention_step`: FlexAttention over the blocks each row has filled, compiled on CUDA, its block
+mask :class:`FlexMask` updated in place every step. An attention of the engine's own is checked against math
+SDPA on every layer (:meth:`StepEngine.check_attention`, gate ``attention_tolerance``).
+
+One slot scheduler drives every decoder: a free slot takes the next waiting job before each step.
+:func:`decode_chains` lets a problem's suffix jobs follow its boundary construction in the same engine, so the
+slots stay full (:data:`SLOT_STEPS` counts the slot occupancy). ``docs/engine.md`` describes it all for users.
 
 Host synchronisation: one device-to-host read per step (chosen tokens,
 margins, duplicate and finiteness flags of every row together), plus one per
@@ -41,13 +50,35 @@ problem admitted.
 
 from __future__ import annotations
 
-from .attention import ATTENTIONS, grouped_attention, use_attention
+from .attention import (
+    ATTENTIONS,
+    FLEX_BLOCK,
+    TOLERANCE,
+    FlexMask,
+    flex_attention_step,
+    flex_environment,
+    flex_kernel_options,
+    flex_reference,
+    grouped_attention,
+    reference_attention,
+    use_attention,
+)
 from .cache import RowCache, RowLayer
-from .decoders import build_incrementals, decode_lives, decode_suffixes, live_length_bound, suffix_length_bound
-from .step import STEP_PATHS, VERIFIED_STEPS, StepEngine, choice_stats
+from .decoders import (
+    build_incrementals,
+    decode_chains,
+    decode_forced,
+    decode_lives,
+    decode_suffixes,
+    live_length_bound,
+    suffix_length_bound,
+)
+from .step import ATTENTION_CHECKS, SLOT_STEPS, STEP_PATHS, VERIFIED_STEPS, StepEngine, choice_stats
 
 __all__ = [
-    "ATTENTIONS", "STEP_PATHS", "VERIFIED_STEPS", "RowCache", "RowLayer", "StepEngine", "build_incrementals",
-    "choice_stats", "decode_lives", "decode_suffixes", "grouped_attention", "live_length_bound",
+    "ATTENTIONS", "ATTENTION_CHECKS", "FLEX_BLOCK", "SLOT_STEPS", "STEP_PATHS", "TOLERANCE", "VERIFIED_STEPS",
+    "FlexMask", "RowCache", "RowLayer", "StepEngine", "build_incrementals", "choice_stats", "decode_chains",
+    "decode_forced", "decode_lives", "decode_suffixes", "flex_attention_step", "flex_environment",
+    "flex_kernel_options", "flex_reference", "grouped_attention", "live_length_bound", "reference_attention",
     "suffix_length_bound", "use_attention",
 ]

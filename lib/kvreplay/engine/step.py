@@ -2,23 +2,26 @@
 
 :class:`StepEngine` runs ``2B`` rows (``B`` problems, two duplicate rows each) through one forward call per
 step, eagerly or replayed from a CUDA graph, and checks a graph step against the eager one on request
-(gate ``graph_equals_eager``) and each slot's valid length (gate ``functional_state``).
+(gate ``graph_equals_eager``), each slot's valid length (gate ``functional_state``) and, for an attention of
+its own, every layer's attention output against the math-SDPA reference (gate ``attention_tolerance``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch.nn.attention import sdpa_kernel
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 
 from .. import decode
 from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, ContractError, visibility_matrix
 from ..gates import GateError
 from ..models import LoadedModel
+from . import attention as attn
 from . import cache as row_cache
-from .attention import ATTENTIONS, use_attention
+from .attention import ATTENTIONS, FLEX_BLOCK, FlexMask, use_attention
 from .cache import RowCache
 
 STEP_PATHS = ("eager", "graph")
@@ -28,6 +31,13 @@ _STAT_ROWS = 4  # chosen token, margin, duplicate rows equal, row finite
 
 VERIFIED_STEPS = [0]
 """Steps this process has checked against the eager step (``verify_steps``), all engines together."""
+
+ATTENTION_CHECKS: list[dict] = []
+"""Every ``attention_tolerance`` check this process has passed (:meth:`StepEngine.check_attention`), in order."""
+
+SLOT_STEPS = {"steps": 0, "slot_steps": 0, "busy_slot_steps": 0}
+"""Steps this process has run, their slots (steps x B) and the slots that held a problem, all engines together;
+``busy_slot_steps / slot_steps`` is the slot occupancy (the useful share of the batch)."""
 
 
 def choice_stats(logits: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
@@ -84,12 +94,18 @@ class StepEngine:
             dtype and writes the same keys/values, the final norm and LM head run in
             float32 (``[rows, vocab]`` float32 logits; the exploratory control of
             Experiment 2). ``None``: the model's own head.
-        attention: ``"sdpa"`` or ``"grouped"`` (:data:`ATTENTIONS`): the step's attention (prompt blocks and
-            prefills, one call per problem outside the step, always use the model's own SDPA).
+        attention: ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`ATTENTIONS`): the step's attention (prompt
+            blocks and prefills, one call per problem outside the step, always use the model's own SDPA).
+            ``"flex"`` needs ``max_len`` a multiple of :data:`~kvreplay.engine.attention.FLEX_BLOCK`.
+
+    Attributes:
+        steps, busy_slot_steps: steps run, and slots that held a problem summed over them (slot occupancy:
+            ``busy_slot_steps / (steps * batch)``); :data:`SLOT_STEPS` sums them over all engines.
+        attention_check: the ``attention_tolerance`` record of :meth:`check_attention`, once run.
 
     Raises:
-        ValueError: unknown step path or attention, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1`` or
-            ``verify_steps < 0``.
+        ValueError: unknown step path or attention, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1``,
+            ``verify_steps < 0``, or ``"flex"`` with a ``max_len`` that is not a multiple of 128.
         ContractError: a vocabulary of 2**24 tokens or more.
     """
     def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
@@ -116,9 +132,19 @@ class StepEngine:
         # inputs: token, position, query role, choice role  ([4, rows] int64, one host-to-device copy per step)
         self.inputs = torch.zeros(4, rows, dtype=torch.long, device=dev)
         self._host = torch.zeros(4, rows, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._staged = self._host.numpy()  # the same memory, written once per step from the per-slot lists below
+        self._next: list[list[int]] = [[0] * batch, [0] * batch, [PROMPT] * batch, [MERGE] * batch]
+        self._busy = [False] * batch
+        self.busy_slot_steps = 0
         self.cache = RowCache.for_model(lm, rows, max_len, write_pos=self.inputs[1])
         self.roles = torch.zeros(rows, max_len, dtype=torch.long, device=dev)
         self._vis = visibility_matrix(dev)
+        self._flex: FlexMask | None = None
+        if attention == "flex":
+            cfg = lm.model.config
+            group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+            self._flex = FlexMask(self.inputs[1], self.inputs[2], self.roles, self._vis, group)
+        self.attention_check: dict | None = None
         eligible = torch.ones(6, vocab, dtype=torch.bool, device=dev)
         for role in range(BRANCH1, ANSWER + 1):
             eligible[role] = fmt.content_mask(role, dev, vocab)
@@ -132,8 +158,8 @@ class StepEngine:
     # ---- buffers
     def idle_all(self) -> None:
         """Put every row in the idle state (token 0 at position 0 with role prompt: attends to key 0 only)."""
-        self._host.zero_()
-        self._host[3] = MERGE
+        self._next = [[0] * self.batch, [0] * self.batch, [PROMPT] * self.batch, [MERGE] * self.batch]
+        self._busy = [False] * self.batch
 
     def admit(self, slot: int, cache: DynamicCache, roles: torch.Tensor) -> int:
         """Load a duplicate pair's state into slot ``slot`` (rows ``2*slot``, ``2*slot + 1``), clearing them first.
@@ -166,30 +192,41 @@ class StepEngine:
         """
         if position >= self.max_len:
             raise ContractError(f"slot {slot}: position {position} is beyond max_len={self.max_len}")
-        r = 2 * slot
-        h = self._host
-        h[0, r : r + 2] = token
-        h[1, r : r + 2] = position
-        h[2, r : r + 2] = role
-        h[3, r : r + 2] = choice_role
+        n = self._next
+        n[0][slot], n[1][slot], n[2][slot], n[3][slot] = token, position, role, choice_role
+        self._busy[slot] = True
+
+    def _stage(self) -> None:
+        """Write the staged inputs of every slot into the pinned host buffer (both duplicate rows of each)."""
+        self._staged[:] = np.repeat(np.asarray(self._next, dtype=np.int64), 2, axis=1)
 
     def set_idle(self, slot: int) -> None:
         """Stage slot ``slot`` as idle for the next step (its outputs are ignored)."""
         self.set_row_pair(slot, 0, 0, PROMPT, MERGE)
+        self._busy[slot] = False
 
     # ---- the step
-    def _compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _allowed(self) -> torch.Tensor:
+        """``[rows, max_len]`` bool: role visibility AND causal, from the input and role buffers (``True``: attend)."""
+        pos, qrole = self.inputs[1], self.inputs[2]
+        return self._vis[qrole[:, None], self.roles] & (self._k[None, :] <= pos[:, None])
+
+    def _compute(self, attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         lm = self.lm
         token, pos, qrole, crole = self.inputs
         with row_cache._unique_index_writes():  # one position per row
             self.roles.scatter_(1, pos[:, None], qrole[:, None])
-        allowed = self._vis[qrole[:, None], self.roles] & (self._k[None, :] <= pos[:, None])  # [rows, max_len]
+        if self._flex is not None and attention is None:
+            self._flex.update()
+            mask = self._flex.block_mask  # the flex step reads the buffers itself: no dense mask
+        else:
+            mask = self._allowed()[:, None, None, :]
         embeds = lm.model.get_input_embeddings()(token[:, None])
         if lm.role_table is not None:
             embeds = embeds + lm.role_table[qrole + ROLE_OFFSET][:, None, :]
-        kwargs = dict(inputs_embeds=embeds, attention_mask=allowed[:, None, None, :], position_ids=pos[:, None],
+        kwargs = dict(inputs_embeds=embeds, attention_mask=mask, position_ids=pos[:, None],
                       past_key_values=self.cache, use_cache=True)
-        with sdpa_kernel(decode._backends(lm.sdpa_backends)), use_attention(lm.model, self.attention):
+        with sdpa_kernel(decode._backends(lm.sdpa_backends)), use_attention(lm.model, attention or self.attention):
             if self.readout is None:
                 logits = lm.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
             else:
@@ -219,7 +256,13 @@ class StepEngine:
             :func:`choice_stats` read to the host as 4 lists of ``rows`` floats
             (the step's one host sync).
         """
+        self._stage()
         self.inputs.copy_(self._host, non_blocking=True)
+        busy = sum(self._busy)
+        self.busy_slot_steps += busy
+        SLOT_STEPS["steps"] += 1
+        SLOT_STEPS["slot_steps"] += self.batch
+        SLOT_STEPS["busy_slot_steps"] += busy
         if self.step_path == "graph":
             if self._graph is None:
                 self._capture()
@@ -254,6 +297,70 @@ class StepEngine:
                             f"step {self.steps} ({self.step_path} vs eager): keys/values written differ")
         self.verified += 1
         VERIFIED_STEPS[0] += 1
+
+    @torch.inference_mode()
+    def check_attention(self, where: str = "") -> dict:
+        """Gate ``attention_tolerance``: every layer's attention output of the staged step against the reference.
+
+        Runs the staged step once more, eagerly; the step is idempotent for fixed inputs, so no bit of the run
+        changes. Each layer's attention is computed twice on the same query, keys, values and mask: by the
+        engine's attention (which feeds the next layer, as in a real step) and by
+        :func:`~kvreplay.engine.attention.reference_attention` (torch's math SDPA in float64). The relative
+        error of layer ``l`` is ``||out_l - ref_l||_2 / ||ref_l||_2`` over the rows of the busy slots (every row
+        if none is). Every layer's must stay within :data:`~kvreplay.engine.attention.TOLERANCE` (1e-2 in BF16,
+        1e-5 in FP32).
+
+        Args:
+            where: named in the record and in a failure (e.g. the problem whose boundary is in a slot).
+
+        Returns:
+            The record (also kept in :attr:`attention_check` and appended to :data:`ATTENTION_CHECKS`):
+            ``{"gate", "attention", "dtype", "reference", "tolerance", "max_rel_err", "rel_err_by_layer",
+            "rows", "step", "where"}``.
+
+        Raises:
+            GateError: ``attention_tolerance``, naming the first layer beyond the tolerance.
+            ValueError: the ``sdpa`` attention (it is the reference's own call: nothing to check).
+        """
+        if self.attention == "sdpa":
+            raise ValueError("attention_tolerance checks an attention of the engine's own; 'sdpa' is the model's call")
+        tolerance = attn.TOLERANCE[self.lm.dtype]
+        self._stage()
+        self.inputs.copy_(self._host)
+        busy = np.flatnonzero(np.repeat(self._busy, 2))
+        rows = torch.as_tensor(busy if busy.size else np.arange(self.rows), device=self.inputs.device)
+        if self._flex is not None:
+            self._flex.update()
+        allowed = self._allowed()[rows][:, None, None, :]
+        tested = attn.attention_function(self.attention)
+        mask = self._flex.block_mask if self._flex is not None else None
+        errors: list[float] = []
+
+        def both(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+            out, _ = tested(module, query, key, value, attention_mask if mask is None else mask, dropout, scaling,
+                            **kwargs)
+            ref = attn.reference_attention(query[rows], key[rows], value[rows], allowed, scaling)
+            errors.append(float(torch.linalg.vector_norm(out[rows].double() - ref) / torch.linalg.vector_norm(ref)))
+            return out, None
+
+        AttentionInterface.register(attn._CHECK, both)
+        try:
+            self._compute(attention=attn._CHECK)
+        finally:
+            AttentionInterface.register(attn._CHECK, tested)
+        worst = max(errors)
+        record = {"gate": "attention_tolerance", "attention": self.attention, "dtype": str(self.lm.dtype).split(".")[-1],
+                  "reference": "math SDPA, float64, same inputs", "tolerance": tolerance, "max_rel_err": worst,
+                  "rel_err_by_layer": errors, "rows": int(rows.numel()), "step": self.steps, "where": where}
+        bad = [i for i, e in enumerate(errors) if not e <= tolerance]  # NaN fails too
+        if bad:
+            raise GateError("attention_tolerance",
+                            f"{where}: attention {self.attention!r} at step {self.steps}: layer {bad[0]}'s output "
+                            f"differs from the math-SDPA reference by a relative L2 error of {errors[bad[0]]:.3g} > "
+                            f"{tolerance:g} ({self.lm.dtype}); {len(bad)} of {len(errors)} layers beyond it")
+        self.attention_check = record
+        ATTENTION_CHECKS.append(record)
+        return record
 
     def check_valid_length(self, slot: int, n: int, roles: Sequence[int], where: str) -> None:
         """Functional state of a slot's rows in the padded static cache: exactly ``n`` valid positions.

@@ -25,7 +25,7 @@ from ..problems import Problem
 from ..runner import ArmSettings, Hook, RunSpec, run_arm
 from ..stats import mcnemar_exact, paired_bootstrap
 from .endpoints import require_gates, with_derived_endpoints
-from .matrix import gate_failure, matrix_chunk, matrix_row
+from .matrix import gate_failure, matrix_chunk, matrix_pipeline, matrix_row
 
 
 def fixed_prefix_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> Exp2Record:
@@ -54,23 +54,33 @@ def fixed_prefix_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> 
 def fixed_prefix_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[Exp2Record]:
     """Experiment 2 for a chunk of fixed prefixes through the batched engine (the records of :func:`fixed_prefix_row`).
 
-    The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`
-    (teacher forcing of the live call schedule), then :func:`matrix_chunk`.
+    Each incremental cache is rebuilt in the engine (teacher forcing of the live call schedule). Its matrix's
+    suffixes decode in the same engine as soon as it is done (:func:`matrix_pipeline`). The records equal the
+    phase-wise schedule's (:func:`kvreplay.engine.build_incrementals`, then :func:`matrix_chunk`) bit for bit.
 
     Raises:
         ContractError: a prefix that does not end at the boundary.
+        GateError: the engine's own gates (``graph_equals_eager``, ``attention_tolerance``).
     """
+    heads = [_head(spec, z, p.problem_id) for z, p in zip(prefixes, problems)]
+    return cast(list[Exp2Record], matrix_pipeline(spec, problems, "incremental", prefixes, heads))
+
+
+def _head(spec: RunSpec, prefix: Sequence[int], pid: str):
+    """The prefix fields of an Experiment 2 record, from the fixed prefix and its incremental boundary."""
+    def fill(rec, inc):
+        parsed = spec.fmt.boundary_parse(prefix, where=pid)
+        rec.update(prompt_len=parsed.prompt_len, prefix_len=len(inc.ids), prefix=inc.ids,
+                   schedule_calls=len(inc.schedule))
+    return fill
+
+
+def fixed_prefix_chunk_phased(spec: RunSpec, problems: Sequence[Problem],
+                              prefixes: Sequence[Sequence[int]]) -> list[Exp2Record]:
+    """:func:`fixed_prefix_chunk` phase by phase (every rebuild, then every suffix): the same records."""
     incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine_kwargs())
-
-    def head(prefix, pid):
-        def fill(rec, inc):
-            parsed = spec.fmt.boundary_parse(prefix, where=pid)
-            rec.update(prompt_len=parsed.prompt_len, prefix_len=len(inc.ids), prefix=inc.ids,
-                       schedule_calls=len(inc.schedule))
-        return fill
-
-    return cast(list[Exp2Record],
-                matrix_chunk(spec, problems, incs, [head(z, p.problem_id) for z, p in zip(prefixes, problems)]))
+    heads = [_head(spec, z, p.problem_id) for z, p in zip(prefixes, problems)]
+    return cast(list[Exp2Record], matrix_chunk(spec, problems, incs, heads))
 
 
 @dataclasses.dataclass(frozen=True)

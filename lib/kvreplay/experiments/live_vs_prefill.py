@@ -18,7 +18,7 @@ from ..ledger.records import Exp1Record
 from ..ledger.store import Ledger
 from ..problems import Problem
 from ..runner import ArmSettings, Hook, RunSpec, run_arm
-from .matrix import gate_failure, matrix_chunk, matrix_row
+from .matrix import gate_failure, matrix_chunk, matrix_pipeline, matrix_row
 
 
 def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> Exp1Record:
@@ -42,21 +42,35 @@ def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> Exp1Record:
 def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[Exp1Record]:
     """Experiment 1 for a chunk of problems through the batched engine (the records of :func:`live_vs_prefill_row`).
 
-    Live boundaries of the whole chunk come from :func:`kvreplay.engine.decode_lives`;
-    then :func:`matrix_chunk`. Bits may differ from :func:`live_vs_prefill_row` (another
-    cache layout and batch shape: the ledger key says which), the layout does not.
+    Live boundaries and the four arms' suffixes run in one engine (:func:`matrix_pipeline`). A problem whose
+    live boundary is done gets its matrix, and its suffixes decode while other problems still decode live; a
+    slot a job leaves takes the next one at once. The records equal those of the phase-wise schedule
+    (:func:`kvreplay.engine.decode_lives`, then :func:`matrix_chunk`) bit for bit. Bits may differ
+    from :func:`live_vs_prefill_row` (another cache layout and batch shape: the ledger key says which), the
+    layout does not.
 
     Raises:
         ContractError: a prompt that breaks the block contract, or an unclosed answer block.
+        GateError: the engine's own gates (``graph_equals_eager``, ``attention_tolerance``).
+    """
+    prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
+    return cast(list[Exp1Record], matrix_pipeline(spec, problems, "live", prompts, [_head(x) for x in prompts]))
+
+
+def _head(prompt: Sequence[int]):
+    """The prefix fields of an Experiment 1 record, from the prompt and the live boundary."""
+    return lambda rec, live: rec.update(prompt_len=len(prompt), prefix_len=len(live.ids), prefix=live.ids,
+                                        schedule_calls=len(live.schedule))
+
+
+def live_vs_prefill_chunk_phased(spec: RunSpec, problems: Sequence[Problem]) -> list[Exp1Record]:
+    """:func:`live_vs_prefill_chunk` phase by phase (every live boundary, then every suffix): the same records.
+
+    The schedule the engine had before boundaries and suffixes shared its slots; the tests compare the two.
     """
     prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
     lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.caps, on_gate_error="return", **spec.engine_kwargs())
-
-    def head(prompt):
-        return lambda rec, live: rec.update(prompt_len=len(prompt), prefix_len=len(live.ids), prefix=live.ids,
-                                            schedule_calls=len(live.schedule))
-
-    return cast(list[Exp1Record], matrix_chunk(spec, problems, lives, [head(x) for x in prompts]))
+    return cast(list[Exp1Record], matrix_chunk(spec, problems, lives, [_head(x) for x in prompts]))
 
 
 def run_live_vs_prefill(

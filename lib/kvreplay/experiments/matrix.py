@@ -290,7 +290,10 @@ def decode_groups(spec: RunSpec, groups: Sequence[Sequence[decode.Boundary]],
 
 
 def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, heads: Sequence[Callable]) -> list[dict]:
-    """The four-arm matrix of a chunk of problems, suffixes decoded together through the engine.
+    """The four-arm matrix of a chunk of problems, phase by phase: boundaries given, then every suffix in one decode.
+
+    The batched runners of Experiments 1 and 2 use :func:`matrix_pipeline` (one engine for boundaries and
+    suffixes, the same bits); this phase-wise schedule is its reference in the tests.
 
     Per problem, in order: its reference boundary (or the ``GateError`` that
     stopped it), ``heads[i](rec, ref)`` (the experiment's prefix fields),
@@ -326,6 +329,57 @@ def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, hea
             matrix_arms(spec, problems[i], rec, refs[i].construction, dict(zip(states, suffixes)))
         except GateError as e:
             rec["gate_failure"] = gate_failure(e)
+    return recs
+
+
+def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: str, starts: Sequence[Sequence[int]],
+                    heads: Sequence[Callable]) -> list[dict]:
+    """The four-arm matrix of a chunk with one engine for boundaries and suffixes, its slots kept full.
+
+    The records of :func:`matrix_chunk`, bit for bit at the same batch shape, by another schedule
+    (:func:`kvreplay.engine.decode_chains`). Every problem's reference boundary is built in the engine
+    (``construction`` ``"live"`` from its prompt, ``"incremental"`` from its prefix; ``starts`` gives them).
+    As soon as one is, ``heads[i](rec, ref)`` and :func:`matrix_states` (replica, the two prefill calls, every
+    boundary gate) run between two steps. Its four arms' suffixes then join the engine's queue (they go first
+    once ``4 * batch`` of them wait), and a slot a job leaves takes the next job at once. When its four suffixes are
+    done, :func:`matrix_arms` finishes the record. A gate failure of one problem is recorded in its record only,
+    the first failing arm in the arms' order, as in :func:`matrix_chunk`.
+
+    Returns:
+        One record per problem, in order.
+
+    Raises:
+        ContractError: a prompt or prefix that breaks the block contract, or an unclosed answer block.
+        GateError: ``graph_equals_eager`` or ``attention_tolerance`` (the engine's own gates).
+    """
+    recs: list[dict] = [{"problem_id": p.problem_id, "gate_failure": None} for p in problems]
+    arm_names: dict[int, list[str]] = {}
+
+    def continue_with(i: int, ref) -> list[decode.Boundary]:
+        rec = recs[i]
+        try:
+            if isinstance(ref, GateError):
+                raise ref
+            heads[i](rec, ref)
+            states = matrix_states(spec, problems[i], rec, ref)
+        except GateError as e:
+            rec["gate_failure"] = gate_failure(e)
+            return []
+        arm_names[i] = list(states)
+        return list(states.values())
+
+    def finished(i: int, suffixes: list) -> None:
+        if not suffixes:
+            return  # stopped at its boundary: the failure is in its record already
+        rec = recs[i]
+        try:
+            raise_gate_errors(suffixes)
+            matrix_arms(spec, problems[i], rec, construction, dict(zip(arm_names.pop(i), suffixes)))
+        except GateError as e:
+            rec["gate_failure"] = gate_failure(e)
+
+    engine.decode_chains(spec.lm, spec.fmt, spec.caps, construction, starts, continue_with, finished,
+                         **spec.engine_kwargs())
     return recs
 
 

@@ -1,10 +1,11 @@
 """The batched runner's chunk mapper and the record comparisons behind its gates (paper §3.9).
 
 :class:`BatchedRows` computes an arm's rows a chunk of problems at a time on the batched engine
-(:mod:`kvreplay.engine`), runs the preflight gates ``composition`` and ``graph_equals_eager`` on a chunk's first
-problem (or, when an arm resumes, on a committed row) and stops before a chunk that would end after the call's
-deadline (:data:`CHUNK_DEADLINE_ENV`). :func:`first_difference` and :func:`leaves` compare two records leaf by
-leaf; ``make verify`` uses them too.
+(:mod:`kvreplay.engine`), runs the preflight gates ``composition``, ``graph_equals_eager`` and, for an attention
+of the engine's own, ``attention_tolerance`` on a chunk's first problem (or, when an arm resumes, on a committed
+row) and stops before a chunk that would end after the call's deadline (:data:`CHUNK_DEADLINE_ENV`).
+:func:`gate_recorder` logs the gates and keeps the arm's attention check in its ``environment.json``.
+:func:`first_difference` and :func:`leaves` compare two records leaf by leaf; ``make verify`` uses them too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from .. import engine
 from ..gates import GateError
@@ -51,9 +53,11 @@ class BatchedRows:
 
     Composition gate: when a chunk holds ``composition_id`` (the first problem
     a new arm computes, its first preflight problem), that problem's record
-    is computed again alone (a chunk of one at the same ``B`` and ``max_len``,
-    the other slots idle) and must equal its record inside the chunk, byte for
-    byte in canonical JSON. A run that resumes an arm is given ``reference``
+    is computed again alone: a chunk of one at the same ``B`` and ``max_len``,
+    the other slots idle, its jobs placed from the *last* slot down. So the
+    problem sits in another slot than in its chunk. Its record must equal its
+    record inside the chunk, byte for byte in canonical JSON: its bits depend
+    neither on its companions nor on its slot. A run that resumes an arm is given ``reference``
     instead: a committed row of the ledger (computed inside a chunk by an
     earlier run, with its own captured graph), which is computed alone before
     the first chunk and must equal its committed line byte for byte; this
@@ -61,7 +65,10 @@ class BatchedRows:
     ledger's (a code or machine change that moved them stops the arm before it
     appends a row). On the graph path the alone run also checks the first
     :data:`GRAPH_CHECK_STEPS` steps of each engine against the eager step
-    (gate ``graph_equals_eager``).
+    (gate ``graph_equals_eager``). With an attention other than ``sdpa`` it also
+    checks every layer's attention output of its first step that holds a
+    boundary against the math-SDPA reference (gate ``attention_tolerance``,
+    :meth:`kvreplay.engine.StepEngine.check_attention`).
 
     Args:
         spec: the arm's run spec (``spec.engine`` set).
@@ -72,6 +79,8 @@ class BatchedRows:
             newline), checked before the first chunk; or ``None``.
         on_checks: called with the preflight gates just passed (``checks`` entries), as soon as they pass,
             so that an arm stopped later still has them in its run log.
+        on_chunk: called after each chunk with ``{"chunk", "problems", "seconds", "steps", "slot_steps",
+            "busy_slot_steps", "occupancy"}`` (the engines' step counts of the chunk, :data:`kvreplay.engine.SLOT_STEPS`).
 
     Deadline: when the environment variable :data:`CHUNK_DEADLINE_ENV` holds
     a wall-clock time (seconds since the epoch, as ``time.time()``), a chunk
@@ -86,14 +95,16 @@ class BatchedRows:
     yielded are in the ledger; the arm resumes from there.
 
     Raises (while iterating):
-        GateError: ``composition`` or ``graph_equals_eager``.
+        GateError: ``composition``, ``graph_equals_eager`` or ``attention_tolerance``.
         ChunkDeadline: the next chunk (or, by its estimate, the first) would end after the deadline.
     """
     def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None,
                  on_checks: Callable[[list[dict]], None] | None = None,
-                 reference: tuple[Problem, str] | None = None):
+                 reference: tuple[Problem, str] | None = None,
+                 on_chunk: Callable[[dict], None] | None = None):
         self.spec, self.chunk, self.todo = spec, chunk, list(todo)
         self.on_checks = on_checks
+        self.on_chunk = on_chunk
         self.seconds: list[float] = []  # wall time of each chunk computed, its preflight gates left out
         self.position = {p.problem_id: i for i, p in enumerate(self.todo)}
         self.composition_id = composition_id
@@ -134,10 +145,12 @@ class BatchedRows:
                     self.reference = None
                     if self.on_checks is not None:
                         self.on_checks(self.checks[before:])
-                t0 = time.perf_counter()
+                t0, counted = time.perf_counter(), dict(engine.SLOT_STEPS)
                 records = self.chunk(self.spec, group)
                 self.seconds.append(time.perf_counter() - t0)  # the chunk alone: its preflight gates left out
                 self.chunks.append([p.problem_id for p in group])
+                if self.on_chunk is not None:
+                    self.on_chunk(chunk_stats(counted, len(group), self.seconds[-1]) | {"chunk": len(self.chunks)})
                 ids = [p.problem_id for p in group]
                 if self.composition_id in ids:
                     i = ids.index(self.composition_id)
@@ -195,14 +208,65 @@ class BatchedRows:
         """
         run = self._run
         verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
-        spec = dataclasses.replace(self.spec, engine=dataclasses.replace(run, verify_steps=verify), memo=self.spec.memo)
-        t0, verified0 = time.perf_counter(), engine.VERIFIED_STEPS[0]
+        alone_run = dataclasses.replace(run, verify_steps=verify, tolerance_check=True, fill_from="last")
+        spec = dataclasses.replace(self.spec, engine=alone_run, memo=self.spec.memo)
+        t0, verified0, checked0 = time.perf_counter(), engine.VERIFIED_STEPS[0], len(engine.ATTENTION_CHECKS)
         alone = self.chunk(spec, [problem])[0]
         seconds = round(time.perf_counter() - t0, 3)
         if verify:
             self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
                                 "steps_checked": engine.VERIFIED_STEPS[0] - verified0, "seconds": seconds})
+        if run.attention != "sdpa":
+            checked = engine.ATTENTION_CHECKS[checked0:]
+            if not checked and not alone.get("gate_failure"):
+                raise GateError("attention_tolerance", f"problem {problem.problem_id}: its run alone decoded no "
+                                f"boundary, so attention {run.attention!r} was not checked against the reference")
+            for c in checked[:1]:  # the first: on the problem's boundary (nested engines check nothing)
+                self.checks.append({k: v for k, v in c.items() if k != "where"} | {"problem_id": problem.problem_id})
         return alone, seconds
+
+
+def chunk_stats(before: dict, problems: int, seconds: float) -> dict:
+    """Steps, slot-steps and slot occupancy the engines ran since ``before`` (a copy of :data:`kvreplay.engine.SLOT_STEPS`).
+
+    Returns:
+        ``{"problems", "seconds", "steps", "slot_steps", "busy_slot_steps", "occupancy"}``; ``occupancy`` is
+        ``busy_slot_steps / slot_steps`` (the share of the batch's slots that held a problem), ``None`` without steps.
+    """
+    d = {k: engine.SLOT_STEPS[k] - before[k] for k in ("steps", "slot_steps", "busy_slot_steps")}
+    return {"problems": problems, "seconds": round(seconds, 3), **d,
+            "occupancy": round(d["busy_slot_steps"] / d["slot_steps"], 4) if d["slot_steps"] else None}
+
+
+ENVIRONMENT_CHECK = "attention_tolerance"
+"""The key under which an arm's ``environment.json`` keeps its ``attention_tolerance`` check (beside, not inside,
+``execution_contract``, which a resumed run compares: the check is a measurement on the arm's first problem)."""
+
+
+def gate_recorder(log: Callable[..., None], folder: str | Path, first_id: str | None) -> Callable[[list[dict]], None]:
+    """The ``on_checks`` of an arm: log each batch of passed gates, and keep the attention check in the environment.
+
+    The first ``attention_tolerance`` check on the arm's first problem (``first_id``: its first preflight row, on
+    which a new arm's ``composition`` gate runs) goes into the ledger's ``environment.json``. It is written under
+    :data:`ENVIRONMENT_CHECK` if that holds none yet: each layer's relative error, the largest, the tolerance,
+    the attention and the dtype. Later runs (a resumed arm checks a committed row) only log theirs.
+
+    Args:
+        log: the ledger's ``log`` (``log(event="gates", checks=...)``).
+        folder: the ledger folder.
+        first_id: the arm's first problem ID, or ``None``.
+    """
+    path = Path(folder) / "environment.json"
+
+    def record(checks: list[dict]) -> None:
+        log(event="gates", checks=checks)
+        for c in checks:
+            if c.get("gate") == "attention_tolerance" and c.get("problem_id") == first_id and path.is_file():
+                env = json.loads(path.read_text())
+                if ENVIRONMENT_CHECK not in env:
+                    env[ENVIRONMENT_CHECK] = {k: v for k, v in c.items() if k not in ("actor_pid", "device", "gate")}
+                    path.write_text(json.dumps(env, indent=1, sort_keys=True) + "\n")
+    return record
 
 
 _ABSENT = object()

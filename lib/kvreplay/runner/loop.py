@@ -21,7 +21,7 @@ from ..ledger.store import READ_ONLY_ENV, Ledger, ReadOnlyLedgerError, read_rows
 from ..models import context_length
 from ..problems import Problem
 from .actors import RowActors
-from .batched import BatchedRows
+from .batched import BatchedRows, gate_recorder
 from .spec import (
     ROW_ALGORITHM,
     ArmSettings,
@@ -158,7 +158,7 @@ def run_arm(
             if run is not None:
                 ledger.log(event="engine", **dataclasses.asdict(run))
             pooled = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first, reference=reference,
-                                 on_checks=lambda checks: ledger.log(event="gates", checks=checks))
+                                 on_checks=gate_recorder(ledger.log, ledger.dir, ids[0]))
             try:
                 records = run_rows(
                     ledger, list(problems), None, key=lambda p: p.problem_id, mapper=pooled,
@@ -181,7 +181,8 @@ def run_arm(
     else:
         assert chunk is not None  # a non-eager step path without a chunk function was refused above
         mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first, reference=reference,
-                                     on_checks=lambda checks: ledger.log(event="gates", checks=checks)), None
+                                     on_checks=gate_recorder(ledger.log, ledger.dir, ids[0]),
+                                     on_chunk=lambda stats: ledger.log(event="chunk", **stats)), None
         ledger.log(event="engine", **dataclasses.asdict(run))
     records = run_rows(
         ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,

@@ -17,7 +17,7 @@ import difflib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 
@@ -101,7 +101,12 @@ class EngineRun:
             than slots, a slot freed by a finished problem takes the next one, so a chunk no longer
             waits on its longest row with the other slots idle. Not in the ledger key: a problem's
             bits do not depend on its companions (the ``composition`` gate).
-        attention: the step's attention, ``"sdpa"`` or ``"grouped"`` (:data:`kvreplay.engine.ATTENTIONS`).
+        attention: the step's attention, ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`kvreplay.engine.ATTENTIONS`).
+        tolerance_check: run the gate ``attention_tolerance`` on the first step that holds a boundary
+            (:meth:`kvreplay.engine.StepEngine.check_attention`); the preflight runs of :class:`BatchedRows` set it.
+        fill_from: ``"first"`` or ``"last"``: which free slot a waiting job takes first. The ``composition``
+            gate's run alone fills from the last, so its problem sits in another slot than in its chunk. Not in
+            the ledger key: no bit depends on the slot.
     """
     step_path: str
     batch: int
@@ -109,6 +114,8 @@ class EngineRun:
     verify_steps: int = 0
     chunk: int | None = None
     attention: str = "sdpa"
+    tolerance_check: bool = False
+    fill_from: str = "first"
 
     @property
     def problems_per_chunk(self) -> int:
@@ -116,9 +123,11 @@ class EngineRun:
         return self.chunk or self.batch
 
     def kwargs(self) -> dict:
-        """Keyword arguments of :func:`kvreplay.engine.decode_lives` / ``decode_suffixes`` / ``build_incrementals``."""
+        """Keyword arguments of :func:`kvreplay.engine.decode_lives` / ``decode_suffixes`` / ``build_incrementals``
+        / ``decode_chains``."""
         return {"batch": self.batch, "step_path": self.step_path, "max_len": self.max_len,
-                "verify_steps": self.verify_steps, "attention": self.attention}
+                "verify_steps": self.verify_steps, "attention": self.attention,
+                "tolerance_check": self.tolerance_check, "fill_from": self.fill_from}
 
 
 ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
@@ -258,8 +267,9 @@ def check_execution(contract: dict) -> None:
     Raises:
         ValueError: an unknown device, or an SDPA backend unknown or missing on it; ``workers`` below 1 or not whole; ``ray_address`` not a non-empty
             string or None; an unknown step path; ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len`` below 2;
-            ``chunk`` below 1; a batch shape, chunk or ``attention="grouped"`` given with ``step_path="eager"``;
-            an unknown attention.
+            ``chunk`` below 1; a batch shape, chunk or an attention other than ``"sdpa"`` given with
+            ``step_path="eager"``; an unknown attention; ``attention="flex"`` with a ``max_len`` that is not a
+            multiple of 128.
     """
     c = contract
     device_type = ExecutionContract(device=c["device"]).device_type  # ValueError naming an unknown device
@@ -287,6 +297,10 @@ def check_execution(contract: dict) -> None:
     if c["step_path"] == "eager" and c["attention"] != "sdpa":
         raise ValueError(f"attention {c['attention']!r} is the batched engine's: it needs step_path 'engine-eager' or "
                          f"'graph' (the eager path calls the model's own SDPA)")
+    if c["attention"] == "flex" and c["max_len"] is not None and c["max_len"] % engine.FLEX_BLOCK:
+        raise ValueError(f"attention 'flex' reads the cache in blocks of {engine.FLEX_BLOCK} positions: max_len "
+                         f"{c['max_len']} must be a multiple of {engine.FLEX_BLOCK} (or null: the arm's longest "
+                         f"sequence, rounded up)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,16 +344,19 @@ class ArmSettings:
       (the ``composition`` gate checks that a problem's bits do not depend on
       its companions) and is not part of the ledger key.
     * ``attention``: the engine step's attention, ``"sdpa"`` (default: the
-      model's SDPA call under ``sdpa_backends``) or ``"grouped"``
+      model's SDPA call under ``sdpa_backends``), ``"grouped"``
       (:func:`kvreplay.engine.grouped_attention`: the math backend's float32
-      arithmetic without repeating key/value heads; faster, other bits).
+      arithmetic without repeating key/value heads; faster, other bits) or
+      ``"flex"`` (:func:`kvreplay.engine.flex_attention_step`: FlexAttention
+      over the filled blocks of the cache, compiled on CUDA; fastest, other
+      bits; ``max_len`` a multiple of 128, ``None`` rounds the arm's bound up).
 
     The engine's bits depend on the batch shape ``(B, max_len)`` and differ
     from the eager path's, so a non-eager step path adds
     ``{"engine": {"step_path", "batch", "max_len"}}`` to the ledger key (the
     policy name ``"longest_sequence"`` for ``max_len=None``; the resolved
-    length is recorded in the environment), and ``"attention": "grouped"``
-    joins that entry when set. The defaults add nothing.
+    length is recorded in the environment), and ``"attention"`` joins that
+    entry when it is not ``"sdpa"``. The defaults add nothing.
     ``batch`` and ``max_len`` are refused with the eager path (they would not
     be used). Every arm of an experiment should run under the same contract.
 
@@ -347,7 +364,8 @@ class ArmSettings:
         ValueError: an execution contract :func:`check_execution` refuses (an
             unknown device or step path, ``workers``, ``batch``, ``max_len`` or
             ``chunk`` out of range, a batch shape with the eager path, ``graph``
-            off CUDA, an unknown ``attention`` or ``"grouped"`` with the eager path).
+            off CUDA, an unknown ``attention``, one other than ``"sdpa"`` with the eager path, or ``"flex"``
+            with a ``max_len`` not a multiple of 128).
     """
     profile: str
     dtype: str
@@ -385,6 +403,9 @@ class ArmSettings:
     def engine_run(self, fmt: BlockFormat, problems: Sequence[Problem]) -> "EngineRun | None":
         """The resolved engine settings of a batched arm (``None`` on the eager path).
 
+        ``max_len=None`` resolves to the longest full sequence any of the arm's problems can reach, rounded up to
+        a multiple of 128 for ``attention="flex"``.
+
         Raises:
             ContractError: a prompt breaks the block contract.
             ValueError: a fixed ``max_len`` shorter than the longest sequence a problem can reach.
@@ -395,6 +416,8 @@ class ArmSettings:
         if self.max_len is not None and self.max_len < need:
             raise ValueError(f"max_len={self.max_len} is shorter than the {need} positions the arm's longest problem "
                              f"can reach at caps {dataclasses.astuple(self.caps)}")
+        if self.max_len is None and self.attention == "flex":
+            need = -(-need // engine.FLEX_BLOCK) * engine.FLEX_BLOCK  # whole blocks: the mask hides the padding
         return EngineRun("graph" if self.step_path == "graph" else "eager", self.batch,
                          self.max_len if self.max_len is not None else need, chunk=self.chunk, attention=self.attention)
 
@@ -494,7 +517,9 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
     The contract's ``device`` is the arm's setting (``"cuda"``), not a worker's
     GPU, so a ledger's environment does not depend on which worker recorded it.
     A batched arm adds ``engine``: its step path, ``batch`` and the resolved
-    ``max_len`` (the eager path adds nothing).
+    ``max_len`` (the eager path adds nothing), and an attention other than ``sdpa``; ``flex`` also records
+    its block size, pinned kernel options, implementation and the torch and Triton versions
+    (:func:`kvreplay.engine.flex_environment`).
     """
     env = environment_record(lm, settings.threads) | {"format_digest": fmt.digest}
     if "contract" in env:
@@ -503,5 +528,10 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
         env["engine"] = {"step_path": settings.step_path, "batch": run.batch, "max_len": run.max_len}
         if run.attention != "sdpa":
             env["engine"]["attention"] = run.attention
+        if run.attention == "flex":
+            cfg: Any = lm.model.config
+            heads = cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            env["engine"]["flex"] = engine.flex_environment(2 * run.batch, kv_heads, heads // kv_heads, lm.device)
     return env
 
