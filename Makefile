@@ -17,7 +17,9 @@
 # x86_64. torch is the CPU build 2.13.0+cpu, which is not on PyPI: pip must
 # see it through a find-links directory or the PyTorch CPU index, e.g.
 #   make setup PIPFLAGS="--extra-index-url https://download.pytorch.org/whl/cpu"
-# (on the project's machines pip's own configuration already points at it).
+# (where pip's own configuration already points at one, plain `make setup`).
+# `make setup` checks that first (`make check-index`, about a second) and
+# stops with that line when pip cannot see the build.
 
 PYTHON  ?= python3
 VENV    ?= .venv
@@ -31,15 +33,23 @@ VERIFY_ARGS ?=
 PIPFLAGS ?=
 LOCK_COMPILER ?= pip-compile
 STAMP   := $(VENV)/.stamp
+# the locked torch build (e.g. 2.13.0+cpu): `make setup` first checks that pip can see it
+TORCH_PIN := $(shell sed -n 's/^torch==\([^ \\]*\).*/\1/p' requirements.txt)
 
 # Offline by contract; fixed hashing; no tokenizer thread pools fighting the
-# intra-op threads. Set in the environment to override.
+# intra-op threads; idle OpenMP threads sleep instead of spinning (a spinning
+# thread takes a core from any other job on the machine and, on a shared
+# machine, from its own next parallel region; the policy changes no bit:
+# tests/test_golden_rows.py passes under it). It must be set before torch is
+# imported, so every target's processes (tests, notebook kernels, Ray workers)
+# inherit it from here. Set in the environment to override.
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONHASHSEED ?= 0
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .DEFAULT_GOAL := setup
-.PHONY: setup test paper lab bench verify clean distclean lock
+.PHONY: setup check-index test paper lab bench verify clean distclean lock
 
 setup: $(STAMP)
 
@@ -47,11 +57,18 @@ $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
 	  { echo "error: the lock is for CPython 3.11; run e.g. make setup PYTHON=python3.11" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
+	@$(MAKE) --no-print-directory check-index
 	$(PIP) install --require-hashes -r requirements.txt $(PIPFLAGS)
 	$(PIP) install --no-deps --require-hashes -r requirements-data.txt $(PIPFLAGS)
 	$(PIP) install --no-deps --no-build-isolation -e . $(PIPFLAGS)
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvreplay)"
 	@touch $@
+
+# Before installing anything: can pip see the locked torch build? PyPI alone has no 2.13.0+cpu, and without this
+# check pip would fail minutes later, after other downloads, with "No matching distribution found".
+check-index:
+	@$(PIP) index versions torch --retries 1 --timeout 20 $(PIPFLAGS) 2>&1 | grep -qF -- '$(TORCH_PIN)' || \
+	  { echo "error: pip sees no torch==$(TORCH_PIN) (the CPU build is not on PyPI); run: make setup PIPFLAGS=\"--extra-index-url https://download.pytorch.org/whl/cpu\"" >&2; exit 1; }
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

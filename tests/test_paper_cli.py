@@ -32,7 +32,7 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
 
     params = tmp_path / "params"
     params.mkdir()
-    (params / "mini.yaml").write_text(f"profile: mini\nledger_root: {tmp_path / 'ledgers'}\n")
+    (params / "mini.yaml").write_text(f"profile: mini\nbase: defaults\nledger_root: {tmp_path / 'ledgers'}\n")
     (tmp_path / "ledgers" / "mini").mkdir(parents=True)
     ledger_file = tmp_path / "ledgers" / "mini" / "rows.jsonl"
     ledger_file.write_text("{}\n")
@@ -67,7 +67,7 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
     assert paper.main(["--profile", "mini", "--only", "01", "--figures-root", str(figures)]) == 0
     assert len(ran) == 7 and injected[-1]["overrides"] == {"figures_root": str(figures.resolve())}
     # a profile that names its notebooks (a partial reference run) runs only those by default
-    (params / "mini.yaml").write_text(f"profile: mini\nledger_root: {tmp_path / 'ledgers'}\nnotebooks: ['03']\n")
+    (params / "mini.yaml").write_text(f"profile: mini\nbase: defaults\nledger_root: {tmp_path / 'ledgers'}\nnotebooks: ['03']\n")
     ran.clear()
     assert paper.main(["--profile", "mini", "--force"]) == 0
     assert [n[:2] for n in ran] == ["03"]
@@ -127,7 +127,7 @@ def test_a_malformed_notebooks_key_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(profiles, "PARAMS", params)
     monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
     for bad in ('"01"', "1", "[]"):
-        (params / "mini.yaml").write_text(f"profile: mini\nnotebooks: {bad}\n")
+        (params / "mini.yaml").write_text(f"profile: mini\nbase: defaults\nnotebooks: {bad}\n")
         assert paper.main(["--profile", "mini"]) == 2
         assert "`notebooks` must be a non-empty list" in capsys.readouterr().err
 
