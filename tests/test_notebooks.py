@@ -301,10 +301,14 @@ def test_index_links_every_table_and_figure_to_its_cell(chain_run):
     assert set(TABLES) <= set(stems) and set(FIGURES) <= set(stems)
     assert len(stems) == len(set(stems)), "an artifact is written by two cells"
     assert all(e["cell_id"] and e["cell"] >= 1 for e in entries)
-    md, html = write_index(entries, "smoke", root / "executed", root / "html")
+    md, html = write_index(entries, "smoke", root / "executed", root / "html", figures=figures / "smoke")
     text = md.read_text()
     assert "table5_exp4_transplant" in text and "04_experiment4_cache_transplant.ipynb" in text
     assert "#cell-id=" in html.read_text()
+    vs = pd.read_csv(figures / "smoke" / "table_vs_paper.csv", index_col=0)
+    first = text.split("| artifact |")[0]  # the headline comes before the table, read from this run's data
+    assert f"BF16 suffix differs: **{vs.loc['exp1.bf16.suffix', 'this run']}**" in first
+    assert "[08_drift_explorer.ipynb](08_drift_explorer.ipynb)" in first
 
 
 def test_notebooks_show_figures_inline_and_stay_quiet(chain_run):
