@@ -3,7 +3,8 @@
 #   make setup    create .venv from the hashed locks (a no-op once done)
 #   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...")
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu; also writes executed/cpu/)
-#   make lab      JupyterLab on the drift explorer (notebooks/08_drift_explorer.ipynb; --allow-root as root)
+#   make lab      JupyterLab on the drift explorer, a copy in build/lab/ (tracked notebooks stay clean;
+#                 --allow-root as root)
 #   make verify   recompute committed rows of each experiment and compare bit for bit
 #                 (PROFILE=gpu VERIFY_ARGS="--rows 1 --only exp1"; see python -m kvreplay.verify -h)
 #   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
@@ -49,7 +50,7 @@ export PYTHONHASHSEED ?= 0
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .DEFAULT_GOAL := setup
-.PHONY: setup check-index test paper lab bench verify clean distclean lock
+.PHONY: setup check-index test paper lab lab-copies bench verify clean distclean lock
 
 setup: $(STAMP)
 
@@ -78,9 +79,21 @@ paper: setup
 
 # --allow-root only when running as root (containers, CI): Jupyter refuses root without it.
 LAB_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root,)
+# JupyterLab works on copies of the notebooks in $(LAB_DIR), which it serves as its root: Run All, a save or an
+# autosave writes there, never into the tracked notebooks/ (the notebooks' paths are absolute, kvreplay.paths, so
+# the copies read the repository's ledgers). A copy is made once and refreshed only when its source is newer, so
+# your outputs and edits stay until the source changes. To edit a source, open notebooks/NAME.ipynb yourself.
+LAB_DIR ?= build/lab
+LAB_COPIES := $(patsubst notebooks/%,$(LAB_DIR)/%,$(wildcard notebooks/*.ipynb))
 
-lab: setup
-	$(VENV)/bin/jupyter lab $(LAB_ROOT) notebooks/08_drift_explorer.ipynb
+$(LAB_DIR)/%.ipynb: notebooks/%.ipynb
+	@mkdir -p $(@D)
+	cp $< $@
+
+lab-copies: $(LAB_COPIES)
+
+lab: setup lab-copies
+	$(VENV)/bin/jupyter lab $(LAB_ROOT) --ServerApp.root_dir=$(LAB_DIR) $(abspath $(LAB_DIR))/08_drift_explorer.ipynb
 
 bench: setup
 	$(PY) -m kvreplay.bench $(BENCH_ARGS)

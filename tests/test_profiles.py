@@ -151,7 +151,7 @@ def test_a_bad_base_is_refused_naming_the_file(tmp_path, monkeypatch, files, mat
 def test_the_summary_line_names_the_file_and_its_digest():
     line = describe(load_parameters("paper"), "paper")
     assert line.startswith("profile paper (notebooks/params/paper.yaml, sha256 ")
-    assert "; the rest from base cpu); overrides {}; model embedded; problems bank; " in line
+    assert "; the rest from base cpu); overrides none; model embedded; problems bank; " in line
     assert "rows 200 (preflight 8); caps 768/512/64; precisions bfloat16, float32" in line
     chunk = yaml.safe_load(profile_path("paper").read_text())["execution"]["chunk"]
     assert line.endswith(f"execution threads=4, device=cuda, workers=1, step_path=graph, batch=32, chunk={chunk}, "

@@ -297,7 +297,7 @@ def describe(params: ChainParameters, profile: str | Path, overrides: Mapping[st
     base = base_of(profile)
     parts = [f"profile {params.profile} ({_shown(profile_path(profile))}, sha256 {profile_sha256(profile)[:12]}; "
              f"the rest from {'the smoke defaults' if base == FIELD_DEFAULTS else f'base {base}'})",
-             f"overrides {dict(overrides or {})}",
+             "overrides " + (", ".join(f"{k}={v}" for k, v in (overrides or {}).items()) or "none"),
              f"model {params.model}", f"problems {params.problems}",
              f"rows {params.n_rows} (preflight {params.preflight})",
              f"caps {params.cap_branch}/{params.cap_merge}/{params.cap_answer}",
