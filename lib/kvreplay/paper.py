@@ -52,6 +52,7 @@ from .ledger.lookup import ledger_progress
 from .ledger.store import TERMINAL_PROGRESS, canonical_json, library_digest
 from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, ROOT
 from .profiles import ChainParameters, describe, load_parameters, profile_path, read_profile
+from .report.paper_tables import NOT_RUN
 from .runner import READ_ONLY_ENV
 
 EXECUTED_PROFILES = ("cpu", "gpu", "paper")
@@ -227,8 +228,10 @@ def is_progress_output(out: dict) -> bool:
 def clean_executed(src: Path, dest: Path) -> Path:
     """Copy an executed notebook to ``dest`` without what changes from run to run or checkout to checkout.
 
-    Dropped: volatile metadata (run dates and durations) and progress-bar outputs (:func:`is_progress_output`).
-    Made fixed: the id of
+    Dropped: volatile metadata (run dates and durations), progress-bar outputs (:func:`is_progress_output`), and
+    the plain-text copy of an output that has an HTML one (a table is read as HTML, in JupyterLab, on GitHub and
+    in ``make paper``'s HTML; its text copy doubled the bytes the repository's size budget counts). Made fixed: the
+    id of
     the cell papermill injects (a fresh random id on every run), and this
     checkout's absolute path in text outputs (written relative to the
     repository root), and consecutive stream outputs merged into one (how a
@@ -254,6 +257,8 @@ def clean_executed(src: Path, dest: Path) -> Path:
         if "outputs" in c:
             c["outputs"] = [out for out in c["outputs"] if not is_progress_output(out)]
         for out in c.get("outputs", []):
+            if "text/html" in out.get("data", {}):
+                out["data"].pop("text/plain", None)
             if "text" in out:
                 out["text"] = out["text"].replace(prefix, "")
             for mime in ("text/plain", "text/markdown", "text/html"):
@@ -325,8 +330,6 @@ def headline(figures: Path) -> list[str]:
         return [f"- No headline yet: notebook 06 writes `{table.name}` (this run against the paper)."]
     with table.open(encoding="utf-8", newline="") as f:
         rows = {r["id"]: r for r in csv.DictReader(f)}
-    from .report.paper_tables import NOT_RUN
-
     out = [f"- {rows[i]['endpoint']}: **{rows[i]['this run']}** (paper: {rows[i]['paper']})"
            for i in HEADLINE if i in rows and rows[i]["this run"] != NOT_RUN]
     if "exp1.bf16.suffix" in rows:
