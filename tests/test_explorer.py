@@ -105,5 +105,5 @@ def test_the_widget_draws_a_cached_row_and_marks_a_rebuild_before_it_starts(cpu_
     ex.row_picker.value = row["problem_id"]  # back to the cached row: drawn from the cache, no rebuild
     assert len(seen) == 1 and "read from the cache" not in ex.status.value and "drawn in" in ex.status.value
     ex.last_draw_s = None
-    ex.window.value = (5, 20)  # outside a kernel's event loop a change redraws at once
+    ex.window.value = (5, 20)  # a change of the window redraws
     assert ex.last_draw_s is not None

@@ -6,12 +6,11 @@ draws from them is kept on disk (:class:`kvreplay.rebuild.RebuiltDrift`, a few h
 the row's digest, the comparison and the row-algorithm and rebuild versions; committed rebuilds under
 :data:`COMMITTED_CACHE` are read too. So any row rebuilt before, in any session, draws in about a second without
 loading a model. Per kernel the tokenizer and model of each ledger are kept as well. While a rebuild runs the figure
-says so (the previous row's maps are cleared); the sliders redraw on release, and keyboard steps are debounced.
+says so (the previous row's maps are cleared); a slider redraws when released (``continuous_update=False``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from pathlib import Path
@@ -47,9 +46,6 @@ CACHE_ENV = "KVREPLAY_EXPLORER_CACHE"
 COMMITTED_CACHE = DATA / "explorer"
 """Rebuilt rows committed with the repository (read, never written by the explorer): what the executed copies of
 notebook 08 draw without loading a model."""
-
-DEBOUNCE_S = 0.3
-"""A slider or switch redraws once it has been still this long (keyboard steps come one by one)."""
 
 _MODELS: dict = {}
 _TOKENIZERS: dict = {}
@@ -246,7 +242,7 @@ class Explorer:
     ``Explorer(ledger_root, profile).widget`` is an ipywidgets box; display it in a notebook. Picking a row or pair
     draws it from the cache of rebuilt rows (:func:`cached`) within about a second, or rebuilds it (minutes, with a
     progress bar; the figure says "rebuilding" meanwhile, the previous row's maps cleared). Sliders and switches
-    redraw from the cached drift when released (:data:`DEBOUNCE_S` after the last keyboard step). The position window
+    redraw from the cached drift, a slider when released (``continuous_update=False``). The position window
     zooms the position axes until each token's text is on the axis; a table lists the positions of largest drift of
     the selected layer and head. ``last_draw_s`` holds the last redraw's wall time, also shown in the status line.
 
@@ -265,7 +261,6 @@ class Explorer:
                 f"(make paper PROFILE={profile}) or pick a profile with committed ledgers")
         self.last_draw_s: float | None = None
         self._quiet = False  # no redraws while a refresh resets the controls
-        self._pending: asyncio.TimerHandle | None = None  # the debounced redraw waiting to run
         self.pair_picker = w.Dropdown(options=list(self.pairs), value=pair if pair in self.pairs else next(iter(self.pairs)),
                                       description="arm pair", layout=w.Layout(width="460px"))
         self.row_picker = w.Dropdown(description="row", layout=w.Layout(width="640px"))
@@ -328,20 +323,7 @@ class Explorer:
 
     def _on_view(self, _change) -> None:
         if not self._quiet:
-            self._debounced_draw()
-
-    def _debounced_draw(self) -> None:
-        """Redraw :data:`DEBOUNCE_S` after the last change (on the kernel's event loop); at once without one."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is None:
             self.draw()
-            return
-        if self._pending is not None:
-            self._pending.cancel()
-        self._pending = loop.call_later(DEBOUNCE_S, self.draw)
 
     def _tell(self, step: int, of: int, what: str) -> None:
         self.progress.max = of
@@ -394,7 +376,6 @@ class Explorer:
         drift (nothing while the current row is being rebuilt)."""
         from IPython.display import display
 
-        self._pending = None
         t0 = time.perf_counter()
         row, comp = self.row, self.comparison
         drift = cached(self.ledger, row, comp, self.model)
