@@ -39,11 +39,11 @@ TORCH_PIN := $(shell sed -n 's/^torch==\([^ \\]*\).*/\1/p' requirements.txt)
 
 # Offline by contract; fixed hashing; no tokenizer thread pools fighting the
 # intra-op threads; idle OpenMP threads sleep instead of spinning (a spinning
-# thread takes a core from any other job on the machine and, on a shared
-# machine, from its own next parallel region; the policy changes no bit:
-# tests/test_golden_rows.py passes under it). It must be set before torch is
-# imported, so every target's processes (tests, notebook kernels, Ray workers)
-# inherit it from here. Set in the environment to override.
+# thread keeps a core busy while it waits, which on a shared machine slows the
+# other jobs and, through them, its own next parallel region; the policy
+# changes no bit: tests/test_golden_rows.py passes under it). OpenMP reads it
+# when torch is imported, so every target's processes (tests, notebook
+# kernels, Ray workers) inherit it from here. Set in the environment to override.
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONHASHSEED ?= 0
