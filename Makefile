@@ -3,7 +3,8 @@
 #   make setup    create .venv from the hashed locks (a no-op once done)
 #   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...")
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu; also writes executed/cpu/)
-#   make lab      JupyterLab on the drift explorer (notebooks/08_drift_explorer.ipynb; --allow-root as root)
+#   make lab      JupyterLab on the drift explorer, a copy in build/lab/ (tracked notebooks stay clean;
+#                 --allow-root as root)
 #   make verify   recompute committed rows of each experiment and compare bit for bit
 #                 (PROFILE=gpu VERIFY_ARGS="--rows 1 --only exp1"; see python -m kvreplay.verify -h)
 #   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
@@ -17,7 +18,9 @@
 # x86_64. torch is the CPU build 2.13.0+cpu, which is not on PyPI: pip must
 # see it through a find-links directory or the PyTorch CPU index, e.g.
 #   make setup PIPFLAGS="--extra-index-url https://download.pytorch.org/whl/cpu"
-# (on the project's machines pip's own configuration already points at it).
+# (where pip's own configuration already points at one, plain `make setup`).
+# `make setup` checks that first (`make check-index`, about a second) and
+# stops with that line when pip cannot see the build.
 
 PYTHON  ?= python3
 VENV    ?= .venv
@@ -31,15 +34,23 @@ VERIFY_ARGS ?=
 PIPFLAGS ?=
 LOCK_COMPILER ?= pip-compile
 STAMP   := $(VENV)/.stamp
+# the locked torch build (e.g. 2.13.0+cpu): `make setup` first checks that pip can see it
+TORCH_PIN := $(shell sed -n 's/^torch==\([^ \\]*\).*/\1/p' requirements.txt)
 
 # Offline by contract; fixed hashing; no tokenizer thread pools fighting the
-# intra-op threads. Set in the environment to override.
+# intra-op threads; idle OpenMP threads sleep instead of spinning (a spinning
+# thread keeps a core busy while it waits, which on a shared machine slows the
+# other jobs and, through them, its own next parallel region; the policy
+# changes no bit: tests/test_golden_rows.py passes under it). OpenMP reads it
+# when torch is imported, so every target's processes (tests, notebook
+# kernels, Ray workers) inherit it from here. Set in the environment to override.
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONHASHSEED ?= 0
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .DEFAULT_GOAL := setup
-.PHONY: setup test paper lab bench verify clean distclean lock
+.PHONY: setup check-index test paper lab lab-copies bench verify clean distclean lock
 
 setup: $(STAMP)
 
@@ -47,11 +58,18 @@ $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
 	  { echo "error: the lock is for CPython 3.11; run e.g. make setup PYTHON=python3.11" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
+	@$(MAKE) --no-print-directory check-index
 	$(PIP) install --require-hashes -r requirements.txt $(PIPFLAGS)
 	$(PIP) install --no-deps --require-hashes -r requirements-data.txt $(PIPFLAGS)
 	$(PIP) install --no-deps --no-build-isolation -e . $(PIPFLAGS)
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvreplay)"
 	@touch $@
+
+# Before installing anything: can pip see the locked torch build? PyPI alone has no 2.13.0+cpu, and without this
+# check pip would fail minutes later, after other downloads, with "No matching distribution found".
+check-index:
+	@$(PIP) index versions torch --retries 1 --timeout 20 $(PIPFLAGS) 2>&1 | grep -qF -- '$(TORCH_PIN)' || \
+	  { echo "error: pip sees no torch==$(TORCH_PIN) (the CPU build is not on PyPI); run: make setup PIPFLAGS=\"--extra-index-url https://download.pytorch.org/whl/cpu\"" >&2; exit 1; }
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -61,9 +79,21 @@ paper: setup
 
 # --allow-root only when running as root (containers, CI): Jupyter refuses root without it.
 LAB_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root,)
+# JupyterLab works on copies of the notebooks in $(LAB_DIR), which it serves as its root: Run All, a save or an
+# autosave writes there, never into the tracked notebooks/ (the notebooks' paths are absolute, kvreplay.paths, so
+# the copies read the repository's ledgers). A copy is made once and refreshed only when its source is newer, so
+# your outputs and edits stay until the source changes. To edit a source, open notebooks/NAME.ipynb yourself.
+LAB_DIR ?= build/lab
+LAB_COPIES := $(patsubst notebooks/%,$(LAB_DIR)/%,$(wildcard notebooks/*.ipynb))
 
-lab: setup
-	$(VENV)/bin/jupyter lab $(LAB_ROOT) notebooks/08_drift_explorer.ipynb
+$(LAB_DIR)/%.ipynb: notebooks/%.ipynb
+	@mkdir -p $(@D)
+	cp $< $@
+
+lab-copies: $(LAB_COPIES)
+
+lab: setup lab-copies
+	$(VENV)/bin/jupyter lab $(LAB_ROOT) --ServerApp.root_dir=$(LAB_DIR) $(abspath $(LAB_DIR))/08_drift_explorer.ipynb
 
 bench: setup
 	$(PY) -m kvreplay.bench $(BENCH_ARGS)

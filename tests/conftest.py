@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from kvreplay.contract import Caps, resolve_format
-from kvreplay.models import LoadedModel
-from kvreplay.problems import Problem
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
+import os
+
+# Idle OpenMP threads sleep instead of spinning (read once, when torch loads its OpenMP runtime: before the import
+# below). The Makefile exports the same for `make test`; this covers a plain pytest, and the notebook kernels, Ray
+# workers and subprocesses the tests start inherit it. It changes no bit (tests/test_golden_rows.py passes under it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from kvreplay.contract import Caps, resolve_format  # noqa: E402
+from kvreplay.models import LoadedModel  # noqa: E402
+from kvreplay.problems import Problem  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -112,3 +119,59 @@ def key_paths(obj, prefix: str = "") -> set[str]:
         for v in obj:
             out |= key_paths(v, f"{prefix}[]")
     return out
+
+
+# ----------------------------------------------------------------------------- progress of long tests
+
+HEARTBEAT_S = float(os.environ.get("KVREPLAY_TEST_HEARTBEAT_S", "60"))
+"""A test (setup, call and teardown together) that runs longer than this prints a line to the terminal every
+``HEARTBEAT_S`` seconds, whatever pytest captures: `make test` never sits silent for minutes. 0 turns it off."""
+
+
+def _terminal(config):
+    """``write(line)`` on the terminal past pytest's output capture, or ``None`` where there is no terminal reporter
+    (xdist workers, the terminal plugin off)."""
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    if tr is None:
+        return None
+
+    def write(line: str) -> None:
+        if capman is None:
+            tr.write_line(line)
+            return
+        with capman.global_and_fixture_disabled():
+            tr.write_line(line)
+    return write
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import threading
+    import time
+
+    tr = _terminal(item.config)
+    stop = threading.Event()
+    if tr is not None and HEARTBEAT_S > 0:
+        t0 = time.monotonic()
+
+        def beat():
+            while not stop.wait(HEARTBEAT_S):
+                tr(f"  [still running after {time.monotonic() - t0:.0f} s] {item.nodeid}")
+
+        threading.Thread(target=beat, name="test-heartbeat", daemon=True).start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+@pytest.fixture(scope="session")
+def progress(pytestconfig):
+    """``progress(message)``: one line on the terminal at once, past pytest's capture (what a long test is doing)."""
+    tr = _terminal(pytestconfig)
+
+    def say(message: str) -> None:
+        if tr is not None:
+            tr(f"  [{message}]")
+    return say

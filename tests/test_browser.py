@@ -1,9 +1,14 @@
-"""The drift explorer in a real browser: JupyterLab on notebooks/08_drift_explorer.ipynb, driven in headless Chromium.
+"""The drift explorer and the reviewers' HTML in a real browser (headless Chromium).
 
-Starts ``jupyter lab`` (``--allow-root`` as root) on a free port, opens the explorer, runs all cells on
-its defaults (the committed ``cpu`` ledgers: "runs as is"), waits for the ipywidgets controls and the
-first figure, then flips the K/V switch and moves the layer slider and waits for a new figure after
-each change. Screenshots go to ``$KVREPLAY_SCREENSHOTS`` (default: the test's temp folder).
+The explorer: JupyterLab serves copies of the notebooks made as ``make lab`` makes them (``make lab-copies``;
+``--allow-root`` as root), opens the explorer, runs all cells on its defaults (the committed ``cpu`` ledgers:
+"runs as is"), waits for the ipywidgets controls and the first figure (the committed rebuild: no model load),
+flips the K/V switch, moves the layer slider and the position window and waits for a new figure after each
+change, then saves the notebook: the copy holds the outputs, the tracked ``notebooks/`` stay byte for byte.
+The HTML: ``make paper``'s renderings of the committed executed notebooks and its index, read at 1,400 px:
+no page wider than the window, all 80 Experiment 4 localization rows there, counts as integers, no raw dict,
+no absolute path, and an index that opens with the headline and links its files and notebook 08.
+Screenshots go to ``$KVREPLAY_SCREENSHOTS`` (default: the test's temp folder).
 
 Needs Debian's ``chromium`` and ``chromium-driver``: skipped with a message when they are missing,
 except under CI (``CI=true``), where a missing browser is a failure (``.ci/run`` installs it).
@@ -50,9 +55,9 @@ def lab(tmp_path_factory):
     """A JupyterLab server on the repository (token auth, app exposed for scripted commands); yields its URL."""
     _need_browser()
     tmp = tmp_path_factory.mktemp("lab")
-    # the server serves a copy of the explorer (JupyterLab autosaves: the clean source in notebooks/ stays untouched)
-    (tmp / "root").mkdir()
-    shutil.copy(ROOT / "notebooks" / "08_drift_explorer.ipynb", tmp / "root")
+    # the server serves copies of the notebooks, as `make lab` does (its root is the copies' folder, so nothing it
+    # saves can reach the tracked notebooks/)
+    subprocess.run(["make", "--no-print-directory", "-s", "lab-copies", f"LAB_DIR={tmp / 'root'}"], cwd=ROOT, check=True)
     settings = tmp / "settings" / "@jupyterlab" / "docmanager-extension"
     settings.mkdir(parents=True)
     (settings / "plugin.jupyterlab-settings").write_text('{"autosave": false}')
@@ -81,7 +86,7 @@ def lab(tmp_path_factory):
     else:
         proc.terminate()
         raise RuntimeError("jupyter lab did not start in 120 s")
-    yield url, token
+    yield url, token, tmp / "root"
     proc.terminate()
     try:
         proc.wait(20)
@@ -134,8 +139,11 @@ def _figure_src(driver) -> str:
         " return i.length ? i[i.length - 1].getAttribute('src').slice(-200) : '';")
 
 
-def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path):
-    url, token = lab
+def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
+    import hashlib
+
+    url, token, served = lab
+    tracked = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (ROOT / "notebooks").glob("*.ipynb")}
     shots = SHOTS
     shots.mkdir(parents=True, exist_ok=True)
     d = browser
@@ -147,15 +155,19 @@ def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path):
         " && w.sessionContext.session.kernel && w.sessionContext.session.kernel.status === 'idle')"), 180, "the kernel did not start")
     d.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells')")
     t0 = time.time()
+    progress("browser: running all cells of the explorer")
     _wait(d, lambda d: d.find_elements("css selector", ".kvreplay-explorer .widget-dropdown select"), 600,
           "the explorer's widgets did not render")
-    _wait(d, lambda d: "drawn in" in _status(d) and _figure_src(d), 900, "no figure after the first rebuild")
+    _wait(d, lambda d: "drawn in" in _status(d) and _figure_src(d), 900, "no figure after the first draw")
     first = time.time() - t0
+    progress(f"browser: first figure {first:.0f} s after Run All")
+    assert "read from the cache of rebuilt rows" in d.execute_script(
+        "return document.querySelector('.kvreplay-explorer').textContent") or "drawn in" in _status(d)
     explorer = d.find_element("css selector", ".kvreplay-explorer")
     d.execute_script("arguments[0].scrollIntoView()", explorer)
     d.save_screenshot(str(shots / "explorer_first_draw.png"))
     labels = " ".join(e.text for e in d.find_elements("css selector", ".kvreplay-explorer .widget-label"))
-    for name in ("arm pair", "row", "layer", "KV head", "K / V"):
+    for name in ("arm pair", "row", "layer", "KV head", "K / V", "positions"):
         assert name in labels, f"control {name!r} missing: {labels}"
     options = [o.text for o in d.find_elements("css selector", ".kvreplay-explorer .widget-dropdown select option")]
     assert any("diverges at token" in o or "same suffix" in o for o in options), options[:5]
@@ -177,8 +189,81 @@ def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path):
 
     slider_s = change(lambda: (handle.click(), handle.send_keys(Keys.ARROW_RIGHT)), "moving the layer slider")
     d.save_screenshot(str(shots / "explorer_layer_slider.png"))
+    window = d.find_elements("css selector", ".kvreplay-explorer .widget-slider .noUi-handle")[-1]  # the range's upper end
+    window_s = change(lambda: (window.click(), window.send_keys(Keys.HOME)), "narrowing the position window")
+    d.save_screenshot(str(shots / "explorer_window.png"))
     status = _status(d)
     (shots / "timings.txt").write_text(
-        f"first rebuild and draw {first:.1f} s; K/V switch {kv_s:.2f} s; layer slider {slider_s:.2f} s (browser round trip); "
-        f"kernel status: {status}\n")
-    print(f"first rebuild+draw {first:.1f} s; K/V switch {kv_s:.2f} s; slider {slider_s:.2f} s; {status}")
+        f"first draw {first:.1f} s; K/V switch {kv_s:.2f} s; layer slider {slider_s:.2f} s; window {window_s:.2f} s "
+        f"(browser round trip); kernel status: {status}\n")
+    print(f"first draw {first:.1f} s; K/V switch {kv_s:.2f} s; slider {slider_s:.2f} s; window {window_s:.2f} s; {status}")
+    # a save writes the outputs into the served copy, never into the tracked notebooks
+    d.execute_script("window.jupyterapp.commands.execute('docmanager:save')")
+    _wait(d, lambda d: '"image/png"' in (served / "08_drift_explorer.ipynb").read_text(), 60, "the save did not reach the copy")
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (ROOT / "notebooks").glob("*.ipynb")}
+    assert after == tracked, "a tracked notebook changed"
+
+
+# ----------------------------------------------------------------------------- what a reviewer reads
+
+
+@pytest.fixture(scope="module")
+def reviewer_pages(tmp_path_factory):
+    """make paper's HTML of the committed cpu copies (04, 06, 07, 08) and its index, written to a temp build folder."""
+    from kvreplay.paper import CHAIN, artifact_index, render_html, write_index
+    from kvreplay.paths import EXECUTED, FIGURES
+
+    _need_browser()
+    out = tmp_path_factory.mktemp("build") / "cpu"
+    out.mkdir()
+    for name in CHAIN:
+        if name[:2] in ("04", "06", "07", "08"):
+            (out / f"{Path(name).stem}.html").write_text(render_html(EXECUTED / "cpu" / name), encoding="utf-8")
+    write_index(artifact_index(EXECUTED / "cpu", CHAIN), "cpu", tmp_path_factory.mktemp("md"), out, figures=FIGURES / "cpu")
+    return out
+
+
+def _page(driver, path: Path) -> dict:
+    """Load a page at 1,400 px and read what the checks need in one script call."""
+    driver.set_window_size(1400, 1000)
+    driver.get(path.as_uri())
+    return driver.execute_script("""
+        const tables = [...document.querySelectorAll('table')].map(t => ({
+            rows: t.querySelectorAll('tbody tr').length,
+            head: [...t.querySelectorAll('thead tr:last-child th, thead tr:first-child th')].map(th => th.innerText.trim()),
+            body: [...t.querySelectorAll('tbody tr')].map(r => [...r.children].map(c => c.innerText.trim()))}));
+        return {width: document.documentElement.scrollWidth, window: window.innerWidth, tables: tables,
+                text: document.body.innerText, html: document.documentElement.outerHTML,
+                links: [...document.querySelectorAll('a')].map(a => a.getAttribute('href'))};""")
+
+
+def test_reviewer_pages_fit_the_window_and_show_whole_tables(reviewer_pages, browser):
+    import re
+
+    from kvreplay.paths import ROOT as root
+
+    for name in ("04_experiment4_cache_transplant", "06_tables", "07_figures", "08_drift_explorer"):
+        page = _page(browser, reviewer_pages / f"{name}.html")
+        assert page["width"] <= page["window"], f"{name}: the page is {page['width']} px wide at {page['window']} px"
+        assert str(root) not in page["html"], f"{name}: an absolute path of this checkout"
+        assert not re.search(r"\{'[^']+': ", page["text"]), f"{name}: a raw dict is printed"
+        cut = [c for t in page["tables"] for r in t["body"] for c in r if c.endswith("...")]
+        assert not cut, f"{name}: table cells cut by pandas: {cut[:3]}"
+        if name.startswith("04"):
+            localization = [t for t in page["tables"] if t["rows"] == 80]
+            assert localization, f"04: no table with all 80 localization rows: {[t['rows'] for t in page['tables']]}"
+        if name.startswith("07"):
+            (near_tie,) = [t for t in page["tables"] if "shared steps" in t["head"]]
+            column = near_tie["head"].index("shared steps")
+            counts = [r[column] for r in near_tie["body"]]
+            assert counts and all(re.fullmatch(r"\d+", c) for c in counts), f"07: step counts {counts}"
+
+
+def test_the_index_opens_with_the_headline_and_links_its_files(reviewer_pages, browser):
+    page = _page(browser, reviewer_pages / "index.html")
+    first = page["text"].split("artifact")[0]
+    assert "BF16 suffix differs: 5/16 (31.2%" in first and "paper: 166/200" in first
+    assert "08_drift_explorer.html" in page["links"]
+    files = [h for h in page["links"] if h and h.endswith((".csv", ".png", ".pdf", ".md", ".tex"))]
+    assert files and all(not h.startswith("/") for h in files)
+    assert all((reviewer_pages / h).resolve().is_file() for h in files), "a file link leads nowhere"

@@ -46,12 +46,27 @@ def test_every_notebook_has_a_parameters_cell():
 
 
 @pytest.fixture(scope="module")
-def chain_run(tmp_path_factory):
+def explorer_cache(tmp_path_factory):
+    """The explorer's cache of rebuilt rows in a temp folder (the kernels inherit it), not the checkout's build/."""
+    from kvreplay.explorer import CACHE_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        folder = tmp_path_factory.mktemp("explorer-cache")
+        mp.setenv(CACHE_ENV, str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def chain_run(tmp_path_factory, explorer_cache, progress):
     """The whole chain on smoke parameters into fresh ledger and figure folders, in dependency order."""
+    import time
+
     root = tmp_path_factory.mktemp("chain")
     ledgers, figures = root / "ledgers", root / "figures"
-    for name in CHAIN:
+    for i, name in enumerate(CHAIN, 1):
+        t = time.perf_counter()
         _execute(name, root, ledgers, figures, **({"rebuild": True} if name.startswith("08") else {}))
+        progress(f"smoke chain {i}/{len(CHAIN)}: {name} in {time.perf_counter() - t:.0f} s")
     return root, ledgers, figures
 
 
@@ -192,7 +207,7 @@ def test_figures_smoke(chain_run):
 def test_explorer_rebuild_reproduces_the_ledger(chain_run):
     root, ledgers, figures = chain_run
     text = (root / "08_drift_explorer.ipynb").read_text()
-    assert "rebuilt drift equals the ledger's: {'cache': True, 'logits': True, 'tensors': True}" in text
+    assert "rebuilt drift equals the ledger's: cache True, logits True, tensors True" in text
 
 
 def test_tables_notebook_names_the_missing_notebook(tmp_path):
@@ -202,7 +217,7 @@ def test_tables_notebook_names_the_missing_notebook(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reused_run(chain_run):
+def reused_run(chain_run, progress):
     """The chain once more on the finished ledgers (into ``<root>/reused``): what ``make paper`` executes after a run.
 
     Returns:
@@ -217,16 +232,22 @@ def reused_run(chain_run):
     before = state()
     out = root / "reused"
     out.mkdir(exist_ok=True)
-    for name in CHAIN:
+    for i, name in enumerate(CHAIN, 1):
         _execute(name, out, ledgers, figures)
+        progress(f"smoke chain again on its finished ledgers {i}/{len(CHAIN)}: {name}")
     return out, before, state()
 
 
-def test_finished_ledgers_are_reused(reused_run):
+def test_finished_ledgers_are_reused(reused_run, explorer_cache):
     out, before, after = reused_run
     assert before == after  # rows, run logs and checkpoints untouched: nothing was recomputed or retrained
     text = (out / "01_experiment1_live_vs_prefill.ipynb").read_text()
     assert "rows in the ledger, none computed" in text and "row/s" not in text  # one line, no bar, when nothing is computed
+    # the explorer's rebuild of the first run is read back (rebuild = False here): its maps, no model loaded
+    assert len(list(explorer_cache.glob("smoke/*.npz"))) == 1
+    explorer = (out / "08_drift_explorer.ipynb").read_text()
+    assert "read from the cache of rebuilt rows; rebuilt on " in explorer and "image/png" in explorer
+    assert "Mean over layers of the per-position drift" in explorer
 
 
 # ----------------------------------------------------------------------------- unfavourable outcomes are reported
@@ -301,10 +322,14 @@ def test_index_links_every_table_and_figure_to_its_cell(chain_run):
     assert set(TABLES) <= set(stems) and set(FIGURES) <= set(stems)
     assert len(stems) == len(set(stems)), "an artifact is written by two cells"
     assert all(e["cell_id"] and e["cell"] >= 1 for e in entries)
-    md, html = write_index(entries, "smoke", root / "executed", root / "html")
+    md, html = write_index(entries, "smoke", root / "executed", root / "html", figures=figures / "smoke")
     text = md.read_text()
     assert "table5_exp4_transplant" in text and "04_experiment4_cache_transplant.ipynb" in text
     assert "#cell-id=" in html.read_text()
+    vs = pd.read_csv(figures / "smoke" / "table_vs_paper.csv", index_col=0)
+    first = text.split("| artifact |")[0]  # the headline comes before the table, read from this run's data
+    assert f"BF16 suffix differs: **{vs.loc['exp1.bf16.suffix', 'this run']}**" in first
+    assert "[08_drift_explorer.ipynb](08_drift_explorer.ipynb)" in first
 
 
 def test_notebooks_show_figures_inline_and_stay_quiet(chain_run):

@@ -32,7 +32,7 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
 
     params = tmp_path / "params"
     params.mkdir()
-    (params / "mini.yaml").write_text(f"profile: mini\nledger_root: {tmp_path / 'ledgers'}\n")
+    (params / "mini.yaml").write_text(f"profile: mini\nbase: defaults\nledger_root: {tmp_path / 'ledgers'}\n")
     (tmp_path / "ledgers" / "mini").mkdir(parents=True)
     ledger_file = tmp_path / "ledgers" / "mini" / "rows.jsonl"
     ledger_file.write_text("{}\n")
@@ -67,7 +67,7 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
     assert paper.main(["--profile", "mini", "--only", "01", "--figures-root", str(figures)]) == 0
     assert len(ran) == 7 and injected[-1]["overrides"] == {"figures_root": str(figures.resolve())}
     # a profile that names its notebooks (a partial reference run) runs only those by default
-    (params / "mini.yaml").write_text(f"profile: mini\nledger_root: {tmp_path / 'ledgers'}\nnotebooks: ['03']\n")
+    (params / "mini.yaml").write_text(f"profile: mini\nbase: defaults\nledger_root: {tmp_path / 'ledgers'}\nnotebooks: ['03']\n")
     ran.clear()
     assert paper.main(["--profile", "mini", "--force"]) == 0
     assert [n[:2] for n in ran] == ["03"]
@@ -127,7 +127,7 @@ def test_a_malformed_notebooks_key_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(profiles, "PARAMS", params)
     monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
     for bad in ('"01"', "1", "[]"):
-        (params / "mini.yaml").write_text(f"profile: mini\nnotebooks: {bad}\n")
+        (params / "mini.yaml").write_text(f"profile: mini\nbase: defaults\nnotebooks: {bad}\n")
         assert paper.main(["--profile", "mini"]) == 2
         assert "`notebooks` must be a non-empty list" in capsys.readouterr().err
 
@@ -285,3 +285,78 @@ def test_a_read_only_session_keeps_its_frozen_panels(monkeypatch, tmp_path):
     with pytest.raises(ReadOnlyLedgerError, match="this frozen panel would be created"):
         session.write_panel("exp5_panel", rule="r", panel=[1])
     assert path.read_text().count("3") == 0 and not (path.parent / "exp5_panel.json").exists()
+
+
+def test_ctrl_c_ends_the_run_with_one_line(tmp_path, monkeypatch, capsys):
+    """A KeyboardInterrupt while a notebook runs: exit 130 and one line naming the notebook, where its finished rows
+    are, and that the same command resumes (the kernel is shut down by papermill; a ledger is append-only)."""
+    from kvreplay import paper
+
+    def interrupted(name, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(paper, "run_notebook", interrupted)
+    assert paper.main(["--profile", "smoke", "--only", "01", "--force", "--no-executed",
+                       "--ledger-root", str(tmp_path / "l")]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"interrupted (Ctrl-C) in 01_experiment1_live_vs_prefill.ipynb: the rows it finished are kept in "
+                   f"{tmp_path / 'l' / 'smoke'}; run the same command again to resume"]
+    assert paper.KERNEL_ARGUMENTS == ["--IPKernelApp.log_level=CRITICAL", "--IPKernelApp.capture_fd_output=False"]
+
+
+def test_make_paper_prints_the_resolved_values_first(tmp_path, monkeypatch, capsys):
+    from kvreplay import paper
+
+    monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(paper, "run_notebook", lambda *a, **k: None)
+    assert paper.main(["--profile", "gpu", "--only", "06", "--force", "--no-executed", "--no-html"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("== profile gpu (notebooks/params/gpu.yaml, sha256 ") and "the rest from base cpu" in first
+
+
+def test_progress_bars_are_dropped_from_executed_copies_and_warnings_kept(tmp_path):
+    import nbformat
+    from kvreplay.paper import clean_executed
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("run()")
+    widget = {"application/vnd.jupyter.widget-view+json": {"model_id": "x", "version_major": 2, "version_minor": 0},
+              "text/plain": "answer-letter accuracy:   0%|          | 0/4 [00:00<?, ?row/s]"}
+    cell.outputs = [nbformat.v4.new_output("display_data", data=widget),
+                    nbformat.v4.new_output("stream", name="stderr",
+                                           text="\n\r   exp1 bfloat16:   0%|          | 0/2 [00:00<?, ?row/s]\x1b[A"),
+                    nbformat.v4.new_output("stream", name="stdout", text="2 rows computed\n"),
+                    nbformat.v4.new_output("stream", name="stderr", text="UserWarning: 50% of the rows\n")]
+    nb.cells = [cell]
+    nbformat.write(nb, str(tmp_path / "run.ipynb"))
+    out = nbformat.read(str(clean_executed(tmp_path / "run.ipynb", tmp_path / "clean.ipynb")), as_version=4)
+    assert [(o["output_type"], o.get("name")) for o in out.cells[0].outputs] == [("stream", "stdout"), ("stream", "stderr")]
+    assert out.cells[0].outputs[1]["text"] == "UserWarning: 50% of the rows\n"
+
+
+def test_the_index_opens_with_the_headline_from_the_data_and_links_every_file(tmp_path):
+    """index.html and README.md: the headline endpoints read from table_vs_paper.csv, a link to notebook 08, each
+    executed notebook and each table or figure file linked relative to the page."""
+    from kvreplay.paper import CHAIN, artifact_index, headline, write_index
+    from kvreplay.paths import EXECUTED, FIGURES
+
+    entries = artifact_index(EXECUTED / "cpu", CHAIN)
+    html_dir = tmp_path / "build" / "cpu"
+    html_dir.mkdir(parents=True)
+    (html_dir / "08_drift_explorer.html").write_text("<html></html>")
+    md, html = write_index(entries, "cpu", tmp_path / "executed", html_dir, figures=FIGURES / "cpu")
+    top = headline(FIGURES / "cpu")
+    assert top[0].startswith("- BF16 suffix differs: **5/16 (31.2%") and "(paper: 166/200" in top[0]
+    assert any("frozen interpretation" in x for x in top) and top[-1].startswith("- What differs from the paper's setup")
+    page = html.read_text()
+    assert page.index("5/16 (31.2%") < page.index("<table>")
+    assert '<a href="08_drift_explorer.html">08_drift_explorer.ipynb</a>' in page
+    import os
+
+    rel = os.path.relpath(FIGURES / "cpu", html_dir)
+    assert f'<a href="{rel}/table_exp4_localization.csv">.csv</a>' in page
+    assert 'href="/' not in page and "file:" not in page and str(tmp_path) not in page  # relative links only
+    assert "- BF16 suffix differs: **5/16" in md.read_text().split("| artifact |")[0]
+    assert headline(tmp_path / "none") == ["- No headline yet: notebook 06 writes `table_vs_paper.csv` (this run "
+                                           "against the paper)."]

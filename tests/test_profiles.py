@@ -6,7 +6,7 @@ import pydantic
 import pytest
 import yaml
 from kvreplay.paths import PARAMS
-from kvreplay.profiles import PROFILE_KEYS, ChainParameters, describe, load_parameters, profile_path
+from kvreplay.profiles import PROFILE_KEYS, ChainParameters, base_of, describe, load_parameters, profile_path
 from kvreplay.runner import resolve_execution
 
 
@@ -78,13 +78,80 @@ def test_bad_values_are_refused_naming_the_file(tmp_path, text, match):
 
 
 def test_an_unknown_profile_names_the_known_ones():
-    with pytest.raises(FileNotFoundError, match=r"unknown profile 'nope'.*'cpu', 'gpu', 'paper', 'smoke'"):
+    """Every profile file there is, the committed ones and any of the user's own (README: "Audit your own model")."""
+    with pytest.raises(FileNotFoundError, match=r"unknown profile 'nope'") as e:
         profile_path("nope")
+    known = sorted(p.stem for p in PARAMS.glob("*.yaml"))
+    assert f"profiles: {known}" in str(e.value) and {"cpu", "gpu", "paper", "smoke"} <= set(known)
+
+
+MYMODEL = """profile: mymodel
+model: /models/Qwen2.5-0.5B-Instruct
+problems: bank
+format: chat_multibranch
+n_rows: 8
+preflight: 2
+cap_branch: 64
+cap_merge: 160
+cap_answer: 12
+precisions: [bfloat16, float32]
+execution:
+  threads: 2
+"""
+"""The README's example of a user's own profile ("Audit your own model")."""
+
+
+def test_a_users_profile_takes_what_it_leaves_out_from_cpu_not_smoke(tmp_path, capsys):
+    path = tmp_path / "mymodel.yaml"
+    path.write_text(MYMODEL)
+    params, cpu = load_parameters(path), load_parameters("cpu")
+    assert (params.model, params.n_rows, params.cap_branch, params.profile) == ("/models/Qwen2.5-0.5B-Instruct", 8, 64, "mymodel")
+    left_out = set(ChainParameters.model_fields) - set(yaml.safe_load(MYMODEL))
+    assert {k: getattr(params, k) for k in left_out} == {k: getattr(cpu, k) for k in left_out}
+    assert (params.adapt_steps, params.adapt_name, params.n_bridge, params.n_exp5) == (64, "v1", 6, 16)  # not smoke's 4
+    assert base_of(path) == "cpu" and "the rest from base cpu" in describe(params, path)
+    # an explicit base: any profile name or file, or the field defaults
+    (tmp_path / "small.yaml").write_text("base: smoke\nmodel: /models/x\n")
+    small = load_parameters(tmp_path / "small.yaml")
+    assert (small.adapt_steps, small.n_rows, small.model) == (4, 2, "/models/x")
+    (tmp_path / "on_mine.yaml").write_text(f"base: {path}\nn_rows: 3\n")
+    on_mine = load_parameters(tmp_path / "on_mine.yaml")
+    assert (on_mine.n_rows, on_mine.cap_branch, on_mine.profile) == (3, 64, "on_mine")  # the base's label is not taken
+    (tmp_path / "bare.yaml").write_text("base: defaults\n")
+    assert load_parameters(tmp_path / "bare.yaml").model_dump(exclude={"profile"}) == \
+        ChainParameters().model_dump(exclude={"profile"})
+
+
+def test_the_committed_profiles_resolve_over_their_documented_base():
+    """smoke and cpu over the field defaults (smoke's values), gpu and paper over cpu; paper sets every value in
+    which cpu and the defaults differ, gpu leaves notebook 00's adapt_* out (it reads cpu's checkpoint family)."""
+    assert [base_of(n) for n in ("smoke", "cpu", "gpu", "paper")] == ["defaults", "defaults", "cpu", "cpu"]
+    cpu = load_parameters("cpu")
+    gpu = load_parameters("gpu")
+    assert (gpu.adapt_name, gpu.adapt_steps, gpu.n_adapt_eval) == (cpu.adapt_name, cpu.adapt_steps, cpu.n_adapt_eval)
+    assert (gpu.n_rows, gpu.cap_merge, gpu.n_exp5) == (200, 160, 48)
+
+
+@pytest.mark.parametrize("files, match", [
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, r"its `base:` chain returns to itself \(.*a.yaml -> .*b.yaml -> .*a.yaml\)"),
+    ({"a.yaml": "base: 3\n"}, r"`base:` must name a profile \(e.g. cpu\) or be `defaults`, got 3"),
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "n_row: 2\n"}, r"b.yaml: 'n_row' \(did you mean 'n_rows'\?\)"),
+])
+def test_a_bad_base_is_refused_naming_the_file(tmp_path, monkeypatch, files, match):
+    monkeypatch.chdir(tmp_path)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_parameters("a.yaml")
+    with pytest.raises(FileNotFoundError, match=r"profile .*c.yaml: base 'nope': unknown profile 'nope'"):
+        (tmp_path / "c.yaml").write_text("base: nope\n")
+        load_parameters(tmp_path / "c.yaml")
 
 
 def test_the_summary_line_names_the_file_and_its_digest():
     line = describe(load_parameters("paper"), "paper")
     assert line.startswith("profile paper (notebooks/params/paper.yaml, sha256 ")
+    assert "; the rest from base cpu); overrides none; model embedded; problems bank; " in line
     assert "rows 200 (preflight 8); caps 768/512/64; precisions bfloat16, float32" in line
     chunk = yaml.safe_load(profile_path("paper").read_text())["execution"]["chunk"]
     assert line.endswith(f"execution threads=4, device=cuda, workers=1, step_path=graph, batch=32, chunk={chunk}, "

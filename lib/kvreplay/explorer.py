@@ -1,51 +1,60 @@
-"""The drift explorer's state and controls (notebook 08): ledger rows, rebuilt caches and ipywidgets.
+"""The drift explorer's state and controls (notebook 08): ledger rows, rebuilt boundary drift and ipywidgets.
 
-Everything expensive is cached per kernel (module-level dictionaries): the
-tokenizer and the model of each ledger (keyed by model, dtype, role table and
-threads), and the two rebuilt boundary states of each (ledger, row,
-comparison) with their drift maps. Moving a layer or head slider or the K/V
-switch only redraws from those caches; picking another row or arm pair
-rebuilds that pair once, with a progress bar.
+A row's two boundary caches are rebuilt once (minutes: the model loads and replays the prefix) and what the explorer
+draws from them is kept on disk (:class:`kvreplay.rebuild.RebuiltDrift`, a few hundred kB) under
+:func:`cache_dir` (``$KVREPLAY_EXPLORER_CACHE``, default ``build/explorer-cache/``), keyed by the ledger folder,
+the row's digest, the comparison and the row-algorithm and rebuild versions; committed rebuilds under
+:data:`COMMITTED_CACHE` are read too. So any row rebuilt before, in any session, draws in about a second without
+loading a model. Per kernel the tokenizer and model of each ledger are kept as well. While a rebuild runs the figure
+says so (the previous row's maps are cleared); a slider redraws when released (``continuous_update=False``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-from .contract import ROLE_NAMES
-from .experiments.matrix import comparison as compare_states
-from .gates import cache_tensors
 from .ledger.lookup import LoadedLedger, MissingLedgerError, find_chain_ledger
 from .ledger.records import Exp1Row, Exp2Row, comparison_of
 from .models import load_tokenizer
+from .paths import BUILD, DATA
 from .rebuild import (
     COMPARISONS,
+    RebuiltDrift,
     comparison_arms,
-    drift_maps,
-    fingerprint_matches,
+    drift_file,
+    drift_key,
+    load_drift,
     load_for_ledger,
     model_for_ledger,
     rebuild_pair,
-    token_text,
+    rebuilt_drift,
+    save_drift,
 )
 from .report import figures
 from .report.frames import layer_drift_frame
 
-if TYPE_CHECKING:
-    from .decode import Boundary
-
 PRECISIONS = ("bfloat16", "float32")
+
+CACHE_ENV = "KVREPLAY_EXPLORER_CACHE"
+"""Environment variable naming the folder of rebuilt rows (default ``build/explorer-cache``)."""
+
+COMMITTED_CACHE = DATA / "explorer"
+"""Rebuilt rows committed with the repository (read, never written by the explorer): what the executed copies of
+notebook 08 draw without loading a model."""
 
 _MODELS: dict = {}
 _TOKENIZERS: dict = {}
-_PAIRS: dict = {}
+_DRIFTS: dict = {}
+
+
+def cache_dir() -> Path:
+    """Where rebuilt rows are written and first looked for: ``$KVREPLAY_EXPLORER_CACHE`` or ``build/explorer-cache``."""
+    return Path(os.environ.get(CACHE_ENV) or BUILD / "explorer-cache")
 
 
 def _model_key(ledger: LoadedLedger, model: str | None) -> tuple:
@@ -81,34 +90,39 @@ def tokenizer_for(ledger: LoadedLedger, model: str | None = None):
     return _TOKENIZERS[name]
 
 
-@dataclasses.dataclass
-class RebuiltPair:
-    """Two rebuilt boundary states of one row and comparison, and what the explorer draws from them.
+def cached(ledger: LoadedLedger, row: Exp1Row | Exp2Row, comparison: str, model: str | None = None) -> RebuiltDrift | None:
+    """The rebuilt drift of ``row`` for ``comparison`` if it was rebuilt before: in this kernel, in :func:`cache_dir`
+    or in :data:`COMMITTED_CACHE` (in that order); ``None`` otherwise. Loads no model.
 
-    Attributes:
-        ref, other: :class:`~kvreplay.decode.Boundary` states (caches ``[2, kv_heads, |z|, head_dim]`` per layer).
-        tensors: ``(ref inventory, other inventory)`` from :func:`kvreplay.gates.cache_tensors`.
-        maps: :func:`kvreplay.rebuild.drift_maps` (per head and per position, keys and values).
-        summary: :func:`kvreplay.experiments.matrix.comparison` of the pair (per tensor).
-        fingerprint: :func:`kvreplay.rebuild.fingerprint_matches` against the ledger's summary.
-        tokens: token text of each position of z.
-        blocks: block name -> first position in z.
-        seconds: ``{"model": s, "rebuild": s}`` wall times (model 0 when it was cached).
+    Raises:
+        ValueError: a cache file of the right name that is not a readable rebuild of this version (names it).
     """
-    ref: Boundary
-    other: Boundary
-    tensors: tuple
-    maps: dict
-    summary: dict
-    fingerprint: dict
-    tokens: list[str]
-    blocks: dict[str, int]
-    seconds: dict[str, float]
+    key = drift_key(ledger, row, comparison, model)
+    if key["digest"] in _DRIFTS:
+        return _DRIFTS[key["digest"]]
+    for folder in (cache_dir(), COMMITTED_CACHE):
+        path = drift_file(folder, key)
+        if path.is_file():
+            drift = load_drift(path)
+            _DRIFTS[key["digest"]] = drift
+            return drift
+    return None
+
+
+def committed_example(ledger_key: str, comparison: str, profile: str = "cpu") -> RebuiltDrift | None:
+    """A committed rebuild (:data:`COMMITTED_CACHE`) of ``profile``'s ``ledger_key`` (e.g. ``exp1-bfloat16``) and
+    ``comparison``: what a notebook can draw for a reader when its own row has no rebuild here (its ledger computed
+    on a GPU); ``None`` when there is none."""
+    folder = COMMITTED_CACHE / profile
+    paths = sorted(folder.glob(f"*_{ledger_key}-*_{comparison}_*.npz")) if folder.is_dir() else []
+    return load_drift(paths[0]) if paths else None
 
 
 def rebuild(ledger: LoadedLedger, row: Exp1Row | Exp2Row, comparison: str, model: str | None = None,
-            progress=None) -> RebuiltPair:
-    """Rebuild (or return the cached) boundary pair of ``row`` for ``comparison``.
+            progress=None, *, into: str | Path | None = None) -> RebuiltDrift:
+    """The rebuilt drift of ``row`` for ``comparison``: :func:`cached` if there is one, else rebuilt from the row's
+    prefix z with the ledger's model (:func:`kvreplay.rebuild.rebuild_pair`) and written to ``into`` (default
+    :func:`cache_dir`).
 
     Args:
         ledger: the row's ledger (Experiment 1 or 2).
@@ -116,53 +130,70 @@ def rebuild(ledger: LoadedLedger, row: Exp1Row | Exp2Row, comparison: str, model
         comparison: a key of ``row["boundary"]`` (see :data:`kvreplay.rebuild.COMPARISONS`).
         model: overrides the ledger's model path (local folders).
         progress: optional callable ``(step: int, of: int, what: str)`` told before each stage.
+        into: the folder the rebuilt row is written to.
 
     Raises:
         GateError, ModelLoadError, DeviceUnavailableError, ContractError: as :func:`kvreplay.rebuild.rebuild_pair`.
     """
-    key = (str(ledger.dir), row["problem_id"], comparison, model)
-    if key in _PAIRS:
-        return _PAIRS[key]
-
+    found = cached(ledger, row, comparison, model)
     tell = progress or (lambda *a: None)
+    if found is not None:
+        tell(4, 4, "read from the cache of rebuilt rows")
+        return found
     experiment = ledger.key.split("-")[0]
     ref_arm, other_arm = comparison_arms(experiment, comparison)
     t0 = time.perf_counter()
-    cached = _model_key(ledger, model) in _MODELS
-    tell(0, 4, "model cached" if cached else "loading the ledger's model")
+    was_loaded = _model_key(ledger, model) in _MODELS
+    tell(0, 4, "model cached" if was_loaded else "loading the ledger's model")
     lm, fmt = model_for(ledger, model)
     t1 = time.perf_counter()
     tell(1, 4, f"rebuilding {ref_arm} and {other_arm} from z ({len(row['prefix'])} tokens)")
     a, b = rebuild_pair(lm, fmt, row["prefix"], ref_arm, other_arm, where=row["problem_id"])
-    tell(2, 4, "comparing the two caches")
-    summary = compare_states(a, b, per_tensor=True)
-    inv = (cache_tensors(a.cache), cache_tensors(b.cache))
-    tell(3, 4, "drift maps per head and position")
-    maps = drift_maps(*inv)
-    roles = fmt.parse(row["prefix"]).roles
-    blocks = {ROLE_NAMES[r]: list(roles).index(r) for r in sorted(set(roles))}
-    tokens = [token_text(lm.tokenizer, t) for t in row["prefix"]]
-    pair = RebuiltPair(a, b, inv, maps, summary, fingerprint_matches(comparison_of(row, comparison), summary),
-                       tokens, blocks, {"model": 0.0 if cached else t1 - t0, "rebuild": time.perf_counter() - t1})
+    tell(2, 4, "comparing the two caches; drift per head and position")
+    drift = rebuilt_drift(lm, fmt, ledger, row, comparison, a, b, model=model,
+                          seconds={"model": 0.0 if was_loaded else t1 - t0, "rebuild": time.perf_counter() - t1})
+    tell(3, 4, "writing the rebuilt row to the cache")
+    save_drift(drift, drift_file(Path(into) if into is not None else cache_dir(), drift.key))
+    _DRIFTS[drift.key["digest"]] = drift
     tell(4, 4, "done")
-    _PAIRS[key] = pair
-    return pair
+    return drift
 
 
-def head_position_drift(pair: RebuiltPair, layer: int, head: int, kind: str, row: int = 0) -> np.ndarray:
-    """Relative L2 drift per position of one layer, KV head and kind (over head_dim), float64 ``[|z|]``; NaN where the reference is 0."""
-    import torch
-
-    name = f"L{layer:02d}.{kind}"
-    a = dict(pair.tensors[0])[name][row, head].detach().to(torch.float64)  # [|z|, head_dim]
-    b = dict(pair.tensors[1])[name][row, head].detach().to(torch.float64)
-    num = torch.linalg.vector_norm(b - a, dim=-1)
-    den = torch.linalg.vector_norm(a, dim=-1)
-    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.full_like(num, math.nan)).numpy()
+def head_position_drift(drift: RebuiltDrift, layer: int, head: int, kind: str) -> np.ndarray:
+    """Relative L2 drift per position of one layer, KV head and kind (over head_dim), float64 ``[|z|]``; NaN where
+    the reference is 0."""
+    return drift.detail[kind][layer, head].astype(np.float64)
 
 
-def _png(fig, dpi: int = 80):
-    """A figure as an inline PNG image (closed afterwards): independent of the kernel's matplotlib backend."""
+def largest_drift(drift: RebuiltDrift, layer: int, head: int, kind: str, n: int = 12) -> pd.DataFrame:
+    """The ``n`` positions of z with the largest drift of one layer, KV head and kind, with their token text and block.
+
+    Returns:
+        DataFrame indexed by ``position``: ``token``, ``block``, ``relative L2``; largest first (none where all 0).
+    """
+    d = head_position_drift(drift, layer, head, kind)
+    starts = sorted(drift.blocks.items(), key=lambda kv: kv[1])
+    order = [p for p in np.argsort(-np.nan_to_num(d, nan=-1.0), kind="stable")[:n] if np.nan_to_num(d[p]) > 0]
+    rows = [{"position": int(p), "token": drift.tokens[p],
+             "block": next((name for name, s in reversed(starts) if s <= p), ""), "relative L2": float(d[p])}
+            for p in order]
+    return pd.DataFrame(rows, columns=["position", "token", "block", "relative L2"]).set_index("position")
+
+
+def zoom(fig, tokens: list[str], window: tuple[int, int] | None, max_labels: int = 40) -> None:
+    """Show positions ``window = (first, last)`` of z on a figure's position axes (those titled "... per position"),
+    with token-text labels, every position's once at most ``max_labels`` are shown (``None``: all of z)."""
+    lo, hi = window if window is not None else (0, len(tokens) - 1)
+    for ax in fig.axes:
+        if "per position" in ax.get_title(loc="left"):
+            ax.set_xlim(lo - 0.5, hi + 0.5)
+            figures.token_ticks(ax, tokens, lo, hi + 1, max_labels=max_labels)
+            for text in ax.texts:  # block names outside the window would stretch the layout
+                text.set_visible(lo - 0.5 <= text.get_position()[0] <= hi + 0.5)
+
+
+def as_png(fig, dpi: int = 80):
+    """A figure as an inline PNG image at ``dpi`` (closed afterwards): independent of the kernel's matplotlib backend."""
     import io
 
     import matplotlib.pyplot as plt
@@ -205,12 +236,15 @@ def available_pairs(ledger_root: str | Path, profile: str) -> dict[str, tuple[Lo
 
 
 class Explorer:
-    """The interactive explorer: a row picker, an experiment/arm-pair picker, layer and head sliders and a K/V switch.
+    """The interactive explorer: an arm-pair picker, a row picker, layer and head sliders, a K/V switch and a position
+    window.
 
-    ``Explorer(ledger_root, profile).widget`` is an ipywidgets box; display it in a notebook.
-    Picking a row or pair rebuilds that pair's caches (cached per kernel, with a progress bar);
-    sliders and the K/V switch redraw from the cache. ``last_draw_s`` holds the last redraw's
-    wall time, also shown in the status line.
+    ``Explorer(ledger_root, profile).widget`` is an ipywidgets box; display it in a notebook. Picking a row or pair
+    draws it from the cache of rebuilt rows (:func:`cached`) within about a second, or rebuilds it (minutes, with a
+    progress bar; the figure says "rebuilding" meanwhile, the previous row's maps cleared). Sliders and switches
+    redraw from the cached drift, a slider when released (``continuous_update=False``). The position window
+    zooms the position axes until each token's text is on the axis; a table lists the positions of largest drift of
+    the selected layer and head. ``last_draw_s`` holds the last redraw's wall time, also shown in the status line.
 
     Raises:
         MissingLedgerError: if the profile has no Experiment 1 or 2 ledger.
@@ -232,19 +266,22 @@ class Explorer:
         self.row_picker = w.Dropdown(description="row", layout=w.Layout(width="640px"))
         self.layer = w.IntSlider(description="layer", min=0, max=1, continuous_update=False)
         self.head = w.IntSlider(description="KV head", min=0, max=1, continuous_update=False)
+        self.window = w.IntRangeSlider(description="positions", min=0, max=1, value=(0, 1), continuous_update=False,
+                                       layout=w.Layout(width="640px"))
         self.kind = w.ToggleButtons(options=["key", "value"], description="K / V")
         self.progress = w.IntProgress(min=0, max=4, description="rebuild", layout=w.Layout(width="460px"))
         self.status = w.HTML()
         self.summary_out = w.Output()
         self.plot = w.Output()
+        self.largest = w.Output()
         self._fill_rows(problem)
         self.pair_picker.observe(self._on_pair, names="value")
         self.row_picker.observe(self._on_row, names="value")
-        for c in (self.layer, self.head, self.kind):
+        for c in (self.layer, self.head, self.kind, self.window):
             c.observe(self._on_view, names="value")
         self.widget = w.VBox([
-            w.HBox([self.pair_picker, self.kind]), self.row_picker, w.HBox([self.layer, self.head]),
-            w.HBox([self.progress, self.status]), self.summary_out, self.plot,
+            w.HBox([self.pair_picker, self.kind]), self.row_picker, w.HBox([self.layer, self.head]), self.window,
+            w.HBox([self.progress, self.status]), self.summary_out, self.plot, self.largest,
         ])
         self.widget.add_class("kvreplay-explorer")
 
@@ -295,8 +332,9 @@ class Explorer:
 
     # -- drawing
     def refresh(self) -> None:
-        """Show the ledger's per-layer summary of the current row, rebuild its pair (cached), then draw."""
-        from IPython.display import display
+        """Show the ledger's per-layer summary of the current row, then draw its rebuilt drift: from the cache, or
+        rebuilt (the figure marked as rebuilding until then)."""
+        from IPython.display import HTML, display
 
         row, comp = self.row, self.comparison
         ref, other = comparison_arms(self.ledger.key.split("-")[0], comp)
@@ -306,41 +344,67 @@ class Explorer:
             if "tensors" in summary:
                 fig = figures.explorer_layers(layer_drift_frame(summary["tensors"]),
                                               title=f"{row['problem_id']}: {other} vs {ref}, {self.ledger.config['dtype']} (ledger)")
-                display(_png(fig))
+                display(as_png(fig))
             else:
                 print(f"the ledger keeps only the whole-cache summary for {comp} (exact: {summary['cache']['exact']})")
-        pair = rebuild(self.ledger, row, comp, self.model, progress=self._tell)
-        n_layers, n_heads = pair.maps[("key", "head")].shape
+        drift = cached(self.ledger, row, comp, self.model)
+        if drift is None:  # minutes: say so where the figure is, so the previous row's maps are not read as this one's
+            with self.plot:
+                self.plot.clear_output(wait=True)
+                display(HTML(f"<p class='kvreplay-stale'><b>Rebuilding {row['problem_id']}</b> ({other} vs {ref}, "
+                             f"{self.ledger.config['dtype']}, |z| = {len(row['prefix'])} tokens): the model loads and "
+                             "both caches are rebuilt once; later draws of this row read the cache.</p>"))
+            with self.largest:
+                self.largest.clear_output()
+            self.status.value = "<span class='kvreplay-status-stale'>rebuilding</span>"
+            drift = rebuild(self.ledger, row, comp, self.model, progress=self._tell)
+        else:
+            self._tell(4, 4, "read from the cache of rebuilt rows")
+        n_layers, n_heads = drift.maps[("key", "head")].shape
+        n = len(drift.tokens)
         self._quiet = True
         try:
             self.layer.max, self.head.max = n_layers - 1, n_heads - 1
+            self.window.max = max(1, n - 1)
+            self.window.value = (0, n - 1)
         finally:
             self._quiet = False
         self.draw()
 
     def draw(self) -> None:
-        """Redraw the heatmaps and the selected layer/head's per-position drift from the cached pair."""
+        """Redraw the heatmaps, the selected layer/head's per-position drift and its largest positions from the cached
+        drift (nothing while the current row is being rebuilt)."""
         from IPython.display import display
 
         t0 = time.perf_counter()
         row, comp = self.row, self.comparison
-        key = (str(self.ledger.dir), row["problem_id"], comp, self.model)
-        pair = _PAIRS.get(key)
-        if pair is None:
+        drift = cached(self.ledger, row, comp, self.model)
+        if drift is None:
             return
         ref, other = comparison_arms(self.ledger.key.split("-")[0], comp)
-        detail = head_position_drift(pair, self.layer.value, self.head.value, self.kind.value)
-        fig = figures.explorer_view(pair.maps, detail, pair.tokens, pair.blocks, layer=self.layer.value, head=self.head.value,
-                                    kind=self.kind.value, title=f"{row['problem_id']}: {other} vs {ref}, {self.ledger.config['dtype']}")
-        image = _png(fig)
+        layer, head, kind = self.layer.value, self.head.value, self.kind.value
+        detail = head_position_drift(drift, layer, head, kind)
+        fig = figures.explorer_view(drift.maps, detail, drift.tokens, drift.blocks, layer=layer, head=head, kind=kind,
+                                    title=f"{row['problem_id']}: {other} vs {ref}, {self.ledger.config['dtype']}")
+        lo, hi = self.window.value
+        zoom(fig, drift.tokens, (lo, hi) if (lo, hi) != (0, len(drift.tokens) - 1) else None)
+        image = as_png(fig)
+        top = largest_drift(drift, layer, head, kind)
         with self.plot:
             self.plot.clear_output(wait=True)
             display(image)
+        with self.largest:
+            self.largest.clear_output(wait=True)
+            print(f"positions of largest drift, layer {layer}, KV head {head}, {kind}s"
+                  + ("" if len(top) else ": none (bit-exact)"))
+            if len(top):
+                display(top)
         self.last_draw_s = time.perf_counter() - t0
-        fp = all(pair.fingerprint.values())
+        fp = all(drift.fingerprint.values())
         self.status.value = (f"<span class='kvreplay-status'>drawn in {self.last_draw_s:.2f} s · rebuilt in "
-                             f"{pair.seconds['rebuild']:.1f} s (model load {pair.seconds['model']:.1f} s) · "
-                             f"rebuilt drift equals the ledger's: {fp}</span>")
+                             f"{drift.seconds['rebuild']:.1f} s (model load {drift.seconds['model']:.1f} s) on "
+                             f"{drift.environment.get('device_name', '?')} · rebuilt drift equals the ledger's: "
+                             f"{fp}</span>")
 
     def show(self):
         """Display the controls and draw the current row (rebuilding it if needed); returns the widget."""

@@ -55,7 +55,8 @@ from .adapt import read_pointer
 from .ledger.lookup import ledger_progress
 from .ledger.store import TERMINAL_PROGRESS, canonical_json, library_digest
 from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, ROOT
-from .profiles import ChainParameters, load_parameters, profile_path, read_profile
+from .profiles import ChainParameters, describe, load_parameters, profile_path, read_profile
+from .report.paper_tables import NOT_RUN
 from .runner import READ_ONLY_ENV
 
 EXECUTED_PROFILES = ("cpu", "gpu", "paper")
@@ -128,13 +129,22 @@ def declared_parameters(name: str, params: dict) -> dict:
     return {k: v for k, v in params.items() if k in declared}
 
 
+KERNEL_ARGUMENTS = ["--IPKernelApp.log_level=CRITICAL", "--IPKernelApp.capture_fd_output=False"]
+"""How ``make paper`` starts a kernel: it logs only critical errors (a kernel shut down by Ctrl-C logs no ZMQ
+traceback), and what is written to its file descriptors rather than through ``sys.stdout`` (the row bars drawn
+on the terminal, :data:`~kvreplay.ledger.store.TERMINAL_PROGRESS`) goes to the terminal, not into the notebook."""
+
+
 def run_notebook(name: str, params: dict, out_dir: Path, html: bool = True, progress: bool = True) -> Path:
     """Execute one notebook with papermill into ``out_dir`` (atomically) and render HTML.
 
     The executed copy is written to a hidden partial file and moved into
-    place only when every cell ran; on any failure (a failing cell, a dead
-    kernel, Ctrl-C) the partial copy goes to ``out_dir/failed/`` and any
-    earlier good copy and its HTML are removed, so nothing stale stays in place.
+    place only when every cell ran, cleaned as :func:`clean_executed` cleans
+    the committed copies (paths relative to the repository); on any failure
+    (a failing cell, a dead kernel, Ctrl-C) the partial copy goes to
+    ``out_dir/failed/`` and any earlier good copy and its HTML are removed,
+    so nothing stale stays in place. The kernel logs only critical errors
+    (a kernel shut down under Ctrl-C logs no ZMQ traceback).
 
     Raises:
         RuntimeError: naming the notebook and, for a failing cell, the cell.
@@ -147,7 +157,7 @@ def run_notebook(name: str, params: dict, out_dir: Path, html: bool = True, prog
     try:
         pm.execute_notebook(
             str(NOTEBOOKS / name), str(tmp), parameters=declared_parameters(name, params), cwd=str(NOTEBOOKS),
-            kernel_name="python3", report_mode=False, extra_arguments=["--IPKernelApp.log_level=ERROR"],
+            kernel_name="python3", report_mode=False, extra_arguments=KERNEL_ARGUMENTS,
             progress_bar={"desc": f"{Path(name).stem[:24]:<24}", "leave": True} if progress else False,
         )
     except BaseException as e:
@@ -164,6 +174,7 @@ def run_notebook(name: str, params: dict, out_dir: Path, html: bool = True, prog
         else:
             where = f"{type(e).__name__}: {e}"
         raise RuntimeError(f"{name} failed in {where}; executed copy kept at {failed / name}") from None
+    clean_executed(tmp, tmp)  # no absolute path of this checkout, run dates or timings in the build copy either
     os.replace(tmp, out)
     html_path = out.with_suffix(".html")
     if html:
@@ -173,23 +184,58 @@ def run_notebook(name: str, params: dict, out_dir: Path, html: bool = True, prog
     return out
 
 
+READING_CSS = """
+.jp-OutputArea-output { overflow-x: auto; }
+.jp-RenderedHTMLCommon table { table-layout: auto; max-width: none; }
+.jp-RenderedHTMLCommon td, .jp-RenderedHTMLCommon th { white-space: normal; overflow-wrap: anywhere;
+  max-width: 36em; vertical-align: top; }
+.jp-RenderedHTMLCommon thead th { position: sticky; top: 0; background: var(--jp-layout-color0, #fff); }
+"""
+"""Style added to every HTML rendering: a table's cells wrap (at most 36em wide) and a table wider than the page
+scrolls inside its output, with its header row kept in view."""
+
+
 def render_html(path: Path) -> str:
-    """HTML of an executed notebook for reading: markdown and outputs, code cells' input hidden."""
+    """HTML of an executed notebook for reading: markdown and outputs, code cells' input hidden, tables wrapped or
+    scrolled within the page (:data:`READING_CSS`)."""
     from nbconvert import HTMLExporter
 
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_filename(str(path))
-    return body
+    return body.replace("</head>", f"<style>{READING_CSS}</style>\n</head>", 1)
 
 
 VOLATILE_METADATA = ("papermill", "execution")
 """Notebook and cell metadata keys that change on every run (timings, dates); dropped from committed copies."""
 
+PROGRESS_BAR = re.compile(r"^[^\n]*\d+%\|[^\n]*\|[^\n]*\[[^\]\n]*\]\s*(\x1b\[A)?$")
+"""One tqdm bar as text: ``desc:  50%|█████     | 1/2 [00:01<00:01, 1.0row/s]``."""
+
+
+def is_progress_output(out: dict) -> bool:
+    """Whether a notebook output is only a progress bar: a tqdm widget (its text fallback a bar) or a stderr stream
+    whose every line (after the carriage returns that redraw it) is a bar. Such an output shows a run's state at one
+    moment (``0%`` in a finished copy), so :func:`clean_executed` drops it; other stderr (a warning) stays."""
+    data = out.get("data", {})
+    if out.get("output_type") == "display_data" and "application/vnd.jupyter.widget-view+json" in data:
+        text = data.get("text/plain", "")
+        text = "".join(text) if isinstance(text, list) else text
+        return bool(PROGRESS_BAR.match(text.strip()))
+    if out.get("output_type") == "stream" and out.get("name") == "stderr":
+        text = "".join(out["text"]) if isinstance(out["text"], list) else out["text"]
+        shown = [line.rsplit("\r", 1)[-1].strip() for line in text.replace("\r\n", "\n").split("\n")]
+        shown = [line for line in shown if line]
+        return bool(shown) and all(PROGRESS_BAR.match(line) for line in shown)
+    return False
+
 
 def clean_executed(src: Path, dest: Path) -> Path:
     """Copy an executed notebook to ``dest`` without what changes from run to run or checkout to checkout.
 
-    Dropped: volatile metadata (run dates and durations). Made fixed: the id of
+    Dropped: volatile metadata (run dates and durations), progress-bar outputs (:func:`is_progress_output`), and
+    the plain-text copy of an output that has an HTML one (a table is read as HTML, in JupyterLab, on GitHub and
+    in ``make paper``'s HTML; its text copy doubled the bytes the repository's size budget counts). Made fixed: the
+    id of
     the cell papermill injects (a fresh random id on every run), and this
     checkout's absolute path in text outputs (written relative to the
     repository root), and consecutive stream outputs merged into one (how a
@@ -212,7 +258,11 @@ def clean_executed(src: Path, dest: Path) -> Path:
             c.metadata.pop(key, None)
         if "injected-parameters" in c.metadata.get("tags", []):
             c["id"] = "injected-parameters"
+        if "outputs" in c:
+            c["outputs"] = [out for out in c["outputs"] if not is_progress_output(out)]
         for out in c.get("outputs", []):
+            if "text/html" in out.get("data", {}):
+                out["data"].pop("text/plain", None)
             if "text" in out:
                 out["text"] = out["text"].replace(prefix, "")
             for mime in ("text/plain", "text/markdown", "text/html"):
@@ -264,20 +314,60 @@ def artifact_index(folder: Path, chain: list[str]) -> list[dict]:
     return out
 
 
+HEADLINE = ("exp1.bf16.suffix", "exp2.fp32.suffix", "exp4.joint_recovery", "exp5.interpretation")
+"""The endpoints (ids of ``table_vs_paper``) an index opens with: BF16 and FP32 divergence, donor recovery, the verdict."""
+
+EXPLORER = "08_drift_explorer.ipynb"
+
+
+def headline(figures: Path) -> list[str]:
+    """The index's first lines: :data:`HEADLINE`'s endpoints, this run against the paper, read from
+    ``<figures>/table_vs_paper.csv`` (notebook 06); one line saying it is missing when it is.
+
+    Returns:
+        Markdown lines (``- endpoint: this run (paper: ...)``).
+    """
+    import csv
+
+    table = figures / "table_vs_paper.csv"
+    if not table.is_file():
+        return [f"- No headline yet: notebook 06 writes `{table.name}` (this run against the paper)."]
+    with table.open(encoding="utf-8", newline="") as f:
+        rows = {r["id"]: r for r in csv.DictReader(f)}
+    out = [f"- {rows[i]['endpoint']}: **{rows[i]['this run']}** (paper: {rows[i]['paper']})"
+           for i in HEADLINE if i in rows and rows[i]["this run"] != NOT_RUN]
+    if "exp1.bf16.suffix" in rows:
+        out.append(f"- What differs from the paper's setup: {rows['exp1.bf16.suffix']['what differs']}.")
+    return out
+
+
+def _relative(target: Path, start: Path) -> str:
+    """``target`` as a link from a page in ``start`` (POSIX separators)."""
+    return Path(os.path.relpath(Path(target).resolve(), Path(start).resolve())).as_posix()
+
+
 def write_index(entries: list[dict], profile: str, folder: Path, html_folder: Path | None,
-                listed: list[str] | None = None) -> list[Path]:
+                listed: list[str] | None = None, figures: Path | None = None) -> list[Path]:
     """Write the one-page index of tables and figures: ``<folder>/README.md`` and ``<html_folder>/index.html``.
 
-    ``listed``: the notebook name prefixes the profile's ``notebooks`` list names (``None``: all of them);
-    a notebook not executed yet is said to be missing, or to be outside that list.
+    Both open with the headline (:func:`headline`, read from ``figures``) and a link to the drift explorer
+    (notebook 08); every notebook and file is a link, relative to the page. ``listed``: the notebook name prefixes
+    the profile's ``notebooks`` list names (``None``: all of them); a notebook not executed yet is said to be
+    missing, or to be outside that list. ``figures``: the profile's tables and figures (default
+    ``figures/<profile>``).
 
     Returns:
         the paths written.
     """
     import html as H
 
-    rel_fig = f"../../figures/{profile}"
+    figures = Path(figures) if figures is not None else FIGURES / profile
+    top = headline(figures)
+    explorer_md = (f"Per-tensor drift of one row, per layer, KV head and token position: [{EXPLORER}]({EXPLORER}) "
+                   "(the drift explorer; interactive with `make lab`).")
+    rel_fig = _relative(figures, folder)
     lines = [f"# Executed notebooks, profile `{profile}`", "",
+             f"Headline (from `{_relative(figures / 'table_vs_paper.csv', folder)}`):", "", *top, "", explorer_md, "",
              "Each notebook here was executed headlessly by `make paper` (`python -m kvreplay.paper --profile "
              f"{profile}`) from the clean sources in `notebooks/`; every table and figure is inline. They are "
              "re-executed whenever the ledgers are recomputed. Below: every table and figure, the notebook cell that "
@@ -300,15 +390,32 @@ def write_index(entries: list[dict], profile: str, folder: Path, html_folder: Pa
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
     written.append(md)
     if html_folder is not None:
+        def inline(text: str) -> str:
+            """The Markdown of a headline line as HTML: escaped, **bold** and `code` kept."""
+            text = H.escape(text)
+            text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
+            return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
+
+        fig_href = _relative(figures, html_folder)
         rows = "".join(
             f"<tr><td><code>{H.escape(e['stem'])}</code></td><td>{e['kind']}</td>"
             f"<td><a href=\"{Path(e['notebook']).stem}.html#cell-id={e['cell_id']}\">{H.escape(e['notebook'])}, code cell {e['cell']}</a>"
-            f" ({H.escape(e['heading'])})</td><td>{H.escape(e['files'])}</td></tr>" for e in entries)
+            f" ({H.escape(e['heading'])})</td><td>"
+            + ", ".join(f"<a href=\"{H.escape(fig_href)}/{H.escape(e['stem'] + x)}\">{H.escape(x)}</a>" for x in e["files"].split())
+            + "</td></tr>" for e in entries)
+        notebooks = "".join(f"<li><a href=\"{Path(n).stem}.html\">{H.escape(n)}</a></li>" for n in CHAIN
+                            if (html_folder / f"{Path(n).stem}.html").is_file())
+        explorer = Path(EXPLORER).stem + ".html"
         page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvreplay, profile {profile}</title>"
-                "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}td,th{padding:2px 8px;text-align:left}"
-                "tr:nth-child(even){background:#f4f4f4}</style></head><body>"
+                "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}td,th{padding:2px 8px;text-align:left;"
+                "vertical-align:top;overflow-wrap:anywhere}tr:nth-child(even){background:#f4f4f4}</style></head><body>"
                 f"<h1>kvreplay: tables and figures, profile <code>{profile}</code></h1>"
-                "<p>Each link opens the executed notebook (code hidden) at the cell that makes the artifact.</p>"
+                f"<p>Headline (from <code>{H.escape(_relative(figures / 'table_vs_paper.csv', html_folder))}</code>):</p>"
+                "<ul class='headline'>" + "".join(f"<li>{inline(x[2:])}</li>" for x in top) + "</ul>"
+                f"<p>Per-tensor drift of one row, per layer, KV head and token position: <a href=\"{explorer}\">"
+                f"{EXPLORER}</a> (the drift explorer; interactive with <code>make lab</code>).</p>"
+                f"<p>Executed notebooks (code hidden):</p><ul>{notebooks}</ul>"
+                "<p>Each link below opens the executed notebook at the cell that makes the artifact, or the file.</p>"
                 f"<table><tr><th>artifact</th><th>kind</th><th>made by</th><th>files</th></tr>{rows}</table></body></html>")
         html_folder.mkdir(parents=True, exist_ok=True)
         idx = html_folder / "index.html"
@@ -444,11 +551,20 @@ def write_results(label: str, params: ChainParameters, ledgers: Path) -> str:
     return f"results page: {', '.join(map(str, changed))} rewritten" if changed else f"results page unchanged: {page}"
 
 
+WAIT_POLICY = "OMP_WAIT_POLICY"
+"""OpenMP's wait policy: ``PASSIVE`` (unless set) for the kernels, whose idle threads then sleep instead of spinning
+against other jobs; it changes no bit (the golden rows pass under it). The Makefile exports the same."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """``make paper``; see the module docstring. The environment variables it sets for the notebooks' kernels
-    (:data:`~kvreplay.ledger.store.TERMINAL_PROGRESS`, and :data:`~kvreplay.runner.READ_ONLY_ENV` for a profile
-    whose file lists ``done:``) are restored when it returns."""
-    saved = {k: os.environ.get(k) for k in (TERMINAL_PROGRESS, READ_ONLY_ENV)}
+    (:data:`~kvreplay.ledger.store.TERMINAL_PROGRESS`, :data:`WAIT_POLICY` when unset, and
+    :data:`~kvreplay.runner.READ_ONLY_ENV` for a profile whose file lists ``done:``) are restored when it returns.
+
+    Ctrl-C stops the run with one line (exit 130): the kernel is shut down, finished ledger rows stay (a ledger
+    is append-only), and the same command resumes."""
+    saved = {k: os.environ.get(k) for k in (TERMINAL_PROGRESS, READ_ONLY_ENV, WAIT_POLICY)}
+    os.environ.setdefault(WAIT_POLICY, "PASSIVE")
     try:
         return _main(argv)
     finally:
@@ -457,6 +573,12 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _shown_path(path: Path) -> str:
+    """A path as printed: relative to the repository when inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -517,52 +639,65 @@ def _main(argv: list[str] | None) -> int:
         # way that changes one), its run_arm refuses to compute rather than compute here (kernels inherit this)
         os.environ[READ_ONLY_ENV] = "1"
     out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"== {describe(params, given, overrides)}", flush=True)  # the resolved values, before anything runs
     t0 = time.perf_counter()
     if args.engine == "inprocess":
         import matplotlib
 
         matplotlib.use("Agg")
-        for name in chain:
-            t = time.perf_counter()
-            print(f"== {name} (profile {label}, in process)", flush=True)
-            (out_dir / f".{Path(name).stem}.inputs").unlink(missing_ok=True)
-            try:
-                run_inprocess(NOTEBOOKS / name, injected)
-            except RuntimeError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 1
-            print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
+        name = chain[0]
+        try:
+            for name in chain:
+                t = time.perf_counter()
+                print(f"== {name} (profile {label}, in process)", flush=True)
+                (out_dir / f".{Path(name).stem}.inputs").unlink(missing_ok=True)
+                try:
+                    run_inprocess(NOTEBOOKS / name, injected)
+                except RuntimeError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 1
+                print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted (Ctrl-C) in {name}: the rows it finished are kept in {_shown_path(ledgers)}; "
+                  "run the same command again to resume", file=sys.stderr, flush=True)
+            return 130
         print(f"\nin-process run ({label}) finished in {time.perf_counter() - t0:.0f} s; ledgers: {ledgers}; "
               f"tables and figures: {figures}")
         return 0
 
     os.environ[TERMINAL_PROGRESS] = "1"  # kernels inherit it: computed rows get a row bar in this terminal
     executed = (args.executed or label in EXECUTED_PROFILES) and not args.no_executed
-    for name in chain:
-        t = time.perf_counter()
-        stamp = out_dir / f".{Path(name).stem}.inputs"
-        if not args.force and (out_dir / name).exists() and stamp.exists() and stamp.read_text() == inputs_digest(name, params):
-            print(f"== {name}: up to date (source, parameters, library and ledgers unchanged), skipped", flush=True)
-            continue
-        print(f"== {name} (profile {label})", flush=True)
-        stamp.unlink(missing_ok=True)
-        try:
-            run_notebook(name, injected, out_dir, html=not args.no_html)
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
-        if executed:
-            clean_executed(out_dir / name, EXECUTED / label / name)
+    name = chain[0]
+    try:
+        for name in chain:
+            t = time.perf_counter()
+            stamp = out_dir / f".{Path(name).stem}.inputs"
+            if not args.force and (out_dir / name).exists() and stamp.exists() and stamp.read_text() == inputs_digest(name, params):
+                print(f"== {name}: up to date (source, parameters, library and ledgers unchanged), skipped", flush=True)
+                continue
+            print(f"== {name} (profile {label})", flush=True)
+            stamp.unlink(missing_ok=True)
+            try:
+                run_notebook(name, injected, out_dir, html=not args.no_html)
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
+            if executed:
+                clean_executed(out_dir / name, EXECUTED / label / name)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted (Ctrl-C) in {name}: the rows it finished are kept in {_shown_path(ledgers)}; "
+              "run the same command again to resume", file=sys.stderr, flush=True)
+        return 130
     # Stamp against the final state: a notebook reads only its own and earlier notebooks' ledgers, so the
     # later notebooks' writes do not change its outputs.
     for name in chain:
         (out_dir / f".{Path(name).stem}.inputs").write_text(inputs_digest(name, params))
     entries = artifact_index(out_dir, CHAIN)
-    write_index(entries, label, out_dir, out_dir, listed)
+    write_index(entries, label, out_dir, out_dir, listed, figures)
     if executed:
         write_index(artifact_index(EXECUTED / label, CHAIN), label, EXECUTED / label, None,
-                    listed)
+                    listed, figures)
     results_line = ("results page: not rewritten by a run with --only" if args.only
                     else write_results(label, params, ledgers))
     print(f"\nmake paper ({label}) finished in {time.perf_counter() - t0:.0f} s")

@@ -6,14 +6,17 @@ Every notebook of the chain (00-08) starts with the same two parameters ::
     overrides = {}      # values replacing the profile's
 
 and its setup call (:func:`kvreplay.session.open_session`) resolves them with
-:func:`load_parameters` into one frozen :class:`ChainParameters`: the field
-defaults, then the profile file's values, then ``overrides``, each name and
+:func:`load_parameters` into one frozen :class:`ChainParameters`: the profile's
+base, then the profile file's values, then ``overrides``, each name and
 type checked before any model or data is read. ``make paper``
 (:mod:`kvreplay.paper`) and ``scripts/gpu_profile.py`` pass the same two
 values, so a parameter has one name, one type and one default, here.
 
-The defaults are the ``smoke`` profile (``notebooks/params/smoke.yaml``; a
+The field defaults are the ``smoke`` profile (``notebooks/params/smoke.yaml``; a
 test keeps the two equal), so a notebook opened and run as is runs in minutes.
+A parameter a profile file leaves out comes from its **base** (:func:`base_of`):
+the profile named by its ``base:`` key, else ``cpu`` (the committed laptop-scale
+run), except for ``smoke`` and ``cpu`` themselves, whose base is the field defaults.
 """
 
 from __future__ import annotations
@@ -30,9 +33,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .paths import PARAMS, ROOT
 from .runner import EXECUTION_KEYS, resolve_execution
 
-PROFILE_KEYS = ("notebooks", "done")
-"""Profile keys that are not chain parameters: the notebooks ``make paper`` runs (read by :mod:`kvreplay.paper`) and
-the rows finished per arm (a record for the reader). :func:`load_parameters` skips them."""
+PROFILE_KEYS = ("notebooks", "done", "base")
+"""Profile keys that are not chain parameters: the notebooks ``make paper`` runs (read by :mod:`kvreplay.paper`),
+the rows finished per arm (a record for the reader) and the profile whose values fill what the file leaves out
+(:func:`base_of`). :func:`load_parameters` skips them as parameters."""
+
+DEFAULT_BASE = "cpu"
+"""The base of a profile file without a ``base:`` key (a user's own profile): the committed ``cpu`` profile's values."""
+
+FIELD_DEFAULTS = "defaults"
+"""The base that means :class:`ChainParameters`' field defaults (the ``smoke`` values): that of ``smoke`` and ``cpu``."""
+
+DEFAULTS_BASED = ("smoke", "cpu")
+"""Profiles resolved over the field defaults when their file names no ``base:`` (``cpu`` lists what it changes)."""
 
 DEFAULT_PROFILE = "smoke"
 """The profile a notebook opened as is runs (its ``profile`` parameter's default)."""
@@ -183,13 +196,54 @@ def _check_names(names, where: str) -> None:
                          "be dropped without effect")
 
 
+def base_of(profile: str | Path) -> str:
+    """The base of a profile: its file's ``base:`` (a profile name or YAML path, or ``defaults``), else
+    :data:`DEFAULT_BASE` (``cpu``), or :data:`FIELD_DEFAULTS` for :data:`DEFAULTS_BASED` (``smoke``, ``cpu``).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`read_profile`; ``base:`` that is not a non-empty string.
+    """
+    path = profile_path(profile)
+    doc = read_profile(path)
+    if "base" not in doc:
+        return FIELD_DEFAULTS if path.stem in DEFAULTS_BASED else DEFAULT_BASE
+    base = doc["base"]
+    if not (isinstance(base, str) and base):
+        raise ValueError(f"profile {_shown(path)}: `base:` must name a profile (e.g. cpu) or be `defaults`, got {base!r}")
+    return base
+
+
+def _file_values(profile: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A profile file's parameter values over its base's (recursively), names checked, values not yet typed."""
+    path = profile_path(profile)
+    where = f"profile {_shown(path)}"
+    if path.resolve() in seen:
+        chain = " -> ".join(_shown(p) for p in (*seen, path.resolve()))
+        raise ValueError(f"{where}: its `base:` chain returns to itself ({chain})")
+    doc = {k: v for k, v in read_profile(path).items() if k not in PROFILE_KEYS}
+    _check_names(doc, where)
+    if doc.get("profile", path.stem) != path.stem:
+        raise ValueError(f"{where}: its `profile: {doc['profile']}` differs from the file's name {path.stem!r}")
+    base = base_of(path)
+    if base == FIELD_DEFAULTS:
+        under: dict[str, Any] = {}
+    else:
+        try:
+            under = _file_values(base, (*seen, path.resolve()))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{where}: base {base!r}: {e}") from None
+        under.pop("profile", None)
+    return under | doc
+
+
 def load_parameters(profile: str | Path = DEFAULT_PROFILE, overrides: Mapping[str, Any] | None = None) -> ChainParameters:
     """Resolve a notebook's ``profile`` and ``overrides`` parameters into the chain's parameters.
 
-    The values are :class:`ChainParameters`' defaults, then the profile file's (its :data:`PROFILE_KEYS` skipped),
-    then ``overrides`` (a value replaces the profile's whole: an ``execution`` override replaces its mapping).
+    The values are :class:`ChainParameters`' defaults, then the base's values (:func:`base_of`: ``cpu`` unless the
+    file names another with ``base:``), then the profile file's (its :data:`PROFILE_KEYS` skipped), then
+    ``overrides`` (a value replaces the profile's whole: an ``execution`` override replaces its mapping).
     ``profile`` defaults to the file's name (``cpu`` for ``notebooks/params/cpu.yaml``); an override may relabel
-    it. Nothing but the profile file is read.
+    it. Nothing but the profile file and its bases' files is read.
 
     Args:
         profile: a profile name (``notebooks/params/<name>.yaml``) or a path to a YAML file.
@@ -199,18 +253,15 @@ def load_parameters(profile: str | Path = DEFAULT_PROFILE, overrides: Mapping[st
         the frozen, checked parameters.
 
     Raises:
-        FileNotFoundError: no such profile (the known ones are named).
+        FileNotFoundError: no such profile or base (the known ones are named).
         ValueError: naming the profile file: a key that is not a chain parameter (with the closest name), in the
-            file or in ``overrides``; an execution-contract key outside ``execution``; a file whose ``profile:``
-            differs from its name; a value of the wrong type or range; an execution contract that
-            :func:`~kvreplay.runner.resolve_execution` refuses.
+            file, its base or ``overrides``; an execution-contract key outside ``execution``; a file whose
+            ``profile:`` differs from its name; a ``base:`` chain that returns to itself; a value of the wrong
+            type or range; an execution contract that :func:`~kvreplay.runner.resolve_execution` refuses.
     """
     path = profile_path(profile)
     where = f"profile {_shown(path)}"
-    doc = {k: v for k, v in read_profile(path).items() if k not in PROFILE_KEYS}
-    _check_names(doc, where)
-    if doc.get("profile", path.stem) != path.stem:
-        raise ValueError(f"{where}: its `profile: {doc['profile']}` differs from the file's name {path.stem!r}")
+    doc = _file_values(path)
     if overrides is not None and not isinstance(overrides, Mapping):
         raise ValueError(f"overrides must be a mapping of parameter names to values, not {type(overrides).__name__} "
                          f"{overrides!r} (papermill: -y 'overrides: {{n_rows: 4}}', not -p overrides ...)")
@@ -239,12 +290,15 @@ def profile_sha256(profile: str | Path) -> str:
 
 
 def describe(params: ChainParameters, profile: str | Path, overrides: Mapping[str, Any] | None = None) -> str:
-    """One line of the resolved values a reader of an executed notebook needs: the profile file and its sha256 prefix,
-    the overrides, rows, caps, precisions and the ``execution`` mapping as given (its other keys take
-    :data:`~kvreplay.runner.EXECUTION_DEFAULTS`)."""
+    """One line of the resolved values a reader of an executed notebook needs: the profile file, its sha256 prefix and
+    its base (:func:`base_of`), the overrides, model, problems, rows, caps, precisions and the ``execution`` mapping
+    as given (its other keys take :data:`~kvreplay.runner.EXECUTION_DEFAULTS`)."""
     given = ", ".join(f"{k}={v}" for k, v in params.contract.items() if k in params.execution)
-    parts = [f"profile {params.profile} ({_shown(profile_path(profile))}, sha256 {profile_sha256(profile)[:12]})",
-             f"overrides {dict(overrides or {})}",
+    base = base_of(profile)
+    parts = [f"profile {params.profile} ({_shown(profile_path(profile))}, sha256 {profile_sha256(profile)[:12]}; "
+             f"the rest from {'the smoke defaults' if base == FIELD_DEFAULTS else f'base {base}'})",
+             "overrides " + (", ".join(f"{k}={v}" for k, v in (overrides or {}).items()) or "none"),
+             f"model {params.model}", f"problems {params.problems}",
              f"rows {params.n_rows} (preflight {params.preflight})",
              f"caps {params.cap_branch}/{params.cap_merge}/{params.cap_answer}",
              f"precisions {', '.join(params.precisions)}",

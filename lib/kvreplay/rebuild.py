@@ -9,12 +9,14 @@ two boundary caches of one comparison from the row's token IDs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from . import caches, decode
@@ -22,7 +24,7 @@ from .contract import resolve_format
 from .experiments.matrix import boundary_gates
 from .gates import GateError
 from .ledger.lookup import LoadedLedger
-from .ledger.records import Exp1Record, Exp2Record
+from .ledger.records import Exp1Record, Exp1Row, Exp2Record, Exp2Row
 from .ledger.store import canonical_json
 from .execution import ExecutionContract
 from .models import load_model
@@ -254,3 +256,175 @@ def topk_frame(tokenizer, ref_logits, other_logits, k: int = 10) -> pd.DataFrame
              "other - reference": float(o[t] - r[t]), "rank (reference)": rank_r.get(t), "rank (other)": rank_o.get(t)}
             for t in ids]
     return pd.DataFrame(rows).set_index("token").sort_values("reference", ascending=False)
+
+
+# ----------------------------------------------------------------------------- a rebuilt row kept on disk
+
+REBUILD_VERSION = 1
+"""The version of what :class:`RebuiltDrift` holds and how it is computed; part of every cache key (bump it when
+either changes, so an older cached rebuild is never read as a current one)."""
+
+TOP_LOGITS = 64
+"""Boundary logits kept per state: each state's top :data:`TOP_LOGITS` tokens and the other's logit on them, so
+:func:`topk_frame` gives the full-vocabulary answer for ``k <= TOP_LOGITS // 2``."""
+
+KINDS = ("key", "value")
+
+
+@dataclasses.dataclass
+class RebuiltDrift:
+    """What the explorer shows of one row's rebuilt boundary pair, without the caches (small enough to keep on disk).
+
+    Attributes:
+        maps: :func:`drift_maps` (per head ``[layers, kv_heads]`` and per position ``[layers, |z|]``, float64).
+        detail: kind -> relative L2 over head_dim per layer, KV head and position, float32 ``[layers, kv_heads, |z|]``
+            (NaN where the reference is 0).
+        logit_ids: token IDs ``[n]`` (int64) where :attr:`logits` are kept (:data:`TOP_LOGITS`).
+        logits: ``(reference, other)`` boundary logits on :attr:`logit_ids`, float32 ``[n]`` each.
+        summary: :func:`kvreplay.experiments.matrix.comparison` of the pair (per tensor).
+        fingerprint: :func:`fingerprint_matches` of :attr:`summary` against the ledger's.
+        tokens: token text of each position of z; blocks: block name -> first position in z.
+        seconds: ``{"model": s, "rebuild": s}`` wall times when it was rebuilt.
+        environment: :func:`kvreplay.models.environment_record` of the machine and model that rebuilt it.
+        key: what keys it (:func:`drift_key`).
+    """
+    maps: dict[tuple[str, str], pd.DataFrame]
+    detail: dict[str, np.ndarray]
+    logit_ids: np.ndarray
+    logits: tuple[np.ndarray, np.ndarray]
+    summary: dict
+    fingerprint: dict[str, bool]
+    tokens: list[str]
+    blocks: dict[str, int]
+    seconds: dict[str, float]
+    environment: dict
+    key: dict
+
+    def full_logits(self, which: int) -> torch.Tensor:
+        """Boundary logits ``[vocab]`` (float32) of the reference (0) or other (1) state: the kept ones, ``-inf``
+        elsewhere (what :func:`topk_frame` needs for ``k <= TOP_LOGITS // 2``)."""
+        import torch
+
+        vocab = int(self.key["vocab"])
+        out = torch.full((vocab,), -math.inf, dtype=torch.float32)
+        out[torch.from_numpy(self.logit_ids)] = torch.from_numpy(self.logits[which])
+        return out
+
+
+def drift_key(ledger: LoadedLedger, row: Mapping[str, Any], comparison: str, model: str | None = None) -> dict:
+    """What a cached rebuild of ``row`` is keyed by: the profile and ledger folder (its config digest), the row's
+    sha256, the comparison, the ledger's row-algorithm version, :data:`REBUILD_VERSION` and a model override.
+
+    Returns:
+        a JSON-serializable dict; its ``digest`` (sha256 prefix) names the file.
+    """
+    import hashlib
+
+    key = {"profile": ledger.dir.parent.name, "ledger": ledger.dir.name, "problem_id": row["problem_id"],
+           "comparison": comparison,
+           "dtype": ledger.config["dtype"], "row_sha256": hashlib.sha256(canonical_json(row).encode()).hexdigest(),
+           "row_algorithm": ledger.environment.get("row_algorithm"), "rebuild_version": REBUILD_VERSION,
+           "model": model}
+    return key | {"digest": hashlib.sha256(canonical_json(key).encode()).hexdigest()[:16]}
+
+
+def drift_file(folder: str | Path, key: Mapping[str, Any]) -> Path:
+    """``<folder>/<profile>/<problem>_<ledger>_<comparison>_<digest>.npz``: where a cached rebuild of ``key`` lives."""
+    return Path(folder) / key["profile"] / f"{key['problem_id']}_{key['ledger']}_{key['comparison']}_{key['digest']}.npz"
+
+
+def rebuilt_drift(lm, fmt, ledger: LoadedLedger, row: Exp1Row | Exp2Row, comparison: str, a, b, *,
+                  model: str | None = None, seconds: Mapping[str, float]) -> RebuiltDrift:
+    """The :class:`RebuiltDrift` of a rebuilt pair ``a, b`` (:func:`rebuild_pair`) of ``row``.
+
+    Raises:
+        KeyError: ``comparison`` is not in the row's ``boundary``.
+    """
+    import torch
+
+    from .contract import ROLE_NAMES
+    from .experiments.matrix import comparison as compare_states
+    from .gates import cache_tensors
+    from .ledger.records import comparison_of
+    from .models import environment_record
+
+    summary = compare_states(a, b, per_tensor=True)
+    ref, other = cache_tensors(a.cache), cache_tensors(b.cache)
+    detail: dict[str, list[np.ndarray]] = {k: [] for k in KINDS}
+    for (name, x), (_, y) in zip(ref, other):
+        r = x[0].detach().to(torch.float64)  # [kv_heads, |z|, head_dim], the first duplicate copy
+        num = torch.linalg.vector_norm(y[0].detach().to(torch.float64) - r, dim=-1)
+        den = torch.linalg.vector_norm(r, dim=-1)
+        rel = torch.where(den > 0, num / den.clamp_min(1e-300), torch.full_like(num, math.nan))
+        detail[name.split(".")[1]].append(rel.to(torch.float32).numpy())
+    la, lb = a.logits[0].float(), b.logits[0].float()
+    ids = sorted(set(torch.topk(la, TOP_LOGITS).indices.tolist()) | set(torch.topk(lb, TOP_LOGITS).indices.tolist()))
+    index = torch.tensor(ids, dtype=torch.long)
+    roles = fmt.parse(row["prefix"]).roles
+    key = drift_key(ledger, row, comparison, model) | {"vocab": int(la.shape[0])}
+    return RebuiltDrift(
+        maps=drift_maps(ref, other), detail={k: np.stack(v) for k, v in detail.items()},
+        logit_ids=index.numpy(), logits=(la[index].numpy(), lb[index].numpy()), summary=summary,
+        fingerprint=fingerprint_matches(comparison_of(row, comparison), summary),
+        tokens=[token_text(lm.tokenizer, t) for t in row["prefix"]],
+        blocks={ROLE_NAMES[r]: list(roles).index(r) for r in sorted(set(roles))}, seconds=dict(seconds),
+        environment=environment_record(lm, ledger.config["threads"]), key=key)
+
+
+def save_drift(drift: RebuiltDrift, path: str | Path) -> Path:
+    """Write ``drift`` as one compressed ``.npz`` (numeric arrays, and the rest as UTF-8 JSON bytes: no pickle),
+    atomically.
+
+    Returns:
+        ``path``.
+    """
+    import os
+    import tempfile
+
+    arrays = {f"map.{kind}.{axis}": frame.to_numpy(dtype=np.float64) for (kind, axis), frame in drift.maps.items()}
+    arrays |= {f"detail.{kind}": v for kind, v in drift.detail.items()}
+    arrays |= {"logit_ids": drift.logit_ids.astype(np.int64), "logits.reference": drift.logits[0],
+               "logits.other": drift.logits[1]}
+    meta = {"summary": drift.summary, "fingerprint": drift.fingerprint, "tokens": drift.tokens, "blocks": drift.blocks,
+            "seconds": drift.seconds, "environment": drift.environment, "key": drift.key}
+    arrays["meta"] = np.frombuffer(canonical_json(meta).encode(), dtype=np.uint8)  # UTF-8 JSON
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
+    os.close(fd)
+    try:
+        np.savez_compressed(tmp, **arrays)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path
+
+
+def load_drift(path: str | Path) -> RebuiltDrift:
+    """Read a :func:`save_drift` file.
+
+    Raises:
+        ValueError: the file is not a cached rebuild of :data:`REBUILD_VERSION` (names the file).
+    """
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+        meta = json.loads(arrays.pop("meta").tobytes().decode())
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path}: not a cached rebuild ({e})") from None
+    if meta["key"].get("rebuild_version") != REBUILD_VERSION:
+        raise ValueError(f"{path}: a cached rebuild of version {meta['key'].get('rebuild_version')}, "
+                         f"this library reads {REBUILD_VERSION}")
+    maps = {}
+    for name, v in arrays.items():
+        if name.startswith("map."):
+            _, kind, axis = name.split(".")
+            frame = pd.DataFrame(v)
+            frame.index.name, frame.columns.name = "layer", axis
+            maps[(kind, axis)] = frame
+    return RebuiltDrift(
+        maps=maps, detail={k: arrays[f"detail.{k}"] for k in KINDS}, logit_ids=arrays["logit_ids"],
+        logits=(arrays["logits.reference"], arrays["logits.other"]), summary=meta["summary"],
+        fingerprint=meta["fingerprint"], tokens=meta["tokens"], blocks=meta["blocks"], seconds=meta["seconds"],
+        environment=meta["environment"], key=meta["key"])

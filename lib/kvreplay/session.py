@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,15 @@ from .runner import ArmSettings, resolve_execution
 
 ENGINE_KEYS = ("step_path", "batch", "max_len", "chunk", "attention")
 """Execution-contract keys that drive the batched engine (left out of an arm without a batched runner)."""
+
+WHOLE_TABLES = {"display.max_rows": None, "display.max_columns": None, "display.max_colwidth": None}
+"""pandas display options :func:`open_session` sets: a notebook shows every row, column and whole cell text of a
+table (executed copies and their HTML are read, not scrolled in a kernel; pandas would cut at 60 rows and 50
+characters)."""
+
+# Processes a session starts (Ray row actors) load torch with idle OpenMP threads sleeping, not spinning (no bit
+# changes). The kernel's own torch read its policy when imported: the Makefile and `make paper` set it for kernels.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @dataclasses.dataclass
@@ -219,7 +229,8 @@ class Session:
 
 def open_session(notebook: str, profile: str | Path = DEFAULT_PROFILE, overrides: Mapping[str, Any] | None = None, *,
                  quiet: bool = False) -> Session:
-    """Build a notebook's :class:`Session` from its two parameters, and print the resolved values that matter.
+    """Build a notebook's :class:`Session` from its two parameters, print the resolved values that matter, and set
+    pandas to show tables whole (:data:`WHOLE_TABLES`).
 
     Args:
         notebook: the notebook's path from the repository root, e.g. ``"notebooks/01_experiment1_live_vs_prefill.ipynb"``.
@@ -241,6 +252,8 @@ def open_session(notebook: str, profile: str | Path = DEFAULT_PROFILE, overrides
     except ValueError as e:
         raise ValueError(f"{notebook}: {e}") from None
     session = Session(notebook, params, resolve_execution(notebook, params.execution))
+    for option, value in WHOLE_TABLES.items():
+        pd.set_option(option, value)
     if not quiet:
         print(describe(params, profile, overrides))
     return session

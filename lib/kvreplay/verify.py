@@ -25,7 +25,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .contract import Caps
@@ -171,7 +171,7 @@ def chunk_function(folder: Path, config: dict):
 
 
 def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", problems=None,
-                  model: str | None = None) -> list[RowCheck]:
+                  model: str | None = None, report: Callable[[RowCheck], None] | None = None) -> list[RowCheck]:
     """Recompute ``rows`` committed rows of one ledger and compare them with the committed lines.
 
     Args:
@@ -185,6 +185,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
         problems: the problem set (default: the frozen bank).
         model: where the ledger's model is, for a local folder (the manifest keys it by folder name and file
             digests only); it must have the manifest's model key.
+        report: called with each row's :class:`RowCheck` as soon as that row is recomputed.
 
     Returns:
         One :class:`RowCheck` per recomputed row.
@@ -258,6 +259,8 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
             parted = None if ok else first_difference(old, new)
             detail = "byte-identical" if ok else f"differs first at {parted}"
             out.append(RowCheck(folder.name, old["problem_id"], "bytes", ok, parted, detail))
+            if report is not None:
+                report(out[-1])
             continue
         checks, parted = [], None
         gates_ok = new.get("gate_failure") is None and old.get("gate_failure") is None
@@ -275,13 +278,13 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
             checks.append("BF16 bits not compared")
         out.append(RowCheck(folder.name, old["problem_id"], "portable", ok, parted,
                             f"{'; '.join(checks)} (another environment: {shown}{where})"))
+        if report is not None:
+            report(out[-1])
     return out
 
 
-def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only: Sequence[str] = (),
-                   pick: str = "shortest") -> list[RowCheck]:
-    """:func:`verify_ledger` on every recomputable experiment ledger of a profile (``only``: name prefixes)."""
-
+def recomputable_ledgers(ledger_root: str | Path, profile: str, only: Sequence[str] = ()) -> list[Path]:
+    """The experiment ledger folders of a profile :func:`verify_profile` recomputes (``only``: name prefixes)."""
     out = []
     for folder in sorted(Path(ledger_root, profile).iterdir()):
         if not (folder / "manifest.json").is_file():
@@ -289,7 +292,18 @@ def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only
         name = json.loads((folder / "manifest.json").read_text())["config"].get("experiment")
         if name not in ROW_ALGORITHM or name == "adapt_eval" or (only and not any(folder.name.startswith(o) for o in only)):
             continue
-        out.extend(verify_ledger(folder, rows, pick=pick))
+        out.append(folder)
+    return out
+
+
+def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only: Sequence[str] = (),
+                   pick: str = "shortest", report: Callable[[RowCheck], None] | None = None) -> list[RowCheck]:
+    """:func:`verify_ledger` on every recomputable experiment ledger of a profile (``only``: name prefixes);
+    ``report`` is told each row as it is recomputed."""
+
+    out = []
+    for folder in recomputable_ledgers(ledger_root, profile, only):
+        out.extend(verify_ledger(folder, rows, pick=pick, report=report))
     return out
 
 
@@ -316,13 +330,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no ledgers of profile {args.profile!r} under {args.ledger_root} (profiles with ledgers: {known})",
               file=sys.stderr)
         return 2
-    results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick)
-    if not results:
+    ledgers = recomputable_ledgers(args.ledger_root, args.profile, args.only)
+    if not ledgers:
         print(f"error: no recomputable ledger of profile {args.profile!r} under {folder}"
               + (f" matches --only {' '.join(args.only)}" if args.only else ""), file=sys.stderr)
         return 2
-    for r in results:
-        print(f"{'OK  ' if r.ok else 'FAIL'} {r.mode:8s} {r.ledger:40s} {r.problem_id:24s} {r.detail}")
+    print(f"make verify: recomputing {args.rows} committed row(s) ({args.pick}) of each of {len(ledgers)} ledgers of "
+          f"profile {args.profile} ({', '.join(f.name for f in ledgers)}); each ledger loads its model, and a row "
+          "takes seconds to minutes. One line per row as it is done:", flush=True)
+
+    def said(r: RowCheck) -> None:
+        print(f"{'OK  ' if r.ok else 'FAIL'} {r.mode:8s} {r.ledger:40s} {r.problem_id:24s} {r.detail}", flush=True)
+
+    results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick, report=said)
     bad = [r for r in results if not r.ok]
     exact = sum(r.ok and r.mode == "bytes" for r in results)
     portable = len(results) - len(bad) - exact

@@ -158,7 +158,7 @@ assert tuple(t_later.shape)[0] == 14 and not t_later[:8].any() and t_later[8:].a
     "rows 0..7 must stay zero, rows 8..13 trained")
 assert [r["problem_id"] for r in records] == [p.problem_id for p in eval_rows]
 assert pointer["checkpoints"]["later"]["sha256"] == later.sha256
-print("checkpoint family verified:", {k: v.sha256[:12] for k, v in family.items()})
+print("checkpoint family verified (sha256): " + ", ".join(f"{k} {v.sha256[:12]}…" for k, v in family.items()))
 
 # %% [markdown]
 # ## What this shows

@@ -32,6 +32,9 @@ profile = "smoke"  # which notebooks/params file: a profile name, or a path to a
 overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
+import json
+from pathlib import Path
+
 import pandas as pd
 from IPython.display import Markdown, display
 
@@ -136,7 +139,11 @@ for d in p.precisions:
 if cross:
     lines.append(f"- Boundary prefixes token-identical across the two independently decoded precisions: "
                  f"{cross[0]}/{cross[1]}.")
+# the model as loaded when the rows were computed (the ledger's environment.json), the problems as the parameters name them
+model_id = json.loads((ledgers[p.precisions[0]].dir / "environment.json").read_text())["execution_contract"]["model"]
+data = "the frozen MMLU bank" if p.problems == "bank" else f"`{Path(p.problems).name}`"
 lines.append("- Paper (14B, GPQA Main, 768/512/64 caps): BF16 suffixes differ 166/200, answers 49/200, labels 20/200; "
-             "FP32 0/200 decoded disagreement. This run uses a 135M model, MMLU and the caps above, "
-             "so compare directions, not magnitudes.")
+             f"FP32 0/200 decoded disagreement. This run uses {model_id.get('file') or model_id['model']} "
+             f"({model_id['layers']} layers, {model_id['kv_heads']} KV heads), {len(rows)} problems from {data} and caps "
+             f"{p.cap_branch}/{p.cap_merge}/{p.cap_answer}, so compare directions, not magnitudes.")
 display(Markdown("\n".join(lines)))

@@ -49,7 +49,7 @@ p = session.params
 profile_ledgers = load_profile_ledgers(session.ledger_root, p.profile, p.precisions)
 sns.set_theme(style="whitegrid", context="paper")
 written = {}
-print({k: ledger.dir.name for k, ledger in profile_ledgers.ledgers.items()})
+pd.Series({k: ledger.dir.name for k, ledger in profile_ledgers.ledgers.items()}, name="ledger folder").rename_axis("arm").to_frame()
 
 # %% [markdown]
 # ## Figure 1 — the matched live/prefill design
@@ -82,7 +82,7 @@ for label, recs in groups.items():
         fd_stats[label].update(q1=q1, median=statistics.median(x), q3=q3, min=int(x.min()), max=int(x.max()))
 fig = figures.first_divergence(firsts, fd_stats, title=f"First divergence ({p.profile})")
 written["fig_first_divergence"] = session.save_figure(fig, "fig_first_divergence")
-pd.DataFrame(fd_stats).T
+pd.DataFrame.from_dict(fd_stats, orient="index").convert_dtypes()  # counts stay whole numbers
 
 # %% [markdown]
 # ## Per-layer relative drift, BF16 vs FP32 (Experiment 2, same integer prefixes)
@@ -140,7 +140,7 @@ for label, df in margin_sets.items():
 fig = figures.near_tie(margin_sets,
                        title=f"Near ties: greedy margin at the first divergent step vs at shared steps ({p.profile})")
 written["fig_near_tie"] = session.save_figure(fig, "fig_near_tie")
-pd.DataFrame(near_tie).T
+pd.DataFrame.from_dict(near_tie, orient="index").convert_dtypes()  # step and tie counts stay whole numbers
 
 # %% [markdown]
 # ## Integrity assertions

@@ -23,12 +23,14 @@
 # ledger's recorded drift fingerprint exactly when run on the machine and software that wrote the
 # ledger (checked below).
 #
-# **Runs as is:** the defaults read the committed `cpu` ledgers (`make lab` opens this notebook; Run All).
+# **Runs as is:** the defaults read the committed `cpu` ledgers (`make lab` opens a copy of this notebook; Run All).
 # The last section is the **interactive explorer** (ipywidgets): a row picker listing every row with its
-# divergence status, an experiment/arm-pair picker, layer and KV-head sliders and a K/V switch. The model
-# and the rebuilt caches are cached per kernel, so moving a slider only redraws; picking another row or
-# pair rebuilds it once, with a progress bar. The cells before it draw the same views for the row named in
-# the parameters (they are what the executed copy under `executed/` shows).
+# divergence status, an experiment/arm-pair picker, layer and KV-head sliders, a K/V switch and a position
+# window. A row is rebuilt once (minutes: the model loads and replays z) and what the explorer draws from it is
+# kept on disk (`build/explorer-cache/`, or `$KVREPLAY_EXPLORER_CACHE`), so a row rebuilt before, in any
+# session, draws in about a second; rows committed under `data/explorer/` need no rebuild at all. The cells
+# before it draw the same views for the row named in the parameters (they are what the executed copy under
+# `executed/` shows: a committed rebuild where there is one).
 #
 # Comparisons: Experiment 1 `prefill_vs_live`, `live_replica`, `prefill_replica`; Experiment 2
 # `prefill_vs_incremental`, `incremental_replica`, `prefill_replica`. The rebuilt `live` state is built by
@@ -43,8 +45,8 @@ precision = "bfloat16"        # "bfloat16" or "float32"
 comparison = "prefill_vs_live"  # exp1: prefill_vs_live | live_replica | prefill_replica;
                                 # exp2: prefill_vs_incremental | incremental_replica | prefill_replica
 problem = None                # a problem ID; None: the first row whose suffixes differ, else the first row
-rebuild = False               # True: rebuild the row's two caches here for the per-head / per-position maps
-                              # (loads the model)
+rebuild = False               # True: rebuild the row's two caches here for the per-head / per-position maps when
+                              # no rebuild of it is cached (loads the model; minutes)
 model = None                  # None: the ledger's model; give a path for a ledger written from a local folder
 top_k = 10                    # boundary-logit tokens shown per state
 before, after = 8, 12         # suffix tokens shown before and after the first divergence
@@ -77,11 +79,14 @@ summary = comparison_of(row, comparison)
 stem = f"{row['problem_id']}_{experiment}_{precision}_{comparison}"
 shown = {}
 
-def show(fig, name):
-    """Display a figure inline; with save_figures also write it (PNG and PDF) under figures/<profile>/explorer/."""
+def show(fig, name, dpi=None):
+    """Display a figure inline (at ``dpi``: a lighter image); with save_figures also write it (PNG and PDF) under
+    figures/<profile>/explorer/."""
     shown[name] = fig
     if save_figures:
         save_figure(fig, session.out_dir / "explorer" / f"{stem}_{name}", source=session.notebook)
+    elif dpi:
+        display(explorer.as_png(fig, dpi))
     else:
         display(fig)
         plt.close(fig)
@@ -127,38 +132,44 @@ else:
 
 # %% [markdown]
 # ## Rebuild the two caches of this row
-# With `rebuild = True`: loads the ledger's model at its dtype and threads (once per kernel), resolves its block
-# format (the digest must match), rebuilds both states from the recorded prefix z, runs the row's boundary gates
-# on the pair, and recomputes the drift summary.
+# A row rebuilt before (in `build/explorer-cache/`, or committed under `data/explorer/`) is read from there, with no
+# model loaded. Otherwise, with `rebuild = True`: loads the ledger's model at its dtype and threads (once per
+# kernel), resolves its block format (the digest must match), rebuilds both states from the recorded prefix z, runs
+# the row's boundary gates on the pair, recomputes the drift summary and keeps what the maps need on disk.
 
 # %%
-rebuilt = pair = None
-if rebuild:
-    from kvreplay.models import environment_record
-
-    pair = explorer.rebuild(ledger, row, comparison, model)  # cached per kernel: the model loads once
-    lm, fmt = explorer.model_for(ledger, model)
-    rebuilt, fingerprint = pair.summary, pair.fingerprint
-    here = environment_record(lm, ledger.config["threads"])
+drift = explorer.cached(ledger, row, comparison, model)  # rebuilt before: read, no model loaded
+from_cache = drift is not None
+if drift is None and rebuild:
+    drift = explorer.rebuild(ledger, row, comparison, model)  # written to the cache of rebuilt rows
+if drift is not None:
+    rebuilt, fingerprint, here = drift.summary, drift.fingerprint, drift.environment
     same_env = all(here.get(k) == ledger.contract.get(k)
                    for k in ("torch", "transformers", "device_name", "intra_op_threads", "sdpa_backends_used",
                              "dtype")) \
         and here["model"].get("weights_sha256") == ledger.contract.get("model", {}).get("weights_sha256")
-    print(f"model loaded in {pair.seconds['model']:.1f} s; "
-          f"both states rebuilt and compared in {pair.seconds['rebuild']:.1f} s")
-    print(f"same machine and software as the ledger: {same_env}; rebuilt drift equals the ledger's: {fingerprint}")
+    print(("read from the cache of rebuilt rows; " if from_cache else "")
+          + f"rebuilt on {here['device_name']} (torch {here['torch']}, {here['intra_op_threads']} threads): model "
+          f"loaded in {drift.seconds['model']:.1f} s, both states rebuilt and compared in {drift.seconds['rebuild']:.1f} s")
+    print(f"same machine and software as the ledger: {same_env}; rebuilt drift equals the ledger's: "
+          + ", ".join(f"{part} {ok}" for part, ok in fingerprint.items()))
     if same_env:
         assert all(fingerprint.values()), f"rebuilt states do not reproduce the ledger's fingerprint: {fingerprint}"
     elif not all(fingerprint.values()):
-        print("note: a different machine or software stack; the rebuilt drift is this machine's, not the ledger's")
+        print("note: a different machine or software stack; the rebuilt drift is that machine's, not the ledger's")
     if layers is None:
         layers = layer_drift_frame(rebuilt["tensors"])
         show(figures.explorer_layers(layers,
                                      title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision} (rebuilt)"),
              "layers")
 else:
-    print("rebuild = False: the per-head and per-position maps are drawn by the interactive explorer below, "
-          "or here with rebuild = True")
+    print(f"no rebuild of {row['problem_id']} is cached and rebuild = False: the per-head and per-position maps are "
+          "drawn by the interactive explorer below (make lab), or here with rebuild = True"
+          + (f" (this ledger was computed on {ledger.contract.get('device_name')}: rebuild it there to reproduce "
+             "its bits)" if str(ledger.contract.get("device", "cpu")).startswith("cuda") else ""))
+# what the next cell draws when this row has no rebuild here: a committed one of the cpu profile (its rows were
+# computed on the CPU kind that rebuilt it, so it reproduces its ledger), named as such
+example = explorer.committed_example(f"{experiment}-{precision}", comparison) if drift is None else None
 
 # %% [markdown]
 # ## Per-head and per-position drift (rebuilt)
@@ -168,21 +179,34 @@ else:
 # dotted lines mark where each block of z begins.
 
 # %%
-if pair is not None:
+drawn = drift if drift is not None else example
+if drawn is not None:
+    k = drawn.key
+    if drawn is example:
+        display(Markdown(f"**Not this profile's row:** no rebuild of {row['problem_id']} is cached here, so these are "
+                         f"the maps of row `{k['problem_id']}` of the `{k['profile']}` profile ({k['ledger']}), rebuilt "
+                         f"on {drawn.environment['device_name']} where its ledger was computed; its rebuilt drift "
+                         f"reproduces its ledger's: {all(drawn.fingerprint.values())}. Keys only."))
     exact_note = " (bit-exact in every tensor: all zero)" if not np.nanmax(
-        [np.nanmax(m.to_numpy()) for m in pair.maps.values()]) else ""
-    show(figures.drift_heatmaps(pair.maps, pair.tokens, pair.blocks,
-                                title=f"{row['problem_id']}: {other_arm} vs {ref_arm}, {precision}{exact_note}"),
-         "heatmaps")
-    starts = sorted(pair.blocks.items(), key=lambda kv: kv[1])
-    block_of = np.empty(len(pair.tokens), dtype=object)
-    for (name, s), nxt in zip(starts, [s for _, s in starts[1:]] + [len(pair.tokens)]):
+        [np.nanmax(m.to_numpy()) for m in drawn.maps.values()]) else ""
+    show(figures.drift_heatmaps(drawn.maps, drawn.tokens, drawn.blocks, kind="key" if drawn is example else None,
+                                title=f"{k['profile']} {k['problem_id']}: {other_arm} vs {ref_arm}, {precision}{exact_note}"),
+         "heatmaps", dpi=72)
+    starts = sorted(drawn.blocks.items(), key=lambda kv: kv[1])
+    block_of = np.empty(len(drawn.tokens), dtype=object)
+    for (name, s), nxt in zip(starts, [s for _, s in starts[1:]] + [len(drawn.tokens)]):
         block_of[s:nxt] = name
-    per_block = pd.DataFrame({kind: pair.maps[(kind, "position")].mean(axis=0).groupby(block_of).mean()
+    per_block = pd.DataFrame({kind: drawn.maps[(kind, "position")].mean(axis=0).groupby(block_of).mean()
                               for kind in ("key", "value")}).reindex([n for n, _ in starts])
-    display(Markdown("**Mean over layers of the per-position drift, by block of z**"), per_block)
+    display(Markdown(f"**Mean over layers of the per-position drift, by block of z** ({k['profile']} "
+                     f"{k['problem_id']})"), per_block)
+    worst_layer, worst_head = np.unravel_index(np.nanargmax(drawn.maps[("key", "head")].to_numpy()),
+                                               drawn.maps[("key", "head")].shape)
+    display(Markdown(f"**Positions of largest key drift, layer {worst_layer}, KV head {worst_head}** "
+                     "(the layer and head of largest key drift; token text as decoded)"),
+            explorer.largest_drift(drawn, int(worst_layer), int(worst_head), "key"))
 else:
-    print("rebuild = False: per-head and per-position maps need the rebuilt caches")
+    print("no rebuilt caches: the per-head and per-position maps need them (see above)")
 
 # %% [markdown]
 # ## Boundary logits: difference and top-k margins
@@ -196,8 +220,8 @@ display(pd.DataFrame({
     "other": [lg["argmax_other"], token_text(tok, lg["argmax_other"]), lg["margin_other"],
               [token_text(tok, t) for t in lg["topk_other"]]],
 }, index=["argmax", "argmax text", "top-1 minus top-2 margin", "top-5 (ledger)"]))
-if pair is not None:
-    topk = topk_frame(tok, pair.ref.logits[0], pair.other.logits[0], k=top_k)
+if drift is not None:
+    topk = topk_frame(tok, drift.full_logits(0), drift.full_logits(1), k=top_k)
     show(figures.topk_logits(topk, ref_arm, other_arm,
                              title=f"{row['problem_id']}: boundary logits on the union of both top-{top_k}"),
          "logits")
@@ -237,8 +261,13 @@ if layers is not None:
     lines.append(f"- Largest per-tensor drift: layer {int(worst.layer)} {worst.kind}s "
                  f"(relative L2 {worst.rel_l2:.3g}); "
                  f"{int((~layers.exact).sum())} of {len(layers)} K/V tensors are not bit-exact.")
-if pair is not None:
-    lines.append(f"- Rebuilt on demand in {pair.seconds['rebuild']:.1f} s; "
+if example is not None:
+    lines.append(f"- No rebuild of this row is cached here; the per-head and per-position maps above are row "
+                 f"`{example.key['problem_id']}` of the `{example.key['profile']}` profile, a committed rebuild that "
+                 f"reproduces its ledger's drift summary: {all(example.fingerprint.values())}.")
+if drift is not None:
+    lines.append(f"- Rebuilt {'earlier (read from the cache of rebuilt rows)' if from_cache else 'here'} in "
+                 f"{drift.seconds['rebuild']:.1f} s on {here['device_name']}; "
                  f"it reproduces the ledger's drift summary: {all(fingerprint.values())} "
                  f"(same machine and software: {same_env}).")
 if first is None:
@@ -254,11 +283,13 @@ display(Markdown("\n".join(lines)))
 # %% [markdown]
 # ## Interactive explorer
 # Pick an arm pair (experiment, precision, comparison) and a row (each listed with where its suffixes first
-# differ and whether this comparison's boundary cache is exact); the pair is rebuilt once (progress bar),
-# then the layer and KV-head sliders and the K/V switch redraw instantly from the cached caches. Top: drift
-# per position (token text on the axis, block boundaries dotted) and per head, log colour scale, the selected
-# layer dashed and head outlined; bottom: the selected layer and head per position. Above the maps: the
-# ledger's per-layer summary of the row.
+# differ and whether this comparison's boundary cache is exact). A row rebuilt before draws at once from the cache
+# of rebuilt rows; another is rebuilt once (progress bar; the figure says "Rebuilding" meanwhile). The layer and
+# KV-head sliders, the K/V switch and the position window redraw from the cache when released. Top: drift per
+# position (block boundaries dotted) and per head, log colour scale, the selected layer dashed and head outlined;
+# bottom: the selected layer and head per position. Narrow the position window until every token's text is on the
+# axis; below the figure, the positions of largest drift of the selected layer and head, with their tokens. Above
+# the maps: the ledger's per-layer summary of the row.
 
 # %%
 if interactive:

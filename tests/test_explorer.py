@@ -1,0 +1,109 @@
+"""The drift explorer's cache of rebuilt rows (kvreplay.rebuild.RebuiltDrift on disk) and its widget logic, on the
+committed cpu ledgers: a row rebuilt once draws again from disk without loading a model; a row that must be rebuilt
+is marked as rebuilding before the rebuild starts; keys change with the row and the versions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from kvreplay import explorer, rebuild
+from kvreplay.ledger.lookup import find_chain_ledger
+from kvreplay.paths import LEDGERS
+
+
+@pytest.fixture(scope="module")
+def cpu_exp1():
+    ledger = find_chain_ledger(LEDGERS, "cpu", "exp1-bfloat16")
+    row = rebuild.pick_row(ledger.records, None, "exp1")
+    return ledger, row
+
+
+@pytest.fixture
+def no_model(monkeypatch, tmp_path):
+    """Loading a model fails the test; the local cache is an empty temp folder (only committed rebuilds exist)."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(explorer, "load_for_ledger", refuse)
+    monkeypatch.setattr(explorer, "_DRIFTS", {})
+    monkeypatch.setenv(explorer.CACHE_ENV, str(tmp_path / "cache"))
+
+
+def test_the_committed_rebuild_draws_without_a_model_and_matches_its_ledger(cpu_exp1, no_model):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvreplay.report import figures
+
+    ledger, row = cpu_exp1
+    drift = explorer.cached(ledger, row, "prefill_vs_live")
+    assert drift is not None, "data/explorer/cpu holds the executed notebook's row (the first divergent BF16 row)"
+    assert drift.fingerprint == {"cache": True, "logits": True, "tensors": True}
+    n = row["prefix_len"]
+    assert len(drift.tokens) == n and drift.maps[("key", "position")].shape == (30, n)
+    assert drift.detail["value"].shape == (30, 3, n) and drift.detail["value"].dtype == np.float32
+    # the per-layer drift the ledger recorded, recomputed from the cached per-position map's parts: same ordering
+    ledger_layers = pd.DataFrame(row["boundary"]["prefill_vs_live"]["tensors"])
+    assert len(ledger_layers) == 60
+    # drawing: the explorer's view, zoomed to a window with every token labelled, and the largest positions
+    fig = figures.explorer_view(drift.maps, explorer.head_position_drift(drift, 5, 1, "key"), drift.tokens,
+                                drift.blocks, layer=5, head=1, kind="key", title="t")
+    explorer.zoom(fig, drift.tokens, (10, 40))
+    (ax,) = [a for a in fig.axes if a.get_title(loc="left").startswith("keys: drift per position")]
+    assert ax.get_xlim() == (9.5, 40.5) and [t.get_text() for t in ax.get_xticklabels()][:2] == drift.tokens[10:12]
+    top = explorer.largest_drift(drift, 5, 1, "key", n=5)
+    assert list(top.columns) == ["token", "block", "relative L2"] and len(top) == 5
+    assert top["relative L2"].is_monotonic_decreasing and set(top.block) <= set(drift.blocks)
+    assert explorer.committed_example("exp1-bfloat16", "prefill_vs_live").key == drift.key
+
+
+def test_a_cached_rebuild_round_trips_and_its_key_follows_the_row_and_versions(cpu_exp1, tmp_path, monkeypatch):
+    ledger, row = cpu_exp1
+    drift = explorer.cached(ledger, row, "prefill_vs_live")
+    path = rebuild.save_drift(drift, tmp_path / "x.npz")
+    back = rebuild.load_drift(path)
+    for k, frame in drift.maps.items():
+        pd.testing.assert_frame_equal(back.maps[k], frame)
+    assert all(np.array_equal(back.detail[k], drift.detail[k], equal_nan=True) for k in rebuild.KINDS)
+    assert (back.summary, back.tokens, back.blocks, back.key) == (drift.summary, drift.tokens, drift.blocks, drift.key)
+    # the logits kept give the full vocabulary's top-k table
+    full = back.full_logits(0)
+    assert full.shape == (back.key["vocab"],) and int(full.argmax()) == row["boundary"]["prefill_vs_live"]["logits"]["argmax_ref"]
+    key = rebuild.drift_key(ledger, row, "prefill_vs_live")
+    assert key["digest"] == drift.key["digest"]
+    assert rebuild.drift_key(ledger, row | {"prefix_len": 0}, "prefill_vs_live")["digest"] != key["digest"]
+    assert rebuild.drift_key(ledger, row, "live_replica")["digest"] != key["digest"]
+    monkeypatch.setattr(rebuild, "REBUILD_VERSION", rebuild.REBUILD_VERSION + 1)
+    assert rebuild.drift_key(ledger, row, "prefill_vs_live")["digest"] != key["digest"]
+    with pytest.raises(ValueError, match=r"x.npz: a cached rebuild of version 1, this library reads 2"):
+        rebuild.load_drift(path)
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="bad.npz: not a cached rebuild"):
+        rebuild.load_drift(tmp_path / "bad.npz")
+
+
+def test_the_widget_draws_a_cached_row_and_marks_a_rebuild_before_it_starts(cpu_exp1, no_model, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ledger, row = cpu_exp1
+    ex = explorer.Explorer(LEDGERS, "cpu", problem=row["problem_id"], pair="exp1 bfloat16: prefill vs live")
+    ex.refresh()  # the committed rebuild: drawn at once, no model
+    assert "drawn in" in ex.status.value and ex.window.value == (0, row["prefix_len"] - 1)
+    assert (ex.layer.max, ex.head.max) == (29, 2)
+    seen = []
+
+    def fake_rebuild(ledger, row, comparison, model=None, progress=None):
+        seen.append(ex.status.value)  # what the reader sees while the rebuild runs
+        return explorer.cached(*cpu_exp1, "prefill_vs_live")
+
+    monkeypatch.setattr(explorer, "rebuild", fake_rebuild)
+    other = next(r for r in ledger.records if r["problem_id"] != row["problem_id"] and not r["gate_failure"])
+    ex.row_picker.value = other["problem_id"]  # not cached: marked, then rebuilt
+    assert seen and "rebuilding" in seen[0]
+    ex.row_picker.value = row["problem_id"]  # back to the cached row: drawn from the cache, no rebuild
+    assert len(seen) == 1 and "read from the cache" not in ex.status.value and "drawn in" in ex.status.value
+    ex.last_draw_s = None
+    ex.window.value = (5, 20)  # a change of the window redraws
+    assert ex.last_draw_s is not None
