@@ -104,3 +104,19 @@ def test_step_profile_is_a_markdown_table(tiny):
     lines = text.splitlines()
     assert lines[0].startswith("Engine step profile: B = 2") and lines[2].startswith("| op | calls |")
     assert len([x for x in lines if x.startswith("| `")]) == 5
+
+
+def test_the_engine_page_renders_the_committed_bench_file():
+    """docs/engine.md's engine-vs-generate block is exactly what the committed bench and suite files render."""
+    import json
+
+    from kvreplay.report import engine_bench
+
+    text = engine_bench.DOC.read_text(encoding="utf-8")
+    records = json.loads(engine_bench.BENCH_FILE.read_text(encoding="utf-8"))
+    suite = json.loads(engine_bench.SUITE_FILE.read_text(encoding="utf-8"))
+    assert engine_bench.render_doc(text, records, suite) == text
+    faster = [dict(r, ms_per_problem_step=r["ms_per_problem_step"] * 10) if r["path"] == "engine" else r
+              for r in records]
+    assert "at B = none of these" in engine_bench.side_by_side(faster)
+    assert engine_bench.main(["--check"]) == 0
