@@ -78,7 +78,7 @@ def test_bad_values_are_refused_naming_the_file(tmp_path, text, match):
 
 
 def test_an_unknown_profile_names_the_known_ones():
-    with pytest.raises(FileNotFoundError, match=r"unknown profile 'nope'.*'cpu', 'gpu', 'paper', 'smoke'"):
+    with pytest.raises(FileNotFoundError, match=r"unknown profile 'nope'.*'cpu', 'gemma', 'gemma_smoke', 'gpu', 'paper', 'smoke'"):
         profile_path("nope")
 
 
