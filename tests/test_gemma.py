@@ -10,7 +10,8 @@ import time
 import papermill as pm
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+import yaml
+from conftest import TINY_FORMAT, make_model, make_tokenizer
 from kvreplay.paper import CHAIN, declared_parameters
 from kvreplay.paths import NOTEBOOKS
 
@@ -38,10 +39,12 @@ def test_audit_your_own_sliding_window_model(tmp_path):
     tok = make_tokenizer()
     make_model("gemma3", len(tok), window=16).save_pretrained(folder)
     tok.save_pretrained(folder)
+    fmt = tmp_path / "short_format.yaml"  # the user's own format (short instructions: byte-level tokens are many)
+    fmt.write_text(yaml.safe_dump(TINY_FORMAT))
     profile = tmp_path / "mygemma.yaml"
     profile.write_text(
-        f"profile: mygemma\nmodel: {folder}\nn_rows: 2\npreflight: 1\ncap_branch: 6\ncap_merge: 6\ncap_answer: 3\n"
-        f"precisions: [bfloat16, float32]\nexecution:\n  threads: 2\n")
+        f"profile: mygemma\nmodel: {folder}\nformat: {fmt}\nn_rows: 2\npreflight: 1\ncap_branch: 6\ncap_merge: 6\n"
+        f"cap_answer: 3\nprecisions: [bfloat16, float32]\nexecution:\n  threads: 2\n")
     ledgers, figures = tmp_path / "ledgers", tmp_path / "figures"
     _execute("01_experiment1_live_vs_prefill.ipynb", tmp_path, profile,
              {"ledger_root": str(ledgers), "figures_root": str(figures)})
