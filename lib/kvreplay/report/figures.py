@@ -116,7 +116,7 @@ def mark_layer_kinds(ax, frame: pd.DataFrame) -> None:
     if "layer_kind" not in frame or not (frame["layer_kind"] == "sliding").any():
         return
     for layer in sorted(frame.loc[frame["layer_kind"] == "full", "layer"].unique()):
-        ax.axvspan(layer - 0.5, layer + 0.5, color="0.88", zorder=0, lw=0)
+        ax.axvspan(layer - 0.5, layer + 0.5, color="#e3ecf7", zorder=0, lw=0)  # apart from the grey "0 (exact)" band
     ax.set_xlabel("layer (shaded: full attention; others: sliding window, drift over the attended positions)",
                   fontsize=8)
 
