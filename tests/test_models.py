@@ -215,15 +215,18 @@ def test_load_model_refuses_a_model_that_ignores_the_mask(tmp_path, monkeypatch)
         load_model(str(folder), "float32")
 
 
-def test_sliding_window_model_is_refused_at_load(tmp_path):
+def test_sliding_window_model_loads_with_its_layout(tmp_path):
+    """A Mistral with a sliding window, refused before sliding windows were defined under role visibility, loads: its
+    every layer keeps all positions and slides by the mask (tests/test_sliding_window.py checks the constructions)."""
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
     config = MistralConfig(vocab_size=len(make_tokenizer()), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
     folder = _save(MistralForCausalLM(config), tmp_path, "tiny-mistral")
-    with pytest.raises(ModelLoadError, match=r"tiny-mistral.*sliding_window=32.*evicted from the KV cache.*full attention"):
-        load_model(str(folder), "float32")
+    lm = load_model(str(folder), "float32")
+    assert lm.identity["attention"] == {"layer_types": ["sliding", "sliding"], "sliding_window": 32}
+    assert lm.identity["self_check"]["window"] == 32 and lm.layout.windows == (32, 32)
 
 
 def test_linear_attention_model_is_refused_at_load(tmp_path):
@@ -250,7 +253,7 @@ def test_cache_refusal_reads_the_layer_types_and_the_cache_layers():
     assert cache_refusal(Qwen2Config(**small, sliding_window=32, use_sliding_window=False)) is None
     used = Qwen2Config(**small, sliding_window=32, use_sliding_window=True, max_window_layers=1)
     assert used.layer_types == ["full_attention", "sliding_attention"]
-    assert "sliding_window=32 (layer 1 of 2" in cache_refusal(used)
+    assert cache_refusal(used) is None  # a sliding layer keeps all positions in the decoders' cache
     chunked = LlamaConfig(**small)
     chunked.layer_types = ["full_attention", "chunked_attention"]
     chunked.attention_chunk_size = 16

@@ -36,6 +36,7 @@ def live_replica(state: Boundary) -> Boundary:
         logits=state.logits.clone(),
         schedule=list(state.schedule),
         positions=state.positions.clone(),
+        windows=state.windows,
     )
     verify_replica(state, rep)
     return rep
@@ -50,8 +51,10 @@ def verify_replica(a: Boundary, b: Boundary) -> None:
     """A replica pair must be exact in every boundary tensor and share no storage.
 
     Raises:
-        GateError: gate ``replica`` or ``storage``.
+        GateError: gate ``replica`` (tensors, or the layers' sliding windows) or ``storage``.
     """
+    if a.windows != b.windows:
+        raise GateError("replica", f"{a.construction} vs {b.construction}: sliding windows per layer differ")
     check_exact(f"{a.construction} vs {b.construction}", boundary_tensors(a), boundary_tensors(b))
     check_disjoint({a.construction: [t for _, t in boundary_tensors(a)], b.construction: [t for _, t in boundary_tensors(b)]})
 
@@ -113,8 +116,10 @@ def verify_transplant(state: Boundary, recipient: Boundary, donor: Boundary, pro
 
     Every cache tensor must equal (bit for bit, with identical shape, stride,
     dtype and device) the tensor of the construction its provenance names,
-    hold |z| positions, and share storage with neither source. Token IDs,
-    roles and boundary logits must be the recipient's.
+    hold |z| positions (a sliding-window layer too: every construction keeps
+    all positions), and share storage with neither source. Token IDs, roles,
+    boundary logits and the layers' windows must be the recipient's, and the
+    donor's windows the same.
 
     Raises:
         GateError: gate ``provenance``, ``dtype``, ``functional_state`` or ``storage``.
@@ -135,6 +140,9 @@ def verify_transplant(state: Boundary, recipient: Boundary, donor: Boundary, pro
             raise GateError("functional_state", f"{state.construction}: {name} holds {t.shape[-2]} positions, |z| = {len(recipient.ids)}")
         if not torch.equal(t, src):
             raise GateError("provenance", f"{state.construction}: {name} does not equal its claimed source {entry['source']}")
+    if not state.windows == recipient.windows == donor.windows:
+        raise GateError("provenance", f"{state.construction}: sliding windows per layer differ (state {state.windows}, "
+                                      f"recipient {recipient.windows}, donor {donor.windows})")
     if state.ids != recipient.ids or not torch.equal(state.roles, recipient.roles):
         raise GateError("functional_state", f"{state.construction}: token IDs or roles differ from the recipient")
     if not torch.equal(state.logits, recipient.logits):

@@ -360,12 +360,20 @@ def resolve_format(tokenizer, fmt: str | Path | dict = "chat_multibranch") -> Bl
     delimiter is whatever the template appends after assistant content (it
     must begin with a special token, the model's end-of-turn token).
     ``kind: tokens`` gives every delimiter as literal text (e.g. dedicated
-    special tokens of an adapted checkpoint).
+    special tokens of an adapted checkpoint, or a model's turn tokens): an
+    opener is ``open[block]`` with the block's instruction put where it says
+    ``{instruction}``, or appended when it does not.
+
+    An optional ``special_tokens`` list names tokens the format treats as
+    special although the tokenizer does not mark them so (Gemma 3's GGUF
+    tokenizer: ``<start_of_turn>``, ``<end_of_turn>``); each must be one
+    token. They may begin a delimiter, never appear inside block content, and
+    a problem text holding one is refused.
 
     Raises:
         ContractError: if the tokenizer has no chat template for a
-            ``chat_template`` format, or a delimiter does not begin with a
-            special token.
+            ``chat_template`` format, a delimiter does not begin with a
+            special token, or a ``special_tokens`` entry is not one token.
     """
     spec = load_spec(fmt) if not isinstance(fmt, dict) else dict(fmt)
     required = {"chat_template": ("name", "system", "question", "branches", "merge", "answer"),
@@ -376,6 +384,12 @@ def resolve_format(tokenizer, fmt: str | Path | dict = "chat_multibranch") -> Bl
     if missing:
         raise ContractError(f"format {spec.get('name', fmt)!r} (kind {spec['kind']}) lacks the key(s) {missing}")
     special = _special_ids(tokenizer)
+    for text in spec.get("special_tokens", []):
+        ids = _ids(tokenizer, text)
+        if len(ids) != 1:
+            raise ContractError(f"format {spec.get('name')}: special_tokens entry {text!r} is {len(ids)} tokens "
+                                f"{list(ids[:4])}, not one token of the tokenizer")
+        special = special | {ids[0]}
     openers: list[tuple[int, ...]] = [()]
     closers: list[tuple[int, ...]] = [()]
     instructions = [*spec["branches"], spec["merge"], spec["answer"]]
@@ -404,7 +418,9 @@ def resolve_format(tokenizer, fmt: str | Path | dict = "chat_multibranch") -> Bl
     elif spec["kind"] == "tokens":
         for role in range(1, 6):
             name = ROLE_NAMES[role]
-            openers.append(_ids(tokenizer, spec["open"][name] + instructions[role - 1]))
+            text = spec["open"][name]
+            text = text.replace("{instruction}", instructions[role - 1]) if "{instruction}" in text else text + instructions[role - 1]
+            openers.append(_ids(tokenizer, text))
             closers.append(_ids(tokenizer, spec["close"][name]))
     else:
         raise ContractError(f"unknown format kind {spec['kind']!r}")

@@ -3,7 +3,11 @@
 Every forward call goes through :func:`forward`, which always passes an
 explicit boolean 4-D mask ``[batch, 1, q, k]`` (causal AND role visibility;
 no padding), explicit position IDs counting tokens from 0, and input
-embeddings plus role-embedding rows when the model has a role table.
+embeddings plus role-embedding rows when the model has a role table. A
+sliding-window layer's mask also hides keys ``window`` or more positions
+back (a dict of masks per layer type for a model mixing layer types,
+:class:`~kvreplay.models.AttentionLayout`); every layer's cache keeps all
+positions (:func:`~kvreplay.models.kv_cache`).
 
 The physical batch is two duplicate copies of one problem. After every call
 the two rows' logits must agree bit for bit; otherwise :class:`~kvreplay.gates.GateError`
@@ -37,7 +41,7 @@ from .contract import (
 )
 from .gates import GateError
 from .execution import sdpa_backend_list
-from .models import LoadedModel
+from .models import LoadedModel, kv_cache, layer_masks
 
 BATCH = 2
 """Physical batch: two duplicate copies of one problem."""
@@ -58,6 +62,11 @@ class Boundary:
         schedule: tokens per forward call that built the cache.
         positions: ``[2, |z|]`` int64 position IDs actually passed to the
             model, concatenated over the calls (flat from 0; no padding).
+        windows: per layer its sliding window in positions (``None``: full
+            attention), or ``None`` when no layer slides
+            (:attr:`kvreplay.models.AttentionLayout.windows`). Drift and the
+            equivalence gate compare a sliding layer's last ``window - 1``
+            positions, the ones a later query can attend to.
     """
     construction: str
     ids: list[int]
@@ -66,6 +75,7 @@ class Boundary:
     logits: torch.Tensor
     schedule: list[int]
     positions: torch.Tensor
+    windows: tuple[int | None, ...] | None = None
 
 
 def model_inputs(
@@ -86,7 +96,9 @@ def model_inputs(
             (training passes its trainable table); ``None`` uses ``lm.role_table``.
 
     Returns:
-        ``(embeds [batch, q, hidden], mask [batch, 1, q, start + q] bool, positions [batch, q] int64)``.
+        ``(embeds [batch, q, hidden], mask, positions [batch, q] int64)``; ``mask`` is
+        ``[batch, 1, q, start + q]`` bool, or for a model mixing sliding-window and
+        full layers a dict of such masks keyed by layer type (:func:`kvreplay.models.layer_masks`).
     """
     q = ids.shape[1]
     query_roles = roles_all[:, start:]
@@ -95,6 +107,11 @@ def model_inputs(
     if table is not None:
         embeds = embeds + table[query_roles + ROLE_OFFSET]
     mask = attention_mask_4d(query_roles, roles_all, start)
+    layout = lm.layout
+    if layout.windowed:
+        k = roles_all.shape[1]
+        index = torch.arange(k, device=ids.device)
+        mask = layer_masks(layout, mask, index[start:], index)
     positions = torch.arange(start, start + q, device=ids.device).expand(ids.shape[0], q)
     return embeds, mask, positions
 
@@ -368,14 +385,15 @@ def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: 
     dev = lm.device
     ids = list(prompt)
     roles = torch.full((BATCH, len(ids)), PROMPT, dtype=torch.long, device=dev)
-    cache = DynamicCache(config=lm.model.config)
+    cache = new_cache(lm)
     trace: list = []
     logits = forward(lm, cache, _as_batch(ids, dev), roles, 0, trace)
     cursor = BlockCursor(fmt, caps, PROMPT, [(t, BRANCH1) for t in fmt.openers[BRANCH1]])
     new, roles, logits, calls = _run(
         lm, cursor, cache, ids, roles, logits, stop=lambda c: c.role == MERGE and c.in_content, trace=trace
     )
-    return Boundary("live", ids + new, roles, cache, logits, [len(ids)] + [1] * calls, torch.cat(trace, dim=1))
+    return Boundary("live", ids + new, roles, cache, logits, [len(ids)] + [1] * calls, torch.cat(trace, dim=1),
+                    lm.layout.windows)
 
 
 def _fixed_prefix(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], where: str):
@@ -383,7 +401,12 @@ def _fixed_prefix(lm: LoadedModel, fmt: BlockFormat, prefix: Sequence[int], wher
     parsed = fmt.boundary_parse(prefix, where=where)
     roles = torch.tensor(parsed.roles, dtype=torch.long, device=lm.device).expand(BATCH, -1).contiguous()
     ids = list(prefix)
-    return ids, roles, _as_batch(ids, lm.device), DynamicCache(config=lm.model.config), parsed.prompt_len
+    return ids, roles, _as_batch(ids, lm.device), new_cache(lm), parsed.prompt_len
+
+
+def new_cache(lm: LoadedModel) -> DynamicCache:
+    """An empty cache for the decoders: every layer keeps all positions (:func:`kvreplay.models.kv_cache`)."""
+    return kv_cache(lm.model.config)
 
 
 @torch.inference_mode()
@@ -405,7 +428,8 @@ def build_incremental(
     logits = forward(lm, cache, batch[:, :p], roles[:, :p], 0, trace, readout=readout)
     for i in range(p, len(ids)):
         logits = forward(lm, cache, batch[:, i : i + 1], roles[:, : i + 1], i, trace, readout=readout)
-    return Boundary("incremental", ids, roles, cache, logits, [p] + [1] * (len(ids) - p), torch.cat(trace, dim=1))
+    return Boundary("incremental", ids, roles, cache, logits, [p] + [1] * (len(ids) - p), torch.cat(trace, dim=1),
+                    lm.layout.windows)
 
 
 @torch.inference_mode()
@@ -421,7 +445,7 @@ def build_prefill(
     ids, roles, batch, cache, _ = _fixed_prefix(lm, fmt, prefix, where)
     trace: list = []
     logits = forward(lm, cache, batch, roles, 0, trace, readout=readout)
-    return Boundary("prefill", ids, roles, cache, logits, [len(ids)], torch.cat(trace, dim=1))
+    return Boundary("prefill", ids, roles, cache, logits, [len(ids)], torch.cat(trace, dim=1), lm.layout.windows)
 
 
 @dataclasses.dataclass

@@ -6,6 +6,14 @@ aggregates "over all key/value tensors" without saying how; we define the
 per-row value as the relative L2 over all K and V tensors concatenated:
 ``sqrt(sum ||dX||^2) / sqrt(sum ||X_ref||^2)``. Tables report the median
 (and range) over rows of that per-row value; figures use per-layer medians.
+
+For a model with sliding-window layers (``windows`` given) the drift is that
+of the *attended state*: a sliding layer of window W is compared on its last
+``W - 1`` positions, the keys a query after the boundary can still attend to
+(what the model's own rolling cache keeps); a full-attention layer on all
+positions. Such rows also name each layer's kind and keep the whole tensor's
+drift beside it (``full_tensor``); a model without sliding layers gets the
+rows it always had.
 """
 
 from __future__ import annotations
@@ -49,12 +57,81 @@ def tensor_drift(name: str, ref: torch.Tensor, other: torch.Tensor) -> dict:
     }
 
 
-def cache_drift(ref: Sequence[tuple[str, torch.Tensor]], other: Sequence[tuple[str, torch.Tensor]]) -> list[dict]:
-    """Per-tensor summaries for two cache inventories with the same names (``L00.key`` ...)."""
+def attended_span(seq: int, window: int | None) -> tuple[int, int]:
+    """Positions ``[start, seq)`` of a cache of ``seq`` positions that the next query can attend to.
+
+    A sliding layer's query at position ``seq`` sees keys ``k`` with ``seq - k < window``: the last
+    ``window - 1`` cached positions (``transformers``' ``DynamicSlidingWindowLayer`` keeps exactly these).
+    A full-attention layer (``window`` None) sees all of them.
+    """
+    return (0, seq) if window is None else (max(0, seq - window + 1), seq)
+
+
+def _layer(name: str) -> int:
+    return int(name.split(".")[0][1:])
+
+
+def attended(inventory: Sequence[tuple[str, torch.Tensor]],
+             windows: Sequence[int | None] | None) -> list[tuple[str, torch.Tensor]]:
+    """A cache inventory cut to its attended state: sliding layers' tensors as views of their last ``window - 1`` positions.
+
+    Args:
+        inventory: ``[("L00.key", [batch, kv_heads, seq, head_dim]), ...]``.
+        windows: per layer the sliding window (``None``: full attention), or ``None`` for no sliding layer.
+
+    Returns:
+        The same names; each tensor itself or a view ``[..., start:seq, :]`` (same storage).
+    """
+    if windows is None:
+        return list(inventory)
+    out = []
+    for name, t in inventory:
+        start, end = attended_span(t.shape[-2], windows[_layer(name)])
+        out.append((name, t if (start, end) == (0, t.shape[-2]) else t[..., start:end, :]))
+    return out
+
+
+def cache_drift(ref: Sequence[tuple[str, torch.Tensor]], other: Sequence[tuple[str, torch.Tensor]],
+                windows: Sequence[int | None] | None = None) -> list[dict]:
+    """Per-tensor summaries for two cache inventories with the same names (``L00.key`` ...).
+
+    Args:
+        ref, other: inventories ``[("L00.key", [batch, kv_heads, seq, head_dim]), ...]``.
+        windows: per layer its sliding window (``None``: full attention), or ``None`` when no layer
+            slides (:attr:`kvreplay.decode.Boundary.windows`).
+
+    Returns:
+        One :func:`tensor_drift` dict per tensor. With ``windows``, each adds ``layer_kind``
+        (``"full"`` or ``"sliding"``); a sliding layer's fields describe its attended positions and
+        add ``window``, ``positions`` (``[start, end)``), ``full_tensor`` (the whole tensor's
+        ``exact``, ``rel_l2``, ``max_abs``, ``n_diff``, ``numel``), and its geometries stay the stored tensors'.
+
+    Raises:
+        ValueError: the inventories' names or shapes differ, or ``windows`` has the wrong length.
+    """
     names = [n for n, _ in ref]
     if names != [n for n, _ in other]:
         raise ValueError("cache inventories differ")
-    return [tensor_drift(n, a, b) for (n, a), (_, b) in zip(ref, other)]
+    if windows is None:
+        return [tensor_drift(n, a, b) for (n, a), (_, b) in zip(ref, other)]
+    if len(windows) * 2 != len(names):
+        raise ValueError(f"{len(windows)} layer windows for {len(names)} K/V tensors")
+    rows = []
+    for (n, a), (_, b) in zip(ref, other):
+        window = windows[_layer(n)]
+        if window is None:
+            rows.append(tensor_drift(n, a, b) | {"layer_kind": "full"})
+            continue
+        if a.shape != b.shape:
+            raise ValueError(f"{n}: shapes differ {tuple(a.shape)} vs {tuple(b.shape)}")
+        whole = tensor_drift(n, a, b)
+        start, end = attended_span(a.shape[-2], window)
+        row = tensor_drift(n, a[..., start:end, :], b[..., start:end, :])
+        row.update(ref_geometry=whole["ref_geometry"], other_geometry=whole["other_geometry"], layer_kind="sliding",
+                   window=int(window), positions=[start, end],
+                   full_tensor={k: whole[k] for k in ("exact", "rel_l2", "max_abs", "n_diff", "numel")})
+        rows.append(row)
+    return rows
 
 
 def aggregate(rows: Sequence[dict]) -> dict:
@@ -62,17 +139,22 @@ def aggregate(rows: Sequence[dict]) -> dict:
 
     Returns:
         ``{"exact", "rel_l2", "max_abs", "n_diff", "numel"}`` where ``rel_l2``
-        is the relative L2 over all tensors concatenated.
+        is the relative L2 over all tensors concatenated; rows of a model with
+        sliding layers (they carry ``layer_kind``) add ``"scope": "attended"``: the
+        sums cover each sliding layer's attended positions only (:func:`cache_drift`).
     """
     num = sum(r["l2_diff"] ** 2 for r in rows)
     den = sum(r["l2_ref"] ** 2 for r in rows)
-    return {
+    out = {
         "exact": all(r["exact"] for r in rows),
         "rel_l2": math.sqrt(num) / math.sqrt(den) if den > 0 else 0.0,
         "max_abs": max((r["max_abs"] for r in rows), default=0.0),
         "n_diff": sum(r["n_diff"] for r in rows),
         "numel": sum(r["numel"] for r in rows),
     }
+    if any("layer_kind" in r for r in rows):
+        out["scope"] = "attended"
+    return out
 
 
 def logit_summary(ref: torch.Tensor, other: torch.Tensor, top_k: int = 5) -> dict:

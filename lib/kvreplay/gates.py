@@ -157,7 +157,7 @@ def check_dtype(name: str, tensors: Sequence[tuple[str, torch.Tensor]], dtype: t
 
 
 def check_functional_state(states: Mapping[str, Any]) -> None:
-    """All arms share token IDs, roles, the position IDs actually passed to the model, and cache lengths.
+    """All arms share token IDs, roles, the position IDs actually passed to the model, windows, and cache lengths.
 
     There is no padding in the duplicate design: every token is valid, which
     the cache-length check (every layer holds exactly |z| positions) confirms.
@@ -181,6 +181,8 @@ def check_functional_state(states: Mapping[str, Any]) -> None:
             raise GateError("functional_state", f"{name}: role array differs from {ref_name}")
         if s.positions.shape != ref.positions.shape or not torch.equal(s.positions, ref.positions):
             raise GateError("functional_state", f"{name}: position IDs passed to the model differ from {ref_name}")
+        if getattr(s, "windows", None) != getattr(ref, "windows", None):
+            raise GateError("functional_state", f"{name}: sliding windows per layer differ from {ref_name}")
         for n, t in cache_tensors(s.cache):
             if t.shape[-2] != len(s.ids):
                 raise GateError("functional_state", f"{name}: {n} holds {t.shape[-2]} positions, prefix has {len(s.ids)}")

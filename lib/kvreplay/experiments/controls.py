@@ -43,8 +43,9 @@ def null_perturbation(state: decode.Boundary, reference: decode.Boundary, seed: 
     Let ``n`` be the number of elements of one duplicate row in which the two
     boundary caches differ, and ``|Δ|`` their absolute differences (float32).
     The copy gets ``n`` uniformly random element positions (drawn over all K
-    and V tensors of one row, with replacement), each shifted by a magnitude
-    drawn from ``|Δ|`` with a random sign, computed in float32 and rounded to
+    and V tensors of one row, with replacement; a sliding-window layer counts
+    and draws over its attended positions only, :func:`kvreplay.drift.attended`),
+    each shifted by a magnitude drawn from ``|Δ|`` with a random sign, computed in float32 and rounded to
     the cache dtype; both duplicate rows get the same change. The boundary
     logits stay ``state``'s. Seeded (``torch.Generator``), so reruns are identical.
 
@@ -57,13 +58,14 @@ def null_perturbation(state: decode.Boundary, reference: decode.Boundary, seed: 
         ``(perturbed copy, record)`` with ``elements_target`` (n), ``elements_changed`` (after rounding),
         ``rel_l2`` (whole-cache relative L2 of the perturbation) and ``real_rel_l2`` (of ``reference``).
     """
-    inv_s, inv_r = gates.cache_tensors(state.cache), gates.cache_tensors(reference.cache)
+    inv_s = drift.attended(gates.cache_tensors(state.cache), state.windows)
+    inv_r = drift.attended(gates.cache_tensors(reference.cache), reference.windows)
     deltas = torch.cat([(r[0].float() - s[0].float())[r[0] != s[0]].abs().flatten().cpu()  # drawn on the CPU generator
                         for (_, s), (_, r) in zip(inv_s, inv_r)])
     out = caches.clone_boundary(state, "null_perturbation")
     gen = torch.Generator().manual_seed(seed)
     n = int(deltas.numel())
-    targets = [t for _, t in gates.cache_tensors(out.cache)]
+    targets = [t for _, t in drift.attended(gates.cache_tensors(out.cache), out.windows)]  # views: written in place
     sizes = torch.tensor([t[0].numel() for t in targets])
     if n:
         flat = torch.randint(int(sizes.sum()), (n,), generator=gen)
@@ -81,7 +83,7 @@ def null_perturbation(state: decode.Boundary, reference: decode.Boundary, seed: 
             new = row.to(t.dtype).reshape(t[0].shape)
             t[0].copy_(new)
             t[1].copy_(new)
-    agg = drift.aggregate(drift.cache_drift(inv_s, gates.cache_tensors(out.cache)))
+    agg = drift.aggregate(drift.cache_drift(inv_s, drift.attended(gates.cache_tensors(out.cache), out.windows)))
     real = drift.aggregate(drift.cache_drift(inv_s, inv_r))
     return out, {"seed": seed, "elements_target": n, "elements_changed": agg["n_diff"] // 2, "rel_l2": agg["rel_l2"],
                  "real_rel_l2": real["rel_l2"]}

@@ -72,12 +72,22 @@ def boundary_gates(states: dict[str, decode.Boundary], dtype: torch.dtype, pairs
 
 
 def comparison(ref: decode.Boundary, other: decode.Boundary, per_tensor: bool) -> dict[str, Any]:
-    """Drift of ``other`` against ``ref``: whole-cache aggregate, boundary logits, optionally every tensor."""
-    rows = drift.cache_drift(gates.cache_tensors(ref.cache), gates.cache_tensors(other.cache))
+    """Drift of ``other`` against ``ref``: whole-cache aggregate, boundary logits, optionally every tensor.
+
+    With sliding-window layers (``ref.windows``) the drift is the attended state's (:func:`kvreplay.drift.cache_drift`).
+    """
+    rows = drift.cache_drift(gates.cache_tensors(ref.cache), gates.cache_tensors(other.cache), _windows(ref, other))
     out: dict[str, Any] = {"cache": drift.aggregate(rows), "logits": drift.logit_summary(ref.logits, other.logits)}
     if per_tensor:
         out["tensors"] = rows
     return out
+
+
+def _windows(a: decode.Boundary, b: decode.Boundary) -> tuple[int | None, ...] | None:
+    """The layers' sliding windows of two boundary states (the functional-state gate keeps them equal)."""
+    if a.windows != b.windows:
+        raise GateError("functional_state", f"{b.construction}: sliding windows per layer differ from {a.construction}")
+    return a.windows
 
 
 _FP32_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, LoadedModel]" = weakref.WeakKeyDictionary()
@@ -105,7 +115,8 @@ def construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[i
 
     Builds the incremental (live call schedule, teacher-forced) and prefill
     boundary caches of ``prefix`` with a float32 copy of the run's model and
-    requires their whole-cache relative L2 to stay within
+    requires their whole-cache relative L2 (a sliding layer: its attended
+    positions) to stay within
     :data:`kvreplay.gates.EQUIVALENCE_TOLERANCE`: in float32 two correct
     constructions differ only by rounding, so a larger drift is a bug in a
     construction (wrong positions, roles or mask in one call), whatever the
@@ -147,7 +158,8 @@ def _construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[
     pre = decode.build_prefill(lm32, spec.fmt, prefix, where=problem.problem_id)
     for name, s in (("incremental (float32 check)", inc), ("prefill (float32 check)", pre)):
         gates.check_finite(name, caches.boundary_tensors(s))
-    rel = drift.aggregate(drift.cache_drift(gates.cache_tensors(inc.cache), gates.cache_tensors(pre.cache)))["rel_l2"]
+    rel = drift.aggregate(drift.cache_drift(gates.cache_tensors(inc.cache), gates.cache_tensors(pre.cache),
+                                            _windows(inc, pre)))["rel_l2"]
     gates.check_equivalence("prefill vs incremental (float32 copy of the model)", rel)
     return {"dtype": "float32", "compared": "prefill_vs_incremental", "rel_l2": rel,
             "tolerance": gates.EQUIVALENCE_TOLERANCE}

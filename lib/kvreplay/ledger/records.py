@@ -67,7 +67,7 @@ __all__ = [
     "Intervention", "LetterChoice", "LiveArms", "LiveArmTokens", "LiveBoundary", "LogitsDiff", "NullPerturbation",
     "PairMargins", "PartialIntervention", "PartialReplicationInterventions", "ReplicaComparison",
     "ReplicationInterventions", "ReplicationScores",
-    "SuffixPair", "TensorDiff", "TensorGeometry", "TransplantOutcome",
+    "SuffixPair", "TensorDiff", "TensorGeometry", "TransplantOutcome", "WholeTensorDiff",
     # rows
     "AdaptEvalRow", "BridgeFailedRow", "BridgeRow", "ControlsFailedRow", "ControlsRow", "Exp1FailedRow", "Exp1Row",
     "Exp2FailedRow", "Exp2Row", "ReplicationFailedRow", "ReplicationRow", "TransplantFailedRow", "TransplantRow",
@@ -129,8 +129,22 @@ class TensorGeometry(TypedDict):
 
 
 @with_config(_CONFIG)
+class WholeTensorDiff(TypedDict):
+    """A sliding-window layer's whole stored tensor against ``ref`` (every position, attended or not)."""
+    exact: bool
+    rel_l2: Float
+    max_abs: Float
+    n_diff: int
+    numel: int
+
+
+@with_config(_CONFIG)
 class TensorDiff(TypedDict):
-    """Drift of one tensor of ``other`` against ``ref`` (``kvreplay.drift.tensor_drift``), computed in float64."""
+    """Drift of one tensor of ``other`` against ``ref`` (``kvreplay.drift.tensor_drift``), computed in float64.
+
+    A model with sliding-window layers adds ``layer_kind`` to every K/V tensor; a sliding layer's drift fields
+    describe its attended positions (``positions``, the last ``window - 1``), and ``full_tensor`` the whole tensor
+    (``kvreplay.drift.cache_drift``). Rows of full-attention models have none of these keys."""
     tensor: str  # inventory name, e.g. "L00.key", "L27.value", "logits"
     exact: bool  # bit-identical
     max_abs: Float  # largest absolute difference
@@ -139,8 +153,12 @@ class TensorDiff(TypedDict):
     rel_l2: Float  # l2_diff / l2_ref, dimensionless (0 when both are 0, Infinity when only ref is 0)
     n_diff: int  # differing elements
     numel: int  # elements
-    ref_geometry: TensorGeometry
+    ref_geometry: TensorGeometry  # of the stored tensor
     other_geometry: TensorGeometry
+    layer_kind: NotRequired[Literal["full", "sliding"]]  # only for models with sliding-window layers
+    window: NotRequired[int]  # sliding layers: the window, in positions
+    positions: NotRequired[list[int]]  # sliding layers: [start, end) of the attended positions compared
+    full_tensor: NotRequired[WholeTensorDiff]  # sliding layers: the whole stored tensor
 
 
 @with_config(_CONFIG)
@@ -164,6 +182,7 @@ class CacheDiff(TypedDict):
     max_abs: Float
     n_diff: int  # differing elements, summed over tensors (both duplicate batch rows)
     numel: int
+    scope: NotRequired[Literal["attended"]]  # models with sliding-window layers: sliding layers' attended positions only
 
 
 @with_config(_CONFIG)

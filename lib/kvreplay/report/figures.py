@@ -105,6 +105,20 @@ def _layer_lines(ax, frame: pd.DataFrame, y: str, hue: str, colors: Mapping | No
                 label=" ".join(str(k) for k in keys))
     integer_axis(ax.xaxis)
     ax.set_xlabel("layer")
+    mark_layer_kinds(ax, frame)
+
+
+def mark_layer_kinds(ax, frame: pd.DataFrame) -> None:
+    """Shade the full-attention layers of a model with sliding-window layers (``frame["layer_kind"]``) and say so.
+
+    A frame without ``layer_kind`` (a model whose every layer is full attention) is left as it is.
+    """
+    if "layer_kind" not in frame or not (frame["layer_kind"] == "sliding").any():
+        return
+    for layer in sorted(frame.loc[frame["layer_kind"] == "full", "layer"].unique()):
+        ax.axvspan(layer - 0.5, layer + 0.5, color="#e3ecf7", zorder=0, lw=0)  # apart from the grey "0 (exact)" band
+    ax.set_xlabel("layer (shaded: full attention; others: sliding window, drift over the attended positions)",
+                  fontsize=8)
 
 
 # ----------------------------------------------------------------------------- Figure 1
@@ -550,6 +564,7 @@ def explorer_layers(frame: pd.DataFrame, *, title: str):
             ax.plot(sub["layer"], at_floor(sub[col], floor), marker=KIND_MARKERS.get(kind, "o"), ms=4, label=kind)
         integer_axis(ax.xaxis)
         ax.set_xlabel("layer")
+        mark_layer_kinds(ax, frame)
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
@@ -717,7 +732,7 @@ def topk_logits(topk: pd.DataFrame, ref: str, other: str, *, title: str):
 
 __all__ = [
     "OUTCOME_COLORS", "PRECISION_COLORS", "adaptation_curve", "at_floor", "design_figure", "divergence_and_drift",
-    "drift_heatmaps", "exact_floor", "explorer_layers", "explorer_view", "token_ticks", "first_divergence", "first_divergence_hist", "fixed_prefix_drift",
+    "drift_heatmaps", "exact_floor", "explorer_layers", "mark_layer_kinds", "explorer_view", "token_ticks", "first_divergence", "first_divergence_hist", "fixed_prefix_drift",
     "integer_axis", "layer_drift", "localization", "log_with_exact", "near_tie", "replication", "topk_logits",
     "transplant_outcomes",
 ]

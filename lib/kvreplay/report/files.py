@@ -141,7 +141,9 @@ def drift_by_layer(records: Sequence[Exp1Record] | Sequence[Exp2Record],
             ``prefill_vs_incremental``).
 
     Returns:
-        DataFrame with columns ``layer`` (int), ``kind`` (``key``/``value``), ``rel_l2``.
+        DataFrame with columns ``layer`` (int), ``kind`` (``key``/``value``), ``rel_l2``; for a model
+        with sliding-window layers also ``layer_kind`` (``full``/``sliding``; a sliding layer's drift
+        is over its attended positions, :func:`kvreplay.drift.cache_drift`).
 
     Raises:
         GateError: a row failed a gate.
@@ -150,9 +152,13 @@ def drift_by_layer(records: Sequence[Exp1Record] | Sequence[Exp2Record],
     for r in require_gates(records):
         for t in comparison_of(r, comparison)["tensors"]:
             layer, kind = t["tensor"].split(".")
-            rows.append({"layer": int(layer[1:]), "kind": kind, "rel_l2": t["rel_l2"]})
+            row = {"layer": int(layer[1:]), "kind": kind, "rel_l2": t["rel_l2"]}
+            if "layer_kind" in t:
+                row["layer_kind"] = t["layer_kind"]
+            rows.append(row)
     df = pd.DataFrame(rows)
-    return df.groupby(["layer", "kind"], as_index=False)["rel_l2"].median()
+    keys = ["layer", "kind"] + (["layer_kind"] if "layer_kind" in df else [])
+    return df.groupby(keys, as_index=False)["rel_l2"].median()
 
 
 def _short(x, n: int = 12):

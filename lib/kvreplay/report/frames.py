@@ -117,11 +117,15 @@ def layer_drift_frame(tensors: Sequence[TensorDiff]) -> pd.DataFrame:
     """Per-tensor ledger summaries (``boundary.<cmp>.tensors``) as a frame.
 
     Returns:
-        DataFrame ``layer``, ``kind`` (key/value), ``rel_l2``, ``max_abs``, ``n_diff``, ``exact``.
+        DataFrame ``layer``, ``kind`` (key/value), ``rel_l2``, ``max_abs``, ``n_diff``, ``exact``, and for a
+        model with sliding-window layers ``layer_kind`` (``full``/``sliding``).
     """
     rows = []
     for t in tensors:
         layer, kind = t["tensor"].split(".")
         rows.append({"layer": int(layer[1:]), "kind": kind, "rel_l2": t["rel_l2"], "max_abs": t["max_abs"],
-                     "n_diff": t["n_diff"], "exact": t["exact"]})
-    return pd.DataFrame(rows, columns=["layer", "kind", "rel_l2", "max_abs", "n_diff", "exact"])
+                     "n_diff": t["n_diff"], "exact": t["exact"], "layer_kind": t.get("layer_kind")})
+    columns = ["layer", "kind", "rel_l2", "max_abs", "n_diff", "exact"]
+    if any(t.get("layer_kind") for t in tensors):
+        columns.append("layer_kind")
+    return pd.DataFrame(rows, columns=columns)

@@ -223,7 +223,7 @@ class RowActor:
         self._ready()
         spec = self.spec
         check_prompts(spec.fmt, problems, context_length(spec.lm.model.config), caps=spec.caps)
-        run = self.settings.engine_run(spec.fmt, problems)
+        run = self.settings.engine_run(spec.fmt, problems, spec.lm.model.config)
         return arm_environment(spec.lm, spec.fmt, self.settings, run), run
 
     def rows(self, group: list, run=None, composition_id: str | None = None,

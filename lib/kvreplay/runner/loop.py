@@ -171,7 +171,7 @@ def run_arm(
         return records, ledger
     lm, block_format = settings.load()
     check_prompts(block_format, problems, context_length(lm.model.config), caps=settings.caps)  # before the ledger folder exists
-    run = settings.engine_run(block_format, problems)
+    run = settings.engine_run(block_format, problems, lm.model.config)
     ledger = Ledger(root, label, config, environment=arm_environment(lm, block_format, settings, run), row_algorithm=version)
     spec = RunSpec(lm=lm, fmt=block_format, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids, engine=run)
     mapper: Callable[[list[Problem]], Iterable[Mapping[str, Any]]] | None

@@ -26,10 +26,10 @@ from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_form
 from ..ledger.store import canonical_json
 from ..execution import ExecutionContract, check_sdpa_on_device
 from ..models import (
-    EMBEDDED,
-    EMBEDDED_SHA256,
+    EMBEDDED_MODELS,
     LoadedModel,
     ModelLoadError,
+    attention_layout,
     environment_record,
     file_sha256,
     load_model,
@@ -188,14 +188,14 @@ def check_prompts(
 def model_key(model: str) -> dict:
     """Cheap identity of a model for ledger keys, computed without loading it.
 
-    The embedded model is keyed by its pinned GGUF digest; a ``.gguf`` file
+    An embedded model (``embedded``, ``gemma3``) is keyed by its pinned GGUF digest; a ``.gguf`` file
     by its sha256; a local folder by the sha256 of each file in it.
 
     Raises:
         ModelLoadError: for an unknown path.
     """
-    if model == EMBEDDED:
-        return {"model": EMBEDDED, "sha256": EMBEDDED_SHA256}
+    if model in EMBEDDED_MODELS:
+        return {"model": model, "sha256": EMBEDDED_MODELS[model].sha256}
     p = Path(model).expanduser()
     if p.is_file():
         return {"model": str(model), "sha256": file_sha256(p)}
@@ -400,18 +400,29 @@ class ArmSettings:
             key["attention"] = self.attention
         return key
 
-    def engine_run(self, fmt: BlockFormat, problems: Sequence[Problem]) -> "EngineRun | None":
+    def engine_run(self, fmt: BlockFormat, problems: Sequence[Problem], config=None) -> "EngineRun | None":
         """The resolved engine settings of a batched arm (``None`` on the eager path).
 
         ``max_len=None`` resolves to the longest full sequence any of the arm's problems can reach, rounded up to
         a multiple of 128 for ``attention="flex"``.
 
+        Args:
+            config: the loaded model's ``transformers`` config, when known: a model with
+                sliding-window layers is refused on the engine's paths (the eager path takes it).
+
         Raises:
             ContractError: a prompt breaks the block contract.
-            ValueError: a fixed ``max_len`` shorter than the longest sequence a problem can reach.
+            ValueError: a fixed ``max_len`` shorter than the longest sequence a problem can reach, or a
+                sliding-window model on the batched engine.
         """
         if self.step_path == "eager":
             return None
+        if config is not None and attention_layout(config).windowed:
+            layout = attention_layout(config)
+            raise ValueError(
+                f"step_path {self.step_path!r}: the batched engine does not apply sliding windows yet, and this model "
+                f"has {layout.kinds().count('sliding')} sliding-window layers (window {layout.window}); its static-cache "
+                f"step would let those layers see every earlier key. Run this arm with step_path 'eager'.")
         need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), self.caps) for p in problems)
         if self.max_len is not None and self.max_len < need:
             raise ValueError(f"max_len={self.max_len} is shorter than the {need} positions the arm's longest problem "
