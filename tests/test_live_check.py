@@ -220,3 +220,42 @@ def test_the_matrix_table_prints_the_flagged_rows(tiny_format):
     assert [o["problem_id"] for o in s["drift_outliers"]] == ["tiny-02"]
     row = matrix_table([s], None).loc["rows with drift above 10 x the median (flagged, not excluded)", "bfloat16"]
     assert row == "1/3: tiny-02 (100 x)"
+
+
+def _skew_live(states):
+    """A live state that is not what the live decoder's own function gives: one key nudged in both duplicate rows and
+    in its replica alike, so the duplicate, replica, storage and functional-state gates all pass."""
+    with torch.inference_mode():
+        for name in ("live", "live_replica"):
+            states[name].cache.layers[1].keys[:, 0, 3, 0] += 0.25
+
+
+def test_a_skewed_live_state_passes_every_other_gate_and_fails_this_one(tiny_format):
+    lm = tiny_lm("llama", torch.bfloat16)
+    fmt, p = tiny_format(lm), tiny_problems(1)[0]
+    unchecked = live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, faults=_skew_live), p)
+    assert unchecked["gate_failure"] is None
+    checked = live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, faults=_skew_live,
+                                          live_check_ids=frozenset({p.problem_id})), p)
+    assert checked["gate_failure"]["gate"] == "live_equals_incremental"
+    assert "L01.key differs in 2 of" in checked["gate_failure"]["reason"]
+
+
+def test_row_actors_carry_the_live_check(tmp_path, tiny_arm):
+    """With Ray row actors the sample travels into each actor: the preflight row's check runs there."""
+    from kvreplay.runner import actors as parallel
+
+    parallel.shutdown()
+    parallel.connect(num_cpus=2)
+    try:
+        settings = tiny_arm(workers=2, live_check_fraction=0.0)
+        with pytest.raises(GateError, match="preflight row tiny-00 failed gate 'live_equals_incremental'"):
+            run_live_vs_prefill(tiny_problems(3), settings, ledger_root=tmp_path / "faulty", progress=False,
+                                faults=_skew_live)
+        records, ledger = run_live_vs_prefill(tiny_problems(3), settings, ledger_root=tmp_path / "clean",
+                                              progress=False)
+        assert all(r["gate_failure"] is None for r in records)
+        (declared,) = [e for e in _events(ledger) if e["event"] == "live_check"]
+        assert declared["problem_ids"] == ["tiny-00"] and declared["fraction"] == 0.0
+    finally:
+        parallel.shutdown()
