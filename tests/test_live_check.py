@@ -134,10 +134,10 @@ def test_a_live_fault_on_a_sampled_row_is_recorded_and_withholds_the_endpoints(t
     # outside the sample the fault is not seen: that is what the fraction trades for time
     assert [r["gate_failure"] for r in unsampled] == [None, None, None]
     events = _events(ledger)
-    declared = [e for e in events if e["event"] == "live_check"]
+    declared = [e for e in events if e["event"] == "live_check_sample"]
     assert declared == [declared[0]] and declared[0]["problem_ids"] == ["tiny-00", "tiny-01", "tiny-02"]
     assert declared[0]["fraction"] == 1.0 and declared[0]["gate"] == "live_equals_incremental"
-    passed = [c["problem_id"] for e in events if e["event"] == "live_checks" for c in e["checks"]]
+    passed = [c["problem_id"] for e in events if e["event"] == "live_check_passed" for c in e["checks"]]
     assert passed == ["tiny-00", "tiny-01"]
     assert events.index(declared[0]) < next(i for i, e in enumerate(events) if e["event"] == "row")  # before any row
 
@@ -150,7 +150,7 @@ def test_checked_and_unchecked_arms_write_the_same_bytes_under_the_same_key(tmp_
                                        progress=False)
     assert checked.dir.name == unchecked.dir.name  # the fraction is not part of the ledger key
     assert checked.rows_path.read_bytes() == unchecked.rows_path.read_bytes()
-    checks = [c["problem_id"] for e in _events(unchecked) if e["event"] == "live_checks" for c in e["checks"]]
+    checks = [c["problem_id"] for e in _events(unchecked) if e["event"] == "live_check_passed" for c in e["checks"]]
     assert checks == ["tiny-00"]  # the preflight row is checked whatever the fraction
     _, fp32 = run_live_vs_prefill(problems, tiny_arm(dtype="float32"), ledger_root=tmp_path / "c", progress=False)
     assert not [e for e in _events(fp32) if e["event"].startswith("live_check")]  # FP32 checks every row otherwise
@@ -191,7 +191,7 @@ def test_the_engine_checks_its_live_boundaries_through_its_own_path(tmp_path, ti
     settings = tiny_arm(step_path="engine-eager", batch=2, live_check_fraction=1.0)
     records, ledger = run_live_vs_prefill(tiny_problems(3), settings, ledger_root=tmp_path / "clean", progress=False)
     assert all(r["gate_failure"] is None for r in records)
-    checked = [c["problem_id"] for e in _events(ledger) if e["event"] == "live_checks" for c in e["checks"]]
+    checked = [c["problem_id"] for e in _events(ledger) if e["event"] == "live_check_passed" for c in e["checks"]]
     assert checked.count("tiny-01") == 1 and checked.count("tiny-02") == 1 and "tiny-00" in checked
     with _engine_live_without_roles(monkeypatch):
         with pytest.raises(GateError, match="preflight row tiny-00 failed gate 'live_equals_incremental'"):
@@ -255,7 +255,7 @@ def test_row_actors_carry_the_live_check(tmp_path, tiny_arm):
         records, ledger = run_live_vs_prefill(tiny_problems(3), settings, ledger_root=tmp_path / "clean",
                                               progress=False)
         assert all(r["gate_failure"] is None for r in records)
-        (declared,) = [e for e in _events(ledger) if e["event"] == "live_check"]
+        (declared,) = [e for e in _events(ledger) if e["event"] == "live_check_sample"]
         assert declared["problem_ids"] == ["tiny-00"] and declared["fraction"] == 0.0
     finally:
         parallel.shutdown()

@@ -95,7 +95,7 @@ def run_arm(
     preflight rows and a sample of ``settings.live_check_fraction`` of the others, drawn from the problem IDs
     (:func:`~kvreplay.runner.spec.live_check_ids`), carry the ``live_equals_incremental`` gate
     (:func:`kvreplay.experiments.matrix.check_live`). The run log records the sample before any row
-    (event ``live_check``) and, in this process, each check passed with its seconds (event ``live_checks``);
+    (event ``live_check_sample``) and, in this process, each check passed with its seconds (event ``live_check_passed``);
     a passing check adds nothing to the row, so it is not part of the ledger key.
 
     Raises:
@@ -148,7 +148,7 @@ def run_arm(
     equivalence_ids = frozenset(ids[: settings.preflight])
     checked = (live_check_ids(ids, settings.preflight, settings.live_check_fraction)
                if live_check and settings.dtype != "float32" else frozenset())
-    declared = {"event": "live_check", "gate": "live_equals_incremental", "fraction": settings.live_check_fraction,
+    declared = {"event": "live_check_sample", "gate": "live_equals_incremental", "fraction": settings.live_check_fraction,
                 "preflight": settings.preflight, "salt": LIVE_CHECK_SALT,
                 "problem_ids": [p.problem_id for p in todo if p.problem_id in checked]}
     first = todo[0].problem_id if todo else None  # composition gate (batched), per run, whatever the preflight count
@@ -198,7 +198,7 @@ def run_arm(
     def logged(rec: Any) -> Any:
         """``rec``, after the live checks passed since the last record are written to the run log."""
         if spec.live_checks:
-            ledger.log(event="live_checks", checks=list(spec.live_checks))
+            ledger.log(event="live_check_passed", checks=list(spec.live_checks))
             spec.live_checks.clear()
         return rec
 
