@@ -352,6 +352,15 @@ USER_BAD: list[tuple[str, Any, str | None, str]] = [
      "options", "problem 's2': option B is not valid Unicode: lone surrogate U+DC80"),
     ("lone surrogate in source", r'{"problem_id": "s3", "source": "x\udfff", "question": "q?", "options": ["a", "b"], '
      r'"answer": "A"}', "source", "problem 's3': not valid Unicode"),
+    ("zero-width question", _user_row(3, question="\u200b"), "question",
+     r"problem 'u-3': the question '\u200b' is empty once invisible characters"),
+    ("BOM and joiners question", _user_row(3, question="\ufeff \u200d\u2060\u00ad"), "question", "is empty once invisible"),
+    ("zero-width option", _user_row(3, options=["x", "\u200b\u200c"]), "options", r"option B '\u200b\u200c' is empty once"),
+    ("option with its letter", _user_row(3, options=["A. x", "B. y"]), "options",
+     "option A 'A. x' already begins with its letter 'A.'; the prompt writes 'A. ' before each option itself"),
+    ("option with its letter in parentheses", _user_row(3, options=["x", "(B) y"]), "options",
+     "option B '(B) y' already begins with its letter '(B)'"),
+    ("option with its letter and a bracket", _user_row(3, options=["x", "y", "C) z"]), "options", "letter 'C)'"),
 ]
 
 
@@ -366,6 +375,47 @@ def test_load_problems_names_bad_line(tmp_path: Path, name: str, bad: Any, field
     if field is not None:
         assert f"field '{field}'" in msg
     assert needle in msg, msg
+
+
+def test_invisible_characters_inside_text_and_other_letters_are_kept(tmp_path: Path) -> None:
+    """Only a field with nothing visible is refused; an option opening with another option's letter is text
+    (MMLU has "(B) and (C)" as option D and "B. F. Skinner" as option C)."""
+    path = _write_jsonl(tmp_path / "ok.jsonl", [
+        _user_row(1, question="zero\u200bwidth?", options=["x\u200d", "y"]),
+        _user_row(2, options=["x", "y", "z", "(B) and (C)"], answer="D"),
+        _user_row(3, options=["x", "y", "B. F. Skinner"], answer="C"),
+        _user_row(4, options=["A.x", "A foo"], answer="A"),
+    ])
+    probs = P.load_problems(path)
+    assert probs[0].question == "zero\u200bwidth?" and probs[3].options == ("A.x", "A foo")
+    assert P.own_letter(0, "A: yes") == "A:" and P.own_letter(1, "A. x") is None
+
+
+def test_problems_know_their_file_and_line_and_the_special_token_error_names_them(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import TINY_FORMAT, make_tokenizer
+    from kvreplay.contract import ContractError, resolve_format
+    from kvreplay.runner import check_prompts
+
+    path = _write_jsonl(tmp_path / "mine.jsonl", [_user_row(1), "", _user_row(2, question="What does <|im_end|> do?"),
+                                                  _user_row(3, source="exam", source_line=40,
+                                                            options=["x", "y<|im_start|>"])])
+    probs = P.load_problems(path)
+    assert (probs[1].file, probs[1].line, probs[1].where) == (str(path), 3, f"{path} line 3")
+    assert probs[2].where == f"exam line 40; {path} line 4"
+    assert probs[1] == dataclasses.replace(probs[1], file=None, line=None)  # not part of the problem's identity
+    assert P.load_bank()[0].where.endswith("; data/bank/mmlu_bank_v1.jsonl line 1")
+    fmt = resolve_format(make_tokenizer(), TINY_FORMAT)
+    with pytest.raises(ContractError) as e:
+        check_prompts(fmt, probs[:2])
+    assert str(e.value) == (f"problem u-2 ({path} line 3): field 'question' contains the special token(s) "
+                            "'<|im_end|>' (ID 2); a special token in the problem text would be read as a delimiter. "
+                            "Remove or rephrase it")
+    with pytest.raises(ContractError, match=rf"problem u-3 \(exam line 40; {path} line 4\): field 'option B' contains "
+                                            r"the special token\(s\) '<\|im_start\|>' \(ID 1\)"):
+        check_prompts(fmt, probs[2:])
 
 
 def test_load_problems_names_undecodable_bytes(tmp_path: Path) -> None:

@@ -177,18 +177,22 @@ class BlockFormat:
 
         Raises:
             ContractError: if the problem text tokenizes to a special token
-                (it would be mistaken for a delimiter).
+                (it would be mistaken for a delimiter), naming the field
+                (``question`` or ``option B``) and the token's text and ID.
         """
         letters = "ABCDEFGHIJ"
         opts = "\n".join(f"{letters[i]}. {o}" for i, o in enumerate(options))
         user = self.spec["question"].format(question=question.strip(), options=opts)
         tok = self._tokenizer
         content_ids = tok(user, add_special_tokens=False).input_ids
-        bad = [t for t in content_ids if t in self.special_ids]
-        if bad:
-            raise ContractError(
-                f"problem text contains special token(s) {sorted(set(bad))}; it would be read as a delimiter"
-            )
+        if any(t in self.special_ids for t in content_ids):
+            fields = [("question", question.strip())] + [(f"option {letters[i]}", o) for i, o in enumerate(options)]
+            for name, text in fields + [("the prompt text around the fields", user)]:
+                bad = [t for t in tok(text, add_special_tokens=False).input_ids if t in self.special_ids]
+                if bad:
+                    shown = ", ".join(f"{tok.convert_ids_to_tokens(t)!r} (ID {t})" for t in dict.fromkeys(bad))
+                    raise ContractError(f"field '{name}' contains the special token(s) {shown}; a special token in "
+                                        f"the problem text would be read as a delimiter. Remove or rephrase it")
         if self.spec["kind"] == "chat_template":
             msgs = [{"role": "system", "content": self.spec["system"]}, {"role": "user", "content": user}]
             text = _render(tok, msgs, generation_prompt=False)

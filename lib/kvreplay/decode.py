@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -41,7 +42,7 @@ from .contract import (
 )
 from .gates import GateError
 from .execution import sdpa_backend_list
-from .models import LoadedModel, kv_cache, layer_masks
+from .models import LoadedModel, context_length, kv_cache, layer_masks
 
 BATCH = 2
 """Physical batch: two duplicate copies of one problem."""
@@ -144,8 +145,14 @@ def forward(
         GateError: gate ``nonfinite`` if a logit is NaN or infinite (checked
             first: NaN rows never compare equal), then ``desync`` if the two
             duplicate rows' logits differ.
+        ContractError: the call reaches a position the model does not have
+            (``max_position_embeddings``), before the model runs.
     """
     q = ids.shape[1]
+    limit = _positions(lm.model)
+    if limit is not None and start + q > limit:
+        raise ContractError(f"a forward call over positions {start}..{start + q - 1}, but the model has only {limit} "
+                            f"(max_position_embeddings): a sequence this long is outside the model's context")
     embeds, mask, positions = model_inputs(lm, ids, roles_all, start)
     if trace is not None:
         trace.append(positions)
@@ -211,6 +218,16 @@ def _desync(position: int) -> GateError:
 
 def _nonfinite(position: int) -> GateError:
     return GateError("nonfinite", f"NaN or infinite logits after the call ending at position {position}")
+
+
+_POSITIONS: "weakref.WeakKeyDictionary[torch.nn.Module, int | None]" = weakref.WeakKeyDictionary()
+
+
+def _positions(model: torch.nn.Module) -> int | None:
+    """The model's ``max_position_embeddings`` (``None`` if it has none), read once per model object."""
+    if model not in _POSITIONS:
+        _POSITIONS[model] = context_length(model.config)
+    return _POSITIONS[model]
 
 
 @functools.cache

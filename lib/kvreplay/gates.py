@@ -21,7 +21,8 @@ class GateError(RuntimeError):
         gate: the gate's name (``nonfinite``, ``desync``, ``replica``,
             ``storage``, ``functional_state``, ``dtype``, ``equivalence``,
             ``suffix_replica``, ``provenance``, ``argmax``, ``preflight``,
-            ``report``; batched runs: ``composition``, ``graph_equals_eager``).
+            ``report``, ``live_equals_incremental``; batched runs: ``composition``,
+            ``graph_equals_eager``).
         reason: what differed, and where.
     """
     def __init__(self, gate: str, reason: str):
@@ -143,6 +144,53 @@ def check_equivalence(name: str, rel_l2: float, tolerance: float = EQUIVALENCE_T
         raise GateError("equivalence", f"{name}: whole-cache relative L2 {rel_l2:.3g} exceeds the float32 tolerance "
                         f"{tolerance:g}; the constructions do not compute the same function (a construction bug, not "
                         f"precision)")
+
+
+def check_identical(gate: str, name: str, a: Sequence[tuple[str, torch.Tensor]],
+                    b: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Two tensor inventories must hold the same names, shapes, dtypes and bits (strides and storage may differ).
+
+    Args:
+        gate: the gate's name to raise under.
+        name: what was compared, for the message.
+        a, b: ``[(name, tensor), ...]`` in the same order (e.g. :func:`cache_tensors` plus the logits).
+
+    Raises:
+        GateError: ``gate``, naming the first tensor that differs: its shape or dtype, or how many
+            elements differ and the largest absolute difference (float32 units of the values).
+    """
+    names_a, names_b = [n for n, _ in a], [n for n, _ in b]
+    if names_a != names_b:
+        raise GateError(gate, f"{name}: tensor inventories differ ({len(names_a)} vs {len(names_b)} tensors)")
+    for (n, x), (_, y) in zip(a, b):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise GateError(gate, f"{name}: {n} is {list(x.shape)} {x.dtype} vs {list(y.shape)} {y.dtype}")
+        if not torch.equal(x, y):
+            diff = (x.float() - y.float()).abs()
+            raise GateError(gate, f"{name}: {n} differs in {int((x != y).sum())} of {x.numel()} elements "
+                            f"(largest |difference| {float(diff.max()):.3g})")
+
+
+def check_live_equals_incremental(live: Any, incremental: Any, where: str = "") -> None:
+    """Live-construction gate: the live boundary equals its teacher-forced incremental rebuild bit for bit (paper §3.6).
+
+    Incremental replays the live call schedule from the live token IDs, so a
+    correct live decoder gives the same bits (Experiment 3's bridge). A live
+    decoder that computes another function (e.g. a dropped 4-D mask) does not.
+
+    Args:
+        live, incremental: boundary states (:class:`~kvreplay.decode.Boundary`) of one prefix z at the
+            run's dtype: caches ``[2, kv_heads, |z|, head_dim]`` and logits ``[2, vocab]``.
+        where: the row, for the message (e.g. its problem ID).
+
+    Raises:
+        GateError: gate ``live_equals_incremental`` naming the first cache tensor (or the logits) that differs.
+    """
+    if list(live.ids) != list(incremental.ids):
+        raise GateError("live_equals_incremental", f"{where}: the rebuild's token IDs differ from live's")
+    check_identical("live_equals_incremental", f"{where} live vs its incremental rebuild",
+                    [*cache_tensors(live.cache), ("boundary logits", live.logits)],
+                    [*cache_tensors(incremental.cache), ("boundary logits", incremental.logits)])
 
 
 def check_dtype(name: str, tensors: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:

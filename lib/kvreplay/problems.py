@@ -18,11 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+import unicodedata
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .paths import BANK_DIR
+from .paths import BANK_DIR, ROOT
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -44,6 +45,8 @@ __all__ = [
     "iter_lines",
     "sha256_bytes",
     "unicode_fault",
+    "visible_text",
+    "own_letter",
 ]
 
 
@@ -151,6 +154,31 @@ def unicode_fault(text: str) -> str | None:
     return None
 
 
+def visible_text(text: str) -> str:
+    """``text`` without the characters that show nothing: whitespace and Unicode control, format (``Cf``: zero-width
+    space, zero-width joiners, BOM, soft hyphen, bidi marks) and separator characters."""
+    return "".join(c for c in text if not (c.isspace() or unicodedata.category(c) in _INVISIBLE))
+
+
+_INVISIBLE = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+
+_OWN_LETTER = re.compile(r"\s*(?:\(([A-J])\)|([A-J])\s*[.):])\s")
+"""An option that opens with a letter and a separator (``A. ``, ``A) ``, ``A: ``, ``(A) ``), as the prompt writes it."""
+
+
+def own_letter(index: int, option: str) -> str | None:
+    """The letter prefix ``option`` already carries when it is its own (option ``index``'s) letter, else ``None``.
+
+    The prompt writes ``"A. <text>"`` itself (:meth:`kvreplay.contract.BlockFormat.prompt_ids`), so an option
+    ``"A. foo"`` at index 0 would read ``"A. A. foo"``. Another letter (``"(B) and (C)"`` as option D) is text.
+    """
+    m = _OWN_LETTER.match(option)
+    if m is None:
+        return None
+    letter = m.group(1) or m.group(2)
+    return m.group(0).strip() if letter == LETTERS[index] else None
+
+
 def _id_of_undecodable(line: bytes) -> str | None:
     """The ``problem_id`` of a line that is not valid UTF-8, read with replacement characters, when it has one."""
     try:
@@ -203,6 +231,9 @@ def _check_problem(
     if not question.strip():
         raise bad("question", "empty question")
     unicode("question", question)
+    if not visible_text(question):
+        raise bad("question", f"problem {problem_id!r}: the question {question[:40]!r} is empty once invisible "
+                  "characters (zero-width, BOM, format and control characters, whitespace) are removed")
     if not isinstance(options, (list, tuple)):
         raise bad("options", f"expected a list of strings, got {type(options).__name__}")
     if not MIN_OPTIONS <= len(options) <= MAX_OPTIONS:
@@ -216,6 +247,14 @@ def _check_problem(
             raise bad("options", f"problem {problem_id!r}: option {LETTERS[i]} is {fault}")
         if not opt.strip():
             raise bad("options", f"option {LETTERS[i]} is empty")
+        if not visible_text(opt):
+            raise bad("options", f"problem {problem_id!r}: option {LETTERS[i]} {opt[:40]!r} is empty once invisible "
+                      "characters (zero-width, BOM, format and control characters, whitespace) are removed")
+        prefix = own_letter(i, opt)
+        if prefix is not None:
+            raise bad("options", f"problem {problem_id!r}: option {LETTERS[i]} {opt[:40]!r} already begins with its "
+                      f"letter {prefix!r}; the prompt writes '{LETTERS[i]}. ' before each option itself, so give "
+                      "the option's text alone")
         key = opt.strip()
         if key in seen:
             raise bad(
@@ -245,6 +284,8 @@ class Problem:
     :ivar question: question text (``str``).
     :ivar options: option texts without ``"A. "`` prefixes (``tuple[str, ...]``, 2..10, distinct).
     :ivar answer: gold letter (``str``), one of :attr:`letters`.
+    :ivar file: the JSONL file it was read from (``str | None``; set by :func:`load_problems`, not compared).
+    :ivar line: its 1-based line in that file (``int | None``; not compared).
     :raises MalformedProblemError: on construction if any invariant fails.
     """
     problem_id: str
@@ -253,6 +294,8 @@ class Problem:
     question: str
     options: tuple[str, ...]  # option texts without "A. " prefixes
     answer: str  # gold letter
+    file: str | None = field(default=None, compare=False, repr=False)
+    line: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.options, list):
@@ -267,6 +310,15 @@ class Problem:
             options=self.options,
             answer=self.answer,
         )
+
+    @property
+    def where(self) -> str:
+        """Where the problem comes from, for messages: ``"<source> line <source_line>"``, and the file and line it
+        was read from when they differ (``"mmlu line 2824; data/bank/mmlu_bank_v1.jsonl line 1"``)."""
+        here = f"{self.source} line {self.source_line}"
+        if self.file is None or (Path(self.file).name, self.line) == (self.source, self.source_line):
+            return here if self.file is None else f"{self.file} line {self.line}"
+        return f"{here}; {self.file} line {self.line}"
 
     @property
     def letters(self) -> tuple[str, ...]:
@@ -317,8 +369,10 @@ def load_problems(path: str | Path) -> list[Problem]:
 
     Each non-blank line is a JSON object with keys ``problem_id`` (str,
     ``[A-Za-z0-9][A-Za-z0-9._:-]*``, at most 128 chars, unique in the file),
-    ``question`` (non-blank str), ``options`` (list of 2..10 non-blank,
-    pairwise distinct strings, without letter prefixes), ``answer`` (one
+    ``question`` (str, not empty once invisible characters are removed:
+    :func:`visible_text`), ``options`` (list of 2..10 such strings, pairwise
+    distinct, none opening with its own letter such as ``"A. "``, ``"A) "`` or
+    ``"(A) "``: refused, not stripped, see :func:`own_letter`), ``answer`` (one
     capital letter within the options' range) and optionally ``source``
     (non-empty str; default: the file name) and ``source_line`` (int >= 1;
     default: the line number in this file).  Other keys are rejected.  Blank
@@ -326,7 +380,7 @@ def load_problems(path: str | Path) -> list[Problem]:
     kept verbatim.
 
     :param path: JSONL file (``str | Path``).
-    :returns: problems in file order (``list[Problem]``).
+    :returns: problems in file order (``list[Problem]``), each with its ``file`` and ``line``.
     :raises FileNotFoundError: if ``path`` does not exist.
     :raises MalformedProblemError: naming ``path``, the line and the field, for
         invalid UTF-8/JSON, a non-object row, missing/unknown/invalid fields,
@@ -381,10 +435,16 @@ def load_problems(path: str | Path) -> list[Problem]:
             )
         id_lines[pid] = line_no
         values["options"] = tuple(values["options"])
-        problems.append(Problem(**values))
+        problems.append(Problem(**values, file=_shown(path), line=line_no))
     if not problems:
         raise MalformedProblemError(loc, None, None, "file contains no problems")
     return problems
+
+
+def _shown(path: Path) -> str:
+    """A file as messages name it: relative to the repository when inside it, else as given."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path)
 
 
 def read_manifest(bank_dir: str | Path | None = None) -> dict[str, Any]:

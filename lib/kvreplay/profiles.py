@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .paths import PARAMS, ROOT
 from .runner import EXECUTION_KEYS, resolve_execution
+from .runner.spec import LIVE_CHECK_FRACTION
 
 PROFILE_KEYS = ("notebooks", "done", "base")
 """Profile keys that are not chain parameters: the notebooks ``make paper`` runs (read by :mod:`kvreplay.paper`),
@@ -83,9 +84,13 @@ class ChainParameters(BaseModel):
         "trains and scores in FP32 on the CPU under its threads and sdpa_backends only")
     # Experiment 1 (notebook 01)
     n_rows: int = Field(2, ge=1, description="Experiment 1 problems, the first of the bank (paper: 200)")
-    preflight: int = Field(1, ge=0, description="Experiment 1 preflight rows per precision (paper: 8)")
+    preflight: int = Field(1, description="Experiment 1 preflight rows per precision, at least 1 (paper: 8)")
+    live_check_fraction: float = Field(
+        LIVE_CHECK_FRACTION, ge=0, le=1, description="share of Experiment 1's rows after the preflight ones whose "
+        "live boundary a BF16 arm rebuilds and requires equal bit for bit (gate live_equals_incremental; the "
+        "preflight rows always), a sample drawn from the problem IDs before any row runs; not in the ledger key")
     # Experiment 2 (notebook 02) and its controls
-    preflight_fixed: int = Field(1, ge=0, description="preflight rows of Experiments 2 and 5 (paper: 2)")
+    preflight_fixed: int = Field(1, description="preflight rows of Experiments 2 and 5, at least 1 (paper: 2)")
     exploratory_controls: bool = Field(True, description="run Experiment 2's exploratory controls (BF16, the "
                                        "profile's step path); False: skipped (a profile without their ledger)")
     # Experiments 3 and 4 (notebooks 03, 04)
@@ -130,6 +135,18 @@ class ChainParameters(BaseModel):
     def _no_execution_is_the_defaults(cls, value):
         """``execution:`` with nothing under it (YAML null) is the empty mapping: every key at its default."""
         return {} if value is None else value
+
+    @field_validator("preflight", "preflight_fixed", mode="after")
+    @classmethod
+    def _preflight_rows(cls, value: int, info):
+        """At least one preflight row: the construction checks of a run below float32 run on the preflight rows."""
+        if value < 1:
+            checks = ("the float32 construction-equivalence gate and the live_equals_incremental gate"
+                      if info.field_name == "preflight" else "the float32 construction-equivalence gate")
+            raise ValueError(f"{info.field_name}: {value} would switch off the checks that run on preflight rows in a "
+                             f"run below float32 ({checks}) and the abort of an arm on a failed preflight row; use "
+                             "at least 1")
+        return value
 
     @model_validator(mode="after")
     def _checkpoints_fit(self):

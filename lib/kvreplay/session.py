@@ -124,7 +124,7 @@ class Session:
     def settings(self, dtype: str, preflight: int, *, model: str | None = None, role_table: str | None = None,
                  batched: bool = True) -> ArmSettings:
         """The :class:`~kvreplay.runner.ArmSettings` of one arm under these parameters (model, format, role table,
-        caps, execution contract).
+        caps, execution contract, the share of rows whose live boundary is checked).
 
         Args:
             dtype: ``"bfloat16"`` or ``"float32"``.
@@ -140,7 +140,8 @@ class Session:
             kw["model"] = model
         if role_table is not None:
             kw["role_table"] = role_table
-        return ArmSettings(profile=self.profile, dtype=dtype, caps=self.caps, preflight=preflight, **kw)
+        return ArmSettings(profile=self.profile, dtype=dtype, caps=self.caps, preflight=preflight,
+                           live_check_fraction=self.params.live_check_fraction, **kw)
 
     @functools.cached_property
     def fixed(self) -> FixedPrefixes:

@@ -526,7 +526,7 @@ def decode_chains(
     caps: Caps,
     construction: str,
     starts: Sequence[Sequence[int]],
-    continue_with: Callable[[int, Boundary | GateError], Sequence[Boundary]],
+    continue_with: Callable[..., Sequence[Boundary]],
     finished: Callable[[int, list], None],
     *,
     batch: int = 8,
@@ -537,6 +537,7 @@ def decode_chains(
     tolerance_check: bool = False,
     fill_from: str = "first",
     hold: int | None = None,
+    rebuild: Callable[[int, Boundary], bool] | None = None,
 ) -> dict[str, int]:
     """Boundary constructions and their suffixes through one engine, with a slot's next job entering at once.
 
@@ -558,6 +559,10 @@ def decode_chains(
         finished: ``(i, [Suffix or GateError, ...])``, once per problem (an empty list when nothing was decoded).
         hold: waiting suffix jobs from which they go before new boundaries (default ``4 * batch``: the states of
             about ``batch`` problems wait; ``0``: suffixes always first). No bit depends on it.
+        rebuild: ``(i, boundary) -> bool``: when true for a built boundary, the same engine also rebuilds it from
+            its token IDs by teacher forcing (the incremental construction, ahead of new boundaries), and
+            ``continue_with(i, boundary, rebuilt)`` gets the rebuild (or the ``GateError`` that stopped it) as
+            a third argument; at one batch shape the two are bit-identical when both compute one function.
         batch, step_path, max_len, verify_steps, attention, tolerance_check, fill_from: as in
             :func:`decode_suffixes`;
             ``max_len`` defaults to the longest boundary a start can give plus :func:`suffix_length_bound`.
@@ -587,26 +592,34 @@ def decode_chains(
 
     def built(i: int) -> Callable[[object], None]:
         def done(boundary: object) -> None:
-            states = list(continue_with(i, boundary))  # type: ignore[arg-type]
-            if isinstance(boundary, GateError) and states:
-                raise ValueError(f"problem {i}: continue_with gave states to decode after a failed construction")
-            if not states:
-                finished(i, [])
+            if rebuild is not None and isinstance(boundary, Boundary) and rebuild(i, boundary):
+                again = fmt.boundary_parse(boundary.ids, where=f"problem {i} (rebuild of its boundary)")
+                scheduler.submit(_incremental_work(engine, lm, fmt, i, boundary.ids, again, None,
+                                                   lambda rebuilt: proceed(i, boundary, (rebuilt,))), urgent=True)
                 return
-            suffixes: list = [None] * len(states)
-            left = [len(states)]
-
-            def one(k: int) -> Callable[[object], None]:
-                def got(result: object) -> None:
-                    suffixes[k] = result
-                    left[0] -= 1
-                    if not left[0]:
-                        finished(i, suffixes)
-                return got
-
-            for k, b in enumerate(states):
-                scheduler.submit(_suffix_work(engine, fmt, caps, i, b, one(k)), urgent=True)
+            proceed(i, boundary, ())
         return done
+
+    def proceed(i: int, boundary: object, extra: tuple) -> None:
+        states = list(continue_with(i, boundary, *extra))  # type: ignore[arg-type, call-arg]
+        if isinstance(boundary, GateError) and states:
+            raise ValueError(f"problem {i}: continue_with gave states to decode after a failed construction")
+        if not states:
+            finished(i, [])
+            return
+        suffixes: list = [None] * len(states)
+        left = [len(states)]
+
+        def one(k: int) -> Callable[[object], None]:
+            def got(result: object) -> None:
+                suffixes[k] = result
+                left[0] -= 1
+                if not left[0]:
+                    finished(i, suffixes)
+            return got
+
+        for k, b in enumerate(states):
+            scheduler.submit(_suffix_work(engine, fmt, caps, i, b, one(k)), urgent=True)
 
     for i, start in enumerate(starts):
         if parsed is None:

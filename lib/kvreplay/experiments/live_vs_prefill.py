@@ -24,10 +24,18 @@ from .matrix import gate_failure, matrix_chunk, matrix_pipeline, matrix_row
 def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> Exp1Record:
     """Experiment 1 for one problem: live decoding to the boundary, then the four-arm matrix (paper §3.5).
 
+    The problem is first checked as the run loop checks it (:meth:`RunSpec.check_problem`); the model was
+    checked when ``spec`` was built. In a run below float32 the live boundary of a row in
+    ``spec.live_check_ids`` must equal its incremental rebuild bit for bit (:func:`~.matrix.check_live`).
+
     Returns:
         The ledger record; on a gate failure, a record with ``gate_failure``
         ``{"gate", "reason"}`` (and the prefix if the boundary was reached).
+
+    Raises:
+        ContractError: the problem breaks the block contract or needs more positions than the model has.
     """
+    spec.check_problem(problem)
     rec: dict[str, Any] = {"problem_id": problem.problem_id, "gate_failure": None}
     try:
         prompt = spec.fmt.prompt_ids(problem.question, problem.options)
@@ -50,9 +58,12 @@ def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[Ex
     layout does not.
 
     Raises:
-        ContractError: a prompt that breaks the block contract, or an unclosed answer block.
+        ContractError: a prompt that breaks the block contract or needs more positions than the model has
+            (before any decoding), or an unclosed answer block.
         GateError: the engine's own gates (``graph_equals_eager``, ``attention_tolerance``).
     """
+    for p in problems:
+        spec.check_problem(p)
     prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
     return cast(list[Exp1Record], matrix_pipeline(spec, problems, "live", prompts, [_head(x) for x in prompts]))
 
@@ -67,7 +78,13 @@ def live_vs_prefill_chunk_phased(spec: RunSpec, problems: Sequence[Problem]) -> 
     """:func:`live_vs_prefill_chunk` phase by phase (every live boundary, then every suffix): the same records.
 
     The schedule the engine had before boundaries and suffixes shared its slots; the tests compare the two.
+
+    Raises:
+        ContractError: a prompt that breaks the block contract or needs more positions than the model has
+            (before any decoding), or an unclosed answer block.
     """
+    for p in problems:
+        spec.check_problem(p)
     prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
     lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.caps, on_gate_error="return", **spec.engine_kwargs())
     return cast(list[Exp1Record], matrix_chunk(spec, problems, lives, [_head(x) for x in prompts]))
@@ -77,6 +94,10 @@ def run_live_vs_prefill(
     problems: Sequence[Problem], settings: ArmSettings, *, ledger_root: str | Path, progress: bool = True,
     faults: Hook | None = None,
 ) -> tuple[list[Exp1Record], "Ledger"]:
-    """Experiment 1 (paper §3.5) at one precision: records and ledger (see :func:`run_arm`; batched: :func:`live_vs_prefill_chunk`)."""
+    """Experiment 1 (paper §3.5) at one precision: records and ledger (see :func:`run_arm`; batched: :func:`live_vs_prefill_chunk`).
+
+    Below float32, the preflight rows and a sample of ``settings.live_check_fraction`` of the others carry the
+    ``live_equals_incremental`` gate (``run_arm(..., live_check=True)``).
+    """
     return run_arm("exp1", settings, problems, live_vs_prefill_row, ledger_root=ledger_root, progress=progress, faults=faults,
-                   chunk=live_vs_prefill_chunk)
+                   chunk=live_vs_prefill_chunk, live_check=True)

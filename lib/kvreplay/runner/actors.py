@@ -185,7 +185,7 @@ class RowActor:
     later call, so the caller sees why instead of a dead actor.
     """
     def __init__(self, settings, row: Callable, chunk: Callable | None, faults: Callable | None,
-                 equivalence_ids: frozenset):
+                 equivalence_ids: frozenset, live_check_ids: frozenset = frozenset()):
         self.device = settings.device
         self.error: BaseException | None = None
         try:
@@ -195,7 +195,8 @@ class RowActor:
             self.device = settings.device + (f" (GPU {','.join(map(str, gpus))})" if gpus else "")
             lm, fmt = settings.load()  # the contract is applied before the model loads
             self.settings, self.row, self.chunk = settings, row, chunk
-            self.spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids)
+            self.spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids,
+                                live_check_ids=live_check_ids)
             self.gated = False  # this actor passed its own preflight gate (a restarted actor starts over)
         except BaseException as e:  # noqa: BLE001 (re-raised, named, by ready() and every call)
             self.error = e
@@ -276,6 +277,7 @@ class RowActors:
             ...), used when :meth:`prepare` resolves an engine run (``settings.step_path`` not eager).
         faults: optional boundary-state hook passed into each actor's RunSpec (tests).
         equivalence_ids: problem IDs that carry the float32 construction-equivalence gate (the preflight rows).
+        live_check_ids: problem IDs that carry the ``live_equals_incremental`` gate (:attr:`RunSpec.live_check_ids`).
 
     Attributes:
         workers: number of actors; actors: their Ray handles; devices: each actor's device (and Ray GPU IDs);
@@ -288,7 +290,8 @@ class RowActors:
         RuntimeError: an actor failed to start (its cause is named; the other actors are killed).
     """
     def __init__(self, settings, row: Callable, *, chunk: Callable | None = None, workers: int | None = None,
-                 faults: Callable | None = None, equivalence_ids: frozenset = frozenset()):
+                 faults: Callable | None = None, equivalence_ids: frozenset = frozenset(),
+                 live_check_ids: frozenset = frozenset()):
         ray = _ray()
         self.workers = workers or settings.workers
         self.actors: list = []
@@ -317,7 +320,8 @@ class RowActors:
         env |= {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(settings.threads)}  # set before torch loads
         cls = ray.remote(RowActor).options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
                                            runtime_env={"env_vars": env}, **res)
-        self.actors = [cls.remote(settings, row, chunk, faults, frozenset(equivalence_ids)) for _ in range(self.workers)]
+        self.actors = [cls.remote(settings, row, chunk, faults, frozenset(equivalence_ids), frozenset(live_check_ids))
+                       for _ in range(self.workers)]
         try:
             info = self._get([a.ready.remote() for a in self.actors])
         except BaseException:

@@ -23,12 +23,14 @@ from ..problems import Problem
 from .actors import RowActors
 from .batched import BatchedRows, gate_recorder
 from .spec import (
+    LIVE_CHECK_SALT,
     ROW_ALGORITHM,
     ArmSettings,
     Hook,
     RunSpec,
     arm_environment,
     check_prompts,
+    live_check_ids,
 )
 
 
@@ -57,6 +59,7 @@ def run_arm(
     progress: bool = True,
     faults: Hook | None = None,
     chunk: Callable[[RunSpec, Sequence[Problem]], list[_Record]] | None = None,
+    live_check: bool = False,
 ) -> tuple[list[_Record], "Ledger"]:
     """Run, resume or reuse one experiment arm: ``row`` mapped over ``problems`` in frozen order.
 
@@ -87,6 +90,13 @@ def run_arm(
     ``settings.preflight`` rows are preflight rows: a gate failure there
     aborts the arm, and in a run below float32 they also carry the float32
     construction-equivalence gate (:func:`kvreplay.experiments.matrix.construction_equivalence`).
+
+    With ``live_check`` (an experiment whose reference is the live cache) and a dtype below float32, the
+    preflight rows and a sample of ``settings.live_check_fraction`` of the others, drawn from the problem IDs
+    (:func:`~kvreplay.runner.spec.live_check_ids`), carry the ``live_equals_incremental`` gate
+    (:func:`kvreplay.experiments.matrix.check_live`). The run log records the sample before any row
+    (event ``live_check_sample``) and, in this process, each check passed with its seconds (event ``live_check_passed``);
+    a passing check adds nothing to the row, so it is not part of the ledger key.
 
     Raises:
         GateError: ``preflight`` if a preflight row fails a gate; ``composition``
@@ -136,6 +146,11 @@ def run_arm(
         raise ReadOnlyLedgerError(folder, f"{len(todo)} of {len(ids)} rows of this arm are not in any ledger{held}",
                                   len(todo))
     equivalence_ids = frozenset(ids[: settings.preflight])
+    checked = (live_check_ids(ids, settings.preflight, settings.live_check_fraction)
+               if live_check and settings.dtype != "float32" else frozenset())
+    declared = {"event": "live_check_sample", "gate": "live_equals_incremental", "fraction": settings.live_check_fraction,
+                "preflight": settings.preflight, "salt": LIVE_CHECK_SALT,
+                "problem_ids": [p.problem_id for p in todo if p.problem_id in checked]}
     first = todo[0].problem_id if todo else None  # composition gate (batched), per run, whatever the preflight count
     groups = len(todo) if settings.step_path == "eager" else -(-len(todo) // (settings.chunk or settings.batch))
     reference = None
@@ -150,9 +165,11 @@ def run_arm(
         # the actors load the model; this process loads none (a second copy would sit on the first GPU)
 
         with RowActors(settings, row, chunk=chunk, workers=min(settings.workers, groups), faults=faults,
-                       equivalence_ids=equivalence_ids) as pool:
+                       equivalence_ids=equivalence_ids, live_check_ids=checked) as pool:
             environment, run = pool.prepare(problems)  # prompts checked and contract recorded inside an actor
             ledger = Ledger(root, label, config, environment=environment, row_algorithm=version)
+            if checked:
+                ledger.log(**declared)
             ledger.log(event="workers", workers=pool.workers, devices=pool.devices, ray=pool.cluster["address"],
                        ray_started=pool.cluster["started"], startup_s=pool.startup)
             if run is not None:
@@ -173,16 +190,28 @@ def run_arm(
     check_prompts(block_format, problems, context_length(lm.model.config), caps=settings.caps)  # before the ledger folder exists
     run = settings.engine_run(block_format, problems, lm.model.config)
     ledger = Ledger(root, label, config, environment=arm_environment(lm, block_format, settings, run), row_algorithm=version)
-    spec = RunSpec(lm=lm, fmt=block_format, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids, engine=run)
+    spec = RunSpec(lm=lm, fmt=block_format, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids, engine=run,
+                   live_check_ids=checked)
+    if checked:
+        ledger.log(**declared)
+
+    def logged(rec: Any) -> Any:
+        """``rec``, after the live checks passed since the last record are written to the run log."""
+        if spec.live_checks:
+            ledger.log(event="live_check_passed", checks=list(spec.live_checks))
+            spec.live_checks.clear()
+        return rec
+
     mapper: Callable[[list[Problem]], Iterable[Mapping[str, Any]]] | None
     row_fn: Callable[[Problem], _Record] | None
     if run is None:
-        mapper, row_fn = None, (lambda p: row(spec, p))
+        mapper, row_fn = None, (lambda p: logged(row(spec, p)))
     else:
         assert chunk is not None  # a non-eager step path without a chunk function was refused above
-        mapper, row_fn = BatchedRows(spec, chunk, todo, composition_id=first, reference=reference,
-                                     on_checks=gate_recorder(ledger.log, ledger.dir, ids[0]),
-                                     on_chunk=lambda stats: ledger.log(event="chunk", **stats)), None
+        batched = BatchedRows(spec, chunk, todo, composition_id=first, reference=reference,
+                              on_checks=gate_recorder(ledger.log, ledger.dir, ids[0]),
+                              on_chunk=lambda stats: ledger.log(event="chunk", **stats))
+        mapper, row_fn = (lambda items: (logged(rec) for rec in batched(items))) if checked else batched, None
         ledger.log(event="engine", **dataclasses.asdict(run))
     records = run_rows(
         ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,

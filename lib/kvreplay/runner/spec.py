@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -30,10 +31,13 @@ from ..models import (
     LoadedModel,
     ModelLoadError,
     attention_layout,
+    check_cache_auditable,
+    context_length,
     environment_record,
     file_sha256,
     load_model,
     looks_like_path,
+    self_check,
 )
 from ..paths import ROOT
 from ..problems import Problem
@@ -66,6 +70,20 @@ class RunSpec:
             this run, by problem ID and prefix (a batched runner computes a
             preflight problem twice for the composition gate; the check does
             not depend on the batch, so it runs once).
+        live_check_ids: problem IDs whose live boundary a run below float32
+            rebuilds and requires equal bit for bit (gate ``live_equals_incremental``;
+            :func:`kvreplay.experiments.matrix.check_live`): the preflight rows and a
+            declared sample (:func:`live_check_ids`). Experiments whose reference is not
+            live ignore it.
+        live_checks: the ``live_equals_incremental`` checks passed so far (``problem_id``,
+            ``seconds``), for the arm's run log (:func:`kvreplay.runner.run_arm` empties it).
+
+    Building a RunSpec checks the model (:func:`check_model`): a model that did not come through
+    :func:`~kvreplay.models.load_model` gets the same checks here, once per model object.
+
+    Raises:
+        ModelLoadError: a model whose KV cache the protocol cannot audit, or that ignores the explicit
+            4-D mask or position IDs (the messages of :func:`~kvreplay.models.load_model`).
     """
     lm: LoadedModel
     fmt: BlockFormat
@@ -75,6 +93,36 @@ class RunSpec:
     equivalence_ids: frozenset = frozenset()
     engine: "EngineRun | None" = None
     memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    live_check_ids: frozenset = frozenset()
+    live_checks: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    def __post_init__(self):
+        check_model(self.lm)
+
+    def check_problem(self, problem: Problem) -> None:
+        """What the run loop checks before an arm, for one problem: its prompt and its longest sequence.
+
+        Row and chunk functions call it first, so a direct call gets the run loop's errors before decoding.
+
+        Raises:
+            ContractError: the prompt breaks the block contract (a special token in its text), or its
+                longest sequence needs more positions than the model has (:func:`check_prompts`).
+        """
+        check_prompts(self.fmt, [problem], context_length(self.lm.model.config), caps=self.caps)
+
+    def check_prefix(self, problem: Problem, prefix: Sequence[int]) -> None:
+        """A fixed boundary prefix z and its longest suffix must fit the model's positions.
+
+        Raises:
+            ContractError: naming the problem, its source line and the positions needed and available.
+        """
+        limit = context_length(self.lm.model.config)
+        need = len(prefix) + engine.suffix_length_bound(self.fmt, self.caps)
+        if limit is not None and need > limit:
+            raise ContractError(
+                f"problem {problem.problem_id} ({problem.where}): its prefix of {len(prefix)} tokens and longest "
+                f"suffix (merge cap {self.caps.merge} + answer cap {self.caps.answer} + delimiters) can need {need} "
+                f"positions, but the model has only {limit} (max_position_embeddings)")
 
     def engine_kwargs(self) -> dict:
         """The keyword arguments a batched runner passes to :mod:`kvreplay.engine` (:meth:`EngineRun.kwargs`).
@@ -142,6 +190,74 @@ tie accounting and predicted-letter endpoints in the records.
 """
 
 
+_MODEL_CHECKS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def check_model(lm: LoadedModel) -> dict:
+    """The checks :func:`~kvreplay.models.load_model` makes, for a model however it was built; once per model object.
+
+    Refuses a KV cache the protocol cannot audit (:func:`~kvreplay.models.check_cache_auditable`: sliding-window,
+    chunked, linear-attention or hybrid layers). Reuses the load self-check record a loaded model carries
+    (``identity["self_check"]``), else runs :func:`~kvreplay.models.self_check` (the explicit 4-D mask and
+    position IDs obeyed; five decodes of 8 tokens).
+
+    Returns:
+        The self-check record.
+
+    Raises:
+        ModelLoadError: the messages of :func:`~kvreplay.models.load_model`.
+    """
+    if lm.model in _MODEL_CHECKS:
+        return _MODEL_CHECKS[lm.model]
+    check_cache_auditable(lm.model, str(lm.identity.get("model", type(lm.model).__name__)))
+    record = lm.identity.get("self_check")
+    if not (isinstance(record, dict) and record.get("passed") is True):
+        record = self_check(lm)
+    _MODEL_CHECKS[lm.model] = record
+    return record
+
+
+LIVE_CHECK_FRACTION = 1.0
+"""Default share of an arm's non-preflight rows whose live boundary is checked (``ArmSettings.live_check_fraction``).
+
+Every row. The check replays the live call schedule once more: as many forward calls (engine: steps) as live
+decoding. Measured with the embedded model in BF16 on 2 CPU cores (eager path): +25 to +54 % forward calls per
+row at the cpu profile's caps (36 s of checks on 121 s of three rows, +30 %), +51 % at smoke caps; the engine's
+eager path at smoke caps (B = 2): +51 % calls. On the engine a smaller fraction saves little: a chunk's sampled
+problems are rebuilt together, and a step with idle slots costs as much as a full one.
+"""
+
+LIVE_CHECK_SALT = "live_equals_incremental"
+"""Salt of the live-check sample's hash (:func:`live_check_ids`)."""
+
+
+def live_check_ids(problem_ids: Sequence[str], preflight: int, fraction: float) -> frozenset[str]:
+    """The rows whose live boundary is checked (gate ``live_equals_incremental``), fixed before any row is computed.
+
+    The first ``preflight`` rows always; any other row when ``u < fraction``, where ``u`` in [0, 1) is the first
+    64 bits of sha256(``"live_equals_incremental:<problem_id>"``) over 2**64. Outcome-blind, and a problem's
+    membership does not depend on the other problems or their order.
+
+    Args:
+        problem_ids: the arm's problems in frozen order.
+        preflight: the arm's preflight rows.
+        fraction: the share of the other rows to sample, in [0, 1] (1: every row).
+
+    Raises:
+        ValueError: ``fraction`` outside [0, 1].
+    """
+    import hashlib
+
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"live_check_fraction must lie in [0, 1], got {fraction!r}")
+
+    def drawn(pid: str) -> bool:
+        u = int(hashlib.sha256(f"{LIVE_CHECK_SALT}:{pid}".encode()).hexdigest()[:16], 16) / 2**64
+        return u < fraction
+
+    return frozenset(list(problem_ids)[:preflight]) | frozenset(p for p in problem_ids if drawn(p))
+
+
 def check_prompts(
     fmt: BlockFormat, problems: Sequence[Problem], max_positions: int | None = None, *, caps: Caps | None = None,
 ) -> None:
@@ -160,8 +276,8 @@ def check_prompts(
         caps: content caps; required when ``max_positions`` is given.
 
     Raises:
-        ContractError: naming the problem ID and its source line (and, for the
-            length check, the positions needed and available).
+        ContractError: naming the problem ID, its file and line (:attr:`~kvreplay.problems.Problem.where`)
+            and, for the length check, the positions needed and available.
         ValueError: ``max_positions`` given without ``caps``.
     """
     if max_positions is not None and caps is None:
@@ -170,14 +286,14 @@ def check_prompts(
         try:
             ids = fmt.prompt_ids(p.question, p.options)
         except ContractError as e:
-            raise ContractError(f"problem {p.problem_id} (line {p.source_line}): {e}") from e
+            raise ContractError(f"problem {p.problem_id} ({p.where}): {e}") from e
         if max_positions is None:
             continue
         assert caps is not None  # refused above: max_positions is given, so caps is too
         need = fmt.max_sequence_length(len(ids), caps)
         if need > max_positions:
             raise ContractError(
-                f"problem {p.problem_id} ({p.source} line {p.source_line}): its full sequence can need {need} "
+                f"problem {p.problem_id} ({p.where}): its full sequence can need {need} "
                 f"positions (prompt {len(ids)} tokens + delimiters {fmt.delimiter_tokens()} + 3 x branch cap "
                 f"{caps.branch} + merge cap {caps.merge} + answer cap {caps.answer}), but the model has only "
                 f"{max_positions} (max_position_embeddings). Shorten the question, lower the caps, or leave the "
@@ -310,7 +426,9 @@ class ArmSettings:
     Attributes mirror the notebooks' parameters: ``profile``, ``dtype``,
     ``caps``, ``model`` (``"embedded"``, folder, ``.gguf`` or cached hub id),
     ``fmt`` (block format name or YAML path), ``role_table`` (path or None),
-    ``preflight`` (rows), and the execution contract: ``threads`` (intra-op
+    ``preflight`` (rows), ``live_check_fraction`` (the share of the rows after the preflight ones whose live
+    boundary a run below float32 checks, gate ``live_equals_incremental``; :func:`live_check_ids`; not part of
+    the key: a row that passes records nothing more), and the execution contract: ``threads`` (intra-op
     threads), ``sdpa_backends``, the CUDA side of the contract
     (:class:`~kvreplay.execution.ExecutionContract`: ``device``, ``deterministic``,
     ``allow_tf32``), and the fields below. The notebooks take the contract as one
@@ -365,7 +483,7 @@ class ArmSettings:
             unknown device or step path, ``workers``, ``batch``, ``max_len`` or
             ``chunk`` out of range, a batch shape with the eager path, ``graph``
             off CUDA, an unknown ``attention``, one other than ``"sdpa"`` with the eager path, or ``"flex"``
-            with a ``max_len`` not a multiple of 128).
+            with a ``max_len`` not a multiple of 128); ``live_check_fraction`` outside [0, 1].
     """
     profile: str
     dtype: str
@@ -386,9 +504,13 @@ class ArmSettings:
     ray_address: str | None = None
     chunk: int | None = None
     attention: str = "sdpa"
+    live_check_fraction: float = LIVE_CHECK_FRACTION
 
     def __post_init__(self):
         check_execution({k: getattr(self, k) for k in EXECUTION_KEYS})
+        f = self.live_check_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"live_check_fraction must be a number in [0, 1], got {f!r}")
 
     def engine_key(self) -> dict | None:
         """The ledger-key entry of the decode path: ``None`` for the eager path, else step path and batch shape."""
