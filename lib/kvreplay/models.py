@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .execution import ExecutionContract, cpu_isa_flags, cpu_name, sdpa_backend_list
+from .execution import ExecutionContract, cpu_isa_flags, cpu_name, resolve_contract, sdpa_backend_list
 from .paths import BUILD
 
 if TYPE_CHECKING:
@@ -383,7 +383,7 @@ def load_model(
         dtype: ``"bfloat16"`` or ``"float32"`` (TF32 is always off).
         role_table: optional ``[14, hidden]`` role-embedding file.
         contract: the :class:`ExecutionContract` (device, SDPA backends, determinism, TF32, threads),
-            validated and applied before loading. Default: ``ExecutionContract()`` (CPU, math SDPA).
+            validated and applied before loading. Default: :func:`~kvreplay.execution.resolve_contract` (CPU, math SDPA).
 
     Raises:
         ModelLoadError: unknown model, digest mismatch, or no offline copy; a
@@ -396,7 +396,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    contract = contract or ExecutionContract()
+    contract = contract or resolve_contract()
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
