@@ -86,9 +86,9 @@ def tiny(outdir: Path) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
 
-    from kvreplay.execution import ExecutionContract
+    from kvreplay.execution import resolve_contract
 
-    ExecutionContract(device="cuda" if CUDA else "cpu").apply()
+    resolve_contract(device="cuda" if CUDA else "cpu").apply()
     res: dict = {}
     for dtype in (torch.float32, torch.bfloat16):
         lm = tiny_lm("llama", dtype)
@@ -125,12 +125,12 @@ def tiny(outdir: Path) -> dict:
 
 def bench(outdir: Path, n: int) -> dict:
     from kvreplay.problems import load_bank
-    from kvreplay.execution import ExecutionContract
+    from kvreplay.execution import resolve_contract
     from kvreplay.models import environment_record, load_model
 
     t0 = time.perf_counter()
     if CUDA:
-        lm = load_model("embedded", "bfloat16", contract=ExecutionContract(device="cuda"))
+        lm = load_model("embedded", "bfloat16", contract=resolve_contract(device="cuda"))
         fmt = resolve_format(lm.tokenizer, "chat_multibranch")
     else:  # dry run of the script's code paths on a tiny model
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvreplay.ledger.store import read_rows_text, row_lines
     from kvreplay.paths import LEDGERS
     from kvreplay.problems import load_bank
-    from kvreplay.runner import ArmSettings, EngineRun, RunSpec, run_arm
+    from kvreplay.runner import ArmSettings, RunSpec, run_arm
 
     caps = Caps(*GPU_CAPS)
     settings = ArmSettings(profile="gpu", dtype="bfloat16", caps=caps, threads=4, device=args.device,
@@ -161,9 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         committed = {r["problem_id"]: r for r in (json.loads(x) for x in row_lines(read_rows_text(folder)))}
         lm32 = model32()
         problems = [p for p in load_bank() if p.problem_id in committed][: args.rows]
-        need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), caps) for p in problems)
-        spec = RunSpec(lm=lm32, fmt=fmt, caps=caps, engine=EngineRun(graph, B, -(-need // 128) * 128,
-                                                                      chunk=len(problems), attention="flex"))
+        run32 = dataclasses.replace(settings, dtype="float32", chunk=len(problems)).engine_run(fmt, problems)
+        spec = RunSpec(lm=lm32, fmt=fmt, caps=caps, engine=run32)  # max_len: the longest sequence, whole flex blocks
         before = dict(engine.SLOT_STEPS)
         t = time.perf_counter()
         recs = live_vs_prefill_chunk(spec, problems)

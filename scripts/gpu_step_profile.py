@@ -32,7 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvreplay import engine  # noqa: E402
 from kvreplay.contract import resolve_format  # noqa: E402
-from kvreplay.execution import ExecutionContract  # noqa: E402
+from kvreplay.execution import resolve_contract  # noqa: E402
 from kvreplay.models import LoadedModel  # noqa: E402
 from tests.conftest import TINY_FORMAT, make_tokenizer  # noqa: E402
 
@@ -97,7 +97,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ExecutionContract(device="cuda").apply()
+    resolve_contract(device="cuda").apply()
     lm = model()
     fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
     from tests.conftest import tiny_lm

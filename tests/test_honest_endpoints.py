@@ -168,7 +168,7 @@ def test_a_construction_fault_fails_closed_in_either_precision(tiny_format, pref
 
 def test_preflight_rows_carry_the_equivalence_gate_through_the_runner(tmp_path, monkeypatch, prefill_sees_shifted_positions):
     from kvreplay.runner import spec as runner  # ArmSettings.config looks model_key up there
-    from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
+    from kvreplay.experiments.live_vs_prefill import EXP1
     from kvreplay.runner import ArmSettings
 
     lm = tiny_lm("llama", torch.bfloat16)
@@ -177,7 +177,7 @@ def test_preflight_rows_carry_the_equivalence_gate_through_the_runner(tmp_path, 
     monkeypatch.setattr(ArmSettings, "config", lambda self, name, problems: {"experiment": name, "t": 1})
     settings = ArmSettings(profile="t", dtype="bfloat16", caps=TINY_CAPS, preflight=1)
     with pytest.raises(GateError, match="preflight row tiny-00 failed gate 'equivalence'"):
-        run_live_vs_prefill(tiny_problems(2), settings, ledger_root=tmp_path, progress=False)
+        EXP1.run(settings, tiny_problems(2), ledger_root=tmp_path, progress=False)
 
 
 def _tiny_spec():
