@@ -75,8 +75,10 @@ def side_by_side(records: Sequence[dict]) -> str:
               + (", ".join(map(str, half)) if half else "none of these") + "."]
     e2e = [r for r in records if r["path"] == "engine-exp1-end-to-end"]
     for r in e2e:
+        live = (f", the live boundary of every row rebuilt and checked bit for bit ({r['live_checks_passed']} checks "
+                f"passed)" if r.get("live_checks_passed") else "")
         lines += ["", f"Experiment 1 end to end ({r['problems']} problems in one chunk at B = {r['B']}, attention "
-                  f"`{r['attention']}`, every gate on): slot occupancy {r['occupancy']:.1%}, "
+                  f"`{r['attention']}`, every gate on{live}): slot occupancy {r['occupancy']:.1%}, "
                   f"{r['useful_problem_steps_per_s']:.0f} useful problem-steps per second, {r['chunk_seconds']:.0f} s "
                   f"for the chunk and {r['arm_seconds']:.0f} s for the arm with its preflight gates "
                   f"({r['gate_failures']} gate failures)."]
