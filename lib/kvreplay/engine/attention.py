@@ -221,8 +221,8 @@ class FlexMask:
     reads.
 
     With ``window`` W (a sliding-window layer's mask, docs/models.md) a key is also visible only when
-    ``position[b] - k < W``, and a row reads from the block holding its first key inside the window: blocks wholly
-    before the window are skipped, not read and masked (at 3,000 positions and W = 512, 5 blocks of 24).
+    ``position[b] - k < W``, and a row reads from the block holding its first key inside the window: the blocks
+    wholly before the window are not read at all (at 3,000 positions and W = 512, 5 blocks of 24 are read).
 
     Args:
         position: ``[rows]`` int64, each row's position this step (the engine's input buffer).

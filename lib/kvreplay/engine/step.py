@@ -102,7 +102,7 @@ class StepEngine:
             Experiment 2). ``None``: the model's own head.
         attention: ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`ATTENTIONS`): the step's attention (prompt
             blocks and prefills, one call per problem outside the step, always use the model's own SDPA).
-                ``"flex"`` needs ``max_len`` a multiple of :data:`~kvreplay.engine.attention.FLEX_BLOCK`; it builds a
+            ``"flex"`` needs ``max_len`` a multiple of :data:`~kvreplay.engine.attention.FLEX_BLOCK`; it builds a
             :class:`~kvreplay.engine.attention.FlexMask` per layer type (the sliding one with the window).
 
     Attributes:
