@@ -11,8 +11,9 @@
 #
 # ROWS problems per arm (default 8), BUDGET_S seconds for every arm with packing (default 500), arms in order
 # (default: exp1-bfloat16 exp1-float32 exp2-bfloat16 exp3-bfloat16 exp2-float32; an arm with less than 60 s left
-# is skipped, see scripts/gpu_profile.py --min-arm-s). Experiment 3's panel is 4 bridge rows. The rows are the
-# first ROWS of the bank, so their ledger keys are not the full profile's (200 rows): a trial, not a part of it.
+# is skipped, see scripts/gpu_profile.py --min-arm-s). Experiment 3's panel is 4 bridge rows, and 2 rows of each
+# arm carry the float32 construction-equivalence check (the profile: 8). The rows are the first ROWS of the bank,
+# so their ledger keys are not the full profile's (200 rows): a trial, not a part of it.
 # KV_TRIAL_SET adds --set overrides (NAME=VALUE, space-separated), e.g. for a CPU dry run:
 #   KV_TRIAL_SET="device=cpu step_path=engine-eager threads=2 batch=2 chunk=2 cap_branch=8 cap_merge=8 cap_answer=4"
 # Afterwards, the prefix bank the BF16 arm wrote (/tmp/kv/ledgers/gemma/prefix_bank_bf16.jsonl) gives the
@@ -40,7 +41,7 @@ SETS=""
 for s in ${KV_TRIAL_SET:-}; do SETS="$SETS --set $s"; done
 # shellcheck disable=SC2086
 python3 scripts/gpu_profile.py "$OUT" $ARMS --profile gemma --budget "$BUDGET" --min-arm-s 60 \
-  --set n_rows="$ROWS" --set n_bridge=4 $SETS
+  --set n_rows="$ROWS" --set n_bridge=4 --set preflight=2 $SETS
 rc=$?
 python3 - "${KV_LEDGERS:-/tmp/kv/ledgers}/gemma" <<'EOF'
 import json, sys
