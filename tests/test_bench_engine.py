@@ -116,6 +116,8 @@ def test_the_engine_page_renders_the_committed_bench_file():
     records = json.loads(engine_bench.BENCH_FILE.read_text(encoding="utf-8"))
     suite = json.loads(engine_bench.SUITE_FILE.read_text(encoding="utf-8"))
     assert engine_bench.render_doc(text, records, suite) == text
+    readme = engine_bench.README.read_text(encoding="utf-8")
+    assert engine_bench.render_readme(readme, records) == readme
     faster = [dict(r, ms_per_problem_step=r["ms_per_problem_step"] * 10) if r["path"] == "engine" else r
               for r in records]
     assert "at B = none of these" in engine_bench.side_by_side(faster)

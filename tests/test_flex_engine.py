@@ -170,7 +170,7 @@ def test_tolerance_gate_catches_a_mask_that_ignores_roles(dtype):
     eng = engine.StepEngine(lm, fmt, batch=2, max_len=MAX_LEN, attention="flex")
     n = eng.admit(0, lives[3].cache, lives[3].roles)
     eng.set_row_pair(0, 100, n, ANSWER, ANSWER)
-    fm = eng._flex
+    fm = eng._flex["full_attention"]
     pos, filled = fm.position, fm.kv_num_blocks
     fm.block_mask = BlockMask.from_kv_blocks(  # planted: causal only, Table 2 forgotten
         filled, fm.block_mask.kv_indices, BLOCK_SIZE=attn.FLEX_BLOCK,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import GEMMA3_LAYER_TYPES, TINY_CAPS, TINY_FORMAT, TINY_WINDOW, key_paths, tiny_lm, tiny_problems
-from kvreplay import caches, decode, drift, gates
+from kvreplay import caches, decode, drift, engine, gates
 from kvreplay.contract import BRANCH1, BRANCH2, BRANCH3, MERGE, ContractError, resolve_format, visibility_matrix
 from kvreplay.experiments.matrix import comparison
 from kvreplay.models import ModelLoadError, attention_layout, cache_refusal, kv_cache, self_check
@@ -287,16 +287,6 @@ def test_cache_refusal_takes_sliding_windows_and_still_refuses_recurrent_layers(
     assert "attention_chunk_size=16" in cache_refusal(chunked)
 
 
-def test_the_engine_refuses_a_windowed_model_before_any_row(tiny_format):
-    from kvreplay.runner import ArmSettings
-
-    lm = tiny_lm("gemma3")
-    settings = ArmSettings(profile="t", dtype="float32", caps=TINY_CAPS, step_path="engine-eager", batch=1)
-    with pytest.raises(ValueError, match="does not apply sliding windows yet.*step_path 'eager'"):
-        settings.engine_run(tiny_format(lm), tiny_problems(1), lm.model.config)
-    assert settings.engine_run(tiny_format(lm), tiny_problems(1), tiny_lm("llama").model.config) is not None
-
-
 def test_format_special_tokens_and_instruction_placeholder():
     """A ``kind: tokens`` format may name extra special tokens (Gemma's turn tokens are not marked special by its
     GGUF tokenizer) and place the instruction inside the opener."""
@@ -323,3 +313,247 @@ def test_attended_views_share_storage():
     (name, view), = drift.attended([("L00.key", t)], [8])
     assert view.shape[-2] == 7 and view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
     assert drift.attended_span(5, 8) == (0, 5) and drift.attended_span(20, None) == (0, 20)
+
+
+# ------------------------------------------------------------------------------------------- the batched engine
+ATTENTIONS = ["sdpa", "grouped", "flex"]
+ENGINE_LEN = 256  # the engine's max_len in these tests: a multiple of flex's block, beyond the longest sequence (193)
+_ENGINE: dict = {}
+
+
+def _engine_setup(arch: str, dtype: torch.dtype = torch.float32):
+    """Model, format, four prompts and their eager live boundaries (every prefix longer than 128 + the window, so a
+    sliding layer's flex blocks start past block 0 late in the boundary and in the suffixes)."""
+    if (arch, dtype) not in _ENGINE:
+        lm = tiny_lm(arch, dtype)
+        fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
+        prompts = [fmt.prompt_ids("Q" + "xyz"[i % 3] * (2 * i) + "?", ("x", "y", f"z{i}", "w")) for i in range(4)]
+        _ENGINE[arch, dtype] = lm, fmt, prompts, [decode.decode_live(lm, fmt, p, TINY_CAPS) for p in prompts]
+    return _ENGINE[arch, dtype]
+
+
+def _same(a: decode.Suffix, b: decode.Suffix) -> bool:
+    return (a.tokens, a.margins, a.merge, a.answer) == (b.tokens, b.margins, b.merge, b.answer)
+
+
+@pytest.mark.parametrize("window", [TINY_WINDOW, 1, 130])
+def test_flex_window_mask_is_the_boolean_window_mask_and_reads_only_blocks_it_needs(window):
+    from kvreplay.engine import attention as attn
+    from kvreplay.models import AttentionLayout, layer_masks
+
+    rows, max_len, group = 10, 384, 2
+    g = torch.Generator().manual_seed(4)
+    roles = torch.randint(0, 6, (rows, max_len), generator=g)
+    position = torch.tensor([0, 7, 8, 127, 128, 135, 136, 255, 300, 383])
+    query_role = torch.randint(0, 6, (rows,), generator=g)
+    roles[torch.arange(rows), position] = query_role
+    vis = visibility_matrix()
+    fm = attn.FlexMask(position, query_role, roles, vis, group, window)
+    fm.update()
+    k = torch.arange(max_len)
+    allowed = vis[query_role[:, None], roles] & (k[None, :] <= position[:, None])
+    layout = AttentionLayout(("sliding_attention",), window, mask_by_type=False)
+    want = layer_masks(layout, allowed.view(1, 1, rows, max_len), position, k).view(rows, max_len)
+    b, h = torch.arange(rows).view(rows, 1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    got = fm.mask_mod(b, h, torch.arange(group).view(1, 1, group, 1), k.view(1, 1, 1, max_len))
+    assert torch.equal(got.expand(rows, 1, group, max_len), want[:, None, None, :].expand(rows, 1, group, max_len))
+    first = (position - window + 1).clamp(min=0) // attn.FLEX_BLOCK
+    assert fm.first_block.tolist() == first.tolist()
+    assert fm.kv_num_blocks.flatten().tolist() == (position // attn.FLEX_BLOCK - first + 1).tolist()
+    for r in range(rows):  # the blocks the kernel reads: exactly those from the window's first to the row's own
+        n = int(fm.kv_num_blocks[r])
+        read = fm.block_mask.kv_indices[r, 0, 0, :n].tolist()
+        assert read == list(range(int(first[r]), int(position[r]) // attn.FLEX_BLOCK + 1))
+        covered = torch.zeros(max_len, dtype=torch.bool)
+        for blk in read:
+            covered[blk * attn.FLEX_BLOCK:(blk + 1) * attn.FLEX_BLOCK] = True
+        assert not (want[r] & ~covered).any()  # every key the window lets through lies in a block read
+    assert fm.block_mask.kvreplay_window == window
+    with torch.inference_mode():  # the CPU reference is torch's own flex_attention on this mask, bit for bit
+        q = torch.randn(rows, 2, group, 16, generator=g)
+        kv = torch.randn(rows, 2, max_len, 16, generator=g)
+        assert torch.equal(attn.flex_reference(q, kv, kv, fm.block_mask, 0.25),
+                           attn._torch_flex_reference(q, kv, kv, fm.block_mask, 0.25))
+    with pytest.raises(ValueError, match="at least 1"):
+        attn.FlexMask(position, query_role, roles, vis, group, 0)
+
+
+def test_the_step_attentions_take_the_layers_window_keyword():
+    from kvreplay.engine import attention as attn
+
+    q, kv = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 128, 8)
+    mask = torch.ones(2, 1, 1, 128, dtype=torch.bool)
+    out, _ = attn.grouped_attention(None, q, kv, kv, mask, sliding_window=8)  # accepted: the mask carries the window
+    assert torch.equal(out, attn.grouped_attention(None, q, kv, kv, mask)[0])
+    with pytest.raises(ValueError, match="sliding_window must be"):
+        attn.grouped_attention(None, q, kv, kv, mask, sliding_window=8.0)
+    position, qrole = torch.tensor([100, 120]), torch.tensor([MERGE, MERGE])
+    roles = torch.full((2, 128), MERGE)
+    full = attn.FlexMask(position, qrole, roles, visibility_matrix(), 2)
+    sliding = attn.FlexMask(position, qrole, roles, visibility_matrix(), 2, window=8)
+    for fm in (full, sliding):
+        fm.update()
+    attn.flex_attention_step(None, q, kv, kv, sliding.block_mask, sliding_window=8)
+    attn.flex_attention_step(None, q, kv, kv, full.block_mask, sliding_window=None)
+    with pytest.raises(ValueError, match="sliding window 8, its block mask applies None"):
+        attn.flex_attention_step(None, q, kv, kv, full.block_mask, sliding_window=8)  # a sliding layer, a full mask
+    with pytest.raises(ValueError, match="sliding window None, its block mask applies 8"):
+        attn.flex_attention_step(None, q, kv, kv, sliding.block_mask)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_engine_boundaries_and_suffixes_follow_the_eager_decoders_in_fp32(windowed_arch, attention):
+    """Engine-live boundaries: the eager decoders' IDs, logits within float32 rounding, windows carried, and the
+    eager path's gates pass on them (functional state, float32 construction equivalence on the attended state);
+    the engine's incremental rebuild equals its live boundary bit for bit; suffixes choose the eager tokens."""
+    lm, fmt, prompts, lives = _engine_setup(windowed_arch)
+    run = dict(batch=2, max_len=ENGINE_LEN, attention=attention)
+    got = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, **run)
+    inc = engine.build_incrementals(lm, fmt, [b.ids for b in got][::-1], **run)[::-1]
+    for e, i, w in zip(got, inc, lives):
+        assert e.ids == w.ids and e.windows == i.windows == lm.layout.windows
+        torch.testing.assert_close(e.logits, w.logits, **TOL)
+        for (name, a), (_, b) in zip(gates.cache_tensors(e.cache), gates.cache_tensors(w.cache)):
+            assert a.shape[-2] == len(e.ids), name  # full length in every layer
+            torch.testing.assert_close(a, b, **TOL, msg=name)
+        gates.check_exact("engine incremental vs engine live", caches.boundary_tensors(e), caches.boundary_tensors(i),
+                          gate="bridge")
+        assert torch.equal(e.logits, i.logits)
+        pre = decode.build_prefill(lm, fmt, e.ids)
+        gates.check_functional_state({"live": e, "incremental": i, "prefill": pre})
+        cmp = comparison(e, pre, per_tensor=True)
+        assert cmp["cache"]["scope"] == "attended"
+        gates.check_equivalence("prefill vs engine live", cmp["cache"]["rel_l2"])
+    suffixes = engine.decode_suffixes(lm, fmt, got, TINY_CAPS, **run)
+    want = [decode.decode_suffix(lm, fmt, caches.live_replica(s), TINY_CAPS) for s in lives]
+    assert [s.tokens for s in suffixes] == [w.tokens for w in want]
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_engine_applies_the_window_at_the_edge_inside_a_branch(attention):
+    """The boundary query's window edge falls inside branch 2: the engine's boundary logits are the model's own forward
+    (transformers' masks), and differ from a window wide enough to see everything."""
+    probe = tiny_lm("gemma3")
+    fmt = resolve_format(probe.tokenizer, TINY_FORMAT)
+    p = tiny_problems(1)[0]
+    prompt = fmt.prompt_ids(p.question, p.options)
+    z = decode.decode_live(probe, fmt, prompt, TINY_CAPS).ids
+    parsed = fmt.boundary_parse(z)
+    s, e = parsed.content[BRANCH2]
+    window = len(z) - (s + e) // 2
+    lm, wide = tiny_lm("gemma3", window=window), tiny_lm("gemma3", window=4 * len(z))
+    ref = reference_logits(lm, z, list(parsed.roles))[-1]
+    (inc,) = engine.build_incrementals(lm, fmt, [z], batch=1, max_len=ENGINE_LEN, attention=attention)
+    torch.testing.assert_close(inc.logits[0], ref, **TOL)
+    (far,) = engine.build_incrementals(wide, fmt, [z], batch=1, max_len=ENGINE_LEN, attention=attention)
+    assert (far.logits[0] - inc.logits[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_engine_bits_do_not_depend_on_slot_or_companions_in_bf16(windowed_arch, attention):
+    lm, fmt, prompts, lives = _engine_setup(windowed_arch, torch.bfloat16)
+    run = dict(batch=3, max_len=ENGINE_LEN, attention=attention)
+    x = lives[0]
+    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, **run)
+    b = engine.decode_suffixes(lm, fmt, [lives[3], lives[2], x], TINY_CAPS, **run)
+    alone = engine.decode_suffixes(lm, fmt, [x], TINY_CAPS, fill_from="last", **run)  # another slot, two idle
+    assert _same(a[0], b[2]) and _same(a[0], alone[0]) and _same(a[2], b[1])
+    live = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, **run)
+    inc = engine.build_incrementals(lm, fmt, [s.ids for s in live][::-1], **run)[::-1]  # other slots
+    for l_, i in zip(live, inc):
+        gates.check_exact("live vs incremental (BF16)", caches.boundary_tensors(l_), caches.boundary_tensors(i),
+                          gate="bridge")
+        assert torch.equal(l_.logits, i.logits)
+
+
+@pytest.mark.parametrize("attention", ["grouped", "flex"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tolerance_gate_passes_on_a_windowed_model(windowed_arch, attention, dtype):
+    lm, fmt, _, lives = _engine_setup(windowed_arch, dtype)
+    eng = engine.StepEngine(lm, fmt, batch=2, max_len=ENGINE_LEN, attention=attention)
+    n = eng.admit(1, lives[3].cache, lives[3].roles)
+    eng.set_row_pair(1, 100, n, MERGE, MERGE)
+    rec = eng.check_attention("a windowed boundary")
+    assert len(rec["rel_err_by_layer"]) == len(lm.layout.layer_types)
+    assert rec["max_rel_err"] <= engine.TOLERANCE[dtype]
+
+
+def test_tolerance_gate_catches_a_flex_mask_that_forgets_the_window():
+    """Planted: the sliding layers' block mask keeps its blocks and its claimed window but drops ``p - k < W``."""
+    from kvreplay.engine import attention as attn
+    from torch.nn.attention.flex_attention import BlockMask
+
+    lm, fmt, _, lives = _engine_setup("gemma3")
+    eng = engine.StepEngine(lm, fmt, batch=2, max_len=ENGINE_LEN, attention="flex")
+    n = eng.admit(0, lives[2].cache, lives[2].roles)
+    eng.set_row_pair(0, 100, n, MERGE, MERGE)
+    eng.check_attention("clean")
+    fm = eng._flex["sliding_attention"]
+    full = eng._flex["full_attention"]
+    planted = BlockMask.from_kv_blocks(full.kv_num_blocks, full.kv_indices, BLOCK_SIZE=attn.FLEX_BLOCK,
+                                       mask_mod=full.mask_mod, seq_lengths=(2, ENGINE_LEN), compute_q_blocks=False)
+    planted.kvreplay_window = TINY_WINDOW
+    fm.block_mask = planted
+    eng.attention_check = None
+    with pytest.raises(gates.GateError, match="attention_tolerance") as err:
+        eng.check_attention("planted")
+    assert "layer 0's output" in err.value.reason and "3 of 4 layers" in err.value.reason  # the sliding ones
+
+
+def test_tolerance_gate_catches_a_dense_mask_that_forgets_the_window(monkeypatch):
+    """Planted: ``grouped`` gets the full-attention mask on every layer; the gate's reference applies the window."""
+    lm, fmt, _, lives = _engine_setup("mistral")
+    eng = engine.StepEngine(lm, fmt, batch=1, max_len=ENGINE_LEN, attention="grouped")
+    n = eng.admit(0, lives[1].cache, lives[1].roles)
+    eng.set_row_pair(0, 100, n, MERGE, MERGE)
+    monkeypatch.setattr(engine.StepEngine, "_dense_mask", lambda self: self._allowed()[:, None, None, :])
+    with pytest.raises(gates.GateError, match="2 of 2 layers beyond it") as err:
+        eng.check_attention("planted")
+    assert err.value.gate == "attention_tolerance"
+
+
+def test_engine_run_takes_windowed_models_and_refuses_layouts_it_cannot_mask(tiny_format):
+    from kvreplay.runner import ArmSettings
+    from transformers import Qwen3NextConfig
+
+    lm = tiny_lm("gemma3")
+    settings = ArmSettings(profile="t", dtype="float32", caps=TINY_CAPS, step_path="engine-eager", batch=1)
+    run = settings.engine_run(tiny_format(lm), tiny_problems(1), lm.model.config)
+    assert run is not None and run.max_len >= len(_live(lm, tiny_format(lm)).ids)
+    hybrid = Qwen3NextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match="cannot mask this model.*linear_attention"):
+        settings.engine_run(tiny_format(lm), tiny_problems(1), hybrid)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_an_experiment1_arm_on_the_engine_passes_every_gate_on_a_tiny_gemma3(tmp_path, attention):
+    import json
+
+    import yaml
+    from conftest import make_model, make_tokenizer
+    from kvreplay.experiments import live_vs_prefill
+    from kvreplay.runner import ArmSettings, run_arm
+
+    tok = make_tokenizer()
+    make_model("gemma3", len(tok)).save_pretrained(tmp_path / "tiny-gemma3")
+    tok.save_pretrained(tmp_path / "tiny-gemma3")
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY_FORMAT))
+    settings = ArmSettings(profile="t", dtype="bfloat16", caps=TINY_CAPS, model=str(tmp_path / "tiny-gemma3"),
+                           fmt=str(tmp_path / "tiny.yaml"), threads=1, preflight=1, step_path="engine-eager",
+                           batch=2, attention=attention)
+    records, ledger = run_arm("exp1", settings, tiny_problems(3), live_vs_prefill.live_vs_prefill_row,
+                              ledger_root=tmp_path, progress=False, chunk=live_vs_prefill.live_vs_prefill_chunk)
+    assert len(records) == 3 and all(r["gate_failure"] is None for r in records)
+    assert records[0]["equivalence"]["rel_l2"] <= gates.EQUIVALENCE_TOLERANCE  # float32 check, engine rebuild
+    for r in records:
+        cmp = r["boundary"]["prefill_vs_live"]
+        assert cmp["cache"]["scope"] == "attended"
+        assert [t["layer_kind"] for t in cmp["tensors"]][::2] == ["sliding", "sliding", "full", "sliding"]
+    env = json.loads((ledger.dir / "environment.json").read_text())
+    assert env["execution_contract"]["engine"]["step_path"] == "engine-eager"
+    events = [json.loads(x) for x in (ledger.dir / "runlog.jsonl").read_text().splitlines()]
+    gated = [c["gate"] for e in events if e["event"] == "gates" for c in e["checks"]]
+    assert gated == (["attention_tolerance", "composition"] if attention == "flex" else ["composition"])
+    if attention == "flex":
+        assert env["attention_tolerance"]["max_rel_err"] <= 1e-2

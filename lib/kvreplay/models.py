@@ -99,13 +99,29 @@ def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def gguf_env(name: str = EMBEDDED) -> str:
+    """The environment variable that names an embedded model's whole GGUF file: ``KVREPLAY_<NAME>_GGUF``
+    (``KVREPLAY_GEMMA3_GGUF``, ``KVREPLAY_EMBEDDED_GGUF``)."""
+    return f"KVREPLAY_{name.upper()}_GGUF"
+
+
 def embedded_chunks(name: str = EMBEDDED) -> list[Path]:
     """Paths of an embedded model's GGUF parts, in joining order, found without importing their packages.
 
+    When ``$KVREPLAY_<NAME>_GGUF`` (:func:`gguf_env`) is set, it names the whole GGUF file instead (a machine
+    without the packages, e.g. an offline GPU one): one path, whose sha256 is checked as the parts' would be.
+
     Raises:
-        ModelLoadError: a package is not installed or a part is missing (naming what installs it).
+        ModelLoadError: a package is not installed or a part is missing (naming what installs it), or the file
+            the environment variable names does not exist.
     """
     em = EMBEDDED_MODELS[name]
+    named = os.environ.get(gguf_env(name))
+    if named:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise ModelLoadError(f"embedded model {name!r}: ${gguf_env(name)}={named} is not a file (the whole {em.file})")
+        return [path]
     paths = []
     for package, rel in em.chunks:
         spec = importlib.util.find_spec(package)

@@ -37,7 +37,9 @@ the step path, batch shape and attention belong in any key that records results.
 The step's attention (:data:`ATTENTIONS`) is the model's SDPA call, :func:`grouped_attention`, or
 :func:`flex_attention_step`: FlexAttention over the blocks each row has filled, compiled on CUDA, its block
 mask :class:`FlexMask` updated in place every step. An attention of the engine's own is checked against math
-SDPA on every layer (:meth:`StepEngine.check_attention`, gate ``attention_tolerance``).
+SDPA on every layer (:meth:`StepEngine.check_attention`, gate ``attention_tolerance``). Sliding-window layers
+get the eager decoders' per-type masks (:func:`kvreplay.models.layer_masks`; for ``flex`` a sliding
+:class:`FlexMask` that reads from the window's first block), over caches that keep every position.
 
 One slot scheduler drives every decoder: a free slot takes the next waiting job before each step.
 :func:`decode_chains` lets a problem's suffix jobs follow its boundary construction in the same engine, so the

@@ -37,6 +37,7 @@ FLEX_BLOCK = 128
 """Key/value block of the ``flex`` step's block mask (positions). An engine's ``max_len`` must be a multiple of it."""
 
 _IGNORED = ("position_ids", "use_cache", "cache_position")  # keywords transformers' layers pass on, unused here
+_WINDOW = "sliding_window"  # the layer's window (Gemma 2/3, Mistral, Qwen2 pass it; None on full layers): in the mask
 _GROUPED = "kvreplay_grouped"  # the name grouped_attention is registered under in transformers' AttentionInterface
 _FLEX = "kvreplay_flex"  # the name flex_attention_step is registered under
 _CHECK = "kvreplay_attention_check"  # a step of the attention_tolerance gate (kvreplay.engine.StepEngine)
@@ -46,7 +47,15 @@ _LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limi
 
 
 def _unknown_keywords(kwargs: dict) -> list[str]:
-    return sorted(k for k, v in kwargs.items() if k not in _IGNORED and v not in (None, False))
+    return sorted(k for k, v in kwargs.items() if k not in (*_IGNORED, _WINDOW) and v not in (None, False))
+
+
+def _window_keyword(kwargs: dict, where: str) -> int | None:
+    """The ``sliding_window`` keyword a layer passes (``None`` for a full-attention layer), checked to be a count."""
+    window = kwargs.get(_WINDOW)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{where}: sliding_window must be a number of positions or None, got {window!r}")
+    return window
 
 
 def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -74,18 +83,22 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             (query head ``h`` reads key/value head ``h // (heads // kv_heads)``, as transformers' ``repeat_kv``).
         attention_mask: boolean ``[rows, 1, q, keys]`` (``True``: attend). A query row whose keys are all
             masked gets NaN (the math backend gives 0); in the engine every row sees at least its own key, and
-            the ``nonfinite`` gate would stop a NaN.
+            the ``nonfinite`` gate would stop a NaN. A sliding-window layer's mask already hides the keys
+            outside its window (:func:`kvreplay.models.layer_masks`).
         dropout: must be 0 (inference only).
         scaling: the score scale (default ``head_dim ** -0.5``).
+        sliding_window: the layer's window (positions) or ``None``, as Gemma 2/3, Mistral and Qwen2 layers pass it.
+            Accepted, not applied: the mask carries the window, as for the model's SDPA call, and the
+            ``attention_tolerance`` gate's reference applies it on its own.
 
     Returns:
         ``([rows, q, heads, head_dim] in the query's dtype, None)`` (the layout transformers' layers expect).
 
     Raises:
         ValueError: no mask, a mask that is not boolean ``[rows, 1, q, keys]``, dropout, heads not a multiple of
-            kv_heads, or a keyword that would change the attention (``is_causal``, ``softcap``,
-            ``sliding_window``, ...: only ``position_ids``, ``use_cache`` and ``cache_position`` are accepted
-            and ignored, as the model's SDPA call ignores them).
+            kv_heads, a ``sliding_window`` that is not a positive int, or a keyword that would change the
+            attention (``is_causal``, ``softcap``, ...: only ``position_ids``, ``use_cache`` and
+            ``cache_position`` are accepted and ignored, as the model's SDPA call ignores them).
     """
     rows, heads, q, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
@@ -99,6 +112,7 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     unknown = _unknown_keywords(kwargs)
     if unknown:
         raise ValueError(f"grouped_attention does not compute {unknown}")
+    _window_keyword(kwargs, "grouped_attention")
     group = heads // kv_heads
     root = math.sqrt(scaling if scaling is not None else dim ** -0.5)
     # not in place: for float32 inputs .float() returns the cache's own tensor
@@ -199,12 +213,16 @@ def _torch_flex_reference(query, key, value, block_mask, scale):
 class FlexMask:
     """The ``flex`` step's block mask over an engine's buffers: role visibility AND causal, filled blocks only.
 
-    Built once per engine at ``max_len``: :data:`FLEX_BLOCK` positions a block, every row's block list
-    ``0, 1, ...``. :meth:`update` sets each row's count of blocks to read from its position, in place on the
-    device, so the mask lives inside a captured CUDA graph. Its ``mask_mod`` reads the engine's own buffers.
-    Key ``k`` of row ``b`` is visible iff ``k <= position[b]``, ``k`` lies in a block the row reads, and
-    ``visibility[query_role[b], roles[b, k]]`` (Table 2). That is the boolean mask the other attentions get.
-    The block term makes the CPU reference compute what the block-sparse GPU kernel reads.
+    Built once per engine at ``max_len``: :data:`FLEX_BLOCK` positions a block. :meth:`update` sets each row's
+    blocks to read from its position, in place on the device, so the mask lives inside a captured CUDA graph. Its
+    ``mask_mod`` reads the engine's own buffers. Key ``k`` of row ``b`` is visible iff ``k <= position[b]``, ``k``
+    lies in a block the row reads, and ``visibility[query_role[b], roles[b, k]]`` (Table 2). That is the boolean
+    mask the other attentions get. The block term makes the CPU reference compute what the block-sparse GPU kernel
+    reads.
+
+    With ``window`` W (a sliding-window layer's mask, docs/models.md) a key is also visible only when
+    ``position[b] - k < W``, and a row reads from the block holding its first key inside the window: the blocks
+    wholly before the window are not read at all (at 3,000 positions and W = 512, 5 blocks of 24 are read).
 
     Args:
         position: ``[rows]`` int64, each row's position this step (the engine's input buffer).
@@ -212,38 +230,62 @@ class FlexMask:
         roles: ``[rows, max_len]`` int64 raw roles of every position of every row.
         visibility: ``[6, 6]`` bool (:func:`kvreplay.contract.visibility_matrix`).
         group: query heads per key/value head (the stacked query length).
+        window: the sliding window in positions, or ``None`` (full attention).
 
     Attributes:
         block_mask: the ``BlockMask`` (batch ``rows``, one head, query length ``group``, key length ``max_len``).
-        kv_num_blocks: ``[rows, 1, 1]`` int32, blocks each row reads (``position // FLEX_BLOCK + 1``).
+        kv_num_blocks: ``[rows, 1, 1]`` int32, blocks each row reads (``position // FLEX_BLOCK + 1`` without a
+            window).
+        first_block: ``[rows]`` int32, the first block each row reads (0 without a window).
+        window: as given.
 
     Raises:
-        ValueError: ``max_len`` not a multiple of :data:`FLEX_BLOCK`.
+        ValueError: ``max_len`` not a multiple of :data:`FLEX_BLOCK`, or a window below 1.
     """
     def __init__(self, position: torch.Tensor, query_role: torch.Tensor, roles: torch.Tensor,
-                 visibility: torch.Tensor, group: int):
+                 visibility: torch.Tensor, group: int, window: int | None = None):
         rows, max_len = roles.shape
         if max_len % FLEX_BLOCK:
             raise ValueError(f"attention 'flex' reads keys in blocks of {FLEX_BLOCK}: max_len={max_len} must be a "
                              f"multiple of {FLEX_BLOCK} (round it up)")
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window covers at least 1 position, got {window}")
         blocks = max_len // FLEX_BLOCK
         dev = roles.device
-        self.position = position
+        self.position, self.window, self.blocks = position, window, blocks
         self.kv_num_blocks = torch.ones(rows, 1, 1, dtype=torch.int32, device=dev)
-        indices = torch.arange(blocks, dtype=torch.int32, device=dev).view(1, 1, 1, blocks).expand(rows, 1, 1, blocks)
+        self.first_block = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self._steps = torch.arange(blocks, dtype=torch.int32, device=dev).view(1, 1, 1, blocks)
+        indices = self._steps.expand(rows, 1, 1, blocks).contiguous()
         filled = self.kv_num_blocks
+        first = self.first_block
 
-        def mask_mod(b, h, q, k):
-            return (k <= position[b]) & (k < filled[b, 0, 0] * FLEX_BLOCK) & visibility[query_role[b], roles[b, k]]
+        if window is None:
+            def mask_mod(b, h, q, k):
+                return (k <= position[b]) & (k < filled[b, 0, 0] * FLEX_BLOCK) & visibility[query_role[b], roles[b, k]]
+        else:
+            def mask_mod(b, h, q, k):
+                start = first[b] * FLEX_BLOCK
+                return ((k <= position[b]) & (position[b] - k < window) & (k >= start)
+                        & (k < start + filled[b, 0, 0] * FLEX_BLOCK) & visibility[query_role[b], roles[b, k]])
 
         self.mask_mod = mask_mod
-        self.block_mask = BlockMask.from_kv_blocks(filled, indices.contiguous(), BLOCK_SIZE=FLEX_BLOCK,
+        self.block_mask = BlockMask.from_kv_blocks(filled, indices, BLOCK_SIZE=FLEX_BLOCK,
                                                    mask_mod=mask_mod, seq_lengths=(group, max_len),
                                                    compute_q_blocks=False)
+        self.block_mask.kvreplay_window = window  # read by flex_attention_step: the layer's window must match
+        self.kv_indices = self.block_mask.kv_indices  # [rows, 1, 1, blocks] int32, each row's block list
 
     def update(self) -> None:
-        """Set every row's block count from its position (in place, on the device; capturable)."""
-        self.kv_num_blocks.copy_((self.position // FLEX_BLOCK + 1).view(-1, 1, 1))
+        """Set every row's blocks from its position (in place, on the device; capturable)."""
+        if self.window is None:
+            self.kv_num_blocks.copy_((self.position // FLEX_BLOCK + 1).view(-1, 1, 1))
+            return
+        last = self.position // FLEX_BLOCK
+        first = (self.position - (self.window - 1)).clamp(min=0) // FLEX_BLOCK
+        self.first_block.copy_(first)
+        self.kv_num_blocks.copy_((last - first + 1).view(-1, 1, 1))
+        self.kv_indices.copy_((first.view(-1, 1, 1, 1) + self._steps).clamp(max=self.blocks - 1))
 
 
 def flex_attention_step(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -267,16 +309,20 @@ def flex_attention_step(module: torch.nn.Module, query: torch.Tensor, key: torch
         query: ``[rows, heads, 1, head_dim]`` in the model dtype.
         key, value: ``[rows, kv_heads, max_len, head_dim]``; ``heads`` a multiple of ``kv_heads`` (query head ``h``
             reads key/value head ``h // (heads // kv_heads)``, as transformers' ``repeat_kv``).
-        attention_mask: a :class:`FlexMask`'s ``block_mask`` for these rows (query length ``heads // kv_heads``).
+        attention_mask: a :class:`FlexMask`'s ``block_mask`` for these rows (query length ``heads // kv_heads``);
+            for a sliding-window layer the one built with the layer's window.
         dropout: must be 0.
         scaling: the score scale (default ``head_dim ** -0.5``).
+        sliding_window: the layer's window (positions) or ``None``, as transformers' layers pass it; it must be
+            the block mask's own (``FlexMask.window``), so a layer never reads another kind of layer's mask.
 
     Returns:
         ``([rows, 1, heads, head_dim] in the query's dtype, None)``.
 
     Raises:
-        ValueError: no block mask or one of another shape, more than one query per row, dropout, heads not a
-            multiple of kv_heads, or a keyword that would change the attention (as :func:`grouped_attention`).
+        ValueError: no block mask or one of another shape, a block mask whose window is not the layer's, more than
+            one query per row, dropout, heads not a multiple of kv_heads, or a keyword that would change the
+            attention (as :func:`grouped_attention`).
     """
     rows, heads, q, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
@@ -291,6 +337,11 @@ def flex_attention_step(module: torch.nn.Module, query: torch.Tensor, key: torch
     unknown = _unknown_keywords(kwargs)
     if unknown:
         raise ValueError(f"flex_attention_step does not compute {unknown}")
+    window = _window_keyword(kwargs, "flex_attention_step")
+    if getattr(attention_mask, "kvreplay_window", None) != window:
+        raise ValueError(f"flex_attention_step: layer {getattr(module, 'layer_idx', '?')} has sliding window {window}, "
+                         f"its block mask applies {getattr(attention_mask, 'kvreplay_window', None)} "
+                         f"(a FlexMask built with the layer's window is needed)")
     scale = scaling if scaling is not None else dim ** -0.5
     out = _run_flex(query.reshape(rows, kv_heads, group, dim), key, value, attention_mask, scale)
     return out.reshape(rows, heads, 1, dim).transpose(1, 2).contiguous(), None

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..models import LoadedModel
+from ..models import LoadedModel, kv_cache
 
 
 @contextlib.contextmanager
@@ -159,10 +159,13 @@ class RowCache(Cache):
     def to_dynamic(self, first: int, n: int, config) -> DynamicCache:
         """A ``DynamicCache`` of copies of rows ``first, first + 1``, positions ``0..n-1``.
 
+        Every layer keeps all ``n`` positions, a sliding-window layer's too (:func:`kvreplay.models.kv_cache`),
+        as the eager decoders' caches do.
+
         Returns:
             a cache whose layers hold ``[2, kv_heads, n, head_dim]`` in the model dtype.
         """
-        out = DynamicCache(config=config)
+        out = kv_cache(config)
         for i, layer in enumerate(self.layers):
             out.update(layer.keys[first : first + 2, :, :n].clone(), layer.values[first : first + 2, :, :n].clone(), i)
         return out

@@ -16,7 +16,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from .. import decode
 from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, BlockFormat, Caps, ContractError
@@ -264,7 +263,8 @@ def _built(engine: StepEngine, lm: LoadedModel, construction: str, job: _Job, sl
     roles = torch.tensor(job.roles, dtype=torch.long, device=dev).expand(decode.BATCH, -1).contiguous()
     positions = torch.arange(n, device=dev).expand(decode.BATCH, -1).contiguous()
     cache = engine.cache.to_dynamic(2 * slot, n, lm.model.config)
-    return Boundary(construction, z, roles, cache, logits, [len(job.ids)] + [1] * len(job.new), positions)
+    return Boundary(construction, z, roles, cache, logits, [len(job.ids)] + [1] * len(job.new), positions,
+                    lm.layout.windows)
 
 
 def _live_work(engine: StepEngine, lm: LoadedModel, fmt: BlockFormat, caps: Caps, index: int, prompt: Sequence[int],
@@ -274,7 +274,7 @@ def _live_work(engine: StepEngine, lm: LoadedModel, fmt: BlockFormat, caps: Caps
     def admit(slot: int):
         ids = list(prompt)
         roles = torch.full((decode.BATCH, len(ids)), PROMPT, dtype=torch.long, device=dev)
-        cache = DynamicCache(config=lm.model.config)
+        cache = decode.new_cache(lm)  # every layer keeps every position (a sliding layer's too)
         logits = decode.forward(lm, cache, decode._as_batch(ids, dev), roles, 0)
         engine.admit(slot, cache, roles)
         cursor = _Cursor(fmt, caps, PROMPT, [(t, BRANCH1) for t in fmt.openers[BRANCH1]])
@@ -305,7 +305,7 @@ def _incremental_work(engine: StepEngine, lm: LoadedModel, fmt: BlockFormat, ind
     def admit(slot: int):
         p = parsed.prompt_len
         roles = torch.full((decode.BATCH, p), PROMPT, dtype=torch.long, device=dev)
-        cache = DynamicCache(config=lm.model.config)
+        cache = decode.new_cache(lm)
         logits = decode.forward(lm, cache, decode._as_batch(z[:p], dev), roles, 0, readout=readout)
         engine.admit(slot, cache, roles)
         cursor = _Cursor(fmt, _FREE, PROMPT, list(zip(z[p:], parsed.roles[p:])))

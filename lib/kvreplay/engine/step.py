@@ -18,7 +18,7 @@ from transformers import AttentionInterface, DynamicCache
 from .. import decode
 from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, ContractError, visibility_matrix
 from ..gates import GateError
-from ..models import LoadedModel
+from ..models import LoadedModel, layer_masks
 from . import attention as attn
 from . import cache as row_cache
 from .attention import ATTENTIONS, FLEX_BLOCK, FlexMask, use_attention
@@ -78,6 +78,12 @@ class StepEngine:
     mask (role visibility AND ``k <= position``), runs the model, and leaves
     ``[rows, vocab]`` logits and :func:`choice_stats` in output buffers.
 
+    A model with sliding-window layers (``lm.layout``, docs/models.md) gets its masks as the eager decoders
+    give them: the sliding layers' mask also hides keys ``window`` or more positions back
+    (:func:`kvreplay.models.layer_masks`), one mask per layer type when the model mixes them
+    (``{"full_attention", "sliding_attention"}``), one windowed mask when every layer slides. The static cache
+    keeps every position of every layer.
+
     Args:
         lm: the loaded model (its ``sdpa_backends`` are used in every step).
         fmt: block format (structural masks per role).
@@ -96,7 +102,8 @@ class StepEngine:
             Experiment 2). ``None``: the model's own head.
         attention: ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`ATTENTIONS`): the step's attention (prompt
             blocks and prefills, one call per problem outside the step, always use the model's own SDPA).
-            ``"flex"`` needs ``max_len`` a multiple of :data:`~kvreplay.engine.attention.FLEX_BLOCK`.
+            ``"flex"`` needs ``max_len`` a multiple of :data:`~kvreplay.engine.attention.FLEX_BLOCK`; it builds a
+            :class:`~kvreplay.engine.attention.FlexMask` per layer type (the sliding one with the window).
 
     Attributes:
         steps, busy_slot_steps: steps run, and slots that held a problem summed over them (slot occupancy:
@@ -139,11 +146,14 @@ class StepEngine:
         self.cache = RowCache.for_model(lm, rows, max_len, write_pos=self.inputs[1])
         self.roles = torch.zeros(rows, max_len, dtype=torch.long, device=dev)
         self._vis = visibility_matrix(dev)
-        self._flex: FlexMask | None = None
+        self.layout = lm.layout
+        self._flex: dict[str, FlexMask] | None = None  # per layer type present: "full_attention", "sliding_attention"
         if attention == "flex":
             cfg = lm.model.config
             group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-            self._flex = FlexMask(self.inputs[1], self.inputs[2], self.roles, self._vis, group)
+            self._flex = {kind: FlexMask(self.inputs[1], self.inputs[2], self.roles, self._vis, group,
+                                         self.layout.window if kind == "sliding_attention" else None)
+                          for kind in sorted(set(self.layout.layer_types))}
         self.attention_check: dict | None = None
         eligible = torch.ones(6, vocab, dtype=torch.bool, device=dev)
         for role in range(BRANCH1, ANSWER + 1):
@@ -211,16 +221,39 @@ class StepEngine:
         pos, qrole = self.inputs[1], self.inputs[2]
         return self._vis[qrole[:, None], self.roles] & (self._k[None, :] <= pos[:, None])
 
+    def _dense_mask(self) -> "torch.Tensor | dict[str, torch.Tensor]":
+        """The model's ``attention_mask`` for ``sdpa`` and ``grouped``: ``[rows, 1, 1, max_len]`` bool, or per layer
+        type for a model mixing them (:func:`kvreplay.models.layer_masks`, each row's one query at its position)."""
+        allowed = self._allowed()
+        if not self.layout.windowed:
+            return allowed[:, None, None, :]
+        rows = self.rows
+        # the rows' queries as the q axis of one [1, 1, rows, max_len] mask: layer_masks applies the window per row
+        masks = layer_masks(self.layout, allowed.view(1, 1, rows, self.max_len), self.inputs[1], self._k)
+        if isinstance(masks, dict):
+            return {kind: m.view(rows, 1, 1, self.max_len) for kind, m in masks.items()}
+        return masks.view(rows, 1, 1, self.max_len)
+
+    def _flex_mask(self):
+        """The model's ``attention_mask`` for ``flex``: each layer type's block mask, updated for this step."""
+        assert self._flex is not None
+        for fm in self._flex.values():
+            fm.update()
+        if not self.layout.windowed:
+            return self._flex["full_attention"].block_mask
+        if not self.layout.mask_by_type:
+            return self._flex["sliding_attention"].block_mask
+        return {kind: fm.block_mask for kind, fm in self._flex.items()}
+
     def _compute(self, attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         lm = self.lm
         token, pos, qrole, crole = self.inputs
         with row_cache._unique_index_writes():  # one position per row
             self.roles.scatter_(1, pos[:, None], qrole[:, None])
-        if self._flex is not None and attention is None:
-            self._flex.update()
-            mask = self._flex.block_mask  # the flex step reads the buffers itself: no dense mask
+        if self._flex is not None and attention in (None, attn._CHECK):
+            mask = self._flex_mask()  # the flex step reads the buffers itself: no dense mask
         else:
-            mask = self._allowed()[:, None, None, :]
+            mask = self._dense_mask()
         embeds = lm.model.get_input_embeddings()(token[:, None])
         if lm.role_table is not None:
             embeds = embeds + lm.role_table[qrole + ROLE_OFFSET][:, None, :]
@@ -305,7 +338,9 @@ class StepEngine:
         Runs the staged step once more, eagerly; the step is idempotent for fixed inputs, so no bit of the run
         changes. Each layer's attention is computed twice on the same query, keys, values and mask: by the
         engine's attention (which feeds the next layer, as in a real step) and by
-        :func:`~kvreplay.engine.attention.reference_attention` (torch's math SDPA in float64). The relative
+        :func:`~kvreplay.engine.attention.reference_attention` (torch's math SDPA in float64). The reference's
+        mask is built here, apart from the engine's: role visibility AND causal, and for a sliding-window layer
+        (``lm.layout``, by the layer's index) also ``position - k < window``. The relative
         error of layer ``l`` is ``||out_l - ref_l||_2 / ||ref_l||_2`` over the rows of the busy slots (every row
         if none is). Every layer's must stay within :data:`~kvreplay.engine.attention.TOLERANCE` (1e-2 in BF16,
         1e-5 in FP32).
@@ -329,17 +364,17 @@ class StepEngine:
         self.inputs.copy_(self._host)
         busy = np.flatnonzero(np.repeat(self._busy, 2))
         rows = torch.as_tensor(busy if busy.size else np.arange(self.rows), device=self.inputs.device)
-        if self._flex is not None:
-            self._flex.update()
-        allowed = self._allowed()[rows][:, None, None, :]
+        allowed = self._allowed()[rows]
+        windows = self.layout.windows or (None,) * len(self.layout.layer_types)
+        near = self.inputs[1][rows][:, None] - self._k[None, :]  # [rows, max_len]: how far back each key is
         tested = attn.attention_function(self.attention)
-        mask = self._flex.block_mask if self._flex is not None else None
         errors: list[float] = []
 
         def both(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-            out, _ = tested(module, query, key, value, attention_mask if mask is None else mask, dropout, scaling,
-                            **kwargs)
-            ref = attn.reference_attention(query[rows], key[rows], value[rows], allowed, scaling)
+            out, _ = tested(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+            window = windows[module.layer_idx]
+            seen = allowed if window is None else allowed & (near < window)
+            ref = attn.reference_attention(query[rows], key[rows], value[rows], seen[:, None, None, :], scaling)
             errors.append(float(torch.linalg.vector_norm(out[rows].double() - ref) / torch.linalg.vector_norm(ref)))
             return out, None
 

@@ -4,7 +4,8 @@
 set). :func:`side_by_side` turns them into Markdown: per batch size B, the engine's step beside the fastest
 ``generate`` configuration, the memory floor and the engine's multiple of it, and the end-to-end Experiment 1
 chunk. ``python -m kvreplay.report.engine_bench [--check]`` rewrites (or checks) the marked block of
-``docs/engine.md`` from ``data/device/h200/engine_vs_generate.json``; numbers are never typed by hand.
+``docs/engine.md`` and the README's one-sentence engine-speed block from ``data/device/h200/engine_vs_generate.json``;
+numbers are never typed by hand.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from ..paths import ROOT
 BENCH_FILE = ROOT / "data" / "device" / "h200" / "engine_vs_generate.json"
 SUITE_FILE = ROOT / "data" / "device" / "h200" / "engine_suite.json"
 DOC = ROOT / "docs" / "engine.md"
+README = ROOT / "README.md"
 BEGIN = "<!-- engine-vs-generate: generated from data/device/h200/engine_vs_generate.json by " \
         "python -m kvreplay.report.engine_bench; do not edit -->"
 END = "<!-- /engine-vs-generate -->"
+README_BEGIN = "<!-- engine-speed: generated from data/device/h200/engine_vs_generate.json by " \
+               "python -m kvreplay.report.engine_bench; do not edit -->"
+README_END = "<!-- /engine-speed -->"
 
 
 def _yes(flag: bool) -> str:
@@ -75,8 +80,10 @@ def side_by_side(records: Sequence[dict]) -> str:
               + (", ".join(map(str, half)) if half else "none of these") + "."]
     e2e = [r for r in records if r["path"] == "engine-exp1-end-to-end"]
     for r in e2e:
+        live = (f", the live boundary of every row rebuilt and checked bit for bit ({r['live_checks_passed']} checks "
+                f"passed)" if r.get("live_checks_passed") else "")
         lines += ["", f"Experiment 1 end to end ({r['problems']} problems in one chunk at B = {r['B']}, attention "
-                  f"`{r['attention']}`, every gate on): slot occupancy {r['occupancy']:.1%}, "
+                  f"`{r['attention']}`, every gate on{live}): slot occupancy {r['occupancy']:.1%}, "
                   f"{r['useful_problem_steps_per_s']:.0f} useful problem-steps per second, {r['chunk_seconds']:.0f} s "
                   f"for the chunk and {r['arm_seconds']:.0f} s for the arm with its preflight gates "
                   f"({r['gate_failures']} gate failures)."]
@@ -115,6 +122,45 @@ def suite_summary(suite: dict) -> str:
     ])
 
 
+def headline(records: Sequence[dict]) -> str:
+    """The README's sentence on the engine's speed: B = 64 and the end-to-end arm, with the command.
+
+    Raises:
+        ValueError: no B = 64 ``engine`` and ``generate`` records, or no end-to-end record.
+    """
+    at = [r for r in records if r["B"] == 64 and r["path"] != "engine-exp1-end-to-end"]
+    eng = [r for r in at if r["path"] == "engine"]
+    gen = [r for r in at if r["path"].startswith("generate")]
+    e2e = [r for r in records if r["path"] == "engine-exp1-end-to-end"]
+    if not eng or not gen or not e2e:
+        raise ValueError("the bench file needs B = 64 engine and generate records and an end-to-end record")
+    e, g, x = eng[0], min(gen, key=lambda r: r["ms_per_problem_step"]), e2e[0]
+    return (f"On an {e.get('environment', {}).get('device', 'H200')}, at B = 64 problems per step and the paper's caps, "
+            f"the engine's `flex` step takes {_fmt(e['ms_per_problem_step'])} ms per problem-step against "
+            f"{_fmt(g['ms_per_problem_step'])} for the fastest Hugging Face `generate` doing the same work "
+            f"(`{g['path']}`, {g['flags']} flags), {e['x_floor']:.1f} times the memory floor; Experiment 1's "
+            f"{x['problems']} BF16 rows at those caps, every gate on, take {x['arm_seconds']:.0f} s with "
+            f"{x['occupancy']:.0%} of the slots busy (`make bench BENCH_ARGS=\"--vs-generate --device cuda\"`; commands "
+            f"and every configuration in [docs/engine.md](docs/engine.md)).")
+
+
+def _replace_block(text: str, begin: str, end: str, body: str) -> str:
+    if begin not in text or end not in text:
+        raise ValueError(f"no block between {begin!r} and {end!r}")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def render_readme(text: str, records: Sequence[dict]) -> str:
+    """The README ``text`` with its engine-speed block replaced by :func:`headline`.
+
+    Raises:
+        ValueError: the README has no marked block.
+    """
+    return _replace_block(text, README_BEGIN, README_END, headline(records))
+
+
 def render_doc(text: str, records: Sequence[dict], suite: dict | None = None) -> str:
     """``text`` (a page) with its marked block replaced by :func:`side_by_side` of ``records`` (and ``suite``).
 
@@ -130,22 +176,25 @@ def render_doc(text: str, records: Sequence[dict], suite: dict | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Rewrite the block of ``docs/engine.md`` (exit 0), or with ``--check`` exit 1 if it differs."""
+    """Rewrite the engine blocks of ``docs/engine.md`` and the README (exit 0); ``--check``: exit 1 if one differs."""
     ap = argparse.ArgumentParser(prog="python -m kvreplay.report.engine_bench", description=main.__doc__)
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if the block differs")
     args = ap.parse_args(argv)
-    text = DOC.read_text(encoding="utf-8")
-    new = render_doc(text, json.loads(BENCH_FILE.read_text(encoding="utf-8")),
-                     json.loads(SUITE_FILE.read_text(encoding="utf-8")))
-    if new == text:
-        print(f"{DOC.relative_to(ROOT)}: up to date")
-        return 0
-    if args.check:
-        print(f"{DOC.relative_to(ROOT)}: the engine-vs-generate block differs from {BENCH_FILE.relative_to(ROOT)}")
-        return 1
-    DOC.write_text(new, encoding="utf-8")
-    print(f"{DOC.relative_to(ROOT)}: rewritten")
-    return 0
+    records = json.loads(BENCH_FILE.read_text(encoding="utf-8"))
+    suite = json.loads(SUITE_FILE.read_text(encoding="utf-8"))
+    differs = 0
+    for page, render in ((DOC, lambda t: render_doc(t, records, suite)), (README, lambda t: render_readme(t, records))):
+        text = page.read_text(encoding="utf-8")
+        new = render(text)
+        if new == text:
+            print(f"{page.relative_to(ROOT)}: up to date")
+        elif args.check:
+            print(f"{page.relative_to(ROOT)}: its engine block differs from {BENCH_FILE.relative_to(ROOT)}")
+            differs = 1
+        else:
+            page.write_text(new, encoding="utf-8")
+            print(f"{page.relative_to(ROOT)}: rewritten")
+    return differs
 
 
 if __name__ == "__main__":

@@ -569,22 +569,22 @@ class ArmSettings:
         a multiple of 128 for ``attention="flex"``.
 
         Args:
-            config: the loaded model's ``transformers`` config, when known: a model with
-                sliding-window layers is refused on the engine's paths (the eager path takes it).
+            config: the loaded model's ``transformers`` config, when known: its layers must be full or
+                sliding-window attention (:func:`kvreplay.models.attention_layout`), which the engine masks as
+                the eager decoders do.
 
         Raises:
             ContractError: a prompt breaks the block contract.
-            ValueError: a fixed ``max_len`` shorter than the longest sequence a problem can reach, or a
-                sliding-window model on the batched engine.
+            ValueError: a fixed ``max_len`` shorter than the longest sequence a problem can reach, or a model
+                whose layer types have no attention layout.
         """
         if self.step_path == "eager":
             return None
-        if config is not None and attention_layout(config).windowed:
-            layout = attention_layout(config)
-            raise ValueError(
-                f"step_path {self.step_path!r}: the batched engine does not apply sliding windows yet, and this model "
-                f"has {layout.kinds().count('sliding')} sliding-window layers (window {layout.window}); its static-cache "
-                f"step would let those layers see every earlier key. Run this arm with step_path 'eager'.")
+        if config is not None:
+            try:
+                attention_layout(config)
+            except ModelLoadError as e:
+                raise ValueError(f"step_path {self.step_path!r}: the batched engine cannot mask this model: {e}") from None
         need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), self.caps) for p in problems)
         if self.max_len is not None and self.max_len < need:
             raise ValueError(f"max_len={self.max_len} is shorter than the {need} positions the arm's longest problem "
