@@ -104,6 +104,7 @@ def test_no_notebook_script_or_command_wires_an_arm_itself():
     assert len(runs) == 6 and all(len(r) < 100 for r in runs), runs  # 01, 02 (+ controls), 03, 04, 05: one line each
 
 
+@pytest.mark.gate("provenance")
 def test_a_plan_refuses_other_key_entries_and_a_problem_without_its_prefix():
     problems = tiny_problems(2)
     exp2 = ARMS["exp2"]

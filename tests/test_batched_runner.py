@@ -181,6 +181,7 @@ def test_a_row_that_does_not_fit_its_schema_is_not_appended(tmp_path, tiny_arm, 
     assert (folder / "rows.jsonl").read_bytes().count(b"\n") == 1  # p-00 stays; p-01 was never written
 
 
+@pytest.mark.gate("composition")
 def test_composition_gate_aborts_on_a_companion_dependent_fault(tmp_path, tiny_arm, monkeypatch):
     clean = engine.StepEngine._compute
 
@@ -281,6 +282,8 @@ def test_bridge_under_the_engine_incremental_equals_live_bit_for_bit(lives):
         engine.build_incrementals(lm, fmt, [prefixes[0][:-1]], batch=3, max_len=200)
 
 
+@pytest.mark.gate("graph_equals_eager")
+@pytest.mark.gate("functional_state")
 def test_per_step_eager_check_and_valid_length_gate_catch_planted_faults(lives, monkeypatch):
     lm, fmt, prompts, live = lives
     eng = engine.StepEngine(lm, fmt, batch=2, max_len=200, verify_steps=3)

@@ -135,6 +135,8 @@ def test_step_writes_each_row_at_its_own_position():
     assert eng.roles[0, lengths[0] + 1] == PROMPT  # zero padding
 
 
+@pytest.mark.gate("desync")
+@pytest.mark.gate("nonfinite")
 def test_planted_faults_are_caught_and_stay_in_their_row():
     lm, fmt, _, lives = _setup("llama")
     clean = engine.decode_suffixes(lm, fmt, [lives[3], lives[0]], TINY_CAPS, batch=2, max_len=MAX_SUFFIX)

@@ -119,7 +119,9 @@ def _wrong_dtype(state, recipient, donor, prov):
     state.cache.layers[1].values = state.cache.layers[1].values.to(torch.float32)
 
 
-@pytest.mark.parametrize("fault, gate", [(_alias, "storage"), (_wrong_layer, "provenance"), (_wrong_dtype, "dtype")])
+@pytest.mark.parametrize("fault, gate", [pytest.param(_alias, "storage", marks=pytest.mark.gate("storage")),
+                                         pytest.param(_wrong_layer, "provenance", marks=pytest.mark.gate("provenance")),
+                                         pytest.param(_wrong_dtype, "dtype", marks=pytest.mark.gate("dtype"))])
 def test_faulty_transplant_is_caught(tiny_format, fault, gate):
     from kvreplay.experiments.transplant import transplant_row
 

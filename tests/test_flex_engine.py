@@ -163,6 +163,7 @@ def test_tolerance_gate_passes_on_a_real_boundary_and_records_every_layer(attent
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.gate("attention_tolerance")
 def test_tolerance_gate_catches_a_mask_that_ignores_roles(dtype):
     from torch.nn.attention.flex_attention import BlockMask
 

@@ -151,6 +151,7 @@ def test_clean_rows_record_rounding_sized_float32_drift(tiny_format):
     assert other["equivalence"] is None
 
 
+@pytest.mark.gate("equivalence")
 def test_a_construction_fault_fails_closed_in_either_precision(tiny_format, prefill_sees_shifted_positions):
     p = tiny_problems(1)[0]
     lm = tiny_lm("llama")
@@ -189,6 +190,7 @@ def _tiny_spec():
 # ----------------------------------------------------------------------------- non-finite logits
 
 
+@pytest.mark.gate("nonfinite")
 def test_nan_logits_are_nonfinite_not_desync(tiny_format):
     lm = tiny_lm("llama")
     fmt = tiny_format(lm)
@@ -286,6 +288,7 @@ def test_fp32_readout_on_a_float32_model_is_the_plain_decoder(tiny_format):
     assert rec["fp32_readout"]["prefill"] == rec["baseline"]["prefill"]
 
 
+@pytest.mark.gate("readout")
 def test_readout_builds_must_leave_the_cache_unchanged(tiny_format):
     lm = tiny_lm("llama", torch.bfloat16)
     fmt = tiny_format(lm)

@@ -92,6 +92,7 @@ def test_a_clean_bf16_row_passes_and_its_record_does_not_change(tiny_format):
     assert [c["problem_id"] for c in checked.live_checks] == [p.problem_id]
 
 
+@pytest.mark.gate("live_equals_incremental")
 def test_the_gate_names_the_first_tensor_that_differs(tiny_format):
     lm = tiny_lm("llama", torch.bfloat16)
     fmt = tiny_format(lm)
