@@ -96,9 +96,8 @@ def tiny(out: Path) -> dict:
         fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
         prompts = [fmt.prompt_ids("Q" + "ab"[i % 2] * (4 * i) + "?", ("x", "y", f"z{i}", "w")) for i in range(5)]
         try:
-            live = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, batch=3, step_path=ENGINE_PATH, max_len=200)
-            inc = engine.build_incrementals(lm, fmt, [b.ids for b in live][::-1], batch=3, step_path=ENGINE_PATH,
-                                            max_len=200)[::-1]
+            live = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=engine.EngineRun(step_path=ENGINE_PATH, batch=3, max_len=200))
+            inc = engine.build_incrementals(lm, fmt, [b.ids for b in live][::-1], run=engine.EngineRun(step_path=ENGINE_PATH, batch=3, max_len=200))[::-1]
             for a, b in zip(live, inc):
                 gates.check_exact("engine live vs incremental", caches.boundary_tensors(a), caches.boundary_tensors(b))
             r["bridge_graph_live_equals_incremental"] = f"{len(live)}/{len(live)} bit for bit"

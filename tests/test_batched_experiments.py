@@ -109,8 +109,8 @@ def test_controls_runner_reads_out_in_fp32_on_the_plain_caches(arm, prefixes, tm
     # the engine's readout: float32 logits from the body's bfloat16 hidden state, the same keys/values
     lm, fmt = arm().load()
     z = [prefixes[p.problem_id] for p in PROBLEMS[:3]]
-    plain = engine.build_incrementals(lm, fmt, z, batch=2)
-    fp32 = engine.build_incrementals(lm, fmt, z, batch=2, readout=decode.FP32Readout(lm))
+    plain = engine.build_incrementals(lm, fmt, z, run=engine.EngineRun(batch=2))
+    fp32 = engine.build_incrementals(lm, fmt, z, run=engine.EngineRun(batch=2), readout=decode.FP32Readout(lm))
     for a, b in zip(plain, fp32):
         assert a.logits.dtype == torch.bfloat16 and b.logits.dtype == torch.float32
         assert all(torch.equal(x, y) for (_, x), (_, y) in zip(gates.cache_tensors(a.cache), gates.cache_tensors(b.cache)))

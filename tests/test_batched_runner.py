@@ -266,20 +266,20 @@ def lives():
     lm = tiny_lm("qwen2", torch.bfloat16)
     fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
     prompts = [fmt.prompt_ids("Q" + "ab"[i % 2] * (4 * i) + "?", ("x", "y", f"z{i}", "w")) for i in range(4)]
-    return lm, fmt, prompts, engine.decode_lives(lm, fmt, prompts, TINY_CAPS, batch=3, max_len=200)
+    return lm, fmt, prompts, engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=engine.EngineRun(batch=3, max_len=200))
 
 
 def test_bridge_under_the_engine_incremental_equals_live_bit_for_bit(lives):
     lm, fmt, prompts, live = lives
     prefixes = [b.ids for b in live]
     # same batch shape, other slots and companions (reversed order)
-    inc = engine.build_incrementals(lm, fmt, prefixes[::-1], batch=3, max_len=200)[::-1]
+    inc = engine.build_incrementals(lm, fmt, prefixes[::-1], run=engine.EngineRun(batch=3, max_len=200))[::-1]
     for a, b in zip(live, inc):
         assert b.construction == "incremental" and a.ids == b.ids and a.schedule == b.schedule
         assert torch.equal(a.roles, b.roles) and torch.equal(a.positions, b.positions)
         gates.check_exact("engine live vs engine incremental", caches.boundary_tensors(a), caches.boundary_tensors(b))
     with pytest.raises(Exception, match="boundary"):
-        engine.build_incrementals(lm, fmt, [prefixes[0][:-1]], batch=3, max_len=200)
+        engine.build_incrementals(lm, fmt, [prefixes[0][:-1]], run=engine.EngineRun(batch=3, max_len=200))
 
 
 @pytest.mark.gate("graph_equals_eager")
@@ -312,7 +312,7 @@ def test_per_step_eager_check_and_valid_length_gate_catch_planted_faults(lives, 
 
     monkeypatch.setattr(engine.StepEngine, "_compute", flaky)
     with pytest.raises(GateError, match="graph_equals_eager"):
-        engine.decode_suffixes(lm, fmt, live[:2], TINY_CAPS, batch=2, max_len=200, verify_steps=2)
+        engine.decode_suffixes(lm, fmt, live[:2], TINY_CAPS, run=engine.EngineRun(batch=2, max_len=200, verify_steps=2))
 
 
 def test_verify_recomputes_a_batched_row_alone_at_the_arm_batch_shape(tmp_path, tiny_arm):

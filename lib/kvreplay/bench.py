@@ -242,7 +242,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
 
     # no boundary is shorter than its prompt: an obviously short max_len is refused before the live decode
     refuse_short(max(map(len, prompts)), "the longest prompt and the suffix bound already take")
-    lives = engine.decode_lives(lm, fmt, prompts, caps, batch=n, step_path=step_path, attention=attentions[0])
+    lives = engine.decode_lives(lm, fmt, prompts, caps, run=engine.EngineRun(step_path=step_path, batch=n, attention=attentions[0]))
     need = refuse_short(max(len(b.ids) for b in lives), "the suffix runs need")
     out = []
 
@@ -265,9 +265,9 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         for max_len in (m or need for m in max_lens):
             for B in batches:
                 states = lives[: max(B, min(n, 2 * B)) if B > 1 else repeats]
-                shape = dict(batch=B, step_path=step_path, max_len=max_len, attention=attention)
-                engine.decode_suffixes(lm, fmt, states[:B], caps, **shape)  # capture
-                t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, **shape))
+                shape = engine.EngineRun(step_path, B, max_len, attention=attention)
+                engine.decode_suffixes(lm, fmt, states[:B], caps, run=shape)  # capture
+                t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, run=shape))
                 steps = sum(len(s.tokens) for s in got)
                 out.append({"path": f"engine.decode_suffixes, {kind}", "B": B, "rows": 2 * B,
                             "ms per problem-step": round(1e3 * t / steps, 2),

@@ -79,10 +79,9 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
     """
     lm, fmt = spec.lm, spec.fmt
     prompts = [fmt.prompt_ids(p.question, p.options) for p in problems]
-    lives = spec.on_engine(engine.decode_lives, lm, fmt, prompts, spec.caps, on_gate_error="return")
+    lives = engine.decode_lives(lm, fmt, prompts, spec.caps, run=spec.batched(), on_gate_error="return")
     ok = [i for i, x in enumerate(lives) if not isinstance(x, GateError)]
-    rebuilt = spec.on_engine(engine.build_incrementals, lm, fmt, [lives[i].ids for i in ok],
-                             on_gate_error="return")
+    rebuilt = engine.build_incrementals(lm, fmt, [lives[i].ids for i in ok], run=spec.batched(), on_gate_error="return")
     incs: list = list(lives)
     for i, x in zip(ok, rebuilt):
         incs[i] = x

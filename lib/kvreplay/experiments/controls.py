@@ -202,8 +202,8 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
     """
     lm, fmt = spec.lm, spec.fmt
     readout = _readout(lm)
-    incs = spec.on_engine(engine.build_incrementals, lm, fmt, prefixes, on_gate_error="return")
-    incs_ro = spec.on_engine(engine.build_incrementals, lm, fmt, prefixes, on_gate_error="return", readout=readout)
+    incs = engine.build_incrementals(lm, fmt, prefixes, run=spec.batched(), on_gate_error="return")
+    incs_ro = engine.build_incrementals(lm, fmt, prefixes, run=spec.batched(), on_gate_error="return", readout=readout)
     recs: list[dict[str, Any]] = [{"problem_id": p.problem_id, "gate_failure": None, "prefix_len": len(z)}
                                   for p, z in zip(problems, prefixes)]
     pending = []

@@ -78,7 +78,7 @@ def _head(spec: RunSpec, prefix: Sequence[int], pid: str):
 def fixed_prefix_chunk_phased(spec: RunSpec, problems: Sequence[Problem],
                               prefixes: Sequence[Sequence[int]]) -> list[Exp2Record]:
     """:func:`fixed_prefix_chunk` phase by phase (every rebuild, then every suffix): the same records."""
-    incs = spec.on_engine(engine.build_incrementals, spec.lm, spec.fmt, prefixes, on_gate_error="return")
+    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, run=spec.batched(), on_gate_error="return")
     heads = [_head(spec, z, p.problem_id) for z, p in zip(prefixes, problems)]
     return cast(list[Exp2Record], matrix_chunk(spec, problems, incs, heads))
 

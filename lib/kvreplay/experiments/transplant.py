@@ -309,7 +309,7 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
     Raises:
         ContractError: a suffix did not close its answer block.
     """
-    incs = spec.on_engine(engine.build_incrementals, spec.lm, spec.fmt, prefixes, on_gate_error="return")
+    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, run=spec.batched(), on_gate_error="return")
     recs: list[dict[str, Any]] = [{"problem_id": p.problem_id, "gate_failure": None, "stratum": s}
                                   for p, s in zip(problems, strata)]
     pending = []

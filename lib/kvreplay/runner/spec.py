@@ -18,11 +18,12 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, TypeGuard, TypeVar
+from typing import Any, TypeGuard
 
 import torch
 
 from .. import decode, engine
+from ..engine import EngineRun
 from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
 from ..ledger.store import canonical_json
 from ..execution import ExecutionContract, check_sdpa_on_device, device_type, resolve_contract
@@ -43,7 +44,6 @@ from ..paths import ROOT
 from ..problems import Problem
 
 Hook = Callable[[dict[str, decode.Boundary]], None]
-_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ class RunSpec:
     faults: Hook | None = None
     transplant_faults: Callable | None = None
     equivalence_ids: frozenset = frozenset()
-    engine: "EngineRun | None" = None
+    engine: EngineRun | None = None
     memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     live_check_ids: frozenset = frozenset()
     live_checks: list = dataclasses.field(default_factory=list, compare=False, repr=False)
@@ -125,61 +125,15 @@ class RunSpec:
                 f"suffix (merge cap {self.caps.merge} + answer cap {self.caps.answer} + delimiters) can need {need} "
                 f"positions, but the model has only {limit} (max_position_embeddings)")
 
-    def on_engine(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
-        """``fn(*args, **kw)``, a function of :mod:`kvreplay.engine`, with this run's :class:`EngineRun` settings.
-
-        The adapter at the engine boundary: the run's settings travel as one object (``spec.engine``) and become the
-        engine's keyword arguments here (:meth:`EngineRun.kwargs`); a keyword in ``kw`` (``batch=1``) overrides.
+    def batched(self) -> EngineRun:
+        """This run's :class:`~kvreplay.engine.EngineRun`, which a chunk function passes to the engine's decoders.
 
         Raises:
             ValueError: a one-problem run (``engine`` is None), which has no batched runner to drive.
         """
         if self.engine is None:
             raise ValueError("this run has no engine (RunSpec.engine is None): a chunk function needs a batched run")
-        return fn(*args, **(self.engine.kwargs() | kw))
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineRun:
-    """How a batched runner drives :mod:`kvreplay.engine` (resolved from :class:`ArmSettings`).
-
-    Attributes:
-        step_path: the engine's step path, ``"eager"`` or ``"graph"``.
-        batch: problems per batched step ``B`` (``2B`` rows).
-        max_len: positions per row (the static cache's key dimension).
-        verify_steps: steps of each engine checked against the eager step
-            (gate ``graph_equals_eager``; 0 = none).
-        chunk: problems per chunk of :class:`BatchedRows` (``None``: ``batch``); with more problems
-            than slots, a slot freed by a finished problem takes the next one, so a chunk no longer
-            waits on its longest row with the other slots idle. Not in the ledger key: a problem's
-            bits do not depend on its companions (the ``composition`` gate).
-        attention: the step's attention, ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`kvreplay.engine.ATTENTIONS`).
-        tolerance_check: run the gate ``attention_tolerance`` on the first step that holds a boundary
-            (:meth:`kvreplay.engine.StepEngine.check_attention`); the preflight runs of :class:`BatchedRows` set it.
-        fill_from: ``"first"`` or ``"last"``: which free slot a waiting job takes first. The ``composition``
-            gate's run alone fills from the last, so its problem sits in another slot than in its chunk. Not in
-            the ledger key: no bit depends on the slot.
-    """
-    step_path: str
-    batch: int
-    max_len: int
-    verify_steps: int = 0
-    chunk: int | None = None
-    attention: str = "sdpa"
-    tolerance_check: bool = False
-    fill_from: str = "first"
-
-    @property
-    def problems_per_chunk(self) -> int:
-        """Problems handed to the engine at once by :class:`BatchedRows` (``chunk``, else ``batch``)."""
-        return self.chunk or self.batch
-
-    def kwargs(self) -> dict:
-        """Keyword arguments of :func:`kvreplay.engine.decode_lives` / ``decode_suffixes`` / ``build_incrementals``
-        / ``decode_chains``."""
-        return {"batch": self.batch, "step_path": self.step_path, "max_len": self.max_len,
-                "verify_steps": self.verify_steps, "attention": self.attention,
-                "tolerance_check": self.tolerance_check, "fill_from": self.fill_from}
+        return self.engine
 
 
 ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
