@@ -1,8 +1,7 @@
 """Loading a causal LM for the protocol (paper §3.1, Table 3): the embedded GGUF converted once into a cached
-folder, a dtype, a role table (role-embedding rows), the refusal of models whose cache the protocol cannot
-audit (:func:`cache_refusal`), the self-check that the model obeys explicit masks and positions
-(:func:`self_check`), and the environment record of a loaded model kept in every ledger
-(:func:`environment_record`). The execution contract a model is loaded under is :mod:`kvreplay.execution`; this
+folder, a dtype and a role table (role-embedding rows). Also the environment record of a loaded model kept in
+every ledger (:func:`environment_record`). Re-exported here: the attention layout and the refusal of caches the
+protocol cannot audit (:mod:`kvreplay.layout`), and the mask-and-position self-check (:mod:`kvreplay.self_check`). The execution contract a model is loaded under is :mod:`kvreplay.execution`; this
 record is what was observed under it, stored as ``environment.json``'s ``execution_contract``.
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file

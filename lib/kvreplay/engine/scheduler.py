@@ -1,8 +1,8 @@
 """The slot scheduler and the jobs of the batched decoders (:mod:`kvreplay.engine.decoders`).
 
 A job (a live decode, an incremental rebuild, a suffix, a forced decode) waits for a free slot of a
-:class:`~kvreplay.engine.step.StepEngine`, enters it, advances one token per step with the block state machine
-(:class:`~kvreplay.decode.BlockCursor`), and hands its result or its :class:`~kvreplay.gates.GateError` to a
+:class:`~kvreplay.engine.step.StepEngine` and enters it. It advances one token per step with the block state machine
+(:class:`~kvreplay.decode.BlockCursor`), then hands its result or its :class:`~kvreplay.gates.GateError` to a
 callback. A problem's bits do not depend on its slot or its companions, so the order of entry changes no bit.
 """
 
