@@ -21,6 +21,8 @@ after); "ms per problem-token" divides by the tokens the problems decoded; "step
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import statistics
@@ -86,9 +88,9 @@ def tiny(outdir: Path) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
 
-    from kvreplay.execution import ExecutionContract
+    from kvreplay.execution import resolve_contract
 
-    ExecutionContract(device="cuda" if CUDA else "cpu").apply()
+    resolve_contract(device="cuda" if CUDA else "cpu").apply()
     res: dict = {}
     for dtype in (torch.float32, torch.bfloat16):
         lm = tiny_lm("llama", dtype)
@@ -97,25 +99,24 @@ def tiny(outdir: Path) -> dict:
         prompts = [fmt.prompt_ids("Q" + "x" * (2 * i) + "?", ("x", "y", f"z{i}", "w")) for i in range(6)]
         lives = [decode.decode_live(lm, fmt, p, TINY_CAPS) for p in prompts]
         r: dict = {}
-        kw = dict(batch=3, max_len=200)
-        ge = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, step_path="eager", **kw)
-        gg = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, step_path=GRAPH, **kw)
+        kw = engine.EngineRun(batch=3, max_len=200)
+        ge = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, run=dataclasses.replace(kw, step_path="eager"))
+        gg = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, run=dataclasses.replace(kw, step_path=GRAPH))
         r["suffix_graph_eq_eager_B3"] = same_suffixes(ge, gg)
-        other = engine.decode_suffixes(lm, fmt, [lives[5], lives[4], lives[0]], TINY_CAPS, step_path=GRAPH, **kw)
+        other = engine.decode_suffixes(lm, fmt, [lives[5], lives[4], lives[0]], TINY_CAPS, run=dataclasses.replace(kw, step_path=GRAPH))
         r["suffix_companions_slot_B3"] = same_suffixes([gg[0]], [other[2]])
-        reuse = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, step_path=GRAPH, **kw)
+        reuse = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=dataclasses.replace(kw, step_path=GRAPH))
         r["suffix_slot_reuse_B3"] = same_suffixes(reuse[:3], gg)
-        le = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, step_path="eager", batch=3, max_len=220)
-        lg = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, step_path=GRAPH, batch=3, max_len=220)
+        le = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, run=engine.EngineRun(step_path="eager", batch=3, max_len=220))
+        lg = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, run=engine.EngineRun(step_path=GRAPH, batch=3, max_len=220))
         r["live_graph_eq_eager_B3"] = same_boundaries(le, lg)
-        b1 = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, step_path=GRAPH, batch=1)
+        b1 = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, run=engine.EngineRun(step_path=GRAPH, batch=1))
         ref = [decode.decode_suffix(lm, fmt, caches.live_replica(s), TINY_CAPS) for s in lives[:3]]
         r["B1_graph_tokens_eq_decode_suffix"] = [x.tokens == y.tokens for x, y in zip(b1, ref)]
         bad = caches.clone_boundary(lives[1], "desync")
         with torch.inference_mode():
             bad.cache.layers[0].keys[1, :, 5] += 0.25
-        got = engine.decode_suffixes(lm, fmt, [lives[0], bad, lives[2]], TINY_CAPS, step_path=GRAPH,
-                                     on_gate_error="return", **kw)
+        got = engine.decode_suffixes(lm, fmt, [lives[0], bad, lives[2]], TINY_CAPS, run=dataclasses.replace(kw, step_path=GRAPH), on_gate_error="return")
         r["planted_desync_caught"] = isinstance(got[1], gates.GateError) and got[1].gate == "desync"
         r["companions_of_fault_unchanged"] = same_suffixes([got[0], got[2]], [gg[0], gg[2]])
         res[str(dtype).replace("torch.", "")] = r
@@ -125,12 +126,12 @@ def tiny(outdir: Path) -> dict:
 
 def bench(outdir: Path, n: int) -> dict:
     from kvreplay.problems import load_bank
-    from kvreplay.execution import ExecutionContract
+    from kvreplay.execution import resolve_contract
     from kvreplay.models import environment_record, load_model
 
     t0 = time.perf_counter()
     if CUDA:
-        lm = load_model("embedded", "bfloat16", contract=ExecutionContract(device="cuda"))
+        lm = load_model("embedded", "bfloat16", contract=resolve_contract(device="cuda"))
         fmt = resolve_format(lm.tokenizer, "chat_multibranch")
     else:  # dry run of the script's code paths on a tiny model
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -148,17 +149,14 @@ def bench(outdir: Path, n: int) -> dict:
     live_len = engine.live_length_bound(fmt, caps, max(len(p) for p in prompts)) + 1
 
     # live boundaries of all problems (graph, B=64), and graph == eager bits at B=8
-    (lives, dt, st) = timed(lambda: engine.decode_lives(lm, fmt, prompts, caps, batch=64, step_path=GRAPH,
-                                                         max_len=live_len))
+    (lives, dt, st) = timed(lambda: engine.decode_lives(lm, fmt, prompts, caps, run=engine.EngineRun(step_path=GRAPH, batch=64, max_len=live_len)))
     zl = [len(b.ids) for b in lives]
     res["live"] = {"problems": n, "prompt_len_mean": statistics.mean(len(p) for p in prompts),
                    "z_len_mean": statistics.mean(zl), "z_len_min": min(zl), "z_len_max": max(zl),
                    "graph_B64_s": dt, "graph_B64_steps": len(st), "max_len": live_len}
     print("live", res["live"], flush=True)
-    le8, dt_e, st_e = timed(lambda: engine.decode_lives(lm, fmt, prompts[:8], caps, batch=8, step_path="eager",
-                                                       max_len=live_len))
-    lg8, dt_g, st_g = timed(lambda: engine.decode_lives(lm, fmt, prompts[:8], caps, batch=8, step_path=GRAPH,
-                                                       max_len=live_len))
+    le8, dt_e, st_e = timed(lambda: engine.decode_lives(lm, fmt, prompts[:8], caps, run=engine.EngineRun(step_path="eager", batch=8, max_len=live_len)))
+    lg8, dt_g, st_g = timed(lambda: engine.decode_lives(lm, fmt, prompts[:8], caps, run=engine.EngineRun(step_path=GRAPH, batch=8, max_len=live_len)))
     res["live"]["B8_graph_eq_eager_bits"] = same_boundaries(le8, lg8)
     res["live"]["B64_graph_eq_B8_graph_bits"] = same_boundaries(lives[:8], lg8)
     res["live"]["B8_eager_step_ms_median"] = 1000 * statistics.median(st_e[1:])
@@ -185,22 +183,22 @@ def bench(outdir: Path, n: int) -> dict:
 
     today = record("decode.decode_suffix (DynamicCache)", "eager", 1, lives[:3],
                    lambda: [decode.decode_suffix(lm, fmt, caches.live_replica(s), caps) for s in lives[:3]])
-    kw = dict(max_len=max_len)
+    kw = engine.EngineRun(max_len=max_len)
     e1 = record("engine.decode_suffixes", "eager", 1, lives[:3],
-                lambda: engine.decode_suffixes(lm, fmt, lives[:3], caps, batch=1, step_path="eager", **kw))
+                lambda: engine.decode_suffixes(lm, fmt, lives[:3], caps, run=dataclasses.replace(kw, batch=1, step_path="eager")))
     g1 = record("engine.decode_suffixes", GRAPH, 1, lives[:3],
-                lambda: engine.decode_suffixes(lm, fmt, lives[:3], caps, batch=1, step_path=GRAPH, **kw))
+                lambda: engine.decode_suffixes(lm, fmt, lives[:3], caps, run=dataclasses.replace(kw, batch=1, step_path=GRAPH)))
     e8 = record("engine.decode_suffixes", "eager", 8, lives[:8],
-                lambda: engine.decode_suffixes(lm, fmt, lives[:8], caps, batch=8, step_path="eager", **kw))
+                lambda: engine.decode_suffixes(lm, fmt, lives[:8], caps, run=dataclasses.replace(kw, batch=8, step_path="eager")))
     g8 = record("engine.decode_suffixes", GRAPH, 8, lives[:8],
-                lambda: engine.decode_suffixes(lm, fmt, lives[:8], caps, batch=8, step_path=GRAPH, **kw))
+                lambda: engine.decode_suffixes(lm, fmt, lives[:8], caps, run=dataclasses.replace(kw, batch=8, step_path=GRAPH)))
     others = lives[8:15] + [lives[0]]
     g8o = record("engine.decode_suffixes", GRAPH, 8, others,
-                 lambda: engine.decode_suffixes(lm, fmt, others, caps, batch=8, step_path=GRAPH, **kw))
+                 lambda: engine.decode_suffixes(lm, fmt, others, caps, run=dataclasses.replace(kw, batch=8, step_path=GRAPH)))
     g32 = record("engine.decode_suffixes", GRAPH, 32, lives,
-                 lambda: engine.decode_suffixes(lm, fmt, lives, caps, batch=32, step_path=GRAPH, **kw))
+                 lambda: engine.decode_suffixes(lm, fmt, lives, caps, run=dataclasses.replace(kw, batch=32, step_path=GRAPH)))
     g64 = record("engine.decode_suffixes", GRAPH, 64, lives,
-                 lambda: engine.decode_suffixes(lm, fmt, lives, caps, batch=64, step_path=GRAPH, **kw))
+                 lambda: engine.decode_suffixes(lm, fmt, lives, caps, run=dataclasses.replace(kw, batch=64, step_path=GRAPH)))
     res["suffix_rows"] = rows
     res["checks"] = {
         "B1_graph_eq_B1_eager_bits": same_suffixes(g1, e1),
@@ -212,7 +210,7 @@ def bench(outdir: Path, n: int) -> dict:
             a.tokens == b.tokens == c.tokens for a, b, c in zip(g8, g32[:8], g64[:8])],
     }
     # slot reuse: at B=32 the last 32 problems went into slots the first 32 left; rerun them alone at B=32
-    g32b = engine.decode_suffixes(lm, fmt, lives[32:], caps, batch=32, step_path=GRAPH, **kw)
+    g32b = engine.decode_suffixes(lm, fmt, lives[32:], caps, run=dataclasses.replace(kw, batch=32, step_path=GRAPH))
     res["checks"]["B32_slot_reuse_bits"] = same_suffixes(g32[32:], g32b)
     print("checks", res["checks"], flush=True)
     return res

@@ -33,6 +33,8 @@ command of about 9 minutes on an H200 (``--budget``, default 520 s, skips the se
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import json
 import os
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvreplay.ledger.store import read_rows_text, row_lines
     from kvreplay.paths import LEDGERS
     from kvreplay.problems import load_bank
-    from kvreplay.runner import ArmSettings, EngineRun, RunSpec, run_arm
+    from kvreplay.runner import ArmSettings, RunSpec, run_arm
 
     caps = Caps(*GPU_CAPS)
     settings = ArmSettings(profile="gpu", dtype="bfloat16", caps=caps, threads=4, device=args.device,
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     prefixes = [e["prefix"] for e in entries[:B]]
     states = [build_prefill(lm, fmt, z, where=f"bank {i}") for i, z in enumerate(prefixes)]
     max_len = -(-(max(map(len, prefixes)) + engine.suffix_length_bound(fmt, caps)) // 128) * 128
-    run = dict(batch=B, max_len=max_len, attention="flex")
+    run = engine.EngineRun(batch=B, max_len=max_len, attention="flex")
     res["boundaries"] = {"source": "data/ledgers/gpu/prefix_bank_bf16.jsonl", "sha256": bank_sha, "n": len(prefixes),
                          "max_len": max_len}
     first: dict = {}
@@ -115,24 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     def graph_equals_eager() -> dict:
         verified = engine.VERIFIED_STEPS[0]
         t = time.perf_counter()
-        g = engine.decode_suffixes(lm, fmt, states, caps, step_path=graph, verify_steps=10_000, **run)
+        g = engine.decode_suffixes(lm, fmt, states, caps, run=dataclasses.replace(run, step_path=graph, verify_steps=10_000))
         steps = engine.VERIFIED_STEPS[0] - verified
         seconds = time.perf_counter() - t
-        e = engine.decode_suffixes(lm, fmt, states, caps, step_path="eager", **run)
+        e = engine.decode_suffixes(lm, fmt, states, caps, run=dataclasses.replace(run, step_path="eager"))
         first["graph"] = g
         return {"steps_checked_bit_for_bit": steps, "seconds_with_checks": round(seconds, 1),
                 "eager_path_equal": sum(_same(a, b) for a, b in zip(g, e)), "of": len(g)}
 
     def determinism() -> dict:
-        g = first.get("graph") or engine.decode_suffixes(lm, fmt, states, caps, step_path=graph, **run)
-        again = [engine.decode_suffixes(lm, fmt, states, caps, step_path=graph, **run) for _ in range(2)]
+        g = first.get("graph") or engine.decode_suffixes(lm, fmt, states, caps, run=dataclasses.replace(run, step_path=graph))
+        again = [engine.decode_suffixes(lm, fmt, states, caps, run=dataclasses.replace(run, step_path=graph)) for _ in range(2)]
         return {"runs_equal_to_the_first": [sum(_same(a, b) for a, b in zip(g, x)) for x in again], "of": len(g)}
 
     def composition() -> dict:
         x = states[0]
-        base = engine.decode_suffixes(lm, fmt, states, caps, step_path=graph, **run)[0]
-        alone = engine.decode_suffixes(lm, fmt, [x], caps, step_path=graph, fill_from="last", **run)[0]
-        rev = engine.decode_suffixes(lm, fmt, [*states[1:][::-1], x], caps, step_path=graph, **run)[-1]
+        base = engine.decode_suffixes(lm, fmt, states, caps, run=dataclasses.replace(run, step_path=graph))[0]
+        alone = engine.decode_suffixes(lm, fmt, [x], caps, run=dataclasses.replace(run, step_path=graph, fill_from="last"))[0]
+        rev = engine.decode_suffixes(lm, fmt, [*states[1:][::-1], x], caps, run=dataclasses.replace(run, step_path=graph))[-1]
         return {"slot_0_with_companions_vs_alone_in_the_last_slot": _same(base, alone),
                 "slot_0_vs_the_last_slot_other_companion_order": _same(base, rev), "tokens": len(base.tokens),
                 "companions": len(states) - 1}
@@ -161,9 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         committed = {r["problem_id"]: r for r in (json.loads(x) for x in row_lines(read_rows_text(folder)))}
         lm32 = model32()
         problems = [p for p in load_bank() if p.problem_id in committed][: args.rows]
-        need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), caps) for p in problems)
-        spec = RunSpec(lm=lm32, fmt=fmt, caps=caps, engine=EngineRun(graph, B, -(-need // 128) * 128,
-                                                                      chunk=len(problems), attention="flex"))
+        run32 = dataclasses.replace(settings, dtype="float32", chunk=len(problems)).engine_run(fmt, problems)
+        spec = RunSpec(lm=lm32, fmt=fmt, caps=caps, engine=run32)  # max_len: the longest sequence, whole flex blocks
         before = dict(engine.SLOT_STEPS)
         t = time.perf_counter()
         recs = live_vs_prefill_chunk(spec, problems)

@@ -28,6 +28,8 @@ Nothing about outcomes is asserted: gates raise and are recorded, every comparis
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import json
 import os
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     prefixes = [entries[i % len(entries)]["prefix"] for i in range(args.batch)]
     states = [decode.build_prefill(lm, fmt, z, where=f"bank {i}") for i, z in enumerate(prefixes)]
     max_len = -(-(max(map(len, prefixes)) + engine.suffix_length_bound(fmt, caps)) // 128) * 128
-    run = dict(batch=args.batch, max_len=max_len, attention="flex")
+    run = engine.EngineRun(batch=args.batch, max_len=max_len, attention="flex")
     res: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (dry run)", "model": p.model,
                  "layer_kinds": layout.kinds(), "window": layout.window, "caps": list(dataclasses.astuple(caps)),
                  "boundaries": {"bank": str(args.bank), "sha256": bank_sha, "distinct": min(len(entries), args.batch),
@@ -100,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     def graph_equals_eager() -> dict:
         verified = engine.VERIFIED_STEPS[0]
         t = time.perf_counter()
-        g = engine.decode_suffixes(lm, fmt, states, caps, step_path=graph, verify_steps=100_000, **run)
+        g = engine.decode_suffixes(lm, fmt, states, caps, run=dataclasses.replace(run, step_path=graph, verify_steps=100_000))
         checked, seconds = engine.VERIFIED_STEPS[0] - verified, time.perf_counter() - t
-        e = engine.decode_suffixes(lm, fmt, states, caps, step_path="eager", **run)
-        alone = engine.decode_suffixes(lm, fmt, states[:1], caps, step_path=graph, fill_from="last", **run)[0]
+        e = engine.decode_suffixes(lm, fmt, states, caps, run=dataclasses.replace(run, step_path="eager"))
+        alone = engine.decode_suffixes(lm, fmt, states[:1], caps, run=dataclasses.replace(run, step_path=graph, fill_from="last"))[0]
         return {"steps_checked_bit_for_bit": checked, "seconds_with_checks": round(seconds, 1),
                 "eager_path_equal": sum(same(a, b) for a, b in zip(g, e)), "of": len(g),
                 "alone_in_the_last_slot_equal": same(g[0], alone), "suffix_tokens": [len(s.tokens) for s in g]}
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         want = [decode.decode_suffix(lm32, fmt, caches.live_replica(s), caps) for s in built]
         eager_s = time.perf_counter() - t
-        got = engine.decode_suffixes(lm32, fmt, built, caps, step_path=graph, **(run | {"batch": len(zs)}))
+        got = engine.decode_suffixes(lm32, fmt, built, caps, run=dataclasses.replace(run, step_path=graph, batch=len(zs)))
         return {"tokens_equal": sum(a.tokens == b.tokens for a, b in zip(got, want)), "of": len(zs),
                 "first_difference": [next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
                                      for a, b in zip(got, want)],

@@ -64,7 +64,7 @@ def tiny(out: Path) -> dict:
     from kvreplay import caches, engine, gates
     from kvreplay.contract import resolve_format
     from kvreplay.problems import Problem
-    from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
+    from kvreplay.experiments.live_vs_prefill import EXP1
     from kvreplay.runner import ArmSettings
 
     tmp = Path(tempfile.mkdtemp())
@@ -80,9 +80,8 @@ def tiny(out: Path) -> dict:
                     threads=1, preflight=1, device=DEVICE, batch=2)
         r: dict = {}
         try:
-            g, lg = run_live_vs_prefill(problems, ArmSettings(**base, step_path=GRAPH), ledger_root=tmp / "l", progress=False)
-            e, le = run_live_vs_prefill(problems, ArmSettings(**base, step_path="engine-eager"), ledger_root=tmp / "l",
-                                    progress=False)
+            g, lg = EXP1.run(ArmSettings(**base, step_path=GRAPH), problems, ledger_root=tmp / "l", progress=False)
+            e, le = EXP1.run(ArmSettings(**base, step_path="engine-eager"), problems, ledger_root=tmp / "l", progress=False)
             r["rows"] = len(g)
             r["gate_failures_graph"] = [x["gate_failure"] for x in g if x["gate_failure"]]
             r["preflight_gates_graph"] = [ev for ev in runlog(lg) if ev["event"] == "gates"]
@@ -97,9 +96,8 @@ def tiny(out: Path) -> dict:
         fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
         prompts = [fmt.prompt_ids("Q" + "ab"[i % 2] * (4 * i) + "?", ("x", "y", f"z{i}", "w")) for i in range(5)]
         try:
-            live = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, batch=3, step_path=ENGINE_PATH, max_len=200)
-            inc = engine.build_incrementals(lm, fmt, [b.ids for b in live][::-1], batch=3, step_path=ENGINE_PATH,
-                                            max_len=200)[::-1]
+            live = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=engine.EngineRun(step_path=ENGINE_PATH, batch=3, max_len=200))
+            inc = engine.build_incrementals(lm, fmt, [b.ids for b in live][::-1], run=engine.EngineRun(step_path=ENGINE_PATH, batch=3, max_len=200))[::-1]
             for a, b in zip(live, inc):
                 gates.check_exact("engine live vs incremental", caches.boundary_tensors(a), caches.boundary_tensors(b))
             r["bridge_graph_live_equals_incremental"] = f"{len(live)}/{len(live)} bit for bit"
@@ -133,7 +131,7 @@ def paper(out: Path, budget: float, n_rows: int, batch: int) -> dict:
     from kvreplay import bench
     from kvreplay.contract import Caps
     from kvreplay.problems import load_bank
-    from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
+    from kvreplay.experiments.live_vs_prefill import EXP1
     from kvreplay.runner import ArmSettings
 
     res: dict = {"device": NAME, "torch": torch.__version__, "budget_s": budget,
@@ -149,7 +147,7 @@ def paper(out: Path, budget: float, n_rows: int, batch: int) -> dict:
         t = time.perf_counter()
         r: dict = {"dtype": dtype, "config_engine": s.engine_key()}
         try:
-            recs, ledger = run_live_vs_prefill(problems, s, ledger_root=Path(f"/tmp/kv_ledgers_{os.getpid()}"), progress=False)
+            recs, ledger = EXP1.run(s, problems, ledger_root=Path(f"/tmp/kv_ledgers_{os.getpid()}"), progress=False)
             wall = time.perf_counter() - t
             ev = runlog(ledger)
             checks = [c for e in ev if e["event"] == "gates" for c in e["checks"]]

@@ -9,14 +9,12 @@ Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``)::
 arm also writes the prefix bank, as the notebook does), ``exp2-bfloat16``,
 ``exp2-float32`` (notebook 02, reading that bank), ``exp2_controls-bfloat16``
 (notebook 02's exploratory controls), and ``exp3-bfloat16``, ``exp4-bfloat16``,
-``exp5-bfloat16`` (notebooks 03-05: the notebook's own code cells are run, with
-the profile's parameters, up to and including the cell that runs the arm, so
-its panel is frozen and written exactly as the notebook does it).
+``exp5-bfloat16`` (notebooks 03-05, each with its panel frozen and written as
+the notebook writes it).
 
-Each arm's settings come from the notebook's own two parameters, ``profile``
-and ``overrides``, handed to :func:`kvreplay.session.open_session` as the
-notebook's setup cell hands them, and :meth:`~kvreplay.session.Session.settings`
-with the same arguments as the notebook's own cell. So the ledgers written here
+Each arm is run through its one declaration (:data:`kvreplay.experiments.arms.ARMS`), under the notebook's own two
+parameters, ``profile`` and ``overrides``, handed to :func:`kvreplay.session.open_session` as the notebook's setup
+cell hands them, and :meth:`~kvreplay.session.Session.run`, the call of the notebook's run cell. So the ledgers written here
 have the config digests the notebooks look for, and ``make paper
 PROFILE=<profile>`` later reads them without computing anything. (``--set
 NAME=VALUE`` adds an override, for a dry run of this script on the CPU or to
@@ -64,18 +62,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = {
-    "exp1": "notebooks/01_experiment1_live_vs_prefill.ipynb",
-    "exp2": "notebooks/02_experiment2_fixed_prefix_precision.ipynb",
-    "exp2_controls": "notebooks/02_experiment2_fixed_prefix_precision.ipynb",
-    "exp3": "notebooks/03_experiment3_bridge_and_audit.ipynb",
-    "exp4": "notebooks/04_experiment4_cache_transplant.ipynb",
-    "exp5": "notebooks/05_experiment5_replication.ipynb",
-}
 ARMS = ("exp1-bfloat16", "exp1-float32", "exp2-bfloat16", "exp2-float32", "exp2_controls-bfloat16", "exp3-bfloat16",
         "exp4-bfloat16", "exp5-bfloat16")
-"""Every arm this script runs (notebooks 03-05 and the controls are BF16 only)."""
-CELL_RUNS_ARM = "run_arm("  # notebooks 03-05: the code cell that computes the arm
+"""Every arm this script runs (notebooks 03-05 and the controls are BF16 only); each is declared once, in its
+experiment's module (:data:`kvreplay.experiments.arms.ARMS`)."""
 PACK_S = 25.0
 CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"  # kvreplay.runner.CHUNK_DEADLINE_ENV (this process does not import torch)
 FIRST_CHUNK_ESTIMATE_ENV = "KV_FIRST_CHUNK_ESTIMATE"  # kvreplay.runner.FIRST_CHUNK_ESTIMATE_ENV
@@ -208,86 +198,24 @@ def arm_overrides(profile: str, sets: dict) -> dict:
     return overrides
 
 
-def _placeholders() -> None:
-    """Stand-ins for what only the cells after the arm's use, on a machine without IPython or matplotlib.
-
-    The lent GPU has torch, transformers, pandas and scipy but may lack IPython and matplotlib (their
-    wheels do not fit beside the model parts in a transfer). ``IPython.display`` gets a ``display`` that
-    prints and a ``Markdown`` that keeps its text; ``kvreplay.report.figures`` becomes an empty module
-    (figures are drawn on the CPU by ``make paper`` from the ledgers). Nothing the arm computes uses either.
-    """
-    import importlib.util
-    import types
-
-    if importlib.util.find_spec("IPython") is None:
-        ipy, disp = types.ModuleType("IPython"), types.ModuleType("IPython.display")
-        disp.display = lambda *objs, **kw: print(*objs)
-        disp.Markdown = str
-        ipy.display = disp
-        sys.modules |= {"IPython": ipy, "IPython.display": disp}
-    if importlib.util.find_spec("matplotlib") is None:
-        import kvreplay.report
-
-        figs = types.ModuleType("kvreplay.report.figures")
-        kvreplay.report.figures = figs
-        sys.modules["kvreplay.report.figures"] = figs
-
-
-def run_notebook_arm(notebook: str, profile: str, overrides: dict) -> tuple[list[dict], object]:
-    """Run a notebook's code cells after its parameters cell, with its ``profile`` and ``overrides`` parameters, in
-    order, through the one that runs the arm.
-
-    Returns the notebook's ``records`` (or ``bridge``) and ``ledger`` (or ``bridge_ledger``) after that cell.
-    """
-    _placeholders()
-    nb = json.loads((ROOT / notebook).read_text())
-    cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    first = next(i for i, c in enumerate(cells) if "parameters" in c["metadata"].get("tags", [])) + 1
-    ns: dict = {"profile": profile, "overrides": overrides}
-    for i, cell in enumerate(cells[first:], first):
-        src = "".join(cell["source"])
-        exec(compile(src, f"{notebook} code cell {i}", "exec"), ns)  # noqa: S102 (the notebook's own cells)
-        if CELL_RUNS_ARM in src:
-            break
-    else:
-        raise SystemExit(f"{notebook}: no code cell calls {CELL_RUNS_ARM}")
-    return ns.get("records", ns.get("bridge")), ns.get("ledger", ns.get("bridge_ledger"))
-
-
 def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
-    """Compute one arm in this process (the child); returns what it did."""
+    """Compute one arm in this process (the child) through its declaration, as its notebook does; returns what it did.
+
+    The arm is planned by :meth:`kvreplay.session.Session.plan` (its panel frozen and written as the notebook writes
+    it) and run by :meth:`~kvreplay.session.Session.run`; Experiment 1's BF16 arm also writes the prefix bank.
+    """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    from kvreplay.experiments.arms import ARMS
+    from kvreplay.ledger.prefix_bank import write_prefix_bank
     from kvreplay.session import open_session
 
     experiment, dtype = arm.rsplit("-", 1)
-    notebook = NOTEBOOKS[experiment]
-    overrides = overrides | {"ledger_root": str(ledger_root)}
-    session = open_session(notebook, profile, overrides)
-    params = session.params
+    declared = ARMS[experiment]
+    session = open_session(declared.notebook, profile, overrides | {"ledger_root": str(ledger_root)})
     t = time.perf_counter()
-    if experiment == "exp1":
-        from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
-        from kvreplay.ledger.prefix_bank import write_prefix_bank
-
-        records, ledger = run_live_vs_prefill(session.rows(params.n_rows), session.settings(dtype, params.preflight),
-                                          ledger_root=session.ledger_root)
-        if dtype == "bfloat16":
-            write_prefix_bank(records, session.ledger_root / session.profile / "prefix_bank_bf16.jsonl", ledger.dir.name)
-    elif experiment in ("exp3", "exp4", "exp5"):
-        records, ledger = run_notebook_arm(notebook, profile, overrides)
-    elif experiment == "exp2":
-        from kvreplay.experiments.fixed_prefix import run_fixed_prefix
-
-        fixed = session.fixed
-        records, ledger = run_fixed_prefix(fixed.rows, fixed.prefixes, fixed.sha256,
-                                          session.settings(dtype, params.preflight_fixed), ledger_root=session.ledger_root)
-    else:
-        from kvreplay.experiments.controls import run_controls
-
-        fixed = session.fixed
-        records, ledger = run_controls(fixed.rows, fixed.prefixes, fixed.sha256,
-                                       session.settings(dtype, params.preflight_fixed),
-                                       ledger_root=session.ledger_root, seed=params.seed)
+    records, ledger = session.run(declared, dtype)
+    if experiment == "exp1" and dtype == "bfloat16":  # notebook 01's next cell: the bank Experiments 2-5 read
+        write_prefix_bank(records, session.ledger_root / session.profile / "prefix_bank_bf16.jsonl", ledger.dir.name)
     # the parent reads the gate failures from the ledger it packs (also for an arm stopped or cut off)
     return {"ledger": ledger.dir.name, "rows": len(records), "wall_s": round(time.perf_counter() - t, 1)}
 

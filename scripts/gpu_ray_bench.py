@@ -67,7 +67,7 @@ def steady(events: list[dict], skip: int) -> dict:
 def arm(label: str, workers: int, problems, batch: int, out: Path, scratch: Path) -> dict:
     from kvreplay.runner import actors as parallel
     from kvreplay.contract import Caps
-    from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
+    from kvreplay.experiments.live_vs_prefill import EXP1
     from kvreplay.runner import ArmSettings
 
     settings = ArmSettings(profile="raybench", dtype="bfloat16", caps=Caps(*CAPS), device=DEVICE, step_path=STEP_PATH,
@@ -75,7 +75,7 @@ def arm(label: str, workers: int, problems, batch: int, out: Path, scratch: Path
     r: dict = {"workers": workers, "engine_key": settings.engine_key()}
     t = time.perf_counter()
     try:
-        records, ledger = run_live_vs_prefill(problems, settings, ledger_root=scratch / label, progress=False)
+        records, ledger = EXP1.run(settings, problems, ledger_root=scratch / label, progress=False)
         r["wall_s"] = round(time.perf_counter() - t, 1)
         events = [json.loads(x) for x in (ledger.dir / "runlog.jsonl").read_text().splitlines()]
         start = [e for e in events if e["event"] == "workers"]

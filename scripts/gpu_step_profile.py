@@ -32,7 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvreplay import engine  # noqa: E402
 from kvreplay.contract import resolve_format  # noqa: E402
-from kvreplay.execution import ExecutionContract  # noqa: E402
+from kvreplay.execution import resolve_contract  # noqa: E402
 from kvreplay.models import LoadedModel  # noqa: E402
 from tests.conftest import TINY_FORMAT, make_tokenizer  # noqa: E402
 
@@ -73,13 +73,13 @@ def same_bits_without_shortcuts(lm, fmt) -> dict:
 
     prompts = [fmt.prompt_ids("Q" + "x" * (3 * i) + "?", ("x", "y", f"z{i}", "w")) for i in range(6)]
     lives = [decode.decode_live(lm, fmt, p, TINY_CAPS) for p in prompts]
-    fast = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, step_path="graph", batch=3, max_len=200)
+    fast = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=engine.EngineRun(step_path="graph", batch=3, max_len=200))
     shortcut = engine.cache._unique_index_writes  # the step and the cache both call it through this module
     engine.cache._unique_index_writes = contextlib.nullcontext
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
-        slow = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, step_path="graph", batch=3, max_len=200)
-        eager = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, step_path="eager", batch=3, max_len=200)
+        slow = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=engine.EngineRun(step_path="graph", batch=3, max_len=200))
+        eager = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=engine.EngineRun(step_path="eager", batch=3, max_len=200))
     finally:
         engine.cache._unique_index_writes = shortcut
         torch.utils.deterministic.fill_uninitialized_memory = False
@@ -97,7 +97,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ExecutionContract(device="cuda").apply()
+    resolve_contract(device="cuda").apply()
     lm = model()
     fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
     from tests.conftest import tiny_lm

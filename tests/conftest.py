@@ -28,6 +28,8 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 
+pytest_plugins = ["pytester"]  # tests/test_gate_registry.py runs a planted test file
+
 torch.set_num_threads(1)  # tiny models: one thread is fastest and avoids oversubscription
 
 CHATML = (
@@ -214,3 +216,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test marked ``@pytest.mark.gate(name)`` fails unless a :class:`~kvreplay.gates.GateError` of that gate is
+    raised while it runs (in this process, or in a Ray actor and unpickled here): its planted fault must make that
+    gate fire. ``tests/test_gate_registry.py`` checks that every registered gate has such a test."""
+    names = [m.args[0] for m in item.iter_markers("gate")]
+    if not names:
+        return (yield)
+    from kvreplay import gates
+
+    unknown = [n for n in names if n not in gates.GATES]
+    if unknown:
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.gate names unregistered gates {unknown}")
+    fired: list[str] = []
+    init = gates.GateError.__init__
+
+    def record(self, gate, reason):
+        init(self, gate, reason)
+        fired.append(gate)
+
+    gates.GateError.__init__ = record
+    try:
+        result = yield
+    finally:
+        gates.GateError.__init__ = init
+    silent = [n for n in names if n not in fired]
+    assert not silent, f"{item.nodeid}: its planted fault never made gate(s) {silent} fire (fired: {sorted(set(fired))})"
+    return result

@@ -18,10 +18,10 @@ from conftest import TINY_CAPS, TINY_FORMAT, key_paths, make_model, make_tokeniz
 
 from kvreplay import decode, engine, gates
 from kvreplay.experiments import replication
-from kvreplay.experiments.bridge import bridge_chunk, bridge_row, bridge_summary
-from kvreplay.experiments.controls import controls_summary, run_controls
-from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
-from kvreplay.experiments.transplant import transplant_chunk, transplant_row, transplant_summary
+from kvreplay.experiments.bridge import EXP3, bridge_chunk, bridge_row, bridge_summary
+from kvreplay.experiments.controls import EXP2_CONTROLS, controls_summary
+from kvreplay.experiments.live_vs_prefill import EXP1
+from kvreplay.experiments.transplant import EXP4, transplant_chunk, transplant_row, transplant_summary
 from kvreplay.problems import Problem
 from kvreplay.runner import ArmSettings, run_arm
 
@@ -49,7 +49,7 @@ BATCHED = dict(step_path="engine-eager", batch=2)
 
 @pytest.fixture(scope="module")
 def prefixes(arm, tmp_path_factory):
-    records, _ = run_live_vs_prefill(PROBLEMS, arm(), ledger_root=tmp_path_factory.mktemp("l"), progress=False)
+    records, _ = EXP1.run(arm(), PROBLEMS, ledger_root=tmp_path_factory.mktemp("l"), progress=False)
     return {r["problem_id"]: r["prefix"] for r in records}
 
 
@@ -97,8 +97,10 @@ def test_replication_runner_scores_both_baselines(arm, prefixes, tmp_path):
 
 
 def test_controls_runner_reads_out_in_fp32_on_the_plain_caches(arm, prefixes, tmp_path):
-    eager, _ = run_controls(PROBLEMS, prefixes, "bank", arm(), ledger_root=tmp_path, progress=False)
-    batched, ledger = run_controls(PROBLEMS, prefixes, "bank", arm(**BATCHED), ledger_root=tmp_path, progress=False)
+    key = {"prefix_bank_sha256": "bank", "seed": 20260729}
+    eager, _ = EXP2_CONTROLS.run(arm(), PROBLEMS, prefixes=prefixes, key=key, ledger_root=tmp_path, progress=False)
+    batched, ledger = EXP2_CONTROLS.run(arm(**BATCHED), PROBLEMS, prefixes=prefixes, key=key, ledger_root=tmp_path,
+                                        progress=False)
     assert not [r for r in eager + batched if r["gate_failure"]]  # gate `readout`: same caches with the FP32 head
     for a, b in zip(eager, batched):
         assert key_paths(a) == key_paths(b)
@@ -107,8 +109,8 @@ def test_controls_runner_reads_out_in_fp32_on_the_plain_caches(arm, prefixes, tm
     # the engine's readout: float32 logits from the body's bfloat16 hidden state, the same keys/values
     lm, fmt = arm().load()
     z = [prefixes[p.problem_id] for p in PROBLEMS[:3]]
-    plain = engine.build_incrementals(lm, fmt, z, batch=2)
-    fp32 = engine.build_incrementals(lm, fmt, z, batch=2, readout=decode.FP32Readout(lm))
+    plain = engine.build_incrementals(lm, fmt, z, run=engine.EngineRun(batch=2))
+    fp32 = engine.build_incrementals(lm, fmt, z, run=engine.EngineRun(batch=2), readout=decode.FP32Readout(lm))
     for a, b in zip(plain, fp32):
         assert a.logits.dtype == torch.bfloat16 and b.logits.dtype == torch.float32
         assert all(torch.equal(x, y) for (_, x), (_, y) in zip(gates.cache_tensors(a.cache), gates.cache_tensors(b.cache)))
@@ -125,16 +127,16 @@ def test_verify_recomputes_batched_rows_of_the_later_experiments(arm, prefixes, 
                for p in PROBLEMS]
     sha = write_prefix_bank(records, tmp_path / "t" / "prefix_bank_bf16.jsonl", "exp1-test")
     model = arm().model
-    strata = {p.problem_id: "divergent" for p in PROBLEMS}
+    panel = [{"problem_id": p.problem_id, "stratum": "divergent", "prefix_len": len(prefixes[p.problem_id])}
+             for p in PROBLEMS[:3]]
     folders = [
-        run_arm("exp3", arm(**BATCHED), PROBLEMS, None, ledger_root=tmp_path, progress=False,
-                extra_config={"prefix_bank_sha256": sha},
-                chunk=lambda spec, ps: bridge_chunk(spec, ps, [prefixes[p.problem_id] for p in ps]))[1].dir,
-        run_arm("exp4", arm(**BATCHED), PROBLEMS[:3], None, ledger_root=tmp_path, progress=False,
-                extra_config={"prefix_bank_sha256": sha},
-                chunk=lambda spec, ps: transplant_chunk(spec, ps, [prefixes[p.problem_id] for p in ps],
-                                                        [strata[p.problem_id] for p in ps], [False] * len(ps)))[1].dir,
-        run_controls(PROBLEMS[:3], prefixes, sha, arm(**BATCHED), ledger_root=tmp_path, progress=False)[1].dir,
+        EXP3.run(arm(**BATCHED), PROBLEMS, prefixes=prefixes, key={"prefix_bank_sha256": sha}, ledger_root=tmp_path,
+                 progress=False)[1].dir,
+        EXP4.run(arm(**BATCHED), PROBLEMS[:3], prefixes=prefixes, key={"prefix_bank_sha256": sha, "panel": panel,
+                                                                       "sweep": []},
+                 ledger_root=tmp_path, progress=False)[1].dir,
+        EXP2_CONTROLS.run(arm(**BATCHED), PROBLEMS[:3], prefixes=prefixes, key={"prefix_bank_sha256": sha, "seed": 7},
+                          ledger_root=tmp_path, progress=False)[1].dir,
     ]
     for folder in folders:
         checks = verify_ledger(folder, rows=3, pick="first", problems=PROBLEMS, model=model)

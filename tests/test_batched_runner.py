@@ -31,8 +31,8 @@ from conftest import (
 from kvreplay import caches, engine, gates
 from kvreplay.contract import MERGE, resolve_format
 from kvreplay.experiments.bridge import bridge_row
-from kvreplay.experiments.fixed_prefix import run_fixed_prefix
-from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
+from kvreplay.experiments.fixed_prefix import EXP2
+from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.gates import GateError
 from kvreplay.ledger.records import RowSchemaError
 from kvreplay.ledger.store import config_digest
@@ -65,9 +65,8 @@ def _problems(n: int) -> list[Problem]:
 
 def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tiny_arm):
     problems = _problems(5)
-    eager, ledger_e = run_live_vs_prefill(problems, tiny_arm(), ledger_root=tmp_path, progress=False)
-    batched, ledger_b = run_live_vs_prefill(problems, tiny_arm(step_path="engine-eager", batch=2), ledger_root=tmp_path,
-                                     progress=False)
+    eager, ledger_e = EXP1.run(tiny_arm(), problems, ledger_root=tmp_path, progress=False)
+    batched, ledger_b = EXP1.run(tiny_arm(step_path="engine-eager", batch=2), problems, ledger_root=tmp_path, progress=False)
     assert ledger_b.dir != ledger_e.dir  # another decode path, another key
     assert [r["problem_id"] for r in batched] == [p.problem_id for p in problems]
     assert all(r["gate_failure"] is None for r in eager + batched)
@@ -87,9 +86,8 @@ def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tin
     assert any(e["event"] == "engine" and e["batch"] == 2 and e["step_path"] == "eager" for e in events)
     # Experiment 2 on the batched runner: fixed prefixes, incremental rebuilt through the engine
     prefixes = {r["problem_id"]: r["prefix"] for r in eager}
-    two, _ = run_fixed_prefix(problems[:3], prefixes, "bank", tiny_arm(step_path="engine-eager", batch=2),
-                             ledger_root=tmp_path, progress=False)
-    two_eager, _ = run_fixed_prefix(problems[:3], prefixes, "bank", tiny_arm(), ledger_root=tmp_path, progress=False)
+    two, _ = EXP2.run(tiny_arm(step_path="engine-eager", batch=2), problems[:3], prefixes=prefixes, key={"prefix_bank_sha256": "bank"}, ledger_root=tmp_path, progress=False)
+    two_eager, _ = EXP2.run(tiny_arm(), problems[:3], prefixes=prefixes, key={"prefix_bank_sha256": "bank"}, ledger_root=tmp_path, progress=False)
     for a, b in zip(two_eager, two):
         assert a["gate_failure"] is None and b["gate_failure"] is None
         assert key_paths(a) == key_paths(b) and b["prefix"] == a["prefix"] and "prefill_vs_incremental" in b["boundary"]
@@ -98,11 +96,11 @@ def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tin
 def test_batched_arm_resumes_to_identical_bytes_with_other_chunks(tmp_path, tiny_arm):
     problems = _problems(5)
     settings = tiny_arm(step_path="engine-eager", batch=2)
-    first, ledger = run_live_vs_prefill(problems, settings, ledger_root=tmp_path, progress=False)
+    first, ledger = EXP1.run(settings, problems, ledger_root=tmp_path, progress=False)
     full = ledger.rows_path.read_bytes()
     lines = full.splitlines(keepends=True)
     ledger.rows_path.write_bytes(b"".join(lines[:3]) + lines[3][:25])  # a cut mid-write: chunks now {3, 4}, not {2, 3}, {4}
-    again, ledger2 = run_live_vs_prefill(problems, settings, ledger_root=tmp_path, progress=False)
+    again, ledger2 = EXP1.run(settings, problems, ledger_root=tmp_path, progress=False)
     assert ledger2.dir == ledger.dir and ledger2.rows_path.read_bytes() == full
     assert again == first
 
@@ -110,17 +108,17 @@ def test_batched_arm_resumes_to_identical_bytes_with_other_chunks(tmp_path, tiny
 def test_chunk_deadline_stops_at_a_chunk_boundary_and_the_arm_resumes_to_identical_bytes(tmp_path, tiny_arm, monkeypatch):
     problems = _problems(5)
     settings = tiny_arm(step_path="engine-eager", batch=2)
-    _, whole = run_live_vs_prefill(problems, settings, ledger_root=tmp_path / "whole", progress=False)
+    _, whole = EXP1.run(settings, problems, ledger_root=tmp_path / "whole", progress=False)
     monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time():.3f}")  # now: only the first chunk, which always starts
     with pytest.raises(ChunkDeadline, match="p-02"):
-        run_live_vs_prefill(problems, settings, ledger_root=tmp_path, progress=False)
+        EXP1.run(settings, problems, ledger_root=tmp_path, progress=False)
     (folder,) = (tmp_path / "t").iterdir()
     assert (folder / "rows.jsonl").read_bytes().count(b"\n") == 2  # the first chunk (always started) is in the ledger
     events = [json.loads(x) for x in (folder / "runlog.jsonl").read_text().splitlines()]
     (gates,) = [e["checks"] for e in events if e["event"] == "gates"]  # logged when they passed, not at the arm's end
     assert [c["gate"] for c in gates] == ["composition"] and gates[0]["problem_id"] == "p-00"
     monkeypatch.delenv(CHUNK_DEADLINE_ENV)
-    _, ledger = run_live_vs_prefill(problems, settings, ledger_root=tmp_path, progress=False)
+    _, ledger = EXP1.run(settings, problems, ledger_root=tmp_path, progress=False)
     assert ledger.dir == folder and ledger.rows_path.read_bytes() == whole.rows_path.read_bytes()
     # the resumed run (a new process on a device: a new graph capture) passed the gate again before appending, on
     # the committed row with the shortest line, recomputed alone and equal to its committed line
@@ -138,7 +136,7 @@ def test_a_resumed_arm_whose_bits_moved_stops_before_appending(tmp_path, tiny_ar
     settings = tiny_arm(step_path="engine-eager", batch=2)
     monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time():.3f}")
     with pytest.raises(ChunkDeadline):
-        run_live_vs_prefill(problems, settings, ledger_root=tmp_path, progress=False)
+        EXP1.run(settings, problems, ledger_root=tmp_path, progress=False)
     monkeypatch.delenv(CHUNK_DEADLINE_ENV)
     (folder,) = (tmp_path / "t").iterdir()
     before = (folder / "rows.jsonl").read_bytes()
@@ -151,7 +149,7 @@ def test_a_resumed_arm_whose_bits_moved_stops_before_appending(tmp_path, tiny_ar
 
     monkeypatch.setattr(engine.StepEngine, "_compute", moved)
     with pytest.raises(GateError, match="composition") as err:
-        run_live_vs_prefill(problems, settings, ledger_root=tmp_path, progress=False)
+        EXP1.run(settings, problems, ledger_root=tmp_path, progress=False)
     assert "committed record" in err.value.reason and "B=2" in err.value.reason
     assert (folder / "rows.jsonl").read_bytes() == before  # nothing appended
 
@@ -159,10 +157,8 @@ def test_a_resumed_arm_whose_bits_moved_stops_before_appending(tmp_path, tiny_ar
 def test_chunks_larger_than_the_batch_refill_slots_and_write_the_same_ledger(tmp_path, tiny_arm):
     """More problems per chunk than slots (a finished problem's slot takes the next): same key, same bytes."""
     problems = _problems(5)
-    _, by_batch = run_live_vs_prefill(problems, tiny_arm(step_path="engine-eager", batch=2), ledger_root=tmp_path / "b",
-                                  progress=False)
-    _, by_chunk = run_live_vs_prefill(problems, tiny_arm(step_path="engine-eager", batch=2, chunk=5),
-                                  ledger_root=tmp_path / "c", progress=False)
+    _, by_batch = EXP1.run(tiny_arm(step_path="engine-eager", batch=2), problems, ledger_root=tmp_path / "b", progress=False)
+    _, by_chunk = EXP1.run(tiny_arm(step_path="engine-eager", batch=2, chunk=5), problems, ledger_root=tmp_path / "c", progress=False)
     assert by_chunk.dir.name == by_batch.dir.name
     assert by_chunk.rows_path.read_bytes() == by_batch.rows_path.read_bytes()
     engine_events = [json.loads(x) for x in (by_chunk.dir / "runlog.jsonl").read_text().splitlines()
@@ -180,11 +176,12 @@ def test_a_row_that_does_not_fit_its_schema_is_not_appended(tmp_path, tiny_arm, 
     clean = exp1.live_vs_prefill_row
     monkeypatch.setattr(exp1, "live_vs_prefill_row", lambda spec, p: clean(spec, p) | ({"note": "planted"} if p.problem_id == "p-01" else {}))
     with pytest.raises(RowSchemaError, match=r"p-01.*note"):
-        run_live_vs_prefill(_problems(3), tiny_arm(), ledger_root=tmp_path, progress=False)
+        EXP1.run(tiny_arm(), _problems(3), ledger_root=tmp_path, progress=False)
     (folder,) = (tmp_path / "t").iterdir()
     assert (folder / "rows.jsonl").read_bytes().count(b"\n") == 1  # p-00 stays; p-01 was never written
 
 
+@pytest.mark.gate("composition")
 def test_composition_gate_aborts_on_a_companion_dependent_fault(tmp_path, tiny_arm, monkeypatch):
     clean = engine.StepEngine._compute
 
@@ -195,7 +192,7 @@ def test_composition_gate_aborts_on_a_companion_dependent_fault(tmp_path, tiny_a
 
     monkeypatch.setattr(engine.StepEngine, "_compute", leaky)
     with pytest.raises(GateError, match="composition") as err:
-        run_live_vs_prefill(_problems(4), tiny_arm(step_path="engine-eager", batch=2), ledger_root=tmp_path, progress=False)
+        EXP1.run(tiny_arm(step_path="engine-eager", batch=2), _problems(4), ledger_root=tmp_path, progress=False)
     assert "p-00" in err.value.reason and "B=2" in err.value.reason
     assert not any(f.read_bytes() for f in (tmp_path / "t").glob("*/rows.jsonl"))  # nothing was appended
 
@@ -260,7 +257,7 @@ def test_step_path_and_batch_shape_join_the_key_and_defaults_add_nothing(tmp_pat
         run_arm("exp3", tiny_arm(step_path="engine-eager"), problems, lambda s, p: bridge_row(s, p, []),
                 ledger_root=tmp_path, progress=False)
     with pytest.raises(ValueError, match="shorter than"):
-        run_live_vs_prefill(problems, tiny_arm(step_path="engine-eager", max_len=40), ledger_root=tmp_path, progress=False)
+        EXP1.run(tiny_arm(step_path="engine-eager", max_len=40), problems, ledger_root=tmp_path, progress=False)
     assert not (tmp_path / "t").exists()
 
 
@@ -269,22 +266,24 @@ def lives():
     lm = tiny_lm("qwen2", torch.bfloat16)
     fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
     prompts = [fmt.prompt_ids("Q" + "ab"[i % 2] * (4 * i) + "?", ("x", "y", f"z{i}", "w")) for i in range(4)]
-    return lm, fmt, prompts, engine.decode_lives(lm, fmt, prompts, TINY_CAPS, batch=3, max_len=200)
+    return lm, fmt, prompts, engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=engine.EngineRun(batch=3, max_len=200))
 
 
 def test_bridge_under_the_engine_incremental_equals_live_bit_for_bit(lives):
     lm, fmt, prompts, live = lives
     prefixes = [b.ids for b in live]
     # same batch shape, other slots and companions (reversed order)
-    inc = engine.build_incrementals(lm, fmt, prefixes[::-1], batch=3, max_len=200)[::-1]
+    inc = engine.build_incrementals(lm, fmt, prefixes[::-1], run=engine.EngineRun(batch=3, max_len=200))[::-1]
     for a, b in zip(live, inc):
         assert b.construction == "incremental" and a.ids == b.ids and a.schedule == b.schedule
         assert torch.equal(a.roles, b.roles) and torch.equal(a.positions, b.positions)
         gates.check_exact("engine live vs engine incremental", caches.boundary_tensors(a), caches.boundary_tensors(b))
     with pytest.raises(Exception, match="boundary"):
-        engine.build_incrementals(lm, fmt, [prefixes[0][:-1]], batch=3, max_len=200)
+        engine.build_incrementals(lm, fmt, [prefixes[0][:-1]], run=engine.EngineRun(batch=3, max_len=200))
 
 
+@pytest.mark.gate("graph_equals_eager")
+@pytest.mark.gate("functional_state")
 def test_per_step_eager_check_and_valid_length_gate_catch_planted_faults(lives, monkeypatch):
     lm, fmt, prompts, live = lives
     eng = engine.StepEngine(lm, fmt, batch=2, max_len=200, verify_steps=3)
@@ -313,7 +312,7 @@ def test_per_step_eager_check_and_valid_length_gate_catch_planted_faults(lives, 
 
     monkeypatch.setattr(engine.StepEngine, "_compute", flaky)
     with pytest.raises(GateError, match="graph_equals_eager"):
-        engine.decode_suffixes(lm, fmt, live[:2], TINY_CAPS, batch=2, max_len=200, verify_steps=2)
+        engine.decode_suffixes(lm, fmt, live[:2], TINY_CAPS, run=engine.EngineRun(batch=2, max_len=200, verify_steps=2))
 
 
 def test_verify_recomputes_a_batched_row_alone_at_the_arm_batch_shape(tmp_path, tiny_arm):
@@ -322,7 +321,7 @@ def test_verify_recomputes_a_batched_row_alone_at_the_arm_batch_shape(tmp_path, 
     from kvreplay.verify import verify_ledger
 
     problems = _problems(4)
-    _, ledger = run_live_vs_prefill(problems, tiny_arm(step_path="engine-eager", batch=3), ledger_root=tmp_path, progress=False)
+    _, ledger = EXP1.run(tiny_arm(step_path="engine-eager", batch=3), problems, ledger_root=tmp_path, progress=False)
     model = str(tmp_path / "tiny-llama")
     checks = verify_ledger(ledger.dir, rows=4, pick="first", problems=problems, model=model)
     assert [(c.problem_id, c.mode, c.ok) for c in checks] == [(p.problem_id, "bytes", True) for p in problems]
@@ -400,10 +399,8 @@ def test_a_grouped_attention_arm_passes_every_gate_and_verifies_byte_for_byte(tm
     from kvreplay.verify import verify_ledger
 
     problems = _problems(4)
-    sdpa, ledger_s = run_live_vs_prefill(problems, tiny_arm(step_path="engine-eager", batch=2), ledger_root=tmp_path,
-                                         progress=False)
-    grouped, ledger_g = run_live_vs_prefill(problems, tiny_arm(step_path="engine-eager", batch=2, attention="grouped"),
-                                            ledger_root=tmp_path, progress=False)
+    sdpa, ledger_s = EXP1.run(tiny_arm(step_path="engine-eager", batch=2), problems, ledger_root=tmp_path, progress=False)
+    grouped, ledger_g = EXP1.run(tiny_arm(step_path="engine-eager", batch=2, attention="grouped"), problems, ledger_root=tmp_path, progress=False)
     assert ledger_g.dir != ledger_s.dir
     assert all(r["gate_failure"] is None for r in grouped)
     assert [r["prefix"] for r in grouped] == [r["prefix"] for r in sdpa]  # FP32 tiny model: same tokens
@@ -424,21 +421,21 @@ def test_a_read_only_run_reads_finished_ledgers_and_refuses_to_compute(tmp_path,
     from kvreplay.runner import READ_ONLY_ENV, ReadOnlyLedgerError
 
     problems = _problems(3)
-    rows, ledger = run_live_vs_prefill(problems, tiny_arm(), ledger_root=tmp_path, progress=False)
+    rows, ledger = EXP1.run(tiny_arm(), problems, ledger_root=tmp_path, progress=False)
     monkeypatch.setenv(READ_ONLY_ENV, "1")
     loads = []
     monkeypatch.setattr(ArmSettings, "load", lambda self: loads.append(self) or pytest.fail("model loaded"))
-    again, same = run_live_vs_prefill(problems, tiny_arm(), ledger_root=tmp_path, progress=False)
+    again, same = EXP1.run(tiny_arm(), problems, ledger_root=tmp_path, progress=False)
     assert again == rows and same.dir == ledger.dir
     folders = sorted(p.name for p in (tmp_path / "t").iterdir())
     with pytest.raises(ReadOnlyLedgerError, match=r"4 of 4 rows of this arm are not in any ledger") as e:
-        run_live_vs_prefill(_problems(4), tiny_arm(), ledger_root=tmp_path, progress=False)  # another key
+        EXP1.run(tiny_arm(), _problems(4), ledger_root=tmp_path, progress=False)  # another key
     assert f"other folders of this arm: {ledger.dir.name} (3 of 3 rows)" in str(e.value) and e.value.todo == 4
     with pytest.raises(ReadOnlyLedgerError, match="changed a ledger key or a panel"):
-        run_live_vs_prefill(problems, tiny_arm(preflight=2), ledger_root=tmp_path, progress=False)
+        EXP1.run(tiny_arm(preflight=2), problems, ledger_root=tmp_path, progress=False)
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == folders and loads == []
     text = (ledger.dir / "rows.jsonl").read_text()
     (ledger.dir / "rows.jsonl").write_text("".join(text.splitlines(keepends=True)[:2]))  # an unfinished arm
     with pytest.raises(ReadOnlyLedgerError, match=r"1 of 3 rows .* no other folder of this arm") as e:
-        run_live_vs_prefill(problems, tiny_arm(), ledger_root=tmp_path, progress=False)
+        EXP1.run(tiny_arm(), problems, ledger_root=tmp_path, progress=False)
     assert e.value.path == ledger.dir and loads == []

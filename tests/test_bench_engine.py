@@ -71,7 +71,7 @@ def test_forced_lengths_on_both_sides_and_the_saved_boundaries_are_reused(tiny, 
 
     lm, fmt, _, prefixes = tiny
     states = [decode.build_prefill(lm, fmt, z) for z in prefixes[:2]]
-    tokens, counted = engine.decode_forced(lm, fmt, states, 5, batch=2, attention="flex")
+    tokens, counted = engine.decode_forced(lm, fmt, states, 5, run=engine.EngineRun(batch=2, attention="flex"))
     assert [len(t) for t in tokens] == [5, 5] and counted == {"steps": 4, "busy_slot_steps": 8, "batch": 2}
     run = bench._hf_generate(lm, prefixes[:2], "dynamic", 5)
     out = run(5)

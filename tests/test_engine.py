@@ -52,7 +52,7 @@ def test_batch1_suffix_tokens_equal_decode_suffix(arch):
     lm, fmt, prompts, lives = _setup(arch)
     states = [*lives[:3], decode.build_incremental(lm, fmt, lives[3].ids), decode.build_prefill(lm, fmt, lives[4].ids)]
     before = [[t.clone() for _, t in gates.cache_tensors(s.cache)] for s in states]
-    got = engine.decode_suffixes(lm, fmt, states, TINY_CAPS, batch=1)
+    got = engine.decode_suffixes(lm, fmt, states, TINY_CAPS, run=engine.EngineRun(batch=1))
     want = [decode.decode_suffix(lm, fmt, s, TINY_CAPS) for s in _replicas(states)]
     for g, w in zip(got, want):
         assert g.tokens == w.tokens and g.merge == w.merge and g.answer == w.answer
@@ -66,14 +66,14 @@ def test_batch1_suffix_tokens_equal_decode_suffix(arch):
 
 def test_batch1_with_role_table_equals_decode_suffix():
     lm, fmt, _, lives = _setup("llama", role_table=True)
-    got = engine.decode_suffixes(lm, fmt, lives[:2], TINY_CAPS, batch=1)
+    got = engine.decode_suffixes(lm, fmt, lives[:2], TINY_CAPS, run=engine.EngineRun(batch=1))
     want = [decode.decode_suffix(lm, fmt, s, TINY_CAPS) for s in _replicas(lives[:2])]
     assert [g.tokens for g in got] == [w.tokens for w in want]
 
 
 def test_batch1_live_equals_decode_live(arch):
     lm, fmt, prompts, lives = _setup(arch)
-    got = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, batch=1)
+    got = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, run=engine.EngineRun(batch=1))
     for g, w in zip(got, lives):
         assert g.ids == w.ids and g.schedule == w.schedule
         assert torch.equal(g.roles, w.roles) and torch.equal(g.positions, w.positions)
@@ -90,11 +90,11 @@ def test_batch1_live_equals_decode_live(arch):
 def test_companions_and_slot_leave_a_problem_bit_identical(arch, dtype):
     lm, fmt, prompts, lives = _setup(arch, dtype)
     x = lives[0]
-    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, batch=3, max_len=MAX_SUFFIX)
-    b = engine.decode_suffixes(lm, fmt, [lives[5], lives[4], x], TINY_CAPS, batch=3, max_len=MAX_SUFFIX)
+    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, run=engine.EngineRun(batch=3, max_len=MAX_SUFFIX))
+    b = engine.decode_suffixes(lm, fmt, [lives[5], lives[4], x], TINY_CAPS, run=engine.EngineRun(batch=3, max_len=MAX_SUFFIX))
     assert _same_suffix(a[0], b[2])  # slot 0 with companions 1, 2 == slot 2 with companions 5, 4
-    la = engine.decode_lives(lm, fmt, [prompts[0], prompts[1], prompts[2]], TINY_CAPS, batch=3, max_len=MAX_LIVE)
-    lb = engine.decode_lives(lm, fmt, [prompts[5], prompts[4], prompts[0]], TINY_CAPS, batch=3, max_len=MAX_LIVE)
+    la = engine.decode_lives(lm, fmt, [prompts[0], prompts[1], prompts[2]], TINY_CAPS, run=engine.EngineRun(batch=3, max_len=MAX_LIVE))
+    lb = engine.decode_lives(lm, fmt, [prompts[5], prompts[4], prompts[0]], TINY_CAPS, run=engine.EngineRun(batch=3, max_len=MAX_LIVE))
     assert la[0].ids == lb[2].ids
     gates.check_exact("slot 0 vs slot 2", caches.boundary_tensors(la[0]), caches.boundary_tensors(lb[2]))
 
@@ -103,17 +103,17 @@ def test_slot_reuse_and_per_row_positions_equal_one_problem_runs():
     lm, fmt, prompts, lives = _setup("llama")
     assert len({len(p) for p in prompts}) == len(prompts)  # every row of a batch is at its own position
     calls = lm.calls
-    many = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, batch=2, max_len=MAX_SUFFIX)  # 6 problems, 2 slots
+    many = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=engine.EngineRun(batch=2, max_len=MAX_SUFFIX))  # 6 problems, 2 slots
     steps = lm.calls - calls
-    alone = [engine.decode_suffixes(lm, fmt, [s], TINY_CAPS, batch=2, max_len=MAX_SUFFIX)[0] for s in lives]
+    alone = [engine.decode_suffixes(lm, fmt, [s], TINY_CAPS, run=engine.EngineRun(batch=2, max_len=MAX_SUFFIX))[0] for s in lives]
     assert all(_same_suffix(m, o) for m, o in zip(many, alone))
     assert steps < sum(len(s.tokens) for s in many)  # problems shared steps
-    again = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, batch=2, max_len=MAX_SUFFIX)
+    again = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=engine.EngineRun(batch=2, max_len=MAX_SUFFIX))
     assert all(_same_suffix(m, g) for m, g in zip(many, again))  # deterministic
-    live_many = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, batch=2, max_len=MAX_LIVE)
+    live_many = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=engine.EngineRun(batch=2, max_len=MAX_LIVE))
     assert len({len(b.ids) for b in live_many}) > 1
     for p, m in zip(prompts, live_many):
-        one = engine.decode_lives(lm, fmt, [p], TINY_CAPS, batch=2, max_len=MAX_LIVE)[0]
+        one = engine.decode_lives(lm, fmt, [p], TINY_CAPS, run=engine.EngineRun(batch=2, max_len=MAX_LIVE))[0]
         assert m.ids == one.ids
         gates.check_exact("reused slot vs alone", caches.boundary_tensors(m), caches.boundary_tensors(one))
 
@@ -135,9 +135,11 @@ def test_step_writes_each_row_at_its_own_position():
     assert eng.roles[0, lengths[0] + 1] == PROMPT  # zero padding
 
 
+@pytest.mark.gate("desync")
+@pytest.mark.gate("nonfinite")
 def test_planted_faults_are_caught_and_stay_in_their_row():
     lm, fmt, _, lives = _setup("llama")
-    clean = engine.decode_suffixes(lm, fmt, [lives[3], lives[0]], TINY_CAPS, batch=2, max_len=MAX_SUFFIX)
+    clean = engine.decode_suffixes(lm, fmt, [lives[3], lives[0]], TINY_CAPS, run=engine.EngineRun(batch=2, max_len=MAX_SUFFIX))
     desync = caches.clone_boundary(lives[1], "desync")
     nonfinite = caches.clone_boundary(lives[5], "nonfinite")
     bad_logits = caches.clone_boundary(lives[2], "inf-logits")
@@ -147,10 +149,9 @@ def test_planted_faults_are_caught_and_stay_in_their_row():
         nonfinite.cache.layers[0].values[:, :, 3] = float("nan")
         bad_logits.logits[:, 7] = float("inf")
     with pytest.raises(GateError, match="desync") as err:
-        engine.decode_suffixes(lm, fmt, [lives[0], desync], TINY_CAPS, batch=2, max_len=MAX_SUFFIX)
+        engine.decode_suffixes(lm, fmt, [lives[0], desync], TINY_CAPS, run=engine.EngineRun(batch=2, max_len=MAX_SUFFIX))
     assert err.value.gate == "desync" and "problem 1" in err.value.reason
-    got = engine.decode_suffixes(lm, fmt, [lives[3], desync, nonfinite, lives[0]], TINY_CAPS, batch=2,
-                                 max_len=MAX_SUFFIX, on_gate_error="return")
+    got = engine.decode_suffixes(lm, fmt, [lives[3], desync, nonfinite, lives[0]], TINY_CAPS, run=engine.EngineRun(batch=2, max_len=MAX_SUFFIX), on_gate_error="return")
     assert isinstance(got[1], GateError) and got[1].gate == "desync"
     assert isinstance(got[2], GateError) and got[2].gate == "nonfinite"
     # the companion is unaffected, and the slot the NaN problem left (NaN beyond position 146) is cleared
@@ -158,19 +159,19 @@ def test_planted_faults_are_caught_and_stay_in_their_row():
     assert len(lives[0].ids) < len(lives[5].ids)
     assert _same_suffix(got[0], clean[0]) and _same_suffix(got[3], clean[1])
     with pytest.raises(GateError, match="nonfinite"):
-        engine.decode_suffixes(lm, fmt, [bad_logits], TINY_CAPS, batch=1)
+        engine.decode_suffixes(lm, fmt, [bad_logits], TINY_CAPS, run=engine.EngineRun(batch=1))
 
 
 def test_bad_arguments_are_refused():
     lm, fmt, _, lives = _setup("llama")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, step_path="graph")
+        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, run=engine.EngineRun(step_path="graph", batch=1))
     with pytest.raises(ValueError, match="unknown step path"):
-        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, step_path="compiled")
+        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, run=engine.EngineRun(step_path="compiled", batch=1))
     with pytest.raises(ValueError, match="max_len"):
-        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, max_len=len(lives[0].ids) + 3)
+        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, run=engine.EngineRun(batch=1, max_len=len(lives[0].ids) + 3))
     with pytest.raises(ValueError, match="on_gate_error"):
-        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, on_gate_error="ignore")
+        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, run=engine.EngineRun(batch=1), on_gate_error="ignore")
     assert engine.decode_suffixes(lm, fmt, [], TINY_CAPS) == []
 
 
@@ -248,9 +249,9 @@ def test_grouped_step_chooses_the_decoders_tokens_and_restores_the_model(arch):
     AttentionInterface.register(attention._GROUPED, counted)  # the registered function, restored below
     lm, fmt, prompts, lives = _setup(arch)
     try:
-        engine.decode_suffixes(lm, fmt, lives[:2], TINY_CAPS, batch=2)
+        engine.decode_suffixes(lm, fmt, lives[:2], TINY_CAPS, run=engine.EngineRun(batch=2))
         assert calls == []  # the sdpa step never calls it
-        got = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, batch=2, attention="grouped")
+        got = engine.decode_suffixes(lm, fmt, lives[:3], TINY_CAPS, run=engine.EngineRun(batch=2, attention="grouped"))
     finally:
         AttentionInterface.register(attention._GROUPED, attention.grouped_attention)
     layers = lm.model.config.num_hidden_layers
@@ -258,23 +259,23 @@ def test_grouped_step_chooses_the_decoders_tokens_and_restores_the_model(arch):
     want = [decode.decode_suffix(lm, fmt, s, TINY_CAPS) for s in _replicas(lives[:3])]
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert lm.model.config._attn_implementation == "sdpa"  # the switch is undone after every step
-    live = engine.decode_lives(lm, fmt, prompts[:2], TINY_CAPS, batch=2, attention="grouped")
+    live = engine.decode_lives(lm, fmt, prompts[:2], TINY_CAPS, run=engine.EngineRun(batch=2, attention="grouped"))
     assert [b.ids for b in live] == [b.ids for b in lives[:2]]
     with pytest.raises(ValueError, match="unknown attention"):
-        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, batch=1, attention="flash")
+        engine.decode_suffixes(lm, fmt, lives[:1], TINY_CAPS, run=engine.EngineRun(batch=1, attention="flash"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_step_keeps_companions_slots_and_the_bridge_bit_exact(dtype):
     lm, fmt, prompts, lives = _setup("llama", dtype)
-    run = dict(batch=3, max_len=MAX_SUFFIX, attention="grouped")
+    run = engine.EngineRun(batch=3, max_len=MAX_SUFFIX, attention="grouped")
     x = lives[0]
-    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, **run)
-    b = engine.decode_suffixes(lm, fmt, [lives[5], lives[4], x], TINY_CAPS, **run)
+    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, run=run)
+    b = engine.decode_suffixes(lm, fmt, [lives[5], lives[4], x], TINY_CAPS, run=run)
     assert _same_suffix(a[0], b[2])
     # the bridge under the grouped step: an engine-live boundary and the teacher-forced rebuild of its prefix
-    live = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, batch=3, max_len=MAX_LIVE, attention="grouped")
-    inc = engine.build_incrementals(lm, fmt, [b.ids for b in live], batch=3, max_len=MAX_LIVE, attention="grouped")
+    live = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, run=engine.EngineRun(batch=3, max_len=MAX_LIVE, attention="grouped"))
+    inc = engine.build_incrementals(lm, fmt, [b.ids for b in live], run=engine.EngineRun(batch=3, max_len=MAX_LIVE, attention="grouped"))
     for l_, i in zip(live, inc):
         gates.check_exact("live vs incremental (grouped)", caches.boundary_tensors(l_), caches.boundary_tensors(i))
         assert torch.equal(l_.logits, i.logits)

@@ -119,7 +119,9 @@ def _wrong_dtype(state, recipient, donor, prov):
     state.cache.layers[1].values = state.cache.layers[1].values.to(torch.float32)
 
 
-@pytest.mark.parametrize("fault, gate", [(_alias, "storage"), (_wrong_layer, "provenance"), (_wrong_dtype, "dtype")])
+@pytest.mark.parametrize("fault, gate", [pytest.param(_alias, "storage", marks=pytest.mark.gate("storage")),
+                                         pytest.param(_wrong_layer, "provenance", marks=pytest.mark.gate("provenance")),
+                                         pytest.param(_wrong_dtype, "dtype", marks=pytest.mark.gate("dtype"))])
 def test_faulty_transplant_is_caught(tiny_format, fault, gate):
     from kvreplay.experiments.transplant import transplant_row
 
@@ -221,13 +223,13 @@ def short_context_arm(tmp_path):
 
 def test_run_arm_refuses_a_too_long_problem_before_any_ledger_exists(tmp_path, short_context_arm):
     from kvreplay.contract import ContractError
-    from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
+    from kvreplay.experiments.live_vs_prefill import EXP1
     from kvreplay.problems import Problem
 
     long = Problem("long-1", "test", 3, " ".join(["word"] * 400) + "?", ("x", "y"), "A")
     with pytest.raises(ContractError, match=r"problem long-1 \(test line 3\): its full sequence can need \d+ positions"
                                             r".*only 256 \(max_position_embeddings\)"):
-        run_live_vs_prefill(tiny_problems(2) + [long], short_context_arm(), ledger_root=tmp_path / "ledgers", progress=False)
+        EXP1.run(short_context_arm(), tiny_problems(2) + [long], ledger_root=tmp_path / "ledgers", progress=False)
     assert not (tmp_path / "ledgers").exists()
 
 
@@ -285,15 +287,6 @@ def test_a_row_that_fails_only_the_transplant_precondition_is_named_and_left_out
     assert t5["panel rows (order statistics of prefix length)"].startswith(f"{n} ")
     assert t5["all gates pass (replicas, state, storage, argmax, provenance)"] == f"{n - 1}/{n}"
     assert t5["divergence over the whole panel, the rows left out counted as not / as divergent"].startswith(f"{d}/{n} ")
-
-
-def test_verify_knows_an_experiment4_rows_sweep_from_the_ledger_key_also_without_interventions():
-    from kvreplay.verify import _sweep
-
-    stopped = {"problem_id": "b", "gate_failure": {"gate": "argmax", "reason": "..."}}
-    assert _sweep({"sweep": ["b"]}, stopped) and not _sweep({"sweep": ["a"]}, stopped)
-    assert _sweep({}, {"problem_id": "a", "interventions": {"whole": {}, "layer_03": {}}})
-    assert not _sweep({}, stopped)
 
 
 def test_a_panel_without_ineligible_rows_keeps_its_table():

@@ -16,6 +16,8 @@ checked here against torch's own uncompiled ``flex_attention`` bit for bit); the
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -163,6 +165,7 @@ def test_tolerance_gate_passes_on_a_real_boundary_and_records_every_layer(attent
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.gate("attention_tolerance")
 def test_tolerance_gate_catches_a_mask_that_ignores_roles(dtype):
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -184,15 +187,15 @@ def test_tolerance_gate_catches_a_mask_that_ignores_roles(dtype):
 # ------------------------------------------------------------------------------------ flex in the engine
 def test_flex_suffixes_keep_slots_companions_idle_slots_and_refills_bit_exact():
     lm, fmt, _, lives = _setup(torch.bfloat16)
-    run = dict(max_len=MAX_LEN, attention="flex")
+    run = engine.EngineRun(max_len=MAX_LEN, attention="flex")
     x = lives[0]
-    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, batch=3, **run)
-    b = engine.decode_suffixes(lm, fmt, [lives[5], lives[4], x], TINY_CAPS, batch=3, **run)
-    alone = engine.decode_suffixes(lm, fmt, [x], TINY_CAPS, batch=3, fill_from="last", **run)  # two idle slots
+    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, run=dataclasses.replace(run, batch=3))
+    b = engine.decode_suffixes(lm, fmt, [lives[5], lives[4], x], TINY_CAPS, run=dataclasses.replace(run, batch=3))
+    alone = engine.decode_suffixes(lm, fmt, [x], TINY_CAPS, run=dataclasses.replace(run, batch=3, fill_from="last"))  # two idle slots
     assert _same(a[0], b[2]) and _same(a[0], alone[0])
-    refill = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, batch=3, **run)  # 6 problems through 3 slots
+    refill = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=dataclasses.replace(run, batch=3))  # 6 problems through 3 slots
     assert _same(refill[0], a[0]) and _same(refill[5], b[0]) and _same(refill[4], b[1])
-    again = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, batch=3, **run)
+    again = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=dataclasses.replace(run, batch=3))
     assert all(_same(p, q) for p, q in zip(refill, again))  # run to run
     want = [decode.decode_suffix(lm, fmt, caches.live_replica(s), TINY_CAPS) for s in lives[:3]]
     assert sum(w.tokens == g.tokens for w, g in zip(want, a)) >= 2  # BF16: another attention may part late
@@ -200,25 +203,24 @@ def test_flex_suffixes_keep_slots_companions_idle_slots_and_refills_bit_exact():
 
 def test_flex_chooses_the_reference_decoders_tokens_in_fp32():
     lm, fmt, prompts, lives = _setup(torch.float32)
-    got = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, batch=2, max_len=MAX_LEN, attention="flex")
+    got = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=engine.EngineRun(batch=2, max_len=MAX_LEN, attention="flex"))
     want = [decode.decode_suffix(lm, fmt, caches.live_replica(s), TINY_CAPS) for s in lives]
     assert [g.tokens for g in got] == [w.tokens for w in want]
-    live = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, batch=2, max_len=MAX_LEN, attention="flex")
+    live = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=engine.EngineRun(batch=2, max_len=MAX_LEN, attention="flex"))
     assert [b.ids for b in live] == [b.ids for b in lives]
 
 
 def test_flex_bridge_incremental_rebuilt_equals_engine_live_bit_for_bit():
     lm, fmt, prompts, _ = _setup(torch.bfloat16)
-    live = engine.decode_lives(lm, fmt, prompts[:4], TINY_CAPS, batch=3, max_len=MAX_LEN, attention="flex")
-    inc = engine.build_incrementals(lm, fmt, [b.ids for b in live][::-1], batch=3, max_len=MAX_LEN,
-                                    attention="flex")[::-1]
+    live = engine.decode_lives(lm, fmt, prompts[:4], TINY_CAPS, run=engine.EngineRun(batch=3, max_len=MAX_LEN, attention="flex"))
+    inc = engine.build_incrementals(lm, fmt, [b.ids for b in live][::-1], run=engine.EngineRun(batch=3, max_len=MAX_LEN, attention="flex"))[::-1]
     for a, b in zip(live, inc):
         assert a.ids == b.ids and torch.equal(a.logits, b.logits)
         gates.check_exact("live vs incremental (flex)", caches.boundary_tensors(a), caches.boundary_tensors(b))
-    default = engine.decode_lives(lm, fmt, prompts[:1], TINY_CAPS, batch=1, attention="flex")  # max_len rounded up
+    default = engine.decode_lives(lm, fmt, prompts[:1], TINY_CAPS, run=engine.EngineRun(batch=1, attention="flex"))  # max_len rounded up
     assert default[0].ids == live[0].ids
     with pytest.raises(ValueError, match="multiple of 128"):
-        engine.decode_lives(lm, fmt, prompts[:1], TINY_CAPS, batch=1, attention="flex", max_len=200)
+        engine.decode_lives(lm, fmt, prompts[:1], TINY_CAPS, run=engine.EngineRun(batch=1, max_len=200, attention="flex"))
 
 
 # ---------------------------------------------------------------------- one engine for boundaries and suffixes
@@ -258,8 +260,7 @@ def test_the_order_boundaries_and_suffixes_take_the_slots_changes_no_bit():
         def done(i, suffixes, out=out):
             out[i] += [(s.tokens, s.margins) for s in suffixes]
 
-        stats = engine.decode_chains(lm, fmt, TINY_CAPS, "live", prompts, keep, done, batch=2, max_len=MAX_LEN,
-                                     hold=hold)
+        stats = engine.decode_chains(lm, fmt, TINY_CAPS, "live", prompts, keep, done, run=engine.EngineRun(batch=2, max_len=MAX_LEN), hold=hold)
         got[hold] = (out, stats["busy_slot_steps"])
     assert got[0] == got[3] == got[100]  # the same work, the same bits, whatever the order
 

@@ -60,7 +60,11 @@ def _replica_value(states):
 
 @pytest.mark.parametrize(
     "fault, gate",
-    [(_alias, "storage"), (_desync, "desync"), (_roles, "functional_state"), (_dtype, "dtype"), (_replica_value, "replica")],
+    [pytest.param(_alias, "storage", marks=pytest.mark.gate("storage")),
+     pytest.param(_desync, "desync", marks=pytest.mark.gate("desync")),
+     pytest.param(_roles, "functional_state", marks=pytest.mark.gate("functional_state")),
+     pytest.param(_dtype, "dtype", marks=pytest.mark.gate("dtype")),
+     pytest.param(_replica_value, "replica", marks=pytest.mark.gate("replica"))],
 )
 def test_planted_fault_is_caught(spec_factory, fault, gate):
     rec = live_vs_prefill_row(spec_factory(fault), tiny_problems(1)[0])
@@ -69,6 +73,7 @@ def test_planted_fault_is_caught(spec_factory, fault, gate):
     assert "arms" not in rec  # no endpoints from a failed row
 
 
+@pytest.mark.gate("desync")
 def test_desync_during_decode_fails_closed(spec_factory):
     """A duplicate row that drifts inside the decoder (as cuDNN SDPA did on an H200) stops the row."""
     spec = spec_factory()
@@ -108,6 +113,8 @@ def test_live_replica_is_deep_and_exact(spec_factory):
         assert x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
 
 
+@pytest.mark.gate("preflight")
+@pytest.mark.gate("report")
 def test_preflight_failure_aborts_and_full_run_failure_is_recorded(spec_factory, tmp_path):
     problems = tiny_problems(3)
     bad = problems[1].problem_id

@@ -151,6 +151,7 @@ def test_clean_rows_record_rounding_sized_float32_drift(tiny_format):
     assert other["equivalence"] is None
 
 
+@pytest.mark.gate("equivalence")
 def test_a_construction_fault_fails_closed_in_either_precision(tiny_format, prefill_sees_shifted_positions):
     p = tiny_problems(1)[0]
     lm = tiny_lm("llama")
@@ -168,7 +169,7 @@ def test_a_construction_fault_fails_closed_in_either_precision(tiny_format, pref
 
 def test_preflight_rows_carry_the_equivalence_gate_through_the_runner(tmp_path, monkeypatch, prefill_sees_shifted_positions):
     from kvreplay.runner import spec as runner  # ArmSettings.config looks model_key up there
-    from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
+    from kvreplay.experiments.live_vs_prefill import EXP1
     from kvreplay.runner import ArmSettings
 
     lm = tiny_lm("llama", torch.bfloat16)
@@ -177,7 +178,7 @@ def test_preflight_rows_carry_the_equivalence_gate_through_the_runner(tmp_path, 
     monkeypatch.setattr(ArmSettings, "config", lambda self, name, problems: {"experiment": name, "t": 1})
     settings = ArmSettings(profile="t", dtype="bfloat16", caps=TINY_CAPS, preflight=1)
     with pytest.raises(GateError, match="preflight row tiny-00 failed gate 'equivalence'"):
-        run_live_vs_prefill(tiny_problems(2), settings, ledger_root=tmp_path, progress=False)
+        EXP1.run(settings, tiny_problems(2), ledger_root=tmp_path, progress=False)
 
 
 def _tiny_spec():
@@ -189,6 +190,7 @@ def _tiny_spec():
 # ----------------------------------------------------------------------------- non-finite logits
 
 
+@pytest.mark.gate("nonfinite")
 def test_nan_logits_are_nonfinite_not_desync(tiny_format):
     lm = tiny_lm("llama")
     fmt = tiny_format(lm)
@@ -286,6 +288,7 @@ def test_fp32_readout_on_a_float32_model_is_the_plain_decoder(tiny_format):
     assert rec["fp32_readout"]["prefill"] == rec["baseline"]["prefill"]
 
 
+@pytest.mark.gate("readout")
 def test_readout_builds_must_leave_the_cache_unchanged(tiny_format):
     lm = tiny_lm("llama", torch.bfloat16)
     fmt = tiny_format(lm)

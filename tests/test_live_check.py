@@ -12,7 +12,7 @@ import yaml
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm, tiny_problems
 from kvreplay import decode, engine
 from kvreplay.contract import resolve_format
-from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row, run_live_vs_prefill
+from kvreplay.experiments.live_vs_prefill import EXP1, live_vs_prefill_row
 from kvreplay.experiments.matrix import DRIFT_OUTLIER_FACTOR, drift_outliers, matrix_summary, matrix_table
 from kvreplay.gates import GateError, check_live_equals_incremental
 from kvreplay.runner import ArmSettings, RunSpec
@@ -92,6 +92,7 @@ def test_a_clean_bf16_row_passes_and_its_record_does_not_change(tiny_format):
     assert [c["problem_id"] for c in checked.live_checks] == [p.problem_id]
 
 
+@pytest.mark.gate("live_equals_incremental")
 def test_the_gate_names_the_first_tensor_that_differs(tiny_format):
     lm = tiny_lm("llama", torch.bfloat16)
     fmt = tiny_format(lm)
@@ -115,8 +116,7 @@ def test_a_dropped_live_mask_aborts_a_bf16_arm_in_preflight(tmp_path, tiny_arm, 
     with _live_without_mask(monkeypatch):
         with pytest.raises(GateError, match=r"preflight row tiny-00 failed gate 'live_equals_incremental': problem "
                                             r"tiny-00 live vs its incremental rebuild: L01.key differs"):
-            run_live_vs_prefill(tiny_problems(3), tiny_arm(live_check_fraction=0.0), ledger_root=tmp_path / "l",
-                                progress=False)
+            EXP1.run(tiny_arm(live_check_fraction=0.0), tiny_problems(3), ledger_root=tmp_path / "l", progress=False)
     (folder,) = (tmp_path / "l" / "t").glob("exp1-bfloat16-*")
     rows = [json.loads(x) for x in (folder / "rows.jsonl").read_text().splitlines()]
     assert [r["gate_failure"]["gate"] for r in rows] == ["live_equals_incremental"]  # nothing after it ran
@@ -125,10 +125,8 @@ def test_a_dropped_live_mask_aborts_a_bf16_arm_in_preflight(tmp_path, tiny_arm, 
 def test_a_live_fault_on_a_sampled_row_is_recorded_and_withholds_the_endpoints(tmp_path, tiny_arm, monkeypatch):
     problems = tiny_problems(3)
     with _live_without_mask(monkeypatch, only={"tiny-02"}):
-        records, ledger = run_live_vs_prefill(problems, tiny_arm(live_check_fraction=1.0), ledger_root=tmp_path / "all",
-                                              progress=False)
-        unsampled, _ = run_live_vs_prefill(problems, tiny_arm(live_check_fraction=0.0), ledger_root=tmp_path / "none",
-                                           progress=False)
+        records, ledger = EXP1.run(tiny_arm(live_check_fraction=1.0), problems, ledger_root=tmp_path / "all", progress=False)
+        unsampled, _ = EXP1.run(tiny_arm(live_check_fraction=0.0), problems, ledger_root=tmp_path / "none", progress=False)
     assert [r["gate_failure"] and r["gate_failure"]["gate"] for r in records] == [None, None, "live_equals_incremental"]
     with pytest.raises(GateError, match="report"):
         matrix_summary(records, "bfloat16", n_resamples=100)
@@ -145,22 +143,20 @@ def test_a_live_fault_on_a_sampled_row_is_recorded_and_withholds_the_endpoints(t
 
 def test_checked_and_unchecked_arms_write_the_same_bytes_under_the_same_key(tmp_path, tiny_arm):
     problems = tiny_problems(3)
-    _, checked = run_live_vs_prefill(problems, tiny_arm(live_check_fraction=1.0), ledger_root=tmp_path / "a",
-                                     progress=False)
-    _, unchecked = run_live_vs_prefill(problems, tiny_arm(live_check_fraction=0.0), ledger_root=tmp_path / "b",
-                                       progress=False)
+    _, checked = EXP1.run(tiny_arm(live_check_fraction=1.0), problems, ledger_root=tmp_path / "a", progress=False)
+    _, unchecked = EXP1.run(tiny_arm(live_check_fraction=0.0), problems, ledger_root=tmp_path / "b", progress=False)
     assert checked.dir.name == unchecked.dir.name  # the fraction is not part of the ledger key
     assert checked.rows_path.read_bytes() == unchecked.rows_path.read_bytes()
     checks = [c["problem_id"] for e in _events(unchecked) if e["event"] == "live_check_passed" for c in e["checks"]]
     assert checks == ["tiny-00"]  # the preflight row is checked whatever the fraction
-    _, fp32 = run_live_vs_prefill(problems, tiny_arm(dtype="float32"), ledger_root=tmp_path / "c", progress=False)
+    _, fp32 = EXP1.run(tiny_arm(dtype="float32"), problems, ledger_root=tmp_path / "c", progress=False)
     assert not [e for e in _events(fp32) if e["event"].startswith("live_check")]  # FP32 checks every row otherwise
 
 
 def test_the_fp32_arm_catches_the_same_fault_through_its_equivalence_gate(tmp_path, tiny_arm, monkeypatch):
     with _live_without_mask(monkeypatch):
         with pytest.raises(GateError, match="preflight row tiny-00 failed gate 'equivalence'"):
-            run_live_vs_prefill(tiny_problems(2), tiny_arm(dtype="float32"), ledger_root=tmp_path, progress=False)
+            EXP1.run(tiny_arm(dtype="float32"), tiny_problems(2), ledger_root=tmp_path, progress=False)
 
 
 @contextlib.contextmanager
@@ -216,13 +212,13 @@ def _engine_live_prompt_skewed(monkeypatch):
 
 def test_the_engine_checks_its_live_boundaries_through_its_own_path(tmp_path, tiny_arm, monkeypatch):
     settings = tiny_arm(step_path="engine-eager", batch=2, live_check_fraction=1.0)
-    records, ledger = run_live_vs_prefill(tiny_problems(3), settings, ledger_root=tmp_path / "clean", progress=False)
+    records, ledger = EXP1.run(settings, tiny_problems(3), ledger_root=tmp_path / "clean", progress=False)
     assert all(r["gate_failure"] is None for r in records)
     checked = [c["problem_id"] for e in _events(ledger) if e["event"] == "live_check_passed" for c in e["checks"]]
     assert checked.count("tiny-01") == 1 and checked.count("tiny-02") == 1 and "tiny-00" in checked
     with _engine_live_prompt_skewed(monkeypatch):  # boundaries and suffixes in one engine (the default chunk)
         with pytest.raises(GateError, match="preflight row tiny-00 failed gate 'live_equals_incremental'"):
-            run_live_vs_prefill(tiny_problems(3), settings, ledger_root=tmp_path / "faulty", progress=False)
+            EXP1.run(settings, tiny_problems(3), ledger_root=tmp_path / "faulty", progress=False)
 
 
 def test_the_phase_wise_engine_path_checks_its_live_boundaries_too(tiny_format, monkeypatch):
@@ -292,10 +288,8 @@ def test_row_actors_carry_the_live_check(tmp_path, tiny_arm):
     try:
         settings = tiny_arm(workers=2, live_check_fraction=0.0)
         with pytest.raises(GateError, match="preflight row tiny-00 failed gate 'live_equals_incremental'"):
-            run_live_vs_prefill(tiny_problems(3), settings, ledger_root=tmp_path / "faulty", progress=False,
-                                faults=_skew_live)
-        records, ledger = run_live_vs_prefill(tiny_problems(3), settings, ledger_root=tmp_path / "clean",
-                                              progress=False)
+            EXP1.run(settings, tiny_problems(3), ledger_root=tmp_path / "faulty", progress=False, faults=_skew_live)
+        records, ledger = EXP1.run(settings, tiny_problems(3), ledger_root=tmp_path / "clean", progress=False)
         assert all(r["gate_failure"] is None for r in records)
         (declared,) = [e for e in _events(ledger) if e["event"] == "live_check_sample"]
         assert declared["problem_ids"] == ["tiny-00"] and declared["fraction"] == 0.0

@@ -13,7 +13,7 @@ import ray
 import torch
 import yaml
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_problems
-from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row, run_live_vs_prefill
+from kvreplay.experiments.live_vs_prefill import EXP1, live_vs_prefill_row
 from kvreplay.gates import GateError
 from kvreplay.ledger.store import Ledger, run_rows
 from kvreplay.execution import DeviceUnavailableError, ExecutionContract
@@ -56,8 +56,8 @@ def _events(ledger) -> list[dict]:
 
 def test_actors_give_the_sequential_ledger_bytes_and_resume(tmp_path, tiny_arm, cluster):
     problems = tiny_problems(5)
-    seq, ledger_seq = run_live_vs_prefill(problems, tiny_arm(), ledger_root=tmp_path / "seq", progress=False)
-    par, ledger_par = run_live_vs_prefill(problems, tiny_arm(workers=2), ledger_root=tmp_path / "par", progress=False)
+    seq, ledger_seq = EXP1.run(tiny_arm(), problems, ledger_root=tmp_path / "seq", progress=False)
+    par, ledger_par = EXP1.run(tiny_arm(workers=2), problems, ledger_root=tmp_path / "par", progress=False)
     assert ledger_seq.dir.name == ledger_par.dir.name  # workers are not part of the scientific key
     assert ledger_par.rows_path.read_bytes() == ledger_seq.rows_path.read_bytes()
     assert par == seq
@@ -68,7 +68,7 @@ def test_actors_give_the_sequential_ledger_bytes_and_resume(tmp_path, tiny_arm, 
     # resume: keep two finished rows (and half of a third, as a crash mid-write leaves it), finish on actors
     lines = ledger_par.rows_path.read_bytes().splitlines(keepends=True)
     ledger_par.rows_path.write_bytes(b"".join(lines[:2]) + lines[2][:17])
-    again, _ = run_live_vs_prefill(problems, tiny_arm(workers=2), ledger_root=tmp_path / "par", progress=False)
+    again, _ = EXP1.run(tiny_arm(workers=2), problems, ledger_root=tmp_path / "par", progress=False)
     assert ledger_par.rows_path.read_bytes() == ledger_seq.rows_path.read_bytes()
     assert again == seq
 
@@ -77,8 +77,8 @@ def test_batched_actors_give_the_sequential_batched_ledger_bytes(tmp_path, tiny_
     """Each actor computes whole chunks of the engine, and each passes the composition gate on its own first chunk."""
     problems = tiny_problems(5)
     arm = dict(step_path="engine-eager", batch=2)
-    seq, ledger_seq = run_live_vs_prefill(problems, tiny_arm(**arm), ledger_root=tmp_path / "seq", progress=False)
-    par, ledger_par = run_live_vs_prefill(problems, tiny_arm(**arm, workers=2), ledger_root=tmp_path / "par", progress=False)
+    seq, ledger_seq = EXP1.run(tiny_arm(**arm), problems, ledger_root=tmp_path / "seq", progress=False)
+    par, ledger_par = EXP1.run(tiny_arm(**arm, workers=2), problems, ledger_root=tmp_path / "par", progress=False)
     assert ledger_seq.dir.name == ledger_par.dir.name
     assert ledger_par.rows_path.read_bytes() == ledger_seq.rows_path.read_bytes() and par == seq
     assert (ledger_par.dir / "environment.json").read_bytes() == (ledger_seq.dir / "environment.json").read_bytes()
@@ -91,7 +91,7 @@ def test_batched_actors_give_the_sequential_batched_ledger_bytes(tmp_path, tiny_
     lines = ledger_par.rows_path.read_bytes().splitlines(keepends=True)
     ledger_par.rows_path.write_bytes(b"".join(lines[:2]))
     shortest = json.loads(min(lines[:2], key=len))["problem_id"]
-    again, _ = run_live_vs_prefill(problems, tiny_arm(**arm, workers=2), ledger_root=tmp_path / "par", progress=False)
+    again, _ = EXP1.run(tiny_arm(**arm, workers=2), problems, ledger_root=tmp_path / "par", progress=False)
     assert ledger_par.rows_path.read_bytes() == ledger_seq.rows_path.read_bytes() and again == seq
     resumed = [c for e in _events(ledger_par) if e["event"] == "gates" for c in e["checks"]][len(gates):]
     assert [(c["gate"], c["problem_id"], c.get("reference")) for c in resumed] == [("composition", shortest,
@@ -116,7 +116,7 @@ def test_actors_stop_at_a_failing_preflight_row(tmp_path, tiny_arm, cluster):
 def test_a_killed_actor_loses_no_finished_row(tmp_path, tiny_arm, cluster):
     """Actor 1 is killed for good (its rows go to actor 0); actor 0 is killed mid-run, restarted by Ray, its row retried."""
     problems = tiny_problems(6)
-    _, ledger_seq = run_live_vs_prefill(problems, tiny_arm(), ledger_root=tmp_path / "seq", progress=False)
+    _, ledger_seq = EXP1.run(tiny_arm(), problems, ledger_root=tmp_path / "seq", progress=False)
     settings = tiny_arm(workers=2)
     with RowActors(settings, live_vs_prefill_row, equivalence_ids=frozenset({"tiny-00"})) as pool:
         environment, run = pool.prepare(problems)
@@ -156,10 +156,9 @@ def test_actor_resources_and_cluster_limits(tmp_path, tiny_arm, cluster):
         actor_resources("gpu0", 2, 1, 2)
     # more actors than the cluster's CPUs: refused before any actor or ledger exists (Ray would wait forever)
     with pytest.raises(ValueError, match=r"3 row actors need 3 CPUs \(1 each\), but the Ray cluster at .* has 2"):
-        run_live_vs_prefill(tiny_problems(3), tiny_arm(workers=3), ledger_root=tmp_path, progress=False)
+        EXP1.run(tiny_arm(workers=3), tiny_problems(3), ledger_root=tmp_path, progress=False)
     with pytest.raises(RuntimeError, match="connected to the Ray cluster at .*, not '127.0.0.1:1'"):
-        run_live_vs_prefill(tiny_problems(3), tiny_arm(workers=2, ray_address="127.0.0.1:1"), ledger_root=tmp_path,
-                        progress=False)
+        EXP1.run(tiny_arm(workers=2, ray_address="127.0.0.1:1"), tiny_problems(3), ledger_root=tmp_path, progress=False)
     assert not (tmp_path / "t").exists()
 
 
@@ -217,7 +216,7 @@ def test_bad_worker_counts_and_an_actor_that_cannot_start(tmp_path, tiny_arm, cl
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
     with pytest.raises(RuntimeError, match=r"row actor \(pid \d+, device cpu\) failed to start: ModelLoadError: cannot load the model at .*broken-model. \(it exists"):
-        run_live_vs_prefill(tiny_problems(3), tiny_arm(workers=2, model=str(broken)), ledger_root=tmp_path, progress=False)
+        EXP1.run(tiny_arm(workers=2, model=str(broken)), tiny_problems(3), ledger_root=tmp_path, progress=False)
     assert not any((tmp_path / "t").glob("*/rows.jsonl"))  # nothing was computed
 
 
@@ -227,5 +226,5 @@ def test_actors_refuse_a_problem_longer_than_the_context_before_any_ledger_exist
 
     long = Problem("long-1", "test", 9, " ".join(["word"] * 450) + "?", ("x", "y"), "A")  # > 2048 byte tokens
     with pytest.raises(ContractError, match=r"problem long-1 \(test line 9\).*only 2048 \(max_position_embeddings\)"):
-        run_live_vs_prefill(tiny_problems(2) + [long], tiny_arm(workers=2), ledger_root=tmp_path / "ledgers", progress=False)
+        EXP1.run(tiny_arm(workers=2), tiny_problems(2) + [long], ledger_root=tmp_path / "ledgers", progress=False)
     assert not (tmp_path / "ledgers").exists()

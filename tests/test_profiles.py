@@ -188,3 +188,67 @@ def test_the_paper_profiles_done_list_is_what_its_committed_ledgers_hold():
         assert arm not in held, f"two ledgers of {arm} under data/ledgers/paper"
         held[arm] = ledger_progress(folder)[0]
     assert done == held
+
+
+def _constructions(name: str) -> list[str]:
+    """``module.function`` of every call ``name(...)`` in lib/kvreplay (a call at module level: ``module``)."""
+    import ast
+
+    from kvreplay.paths import ROOT
+
+    out = []
+    for path in sorted((ROOT / "lib" / "kvreplay").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        module = ".".join(path.relative_to(ROOT / "lib").with_suffix("").parts)
+        owner: dict[ast.AST, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):  # the outermost function first (ast.walk is breadth-first)
+                    owner.setdefault(inner, f"{module}.{node.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == name:
+                out.append(owner.get(node, module))
+    return out
+
+
+def test_the_execution_contract_and_the_engine_run_are_each_built_in_one_function():
+    """The contract is resolved once: every ExecutionContract comes from execution.resolve_contract (arms through
+    ArmSettings.contract), every arm's EngineRun from ArmSettings.engine_run; nothing else constructs either. (The
+    engine's decoders default to ``EngineRun()`` for direct calls, and the engine benchmark times shapes no arm has.)"""
+    assert _constructions("ExecutionContract") == ["kvreplay.execution.resolve_contract"]
+    runs = [c for c in _constructions("EngineRun") if not c.startswith("kvreplay.engine.decoders.")]
+    assert sorted(set(runs)) == ["kvreplay.bench.engine_table", "kvreplay.runner.spec.engine_run"], runs
+    assert {c.rsplit(".", 1)[1] for c in _constructions("EngineRun") if c.startswith("kvreplay.engine.")} == {
+        "decode_suffixes", "decode_lives", "build_incrementals", "decode_chains", "decode_forced"}  # the defaults
+    assert "kvreplay.runner.spec.contract" in _constructions("resolve_contract")
+
+
+def test_resolve_contract_checks_before_anything_is_loaded():
+    from kvreplay.execution import resolve_contract
+
+    assert resolve_contract().sdpa_backends == ("math",) and resolve_contract(threads=3).threads == 3
+    with pytest.raises(ValueError, match="unknown SDPA backend"):
+        resolve_contract(sdpa_backends=("fast",))
+    with pytest.raises(ValueError, match=r"SDPA backend\(s\) \['cudnn'\] unknown or not on device 'cpu'"):
+        resolve_contract(sdpa_backends=("cudnn",))
+    with pytest.raises(ValueError, match="unknown device 'gpu0'"):
+        resolve_contract(device="gpu0")
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        resolve_contract(threads=0)
+
+
+def test_settings_come_back_from_a_ledger_key():
+    """ArmSettings.from_config (make verify, the drift explorer) gives back the settings whose key it is."""
+    import dataclasses
+
+    from kvreplay.contract import Caps
+    from kvreplay.runner import ArmSettings
+
+    base = ArmSettings(profile="t", dtype="bfloat16", caps=Caps(4, 4, 4), threads=3, preflight=2)
+    for settings in (base, dataclasses.replace(base, step_path="engine-eager", batch=4, attention="grouped"),
+                     dataclasses.replace(base, step_path="engine-eager", batch=4, max_len=256)):
+        again = ArmSettings.from_config(settings.config("exp1", []))  # the format as the key holds it: its spec
+        assert dataclasses.replace(again, fmt=settings.fmt) == settings
+        assert again.config("exp1", []) == settings.config("exp1", [])
+    again = ArmSettings.from_config(dataclasses.replace(base, step_path="engine-eager").config("exp1", []))
+    assert dataclasses.replace(again.eager(), fmt=base.fmt) == base

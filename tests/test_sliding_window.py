@@ -7,6 +7,8 @@ visibility of Table 2 passed as their ``and_mask_function``: the window conventi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import GEMMA3_LAYER_TYPES, TINY_CAPS, TINY_FORMAT, TINY_WINDOW, key_paths, tiny_lm, tiny_problems
@@ -407,9 +409,9 @@ def test_engine_boundaries_and_suffixes_follow_the_eager_decoders_in_fp32(window
     eager path's gates pass on them (functional state, float32 construction equivalence on the attended state);
     the engine's incremental rebuild equals its live boundary bit for bit; suffixes choose the eager tokens."""
     lm, fmt, prompts, lives = _engine_setup(windowed_arch)
-    run = dict(batch=2, max_len=ENGINE_LEN, attention=attention)
-    got = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, **run)
-    inc = engine.build_incrementals(lm, fmt, [b.ids for b in got][::-1], **run)[::-1]
+    run = engine.EngineRun(batch=2, max_len=ENGINE_LEN, attention=attention)
+    got = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=run)
+    inc = engine.build_incrementals(lm, fmt, [b.ids for b in got][::-1], run=run)[::-1]
     for e, i, w in zip(got, inc, lives):
         assert e.ids == w.ids and e.windows == i.windows == lm.layout.windows
         torch.testing.assert_close(e.logits, w.logits, **TOL)
@@ -424,7 +426,7 @@ def test_engine_boundaries_and_suffixes_follow_the_eager_decoders_in_fp32(window
         cmp = comparison(e, pre, per_tensor=True)
         assert cmp["cache"]["scope"] == "attended"
         gates.check_equivalence("prefill vs engine live", cmp["cache"]["rel_l2"])
-    suffixes = engine.decode_suffixes(lm, fmt, got, TINY_CAPS, **run)
+    suffixes = engine.decode_suffixes(lm, fmt, got, TINY_CAPS, run=run)
     want = [decode.decode_suffix(lm, fmt, caches.live_replica(s), TINY_CAPS) for s in lives]
     assert [s.tokens for s in suffixes] == [w.tokens for w in want]
 
@@ -443,23 +445,23 @@ def test_engine_applies_the_window_at_the_edge_inside_a_branch(attention):
     window = len(z) - (s + e) // 2
     lm, wide = tiny_lm("gemma3", window=window), tiny_lm("gemma3", window=4 * len(z))
     ref = reference_logits(lm, z, list(parsed.roles))[-1]
-    (inc,) = engine.build_incrementals(lm, fmt, [z], batch=1, max_len=ENGINE_LEN, attention=attention)
+    (inc,) = engine.build_incrementals(lm, fmt, [z], run=engine.EngineRun(batch=1, max_len=ENGINE_LEN, attention=attention))
     torch.testing.assert_close(inc.logits[0], ref, **TOL)
-    (far,) = engine.build_incrementals(wide, fmt, [z], batch=1, max_len=ENGINE_LEN, attention=attention)
+    (far,) = engine.build_incrementals(wide, fmt, [z], run=engine.EngineRun(batch=1, max_len=ENGINE_LEN, attention=attention))
     assert (far.logits[0] - inc.logits[0]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_engine_bits_do_not_depend_on_slot_or_companions_in_bf16(windowed_arch, attention):
     lm, fmt, prompts, lives = _engine_setup(windowed_arch, torch.bfloat16)
-    run = dict(batch=3, max_len=ENGINE_LEN, attention=attention)
+    run = engine.EngineRun(batch=3, max_len=ENGINE_LEN, attention=attention)
     x = lives[0]
-    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, **run)
-    b = engine.decode_suffixes(lm, fmt, [lives[3], lives[2], x], TINY_CAPS, **run)
-    alone = engine.decode_suffixes(lm, fmt, [x], TINY_CAPS, fill_from="last", **run)  # another slot, two idle
+    a = engine.decode_suffixes(lm, fmt, [x, lives[1], lives[2]], TINY_CAPS, run=run)
+    b = engine.decode_suffixes(lm, fmt, [lives[3], lives[2], x], TINY_CAPS, run=run)
+    alone = engine.decode_suffixes(lm, fmt, [x], TINY_CAPS, run=dataclasses.replace(run, fill_from="last"))  # another slot, two idle
     assert _same(a[0], b[2]) and _same(a[0], alone[0]) and _same(a[2], b[1])
-    live = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, **run)
-    inc = engine.build_incrementals(lm, fmt, [s.ids for s in live][::-1], **run)[::-1]  # other slots
+    live = engine.decode_lives(lm, fmt, prompts[:3], TINY_CAPS, run=run)
+    inc = engine.build_incrementals(lm, fmt, [s.ids for s in live][::-1], run=run)[::-1]  # other slots
     for l_, i in zip(live, inc):
         gates.check_exact("live vs incremental (BF16)", caches.boundary_tensors(l_), caches.boundary_tensors(i),
                           gate="bridge")

@@ -55,10 +55,10 @@ from .caches import live_replica
 from .contract import Caps, ContractError
 from .decode import build_prefill, decode_live, decode_suffix
 from .execution import device_or_exit
-from .experiments.live_vs_prefill import live_vs_prefill_chunk, live_vs_prefill_row
+from .experiments.live_vs_prefill import EXP1
 from .paths import ROOT
 from .problems import load_bank
-from .runner import ArmSettings, EngineRun, RunSpec, resolve_execution
+from .runner import ArmSettings, RunSpec, resolve_execution
 from .runner.actors import RowActors, shutdown
 
 
@@ -117,7 +117,8 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     hf_per_token = (t_hf_n - t_hf_1) / steps[-1]
     t_prefill = _median_time(lambda: build_prefill(lm, fmt, z), repeats)
     bank = load_bank()
-    t_row = _median_time(lambda: live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, caps=settings.caps), problem), 1)
+    row = EXP1.plan(bank).row_function()  # the arm's own row function, as notebook 01 runs it
+    t_row = _median_time(lambda: row(RunSpec(lm=lm, fmt=fmt, caps=settings.caps), problem), 1)
     t_seq = None
     if workers > 1:
         import dataclasses
@@ -127,7 +128,7 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
         timed = bank[1 : 1 + n]
         t0 = time.perf_counter()
         for p in timed:
-            live_vs_prefill_row(spec, p)
+            row(spec, p)
         t_seq = time.perf_counter() - t0
         if worker_threads is None:
             worker_threads = threads if lm.device.type == "cuda" else max(1, threads // workers)
@@ -135,7 +136,7 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
         def pid(p):
             return p.problem_id
 
-        with RowActors(dataclasses.replace(settings, threads=worker_threads), live_vs_prefill_row, workers=workers) as pool:
+        with RowActors(dataclasses.replace(settings, threads=worker_threads), row, workers=workers) as pool:
             startup, started, address = pool.startup, pool.cluster["started"], pool.cluster["address"]
             warm = bank[1 + n : 1 + n + workers]
             list(pool.mapper(warm, key=pid)(warm))  # one warm-up row per actor
@@ -241,7 +242,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
 
     # no boundary is shorter than its prompt: an obviously short max_len is refused before the live decode
     refuse_short(max(map(len, prompts)), "the longest prompt and the suffix bound already take")
-    lives = engine.decode_lives(lm, fmt, prompts, caps, batch=n, step_path=step_path, attention=attentions[0])
+    lives = engine.decode_lives(lm, fmt, prompts, caps, run=engine.EngineRun(step_path=step_path, batch=n, attention=attentions[0]))
     need = refuse_short(max(len(b.ids) for b in lives), "the suffix runs need")
     out = []
 
@@ -264,9 +265,9 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         for max_len in (m or need for m in max_lens):
             for B in batches:
                 states = lives[: max(B, min(n, 2 * B)) if B > 1 else repeats]
-                shape = dict(batch=B, step_path=step_path, max_len=max_len, attention=attention)
-                engine.decode_suffixes(lm, fmt, states[:B], caps, **shape)  # capture
-                t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, **shape))
+                shape = engine.EngineRun(step_path, B, max_len, attention=attention)
+                engine.decode_suffixes(lm, fmt, states[:B], caps, run=shape)  # capture
+                t, got = timed(lambda: engine.decode_suffixes(lm, fmt, states, caps, run=shape))
                 steps = sum(len(s.tokens) for s in got)
                 out.append({"path": f"engine.decode_suffixes, {kind}", "B": B, "rows": 2 * B,
                             "ms per problem-step": round(1e3 * t / steps, 2),
@@ -294,15 +295,19 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     emit(out[-1])
     per_token("HF generate, static cache, compile off", cache_implementation="static", disable_compile=True)
     emit(out[-1])
+    chunk = EXP1.plan(bank).chunk_function()  # the arm's own chunk function, as notebook 01 runs it
     for c in exp1_caps:
         rows = exp1_rows or exp1_batch
         group = bank[1 : 1 + rows]
         c_caps = Caps(*c)
-        need = max(fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), c_caps) for p in group + bank[:1])
         for attention in attentions:
-            spec = RunSpec(lm=lm, fmt=fmt, caps=c_caps,
-                           engine=EngineRun(step_path, exp1_batch, need, attention=attention))
-            t, recs = timed(lambda: live_vs_prefill_chunk(spec, group))
+            run = ArmSettings(profile="bench", dtype=str(lm.dtype).split(".")[-1], caps=c_caps, device=str(lm.device),
+                              step_path="graph" if step_path == "graph" else "engine-eager", batch=exp1_batch,
+                              attention=attention).engine_run(fmt, group + bank[:1])
+            assert run is not None  # a batched step path
+            need = run.max_len
+            spec = RunSpec(lm=lm, fmt=fmt, caps=c_caps, engine=run)
+            t, recs = timed(lambda: chunk(spec, group))
             failed = sum(r["gate_failure"] is not None for r in recs)
             out.append({"path": f"Experiment 1 batched runner, {label}, attention {attention}, caps {tuple(c)}",
                         "B": exp1_batch, "rows": 2 * exp1_batch, "rows per hour": round(3600 * len(group) / t, 1),
@@ -633,7 +638,7 @@ def exp1_end_to_end(lm, fmt, problems: Sequence, *, batch: int, caps: tuple[int,
     spec = RunSpec(lm=lm, fmt=fmt, caps=Caps(*caps), engine=run, equivalence_ids=ids)
     timer = _Timer(lm.device)
     chunk: dict = {}
-    mapper = BatchedRows(spec, live_vs_prefill_chunk, problems, on_chunk=chunk.update,
+    mapper = BatchedRows(spec, EXP1.plan(problems).chunk_function(), problems, on_chunk=chunk.update,
                          composition_id=problems[0].problem_id if gates else None)
     got: list = []
     total = timer(lambda: got.extend(mapper(problems)))

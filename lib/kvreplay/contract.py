@@ -341,12 +341,14 @@ def _special_ids(tok) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_spec(fmt: str | Path = "chat_multibranch") -> dict:
-    """Read a format spec: a name under ``kvreplay/formats`` or a YAML path.
+def load_spec(fmt: str | Path | dict = "chat_multibranch") -> dict:
+    """Read a format spec: a name under ``kvreplay/formats``, a YAML path, or the spec itself (as a ledger key holds it).
 
     Raises:
         FileNotFoundError: naming the format and where it was looked for.
     """
+    if isinstance(fmt, dict):
+        return dict(fmt)
     p = Path(fmt)
     if not p.suffix:
         p = FORMATS / f"{fmt}.yaml"

@@ -71,25 +71,12 @@ class ExecutionContract:
 
     @property
     def device_type(self) -> str:
-        """``"cpu"``, ``"cuda"``, ... (raises ValueError naming the device for a string torch cannot parse)."""
-        try:
-            return torch.device(self.device).type
-        except RuntimeError as e:
-            raise ValueError(f"unknown device {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'") from e
+        """``"cpu"``, ``"cuda"``, ... (:func:`device_type`; ValueError naming a device torch cannot parse)."""
+        return device_type(self.device)
 
     def check_device(self) -> str:
-        """The device's type (``"cpu"`` or ``"cuda"``), once this machine can run it.
-
-        Raises:
-            ValueError: a device torch cannot parse, or another type than CPU and CUDA.
-            DeviceUnavailableError: ``cuda`` asked for but torch sees no CUDA device.
-        """
-        kind = self.device_type
-        if kind not in ("cpu", "cuda"):
-            raise ValueError(f"unknown device {self.device!r}; use 'cpu', 'cuda' or 'cuda:N'")
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise DeviceUnavailableError(f"device {self.device!r} asked for, but torch {torch.__version__} sees no CUDA device")
-        return kind
+        """The device's type once this machine can run it (:func:`check_device`, with its errors)."""
+        return check_device(self.device)
 
     def resolved_deterministic(self) -> bool:
         return self.device_type == "cuda" if self.deterministic is None else bool(self.deterministic)
@@ -139,11 +126,57 @@ class ExecutionContract:
             torch.cuda.set_device(torch.device(self.device))
 
 
+def resolve_contract(*, device: str = "cpu", sdpa_backends: Sequence[str] = ("math",), deterministic: bool | None = None,
+                     allow_tf32: bool = False, threads: int | None = None) -> ExecutionContract:
+    """The one builder of an :class:`ExecutionContract`, checked before anything is loaded (paper Table 3).
+
+    Arms build theirs through :meth:`kvreplay.runner.ArmSettings.contract`; role-table training, the
+    checkpoint metric and :func:`kvreplay.models.load_model`'s default come here too.
+
+    Raises:
+        ValueError: a device torch cannot parse; an SDPA backend unknown, or missing on the device
+            (:func:`check_sdpa_on_device`); ``threads`` below 1.
+    """
+    sdpa_backend_list(tuple(sdpa_backends))
+    check_sdpa_on_device(sdpa_backends, device)
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be at least 1 (or None: torch's choice), got {threads!r}")
+    return ExecutionContract(device=device, sdpa_backends=tuple(sdpa_backends), deterministic=deterministic,
+                             allow_tf32=allow_tf32, threads=threads)
+
+
+def device_type(device: str) -> str:
+    """The type of a device name: ``"cpu"``, ``"cuda"``, ...
+
+    Raises:
+        ValueError: naming a device string torch cannot parse.
+    """
+    try:
+        return torch.device(device).type
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'") from e
+
+
+def check_device(device: str) -> str:
+    """The device's type (``"cpu"`` or ``"cuda"``), once this machine can run it.
+
+    Raises:
+        ValueError: a device torch cannot parse, or another type than CPU and CUDA.
+        DeviceUnavailableError: ``cuda`` asked for but torch sees no CUDA device.
+    """
+    kind = device_type(device)
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailableError(f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA device")
+    return kind
+
+
 def device_or_exit(parser, device: str) -> str:
-    """A command line's ``--device``, checked before anything runs (:meth:`ExecutionContract.check_device`): its
+    """A command line's ``--device``, checked before anything runs (:func:`check_device`): its
     type (``"cpu"``, ``"cuda"``), or ``parser.error`` (exit 2, one line) naming why this machine cannot run it."""
     try:
-        return ExecutionContract(device=device).check_device()
+        return check_device(device)
     except (ValueError, DeviceUnavailableError) as e:
         parser.error(f"--device {device}: {e}")
 
@@ -157,7 +190,7 @@ def check_sdpa_on_device(backends: Sequence[str], device: str) -> None:
     Raises:
         ValueError: naming the backends unknown or missing on the device, and those it has; or an unknown device.
     """
-    kind = ExecutionContract(device=device).device_type
+    kind = device_type(device)
     allowed = DEVICE_SDPA_BACKENDS.get(kind, ())
     bad = [b for b in backends if b not in allowed]
     if bad:

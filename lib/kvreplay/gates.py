@@ -1,37 +1,101 @@
 """Fail-closed integrity gates (paper §3.5–3.7 and Table 3).
 
-Gates are conjunctive: every check must pass for a row's endpoints to be
-reported. Each check raises :class:`GateError` naming the gate, the row and
-the reason; runners record the failure in the ledger and go on (or abort, in
-preflight).
+Gates are conjunctive: every check must pass for a row's endpoints to be reported. Each gate is named once, in
+:data:`GATES`, with what it checks and its paper section; a check raises :class:`GateError` naming the gate, the row
+and the reason. Runners record the failure in the ledger and go on, or abort in preflight.
+``python -m kvreplay.gates`` writes ``docs/gates.md`` from the registry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """One integrity gate: its name, what it checks (one sentence), where it is checked, and its paper section."""
+    name: str
+    checks: str
+    where: str
+    section: str
+
+
+GATES: Mapping[str, Gate] = {g.name: g for g in (
+    Gate("nonfinite", "Every element of every boundary cache tensor and every step's logits is finite (no NaN, no "
+         "infinity); checked before the duplicate and replica gates, since NaN never equals NaN.",
+         "decode, engine.decoders, caches", "§3.5"),
+    Gate("desync", "The two physical duplicate rows of a problem hold bit-identical logits after every model call "
+         "and bit-identical boundary caches.", "decode, engine.decoders, gates.check_duplicates", "§3.5"),
+    Gate("replica", "A replica equals its source in tensor inventory, geometry (shape, stride, dtype, device, "
+         "inference status) and every bit.", "caches.verify_replica", "§3.5"),
+    Gate("storage", "Every compared cache or logit tensor uses storage no other arm's tensor uses.",
+         "gates.check_disjoint", "§3.5"),
+    Gate("functional_state", "All arms share token IDs, roles, the position IDs passed to the model, sliding "
+         "windows and cache lengths; the engine's padding beyond a row's valid length is untouched.",
+         "gates.check_functional_state, engine.step", "§3.5"),
+    Gate("dtype", "Every boundary tensor has the run's dtype.", "gates.check_dtype, caches", "§3.5, Table 3"),
+    Gate("equivalence", "Two constructions of one boundary, computed in float32, differ by no more than rounding "
+         "(whole-cache relative L2 at most 1e-4).", "experiments.matrix", "§3.5"),
+    Gate("suffix_replica", "A replica's greedy suffix equals its source's suffix token for token.",
+         "experiments.matrix, .bridge, .transplant", "§3.5"),
+    Gate("readout", "Building the float32 readout leaves the boundary caches bit-identical to the plain build.",
+         "experiments.controls", "§3.5"),
+    Gate("argmax", "Before a transplant, the raw next-token argmax already agrees between the two constructions.",
+         "experiments.transplant, .replication", "§3.8"),
+    Gate("provenance", "A row is computed from the inputs its ledger key names: the prefix bank, role table, "
+         "format and transplanted layers, checked by digest.", "caches, ledger.prefix_bank, runner.arms, verify, rebuild",
+         "§3.8, §3.9"),
+    Gate("preflight", "The first rows of an arm pass every gate; a failing preflight row aborts the arm before any "
+         "other row runs.", "ledger.store.run_rows", "§3.5"),
+    Gate("report", "No endpoint is reported from a set of rows that holds a gate failure or lacks what the "
+         "endpoint needs.", "experiments, ledger.prefix_bank", "§3.4"),
+    Gate("live_equals_incremental", "A live boundary equals its teacher-forced incremental rebuild bit for bit.",
+         "gates.check_live_equals_incremental", "§3.6"),
+    Gate("composition", "A problem's record computed alone at the arm's batch shape equals its record computed in "
+         "a chunk with other problems.", "runner.batched", "§3.9"),
+    Gate("graph_equals_eager", "The CUDA-graph step writes the same logits and keys/values as the eager step.",
+         "engine.step", "§3.9"),
+    Gate("attention_tolerance", "The engine's attention stays within its tolerance of the math-SDPA reference on "
+         "a step that holds a boundary.", "engine.step, runner.batched", "§3.9"),
+)}
+"""Every integrity gate by name; :class:`GateError` refuses any other name."""
 
 
 class GateError(RuntimeError):
     """An integrity gate failed.
 
     Attributes:
-        gate: the gate's name (``nonfinite``, ``desync``, ``replica``,
-            ``storage``, ``functional_state``, ``dtype``, ``equivalence``,
-            ``suffix_replica``, ``provenance``, ``argmax``, ``preflight``,
-            ``report``, ``live_equals_incremental``; batched runs: ``composition``,
-            ``graph_equals_eager``).
+        gate: the gate's name, a key of :data:`GATES`.
         reason: what differed, and where.
+
+    Raises:
+        ValueError: on construction, a gate name :data:`GATES` does not register.
     """
     def __init__(self, gate: str, reason: str):
+        if gate not in GATES:
+            raise ValueError(f"unregistered gate {gate!r}; kvreplay.gates.GATES names {', '.join(GATES)}")
         super().__init__(f"gate {gate!r} failed: {reason}")
         self.gate = gate
         self.reason = reason
 
     def __reduce__(self):  # picklable with its two arguments (rows computed in Ray actors raise it across processes)
         return type(self), (self.gate, self.reason)
+
+
+def gates_markdown() -> str:
+    """``docs/gates.md``: every gate of :data:`GATES` as a table (name, what it checks, where, paper section)."""
+    lines = ["# Integrity gates", "",
+             "Generated from `kvreplay.gates.GATES` by `python -m kvreplay.gates` (a test checks it is current).",
+             "Every check is conjunctive and fails closed: a row that fails one is recorded with the gate's name and",
+             "the reason, and reports no endpoint; a failing preflight row aborts its arm.", "",
+             "| gate | what it checks | checked in | paper |", "|---|---|---|---|"]
+    lines += [f"| `{g.name}` | {g.checks} | {g.where} | {g.section} |" for g in GATES.values()]
+    return "\n".join(lines) + "\n"
 
 
 def cache_tensors(cache) -> list[tuple[str, torch.Tensor]]:
@@ -245,3 +309,9 @@ def check_equal_sequences(gate: str, name: str, a: Sequence[int], b: Sequence[in
     if list(a) != list(b):
         i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         raise GateError(gate, f"{name}: sequences differ at index {i} (lengths {len(a)}, {len(b)})")
+
+
+if __name__ == "__main__":
+    out = Path(__file__).resolve().parents[2] / "docs" / "gates.md"
+    out.write_text(gates_markdown())
+    print(f"wrote {out}")

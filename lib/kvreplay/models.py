@@ -1,8 +1,7 @@
 """Loading a causal LM for the protocol (paper §3.1, Table 3): the embedded GGUF converted once into a cached
-folder, a dtype, a role table (role-embedding rows), the refusal of models whose cache the protocol cannot
-audit (:func:`cache_refusal`), the self-check that the model obeys explicit masks and positions
-(:func:`self_check`), and the environment record of a loaded model kept in every ledger
-(:func:`environment_record`). The execution contract a model is loaded under is :mod:`kvreplay.execution`; this
+folder, a dtype and a role table (role-embedding rows). Also the environment record of a loaded model kept in
+every ledger (:func:`environment_record`). Re-exported here: the attention layout and the refusal of caches the
+protocol cannot audit (:mod:`kvreplay.layout`), and the mask-and-position self-check (:mod:`kvreplay.self_check`). The execution contract a model is loaded under is :mod:`kvreplay.execution`; this
 record is what was observed under it, stored as ``environment.json``'s ``execution_contract``.
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file
@@ -29,8 +28,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .execution import ExecutionContract, cpu_isa_flags, cpu_name, sdpa_backend_list
+from .execution import ExecutionContract, cpu_isa_flags, cpu_name, resolve_contract, sdpa_backend_list
+from .layout import (  # re-exported: kvreplay.models is where users import them
+    AttentionLayout,
+    ModelLoadError,
+    attention_layout,
+    cache_refusal,
+    check_cache_auditable,
+    context_length,
+    kv_cache,
+    layer_masks,
+)
 from .paths import BUILD
+from .self_check import (  # re-exported
+    SELF_CHECK_FIRST_CALL,
+    SELF_CHECK_GAP,
+    SELF_CHECK_HIDDEN,
+    SELF_CHECK_RATIO,
+    SELF_CHECK_TEXT,
+    SELF_CHECK_TOKENS,
+    self_check,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -86,8 +104,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 """The embedded models by ``model`` name: SmolLM2-135M-Instruct (default) and Gemma 3 270M (an optional install)."""
 
 
-class ModelLoadError(RuntimeError):
-    """The requested model cannot be found, verified or loaded offline."""
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -319,10 +335,6 @@ class LoadedModel:
         return attention_layout(self.model.config)
 
 
-def context_length(config) -> int | None:
-    """Positions the model supports: ``max_position_embeddings`` of its decoder text config, or ``None`` if it has none."""
-    value = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
-    return int(value) if value is not None else None
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -399,7 +411,7 @@ def load_model(
         dtype: ``"bfloat16"`` or ``"float32"`` (TF32 is always off).
         role_table: optional ``[14, hidden]`` role-embedding file.
         contract: the :class:`ExecutionContract` (device, SDPA backends, determinism, TF32, threads),
-            validated and applied before loading. Default: ``ExecutionContract()`` (CPU, math SDPA).
+            validated and applied before loading. Default: :func:`~kvreplay.execution.resolve_contract` (CPU, math SDPA).
 
     Raises:
         ModelLoadError: unknown model, digest mismatch, or no offline copy; a
@@ -412,7 +424,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    contract = contract or ExecutionContract()
+    contract = contract or resolve_contract()
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -481,402 +493,6 @@ def load_model(
     )
     identity["self_check"] = self_check(lm)
     return lm
-
-
-_CHUNKED_TYPES = ("chunked_attention",)
-_RECURRENT_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent")
-_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
-_WORKS = ("Use a model whose every decoder layer is full or sliding-window attention with a plain key/value cache, "
-          "e.g. a Llama, a Qwen2/Qwen2.5, a Mistral, a Gemma 2 or Gemma 3.")
-
-
-def _layer_types(text) -> list[str]:
-    """Per decoder layer, its ``transformers`` layer type (the config's ``layer_types``, else inferred as transformers does)."""
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is None:
-        window = getattr(text, "sliding_window", None)
-        chunk = getattr(text, "attention_chunk_size", None)
-        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None else "full_attention"
-        layer_types = [kind] * (getattr(text, "num_hidden_layers", None) or 0)
-    return list(layer_types)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionLayout:
-    """Which attention each decoder layer computes, and how the decoders pass it the mask (paper §3.1 visibility).
-
-    A ``sliding_attention`` layer's query at flat position p sees key k iff k is
-    visible to the query's role (Table 2), k <= p and p - k < ``window``
-    (``transformers``' ``sliding_window_overlay``); a ``full_attention`` layer
-    drops the last condition. Every layer keeps a full-length cache (all |z|
-    positions), so constructions compare element by element; the window is
-    applied by the mask alone.
-
-    Attributes:
-        layer_types: per decoder layer, ``"full_attention"`` or ``"sliding_attention"``.
-        window: the sliding window W in positions, or ``None`` when no layer slides.
-        mask_by_type: pass the model a dict of 4-D masks keyed by layer type (mixed
-            layers, e.g. Gemma 3); otherwise one 4-D mask serves every layer.
-    """
-    layer_types: tuple[str, ...]
-    window: int | None
-    mask_by_type: bool
-
-    @property
-    def windowed(self) -> bool:
-        """True when at least one layer uses a sliding window."""
-        return self.window is not None
-
-    @property
-    def windows(self) -> tuple[int | None, ...] | None:
-        """Per layer its window (``None``: full attention), or ``None`` for a model without sliding layers."""
-        if not self.windowed:
-            return None
-        return tuple(self.window if t == "sliding_attention" else None for t in self.layer_types)
-
-    def kinds(self) -> list[str]:
-        """Per layer ``"full"`` or ``"sliding"`` (the name drift rows and figures use)."""
-        return [_KINDS[t] for t in self.layer_types]
-
-
-def attention_layout(config) -> AttentionLayout:
-    """The :class:`AttentionLayout` of a model config (its decoder text config).
-
-    Raises:
-        ModelLoadError: a layer type other than full or sliding-window attention (call :func:`cache_refusal` first
-            for the reason in words).
-    """
-    text = config.get_text_config(decoder=True)
-    types = tuple(_layer_types(text))
-    odd = sorted(set(types) - set(_KINDS))
-    if odd:
-        raise ModelLoadError(f"layer types {odd} have no attention layout here ({cache_refusal(config)})")
-    sliding = "sliding_attention" in types
-    window = int(text.sliding_window) if sliding else None
-    return AttentionLayout(types, window, mask_by_type=len(set(types)) > 1)
-
-
-def kv_cache(config):
-    """An empty ``DynamicCache`` for the model whose every layer keeps all positions (``[b, kv_heads, seq, head_dim]``).
-
-    ``DynamicCache(config=...)`` gives a sliding layer a rolling
-    ``DynamicSlidingWindowLayer`` that keeps only its last ``window - 1``
-    positions; here every layer is a plain ``DynamicLayer``, so live,
-    incremental, prefill, replicas and transplants keep comparable full-length
-    tensors and the window is applied by the mask (:class:`AttentionLayout`).
-    For a model without sliding layers this is exactly ``DynamicCache(config=...)``.
-    """
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-    cache = DynamicCache(config=config)
-    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
-    return cache
-
-
-def cache_refusal(config) -> str | None:
-    """Why this protocol cannot audit the KV cache of a model with this config, or ``None`` when it can.
-
-    The protocol compares the caches of different constructions (live,
-    incremental, prefill, replicas) element by element, layer by layer,
-    so every decoder layer must keep one key and one value tensor
-    ``[batch, kv_heads, seq, head_dim]`` per position. Full-attention and
-    sliding-window layers do (the decoders keep all positions of a sliding
-    layer and apply its window by the mask, :class:`AttentionLayout`). Refused:
-    chunked attention, linear-attention / recurrent / hybrid layers, any other
-    layer type, and any layer of ``DynamicCache(config=...)`` other than a
-    ``DynamicLayer`` (or a ``DynamicSlidingWindowLayer`` for a sliding layer),
-    or fewer cache layers than decoder layers (KV shared across layers).
-
-    Args:
-        config: the model's ``transformers`` config (its decoder text config is used).
-
-    Returns:
-        A sentence naming the offending setting and why it breaks the
-        comparison, or ``None``.
-    """
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-    text = config.get_text_config(decoder=True)
-    n_layers = getattr(text, "num_hidden_layers", None)
-    layer_types = _layer_types(text)
-
-    def where(kinds) -> str:
-        idx = [i for i, t in enumerate(layer_types) if t in kinds]
-        return f"layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
-
-    recurrent = [t for t in layer_types if t in _RECURRENT_TYPES]
-    if recurrent:
-        return (f"layer_types include {'/'.join(sorted(set(recurrent)))} ({where(_RECURRENT_TYPES)} of "
-                f"{len(layer_types)}): a linear-attention / recurrent layer keeps a running state instead of per-token "
-                f"keys and values, so there is no KV cache to compare element by element")
-    if any(t in _CHUNKED_TYPES for t in layer_types):
-        return (f"attention_chunk_size={getattr(text, 'attention_chunk_size', None)} ({where(_CHUNKED_TYPES)} of "
-                f"{len(layer_types)} use chunked_attention): chunked attention has no mask here, so its layers' "
-                f"visibility under the role table is not defined")
-    other = sorted({t for t in layer_types if t not in _KINDS})
-    if other:
-        return (f"layer_types include {other} ({where(other)}): only full_attention and sliding_attention layers keep a "
-                f"plain per-token KV cache this protocol can compare")
-    if "sliding_attention" in layer_types and not isinstance(getattr(text, "sliding_window", None), int):
-        return (f"{where(['sliding_attention'])} use sliding_attention but sliding_window is "
-                f"{getattr(text, 'sliding_window', None)!r}, not a number of positions")
-    try:
-        cache = DynamicCache(config=config)
-    except Exception as e:  # an exotic layer type transformers cannot even build a cache for
-        return f"DynamicCache(config=...) cannot be built for it ({type(e).__name__}: {e})"
-    allowed = {"full_attention": DynamicLayer, "sliding_attention": DynamicSlidingWindowLayer}
-    odd = [(i, type(layer).__name__) for i, layer in enumerate(cache.layers)
-           if i >= len(layer_types) or type(layer) is not allowed[layer_types[i]]]
-    if odd:
-        i, name = odd[0]
-        return (f"DynamicCache(config=...) builds a {name} for layer {i} (and {len(odd) - 1} more), not a plain "
-                f"key/value layer, so its cache cannot be compared element by element")
-    if n_layers is not None and len(cache.layers) != n_layers:
-        return (f"DynamicCache(config=...) holds {len(cache.layers)} cache layers for {n_layers} decoder layers "
-                f"(keys and values shared across layers), so caches cannot be compared layer by layer")
-    return None
-
-
-def check_cache_auditable(model: torch.nn.Module, name: str) -> None:
-    """Refuse, at load and before any row, a model whose KV cache this protocol cannot audit (see :func:`cache_refusal`).
-
-    Args:
-        model: the loaded ``transformers`` causal LM.
-        name: how the user named the model (``model`` argument of :func:`load_model`).
-
-    Raises:
-        ModelLoadError: naming the model, the reason and what would work.
-    """
-    reason = cache_refusal(model.config)
-    if reason is not None:
-        raise ModelLoadError(f"model {name!r} ({type(model).__name__}) cannot be audited by this protocol: {reason}. "
-                             f"{_WORKS}")
-
-
-def layer_masks(layout: AttentionLayout, visible: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor,
-                sliding_visible: torch.Tensor | None = None) -> "torch.Tensor | dict[str, torch.Tensor]":
-    """The ``attention_mask`` argument of one forward call: one 4-D mask, or a dict of them per layer type.
-
-    Args:
-        layout: the model's :class:`AttentionLayout`.
-        visible: ``[batch, 1, q, k]`` bool, causal AND role visibility (full-attention layers).
-        query_index, key_index: ``[q]`` and ``[k]`` int64 flat positions of the queries and keys.
-        sliding_visible: the sliding layers' mask before the window (default ``visible``).
-
-    Returns:
-        ``visible`` itself for a model without sliding layers; for sliding layers the mask AND
-        ``query - key < window``; a dict ``{layer type: mask}`` when ``layout.mask_by_type``.
-    """
-    if not layout.windowed:
-        return visible
-    base = visible if sliding_visible is None else sliding_visible
-    near = (query_index.unsqueeze(1) - key_index.unsqueeze(0)) < layout.window  # [q, k]
-    sliding = base & near
-    if not layout.mask_by_type:
-        return sliding
-    return {"full_attention": visible, "sliding_attention": sliding}
-
-
-SELF_CHECK_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
-SELF_CHECK_TOKENS = 8
-"""Length of the self-check sequence (token IDs of :data:`SELF_CHECK_TEXT`, specials left out)."""
-SELF_CHECK_HIDDEN = 2
-"""Index of the token the self-check hides with the 4-D mask (inside the first, multi-token call)."""
-SELF_CHECK_FIRST_CALL = 5
-"""Tokens in the self-check's first call; each later token gets its own one-token cached call."""
-SELF_CHECK_RATIO = 0.1
-"""Pass when distance(hidden, removed) <= this fraction of distance(hidden, visible) (see :func:`self_check`)."""
-SELF_CHECK_GAP = 64
-"""Positions the self-check's *shifted* runs add to some position IDs."""
-
-
-def _self_check_ids(tokenizer, vocab: int) -> list[int]:
-    """:data:`SELF_CHECK_TOKENS` ordinary token IDs (no special token, below the embedding size ``vocab``)."""
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    ids = [t for t in tokenizer(SELF_CHECK_TEXT, add_special_tokens=False).input_ids if t not in special and t < vocab]
-    if len(ids) < SELF_CHECK_TOKENS:  # an unusual tokenizer: spread fixed IDs over the vocabulary instead
-        ids = [t for t in range(vocab // 3, vocab, max(1, vocab // 50)) if t not in special]
-    if len(ids) < SELF_CHECK_TOKENS:
-        raise ModelLoadError(f"self-check: the vocabulary of {vocab} entries has fewer than {SELF_CHECK_TOKENS} "
-                             f"ordinary tokens")
-    return ids[:SELF_CHECK_TOKENS]
-
-
-def _self_check_run(model: torch.nn.Module, ids: list[int], positions: list[int], hidden: int | None,
-                    first: int, backends: list, layout: AttentionLayout, index: list[int] | None = None,
-                    hidden_in: str = "all") -> tuple[torch.Tensor, object]:
-    """One self-check decode: a ``first``-token call, then one-token cached calls, as the decoders make them.
-
-    Args:
-        ids: token IDs of one row (batch 1), length n.
-        positions: the position ID of each token (length n).
-        hidden: index into ``ids`` of a token no later query may attend to
-            (the 4-D mask hides it), or ``None``.
-        first: tokens in the first call.
-        layout: the model's attention layout (masks per layer type, window on ``index``).
-        index: each token's index in the full self-check sequence (default ``0..n-1``; the
-            *removed* run skips the hidden one), which the sliding window counts.
-        hidden_in: ``"all"`` layers, or ``"sliding"`` layers only (full layers see the token).
-
-    Returns:
-        ``(logits [vocab] float32 of the last token, the DynamicCache)``.
-    """
-    from torch.nn.attention import sdpa_kernel
-
-    dev = next(model.parameters()).device
-    n = len(ids)
-    causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # [query, key]
-    masked = causal.clone()
-    if hidden is not None:
-        masked[hidden + 1 :, hidden] = False
-    full, sliding = (causal, masked) if hidden_in == "sliding" else (masked, masked)
-    idx = torch.tensor(index if index is not None else list(range(n)), device=dev)
-    embeds = model.get_input_embeddings()(torch.tensor([ids], device=dev))  # [1, n, hidden], model dtype
-    pos = torch.tensor([positions], dtype=torch.long, device=dev)
-    cache = kv_cache(model.config)
-    out = None
-    for s, e in [(0, first)] + [(i, i + 1) for i in range(first, n)]:
-        mask = layer_masks(layout, full[s:e, :e][None, None].contiguous(), idx[s:e], idx[:e],
-                           sliding_visible=sliding[s:e, :e][None, None].contiguous())
-        with sdpa_kernel(backends):
-            out = model(inputs_embeds=embeds[:, s:e], attention_mask=mask, position_ids=pos[:, s:e],
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1].float(), cache
-
-
-def self_check(lm: "LoadedModel") -> dict:
-    """Prove on a few tokens that the model honours the explicit 4-D mask and position IDs it is given.
-
-    Five short decodes, each a multi-token first call followed by one-token
-    cached calls with ``inputs_embeds``, a bool 4-D ``attention_mask
-    [1, 1, q, k]`` (a dict of them per layer type for a model mixing
-    sliding-window and full layers), explicit ``position_ids [1, q]``, a
-    full-length cache (:func:`kv_cache`) and ``use_cache=True`` (the calls the decoders
-    make), under the loaded model's SDPA backends, dtype and device. With n =
-    :data:`SELF_CHECK_TOKENS` tokens, j = :data:`SELF_CHECK_HIDDEN` and a
-    position gap g (:data:`SELF_CHECK_GAP`, less if the context is shorter):
-
-    * **hidden**: positions 0..n-1, token j hidden by the mask from every later query;
-    * **removed**: the same tokens without token j, at their original
-      positions (the position IDs skip j);
-    * **visible**: as *hidden*, with token j visible (plain causal mask);
-    * **shifted_steps**: as *hidden*, the position IDs of the one-token calls moved g later;
-    * **shifted**: as *hidden*, every position ID after j moved g later (so it
-      differs from *shifted_steps* only inside the multi-token call).
-
-    A model that mixes layer types gets a sixth, **sliding_hidden**: token j
-    hidden from the sliding layers only. Each layer type reading its own mask
-    makes it differ from both *hidden* and *visible*.
-
-    A model that honours the mask gives *hidden* and *removed* the same last
-    logits up to rounding and *visible* different ones; one that ignores the
-    mask gives *visible* = *hidden*. A model that ignores the position IDs of
-    the one-token calls gives *shifted_steps* = *hidden*, one that ignores them
-    in the multi-token call gives *shifted* = *shifted_steps* (the same
-    computation, so the distance is exactly 0). With ``d`` the max absolute
-    difference of the last logits in float32, the check passes when
-    ``d(hidden, visible) > 0``, ``d(hidden, removed) <= SELF_CHECK_RATIO *
-    d(hidden, visible)``, ``d(hidden, shifted_steps) > 0``,
-    ``d(shifted, shifted_steps) > 0`` and, for mixed layers, both
-    ``sliding_hidden`` distances > 0: no threshold depends on the dtype. The
-    *hidden* cache must also hold plain ``keys``/``values``
-    ``[1, kv_heads, n, head_dim]`` in every layer.
-
-    Args:
-        lm: the loaded model (its role table is not used: the check concerns
-            attention and positions, not roles).
-
-    Returns:
-        JSON-serializable dict: ``passed`` (True), ``hidden_vs_removed``,
-        ``hidden_vs_visible``, ``hidden_vs_shifted_steps``,
-        ``shifted_vs_shifted_steps`` (float, logit units; mixed layers add
-        ``sliding_hidden_vs_hidden``, ``sliding_hidden_vs_visible``, and a windowed
-        model ``window`` and ``layer_types``), ``threshold``, ``tokens``,
-        ``hidden_index``, ``gap``, ``schedule`` (tokens per call), ``dtype``, ``sdpa_backends``.
-
-    Raises:
-        ModelLoadError: the model ignores the explicit mask or position IDs
-            (or its cache is not plain keys/values, or it refuses per-layer-type
-            masks), naming the model, the distances and the ``transformers`` / ``torch`` versions.
-    """
-    import transformers
-    from transformers.cache_utils import DynamicLayer
-
-    model = lm.model
-    layout = attention_layout(model.config)
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = _self_check_ids(lm.tokenizer, vocab)
-    n, j, first = len(ids), SELF_CHECK_HIDDEN, SELF_CHECK_FIRST_CALL
-    context = context_length(model.config)
-    gap = max(1, min(SELF_CHECK_GAP, context - n)) if context else SELF_CHECK_GAP
-    backends = sdpa_backend_list(tuple(lm.sdpa_backends))
-    name = lm.identity.get("model", type(model).__name__)
-    keep = [i for i in range(n) if i != j]
-    try:
-        with torch.inference_mode():
-            run = functools.partial(_self_check_run, model, first=first, backends=backends, layout=layout)
-            hidden, cache = run(ids, list(range(n)), j)
-            removed, _ = run([ids[i] for i in keep], keep, None, first=first - 1, index=keep)
-            visible, _ = run(ids, list(range(n)), None)
-            steps, _ = run(ids, [i + gap * (i >= first) for i in range(n)], j)
-            shifted, _ = run(ids, [i + gap * (i > j) for i in range(n)], j)
-            d = {"hidden_vs_removed": hidden - removed, "hidden_vs_visible": hidden - visible,
-                 "hidden_vs_shifted_steps": hidden - steps, "shifted_vs_shifted_steps": shifted - steps}
-            if layout.mask_by_type:
-                only, _ = run(ids, list(range(n)), j, hidden_in="sliding")
-                d |= {"sliding_hidden_vs_hidden": only - hidden, "sliding_hidden_vs_visible": only - visible}
-            d = {k: float(v.abs().max()) for k, v in d.items()}
-    except (TypeError, KeyError, AttributeError) as e:  # e.g. a model that cannot take a dict of masks per layer type
-        how = "a dict of 4-D masks per layer type" if layout.mask_by_type else "an explicit 4-D mask"
-        raise ModelLoadError(
-            f"model {name!r} failed the load self-check: its forward call with {how} raised {type(e).__name__}: {e}. "
-            f"With transformers {transformers.__version__}, torch {torch.__version__}, this protocol cannot audit this "
-            f"model: every decoder call relies on the explicit masks and position IDs. {_WORKS}") from e
-    for i, layer in enumerate(cache.layers):
-        keys = getattr(layer, "keys", None)
-        if type(layer) is not DynamicLayer or not isinstance(keys, torch.Tensor) or keys.shape[-2] != n:
-            shape = tuple(keys.shape) if isinstance(keys, torch.Tensor) else None
-            raise ModelLoadError(
-                f"model {name!r} failed the load self-check: after {n} tokens, cache layer {i} is a "
-                f"{type(layer).__name__} with keys of shape {shape}, not a plain key/value layer holding all {n} "
-                f"positions; this protocol cannot audit its KV cache. {_WORKS}")
-    faults = [  # comparisons are False for NaN distances, so NaN logits fail too
-        ("hiding a token with the mask changed nothing", not d["hidden_vs_visible"] > 0),
-        ("hiding a token with the mask does not match removing it at the same position IDs",
-         d["hidden_vs_visible"] > 0 and not d["hidden_vs_removed"] <= SELF_CHECK_RATIO * d["hidden_vs_visible"]),
-        ("moving the position IDs of the one-token calls changed nothing", not d["hidden_vs_shifted_steps"] > 0),
-        ("moving the position IDs inside the multi-token call changed nothing", not d["shifted_vs_shifted_steps"] > 0),
-    ]
-    if layout.mask_by_type:
-        faults += [
-            ("hiding a token from the sliding layers only gave the logits of hiding it from every layer "
-             "(the full-attention layers read the sliding layers' mask)", not d["sliding_hidden_vs_hidden"] > 0),
-            ("hiding a token from the sliding layers only changed nothing (the sliding layers read the "
-             "full-attention layers' mask)", not d["sliding_hidden_vs_visible"] > 0),
-        ]
-    faults = [what for what, bad in faults if bad]
-    if faults:
-        measured = ", ".join(f"{k.replace('_vs_', ' vs ').replace('_', ' ')} = {v:.4g}" for k, v in d.items())
-        raise ModelLoadError(
-            f"model {name!r} failed the load self-check: the model ignores the explicit attention mask or position "
-            f"IDs it is given ({'; '.join(faults)}). Hiding token {j} of {n} with the 4-D mask should give the same "
-            f"last logits as removing it and skipping its position ID, different ones from leaving it visible, and "
-            f"moving position IDs {gap} later should change them; measured max |logit difference|: {measured} (a "
-            f"pass needs hidden vs removed <= {SELF_CHECK_RATIO} x hidden vs visible, and the others > 0). With "
-            f"transformers {transformers.__version__}, torch {torch.__version__}, attention implementation "
-            f"{getattr(model.config, '_attn_implementation', None)!r} and SDPA backends {list(lm.sdpa_backends)}, "
-            f"this protocol cannot audit this model: every decoder call relies on the explicit 4-D mask and "
-            f"position IDs.")
-    out = {
-        "passed": True, **d, "threshold": SELF_CHECK_RATIO, "tokens": n, "hidden_index": j, "gap": gap,
-        "schedule": [first] + [1] * (n - first), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "sdpa_backends": list(lm.sdpa_backends),
-    }
-    if layout.windowed:
-        out |= {"window": layout.window, "layer_types": layout.kinds()}
-    return out
 
 
 def environment_record(lm: LoadedModel | None = None, threads: int | None = None) -> dict:

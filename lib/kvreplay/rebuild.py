@@ -26,9 +26,8 @@ from .gates import GateError
 from .ledger.lookup import LoadedLedger
 from .ledger.records import Exp1Record, Exp1Row, Exp2Record, Exp2Row
 from .ledger.store import canonical_json
-from .execution import ExecutionContract
 from .models import load_model
-from .paths import ROOT
+from .runner import ArmSettings
 
 if TYPE_CHECKING:
     import torch
@@ -99,17 +98,10 @@ def load_for_ledger(ledger: LoadedLedger, model: str | None = None):
         DeviceUnavailableError: the ledger was computed on CUDA and this machine has none.
     """
     c = ledger.config
-    execution = c.get("execution", {})
-    contract = ExecutionContract(
-        device=execution.get("device", "cpu"), sdpa_backends=tuple(c["sdpa_backends"]),
-        deterministic=execution.get("deterministic"), allow_tf32=execution.get("allow_tf32", False), threads=c["threads"],
-    )
+    settings = ArmSettings.from_config(c).eager()  # the row's caches are rebuilt one problem at a time
     role = c.get("role_table")
-    table = None
-    if role:
-
-        table = Path(role["model"]) if Path(role["model"]).is_absolute() else ROOT / role["model"]
-    lm = load_model(model_for_ledger(ledger, model), c["dtype"], role_table=table, contract=contract)
+    table = settings.role_table
+    lm = load_model(model_for_ledger(ledger, model), c["dtype"], role_table=table, contract=settings.contract())
     if role and lm.identity["role_table_sha256"] != role["sha256"]:
         raise GateError("provenance", f"role table {table} has sha256 {lm.identity['role_table_sha256']}, the ledger keyed {role['sha256']}")
     fmt = resolve_format(lm.tokenizer, c["format"])

@@ -26,7 +26,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pandas as pd
 
@@ -41,10 +41,9 @@ from .problems import Problem, load_bank, load_problems
 from .profiles import DEFAULT_PROFILE, ChainParameters, describe, load_parameters
 from .report.files import contract_frame, save_figure, save_table
 from .report.summary import TABLE_CAPTIONS
-from .runner import ArmSettings, resolve_execution
+from .runner import ENGINE_KEYS, Arm, ArmPlan, ArmSettings, resolve_execution
 
-ENGINE_KEYS = ("step_path", "batch", "max_len", "chunk", "attention")
-"""Execution-contract keys that drive the batched engine (left out of an arm without a batched runner)."""
+R = TypeVar("R", bound=Mapping[str, Any])
 
 WHOLE_TABLES = {"display.max_rows": None, "display.max_columns": None, "display.max_colwidth": None}
 """pandas display options :func:`open_session` sets: a notebook shows every row, column and whole cell text of a
@@ -142,6 +141,39 @@ class Session:
             kw["role_table"] = role_table
         return ArmSettings(profile=self.profile, dtype=dtype, caps=self.caps, preflight=preflight,
                            live_check_fraction=self.params.live_check_fraction, **kw)
+
+    def plan(self, arm: Arm[R]) -> ArmPlan[R]:
+        """An arm under these parameters: its problems, prefixes and key entries; its panel frozen and written first.
+
+        Raises:
+            whatever the arm's ``prepare`` raises before any row is decoded (a missing prefix bank or upstream
+            ledger, ``ReadOnlyLedgerError`` for a panel that would change, a checkpoint that cannot be resolved).
+        """
+        return arm.prepare(self)
+
+    def arm_settings(self, plan: ArmPlan[Any], dtype: str) -> ArmSettings:
+        """The :class:`~kvreplay.runner.ArmSettings` of a planned arm at one precision (:meth:`settings`).
+
+        The preflight rows are the plan's, else the parameter the arm names (``Arm.preflight``), else none.
+        """
+        preflight = plan.preflight
+        if preflight is None:
+            preflight = getattr(self.params, plan.arm.preflight) if plan.arm.preflight else 0
+        return self.settings(dtype, preflight, model=plan.model, role_table=plan.role_table)
+
+    def run(self, arm: Arm[R] | ArmPlan[R], dtype: str, *, progress: bool = True) -> tuple[list[R], Ledger]:
+        """Run, resume or reuse one arm at one precision under these parameters: its records and ledger.
+
+        Args:
+            arm: an arm's declaration (planned here: :meth:`plan`) or its plan.
+            dtype: ``"bfloat16"`` or ``"float32"`` (one of the arm's precisions).
+
+        Raises:
+            ValueError: a precision the arm does not run at; and the errors of :meth:`plan` and
+                :func:`~kvreplay.runner.run_arm` (gates, bad problems, read-only ledgers).
+        """
+        plan = arm if isinstance(arm, ArmPlan) else self.plan(arm)
+        return plan.run(self.arm_settings(plan, dtype), ledger_root=self.ledger_root, progress=progress)
 
     @functools.cached_property
     def fixed(self) -> FixedPrefixes:

@@ -27,23 +27,17 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from .contract import Caps
-from .experiments import (
-    bridge,
-    controls,
-    fixed_prefix,
-    live_vs_prefill,
-    replication,
-    transplant,
-)
+from .experiments import arms
 from .gates import GateError
+from .ledger.lookup import PREFIX_BANK
 from .ledger.prefix_bank import read_prefix_bank
 from .ledger.store import canonical_json, read_rows_text, row_lines
 from .models import context_length, environment_record
 from .paths import LEDGERS, ROOT
-from .problems import load_bank
-from .runner import ROW_ALGORITHM, ArmSettings, EngineRun, RunSpec, check_prompts
+from .problems import Problem, load_bank
+from .runner import ROW_ALGORITHM, ArmPlan, ArmSettings, RunSpec, check_prompts
 from .runner.batched import first_difference, leaves
 from .runner.spec import model_key
 
@@ -83,91 +77,48 @@ def _token_fields(rec: dict) -> dict:
             if ("suffix" in k or k.startswith("prefix[") or "baseline." in k) and ("margins" not in k)}
 
 
-def settings_from_manifest(folder: Path):
-    """The :class:`~kvreplay.runner.ArmSettings` that wrote a ledger, from its manifest and environment.
+def settings_from_manifest(folder: Path) -> tuple[ArmSettings, dict]:
+    """The :class:`~kvreplay.runner.ArmSettings` that wrote a ledger (:meth:`~kvreplay.runner.ArmSettings.from_config`
+    of its manifest's config), and that config.
 
     Raises:
-        ValueError: for a model the manifest does not name as loadable here (only the embedded model, a
-            role table inside the repository and a local path are supported).
+        ValueError: a contract the settings refuse.
     """
     config = json.loads((folder / "manifest.json").read_text())["config"]
-    model = config["model"]["model"]
-    role_table = config.get("role_table")
-    execution = config.get("execution", {})
-    return ArmSettings(
-        profile=config["profile"], dtype=config["dtype"], caps=Caps(**config["caps"]), model=model,
-        fmt=config["format"], role_table=str(ROOT / role_table["model"]) if role_table else None,
-        threads=config["threads"], sdpa_backends=tuple(config["sdpa_backends"]), preflight=config["preflight"],
-        **{k: execution[k] for k in ("device", "deterministic", "allow_tf32") if k in execution},  # absent: the defaults
-    ), config
+    return ArmSettings.from_config(config), config
 
 
 def _bank_prefixes(folder: Path, config: dict) -> dict[str, list[int]]:
+    """The profile's prefix bank, problem ID -> prefix z, checked against the digest the ledger was keyed with.
 
-    entries, digest = read_prefix_bank(folder.parent / "prefix_bank_bf16.jsonl")
+    Raises:
+        GateError: ``provenance``, the bank is not the one the ledger was computed from.
+    """
+    entries, digest = read_prefix_bank(folder.parent / PREFIX_BANK)
     if config.get("prefix_bank_sha256") not in (None, digest):
         raise GateError("provenance", f"{folder.name} was computed from prefix bank {config['prefix_bank_sha256'][:12]}, "
                         f"the profile's bank is {digest[:12]}")
     return {e["problem_id"]: e["prefix"] for e in entries}
 
 
-def row_function(folder: Path, config: dict):
-    """``(RunSpec, Problem, committed record) -> record``: the per-row function that wrote this ledger.
+def ledger_plan(folder: Path, config: dict, problems: Sequence[Problem]) -> ArmPlan[Any]:
+    """The arm that wrote a ledger, bound to the inputs its key names (:data:`kvreplay.experiments.arms.ARMS`).
+
+    The problems are the key's ``problem_ids``; the key entries are the manifest's; the prefixes are the profile's
+    prefix bank's (checked against the key's digest).
 
     Raises:
-        ValueError: for an experiment this module cannot recompute.
+        ValueError: an experiment without a declared arm, or a manifest without the key entries the arm adds.
+        KeyError: a problem ID of the key that ``problems`` lacks.
+        GateError: ``provenance``, the profile's prefix bank is not the ledger's.
     """
-    name = config["experiment"]
-    if name == "exp1":
-        return lambda spec, p, rec: live_vs_prefill.live_vs_prefill_row(spec, p)
-    if name == "exp2":
-        return lambda spec, p, rec: fixed_prefix.fixed_prefix_row(spec, p, rec["prefix"])
-    bank = _bank_prefixes(folder, config)
-    if name == "exp2_controls":
-        return lambda spec, p, rec: controls.controls_row(spec, p, bank[p.problem_id], config["seed"])
-    if name == "exp3":
-        return lambda spec, p, rec: bridge.bridge_row(spec, p, bank[p.problem_id])
-    if name == "exp4":
-        return lambda spec, p, rec: transplant.transplant_row(spec, p, bank[p.problem_id], rec["stratum"], sweep=_sweep(config, rec))
-    if name == "exp5":
-        return lambda spec, p, rec: replication.replication_row(spec, p, bank[p.problem_id])
-    raise ValueError(f"{folder.name}: cannot recompute rows of experiment {name!r}")
-
-
-def _sweep(config: dict, rec: dict) -> bool:
-    """Whether an Experiment 4 row ran the single-layer sweep: its problem is in the ledger key's ``sweep`` list (a
-    row stopped by the transplant's precondition has no interventions to tell); older keys without the list: its
-    recorded interventions."""
-    if "sweep" in config:
-        return rec["problem_id"] in config["sweep"]
-    return any(k.startswith("layer_") for k in rec.get("interventions") or {})
-
-
-def chunk_function(folder: Path, config: dict):
-    """``(RunSpec, Problem, committed record) -> record`` through the batched engine: the row in a chunk of one.
-
-    The ``composition`` gate of every batched arm checks that a problem's record computed alone at the
-    arm's batch shape equals its record inside a chunk, so this recomputes a batched ledger's row bit for bit.
-
-    Raises:
-        ValueError: for an experiment without a batched runner.
-    """
-    name = config["experiment"]
-    if name == "exp1":
-        return lambda spec, p, rec: live_vs_prefill.live_vs_prefill_chunk(spec, [p])[0]
-    if name == "exp2":
-        return lambda spec, p, rec: fixed_prefix.fixed_prefix_chunk(spec, [p], [rec["prefix"]])[0]
-    bank = _bank_prefixes(folder, config)
-    if name == "exp2_controls":
-        return lambda spec, p, rec: controls.controls_chunk(spec, [p], [bank[p.problem_id]], config["seed"])[0]
-    if name == "exp3":
-        return lambda spec, p, rec: bridge.bridge_chunk(spec, [p], [bank[p.problem_id]])[0]
-    if name == "exp4":
-        return lambda spec, p, rec: transplant.transplant_chunk(
-            spec, [p], [bank[p.problem_id]], [rec["stratum"]], [_sweep(config, rec)])[0]
-    if name == "exp5":
-        return lambda spec, p, rec: replication.replication_chunk(spec, [p], [bank[p.problem_id]])[0]
-    raise ValueError(f"{folder.name}: experiment {name!r} has no batched runner")
+    arm = arms.arm(config["experiment"])
+    missing = [k for k in arm.key if k not in config]
+    if missing:
+        raise ValueError(f"{folder.name}: its manifest lacks the key entries {missing} of arm {arm.experiment}")
+    by_id = {p.problem_id: p for p in problems}
+    return arm.plan([by_id[i] for i in config["problem_ids"]], key={k: config[k] for k in arm.key},
+                    prefixes=_bank_prefixes(folder, config) if arm.prefixes else None)
 
 
 def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", problems=None,
@@ -226,23 +177,25 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
         return [RowCheck(folder.name, committed[i]["problem_id"], "stale", False, None,
                          f"written by row algorithm {env.get('row_algorithm')}, this code computes "
                          f"{ROW_ALGORITHM.get(config['experiment'])}: not comparable") for i in chosen]
-    by_id = {p.problem_id: p for p in (problems if problems is not None else load_bank())}
-    fn = row_function(folder, config)
+    bank = list(problems if problems is not None else load_bank())
+    by_id = {p.problem_id: p for p in bank}
+    plan = ledger_plan(folder, config, bank)
+    row, chunk = plan.row_function(), plan.chunk_function()
+    fn: Callable[[RunSpec, Problem], dict] = row
     recorded = env["execution_contract"]
-    run, where = None, ""
+    where = ""
     if settings.contract().device_type == "cuda" and not torch.cuda.is_available():
         # a GPU ledger on a machine without one: recompute on this CPU through the eager reference path
-        settings = dataclasses.replace(settings, device="cpu", deterministic=None)
+        settings = dataclasses.replace(settings.eager(), device="cpu", deterministic=None)
         path = recorded.get("engine") or {"step_path": "eager"}
         where = (f"; recorded on {recorded.get('device_name', 'a GPU')} ({path['step_path']} path"
                  + (f", B={path['batch']}" if "batch" in path else "") + "), recomputed on this CPU through the eager path")
     elif config.get("engine"):
         # a batched ledger: the row alone in a chunk of one at the recorded batch shape (the composition gate's run)
-        e = recorded["engine"]
-        run = EngineRun("graph" if e["step_path"] == "graph" else "eager", e["batch"], e["max_len"],
-                        attention=e.get("attention", "sdpa"))
-        fn = chunk_function(folder, config)
+        settings = dataclasses.replace(settings, max_len=recorded["engine"]["max_len"])
+        fn = lambda spec, p: chunk(spec, [p])[0]  # noqa: E731 (the row alone in a chunk of one)
     lm, fmt = settings.load()
+    run = settings.engine_run(fmt, [by_id[committed[i]["problem_id"]] for i in chosen], lm.model.config)
     check_prompts(fmt, [by_id[committed[i]["problem_id"]] for i in chosen], context_length(lm.model.config),
                   caps=settings.caps)
     spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, equivalence_ids=frozenset(config["problem_ids"][: settings.preflight]),
@@ -253,7 +206,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     out = []
     for i in chosen:
         old = committed[i]
-        new = fn(spec, by_id[old["problem_id"]], old)
+        new = fn(spec, by_id[old["problem_id"]])
         if not differs:
             ok = canonical_json(new) == lines[i]
             parted = None if ok else first_difference(old, new)

@@ -39,7 +39,7 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from kvreplay.experiments.endpoints import require_gates
-from kvreplay.experiments.live_vs_prefill import run_live_vs_prefill
+from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.experiments.matrix import matrix_summary, matrix_table
 from kvreplay.ledger.prefix_bank import write_prefix_bank
 from kvreplay.report import figures
@@ -58,8 +58,7 @@ print(f"{len(rows)} problems from {p.problems!r}; ledgers under {session.ledger_
 # %%
 records, ledgers = {}, {}
 for dtype in p.precisions:
-    records[dtype], ledgers[dtype] = run_live_vs_prefill(rows, session.settings(dtype, p.preflight),
-                                                         ledger_root=session.ledger_root)
+    records[dtype], ledgers[dtype] = session.run(EXP1, dtype)
     print(dtype, "->", ledgers[dtype].dir.name)
 
 # %% [markdown]

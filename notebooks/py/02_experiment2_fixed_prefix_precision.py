@@ -31,9 +31,9 @@ overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "executi
 import pandas as pd
 from IPython.display import Markdown, display
 
-from kvreplay.experiments.controls import controls_summary, controls_table, run_controls
+from kvreplay.experiments.controls import EXP2_CONTROLS, controls_summary, controls_table
 from kvreplay.experiments.endpoints import require_gates
-from kvreplay.experiments.fixed_prefix import crossing_table, precision_crossing, run_fixed_prefix
+from kvreplay.experiments.fixed_prefix import EXP2, crossing_table, precision_crossing
 from kvreplay.experiments.matrix import matrix_summary, matrix_table
 from kvreplay.report import figures
 from kvreplay.report.files import drift_by_layer
@@ -53,9 +53,7 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}), "
 # %%
 records, ledgers = {}, {}
 for dtype in p.precisions:
-    records[dtype], ledgers[dtype] = run_fixed_prefix(fixed.rows, fixed.prefixes, fixed.sha256,
-                                                      session.settings(dtype, p.preflight_fixed),
-                                                     ledger_root=session.ledger_root)
+    records[dtype], ledgers[dtype] = session.run(EXP2, dtype)
     print(dtype, "->", ledgers[dtype].dir.name)
 
 # %% [markdown]
@@ -105,9 +103,7 @@ if cross:
 
 # %%
 if p.exploratory_controls and "bfloat16" in p.precisions:
-    controls, controls_ledger = run_controls(fixed.rows, fixed.prefixes, fixed.sha256,
-                                             session.settings("bfloat16", p.preflight_fixed),
-                                             ledger_root=session.ledger_root, seed=p.seed)
+    controls, controls_ledger = session.run(EXP2_CONTROLS, "bfloat16")
     csum = controls_summary(controls)
     ctl_table = controls_table(csum)
     session.save_table(ctl_table, "exp2_controls",

@@ -30,10 +30,7 @@ overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "executi
 # %%
 from IPython.display import Markdown, display
 
-from kvreplay.experiments.bridge import (audit_table, bridge_chunk, bridge_row, bridge_summary, bridge_table,
-                                         saved_ledger_audit)
-from kvreplay.experiments.transplant import order_statistics
-from kvreplay.runner import run_arm
+from kvreplay.experiments.bridge import EXP3, audit_table, bridge_summary, bridge_table, saved_ledger_audit
 from kvreplay.session import open_session
 
 session = open_session("notebooks/03_experiment3_bridge_and_audit.ipynb", profile, overrides)
@@ -45,25 +42,14 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]})")
 # ## Freeze the bridge panel before decoding
 
 # %%
-panel = order_statistics(fixed.entries, p.n_bridge, key=lambda e: (len(e["prefix"]), e["problem_id"]))
-panel_ids = [e["problem_id"] for e in panel]
-panel_path = session.write_panel("exp3_bridge_panel",
-                                 rule="evenly spaced order statistics of saved BF16 prefix length, then problem ID",
-                                 prefix_bank_sha256=fixed.sha256, problem_ids=panel_ids,
-                                 saved_prefix_lengths=[len(e["prefix"]) for e in panel])
-print(panel_path, panel_ids)
+plan = session.plan(EXP3)  # n_bridge evenly spaced order statistics of saved prefix length, written to a file
+print(plan.notes["panel_path"], plan.notes["panel_ids"])
 
 # %% [markdown]
 # ## Bridge run (BF16)
 
 # %%
-panel_rows = [session.by_id[i] for i in panel_ids]
-bridge, bridge_ledger = run_arm(
-    "exp3", session.settings("bfloat16", 0), panel_rows,
-    lambda spec, problem: bridge_row(spec, problem, fixed.prefixes[problem.problem_id]),
-    ledger_root=session.ledger_root, extra_config={"prefix_bank_sha256": fixed.sha256},
-    chunk=lambda spec, problems: bridge_chunk(spec, problems, [fixed.prefixes[q.problem_id] for q in problems]),
-)
+bridge, bridge_ledger = session.run(plan, "bfloat16")
 failed = [(r["problem_id"], r["gate_failure"]) for r in bridge if r["gate_failure"]]
 assert not failed, f"bridge rows failed gates: {failed}"
 b = bridge_summary(bridge)

@@ -35,10 +35,8 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from kvreplay.experiments.endpoints import rate_text
-from kvreplay.experiments.transplant import (freeze_transplant_panel, localization_table, transplant_chunk,
-                                              transplant_row, transplant_summary, transplant_table)
+from kvreplay.experiments.transplant import EXP4, localization_table, transplant_summary, transplant_table
 from kvreplay.report import figures
-from kvreplay.runner import run_arm
 from kvreplay.session import open_session
 
 session = open_session("notebooks/04_experiment4_cache_transplant.ipynb", profile, overrides)
@@ -51,31 +49,16 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]})")
 
 # %%
 # the panel is frozen from the committed Experiment 2 BF16 ledger of this chain (found by provenance, not re-run)
-panel = freeze_transplant_panel(session.upstream("exp2-bfloat16").records, p.n_divergent, p.n_exact)
-sweep_ids = [e["problem_id"] for e in panel if e["stratum"] == "divergent"][:p.n_sweep]
-panel_path = session.write_panel(
-    "exp4_panel",
-    rule="within each Experiment 2 BF16 stratum, evenly spaced order statistics of prefix length then problem ID",
-    prefix_bank_sha256=fixed.sha256, panel=panel, sweep=sweep_ids)
-print(panel_path)
+plan = session.plan(EXP4)
+panel, sweep_ids = plan.notes["panel"], plan.notes["sweep"]
+print(plan.notes["panel_path"])
 pd.DataFrame(panel)
 
 # %% [markdown]
 # ## Run the transplants (BF16)
 
 # %%
-stratum = {e["problem_id"]: e["stratum"] for e in panel}
-panel_rows = [session.by_id[e["problem_id"]] for e in panel]
-records, ledger = run_arm(
-    "exp4", session.settings("bfloat16", 0), panel_rows,
-    lambda spec, problem: transplant_row(spec, problem, fixed.prefixes[problem.problem_id], stratum[problem.problem_id],
-                                         problem.problem_id in sweep_ids),
-    ledger_root=session.ledger_root,
-    extra_config={"prefix_bank_sha256": fixed.sha256, "panel": panel, "sweep": sweep_ids},
-    chunk=lambda spec, problems: transplant_chunk(
-        spec, problems, [fixed.prefixes[q.problem_id] for q in problems], [stratum[q.problem_id] for q in problems],
-        [q.problem_id in sweep_ids for q in problems]),
-)
+records, ledger = session.run(plan, "bfloat16")
 print(ledger.dir.name)
 
 # %% [markdown]

@@ -41,20 +41,17 @@ import json
 import pandas as pd
 from IPython.display import Markdown, display
 
-from kvreplay import adapt
 from kvreplay.experiments import replication
 from kvreplay.experiments.endpoints import rate_text
 from kvreplay.experiments.transplant import DIRECTIONS, split_precondition
 from kvreplay.ledger.records import outcome_of
 from kvreplay.report import figures
-from kvreplay.runner import run_arm
 from kvreplay.session import open_session
 
 session = open_session("notebooks/05_experiment5_replication.ipynb", profile, overrides)
 p = session.params
 fixed = session.fixed  # the BF16 prefix bank of notebook 01, digest and order checked
-ckpt = replication.resolve_checkpoint(p.model, p.replication_model, p.replication_role_table,
-                                      session.ledger_root / p.profile / adapt.POINTER)
+ckpt = replication.chain_checkpoint(session)  # the later role table of notebook 00, checked by digest
 print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}); replication checkpoint: {ckpt.description}")
 
 # %% [markdown]
@@ -63,10 +60,8 @@ print(f"{len(fixed.rows)} fixed BF16 prefixes (sha256 {fixed.sha256[:12]}); repl
 # divergence labels are never read. If the bank has fewer rows than `n_exp5`, every row is taken.
 
 # %%
-candidates = replication.panel_candidates(fixed.entries)
-panel = replication.freeze_replication_panel(candidates, p.n_exp5)
-panel_path = session.write_panel("exp5_panel", sort_keys=True, **replication.panel_doc(
-    panel, n_requested=p.n_exp5, prefix_bank_sha256=fixed.sha256, checkpoint=ckpt.record))
+plan = session.plan(replication.EXP5)  # also reads checkpoint 0's Experiment 2 BF16 ledger (found by provenance)
+panel, panel_path = plan.notes["panel"], plan.notes["panel_path"]
 min_div, min_exact = replication.scaled_thresholds(len(panel))
 print(f"{panel_path}: {len(panel)} rows; the verdict needs >= 12 divergent and >= 6 exact rows (the paper's frozen "
       f"thresholds); secondary, scaled to this panel: >= {min_div} and >= {min_exact}")
@@ -82,20 +77,8 @@ pd.DataFrame(panel)
 # secondary accuracy comparison.
 
 # %%
-# checkpoint 0: the committed Experiment 2 BF16 ledger of this chain (found by provenance, not re-run)
-exp2 = session.upstream("exp2-bfloat16")
-chain_format = exp2.contract.get("format_digest")
-if ckpt.model != p.model:
-    replication.check_same_format(ckpt.model, p.format, chain_format)
-records, ledger = run_arm(
-    "exp5", session.settings("bfloat16", p.preflight_fixed, model=ckpt.model, role_table=ckpt.role_table),
-    [session.by_id[e["problem_id"]] for e in panel],
-    lambda spec, problem: replication.replication_row(spec, problem, fixed.prefixes[problem.problem_id]),
-    chunk=lambda spec, problems: replication.replication_chunk(spec, problems,
-                                                               [fixed.prefixes[q.problem_id] for q in problems]),
-    ledger_root=session.ledger_root,
-    extra_config={"prefix_bank_sha256": fixed.sha256, "panel": panel, "checkpoint": ckpt.record},
-)
+records, ledger = session.run(plan, "bfloat16")
+exp2, chain_format = plan.notes["exp2"], plan.notes["chain_format"]  # checkpoint 0, read when the arm was planned
 env = json.loads((ledger.dir / "environment.json").read_text())
 assert env["execution_contract"].get("format_digest") == chain_format, (
     "the replication checkpoint's block format differs from the chain's")

@@ -19,7 +19,7 @@ from ..contract import (
     resolve_format,
 )
 from ..ledger.store import canonical_json, config_digest
-from ..execution import ExecutionContract
+from ..execution import resolve_contract
 from ..models import LoadedModel, environment_record, file_sha256, load_model
 from ..paths import ROOT
 from ..problems import Problem
@@ -159,7 +159,7 @@ def load_checkpoint_model(folder: str | Path, which: str = "later", dtype: str =
     key = ck.base_model["key"]
     if model is not None and model_key(model) != key:
         raise CheckpointError(f"model {model!r} is not the base the role table was trained on ({key})")
-    lm = load_model(base, dtype, role_table=ck.path, contract=ExecutionContract(sdpa_backends=tuple(sdpa_backends)))
+    lm = load_model(base, dtype, role_table=ck.path, contract=resolve_contract(sdpa_backends=tuple(sdpa_backends)))
     if lm.identity["role_table_sha256"] != ck.sha256:
         raise CheckpointError(f"loaded role table digest {lm.identity['role_table_sha256']} differs from {ck.sha256}")
     return lm

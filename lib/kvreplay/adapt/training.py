@@ -21,7 +21,7 @@ from ..contract import (
     ContractError,
     load_spec,
 )
-from ..execution import ExecutionContract, sdpa_backend_list
+from ..execution import ExecutionContract, resolve_contract, sdpa_backend_list
 from ..ledger.records import LetterChoice
 from ..models import LoadedModel, weights_sha256
 from ..bank import SOURCES, locate_source, read_source_file, select_bank
@@ -121,7 +121,7 @@ def training_contract(threads: int, sdpa_backends: Sequence[str], *, determinist
     """The CPU execution contract role-table training and the letter metric run under, whatever a profile's device:
     ``threads`` intra-op threads, ``sdpa_backends``, TF32 off; ``deterministic`` as in
     :class:`~kvreplay.execution.ExecutionContract` (training asks for ``True``)."""
-    return ExecutionContract(device="cpu", sdpa_backends=tuple(sdpa_backends), threads=threads, deterministic=deterministic)
+    return resolve_contract(device="cpu", sdpa_backends=tuple(sdpa_backends), threads=threads, deterministic=deterministic)
 
 
 # ----------------------------------------------------------------------------- data

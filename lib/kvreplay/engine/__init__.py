@@ -8,7 +8,8 @@ position in a static KV cache (:class:`RowCache`), and one batched one-token
 step (:class:`StepEngine`) advances every problem by one token. Everything the
 step reads lives in static buffers that are updated in place, so on CUDA the
 step is captured once in a ``torch.cuda.CUDAGraph`` and replayed
-(``step_path="graph"``); ``step_path="eager"`` runs the same code directly.
+(``step_path="graph"``); ``step_path="eager"`` runs the same code directly. Every batched decoder takes its
+settings as one :class:`EngineRun` (step path, batch shape, attention, checks, slot order).
 
 What stays as in :mod:`kvreplay.decode`:
 
@@ -66,6 +67,7 @@ from .attention import (
     use_attention,
 )
 from .cache import RowCache, RowLayer
+from .run import EngineRun
 from .decoders import (
     build_incrementals,
     decode_chains,
@@ -79,7 +81,7 @@ from .step import ATTENTION_CHECKS, SLOT_STEPS, STEP_PATHS, VERIFIED_STEPS, Step
 
 __all__ = [
     "ATTENTIONS", "ATTENTION_CHECKS", "FLEX_BLOCK", "SLOT_STEPS", "STEP_PATHS", "TOLERANCE", "VERIFIED_STEPS",
-    "FlexMask", "RowCache", "RowLayer", "StepEngine", "build_incrementals", "choice_stats", "decode_chains",
+    "EngineRun", "FlexMask", "RowCache", "RowLayer", "StepEngine", "build_incrementals", "choice_stats", "decode_chains",
     "decode_forced", "decode_lives", "decode_suffixes", "flex_attention_step", "flex_environment",
     "flex_kernel_options", "flex_reference", "grouped_attention", "live_length_bound", "reference_attention",
     "suffix_length_bound", "use_attention",

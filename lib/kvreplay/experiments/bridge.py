@@ -20,6 +20,7 @@ from ..gates import GateError
 from ..ledger.records import BridgeRecord, Exp1Record, Exp2Record, arm_of
 from ..problems import Problem
 from ..runner import RunSpec, leaves
+from ..runner.arms import Arm, ArmPlan, Chain
 from .endpoints import require_gates
 from .matrix import (
     arm_record,
@@ -30,6 +31,7 @@ from .matrix import (
     gate_failure,
     raise_gate_errors,
 )
+from .transplant import order_statistics
 
 
 def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> BridgeRecord:
@@ -77,9 +79,9 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
     """
     lm, fmt = spec.lm, spec.fmt
     prompts = [fmt.prompt_ids(p.question, p.options) for p in problems]
-    lives = engine.decode_lives(lm, fmt, prompts, spec.caps, on_gate_error="return", **spec.engine_kwargs())
+    lives = engine.decode_lives(lm, fmt, prompts, spec.caps, run=spec.batched(), on_gate_error="return")
     ok = [i for i, x in enumerate(lives) if not isinstance(x, GateError)]
-    rebuilt = engine.build_incrementals(lm, fmt, [lives[i].ids for i in ok], on_gate_error="return", **spec.engine_kwargs())
+    rebuilt = engine.build_incrementals(lm, fmt, [lives[i].ids for i in ok], run=spec.batched(), on_gate_error="return")
     incs: list = list(lives)
     for i, x in zip(ok, rebuilt):
         incs[i] = x
@@ -242,3 +244,32 @@ def audit_table(audit: dict) -> pd.DataFrame:
         "common scalar logit leaves per row": ", ".join(map(str, audit["logit_leaves"])),
         "rows on which every logit leaf agrees": f"{audit['logit_leaves_agree_rows']}/{n}",
     }})
+
+
+PANEL_RULE = "evenly spaced order statistics of saved BF16 prefix length, then problem ID"
+"""How the bridge panel is drawn from the prefix bank (written to ``exp3_bridge_panel.json``)."""
+
+
+def _prepare(chain: Chain) -> ArmPlan[BridgeRecord]:
+    """The bridge under a session: its panel (``n_bridge`` rows, :data:`PANEL_RULE`), frozen and written first.
+
+    Notes: ``panel_path``, ``panel_ids``.
+
+    Raises:
+        ReadOnlyLedgerError: under ``make paper`` on a profile computed elsewhere, a panel that would change.
+    """
+    fixed = chain.fixed
+    panel = order_statistics(fixed.entries, chain.params.n_bridge, key=lambda e: (len(e["prefix"]), e["problem_id"]))
+    ids = [e["problem_id"] for e in panel]
+    path = chain.write_panel("exp3_bridge_panel", rule=PANEL_RULE, prefix_bank_sha256=fixed.sha256, problem_ids=ids,
+                             saved_prefix_lengths=[len(e["prefix"]) for e in panel])
+    return EXP3.plan([chain.by_id[i] for i in ids], key={"prefix_bank_sha256": fixed.sha256}, prefixes=fixed.prefixes,
+                     preflight=0, notes={"panel_path": path, "panel_ids": ids})
+
+
+EXP3: Arm[BridgeRecord] = Arm(
+    "exp3", row=lambda spec, problem, plan: bridge_row(spec, problem, plan.prefix(problem)),
+    chunk=lambda spec, problems, plan: bridge_chunk(spec, problems, plan.prefixes_of(problems)),
+    notebook="notebooks/03_experiment3_bridge_and_audit.ipynb", prepare=_prepare,
+    key=("prefix_bank_sha256",), prefixes=True, dtypes=("bfloat16",), preflight=None)
+"""Experiment 3's bridge (paper §4.3), BF16, on its frozen panel; the bank's digest keys the ledger."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import statistics
 import weakref
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import pandas as pd
@@ -22,9 +21,9 @@ import torch
 from .. import caches, decode, drift, engine, gates
 from ..gates import GateError
 from ..ledger.records import ControlsRecord, ControlsRow
-from ..ledger.store import Ledger
 from ..problems import Problem
-from ..runner import ArmSettings, Hook, RunSpec, run_arm
+from ..runner import RunSpec
+from ..runner.arms import Arm, ArmPlan, Chain
 from ..stats import wilson
 from .endpoints import first_divergence, rate_text, require_gates, tie_initiated
 from .matrix import decode_groups, gate_failure, raise_gate_errors
@@ -203,9 +202,8 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
     """
     lm, fmt = spec.lm, spec.fmt
     readout = _readout(lm)
-    kw = spec.engine_kwargs()
-    incs = engine.build_incrementals(lm, fmt, prefixes, on_gate_error="return", **kw)
-    incs_ro = engine.build_incrementals(lm, fmt, prefixes, on_gate_error="return", readout=readout, **kw)
+    incs = engine.build_incrementals(lm, fmt, prefixes, run=spec.batched(), on_gate_error="return")
+    incs_ro = engine.build_incrementals(lm, fmt, prefixes, run=spec.batched(), on_gate_error="return", readout=readout)
     recs: list[dict[str, Any]] = [{"problem_id": p.problem_id, "gate_failure": None, "prefix_len": len(z)}
                                   for p, z in zip(problems, prefixes)]
     pending = []
@@ -285,16 +283,19 @@ def controls_table(c: dict) -> pd.DataFrame:
     }})
 
 
-def run_controls(
-    problems: Sequence[Problem], prefixes: dict[str, list[int]], bank_sha256: str, settings: ArmSettings, *,
-    ledger_root: str | Path, seed: int = 20260729, progress: bool = True, faults: Hook | None = None,
-) -> tuple[list[ControlsRecord], "Ledger"]:
-    """The exploratory controls (:func:`controls_row`; batched: :func:`controls_chunk`) on the fixed BF16 prefixes: records and ledger ``exp2_controls``."""
-    missing = [p.problem_id for p in problems if p.problem_id not in prefixes]
-    if missing:
-        raise GateError("provenance", f"prefix bank has no prefix for {missing}")
-    return run_arm(
-        "exp2_controls", settings, problems, lambda spec, p: controls_row(spec, p, prefixes[p.problem_id], seed),
-        ledger_root=ledger_root, extra_config={"prefix_bank_sha256": bank_sha256, "seed": seed}, progress=progress,
-        faults=faults, chunk=lambda spec, ps: controls_chunk(spec, ps, [prefixes[p.problem_id] for p in ps], seed),
-    )
+def _prepare(chain: Chain) -> ArmPlan[ControlsRecord]:
+    """The controls under a session: every prefix of the BF16 bank, the chain's seed, ``preflight_fixed`` rows."""
+    fixed = chain.fixed
+    return EXP2_CONTROLS.plan(fixed.rows, key={"prefix_bank_sha256": fixed.sha256, "seed": chain.params.seed},
+                              prefixes=fixed.prefixes, preflight=chain.params.preflight_fixed)
+
+
+EXP2_CONTROLS: Arm[ControlsRecord] = Arm(
+    "exp2_controls",
+    row=lambda spec, problem, plan: controls_row(spec, problem, plan.prefix(problem), plan.key["seed"]),
+    chunk=lambda spec, problems, plan: controls_chunk(spec, problems, plan.prefixes_of(problems), plan.key["seed"]),
+    notebook="notebooks/02_experiment2_fixed_prefix_precision.ipynb", prepare=_prepare,
+    key=("prefix_bank_sha256", "seed"), prefixes=True, dtypes=("bfloat16",), preflight="preflight_fixed")
+"""The exploratory controls (:func:`controls_row`) on the fixed BF16 prefixes, BF16 only; ledger ``exp2_controls``.
+
+The bank's digest and the null perturbation's seed key the ledger."""

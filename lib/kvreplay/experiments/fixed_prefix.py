@@ -20,9 +20,9 @@ from .. import decode, engine
 from ..gates import GateError
 from ..ledger.prefix_bank import read_prefix_bank
 from ..ledger.records import Endpoints, Exp2Record, arm_of
-from ..ledger.store import Ledger
 from ..problems import Problem
-from ..runner import ArmSettings, Hook, RunSpec, run_arm
+from ..runner import RunSpec
+from ..runner.arms import Arm, ArmPlan, Chain
 from ..stats import mcnemar_exact, paired_bootstrap
 from .endpoints import require_gates, with_derived_endpoints
 from .matrix import gate_failure, matrix_chunk, matrix_pipeline, matrix_row
@@ -78,7 +78,7 @@ def _head(spec: RunSpec, prefix: Sequence[int], pid: str):
 def fixed_prefix_chunk_phased(spec: RunSpec, problems: Sequence[Problem],
                               prefixes: Sequence[Sequence[int]]) -> list[Exp2Record]:
     """:func:`fixed_prefix_chunk` phase by phase (every rebuild, then every suffix): the same records."""
-    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine_kwargs())
+    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, run=spec.batched(), on_gate_error="return")
     heads = [_head(spec, z, p.problem_id) for z, p in zip(prefixes, problems)]
     return cast(list[Exp2Record], matrix_chunk(spec, problems, incs, heads))
 
@@ -118,25 +118,19 @@ def load_fixed_prefixes(path: str | Path, problems: Sequence[Problem]) -> FixedP
     return FixedPrefixes(entries, digest, rows, {e["problem_id"]: e["prefix"] for e in entries})
 
 
-def run_fixed_prefix(
-    problems: Sequence[Problem], prefixes: dict[str, list[int]], bank_sha256: str, settings: ArmSettings, *,
-    ledger_root: str | Path, progress: bool = True, faults: Hook | None = None,
-) -> tuple[list[Exp2Record], "Ledger"]:
-    """Experiment 2 (paper §3.6) at one precision on fixed prefixes: records and ledger.
+def _prepare(chain: Chain) -> ArmPlan[Exp2Record]:
+    """Experiment 2 under a session: every prefix of the BF16 bank, ``preflight_fixed`` preflight rows."""
+    fixed = chain.fixed
+    return EXP2.plan(fixed.rows, key={"prefix_bank_sha256": fixed.sha256}, prefixes=fixed.prefixes,
+                     preflight=chain.params.preflight_fixed)
 
-    Args:
-        problems: the problems, in the bank's source order.
-        prefixes: problem ID -> BF16 boundary prefix z (token IDs).
-        bank_sha256: digest of the prefix bank (part of the ledger key).
-    """
-    missing = [p.problem_id for p in problems if p.problem_id not in prefixes]
-    if missing:
-        raise GateError("provenance", f"prefix bank has no prefix for {missing}")
-    return run_arm(
-        "exp2", settings, problems, lambda spec, p: fixed_prefix_row(spec, p, prefixes[p.problem_id]),
-        ledger_root=ledger_root, extra_config={"prefix_bank_sha256": bank_sha256}, progress=progress, faults=faults,
-        chunk=lambda spec, ps: fixed_prefix_chunk(spec, ps, [prefixes[p.problem_id] for p in ps]),
-    )
+
+EXP2: Arm[Exp2Record] = Arm(
+    "exp2", row=lambda spec, problem, plan: fixed_prefix_row(spec, problem, plan.prefix(problem)),
+    chunk=lambda spec, problems, plan: fixed_prefix_chunk(spec, problems, plan.prefixes_of(problems)),
+    notebook="notebooks/02_experiment2_fixed_prefix_precision.ipynb", prepare=_prepare,
+    key=("prefix_bank_sha256",), prefixes=True, preflight="preflight_fixed")
+"""Experiment 2 (paper §3.6) at one precision on the fixed BF16 prefixes; the bank's digest keys the ledger."""
 
 
 def _differs(endpoints: Endpoints, key: str) -> bool:

@@ -9,15 +9,14 @@ the fixed-prefix bank of Experiments 2–5 (:func:`kvreplay.ledger.prefix_bank.w
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, cast
 
 from .. import decode, engine
 from ..gates import GateError
 from ..ledger.records import Exp1Record
-from ..ledger.store import Ledger
 from ..problems import Problem
-from ..runner import ArmSettings, Hook, RunSpec, run_arm
+from ..runner import RunSpec
+from ..runner.arms import Arm, ArmPlan, Chain
 from .matrix import gate_failure, matrix_chunk, matrix_pipeline, matrix_row
 
 
@@ -86,18 +85,20 @@ def live_vs_prefill_chunk_phased(spec: RunSpec, problems: Sequence[Problem]) -> 
     for p in problems:
         spec.check_problem(p)
     prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
-    lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.caps, on_gate_error="return", **spec.engine_kwargs())
+    lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.caps, run=spec.batched(), on_gate_error="return")
     return cast(list[Exp1Record], matrix_chunk(spec, problems, lives, [_head(x) for x in prompts]))
 
 
-def run_live_vs_prefill(
-    problems: Sequence[Problem], settings: ArmSettings, *, ledger_root: str | Path, progress: bool = True,
-    faults: Hook | None = None,
-) -> tuple[list[Exp1Record], "Ledger"]:
-    """Experiment 1 (paper §3.5) at one precision: records and ledger (see :func:`run_arm`; batched: :func:`live_vs_prefill_chunk`).
+def _prepare(chain: Chain) -> ArmPlan[Exp1Record]:
+    """Experiment 1 under a session: the first ``n_rows`` problems of the bank, ``preflight`` of them preflight rows."""
+    return EXP1.plan(chain.rows(chain.params.n_rows), preflight=chain.params.preflight)
 
-    Below float32, the preflight rows and a sample of ``settings.live_check_fraction`` of the others carry the
-    ``live_equals_incremental`` gate (``run_arm(..., live_check=True)``).
-    """
-    return run_arm("exp1", settings, problems, live_vs_prefill_row, ledger_root=ledger_root, progress=progress, faults=faults,
-                   chunk=live_vs_prefill_chunk, live_check=True)
+
+EXP1: Arm[Exp1Record] = Arm(
+    "exp1", row=lambda spec, problem, plan: live_vs_prefill_row(spec, problem),
+    chunk=lambda spec, problems, plan: live_vs_prefill_chunk(spec, problems),
+    notebook="notebooks/01_experiment1_live_vs_prefill.ipynb", prepare=_prepare, live_check=True)
+"""Experiment 1 (paper §3.5): live decoding, then the four-arm matrix; nothing added to the ledger key.
+
+Below float32, the preflight rows and a sample of ``live_check_fraction`` of the others carry the
+``live_equals_incremental`` gate."""

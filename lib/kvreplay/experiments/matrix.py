@@ -164,7 +164,7 @@ def _construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[
         inc = decode.build_incremental(lm32, spec.fmt, prefix, where=problem.problem_id)
     else:
 
-        inc = engine.build_incrementals(lm32, spec.fmt, [prefix], **(spec.engine_kwargs() | {"batch": 1}))[0]
+        inc = engine.build_incrementals(lm32, spec.fmt, [prefix], run=dataclasses.replace(spec.batched(), batch=1))[0]
     pre = decode.build_prefill(lm32, spec.fmt, prefix, where=problem.problem_id)
     for name, s in (("incremental (float32 check)", inc), ("prefill (float32 check)", pre)):
         gates.check_finite(name, caches.boundary_tensors(s))
@@ -207,16 +207,15 @@ def rebuild_lives(spec: RunSpec, problems: Sequence[Problem], lives: Sequence[de
 
     Eager runs: :func:`kvreplay.decode.build_incremental`, one problem at a time. Batched runs
     (``spec.engine``): :func:`kvreplay.engine.build_incrementals` at the run's batch shape
-    (``spec.engine_kwargs()``), every prefix in one call; a problem's bits do not depend on its slot or
-    companions (the ``composition`` gate), so the rebuild's bits are live's when both compute one function.
+    (``spec.engine``, :meth:`~kvreplay.runner.RunSpec.batched`), every prefix in one call; a problem's bits
+    do not depend on its slot or companions (the ``composition`` gate), so the rebuild's bits are live's when both compute one function.
 
     Returns:
         Per live boundary, its ``"incremental"`` :class:`~kvreplay.decode.Boundary` (caches
         ``[2, kv_heads, |z|, head_dim]``, logits ``[2, vocab]``, the run's dtype) or the ``GateError`` that stopped it.
     """
     if spec.engine is not None:
-        return engine.build_incrementals(spec.lm, spec.fmt, [live.ids for live in lives], on_gate_error="return",
-                                         **spec.engine_kwargs())
+        return engine.build_incrementals(spec.lm, spec.fmt, [live.ids for live in lives], run=spec.batched(), on_gate_error="return")
     out: list = []
     for p, live in zip(problems, lives):
         try:
@@ -375,8 +374,7 @@ def decode_groups(spec: RunSpec, groups: Sequence[Sequence[decode.Boundary]],
         ContractError: a suffix did not close its answer block.
     """
     flat = [b for g in groups for b in g]
-    out = iter(engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.caps, on_gate_error="return", readout=readout,
-                                      **spec.engine_kwargs()))
+    out = iter(engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.caps, run=spec.batched(), on_gate_error="return", readout=readout))
     return [[next(out) for _ in g] for g in groups]
 
 
@@ -477,8 +475,7 @@ def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: st
         except GateError as e:
             rec["gate_failure"] = gate_failure(e)
 
-    engine.decode_chains(spec.lm, spec.fmt, spec.caps, construction, starts, continue_with, finished,
-                         rebuild=lambda i, ref: live_check_due(spec, problems[i], ref), **spec.engine_kwargs())
+    engine.decode_chains(spec.lm, spec.fmt, spec.caps, construction, starts, continue_with, finished, run=spec.batched(), rebuild=lambda i, ref: live_check_due(spec, problems[i], ref))
     return recs
 
 

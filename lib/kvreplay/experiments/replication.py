@@ -39,7 +39,7 @@ from typing import Any, cast
 import pandas as pd
 
 from .. import decode
-from ..adapt import CheckpointError, checkpoint, read_pointer
+from ..adapt import POINTER, CheckpointError, checkpoint, read_pointer
 from ..contract import ANSWER, MERGE, ContractError, resolve_format
 from ..experiments.endpoints import rate_text, require_gates
 from ..experiments.matrix import arm_record
@@ -56,6 +56,7 @@ from ..ledger.records import Exp2Record, ReplicationRecord, ReplicationRow, outc
 from ..models import file_sha256, load_tokenizer
 from ..problems import Problem
 from ..runner import RunSpec, model_key
+from ..runner.arms import Arm, ArmPlan, Chain
 from ..stats import mcnemar_exact, paired_bootstrap, wilson
 
 # ----------------------------------------------------------------------------- the frozen interpretation matrix
@@ -464,3 +465,56 @@ def outcome_frame(records: Sequence[ReplicationRecord]) -> pd.DataFrame:
             row[d] = outcome_of(r["interventions"]["whole"], d)["outcome"]
         rows.append(row)
     return pd.DataFrame(rows, columns=["problem_id", "prefix_len", "stratum", *DIRECTIONS])
+
+
+# ----------------------------------------------------------------------------- the arm
+
+
+def chain_checkpoint(chain: Chain) -> ReplicationCheckpoint:
+    """The replication checkpoint of a session's chain (:func:`resolve_checkpoint` of its parameters and pointer file).
+
+    Raises:
+        CheckpointError, FileNotFoundError: as :func:`resolve_checkpoint`.
+    """
+    p = chain.params
+    return resolve_checkpoint(p.model, p.replication_model, p.replication_role_table,
+                              chain.ledger_root / p.profile / POINTER)
+
+
+def _prepare(chain: Chain) -> ArmPlan[ReplicationRecord]:
+    """Experiment 5 under a session: the checkpoint, the panel (frozen from prefix lengths alone) written first.
+
+    ``n_exp5`` rows (:func:`freeze_replication_panel`), ``preflight_fixed`` preflight rows, the checkpoint's model and
+    role table. Checkpoint 0's Experiment 2 BF16 ledger is read, and a checkpoint of another model must resolve the
+    block format to the chain's digest. Notes: ``checkpoint``, ``panel_path``, ``panel``, ``exp2``, ``chain_format``.
+
+    Raises:
+        CheckpointError, FileNotFoundError: the checkpoint cannot be resolved (:func:`resolve_checkpoint`).
+        MissingLedgerError: the Experiment 2 BF16 ledger is missing or unfinished.
+        ContractError: the checkpoint's block format differs from the chain's (:func:`check_same_format`).
+        ReadOnlyLedgerError: under ``make paper`` on a profile computed elsewhere, a panel that would change.
+    """
+    fixed, p = chain.fixed, chain.params
+    ckpt = chain_checkpoint(chain)
+    panel = freeze_replication_panel(panel_candidates(fixed.entries), p.n_exp5)
+    path = chain.write_panel("exp5_panel", sort_keys=True, **panel_doc(
+        panel, n_requested=p.n_exp5, prefix_bank_sha256=fixed.sha256, checkpoint=ckpt.record))
+    exp2 = chain.upstream("exp2-bfloat16")  # checkpoint 0, for the secondary accuracy comparison
+    chain_format = exp2.contract.get("format_digest")
+    if ckpt.model != p.model:
+        check_same_format(ckpt.model, p.format, chain_format)
+    return EXP5.plan([chain.by_id[e["problem_id"]] for e in panel],
+                     key={"prefix_bank_sha256": fixed.sha256, "panel": panel, "checkpoint": ckpt.record},
+                     prefixes=fixed.prefixes, preflight=p.preflight_fixed, model=ckpt.model, role_table=ckpt.role_table,
+                     notes={"checkpoint": ckpt, "panel_path": path, "panel": panel, "exp2": exp2,
+                            "chain_format": chain_format})
+
+
+EXP5: Arm[ReplicationRecord] = Arm(
+    "exp5", row=lambda spec, problem, plan: replication_row(spec, problem, plan.prefix(problem)),
+    chunk=lambda spec, problems, plan: replication_chunk(spec, problems, plan.prefixes_of(problems)),
+    notebook="notebooks/05_experiment5_replication.ipynb", prepare=_prepare,
+    key=("prefix_bank_sha256", "panel", "checkpoint"), prefixes=True, dtypes=("bfloat16",), preflight="preflight_fixed")
+"""Experiment 5 (paper §4.5), BF16, under the later checkpoint on its frozen panel.
+
+The bank's digest, the panel and the checkpoint's record key the ledger."""

@@ -29,6 +29,7 @@ from ..ledger.records import (
 )
 from ..problems import Problem
 from ..runner import RunSpec
+from ..runner.arms import Arm, ArmPlan, Chain
 from ..stats import wilson
 from .endpoints import first_divergence, rate_text, require_gates, tie_initiated
 from .matrix import (
@@ -308,7 +309,7 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
     Raises:
         ContractError: a suffix did not close its answer block.
     """
-    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, on_gate_error="return", **spec.engine_kwargs())
+    incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, run=spec.batched(), on_gate_error="return")
     recs: list[dict[str, Any]] = [{"problem_id": p.problem_id, "gate_failure": None, "stratum": s}
                                   for p, s in zip(problems, strata)]
     pending = []
@@ -411,3 +412,43 @@ def localization_table(records: Sequence[TransplantRecord]) -> pd.DataFrame:
                     "new (third) trajectory": outcomes.count("third"),
                 })
     return pd.DataFrame(table)
+
+
+PANEL_RULE = "within each Experiment 2 BF16 stratum, evenly spaced order statistics of prefix length then problem ID"
+"""How the transplant panel is drawn (written to ``exp4_panel.json``; :func:`freeze_transplant_panel`)."""
+
+
+def _stratum(plan: ArmPlan, problem: Problem) -> str:
+    """A panel row's stratum, from the ledger key's panel."""
+    return next(e["stratum"] for e in plan.key["panel"] if e["problem_id"] == problem.problem_id)
+
+
+def _prepare(chain: Chain) -> ArmPlan[TransplantRecord]:
+    """Experiment 4 under a session: its panel frozen from the chain's Experiment 2 BF16 ledger and written first.
+
+    ``n_divergent`` and ``n_exact`` rows (:func:`freeze_transplant_panel`); the first ``n_sweep`` divergent rows
+    also run the single-layer sweep. Notes: ``panel_path``, ``panel``, ``sweep``.
+
+    Raises:
+        MissingLedgerError: the Experiment 2 BF16 ledger is missing or unfinished.
+        ReadOnlyLedgerError: under ``make paper`` on a profile computed elsewhere, a panel that would change.
+    """
+    fixed, p = chain.fixed, chain.params
+    panel = freeze_transplant_panel(chain.upstream("exp2-bfloat16").records, p.n_divergent, p.n_exact)
+    sweep = [e["problem_id"] for e in panel if e["stratum"] == "divergent"][:p.n_sweep]
+    path = chain.write_panel("exp4_panel", rule=PANEL_RULE, prefix_bank_sha256=fixed.sha256, panel=panel, sweep=sweep)
+    return EXP4.plan([chain.by_id[e["problem_id"]] for e in panel],
+                     key={"prefix_bank_sha256": fixed.sha256, "panel": panel, "sweep": sweep},
+                     prefixes=fixed.prefixes, preflight=0, notes={"panel_path": path, "panel": panel, "sweep": sweep})
+
+
+EXP4: Arm[TransplantRecord] = Arm(
+    "exp4",
+    row=lambda spec, problem, plan: transplant_row(spec, problem, plan.prefix(problem), _stratum(plan, problem),
+                                                   problem.problem_id in plan.key["sweep"]),
+    chunk=lambda spec, problems, plan: transplant_chunk(
+        spec, problems, plan.prefixes_of(problems), [_stratum(plan, q) for q in problems],
+        [q.problem_id in plan.key["sweep"] for q in problems]),
+    notebook="notebooks/04_experiment4_cache_transplant.ipynb", prepare=_prepare,
+    key=("prefix_bank_sha256", "panel", "sweep"), prefixes=True, dtypes=("bfloat16",), preflight=None)
+"""Experiment 4 (paper §4.4), BF16, on its frozen panel; the bank's digest, the panel and the sweep rows key the ledger."""

@@ -10,6 +10,8 @@ An *arm* is one experiment at one precision under one execution contract.
 * :mod:`.batched`: :class:`BatchedRows`, an arm's rows a chunk at a time on the batched engine, with its
   preflight gates and chunk deadline, and the leaf-by-leaf record comparison behind them;
 * :mod:`.loop`: :func:`run_arm`, which runs, resumes or reuses an arm's ledger;
+* :mod:`.arms`: :class:`Arm`, the one declaration of an experiment arm (row and chunk functions, inputs,
+  ledger key), and :class:`ArmPlan`, an arm bound to its problems, prefixes and key entries;
 * :mod:`.actors`: :class:`~kvreplay.runner.actors.RowActors`, rows spread over
   Ray actors (one per GPU or CPU worker), records appended in problem order.
 
@@ -25,9 +27,11 @@ from .batched import (
     first_difference,
     leaves,
 )
+from .arms import Arm, ArmPlan, Chain
 from .loop import READ_ONLY_ENV, ReadOnlyLedgerError, run_arm
 from .spec import (
     ARM_STEP_PATHS,
+    ENGINE_KEYS,
     EXECUTION_DEFAULTS,
     EXECUTION_KEYS,
     EXECUTION_KINDS,
@@ -46,8 +50,8 @@ from .spec import (
 )
 
 __all__ = [
-    "ARM_STEP_PATHS", "CHUNK_DEADLINE_ENV", "EXECUTION_DEFAULTS", "EXECUTION_KEYS", "EXECUTION_KINDS", "FIRST_CHUNK_ESTIMATE_ENV",
-    "GRAPH_CHECK_STEPS", "READ_ONLY_ENV", "ROW_ALGORITHM", "ArmSettings", "BatchedRows", "ChunkDeadline", "EngineRun", "Hook", "ReadOnlyLedgerError", "RunSpec",
+    "ARM_STEP_PATHS", "CHUNK_DEADLINE_ENV", "ENGINE_KEYS", "EXECUTION_DEFAULTS", "EXECUTION_KEYS", "EXECUTION_KINDS", "FIRST_CHUNK_ESTIMATE_ENV",
+    "GRAPH_CHECK_STEPS", "READ_ONLY_ENV", "ROW_ALGORITHM", "Arm", "ArmPlan", "ArmSettings", "Chain", "BatchedRows", "ChunkDeadline", "EngineRun", "Hook", "ReadOnlyLedgerError", "RunSpec",
     "arm_environment", "check_execution", "check_prompts", "first_difference", "leaves", "model_key", "problems_digest",
     "resolve_execution",
     "role_table_key", "run_arm",

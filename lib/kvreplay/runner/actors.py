@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from ..execution import ExecutionContract
+from ..execution import device_type
 from ..models import context_length
 from .batched import BatchedRows
 from .spec import EngineRun, RunSpec, arm_environment, check_prompts
@@ -87,7 +87,7 @@ def actor_resources(device: str, workers: int, threads: int, gpus: float) -> dic
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    kind = ExecutionContract(device=device).device_type  # ValueError naming a device torch cannot parse
+    kind = device_type(device)  # ValueError naming a device torch cannot parse
     pinned = torch.device(device).index is not None
     if kind == "cpu" and not pinned:
         return {"num_cpus": threads, "num_gpus": 0}

@@ -23,9 +23,10 @@ from typing import Any, TypeGuard
 import torch
 
 from .. import decode, engine
+from ..engine import EngineRun
 from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
 from ..ledger.store import canonical_json
-from ..execution import ExecutionContract, check_sdpa_on_device
+from ..execution import ExecutionContract, check_sdpa_on_device, device_type, resolve_contract
 from ..models import (
     EMBEDDED_MODELS,
     LoadedModel,
@@ -91,7 +92,7 @@ class RunSpec:
     faults: Hook | None = None
     transplant_faults: Callable | None = None
     equivalence_ids: frozenset = frozenset()
-    engine: "EngineRun | None" = None
+    engine: EngineRun | None = None
     memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     live_check_ids: frozenset = frozenset()
     live_checks: list = dataclasses.field(default_factory=list, compare=False, repr=False)
@@ -124,58 +125,15 @@ class RunSpec:
                 f"suffix (merge cap {self.caps.merge} + answer cap {self.caps.answer} + delimiters) can need {need} "
                 f"positions, but the model has only {limit} (max_position_embeddings)")
 
-    def engine_kwargs(self) -> dict:
-        """The keyword arguments a batched runner passes to :mod:`kvreplay.engine` (:meth:`EngineRun.kwargs`).
+    def batched(self) -> EngineRun:
+        """This run's :class:`~kvreplay.engine.EngineRun`, which a chunk function passes to the engine's decoders.
 
         Raises:
             ValueError: a one-problem run (``engine`` is None), which has no batched runner to drive.
         """
         if self.engine is None:
             raise ValueError("this run has no engine (RunSpec.engine is None): a chunk function needs a batched run")
-        return self.engine.kwargs()
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineRun:
-    """How a batched runner drives :mod:`kvreplay.engine` (resolved from :class:`ArmSettings`).
-
-    Attributes:
-        step_path: the engine's step path, ``"eager"`` or ``"graph"``.
-        batch: problems per batched step ``B`` (``2B`` rows).
-        max_len: positions per row (the static cache's key dimension).
-        verify_steps: steps of each engine checked against the eager step
-            (gate ``graph_equals_eager``; 0 = none).
-        chunk: problems per chunk of :class:`BatchedRows` (``None``: ``batch``); with more problems
-            than slots, a slot freed by a finished problem takes the next one, so a chunk no longer
-            waits on its longest row with the other slots idle. Not in the ledger key: a problem's
-            bits do not depend on its companions (the ``composition`` gate).
-        attention: the step's attention, ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`kvreplay.engine.ATTENTIONS`).
-        tolerance_check: run the gate ``attention_tolerance`` on the first step that holds a boundary
-            (:meth:`kvreplay.engine.StepEngine.check_attention`); the preflight runs of :class:`BatchedRows` set it.
-        fill_from: ``"first"`` or ``"last"``: which free slot a waiting job takes first. The ``composition``
-            gate's run alone fills from the last, so its problem sits in another slot than in its chunk. Not in
-            the ledger key: no bit depends on the slot.
-    """
-    step_path: str
-    batch: int
-    max_len: int
-    verify_steps: int = 0
-    chunk: int | None = None
-    attention: str = "sdpa"
-    tolerance_check: bool = False
-    fill_from: str = "first"
-
-    @property
-    def problems_per_chunk(self) -> int:
-        """Problems handed to the engine at once by :class:`BatchedRows` (``chunk``, else ``batch``)."""
-        return self.chunk or self.batch
-
-    def kwargs(self) -> dict:
-        """Keyword arguments of :func:`kvreplay.engine.decode_lives` / ``decode_suffixes`` / ``build_incrementals``
-        / ``decode_chains``."""
-        return {"batch": self.batch, "step_path": self.step_path, "max_len": self.max_len,
-                "verify_steps": self.verify_steps, "attention": self.attention,
-                "tolerance_check": self.tolerance_check, "fill_from": self.fill_from}
+        return self.engine
 
 
 ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
@@ -376,6 +334,9 @@ each with the kind of value it takes: a description and a check (ranges are :fun
 EXECUTION_KEYS = tuple(EXECUTION_KINDS)
 """The execution contract's keys, in the order of :data:`EXECUTION_KINDS`."""
 
+ENGINE_KEYS = ("step_path", "batch", "max_len", "chunk", "attention")
+"""The execution-contract keys that drive the batched engine (the eager path leaves them at their defaults)."""
+
 
 def check_execution(contract: dict) -> None:
     """Refuse an execution contract (every key of :data:`EXECUTION_KEYS`) whose values do not fit together.
@@ -388,7 +349,7 @@ def check_execution(contract: dict) -> None:
             multiple of 128.
     """
     c = contract
-    device_type = ExecutionContract(device=c["device"]).device_type  # ValueError naming an unknown device
+    kind = device_type(c["device"])  # ValueError naming an unknown device
     if not _whole(c["workers"]) or c["workers"] < 1:
         raise ValueError(f"workers must be a whole number of at least 1, got {c['workers']!r}")
     if c["ray_address"] is not None and (not isinstance(c["ray_address"], str) or not c["ray_address"]):
@@ -406,7 +367,7 @@ def check_execution(contract: dict) -> None:
     if c["step_path"] == "eager" and (c["batch"] != EXECUTION_DEFAULTS["batch"] or c["max_len"] is not None or c["chunk"] is not None):
         raise ValueError("batch, max_len and chunk drive the batched engine: they need step_path 'engine-eager' "
                          "or 'graph' (the eager path decodes one problem at a time)")
-    if c["step_path"] == "graph" and device_type != "cuda":
+    if c["step_path"] == "graph" and kind != "cuda":
         raise ValueError(f"step path 'graph' replays CUDA graphs: it needs device 'cuda', not {c['device']!r}")
     if c["attention"] not in engine.ATTENTIONS:
         raise ValueError(f"unknown attention {c['attention']!r}; use one of {engine.ATTENTIONS}")
@@ -512,6 +473,39 @@ class ArmSettings:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ValueError(f"live_check_fraction must be a number in [0, 1], got {f!r}")
 
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "ArmSettings":
+        """The settings that wrote a ledger, from the scientific config in its ``manifest.json`` (:meth:`config`).
+
+        What the key leaves out takes its default: ``workers``, ``ray_address``, ``chunk`` and
+        ``live_check_fraction`` (no bit depends on them), and the execution contract's CPU defaults. The model is
+        the key's name (the embedded model, a ``.gguf`` path or a hub id; a local folder is keyed by its name
+        only); a role table inside the repository is found from its relative path.
+
+        Raises:
+            ValueError: a contract :func:`check_execution` refuses.
+        """
+        execution, path = config.get("execution", {}), config.get("engine") or {}
+        role = config.get("role_table")
+        table = None
+        if role:
+            table = role["model"] if Path(role["model"]).is_absolute() else str(ROOT / role["model"])
+        engine_keys: dict[str, Any] = {}
+        if path:
+            engine_keys = {"step_path": path["step_path"], "batch": path["batch"],
+                           "max_len": None if path["max_len"] == "longest_sequence" else path["max_len"],
+                           "attention": path.get("attention", "sdpa")}
+        return cls(profile=config["profile"], dtype=config["dtype"], caps=Caps(**config["caps"]),
+                   model=config["model"]["model"], fmt=config["format"], role_table=table, threads=config["threads"],
+                   sdpa_backends=tuple(config["sdpa_backends"]), preflight=config["preflight"],
+                   **{k: execution[k] for k in ("device", "deterministic", "allow_tf32") if k in execution},
+                   **engine_keys)
+
+    def eager(self) -> "ArmSettings":
+        """These settings on the eager reference path (:mod:`kvreplay.decode`): the engine keys at their defaults."""
+        defaults: dict[str, Any] = {k: EXECUTION_DEFAULTS[k] for k in ENGINE_KEYS}
+        return dataclasses.replace(self, **defaults)
+
     def engine_key(self) -> dict | None:
         """The ledger-key entry of the decode path: ``None`` for the eager path, else step path and batch shape."""
         if self.step_path == "eager":
@@ -556,10 +550,8 @@ class ArmSettings:
 
     def contract(self, device: str | None = None) -> ExecutionContract:
         """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
-        return ExecutionContract(
-            device=device or self.device, sdpa_backends=tuple(self.sdpa_backends), deterministic=self.deterministic,
-            allow_tf32=self.allow_tf32, threads=self.threads,
-        )
+        return resolve_contract(device=device or self.device, sdpa_backends=self.sdpa_backends,
+                                deterministic=self.deterministic, allow_tf32=self.allow_tf32, threads=self.threads)
 
     def config(self, experiment: str, problems: Sequence[Problem]) -> dict:
         """The scientific config that keys the ledger (CPU defaults add no key, so CPU ledgers keep their digests)."""

@@ -1,0 +1,189 @@
+"""Each experiment arm declared once: its row and chunk functions, its inputs and its ledger key (paper §3.9).
+
+An :class:`Arm` is the one declaration of an experiment's arm, made in its module under
+:mod:`kvreplay.experiments` (``EXP1`` in :mod:`~kvreplay.experiments.live_vs_prefill`, ...). It names the
+per-row and per-chunk functions, the entries it adds to the ledger key, whether each problem needs a fixed
+prefix, and how a notebook's session prepares it (panels frozen, upstream ledgers read). An
+:class:`ArmPlan` is an arm bound to its inputs: the problems in frozen order, the fixed prefixes and the key
+entries. Notebooks (:meth:`kvreplay.session.Session.run`), ``make verify``, ``make bench`` and
+``scripts/gpu_profile.py`` all run an arm through its plan, so each arm is wired in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Generic, Protocol, TypeVar
+
+from ..gates import GateError
+from ..ledger.lookup import LoadedLedger
+from ..ledger.store import Ledger
+from ..problems import Problem
+from .loop import run_arm
+from .spec import ArmSettings, Hook, RunSpec
+
+R = TypeVar("R", bound=Mapping[str, Any])
+"""An arm's row record (:mod:`kvreplay.ledger.records`, e.g. ``Exp1Record``)."""
+
+
+class Chain(Protocol):
+    """What an arm's ``prepare`` reads from a notebook's session (:class:`kvreplay.session.Session` is one)."""
+
+    @property
+    def params(self) -> Any: ...  # noqa: D102 (the chain's parameters, kvreplay.profiles.ChainParameters)
+
+    @property
+    def fixed(self) -> Any: ...  # noqa: D102 (the BF16 prefix bank, kvreplay.experiments.fixed_prefix.FixedPrefixes)
+
+    @property
+    def by_id(self) -> dict[str, Problem]: ...  # noqa: D102
+
+    @property
+    def ledger_root(self) -> Path: ...  # noqa: D102
+
+    def rows(self, n: int) -> list[Problem]: ...  # noqa: D102
+
+    def upstream(self, key: str) -> LoadedLedger: ...  # noqa: D102
+
+    def write_panel(self, name: str, *, sort_keys: bool = False, **doc: Any) -> Path: ...  # noqa: D102
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm(Generic[R]):
+    """The one declaration of an experiment arm (paper §3.9).
+
+    Attributes:
+        experiment: the ledger label's experiment (``exp1``, ``exp2``, ``exp2_controls``, ``exp3``-``exp5``).
+        row: ``(spec, problem, plan) -> record``, the per-row function on the eager path.
+        chunk: ``(spec, problems, plan) -> records``, the batched engine's per-chunk function.
+        key: the names of the entries the arm adds to its ledger key, beyond :meth:`ArmSettings.config`.
+        prefixes: each problem needs its fixed BF16 boundary prefix (Experiments 2-5).
+        live_check: below float32, sampled rows carry the ``live_equals_incremental`` gate (:func:`run_arm`).
+        dtypes: the precisions the chain runs it at.
+        preflight: the chain parameter giving its preflight rows (``None``: none).
+        notebook: the notebook that runs it.
+        prepare: ``(chain) -> plan`` under a session's parameters: panels frozen and written, upstream read.
+    """
+    experiment: str
+    row: Callable[[RunSpec, Problem, "ArmPlan[R]"], R]
+    chunk: Callable[[RunSpec, Sequence[Problem], "ArmPlan[R]"], list[R]]
+    notebook: str
+    prepare: Callable[[Chain], "ArmPlan[R]"]
+    key: tuple[str, ...] = ()
+    prefixes: bool = False
+    live_check: bool = False
+    dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    preflight: str | None = "preflight"
+
+    def plan(self, problems: Sequence[Problem], *, key: Mapping[str, Any] | None = None,
+             prefixes: Mapping[str, Sequence[int]] | None = None, preflight: int | None = None,
+             model: str | None = None, role_table: str | None = None,
+             notes: Mapping[str, Any] | None = None) -> "ArmPlan[R]":
+        """This arm bound to its inputs, checked before any row is decoded.
+
+        Args:
+            problems: the arm's problems in frozen order.
+            key: the entries named by :attr:`key`, exactly those.
+            prefixes: problem ID -> fixed boundary prefix z (token IDs), for an arm with :attr:`prefixes`.
+            preflight, model, role_table: settings of the arm under a session (``None``: the session's).
+            notes: what a notebook shows beside the run (a panel's path, a checkpoint).
+
+        Raises:
+            ValueError: key entries other than :attr:`key`, or prefixes given to an arm without them.
+            GateError: ``provenance``, a problem without a fixed prefix.
+        """
+        given = dict(key or {})
+        if set(given) != set(self.key):
+            raise ValueError(f"arm {self.experiment}: its ledger key adds {sorted(self.key)}, got {sorted(given)}")
+        if not self.prefixes and prefixes:
+            raise ValueError(f"arm {self.experiment} takes no fixed prefixes")
+        table = {pid: list(z) for pid, z in (prefixes or {}).items()}
+        missing = [p.problem_id for p in problems if self.prefixes and p.problem_id not in table]
+        if missing:
+            raise GateError("provenance", f"prefix bank has no prefix for {missing}")
+        return ArmPlan(self, tuple(problems), MappingProxyType({k: given[k] for k in self.key}),
+                       MappingProxyType({p.problem_id: table[p.problem_id] for p in problems if self.prefixes}),
+                       preflight, model, role_table, MappingProxyType(dict(notes or {})))
+
+    def run(self, settings: ArmSettings, problems: Sequence[Problem], *, ledger_root: str | Path,
+            key: Mapping[str, Any] | None = None, prefixes: Mapping[str, Sequence[int]] | None = None,
+            progress: bool = True, faults: Hook | None = None) -> tuple[list[R], Ledger]:
+        """:meth:`plan`, then :meth:`ArmPlan.run`: records and ledger (the errors of both)."""
+        return self.plan(problems, key=key, prefixes=prefixes).run(settings, ledger_root=ledger_root,
+                                                                   progress=progress, faults=faults)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmPlan(Generic[R]):
+    """An :class:`Arm` bound to its inputs (built by :meth:`Arm.plan`).
+
+    Attributes:
+        arm: the declaration.
+        problems: the problems in frozen order.
+        key: the entries the arm adds to its ledger key.
+        prefixes: problem ID -> fixed boundary prefix z (token IDs); empty for Experiment 1.
+        preflight, model, role_table: the arm's settings under a session (``None``: the session's).
+        notes: what a notebook shows beside the run; never sent to row actors.
+    """
+    arm: Arm[R]
+    problems: tuple[Problem, ...]
+    key: Mapping[str, Any]
+    prefixes: Mapping[str, list[int]]
+    preflight: int | None = None
+    model: str | None = None
+    role_table: str | None = None
+    notes: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def experiment(self) -> str:
+        """The arm's experiment (its ledger label's first part)."""
+        return self.arm.experiment
+
+    def prefix(self, problem: Problem) -> list[int]:
+        """The fixed prefix z of one problem (token IDs)."""
+        return self.prefixes[problem.problem_id]
+
+    def prefixes_of(self, problems: Sequence[Problem]) -> list[list[int]]:
+        """The fixed prefixes of a chunk's problems, in their order."""
+        return [self.prefixes[p.problem_id] for p in problems]
+
+    def _bare(self) -> "ArmPlan[R]":
+        """This plan without its notes: what row functions (and Ray row actors) receive."""
+        return dataclasses.replace(self, notes=MappingProxyType({})) if self.notes else self
+
+    def row_function(self) -> Callable[[RunSpec, Problem], R]:
+        """``(spec, problem) -> record``, the arm's row function bound to these inputs."""
+        arm, plan = self.arm, self._bare()
+        return lambda spec, problem: arm.row(spec, problem, plan)
+
+    def chunk_function(self) -> Callable[[RunSpec, Sequence[Problem]], list[R]]:
+        """``(spec, problems) -> records``, the arm's chunk function bound to these inputs."""
+        arm, plan = self.arm, self._bare()
+        return lambda spec, problems: arm.chunk(spec, problems, plan)
+
+    def config(self, settings: ArmSettings) -> dict:
+        """The scientific config that keys the arm's ledger: :meth:`ArmSettings.config` plus :attr:`key`."""
+        return settings.config(self.experiment, self.problems) | dict(self.key)
+
+    def label(self, settings: ArmSettings) -> str:
+        """The ledger folder's name without its digest: ``<experiment>-<dtype>``."""
+        return f"{self.experiment}-{settings.dtype}"
+
+    def folder(self, settings: ArmSettings, ledger_root: str | Path) -> Path:
+        """The arm's ledger folder, ``<ledger_root>/<profile>/<experiment>-<dtype>-<digest12>`` (nothing is read)."""
+        return Ledger.folder(Path(ledger_root) / settings.profile, self.label(settings), self.config(settings))
+
+    def run(self, settings: ArmSettings, *, ledger_root: str | Path, progress: bool = True,
+            faults: Hook | None = None) -> tuple[list[R], Ledger]:
+        """Run, resume or reuse the arm's ledger (:func:`~kvreplay.runner.run_arm`, with its errors).
+
+        Raises:
+            ValueError: ``settings.dtype`` is not one of the arm's precisions; and those of :func:`run_arm`.
+        """
+        if settings.dtype not in self.arm.dtypes:
+            raise ValueError(f"arm {self.experiment} runs at {', '.join(self.arm.dtypes)}, not {settings.dtype}")
+        return run_arm(self.experiment, settings, self.problems, self.row_function(), ledger_root=ledger_root,
+                       extra_config=dict(self.key), progress=progress, faults=faults, chunk=self.chunk_function(),
+                       live_check=self.arm.live_check)
