@@ -95,7 +95,7 @@ def _gemma_chain_marked_slow(fn):
 
 @_gemma_chain_marked_slow
 def test_gemma_smoke_chain(tmp_path):
-    """The whole chain, notebooks 00-08, on the gemma_smoke profile into fresh folders (slow: about an hour on 2 cores).
+    """The whole chain, notebooks 00-08, on the gemma_smoke profile into fresh folders (slow: about 25 minutes on 2 cores).
 
     Run it with ``KVREPLAY_SLOW=1 .venv/bin/python -m pytest -q tests/test_gemma.py -k chain`` after
     ``make setup MODELS=gemma3``.
