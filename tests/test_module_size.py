@@ -17,7 +17,7 @@ MAX_LINES = 600
 MAX_WORDS = 40
 
 OVER_600 = {
-    "report/figures.py": 738, "paper.py": 714, "bank.py": 710,
+    "paper.py": 714, "bank.py": 710,
     "runner/spec.py": 662, "experiments/matrix.py": 612,
 }
 """Module (under lib/kvreplay) -> its line count when this list was made: still to split by concept."""
