@@ -17,7 +17,6 @@ MAX_LINES = 600
 MAX_WORDS = 40
 
 OVER_600 = {
-    "bank.py": 710,
     "runner/spec.py": 662, "experiments/matrix.py": 612,
 }
 """Module (under lib/kvreplay) -> its line count when this list was made: still to split by concept."""
@@ -60,7 +59,7 @@ def long_sentences() -> dict[str, int]:
 
 
 LONG_SENTENCES: dict[str, int] = {
-    "__init__.py": 1, "adapt/__init__.py": 7, "bank.py": 1, "bench.py": 5, "caches.py": 1, "contract.py": 1,
+    "__init__.py": 1, "adapt/__init__.py": 7, "bench.py": 5, "caches.py": 1, "contract.py": 1,
     "decode.py": 3, "drift.py": 1, "engine/__init__.py": 2, "engine/attention.py": 5, "engine/cache.py": 1,
     "engine/decoders.py": 3, "engine/step.py": 5, "execution.py": 2, "experiments/bridge.py": 1,
     "experiments/controls.py": 2, "experiments/endpoints.py": 1, "experiments/fixed_prefix.py": 2,
