@@ -191,7 +191,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     answer from those boundaries; ms per problem-step is the decode's wall time
     divided by the tokens its problems decoded (a step of B problems counts B).
     ``max_len`` (positions per row of the engine's static cache) is the longest
-    boundary plus the suffix bound for every engine run; the engine rows are
+    boundary plus the suffix bound for every engine run. The engine rows are
     repeated for each of ``max_lens`` (``None``: that length): a step attends
     over all ``max_len`` positions, so its cost grows with it (the ``paper``
     profile's arms have ``max_len`` 4,077). The SDPA backends are ``lm``'s (``lm.sdpa_backends``), as in every
