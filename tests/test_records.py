@@ -12,7 +12,7 @@ import pytest
 import typing_extensions
 from kvreplay.experiments.matrix import gate_failure
 from kvreplay.gates import GateError
-from kvreplay.ledger import records
+from kvreplay.ledger import records, row_parts
 from kvreplay.ledger.lookup import finished_rows
 from kvreplay.ledger.records import (
     FAILED_ROW_TYPES,
@@ -63,7 +63,8 @@ def test_the_schema_describes_the_current_row_algorithms():
 
 def test_every_record_is_strict_and_closed():
     typed = {name: t for name, t in vars(records).items()
-             if typing_extensions.is_typeddict(t) and t.__module__ == records.__name__}  # not pydantic's ConfigDict
+             if typing_extensions.is_typeddict(t)  # not pydantic's ConfigDict
+             and t.__module__ in (records.__name__, row_parts.__name__)}  # the rows and their parts
     assert len(typed) > 30
     assert set(ROW_TYPES.values()) | set(FAILED_ROW_TYPES.values()) <= set(typed.values())
     for name, t in typed.items():

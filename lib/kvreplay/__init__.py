@@ -1,6 +1,6 @@
 """kvreplay: reproduce and extend *Stage-Replay Divergence Follows the KV Cache*.
 
-Every notebook calls into this package; each module is one concept and imports
+Every notebook calls into this package. Each module is one concept and imports
 only the layers below it (docs/ARCHITECTURE.md, which a test keeps true): the
 core (``paths``, ``contract``, ``execution``, ``models``, ``problems``, ``bank``, ``decode``,
 ``caches``, ``engine``, ``gates``, ``drift``, ``scoring``, ``stats``),

@@ -362,7 +362,7 @@ def resolve_format(tokenizer, fmt: str | Path | dict = "chat_multibranch") -> Bl
 
     ``kind: chat_template`` renders every delimiter through the tokenizer's
     own chat template: a branch opener is a user turn carrying the branch's
-    instruction followed by the assistant generation prompt; the closing
+    instruction followed by the assistant generation prompt. The closing
     delimiter is whatever the template appends after assistant content (it
     must begin with a special token, the model's end-of-turn token).
     ``kind: tokens`` gives every delimiter as literal text (e.g. dedicated

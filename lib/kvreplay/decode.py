@@ -175,7 +175,7 @@ class FP32Readout:
     """Final norm and LM head in float32 on the model-dtype hidden state (an exploratory control).
 
     The transformer body runs as usual in the model's dtype and writes the
-    same KV cache; only the last step -- the final RMS norm and the LM head,
+    same KV cache. Only the last step -- the final RMS norm and the LM head,
     which turn the ``[2, hidden]`` hidden state into ``[2, vocab]`` logits --
     runs on float32 copies of their weights. Decoding the same BF16 boundary
     caches with it separates cache drift from BF16 logit granularity: BF16

@@ -10,7 +10,7 @@ per-row value as the relative L2 over all K and V tensors concatenated:
 For a model with sliding-window layers (``windows`` given) the drift is that
 of the *attended state*: a sliding layer of window W is compared on its last
 ``W - 1`` positions, the keys a query after the boundary can still attend to
-(what the model's own rolling cache keeps); a full-attention layer on all
+(what the model's own rolling cache keeps). A full-attention layer on all
 positions. Such rows also name each layer's kind and keep the whole tensor's
 drift beside it (``full_tensor``); a model without sliding layers gets the
 rows it always had.

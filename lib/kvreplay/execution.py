@@ -3,7 +3,7 @@
 :class:`ExecutionContract` says on which device a run computes, with which SDPA backends, deterministic or not,
 with or without TF32, and how many CPU threads. :meth:`ExecutionContract.apply` sets the device, threads, TF32,
 matmul precision and deterministic flags in one place before a model is loaded (:func:`kvreplay.models.load_model`
-calls it) and checks the SDPA backends against the device; the backends themselves are entered around each
+calls it) and checks the SDPA backends against the device. The backends themselves are entered around each
 forward call (:func:`sdpa_backend_list` with ``torch.nn.attention.sdpa_kernel``: the decoders, the engine, the
 training forward and the self-check). What was in force is recorded in every
 ledger's ``environment.json`` by :func:`kvreplay.models.environment_record`, with the model, the torch and
@@ -48,7 +48,7 @@ class ExecutionContract:
             key holds only the device type.
         sdpa_backends: SDPA backends every forward call may use. The default
             ``("math",)`` kept the two duplicate rows of a step in sync on
-            every machine we tried; the fused flash kernel desynced them once on
+            every machine we tried. The fused flash kernel desynced them once on
             a 2-core CPU (FP32, decode step 1; not reproduced later), and a
             backend set with cuDNN attention on an H200 (BF16). :meth:`apply` refuses
             backends the device lacks (see :data:`DEVICE_SDPA_BACKENDS`).

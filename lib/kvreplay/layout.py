@@ -94,7 +94,7 @@ def kv_cache(config):
 
     ``DynamicCache(config=...)`` gives a sliding layer a rolling
     ``DynamicSlidingWindowLayer`` that keeps only its last ``window - 1``
-    positions; here every layer is a plain ``DynamicLayer``, so live,
+    positions. Here every layer is a plain ``DynamicLayer``, so live,
     incremental, prefill, replicas and transplants keep comparable full-length
     tensors and the window is applied by the mask (:class:`AttentionLayout`).
     For a model without sliding layers this is exactly ``DynamicCache(config=...)``.

@@ -271,10 +271,11 @@ def load_parameters(profile: str | Path = DEFAULT_PROFILE, overrides: Mapping[st
 
     Raises:
         FileNotFoundError: no such profile or base (the known ones are named).
-        ValueError: naming the profile file: a key that is not a chain parameter (with the closest name), in the
-            file, its base or ``overrides``; an execution-contract key outside ``execution``; a file whose
-            ``profile:`` differs from its name; a ``base:`` chain that returns to itself; a value of the wrong
-            type or range; an execution contract that :func:`~kvreplay.runner.resolve_execution` refuses.
+        ValueError: naming the profile file. Refused: a key that is not a chain parameter (with the closest
+            name), in the file, its base or ``overrides``; an execution-contract key outside ``execution``; a
+            file whose ``profile:`` differs from its name; a ``base:`` chain that returns to itself. Also a
+            value of the wrong type or range, and an execution contract that
+            :func:`~kvreplay.runner.resolve_execution` refuses.
     """
     path = profile_path(profile)
     where = f"profile {_shown(path)}"

@@ -147,7 +147,7 @@ def paired_bootstrap(
     ``scipy.stats.bootstrap(paired=True, method="percentile")`` with a
     ``numpy.random.default_rng(seed)`` generator, so identical inputs give
     identical output. When every paired difference is the same (e.g. all
-    zero), the bootstrap distribution is degenerate; scipy's percentile
+    zero), the bootstrap distribution is degenerate. SciPy's percentile
     interval is then already ``[d, d]``, any scipy ``DegenerateDataWarning`` is
     silenced, and the bounds are set to exactly ``d`` (``[0.0, 0.0]`` for no
     difference) so no NaN can come back.

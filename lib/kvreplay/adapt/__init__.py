@@ -14,7 +14,7 @@ checkpoint. This module builds that family reproducibly, offline, on CPU:
 Training sequences (construction :data:`CONSTRUCTION`), built from token IDs
 with the block contract exactly as the decoders see them: the prompt block is
 :meth:`~kvreplay.contract.BlockFormat.prompt_ids`; every block is opened and
-closed by the format's own delimiters; roles and spans come from the one
+closed by the format's own delimiters. Roles and spans come from the one
 parser (:meth:`~kvreplay.contract.BlockFormat.parse`); embeddings, role rows,
 the explicit 4-D mask (causal AND Table 2 visibility) and positions come from
 :func:`kvreplay.decode.model_inputs`, the function every decoder call uses.
@@ -31,7 +31,7 @@ Block contents are deterministic functions of the problem:
 
 Objective (merge-targeted): per sequence, the mean negative log-likelihood of
 the tokens the model itself chooses in the merge block (its content and its
-closing token) plus the same mean over the answer block, halved; each
+closing token) plus the same mean over the answer block, halved. Each
 log-likelihood is taken over the structural logits mask of that block (the
 tokens the decoder could choose there). A step averages ``batch`` sequences;
 Adam, fixed learning rate, gradient-norm clipping. FP32 on CPU, fixed seed,
@@ -60,7 +60,7 @@ wall times (kept apart so the other files stay byte-identical).
 
 The package has three modules: :mod:`.training` (the config, data, staged sequences, loss and training loop),
 :mod:`.checkpoints` (the checkpoint folder, made once per training config, and the pointer to it) and
-:mod:`.metric` (the letter metric's ledger and summary); their public names are re-exported here.
+:mod:`.metric` (the letter metric's ledger and summary). Their public names are re-exported here.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ What stays as in :mod:`kvreplay.decode`:
   position IDs counting from 0, and input embeddings plus the role-embedding
   rows of ``lm.role_table`` when it is set;
 * the block state machine, structural logits mask, forced delimiters and caps
-  are those of :class:`kvreplay.decode.BlockCursor`; greedy choice is the
+  are those of :class:`kvreplay.decode.BlockCursor`. Greedy choice is the
   argmax over eligible tokens (an exact tie goes to the lowest token ID), the
   margin is top-1 minus top-2 eligible logit (float32);
 * the duplicate rows of every problem must agree bit for bit after every

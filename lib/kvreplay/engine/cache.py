@@ -20,7 +20,7 @@ from ..models import LoadedModel, kv_cache
 def _unique_index_writes():
     """Within the block, CUDA ``scatter_`` uses its plain kernel even under deterministic algorithms.
 
-    The deterministic variant sorts the indices so that duplicates are written in a fixed order; the
+    The deterministic variant sorts the indices so that duplicates are written in a fixed order. The
     engine's writes have one index per (row, head, feature), so both kernels write the same values to the
     same places, and the plain one skips a sort per layer and step. On CPU nothing changes.
     """

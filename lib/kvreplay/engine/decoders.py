@@ -159,7 +159,7 @@ def build_incrementals(
     Each prefix z is rebuilt exactly as :func:`decode_lives` built it: the
     prompt block in one forward call of the duplicate pair, then every later
     token of z fed in its own batched step with its raw role, up to the merge
-    opener; the logits of the step after the last token are the boundary
+    opener. The logits of the step after the last token are the boundary
     logits. At the same batch shape (``batch``, ``max_len``) and slot, an
     engine-live boundary and the incremental rebuild of its prefix must be
     bit-identical (the bridge under the engine): every input of every step is
@@ -230,7 +230,7 @@ def decode_chains(
         rebuild: ``(i, boundary) -> bool``: when true for a built boundary, the same engine also rebuilds it from
             its token IDs by teacher forcing (the incremental construction, ahead of new boundaries), and
             ``continue_with(i, boundary, rebuilt)`` gets the rebuild (or the ``GateError`` that stopped it) as
-            a third argument; at one batch shape the two are bit-identical when both compute one function.
+            a third argument. At one batch shape the two are bit-identical when both compute one function.
         run: as in :func:`decode_suffixes`; ``run.max_len`` defaults to the longest boundary a start can give
             plus :func:`suffix_length_bound`.
 

@@ -72,7 +72,7 @@ class StepEngine:
 
     Per row the step reads, from device buffers updated in place: the input
     token, its position, its raw role (query role), and the raw role of the
-    block the *next* token is chosen in (its structural mask); the raw roles
+    block the *next* token is chosen in (its structural mask). The raw roles
     of every earlier position of the row live in :attr:`roles`. It writes the
     new token's role and keys/values at the row's position, builds the row's
     mask (role visibility AND ``k <= position``), runs the model, and leaves
@@ -400,8 +400,8 @@ class StepEngine:
     def check_valid_length(self, slot: int, n: int, roles: Sequence[int], where: str) -> None:
         """Functional state of a slot's rows in the padded static cache: exactly ``n`` valid positions.
 
-        Positions ``0..n-1`` must carry the problem's raw roles ``roles[:n]``;
-        every position from ``n`` to ``max_len - 1`` must be padding: role 0 and
+        Positions ``0..n-1`` must carry the problem's raw roles ``roles[:n]``.
+        Every position from ``n`` to ``max_len - 1`` must be padding: role 0 and
         keys/values exactly zero in every layer (never written, so what the
         mask hides is nothing), in both duplicate rows.
 

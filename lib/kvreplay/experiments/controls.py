@@ -45,7 +45,7 @@ def null_perturbation(state: decode.Boundary, reference: decode.Boundary, seed: 
     and V tensors of one row, with replacement; a sliding-window layer counts
     and draws over its attended positions only, :func:`kvreplay.drift.attended`),
     each shifted by a magnitude drawn from ``|Δ|`` with a random sign, computed in float32 and rounded to
-    the cache dtype; both duplicate rows get the same change. The boundary
+    the cache dtype. Both duplicate rows get the same change. The boundary
     logits stay ``state``'s. Seeded (``torch.Generator``), so reruns are identical.
 
     Args:
@@ -191,7 +191,7 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
 
     The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`,
     once plainly (as Experiment 2's batched runner builds them) and once with
-    the FP32 readout (same keys/values: gate ``readout``); prefills, gates and
+    the FP32 readout (same keys/values: gate ``readout``). Prefills, gates and
     the null perturbation are made one problem at a time; the plain and null
     suffixes of every clean problem continue through one
     :func:`kvreplay.engine.decode_suffixes`, the FP32-readout ones through

@@ -1,6 +1,6 @@
 """Decoded endpoints shared by every experiment: first divergence, exact ties, gate checks (paper §3.6).
 
-A suffix pair *diverges* at its first differing token; the divergence is
+A suffix pair *diverges* at its first differing token. The divergence is
 *tie-initiated* when, at that step, one arm's top-1 and top-2 logits were
 exactly equal (greedy decoding then takes the lowest token ID, so a last-bit
 change of the cache can flip it).

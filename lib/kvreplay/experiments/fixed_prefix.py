@@ -1,6 +1,6 @@
 """Experiment 2: fixed integer prefixes, incremental against prefill, per precision (paper §4.2).
 
-The BF16 boundary prefixes of Experiment 1 are frozen; for each precision
+The BF16 boundary prefixes of Experiment 1 are frozen. For each precision
 the incremental cache is rebuilt from them by replaying the live call
 schedule with teacher forcing, and compared with a prefill of the same IDs
 through the four-arm matrix. :func:`precision_crossing` pairs the two
@@ -148,7 +148,7 @@ def precision_crossing(bf16: Sequence[Exp2Record], fp32: Sequence[Exp2Record], s
         reduction, its negative) and the exact McNemar test; ``accuracy_effect``:
         the accuracy effect of the construction (prefill minus reference
         accuracy) in each precision and its problem-paired change FP32 minus
-        BF16 (bootstrap; the paper: -1.0 pts [-5.5, +3.5]); plus
+        BF16 (bootstrap; the paper: -1.0 pts [-5.5, +3.5]). Plus
         ``prefix_identical``, the number of rows whose integer prefix is
         identical across precisions.
 

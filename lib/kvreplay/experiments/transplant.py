@@ -294,7 +294,7 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
     The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`
     (as Experiment 2's batched runner builds them); per problem, the prefill
     calls, every boundary gate and every transplanted state are made as one
-    problem at a time; then the four baselines and every transplant of every
+    problem at a time. Then the four baselines and every transplant of every
     clean problem continue through one :func:`kvreplay.engine.decode_suffixes`
     (``spec.engine``). A gate failure is recorded in its problem's record only.
 
@@ -382,7 +382,7 @@ def localization_table(records: Sequence[TransplantRecord]) -> pd.DataFrame:
     """Per intervention, direction and stratum: how often the suffix follows the donor, the recipient, or neither.
 
     Divergent rows (the two baselines part) show which part of the cache
-    carries the trajectory; exact rows (the baselines agree) are the controls:
+    carries the trajectory. Exact rows (the baselines agree) are the controls:
     there a partial transplant should leave the shared baseline (``baseline``),
     and a new trajectory (``third``) means the intervention itself moves the
     decoder. Rows that did not meet the precondition (:func:`split_precondition`) have no transplant and

@@ -6,6 +6,7 @@
   sealing (``rows.jsonl.gz``, ``python -m kvreplay.ledger seal``) and columnar parquet copies;
 * :mod:`.records`: the layout of every kind of ledger row as typed records
   (``TypedDict``, checked with pydantic before a row is appended);
+* :mod:`.row_parts`: the value types and nested records those rows hold;
 * :mod:`.prefix_bank`: Experiment 1's BF16 boundary prefixes, frozen for
   Experiments 2-5;
 * :mod:`.lookup`: a profile's ledgers found by provenance (no re-running).

@@ -4,7 +4,7 @@
 A sealed ledger keeps its rows as ``rows.jsonl.gz`` (the same bytes, gzip level 9, no time stamp); every reader
 takes either form, and appending to a sealed ledger unseals it first. ``compare`` prints one line per ledger folder
 or file (:mod:`kvreplay.ledger.compare`) and a count, and exits 1 if any row, manifest, prefix bank or panel
-differs, a recomputed folder has no committed counterpart, or no ledger was compared at all; an unfinished
+differs, a recomputed folder has no committed counterpart, or no ledger was compared at all. An unfinished
 recomputation whose rows so far are identical, and committed folders not recomputed, fail only with
 ``--complete``. Exit 2: a folder that cannot be compared.
 """

@@ -57,8 +57,8 @@ def compare_rows(recomputed: str, committed: str, key: str = "problem_id") -> di
     Returns:
         ``{"rows": (n recomputed, n committed), "identical": k, "state": s, "first_difference": id or None}``:
         ``k`` leading rows equal byte for byte; ``s`` is ``"identical"`` (the same bytes), ``"prefix"`` (every
-        recomputed row equals the committed row at its place, fewer of them: a recomputation not finished;
-        a last line cut off mid-write counts as unfinished when its bytes so far are the committed row's),
+        recomputed row equals the committed row at its place, fewer of them: a recomputation not finished.
+        A last line cut off mid-write counts as unfinished when its bytes so far are the committed row's),
         ``"longer"`` (the committed rows are a prefix of the recomputed ones) or ``"differs"`` (row ``k`` differs;
         ``first_difference`` is its ``key`` in the recomputed row, ``None`` if that line does not parse).
     """
@@ -106,10 +106,10 @@ def compare_ledger_roots(recomputed: str | Path, committed: str | Path) -> list[
         recomputed, committed: profile folders, e.g. ``/tmp/kv/ledgers/gpu`` and ``data/ledgers/gpu``.
 
     Returns:
-        one dict per entry, sorted by name: ``name`` and ``kind`` (``"ledger"`` or ``"file"``); then ``missing``
+        one dict per entry, sorted by name: ``name`` and ``kind`` (``"ledger"`` or ``"file"``). Then ``missing``
         (recomputed, no committed counterpart: e.g. a folder of another config digest), ``not_recomputed``
         (committed only), or the comparison: for a ledger folder ``rows`` (:func:`compare_rows`), ``manifest``
-        (``"identical"`` or ``"differs"``) and ``environment`` (the dotted keys whose values differ); for a file
+        (``"identical"`` or ``"differs"``) and ``environment`` (the dotted keys whose values differ). For a file
         (prefix bank, panel, ``role_adaptation.json``) ``file`` (``"identical"`` or ``"differs"``). Folders that
         are not ledgers (no ``manifest.json``, e.g. a partial write's ``tmp-*``) are left out on both sides.
 

@@ -1,7 +1,7 @@
 """The fixed-prefix bank: Experiment 1's BF16 boundary prefixes, frozen for Experiments 2-5 (paper §3.5).
 
 ``<ledger_root>/<profile>/prefix_bank_bf16.jsonl`` holds one line per problem
-(problem ID and the boundary prefix's token IDs); its manifest names the
+(problem ID and the boundary prefix's token IDs). Its manifest names the
 Experiment 1 ledger it came from and its sha256, which every downstream
 ledger carries in its config (how :mod:`kvreplay.ledger.lookup` finds the
 chain by provenance).

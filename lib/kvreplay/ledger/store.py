@@ -17,11 +17,11 @@ scientific config (its sha256 is the digest):
   of that problem's arms), appended and flushed as each row finishes. A crash
   loses at most the row in flight (with row actors: the rows in flight and
   any finished after the first unfinished one, since rows are appended in
-  order); a partial last line is cut off on resume.
+  order). A partial last line is cut off on resume.
 - ``rows.jsonl.gz``: a *sealed* ledger's rows, the same bytes gzip-compressed
   (:func:`seal`; level 9, no name or time stamp in the header, so sealing is
-  deterministic). Committed ledgers are sealed to keep the repository light;
-  every reader takes either form (:func:`read_rows_text`), and appending to a
+  deterministic). Committed ledgers are sealed to keep the repository light.
+  Every reader takes either form (:func:`read_rows_text`), and appending to a
   sealed ledger first restores ``rows.jsonl`` (:meth:`Ledger.append`).
 - ``runlog.jsonl``: wall times and hosts (never in ``rows.jsonl``, so two runs
   of the same config on the same machine give byte-identical rows).

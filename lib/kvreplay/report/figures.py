@@ -13,112 +13,25 @@ Conventions shared by every figure here:
 * each panel gets its own y-limits from its own data;
 * count axes have integer ticks and say what they count;
 * outcomes that are yes/no per row are drawn as dots, never joined by lines.
+
+The shared conventions' colours and axes are in :mod:`.figure_style`, the drift explorer's figures in
+:mod:`.explorer_figures`; both are re-exported here.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from matplotlib.colors import LogNorm
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
-from matplotlib.ticker import LogFormatterSciNotation, MaxNLocator
 
-OUTCOME_COLORS = {"donor": "#55a868", "recipient": "#c44e52", "third": "#8172b2", "baseline": "#999999"}
-"""Colour of each transplant outcome (the suffix follows the donor, the recipient, neither, or the shared baseline)."""
-
-PRECISION_COLORS = {"bfloat16": "#c44e52", "float32": "#4c72b0"}
-KIND_MARKERS = {"key": "o", "value": "s"}
-
-
-# ----------------------------------------------------------------------------- shared helpers
-
-
-def exact_floor(values) -> float:
-    """Where exact zeros are drawn on a log axis: one decade below the smallest positive value (1e-12 if none)."""
-    v = np.asarray(pd.Series(values, dtype="float64").dropna())
-    pos = v[v > 0]
-    return float(10 ** (np.floor(np.log10(pos.min())) - 1)) if len(pos) else 1e-12
-
-
-def log_with_exact(ax, values, floor: float | None = None) -> float:
-    """Make ``ax``'s y axis logarithmic with a ``0 (exact)`` band at ``floor`` for values that are exactly 0.
-
-    Args:
-        ax: the axes; values are plotted by the caller through :func:`at_floor`.
-        values: every y value the panel will show (its limits come from them alone).
-        floor: the y at which zeros are drawn (default :func:`exact_floor`).
-
-    Returns:
-        the floor used.
-    """
-    v = np.asarray(pd.Series(values, dtype="float64").dropna())
-    floor = exact_floor(v) if floor is None else floor
-    top = v.max() if len(v) and v.max() > 0 else floor * 10
-    ax.set_yscale("log")
-    ax.set_ylim(floor / 3, top * 3)
-    ax.axhspan(floor / 3, floor * 3, color="0.93", zorder=0, lw=0)
-    ax.yaxis.set_major_formatter(_ExactFormatter(floor))
-    return floor
-
-
-class _ExactFormatter(LogFormatterSciNotation):
-    """Log-axis labels, with the tick at the exact-zero floor labelled ``0 (exact)`` instead of its power of ten."""
-
-    def __init__(self, floor: float, label: str = "0 (exact)"):
-        super().__init__()
-        self.floor, self.label = floor, label
-
-    def __call__(self, x, pos=None):
-        if x > 0 and abs(math.log10(x) - math.log10(self.floor)) < 1e-9:
-            return self.label
-        return super().__call__(x, pos)
-
-
-def at_floor(values, floor: float) -> np.ndarray:
-    """``values`` with exact zeros moved to ``floor`` (for plotting on :func:`log_with_exact` axes)."""
-    v = np.asarray(values, dtype="float64").copy()
-    v[v == 0] = floor
-    return v
-
-
-def integer_axis(axis) -> None:
-    """Integer-only ticks on a count axis (``ax.yaxis`` or ``ax.xaxis``)."""
-    axis.set_major_locator(MaxNLocator(integer=True))
-
-
-def _layer_lines(ax, frame: pd.DataFrame, y: str, hue: str, colors: Mapping | None = None, floor: float = 1e-12,
-                 style: str | None = None) -> None:
-    """Per-layer curves of ``frame[y]`` (zeros on the floor), one per ``hue`` (and ``style``) value."""
-    groups = [hue] + ([style] if style else [])
-    palette = colors or {}
-    default = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (keys, sub) in enumerate(frame.sort_values("layer").groupby(groups, sort=False)):
-        keys = keys if isinstance(keys, tuple) else (keys,)
-        color = palette.get(keys[0], default[i % len(default)])
-        marker = KIND_MARKERS.get(keys[1], "o") if style else "o"
-        ls = "-" if not style or keys[1] == "key" else "--"
-        ax.plot(sub["layer"], at_floor(sub[y], floor), marker=marker, ls=ls, color=color, ms=4, lw=1.2,
-                label=" ".join(str(k) for k in keys))
-    integer_axis(ax.xaxis)
-    ax.set_xlabel("layer")
-    mark_layer_kinds(ax, frame)
-
-
-def mark_layer_kinds(ax, frame: pd.DataFrame) -> None:
-    """Shade the full-attention layers of a model with sliding-window layers (``frame["layer_kind"]``) and say so.
-
-    A frame without ``layer_kind`` (a model whose every layer is full attention) is left as it is.
-    """
-    if "layer_kind" not in frame or not (frame["layer_kind"] == "sliding").any():
-        return
-    for layer in sorted(frame.loc[frame["layer_kind"] == "full", "layer"].unique()):
-        ax.axvspan(layer - 0.5, layer + 0.5, color="#e3ecf7", zorder=0, lw=0)  # apart from the grey "0 (exact)" band
-    ax.set_xlabel("layer (shaded: full attention; others: sliding window, drift over the attended positions)",
-                  fontsize=8)
+from .explorer_figures import drift_heatmaps, explorer_layers, explorer_view, token_ticks, topk_logits
+from .figure_style import (
+    KIND_MARKERS, OUTCOME_COLORS, PRECISION_COLORS, _ExactFormatter, _layer_lines, at_floor, exact_floor, integer_axis, log_with_exact,
+    mark_layer_kinds,
+)
 
 
 # ----------------------------------------------------------------------------- Figure 1
@@ -544,188 +457,6 @@ def adaptation_curve(train: pd.DataFrame, held: pd.DataFrame, steps: Mapping[str
     integer_axis(axes[1].xaxis)
     axes[1].set_xlabel("optimizer step")
     axes[1].set_ylabel("held-out answer-letter accuracy (share)")
-    fig.suptitle(title, fontsize=10)
-    return fig
-
-
-# ----------------------------------------------------------------------------- drift explorer
-
-
-def explorer_layers(frame: pd.DataFrame, *, title: str):
-    """One row's per-layer K/V drift: relative L2 and max |Δ|, each on its own log axis with a ``0 (exact)`` band.
-
-    Args:
-        frame: :func:`kvreplay.report.frames.layer_drift_frame` (``layer``, ``kind``, ``rel_l2``, ``max_abs``).
-    """
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), constrained_layout=True)
-    for ax, col, label in ((axes[0], "rel_l2", "relative L2"), (axes[1], "max_abs", "max |Δ|")):
-        floor = log_with_exact(ax, frame[col])
-        for kind, sub in frame.sort_values("layer").groupby("kind"):
-            ax.plot(sub["layer"], at_floor(sub[col], floor), marker=KIND_MARKERS.get(kind, "o"), ms=4, label=kind)
-        integer_axis(ax.xaxis)
-        ax.set_xlabel("layer")
-        mark_layer_kinds(ax, frame)
-        ax.set_ylabel(label)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    return fig
-
-
-def drift_heatmaps(maps: Mapping[tuple[str, str], pd.DataFrame], tokens: Sequence[str], blocks: Mapping[str, int], *,
-                   title: str, layer: int | None = None, head: int | None = None, kind: str | None = None,
-                   window: tuple[int, int] | None = None):
-    """Per-head and per-position drift maps (layers x heads, layers x positions) on a log colour scale.
-
-    Args:
-        maps: :func:`kvreplay.rebuild.drift_maps` output: ``{(kind, "head"): [layers, heads],
-            (kind, "position"): [layers, |z|]}`` relative L2 (NaN where the reference is 0).
-        tokens: the token text of each position of z (``len(tokens) == |z|``), shown on the position axis.
-        blocks: block name -> first position of that block in z (dotted boundaries).
-        title: the figure title.
-        layer, head: highlighted layer (a horizontal line) and KV head (a column outline), if given.
-        kind: ``key`` or ``value`` to draw one kind only (default both).
-        window: ``(start, stop)`` positions shown on the position axis (default all; token labels
-            are drawn when at most 80 positions are shown).
-
-    Returns:
-        the figure. Exact zeros are drawn in white (below the colour scale's floor); NaN in grey.
-    """
-    kinds = [kind] if kind else ["key", "value"]
-    vals = np.concatenate([maps[(k, a)].to_numpy().ravel() for k in kinds for a in ("head", "position")])
-    pos = vals[np.isfinite(vals) & (vals > 0)]
-    vmin, vmax = (pos.min(), pos.max()) if len(pos) else (1e-12, 1e-11)
-    if vmax <= vmin:
-        vmax = vmin * 10
-    norm = LogNorm(vmin=vmin, vmax=vmax)
-    cmap = plt.get_cmap("magma").with_extremes(under="white", bad="0.85")
-    n_pos = maps[(kinds[0], "position")].shape[1]
-    lo, hi = window if window else (0, n_pos)
-    lo, hi = max(0, lo), min(n_pos, hi)
-    fig, axes = plt.subplots(len(kinds), 2, figsize=(13, 3.6 * len(kinds) + 1.2), gridspec_kw={"width_ratios": [1, 5]},
-                             constrained_layout=True, squeeze=False)
-    im = None
-    for i, k in enumerate(kinds):
-        for j, axis in enumerate(("head", "position")):
-            ax = axes[i, j]
-            m = maps[(k, axis)].to_numpy().astype(float)
-            shown = np.where(m == 0, vmin / 10, m)  # exact zeros under the scale: white
-            extent_lo = lo if axis == "position" else 0
-            data = shown[:, lo:hi] if axis == "position" else shown
-            im = ax.imshow(data, aspect="auto", origin="lower", cmap=cmap, norm=norm, interpolation="nearest",
-                           extent=(extent_lo - 0.5, extent_lo + data.shape[1] - 0.5, -0.5, m.shape[0] - 0.5))
-            ax.set_ylabel("layer")
-            integer_axis(ax.yaxis)
-            if layer is not None:
-                ax.axhline(layer, color="cyan", lw=0.8, ls="--")
-            if axis == "head":
-                ax.set_xticks(range(m.shape[1]))
-                ax.set_xlabel("KV head")
-                if head is not None:
-                    ax.add_patch(plt.Rectangle((head - 0.5, -0.5), 1, m.shape[0], fill=False, ec="cyan", lw=1.5))
-            else:
-                ax.set_xlabel("token position in z (token text)")
-                for name, s in blocks.items():
-                    if lo <= s < hi:
-                        ax.axvline(s - 0.5, color="cyan", ls=":", lw=1)
-                        ax.text(s, 1.0, name, color="tab:blue", fontsize=7, rotation=0, va="bottom", ha="left",
-                                transform=ax.get_xaxis_transform())
-                token_ticks(ax, tokens, lo, hi)
-            ax.set_title(f"{k}s: drift per {axis}", fontsize=9, loc="left")
-    assert im is not None  # kinds is never empty (kinds[0] is read above), so the loop drew at least one image
-    fig.colorbar(im, ax=axes, shrink=0.7, label="relative L2 (log; white: exactly 0)")
-    fig.suptitle(title, fontsize=10)
-    return fig
-
-
-def token_ticks(ax, tokens: Sequence[str], lo: int = 0, hi: int | None = None, max_labels: int = 80) -> None:
-    """Label x positions ``lo..hi-1`` with their token text (every k-th position when there are more than ``max_labels``)."""
-    hi = len(tokens) if hi is None else hi
-    step = max(1, math.ceil((hi - lo) / max_labels))
-    ticks = list(range(lo, hi, step))
-    ax.set_xticks(ticks, [f"{tokens[p]}" if step == 1 else f"{p}:{tokens[p]}" for p in ticks], rotation=90, fontsize=6)
-
-
-def explorer_view(maps: Mapping[tuple[str, str], pd.DataFrame], detail: np.ndarray, tokens: Sequence[str],
-                  blocks: Mapping[str, int], *, layer: int, head: int, kind: str, title: str):
-    """The explorer's main view for one kind (K or V): layers x positions, layers x heads, and one layer/head per position.
-
-    Args:
-        maps: :func:`kvreplay.rebuild.drift_maps` output.
-        detail: relative L2 per position ``[|z|]`` of the selected layer and head (NaN where the reference is 0).
-        tokens: token text per position of z.
-        blocks: block name -> first position in z.
-        layer, head, kind: the selection (highlighted in the maps).
-        title: the figure title.
-
-    Returns:
-        the figure (log colour scale and log y axis; exact zeros white / on the ``0 (exact)`` band).
-    """
-    pos_map = maps[(kind, "position")].to_numpy().astype(float)
-    head_map = maps[(kind, "head")].to_numpy().astype(float)
-    vals = np.concatenate([pos_map.ravel(), head_map.ravel()])
-    good = vals[np.isfinite(vals) & (vals > 0)]
-    vmin, vmax = (good.min(), good.max()) if len(good) else (1e-12, 1e-11)
-    vmax = vmax if vmax > vmin else vmin * 10
-    norm = LogNorm(vmin=vmin, vmax=vmax)
-    cmap = plt.get_cmap("magma").with_extremes(under="white", bad="0.85")
-    n = pos_map.shape[1]
-    fig = plt.figure(figsize=(13, 7.6), constrained_layout=True)
-    gs = fig.add_gridspec(2, 2, width_ratios=[1, 5], height_ratios=[1.25, 1])
-    ax_head, ax_pos, ax_det = fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[0, 1]), fig.add_subplot(gs[1, :])
-    im = ax_pos.imshow(np.where(pos_map == 0, vmin / 10, pos_map), aspect="auto", origin="lower", cmap=cmap, norm=norm,
-                       interpolation="nearest")
-    ax_head.imshow(np.where(head_map == 0, vmin / 10, head_map), aspect="auto", origin="lower", cmap=cmap, norm=norm,
-                   interpolation="nearest")
-    ax_head.add_patch(plt.Rectangle((head - 0.5, -0.5), 1, head_map.shape[0], fill=False, ec="cyan", lw=1.5))
-    ax_head.set_xticks(range(head_map.shape[1]))
-    ax_head.set_xlabel("KV head")
-    ax_head.set_title(f"{kind}s: drift per head", fontsize=9, loc="left")
-    for ax in (ax_head, ax_pos):
-        ax.axhline(layer, color="cyan", lw=0.9, ls="--")
-        ax.set_ylabel("layer")
-        integer_axis(ax.yaxis)
-    ax_pos.set_title(f"{kind}s: drift per position (all heads)", fontsize=9, loc="left")
-    token_ticks(ax_pos, tokens, 0, n)
-    fig.colorbar(im, ax=[ax_head, ax_pos], shrink=0.9, label="relative L2 (log; white: exactly 0)")
-    floor = log_with_exact(ax_det, pd.Series(detail).fillna(0))
-    x = np.arange(n)
-    d = np.nan_to_num(detail, nan=0.0)
-    ax_det.vlines(x, floor / 3, at_floor(d, floor), color="#c44e52", lw=1)
-    ax_det.plot(x, at_floor(d, floor), "o", color="#c44e52", ms=2.5)
-    ax_det.set_xlim(-0.5, n - 0.5)
-    token_ticks(ax_det, tokens, 0, n)
-    ax_det.set_ylabel("relative L2 over head_dim")
-    ax_det.set_title(f"layer {layer}, KV head {head}, {kind}s: drift per position", fontsize=9, loc="left")
-    for ax in (ax_pos, ax_det):
-        for name, s0 in blocks.items():
-            ax.axvline(s0 - 0.5, color="tab:cyan" if ax is ax_pos else "0.4", ls=":", lw=1)
-            ax.text(s0, 1.0, name, color="tab:blue", fontsize=7, va="bottom", ha="left", transform=ax.get_xaxis_transform())
-    fig.suptitle(title, fontsize=10)
-    return fig
-
-
-def topk_logits(topk: pd.DataFrame, ref: str, other: str, *, title: str):
-    """Boundary logits of two states on the union of their top-k tokens, and their difference.
-
-    Args:
-        topk: :func:`kvreplay.rebuild.topk_frame` (``text``, ``reference``, ``other``, ``other - reference``).
-        ref, other: arm names for the legend.
-    """
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), constrained_layout=True)
-    x = np.arange(len(topk))
-    axes[0].bar(x - 0.2, topk["reference"], width=0.4, label=ref)
-    axes[0].bar(x + 0.2, topk["other"], width=0.4, label=other)
-    lo = topk[["reference", "other"]].min().min()
-    hi = topk[["reference", "other"]].max().max()
-    axes[0].set_ylim(lo - 1, hi + 0.5)
-    axes[1].bar(x, topk["other - reference"], color="#c44e52")
-    axes[1].axhline(0, color="0.3", lw=0.8)
-    for ax in axes:
-        ax.set_xticks(x, topk["text"], rotation=60, fontsize=7)
-        ax.set_xlabel("token (text)")
-    axes[0].legend(fontsize=8)
-    axes[0].set_ylabel("boundary logit")
-    axes[1].set_ylabel(f"{other} − {ref} (logit)")
     fig.suptitle(title, fontsize=10)
     return fig
 

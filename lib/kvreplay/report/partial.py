@@ -111,8 +111,8 @@ def suffix_summary(rows: Mapping[str, Sequence[Exp1Record]] | Mapping[str, Seque
     arm (:func:`arm_rows`); with only one precision there are no paired lines.
 
     Returns a frame with one line per (rows, precision): rows, gate failures, boundary caches not
-    bit-exact, suffixes that differ with the Wilson 95% interval, and how many of those are tie-initiated;
-    the last line is the exact McNemar test of the paired rows (BF16 differs, FP32 same / the reverse).
+    bit-exact, suffixes that differ with the Wilson 95% interval, and how many of those are tie-initiated.
+    The last line is the exact McNemar test of the paired rows (BF16 differs, FP32 same / the reverse).
 
     Raises:
         ValueError: ``rows`` holds neither precision.

@@ -21,7 +21,7 @@ number of actors (tests check this).
 
 A dead actor loses no finished row: Ray restarts it (up to
 :data:`MAX_RESTARTS` times, reloading the model) and retries its rows in
-flight; an actor that cannot be restarted (or is killed for good) has its rows
+flight. An actor that cannot be restarted (or is killed for good) has its rows
 in flight sent to the surviving actors. Rows are pure, so a retried row gives
 the same bytes.
 

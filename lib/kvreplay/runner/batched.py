@@ -45,7 +45,7 @@ class BatchedRows:
     Called with items in problem order, it yields their records in that
     order. Each chunk is the next ``spec.engine.problems_per_chunk`` problems of ``todo``
     (the arm's rows still to compute) from the first item not computed yet,
-    so the preflight call computes its chunk's other problems ahead; their
+    so the preflight call computes its chunk's other problems ahead. Their
     records are held and yielded (and appended) only when
     :func:`~kvreplay.ledger.run_rows` asks for them, after the preflight rows
     passed. A problem's bits do not depend on which chunk it falls in (the
@@ -60,7 +60,7 @@ class BatchedRows:
     neither on its companions nor on its slot. A run that resumes an arm is given ``reference``
     instead: a committed row of the ledger (computed inside a chunk by an
     earlier run, with its own captured graph), which is computed alone before
-    the first chunk and must equal its committed line byte for byte; this
+    the first chunk and must equal its committed line byte for byte. This
     checks the companions as above and also that this run's bits are the
     ledger's (a code or machine change that moved them stops the arm before it
     appends a row). On the graph path the alone run also checks the first
@@ -85,7 +85,7 @@ class BatchedRows:
     Deadline: when the environment variable :data:`CHUNK_DEADLINE_ENV` holds
     a wall-clock time (seconds since the epoch, as ``time.time()``), a chunk
     is not started if the longest chunk computed so far by this mapper would
-    end after it; the first chunk always starts, unless :data:`FIRST_CHUNK_ESTIMATE_ENV` gives its expected
+    end after it. The first chunk always starts, unless :data:`FIRST_CHUNK_ESTIMATE_ENV` gives its expected
     time and that would end after the deadline. A chunk's time here leaves
     out the preflight gates run with it (the alone runs of ``composition`` and
     ``reference``): they run once a mapper, and a new arm's first chunk would

@@ -81,7 +81,7 @@ def run_arm(
     With ``settings.workers > 1`` (and more than one row, or chunk, to
     compute) the rows run on Ray actors (:class:`kvreplay.runner.actors.RowActors`:
     one per GPU or CPU worker, each with its own model; on the batched path
-    each computes whole chunks), and this process loads no model; records are
+    each computes whole chunks), and this process loads no model. Records are
     appended in problem order, so the ledger's bytes equal a sequential run's.
 
     The ledger lives in ``<ledger_root>/<profile>/<name>-<dtype>-<digest12>/``

@@ -42,6 +42,7 @@ from ..models import (
 )
 from ..paths import ROOT
 from ..problems import Problem
+from .row_checks import LIVE_CHECK_FRACTION, LIVE_CHECK_SALT, check_prompts, live_check_ids  # re-exported
 
 Hook = Callable[[dict[str, decode.Boundary]], None]
 
@@ -175,90 +176,6 @@ def check_model(lm: LoadedModel) -> dict:
     return record
 
 
-LIVE_CHECK_FRACTION = 1.0
-"""Default share of an arm's non-preflight rows whose live boundary is checked (``ArmSettings.live_check_fraction``).
-
-Every row. The check replays the live call schedule once more: as many forward calls (engine: steps) as live
-decoding. Measured with the embedded model in BF16 on 2 CPU cores (eager path): +25 to +54 % forward calls per
-row at the cpu profile's caps (36 s of checks on 121 s of three rows, +30 %), +51 % at smoke caps; the engine's
-eager path at smoke caps (B = 2): +51 % calls. On the engine a smaller fraction saves little: a chunk's sampled
-problems are rebuilt together, and a step with idle slots costs as much as a full one.
-"""
-
-LIVE_CHECK_SALT = "live_equals_incremental"
-"""Salt of the live-check sample's hash (:func:`live_check_ids`)."""
-
-
-def live_check_ids(problem_ids: Sequence[str], preflight: int, fraction: float) -> frozenset[str]:
-    """The rows whose live boundary is checked (gate ``live_equals_incremental``), fixed before any row is computed.
-
-    The first ``preflight`` rows always; any other row when ``u < fraction``, where ``u`` in [0, 1) is the first
-    64 bits of sha256(``"live_equals_incremental:<problem_id>"``) over 2**64. Outcome-blind, and a problem's
-    membership does not depend on the other problems or their order.
-
-    Args:
-        problem_ids: the arm's problems in frozen order.
-        preflight: the arm's preflight rows.
-        fraction: the share of the other rows to sample, in [0, 1] (1: every row).
-
-    Raises:
-        ValueError: ``fraction`` outside [0, 1].
-    """
-    import hashlib
-
-    if not 0 <= fraction <= 1:
-        raise ValueError(f"live_check_fraction must lie in [0, 1], got {fraction!r}")
-
-    def drawn(pid: str) -> bool:
-        u = int(hashlib.sha256(f"{LIVE_CHECK_SALT}:{pid}".encode()).hexdigest()[:16], 16) / 2**64
-        return u < fraction
-
-    return frozenset(list(problem_ids)[:preflight]) | frozenset(p for p in problem_ids if drawn(p))
-
-
-def check_prompts(
-    fmt: BlockFormat, problems: Sequence[Problem], max_positions: int | None = None, *, caps: Caps | None = None,
-) -> None:
-    """Build every prompt before a run so a bad problem fails before any row is decoded.
-
-    With ``max_positions`` (the model's context, ``max_position_embeddings``)
-    and ``caps``, also refuse a problem whose longest full sequence
-    (:meth:`BlockFormat.max_sequence_length`: prompt + every delimiter +
-    3 x branch cap + merge cap + answer cap, in tokens) needs more positions
-    than the model has.
-
-    Args:
-        fmt: the resolved block format.
-        problems: the arm's problems.
-        max_positions: positions the model supports, or ``None`` to skip the length check.
-        caps: content caps; required when ``max_positions`` is given.
-
-    Raises:
-        ContractError: naming the problem ID, its file and line (:attr:`~kvreplay.problems.Problem.where`)
-            and, for the length check, the positions needed and available.
-        ValueError: ``max_positions`` given without ``caps``.
-    """
-    if max_positions is not None and caps is None:
-        raise ValueError("check_prompts: max_positions needs the caps to bound the sequence length")
-    for p in problems:
-        try:
-            ids = fmt.prompt_ids(p.question, p.options)
-        except ContractError as e:
-            raise ContractError(f"problem {p.problem_id} ({p.where}): {e}") from e
-        if max_positions is None:
-            continue
-        assert caps is not None  # refused above: max_positions is given, so caps is too
-        need = fmt.max_sequence_length(len(ids), caps)
-        if need > max_positions:
-            raise ContractError(
-                f"problem {p.problem_id} ({p.where}): its full sequence can need {need} "
-                f"positions (prompt {len(ids)} tokens + delimiters {fmt.delimiter_tokens()} + 3 x branch cap "
-                f"{caps.branch} + merge cap {caps.merge} + answer cap {caps.answer}), but the model has only "
-                f"{max_positions} (max_position_embeddings). Shorten the question, lower the caps, or leave the "
-                f"problem out."
-            )
-
-
 def model_key(model: str) -> dict:
     """Cheap identity of a model for ledger keys, computed without loading it.
 
@@ -387,20 +304,20 @@ class ArmSettings:
     Attributes mirror the notebooks' parameters: ``profile``, ``dtype``,
     ``caps``, ``model`` (``"embedded"``, folder, ``.gguf`` or cached hub id),
     ``fmt`` (block format name or YAML path), ``role_table`` (path or None),
-    ``preflight`` (rows), ``live_check_fraction`` (the share of the rows after the preflight ones whose live
-    boundary a run below float32 checks, gate ``live_equals_incremental``; :func:`live_check_ids`; not part of
-    the key: a row that passes records nothing more), and the execution contract: ``threads`` (intra-op
-    threads), ``sdpa_backends``, the CUDA side of the contract
-    (:class:`~kvreplay.execution.ExecutionContract`: ``device``, ``deterministic``,
-    ``allow_tf32``), and the fields below. The notebooks take the contract as one
+    ``preflight`` (rows), ``live_check_fraction``, and the execution contract. ``live_check_fraction`` is the
+    share of the rows after the preflight ones whose live boundary a run below float32 checks (gate
+    ``live_equals_incremental``; :func:`live_check_ids`). It is not part of the key: a row that passes records
+    nothing more. The execution contract: ``threads`` (intra-op threads), ``sdpa_backends``, the CUDA side
+    (:class:`~kvreplay.execution.ExecutionContract`: ``device``, ``deterministic``, ``allow_tf32``), and the
+    fields below. The notebooks take the contract as one
     mapping parameter, ``execution``, over these fields' defaults
     (:data:`EXECUTION_DEFAULTS`, checked by :func:`resolve_execution`).
 
-    Where the rows run is not part of the key, because the rows are identical
-    bit for bit however many actors compute them: ``workers`` is the number of
-    Ray row actors (:mod:`kvreplay.runner.actors`; on CUDA one per GPU, sharing the
-    GPUs when there are more actors than GPUs; 1 = in this process, without
-    Ray), and ``ray_address`` an existing Ray cluster to run them on
+    Where the rows run is not part of the key: the rows are identical
+    bit for bit however many actors compute them. ``workers`` is the number of
+    Ray row actors (:mod:`kvreplay.runner.actors`; on CUDA one per GPU, shared
+    when there are more actors than GPUs; 1 = in this process, without
+    Ray). ``ray_address`` is an existing Ray cluster to run them on
     (``"auto"``, ``"host:port"`` or ``"ray://host:10001"``; ``None``: the one
     in ``$RAY_ADDRESS``, else a local cluster started for them).
 
@@ -413,7 +330,7 @@ class ArmSettings:
       ``"graph"``: the engine with its step replayed as a CUDA graph (CUDA only).
     * ``batch``: problems per batched step ``B`` (the engine's ``2B`` rows);
     * ``max_len``: positions per row of the engine's static cache, or ``None``
-      for the arm's bound: the longest full sequence any of the arm's problems
+      for the arm's bound. That bound is the longest full sequence any of its problems
       can reach (:meth:`~kvreplay.contract.BlockFormat.max_sequence_length`
       of its prompt at the caps), so one arm has one batch shape.
     * ``chunk``: problems the batched runner gives the engine at once, ``None``
@@ -422,29 +339,28 @@ class ArmSettings:
       ends, so a chunk should fit in the time a run has. It changes no bit
       (the ``composition`` gate checks that a problem's bits do not depend on
       its companions) and is not part of the ledger key.
-    * ``attention``: the engine step's attention, ``"sdpa"`` (default: the
-      model's SDPA call under ``sdpa_backends``), ``"grouped"``
+    * ``attention``: the engine step's attention. ``"sdpa"`` (default: the
+      model's SDPA call under ``sdpa_backends``); ``"grouped"``
       (:func:`kvreplay.engine.grouped_attention`: the math backend's float32
-      arithmetic without repeating key/value heads; faster, other bits) or
+      arithmetic without repeating key/value heads; faster, other bits); or
       ``"flex"`` (:func:`kvreplay.engine.flex_attention_step`: FlexAttention
       over the filled blocks of the cache, compiled on CUDA; fastest, other
       bits; ``max_len`` a multiple of 128, ``None`` rounds the arm's bound up).
 
     The engine's bits depend on the batch shape ``(B, max_len)`` and differ
-    from the eager path's, so a non-eager step path adds
+    from the eager path's. So a non-eager step path adds
     ``{"engine": {"step_path", "batch", "max_len"}}`` to the ledger key (the
     policy name ``"longest_sequence"`` for ``max_len=None``; the resolved
-    length is recorded in the environment), and ``"attention"`` joins that
+    length is recorded in the environment). ``"attention"`` joins that
     entry when it is not ``"sdpa"``. The defaults add nothing.
     ``batch`` and ``max_len`` are refused with the eager path (they would not
     be used). Every arm of an experiment should run under the same contract.
 
     Raises:
-        ValueError: an execution contract :func:`check_execution` refuses (an
-            unknown device or step path, ``workers``, ``batch``, ``max_len`` or
-            ``chunk`` out of range, a batch shape with the eager path, ``graph``
-            off CUDA, an unknown ``attention``, one other than ``"sdpa"`` with the eager path, or ``"flex"``
-            with a ``max_len`` not a multiple of 128); ``live_check_fraction`` outside [0, 1].
+        ValueError: an execution contract :func:`check_execution` refuses; ``live_check_fraction`` outside
+            [0, 1]. Refused: an unknown device, step path or ``attention``; ``workers``, ``batch``, ``max_len``
+            or ``chunk`` out of range; a batch shape, or an attention other than ``"sdpa"``, with the eager path;
+            ``graph`` off CUDA; ``"flex"`` with a ``max_len`` not a multiple of 128.
     """
     profile: str
     dtype: str

@@ -1,0 +1,168 @@
+"""The notebook chain ``make paper`` runs (:data:`CHAIN`), what each notebook computes, and whether it is up to date.
+
+:func:`notebook_arms` and :func:`unfinished_arms` name the arms a notebook computes; :func:`inputs_digest` is the
+sha256 a notebook is skipped on while unchanged; :func:`run_inprocess` runs its code cells without Jupyter.
+Re-exported by :mod:`kvreplay.paper`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+from pathlib import Path
+
+from .adapt import read_pointer
+from .ledger.lookup import ledger_progress
+from .ledger.store import canonical_json, library_digest
+from .paths import LEDGERS, NOTEBOOKS
+from .profiles import ChainParameters
+
+
+EXECUTED_PROFILES = ("cpu", "gpu", "paper")
+"""Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (those with committed ledgers)."""
+
+RUN_PARAMETERS = {"interactive": False}
+"""Parameters every headless run passes (to the notebooks that declare them): no widgets in executed copies."""
+
+CHAIN = [
+    "00_role_adaptation.ipynb",
+    "01_experiment1_live_vs_prefill.ipynb",
+    "02_experiment2_fixed_prefix_precision.ipynb",
+    "03_experiment3_bridge_and_audit.ipynb",
+    "04_experiment4_cache_transplant.ipynb",
+    "05_experiment5_replication.ipynb",
+    "06_tables.ipynb",
+    "07_figures.ipynb",
+    "08_drift_explorer.ipynb",
+]
+"""Notebooks in dependency order (the checkpoint family, experiments, then tables, then figures)."""
+
+
+def notebook_arms(name: str, params: ChainParameters) -> list[str]:
+    """The ledger arms (``<experiment>-<dtype>``) notebook ``name`` reads or, where they are unfinished, computes.
+
+    Experiments 1 and 2 run at every precision of ``params``; 3-5 and the controls in BF16 only. Notebook 02 reads
+    Experiment 1's BF16 prefix bank; 03 the Experiment 1 and 2 BF16 ledgers (its audit); 04 and 05 the
+    Experiment 2 BF16 ledger (the panel, the accuracy comparison). Notebooks 06 and 07 read all of them, 08
+    Experiments 1 and 2. Notebook 00 (the checkpoint family) is not a ledger arm: ``[]``.
+    """
+    exp1 = [f"exp1-{d}" for d in params.precisions]
+    exp2 = [f"exp2-{d}" for d in params.precisions]
+    controls = ["exp2_controls-bfloat16"] if params.exploratory_controls else []
+    own = {"01": exp1, "02": ["exp1-bfloat16", *exp2, *controls], "03": ["exp1-bfloat16", "exp2-bfloat16", "exp3-bfloat16"],
+           "04": ["exp2-bfloat16", "exp4-bfloat16"], "05": ["exp2-bfloat16", "exp5-bfloat16"],
+           "08": [*exp1, *exp2]}
+    every = [*exp1, *exp2, *controls, "exp3-bfloat16", "exp4-bfloat16", "exp5-bfloat16"]
+    arms = own.get(name[:2], every if name[:2] in ("06", "07") else [])
+    return list(dict.fromkeys(arms))
+
+
+def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) -> list[str]:
+    """For a profile computed elsewhere (one whose file lists ``done:``), every arm the notebooks of ``chain`` need
+    that its ledgers under ``ledgers`` do not hold in full, as ``"<notebook>: <arm> (k of n rows)"`` or
+    ``"... (not started)"``. Run on such a profile, ``make paper`` would compute those rows on this machine
+    (hours on a CPU for the ``paper`` caps), so :func:`main` refuses before any notebook runs. Notebook 00 is
+    always listed: such a profile reads the checkpoint family its ``role_adaptation.json`` names (the ``cpu``
+    profile's), and 00 would train another one here and point the profile's Experiment 5 at it."""
+    out = []
+    for name in chain:
+        if name.startswith("00"):
+            out.append(f"{name}: trains a checkpoint family; this profile reads the one its "
+                       f"{ledgers / 'role_adaptation.json'} names (train it under the `cpu` profile)")
+            continue
+        for arm in notebook_arms(name, params):
+            folders = sorted(ledgers.glob(f"{arm}-*/manifest.json"))
+            progress = [ledger_progress(f.parent) for f in folders]
+            if not any(done == wanted for done, wanted in progress):
+                held = ", ".join(f"{done} of {wanted} rows" for done, wanted in progress) or "not started"
+                out.append(f"{name}: {arm} ({held})")
+    return out
+
+
+def declared_parameters(name: str, params: dict) -> dict:
+    """The subset of ``params`` that the notebook's ``parameters`` cell declares (no unknown-parameter noise): every
+    notebook declares ``profile`` and ``overrides``; :data:`RUN_PARAMETERS` go only to the notebooks that declare them."""
+    import papermill as pm
+
+    declared = pm.inspect_notebook(str(NOTEBOOKS / name))
+    return {k: v for k, v in params.items() if k in declared}
+
+
+def assigned_names(src: str) -> set[str]:
+    """The names a cell's top-level ``name = ...`` statements assign: a ``parameters`` cell's declared parameters,
+    as papermill sees them."""
+    return {t.id for node in ast.parse(src).body if isinstance(node, ast.Assign) for t in node.targets
+            if isinstance(t, ast.Name)}
+
+
+def code_cells(path: Path) -> list[tuple[list[str], str]]:
+    """``(tags, source)`` of every code cell of a notebook file (read as JSON, no Jupyter needed)."""
+    nb = json.loads(Path(path).read_text(encoding="utf-8"))
+    out = []
+    for c in nb["cells"]:
+        if c["cell_type"] == "code":
+            src = c["source"] if isinstance(c["source"], str) else "".join(c["source"])
+            out.append((c.get("metadata", {}).get("tags", []), src))
+    return out
+
+
+def run_inprocess(path: Path, params: dict) -> None:
+    """Execute a notebook's code cells in one fresh namespace of this process, parameters injected as papermill would.
+
+    The names assigned in the cell tagged ``parameters`` are the declared
+    parameters; values of ``params`` for those names are assigned right after
+    it. Cells run with the notebook's folder as working directory.
+
+    Raises:
+        RuntimeError: naming the notebook and the failing cell (1-based among code cells).
+    """
+    cells = code_cells(path)
+    ns: dict = {"__name__": "__main__"}
+    cwd = os.getcwd()
+    os.chdir(Path(path).parent)
+    try:
+        for i, (tags, src) in enumerate(cells, 1):
+            try:
+                exec(compile(src, f"{Path(path).name}, code cell {i}", "exec"), ns)
+                if "parameters" in tags:
+                    declared = assigned_names(src)
+                    ns.update({k: v for k, v in params.items() if k in declared})
+            except Exception as e:
+                raise RuntimeError(f"{Path(path).name} failed in code cell {i} ({type(e).__name__}: {e})") from e
+    finally:
+        os.chdir(cwd)
+        if "matplotlib.pyplot" in sys.modules:
+            sys.modules["matplotlib.pyplot"].close("all")
+
+
+def inputs_digest(name: str, params: ChainParameters) -> str:
+    """sha256 of everything a notebook's outputs depend on.
+
+    Its source, the resolved chain parameters (a profile whose values change reruns it) and the library source.
+    Every ledger (plain or sealed), panel and prefix-bank file of the profile, not run logs or parquet copies.
+    The role-table checkpoint files the profile's pointer names."""
+    import hashlib
+
+    h = hashlib.sha256()
+    h.update((NOTEBOOKS / name).read_bytes())
+    h.update(canonical_json(params.model_dump(mode="json")).encode())
+    h.update(library_digest().encode())
+    root = Path(params.ledger_root or LEDGERS) / params.profile
+    if root.is_dir():
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and f.name.endswith((".jsonl", ".json", ".jsonl.gz")) and f.name != "runlog.jsonl":
+                h.update(str(f.relative_to(root)).encode())
+                h.update(f.read_bytes())
+    pointer = root / "role_adaptation.json"  # the checkpoint family lives outside the ledgers (data/checkpoints)
+    if pointer.is_file():
+
+        folder, _ = read_pointer(pointer)
+        for name in ("manifest.json", *sorted(p.name for p in folder.glob("*.pt"))) if folder.is_dir() else ():
+            f = folder / name
+            h.update(name.encode())
+            h.update(f.read_bytes() if f.is_file() else b"missing")
+        if not folder.is_dir():
+            h.update(b"checkpoint folder missing")
+    return h.hexdigest()
