@@ -63,16 +63,16 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs) -> tuple[torch.Tensor, None]:
     """Grouped-query attention in float32 without repeating keys/values (the engine's ``attention="grouped"``).
 
-    The arithmetic of torch's ``math`` SDPA backend. Query and keys are cast from BF16 or FP16 to float32 and
-    each multiplied by the square root of the scale. Masked scores are set to ``-inf``, softmax runs over the
-    keys, and the weighted sum of the values is cast back to the input dtype. But the query heads that share a key/value head
-    are stacked into the rows of one matmul against that head's keys and values. The keys and values are
-    still cast to float32 once per step (a float32 copy of each layer's cache), but never repeated. The
-    ``sdpa`` path lets transformers copy every key/value head once per query head (SmolLM2-135M: 9 query
-    heads on 3 key/value heads), and the math backend then casts and scales those copies. So each step moves
-    several times more bytes of the static cache, and moving those bytes is where a decode step over a long
-    static cache spends its time. The matmul shapes differ, so the bits may differ from ``sdpa`` (and do on the CPUs and GPUs
-    we ran): a different attention is a different contract.
+    The arithmetic of torch's ``math`` SDPA backend. Query and keys are cast from BF16 or FP16 to float32 and each
+    multiplied by the square root of the scale. Masked scores are set to ``-inf``, softmax runs over the keys, and
+    the weighted sum of the values is cast back to the input dtype. But the query heads that share a key/value head
+    are stacked into the rows of one matmul against that head's keys and values. The keys and values are still cast
+    to float32 once per step (a float32 copy of each layer's cache), but never repeated. The ``sdpa`` path lets
+    transformers copy every key/value head once per query head (SmolLM2-135M: 9 query heads on 3 key/value heads),
+    and the math backend then casts and scales those copies. So each step moves several times more bytes of the
+    static cache, and moving those bytes is where a decode step over a long static cache spends its time. The matmul
+    shapes differ, so the bits may differ from ``sdpa`` (and do on the CPUs and GPUs we ran): a different attention
+    is a different contract.
 
     Called by transformers' attention layers (registered in ``AttentionInterface``); used only inside
     :class:`StepEngine` steps with ``attention="grouped"``.
