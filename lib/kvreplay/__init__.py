@@ -1,14 +1,14 @@
 """kvreplay: reproduce and extend *Stage-Replay Divergence Follows the KV Cache*.
 
 Every notebook calls into this package. Each module is one concept and imports
-only the layers below it (docs/ARCHITECTURE.md, which a test keeps true): the
-core (``paths``, ``contract``, ``execution``, ``models``, ``problems``, ``bank``, ``decode``,
-``caches``, ``engine``, ``gates``, ``drift``, ``scoring``, ``stats``),
-``ledger`` (append-only, resumable results and their lookup by provenance),
-``runner`` (arm settings, the run loop, Ray row actors), ``experiments`` (one
-module per experiment) with ``adapt`` (the checkpoint family), ``report``
+only the layers below it (docs/ARCHITECTURE.md, which a test keeps true). The
+core is ``paths``, ``contract``, ``execution``, ``models``, ``problems``, ``bank``, ``decode``,
+``caches``, ``engine``, ``gates``, ``drift``, ``scoring`` and ``stats``. Above it sit
+``ledger`` (append-only, resumable results and their lookup by provenance) and
+``runner`` (arm settings, the run loop, Ray row actors). Then come ``experiments`` (one
+module per experiment) with ``adapt`` (the checkpoint family), and ``report``
 (tables and figures from ledgers) with ``rebuild`` (one row's caches for
-inspection), the notebooks' glue (``profiles``, ``session``, ``explorer``)
+inspection). On top are the notebooks' glue (``profiles``, ``session``, ``explorer``)
 and the command lines ``paper``, ``bench``, ``probe`` and ``verify``.
 """
 

@@ -3,37 +3,38 @@
 Usage: ``python -m kvreplay.bench [--model embedded] [--dtype bfloat16] [--tokens 64] [--repeats 3]``.
 
 Measured in one process, on one real MMLU problem decoded to its merge
-boundary: (1) per-token time of :func:`kvreplay.decode.decode_suffix` (explicit
-4-D role mask, role-aware positions, desync check, structural mask, every
-step) against ``model.generate`` (greedy, same model, same duplicate batch of
-two, same number of new tokens, default causal mask), whose prefill is timed
-separately and subtracted; (2) one-call prefill time of the boundary prefix;
+boundary: (1) per-token time of :func:`kvreplay.decode.decode_suffix` against
+``model.generate``. Ours uses the explicit 4-D role mask, role-aware positions,
+the desync check and the structural mask at every step. ``generate`` is greedy,
+with the same model, duplicate batch of two and number of new tokens, and the
+default causal mask; its prefill is timed separately and subtracted.
+(2) One-call prefill time of the boundary prefix;
 (3) one Experiment 1 row (four arms) at the given caps, as rows per hour;
-(4) Experiment 1 rows per hour with ``--workers`` Ray row actors
-(:class:`kvreplay.runner.actors.RowActors` on a local Ray cluster, or the one in
-``$RAY_ADDRESS``; timed after every actor has loaded the model and finished
-one warm-up row), and its ratio to one process, with the cluster's start-up
-and the actors' start-up (model loaded) reported apart; (5) peak
-resident memory, and peak GPU memory on CUDA. Times are medians over
+(4) Experiment 1 rows per hour with ``--workers`` Ray row actors, and its ratio to one process.
+The actors (:class:`kvreplay.runner.actors.RowActors`) run on a local Ray cluster, or the one in
+``$RAY_ADDRESS``, and are timed after each has loaded the model and finished
+one warm-up row; the cluster's and the actors' start-up are reported apart.
+(5) Peak resident memory, and peak GPU memory on CUDA. Times are medians over
 ``--repeats``. Nothing is asserted: speed is reported, never tested.
 ``generate`` runs with the library's default SDPA backend choice, our decoder
 with the pinned contract (``math``), so the ratio includes that choice.
 ``--device cuda`` measures on the GPU under the CUDA execution contract
-(deterministic algorithms, TF32 off), and adds a second table (:func:`engine_table`):
-ms per problem-step of today's decoder (eager, a duplicate batch of 2 rows)
+(deterministic algorithms, TF32 off), and adds a second table (:func:`engine_table`).
+It gives ms per problem-step of today's decoder (eager, a duplicate batch of 2 rows)
 against the batched engine's CUDA-graph step at B = 1, 8, 32, 64, 128 problems
-(:func:`kvreplay.engine.decode_suffixes`) with each step attention (``--attention``, default both: the model's
-SDPA call and :func:`kvreplay.engine.grouped_attention`), Hugging Face ``generate`` with its
-own static cache (``cache_implementation="static"``) and, when it works on the
-host, with the model's forward compiled (``torch.compile``, reported if it
-fails), plus Experiment 1 rows per hour with the batched runner
-(:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`, graph path) at the given caps sets.
+(:func:`kvreplay.engine.decode_suffixes`). The engine runs with each step attention
+(``--attention``, default both: the model's SDPA call and :func:`kvreplay.engine.grouped_attention`).
+The table also times Hugging Face ``generate`` with its own static cache
+(``cache_implementation="static"``) and, when it works on the host, with the model's forward
+compiled (``torch.compile``, reported if it fails). It ends with Experiment 1 rows per hour with the
+batched runner (:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`, graph path) at
+the given caps sets.
 
-``--vs-generate`` runs only the side-by-side section instead (``docs/engine.md``; :mod:`kvreplay.bench_generate`): :func:`engine_vs_generate`
-(the engine and ``generate`` continuing the same saved boundaries by the same number of tokens, per batched
-step, with the memory floor), :func:`exp1_end_to_end` (a real Experiment 1 chunk: useful problem-steps per
-second and slot occupancy) and :func:`profile_step` (where a step's time goes), written to ``--json`` and
-``--md``.
+``--vs-generate`` runs only the side-by-side section instead (``docs/engine.md``; :mod:`kvreplay.bench_generate`),
+written to ``--json`` and ``--md``. It has :func:`engine_vs_generate` (the engine and ``generate`` continuing
+the same saved boundaries by the same number of tokens, per batched step, with the memory floor).
+It also has :func:`exp1_end_to_end` (a real Experiment 1 chunk: useful problem-steps per second and slot
+occupancy) and :func:`profile_step` (where a step's time goes).
 """
 
 from __future__ import annotations

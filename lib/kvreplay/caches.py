@@ -114,10 +114,10 @@ _ATTR = {"key": "keys", "value": "values"}
 def verify_transplant(state: Boundary, recipient: Boundary, donor: Boundary, provenance: Sequence[dict]) -> None:
     """Transplant gates: provenance, geometry, dtype, sequence length, no aliasing, kept recipient state.
 
-    Every cache tensor must equal (bit for bit, with identical shape, stride,
-    dtype and device) the tensor of the construction its provenance names,
-    hold |z| positions (a sliding-window layer too: every construction keeps
-    all positions), and share storage with neither source. Token IDs, roles,
+    Every cache tensor must equal, bit for bit, the tensor of the construction
+    its provenance names, with identical shape, stride, dtype and device. It
+    must hold |z| positions (a sliding-window layer too: every construction keeps
+    all positions) and share storage with neither source. Token IDs, roles,
     boundary logits and the layers' windows must be the recipient's, and the
     donor's windows the same.
 

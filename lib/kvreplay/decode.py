@@ -1,9 +1,9 @@
 """Decoders: the live multi-branch generator and the one shared suffix decoder (paper §3.1–3.2).
 
-Every forward call goes through :func:`forward`, which always passes an
+Every forward call goes through :func:`forward`. It always passes an
 explicit boolean 4-D mask ``[batch, 1, q, k]`` (causal AND role visibility;
-no padding), explicit position IDs counting tokens from 0, and input
-embeddings plus role-embedding rows when the model has a role table. A
+no padding) and explicit position IDs counting tokens from 0. Its input is
+embeddings, plus role-embedding rows when the model has a role table. A
 sliding-window layer's mask also hides keys ``window`` or more positions
 back (a dict of masks per layer type for a model mixing layer types,
 :class:`~kvreplay.models.AttentionLayout`); every layer's cache keeps all
@@ -282,10 +282,10 @@ class BlockCursor:
                 as the chosen token and the finiteness check.
 
         Returns:
-            ``(token, role, margin, in_sync)``: the token, the raw role it
-            belongs to, the top-1 minus top-2 logit margin over eligible tokens
-            (float32 units of the logits) when the model chose it, else None,
-            and the value of ``in_sync`` (True when none was given).
+            ``(token, role, margin, in_sync)``: the token and the raw role it
+            belongs to; the top-1 minus top-2 eligible logit margin (float32
+            logit units), or None for a forced token; and the value of
+            ``in_sync`` (True when none was given).
 
         Raises:
             GateError: gate ``nonfinite`` if ``logits`` hold NaN or infinity.

@@ -1,8 +1,8 @@
 """The drift explorer's state and controls (notebook 08): ledger rows, rebuilt boundary drift and ipywidgets.
 
-A row's two boundary caches are rebuilt once (minutes: the model loads and replays the prefix) and what the explorer
+A row's two boundary caches are rebuilt once (minutes: the model loads and replays the prefix). What the explorer
 draws from them is kept on disk (:class:`kvreplay.rebuild.RebuiltDrift`, a few hundred kB) under
-:func:`cache_dir` (``$KVREPLAY_EXPLORER_CACHE``, default ``build/explorer-cache/``), keyed by the ledger folder,
+:func:`cache_dir` (``$KVREPLAY_EXPLORER_CACHE``, default ``build/explorer-cache/``). It is keyed by the ledger folder,
 the row's digest, the comparison and the row-algorithm and rebuild versions. Committed rebuilds under
 :data:`COMMITTED_CACHE` are read too. So any row rebuilt before, in any session, draws in about a second without
 loading a model. Per kernel the tokenizer and model of each ledger are kept as well. While a rebuild runs the figure

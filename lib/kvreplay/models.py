@@ -309,7 +309,7 @@ class LoadedModel:
             weight digest in this dtype, role-table digest.
         sdpa_backends: SDPA backends every forward call may use (names of
             ``torch.nn.attention.SDPBackend``, lower case). The default is
-            ``("math",)``: the fused flash kernel once made the two duplicate
+            ``("math",)``. The fused flash kernel once made the two duplicate
             rows differ on a 2-core CPU in FP32 (the desync gate caught it; not
             reproduced later), and a backend set with cuDNN did on an H200 in BF16.
         contract: the :class:`ExecutionContract` applied when loading.

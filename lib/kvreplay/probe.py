@@ -2,11 +2,11 @@
 
 Usage: ``python -m kvreplay.probe --device cuda [--rows 2] [--caps 32 64 8] [--out probe.json]``.
 
-For each setting in :data:`SETTINGS` (the default contract, all SDPA backends
+The settings (:data:`SETTINGS`) are the default contract, all SDPA backends
 with cuDNN allowed and deterministic algorithms off, cuDNN attention alone,
-and the memory-efficient kernel alone with deterministic algorithms) runs
-Experiment 1 rows (live decoding, then the four-arm matrix, BF16 and FP32) and
-reports, per setting and precision, how many rows passed every gate, which
+and the memory-efficient kernel alone with deterministic algorithms. Each runs
+Experiment 1 rows (live decoding, then the four-arm matrix, BF16 and FP32). Per
+setting and precision it reports how many rows passed every gate, which
 gate stopped the others, and whether BF16 prefill drifted from live. The
 default contract must pass; a variant may fail, but only through a gate
 (``desync``), never silently. Prints a table and writes JSON; asserts nothing.

@@ -367,15 +367,15 @@ def iter_lines(data: bytes) -> Iterable[tuple[int, bytes]]:
 def load_problems(path: str | Path) -> list[Problem]:
     """Read and validate any JSONL in the bank format (paper §3.3 data).
 
-    Each non-blank line is a JSON object with keys ``problem_id`` (str,
-    ``[A-Za-z0-9][A-Za-z0-9._:-]*``, at most 128 chars, unique in the file),
-    ``question`` (str, not empty once invisible characters are removed:
-    :func:`visible_text`), ``options`` (list of 2..10 such strings, pairwise
-    distinct, none opening with its own letter such as ``"A. "``, ``"A) "`` or
-    ``"(A) "``: refused, not stripped, see :func:`own_letter`), ``answer`` (one
-    capital letter within the options' range) and optionally ``source``
-    (non-empty str; default: the file name) and ``source_line`` (int >= 1;
-    default: the line number in this file).  Other keys are rejected.  Blank
+    Each non-blank line is a JSON object with these keys. ``problem_id``: str,
+    ``[A-Za-z0-9][A-Za-z0-9._:-]*``, at most 128 chars, unique in the file.
+    ``question``: str, not empty once invisible characters are removed
+    (:func:`visible_text`). ``options``: list of 2..10 such strings, pairwise
+    distinct. An option opening with its own letter (such as ``"A. "``, ``"A) "`` or
+    ``"(A) "``) is refused, not stripped (:func:`own_letter`). ``answer``: one
+    capital letter within the options' range. Optional ``source``:
+    non-empty str (default: the file name). Optional ``source_line``: int >= 1
+    (default: the line number in this file).  Other keys are rejected.  Blank
     lines are skipped (line numbers in messages stay physical).  Texts are
     kept verbatim.
 
@@ -384,9 +384,9 @@ def load_problems(path: str | Path) -> list[Problem]:
     :raises FileNotFoundError: if ``path`` does not exist.
     :raises MalformedProblemError: naming ``path``, the line and the field, for
         invalid UTF-8/JSON, a non-object row, missing/unknown/invalid fields,
-        text that is not valid Unicode (a lone surrogate such as the JSON
+        invalid Unicode (a lone surrogate such as the JSON
         escape ``\\ud800``), a duplicate ``problem_id``, or a file with no
-        problems; the problem ID too where it can be read.
+        problems. It also names the problem ID where it can be read.
     """
     path = Path(path)
     loc = str(path)

@@ -308,9 +308,11 @@ def profile_sha256(profile: str | Path) -> str:
 
 
 def describe(params: ChainParameters, profile: str | Path, overrides: Mapping[str, Any] | None = None) -> str:
-    """One line of the resolved values a reader of an executed notebook needs: the profile file, its sha256 prefix and
-    its base (:func:`base_of`), the overrides, model, problems, rows, caps, precisions and the ``execution`` mapping
-    as given (its other keys take :data:`~kvreplay.runner.EXECUTION_DEFAULTS`)."""
+    """One line of the resolved values a reader of an executed notebook needs.
+
+    It gives the profile file, its sha256 prefix and its base (:func:`base_of`), the overrides, model, problems,
+    rows, caps, precisions and the ``execution`` mapping as given (its other keys take
+    :data:`~kvreplay.runner.EXECUTION_DEFAULTS`)."""
     given = ", ".join(f"{k}={v}" for k, v in params.contract.items() if k in params.execution)
     base = base_of(profile)
     parts = [f"profile {params.profile} ({_shown(profile_path(profile))}, sha256 {profile_sha256(profile)[:12]}; "

@@ -1,7 +1,7 @@
 """One ledger row rebuilt on demand: its boundary caches, their drift maps, suffix alignment and top-k logits.
 
 The drift explorer (:mod:`kvreplay.explorer`, notebook 08) reads a row from a
-ledger, reloads the model that wrote it (:func:`load_for_ledger`), rebuilds the
+ledger and reloads the model that wrote it (:func:`load_for_ledger`). It rebuilds the
 two boundary caches of one comparison from the row's token IDs
 (:func:`rebuild_pair`) and checks them against the ledger's fingerprints
 (:func:`fingerprint_matches`) before showing per-tensor drift.

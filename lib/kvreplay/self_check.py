@@ -85,11 +85,11 @@ def self_check(lm: Any) -> dict:
     """Prove on a few tokens that the model honours the explicit 4-D mask and position IDs it is given.
 
     Five short decodes, each a multi-token first call followed by one-token
-    cached calls with ``inputs_embeds``, a bool 4-D ``attention_mask
+    cached calls, as the decoders make them. The calls pass ``inputs_embeds``, a bool 4-D ``attention_mask
     [1, 1, q, k]`` (a dict of them per layer type for a model mixing
     sliding-window and full layers), explicit ``position_ids [1, q]``, a
-    full-length cache (:func:`kv_cache`) and ``use_cache=True`` (the calls the decoders
-    make), under the loaded model's SDPA backends, dtype and device. With n =
+    full-length cache (:func:`kv_cache`) and ``use_cache=True``. They run
+    under the loaded model's SDPA backends, dtype and device. With n =
     :data:`SELF_CHECK_TOKENS` tokens, j = :data:`SELF_CHECK_HIDDEN` and a
     position gap g (:data:`SELF_CHECK_GAP`, less if the context is shorter):
 
@@ -110,12 +110,12 @@ def self_check(lm: Any) -> dict:
     mask gives *visible* = *hidden*. A model that ignores the position IDs of
     the one-token calls gives *shifted_steps* = *hidden*, one that ignores them
     in the multi-token call gives *shifted* = *shifted_steps* (the same
-    computation, so the distance is exactly 0). With ``d`` the max absolute
-    difference of the last logits in float32, the check passes when
+    computation, so the distance is exactly 0). Let ``d`` be the max absolute
+    difference of the last logits in float32. The check passes when
     ``d(hidden, visible) > 0``, ``d(hidden, removed) <= SELF_CHECK_RATIO *
     d(hidden, visible)``, ``d(hidden, shifted_steps) > 0``,
     ``d(shifted, shifted_steps) > 0`` and, for mixed layers, both
-    ``sliding_hidden`` distances > 0: no threshold depends on the dtype. The
+    ``sliding_hidden`` distances > 0. No threshold depends on the dtype. The
     *hidden* cache must also hold plain ``keys``/``values``
     ``[1, kv_heads, n, head_dim]`` in every layer.
 

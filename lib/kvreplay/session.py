@@ -8,12 +8,12 @@ and ``overrides = {}`` (papermill injects other values below it), and starts ::
 
 which resolves the two into the chain's parameters
 (:func:`kvreplay.profiles.load_parameters`: names, types and the ``execution``
-contract checked before anything is read), prints the values that matter, and
-returns a :class:`Session`: the parameters, the problem bank (read when first
-used), the caps, the ledger, figure and checkpoint folders,
-:meth:`Session.settings` for an arm, the fixed BF16 prefix bank of Experiments
+contract checked before anything is read). It prints the values that matter and
+returns a :class:`Session`. A session holds the parameters, the problem bank (read when first
+used), the caps, the ledger, figure and checkpoint folders, and
+:meth:`Session.settings` for an arm. It also gives the fixed BF16 prefix bank of Experiments
 2-5, upstream ledgers found by provenance (:meth:`Session.upstream`; never
-re-run), frozen panels (:meth:`Session.write_panel`) and tables and figures
+re-run) and frozen panels (:meth:`Session.write_panel`). Tables and figures are
 saved under the profile's figure folder with their captions and producing
 notebook.
 """

@@ -1,14 +1,14 @@
 """Recompute committed ledger rows and compare them with the ledger bit for bit (``make verify``).
 
-A reviewer's check, and the golden-row test of the row-algorithm versions:
-for each experiment ledger of a profile, rebuild the arm's settings from the
+A reviewer's check, and the golden-row test of the row-algorithm versions.
+For each experiment ledger of a profile, it rebuilds the arm's settings from the
 ledger's own manifest (model, dtype, caps, format, threads, SDPA backends,
-execution contract), recompute a few of its rows with the same per-row
-function the notebooks use, and compare each recomputed record with the
+execution contract). It recomputes a few of its rows with the same per-row
+function the notebooks use, and compares each recomputed record with the
 committed line byte for byte (canonical JSON).
 
 BF16 bits depend on the CPU's kernels (AMX, AVX-512-BF16, AVX2 pick different
-oneDNN paths) and on the torch build, so a byte comparison is only owed where
+oneDNN paths) and on the torch build. So a byte comparison is only owed where
 the environment matches the one that wrote the ledger (same CPU capability and
 ISA flags, device name, torch version and threads). Elsewhere the check falls
 back to what must hold anywhere -- every gate passes, and in float32 the token
@@ -128,11 +128,11 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     Args:
         folder: the ledger folder.
         rows: how many rows to recompute.
-        pick: ``"shortest"`` (rows with the shortest prefix first), ``"fastest"`` (rows that took the least
-            wall time when they were computed, from ``runlog.jsonl``; shortest prefix where the log has none;
-            on a batched ledger, whose logged seconds are a whole chunk's and sit on its first row, the
-            shortest committed line, a proxy for the fewest decoded tokens, as the resumed-arm gate picks)
-            or ``"first"`` (ledger order).
+        pick: ``"shortest"`` (rows with the shortest prefix first), ``"fastest"`` or ``"first"`` (ledger order).
+            ``"fastest"`` takes the rows that took the least wall time, from ``runlog.jsonl``, and the shortest
+            prefix where the log has none. A batched ledger logs a whole chunk's seconds on its first row, so
+            there it takes the shortest committed line (a proxy for the fewest decoded tokens, as the
+            resumed-arm gate picks).
         problems: the problem set (default: the frozen bank).
         model: where the ledger's model is, for a local folder (the manifest keys it by folder name and file
             digests only); it must have the manifest's model key.

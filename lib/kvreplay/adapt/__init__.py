@@ -7,8 +7,8 @@ checkpoint. This module builds that family reproducibly, offline, on CPU:
 - **checkpoint 0** is the base model with a zero role table (what Experiments
   1–4 run: adding a zero row changes no bit);
 - **early** and **later** checkpoints are the same base weights plus a
-  ``[14, hidden]`` role table whose rows 8..13 were trained here (rows 0..7
-  stay zero). Only those rows are trained; every base parameter is frozen and
+  ``[14, hidden]`` role table. Its rows 8..13 were trained here; rows 0..7
+  stay zero. Only those rows are trained; every base parameter is frozen and
   its sha256 is checked to be unchanged after training.
 
 Training sequences (construction :data:`CONSTRUCTION`), built from token IDs
@@ -23,10 +23,10 @@ Block contents are deterministic functions of the problem:
 - branch 1 lists the first half of the options (``Option A: ...``), branch 2
   the second half, branch 3 names the letters to choose from. No branch reads
   the gold answer, so the merge cannot copy it from a branch.
-- merge: reconciles the attempts by restating every option with its letter,
-  then says that checking them against the question decides (gold-blind too).
-- answer: ``" <gold letter>."`` after the answer opener (which ends with the
-  format's answer prefix, "The answer is" by default). This is the only block
+- merge: restates every option with its letter, then says that checking them
+  against the question decides. It is gold-blind too.
+- answer: ``" <gold letter>."`` after the answer opener, which ends with the
+  format's answer prefix ("The answer is" by default). This is the only block
   that holds the gold answer.
 
 Objective (merge-targeted): per sequence, the mean negative log-likelihood of
@@ -45,16 +45,16 @@ and training rows by ``sha256(salt + problem_id)``; asserted disjoint from the
 MMLU bank (IDs and question texts).
 
 Checkpoint metric (:data:`LETTER_METRIC`): on the MMLU bank, the same staged
-template is teacher-forced through the answer opener (branches and merge are
-gold-blind, so nothing leaks) and the prediction is the option letter whose
-token (``" A"``, ``" B"``, ...) has the highest logit at the first answer
-position. One FP32 forward per problem and checkpoint.
+template is teacher-forced through the answer opener. Branches and merge are
+gold-blind, so nothing leaks. The prediction is the option letter whose token
+(``" A"``, ``" B"``, ...) has the highest logit at the first answer position.
+One FP32 forward per problem and checkpoint.
 
-Files: ``<checkpoint_root>/role-table-<name>-<digest12>/`` keyed by the sha256 of the
-training config (so profiles with the same training config share them) holds
+Files: ``<checkpoint_root>/role-table-<name>-<digest12>/`` is keyed by the sha256 of the
+training config, so profiles with the same training config share it. It holds
 ``role_table_step<NNNN>.pt`` for the early and later steps (``torch.save`` of
 a ``[14, hidden]`` float32 tensor) and ``manifest.json`` (schema, config,
-each file's sha256, base-model identity and weight digest, loss curves);
+each file's sha256, base-model identity and weight digest, loss curves).
 ``environment.json`` holds the execution contract and ``runlog.jsonl`` the
 wall times (kept apart so the other files stay byte-identical).
 

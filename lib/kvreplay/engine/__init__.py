@@ -2,9 +2,9 @@
 
 The decoders of :mod:`kvreplay.decode` run one problem as a physical batch of
 two duplicate rows, one forward call per token, through a ``DynamicCache``.
-This module runs ``B`` problems at once: the batch holds ``2B`` rows (problem
-in slot ``s`` owns rows ``2s`` and ``2s + 1``), every row has its own write
-position in a static KV cache (:class:`RowCache`), and one batched one-token
+This module runs ``B`` problems at once. The batch holds ``2B`` rows (problem
+in slot ``s`` owns rows ``2s`` and ``2s + 1``), and every row has its own write
+position in a static KV cache (:class:`RowCache`). One batched one-token
 step (:class:`StepEngine`) advances every problem by one token. Everything the
 step reads lives in static buffers that are updated in place, so on CUDA the
 step is captured once in a ``torch.cuda.CUDAGraph`` and replayed

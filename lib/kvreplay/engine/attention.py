@@ -63,16 +63,16 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs) -> tuple[torch.Tensor, None]:
     """Grouped-query attention in float32 without repeating keys/values (the engine's ``attention="grouped"``).
 
-    The arithmetic of torch's ``math`` SDPA backend (query and keys each multiplied by the square root of the
-    scale in float32, after a cast from BF16 or FP16; masked scores set to ``-inf``, softmax over the keys, the
-    weighted sum of the values cast back to the input dtype), but the query heads that share a key/value head
-    are stacked into the rows of one matmul against that head's keys and values. The keys and values are
-    still cast to float32 once per step (a float32 copy of each layer's cache), but never repeated: the
-    ``sdpa`` path lets transformers copy every key/value head once per query head (SmolLM2-135M: 9 query
-    heads on 3 key/value heads) and the math backend then casts and scales those copies, so each step moves
-    several times more bytes of the static cache, which is what a decode step over a long static cache spends
-    its time on. The matmul shapes differ, so the bits may differ from ``sdpa`` (and do on the CPUs and GPUs
-    we ran): a different attention is a different contract.
+    The arithmetic of torch's ``math`` SDPA backend. Query and keys are cast from BF16 or FP16 to float32 and each
+    multiplied by the square root of the scale. Masked scores are set to ``-inf``, softmax runs over the keys, and
+    the weighted sum of the values is cast back to the input dtype. But the query heads that share a key/value head
+    are stacked into the rows of one matmul against that head's keys and values. The keys and values are still cast
+    to float32 once per step (a float32 copy of each layer's cache), but never repeated. The ``sdpa`` path lets
+    transformers copy every key/value head once per query head (SmolLM2-135M: 9 query heads on 3 key/value heads),
+    and the math backend then casts and scales those copies. So each step moves several times more bytes of the
+    static cache, and moving those bytes is where a decode step over a long static cache spends its time. The matmul
+    shapes differ, so the bits may differ from ``sdpa`` (and do on the CPUs and GPUs we ran): a different attention
+    is a different contract.
 
     Called by transformers' attention layers (registered in ``AttentionInterface``); used only inside
     :class:`StepEngine` steps with ``attention="grouped"``.
@@ -97,8 +97,8 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Raises:
         ValueError: no mask, a mask that is not boolean ``[rows, 1, q, keys]``, dropout, heads not a multiple of
             kv_heads, a ``sliding_window`` that is not a positive int, or a keyword that would change the
-            attention (``is_causal``, ``softcap``, ...: only ``position_ids``, ``use_cache`` and
-            ``cache_position`` are accepted and ignored, as the model's SDPA call ignores them).
+            attention (``is_causal``, ``softcap``, ...). Only ``position_ids``, ``use_cache`` and
+            ``cache_position`` are accepted and ignored, as the model's SDPA call ignores them.
     """
     rows, heads, q, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
@@ -221,7 +221,7 @@ class FlexMask:
     reads.
 
     With ``window`` W (a sliding-window layer's mask, docs/models.md) a key is also visible only when
-    ``position[b] - k < W``, and a row reads from the block holding its first key inside the window: the blocks
+    ``position[b] - k < W``. A row reads from the block holding its first key inside the window, so the blocks
     wholly before the window are not read at all (at 3,000 positions and W = 512, 5 blocks of 24 are read).
 
     Args:
@@ -321,8 +321,8 @@ def flex_attention_step(module: torch.nn.Module, query: torch.Tensor, key: torch
 
     Raises:
         ValueError: no block mask or one of another shape, a block mask whose window is not the layer's, more than
-            one query per row, dropout, heads not a multiple of kv_heads, or a keyword that would change the
-            attention (as :func:`grouped_attention`).
+            one query per row, dropout, heads not a multiple of kv_heads, or an attention-changing keyword (as
+            :func:`grouped_attention`).
     """
     rows, heads, q, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]

@@ -156,13 +156,13 @@ def build_incrementals(
 ) -> list:
     """Teacher-forced replay of the live call schedule through the engine (batched incremental construction).
 
-    Each prefix z is rebuilt exactly as :func:`decode_lives` built it: the
-    prompt block in one forward call of the duplicate pair, then every later
-    token of z fed in its own batched step with its raw role, up to the merge
-    opener. The logits of the step after the last token are the boundary
+    Each prefix z is rebuilt exactly as :func:`decode_lives` built it. The
+    prompt block goes in one forward call of the duplicate pair; every later
+    token of z, up to the merge opener, goes in its own batched step with its raw role.
+    The logits of the step after the last token are the boundary
     logits. At the same batch shape (``batch``, ``max_len``) and slot, an
     engine-live boundary and the incremental rebuild of its prefix must be
-    bit-identical (the bridge under the engine): every input of every step is
+    bit-identical (the bridge under the engine). Every input of every step is
     the same, and a problem's bits do not depend on its companions.
 
     Args:
@@ -228,7 +228,7 @@ def decode_chains(
         hold: waiting suffix jobs from which they go before new boundaries (default ``4 * run.batch``: the states of
             about ``batch`` problems wait; ``0``: suffixes always first). No bit depends on it.
         rebuild: ``(i, boundary) -> bool``: when true for a built boundary, the same engine also rebuilds it from
-            its token IDs by teacher forcing (the incremental construction, ahead of new boundaries), and
+            its token IDs by teacher forcing (the incremental construction, ahead of new boundaries). Then
             ``continue_with(i, boundary, rebuilt)`` gets the rebuild (or the ``GateError`` that stopped it) as
             a third argument. At one batch shape the two are bit-identical when both compute one function.
         run: as in :func:`decode_suffixes`; ``run.max_len`` defaults to the longest boundary a start can give

@@ -1,9 +1,9 @@
 """The batched one-token step: static input buffers, the model call, greedy choice and gates on the device.
 
 :class:`StepEngine` runs ``2B`` rows (``B`` problems, two duplicate rows each) through one forward call per
-step, eagerly or replayed from a CUDA graph, and checks a graph step against the eager one on request
-(gate ``graph_equals_eager``), each slot's valid length (gate ``functional_state``) and, for an attention of
-its own, every layer's attention output against the math-SDPA reference (gate ``attention_tolerance``).
+step, eagerly or replayed from a CUDA graph. On request it checks a graph step against the eager one
+(gate ``graph_equals_eager``). It checks each slot's valid length (gate ``functional_state``) and, for an
+attention of its own, every layer's attention output against the math-SDPA reference (gate ``attention_tolerance``).
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def choice_stats(logits: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
         eligible: ``[rows, vocab]`` bool structural mask (true = may be chosen).
 
     Returns:
-        ``[4, rows]`` float32: the chosen token (argmax of the eligible logits in
-        float32, the lowest ID on an exact tie; exact for vocabularies below
-        2**24), the margin top-1 minus top-2 eligible logit (float32 units of the
-        logits), 1.0 where the row's duplicate pair is bit-identical (as
-        ``torch.equal``; NaN never is), 1.0 where every logit of the row is finite.
+        ``[4, rows]`` float32. Row 0 is the chosen token (argmax of the eligible
+        logits in float32, the lowest ID on an exact tie; exact for vocabularies
+        below 2**24). Row 1 is the margin top-1 minus top-2 eligible logit (float32
+        logit units). Row 2 is 1.0 where the row's duplicate pair is bit-identical
+        (as ``torch.equal``: NaN never is). Row 3 is 1.0 where every logit of the row is finite.
     """
     rows, vocab = logits.shape
     masked = logits.float().masked_fill(~eligible, float("-inf"))
@@ -91,7 +91,7 @@ class StepEngine:
         max_len: positions per row (the cache's key dimension).
         step_path: ``"eager"`` or ``"graph"`` (CUDA only; captured at the first step).
         verify_steps: the first ``verify_steps`` steps are each computed a second
-            time by the eager step on the same inputs, and the two must agree bit
+            time by the eager step on the same inputs. The two must agree bit
             for bit in every row's logits, choice statistics and the keys/values
             written (gate ``graph_equals_eager``; on the graph path this checks the
             replayed graph against the op-by-op step). The step is idempotent for

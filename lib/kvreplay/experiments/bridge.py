@@ -65,7 +65,7 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
 
     The live boundaries come from :func:`kvreplay.engine.decode_lives` and the
     incremental rebuilds of their prefixes from :func:`kvreplay.engine.build_incrementals`,
-    both at the arm's batch shape (``spec.engine``): the engine's bridge, where
+    both at the arm's batch shape (``spec.engine``). This is the engine's bridge:
     every step of the rebuild has the live step's inputs, and a problem's bits
     do not depend on its slot or companions. Replicas, gates and comparisons are
     made one problem at a time; the four suffixes of every clean problem

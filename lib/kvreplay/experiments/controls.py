@@ -41,10 +41,10 @@ def null_perturbation(state: decode.Boundary, reference: decode.Boundary, seed: 
 
     Let ``n`` be the number of elements of one duplicate row in which the two
     boundary caches differ, and ``|Δ|`` their absolute differences (float32).
-    The copy gets ``n`` uniformly random element positions (drawn over all K
-    and V tensors of one row, with replacement; a sliding-window layer counts
-    and draws over its attended positions only, :func:`kvreplay.drift.attended`),
-    each shifted by a magnitude drawn from ``|Δ|`` with a random sign, computed in float32 and rounded to
+    The copy gets ``n`` uniformly random element positions, drawn with replacement
+    over all K and V tensors of one row (a sliding-window layer counts
+    and draws over its attended positions only, :func:`kvreplay.drift.attended`).
+    Each is shifted by a magnitude drawn from ``|Δ|`` with a random sign, computed in float32 and rounded to
     the cache dtype. Both duplicate rows get the same change. The boundary
     logits stay ``state``'s. Seeded (``torch.Generator``), so reruns are identical.
 

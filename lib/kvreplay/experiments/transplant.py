@@ -1,7 +1,7 @@
 """Experiment 4: boundary K/V transplants between the incremental and prefill caches (paper §4.4).
 
-On a panel of divergent and exact rows frozen from Experiment 2's BF16
-ledger (order statistics, no outcome read), the donor's K/V of the chosen
+A panel of divergent and exact rows is frozen from Experiment 2's BF16
+ledger (order statistics, no outcome read). On it the donor's K/V of the chosen
 layers replaces the recipient's, and the suffix decoded from the hybrid cache
 is classified as following the donor, the recipient, or a third trajectory.
 The whole-cache swap follows its donor by construction (an integrity check);

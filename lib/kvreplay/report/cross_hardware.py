@@ -2,10 +2,9 @@
 
 Two profiles that share problems (the ``cpu`` profile's 16 rows are the first
 16 of the ``gpu`` profile's 200) computed Experiment 1 on different devices,
-step paths and batch shapes. For each pair of setups and each precision this
-counts, on the rows both hold, how many have the same live boundary prefix
-(token IDs of z), the same prefix *and* the same suffix per arm (live and
-prefill), and how many suffixes diverge in each setup. No
+step paths and batch shapes. For each pair of setups and each precision, on the rows both hold, this
+counts three things: rows with the same live boundary prefix (token IDs of z), rows with the same prefix
+*and* the same suffix per arm (live and prefill), and diverging suffixes in each setup. No
 model is loaded: only the ledgers' records are read.
 
 A third setup separates device from decode path: ``gpu_eager`` (the same

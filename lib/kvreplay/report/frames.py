@@ -45,8 +45,8 @@ def divergence_margins(records: Sequence[Exp1Record] | Sequence[Exp2Record], ref
     margin) before the first divergence is ``shared`` (the reference arm's
     margin; both arms share that history), as is every step of a row whose
     suffixes never differ. At the first divergence the margin is the smaller
-    of the reference and prefill arms' margins (the arm closer to a tie), and
-    the kind is ``first divergence, exact tie`` when it is exactly 0 (a
+    of the reference and prefill arms' margins (the arm closer to a tie). Its
+    kind is ``first divergence, exact tie`` when it is exactly 0 (a
     tie-initiated divergence) and ``first divergence, margin > 0`` otherwise.
     Steps after the first divergence are dropped: the two trajectories no
     longer share a history there.

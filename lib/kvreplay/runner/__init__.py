@@ -3,10 +3,10 @@
 An *arm* is one experiment at one precision under one execution contract.
 
 * :mod:`.spec`: :class:`ArmSettings` (everything that decides an arm's bits,
-  and the ledger key built from it), the execution contract the notebooks pass as
-  their ``execution`` parameter (:data:`EXECUTION_DEFAULTS`, :func:`resolve_execution`), :class:`RunSpec` (what a per-row function
-  receives), the batched engine's resolved settings, prompt checks and
-  :data:`ROW_ALGORITHM`, the version of each experiment's row function;
+  and the ledger key built from it) and the execution contract the notebooks pass as
+  their ``execution`` parameter (:data:`EXECUTION_DEFAULTS`, :func:`resolve_execution`).
+  Also :class:`RunSpec` (what a per-row function receives), the batched engine's resolved
+  settings, prompt checks and :data:`ROW_ALGORITHM`, the version of each experiment's row function;
 * :mod:`.batched`: :class:`BatchedRows`, an arm's rows a chunk at a time on the batched engine, with its
   preflight gates and chunk deadline, and the leaf-by-leaf record comparison behind them;
 * :mod:`.loop`: :func:`run_arm`, which runs, resumes or reuses an arm's ledger;

@@ -3,19 +3,19 @@
 Rows of an experiment are independent pure functions of (model, contract,
 problem), so they can be computed in any process, on any host. With
 ``ArmSettings.workers > 1``, :func:`kvreplay.runner.run_arm` runs an arm
-on :class:`RowActors`: each actor applies the arm's
+on :class:`RowActors`. Each actor applies the arm's
 :class:`~kvreplay.execution.ExecutionContract` before it loads the model (intra-op
 threads, deterministic algorithms, TF32, SDPA backends, exactly as a
-sequential run does), loads the model once and then computes groups of rows
+sequential run does). It loads the model once and then computes groups of rows
 on request: one problem at a time on the eager path, or a chunk of ``batch``
 problems through the batched engine (:class:`~kvreplay.runner.BatchedRows`),
 so each actor's batch slots stay full. On CUDA each actor holds one GPU
 (``num_gpus=1``; Ray sets ``CUDA_VISIBLE_DEVICES``), or a share of one when
 there are more actors than GPUs.
 
-:meth:`RowActors.mapper` yields the records in item order: every actor is kept
+:meth:`RowActors.mapper` yields the records in item order. Every actor is kept
 fed with up to :data:`DEPTH` groups while the driver appends finished records
-in order (:func:`kvreplay.ledger.run_rows`), so the ledger is append-only,
+in order (:func:`kvreplay.ledger.run_rows`). So the ledger is append-only,
 ordered, resumable and byte-identical to a sequential run's, whatever the
 number of actors (tests check this).
 

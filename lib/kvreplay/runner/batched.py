@@ -1,9 +1,9 @@
 """The batched runner's chunk mapper and the record comparisons behind its gates (paper §3.9).
 
 :class:`BatchedRows` computes an arm's rows a chunk of problems at a time on the batched engine
-(:mod:`kvreplay.engine`), runs the preflight gates ``composition``, ``graph_equals_eager`` and, for an attention
-of the engine's own, ``attention_tolerance`` on a chunk's first problem (or, when an arm resumes, on a committed
-row) and stops before a chunk that would end after the call's deadline (:data:`CHUNK_DEADLINE_ENV`).
+(:mod:`kvreplay.engine`). It runs the preflight gates ``composition``, ``graph_equals_eager`` and, for an
+attention of the engine's own, ``attention_tolerance`` on a chunk's first problem (or, when an arm resumes, on a
+committed row). It stops before a chunk that would end after the call's deadline (:data:`CHUNK_DEADLINE_ENV`).
 :func:`gate_recorder` logs the gates and keeps the arm's attention check in its ``environment.json``.
 :func:`first_difference` and :func:`leaves` compare two records leaf by leaf; ``make verify`` uses them too.
 """
@@ -88,8 +88,8 @@ class BatchedRows:
     end after it. The first chunk always starts, unless :data:`FIRST_CHUNK_ESTIMATE_ENV` gives its expected
     time and that would end after the deadline. A chunk's time here leaves
     out the preflight gates run with it (the alone runs of ``composition`` and
-    ``reference``): they run once a mapper, and a new arm's first chunk would
-    otherwise stand for every later one with its gates' 100-200 s added. A lent machine's time limit
+    ``reference``). They run once a mapper; counted in, they would make a new arm's
+    first chunk stand for every later one with 100-200 s added. A lent machine's time limit
     kills a process mid-chunk and loses that chunk's rows, so stopping at a
     chunk boundary keeps the device time for the next call. The rows already
     yielded are in the ledger; the arm resumes from there.

@@ -64,24 +64,23 @@ def run_arm(
     """Run, resume or reuse one experiment arm: ``row`` mapped over ``problems`` in frozen order.
 
     With a non-eager ``settings.step_path`` the arm runs through the batched
-    engine instead: ``chunk(spec, problems)`` (e.g. :func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`)
-    computes the records of up to ``settings.chunk`` (default ``settings.batch``) problems at a time
-    (:class:`BatchedRows`), appended in problem order as in a sequential run;
-    every run passes the ``composition`` gate (and, on the graph path,
-    ``graph_equals_eager``) before it appends a row, so every process that
-    appends rows (with its own captured graph) has passed both: a new arm on
-    its first preflight problem (computed alone and inside its chunk), a
-    resumed arm on the committed row with the shortest line (a proxy for the
-    fewest decoded tokens, so for the cheapest to recompute), computed alone and compared with
+    engine instead. There ``chunk(spec, problems)`` (such as
+    :func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`) computes the records of up to
+    ``settings.chunk`` (default ``settings.batch``) problems at a time (:class:`BatchedRows`). They are
+    appended in problem order as in a sequential run. Every run passes the ``composition`` gate (and, on the
+    graph path, ``graph_equals_eager``) before it appends a row. So every process that appends rows (with its
+    own captured graph) has passed both. A new arm passes them on its first preflight problem (computed alone
+    and inside its chunk). A resumed arm passes them on the committed row with the shortest line (a proxy for
+    the fewest decoded tokens, so the cheapest to recompute). That row is computed alone and compared with
     its committed line byte for byte (:class:`BatchedRows`). With Ray workers
     every actor passes the gate on its own first chunk, before that chunk's
     rows are returned: on the same committed row for a resumed arm, on the
     arm's first problem or its chunk's first problem for a new one.
 
     With ``settings.workers > 1`` (and more than one row, or chunk, to
-    compute) the rows run on Ray actors (:class:`kvreplay.runner.actors.RowActors`:
-    one per GPU or CPU worker, each with its own model; on the batched path
-    each computes whole chunks), and this process loads no model. Records are
+    compute) the rows run on Ray actors (:class:`kvreplay.runner.actors.RowActors`), and this process loads
+    no model. There is one actor per GPU or CPU worker, each with its own model; on the batched path
+    each computes whole chunks. Records are
     appended in problem order, so the ledger's bytes equal a sequential run's.
 
     The ledger lives in ``<ledger_root>/<profile>/<name>-<dtype>-<digest12>/``
