@@ -367,6 +367,11 @@ left out of the endpoints, counted as failures, or both counts side by side."""
 DEFAULT_PRECONDITION_RULE = "report_both"
 """The rule of a profile that declares none."""
 
+RULE_TEXT = {"left_out": "is left out of every Experiment 4 endpoint",
+             "counted_as_failure": "is counted as a failure in every Experiment 4 endpoint",
+             "report_both": "each Experiment 4 endpoint is reported with it left out and with it counted as a failure"}
+"""What each rule does to a row that failed the precondition, as the results pages say it."""
+
 
 def transplant_summary(records: Sequence[TransplantRecord] | Sequence[ReplicationRecord],
                        precondition_failures: str = DEFAULT_PRECONDITION_RULE) -> dict:
@@ -423,6 +428,20 @@ def transplant_summary(records: Sequence[TransplantRecord] | Sequence[Replicatio
         "third_among_exact": counted(out["third_among_exact"], n_ex, u_ex),
     }
     return out
+
+
+def reported_ways(s: dict, left: Proportion | None, counted: Proportion | None) -> list[tuple[str, Proportion | None]]:
+    """One Experiment 4 rate as the summary's ``precondition_failures`` rule reports it.
+
+    ``left`` and ``counted`` are the rate with the rows failing the precondition left out and counted as failures
+    (from ``s`` and ``s["counted_as_failure"]``). Returns ``[("", left)]`` where no row failed it or counting changes
+    nothing, else ``("left_out", left)``, ``("counted_as_failure", counted)`` or both, in that order.
+    """
+    same = left is not None and counted is not None and (left.k, left.n) == (counted.k, counted.n)
+    if not s["ineligible"] or same:
+        return [("", left)]
+    ways = {"left_out": [("left_out", left)], "counted_as_failure": [("counted_as_failure", counted)]}
+    return ways.get(s["precondition_failures"], ways["left_out"] + ways["counted_as_failure"])
 
 
 def localization_table(records: Sequence[TransplantRecord]) -> pd.DataFrame:

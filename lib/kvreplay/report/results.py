@@ -15,11 +15,13 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+import yaml
+
 from ..adapt.metric import accuracy_summary
 from ..experiments.controls import controls_summary
 from ..experiments.transplant import DEFAULT_PRECONDITION_RULE, localization_table
 from ..ledger.lookup import PREFIX_BANK, LoadedLedger, ProfileLedgers, ledger_progress, load_profile_ledgers, read_ledger
-from ..paths import LEDGERS
+from ..paths import LEDGERS, NOTEBOOKS
 from ..runner import EXECUTION_DEFAULTS
 from .cross_hardware import SETUPS, compare, exp1_records
 from .paper_tables import REFERENCE, load_reference
@@ -178,6 +180,15 @@ def cross_hardware_counts(root: Path, profile: str) -> list[dict]:
                 if c["rows"]:
                     out.append({"a": pa, "a_label": la, "b": pb, "b_label": lb, "dtype": dtype, **c})
     return out
+
+
+def profile_stats(profile: str) -> dict:
+    """``seed``, ``n_resamples`` and ``precondition_failures`` (``exp4_precondition_failures``) as
+    ``notebooks/params/<profile>.yaml`` sets them (the chain's defaults otherwise)."""
+    path = NOTEBOOKS / "params" / f"{profile}.yaml"
+    doc = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return {"seed": doc.get("seed", SEED), "n_resamples": doc.get("n_resamples", N_RESAMPLES),
+            "precondition_failures": doc.get("exp4_precondition_failures", DEFAULT_PRECONDITION_RULE)}
 
 
 def profile_results(profile: str, ledger_root: str | Path = LEDGERS, *, seed: int = SEED,

@@ -21,13 +21,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-
-from ..experiments.transplant import DEFAULT_PRECONDITION_RULE
+from ..experiments.transplant import RULE_TEXT, reported_ways
 from ..ledger.lookup import MissingLedgerError
-from ..paths import LEDGERS, NOTEBOOKS, ROOT
+from ..paths import LEDGERS, ROOT
 from ..stats import PairedDifference, Proportion, wilson
-from .results import N_RESAMPLES, SEED, ProfileResults, profile_results
+from .results import ProfileResults, profile_results, profile_stats
 
 HEADLINE_PROFILE = "paper"
 """The profile whose results the README's headline table shows (the paper's caps and row count)."""
@@ -120,11 +118,8 @@ def gates_text(res: ProfileResults) -> str:
     failed = sum(res.gate_failures.values())
     text = (f"Every gate passed on all {rows:,} rows." if not failed else
             f"Every gate passed on {rows - failed:,} of {rows:,} rows.")
-    exp4 = {"left_out": "is left out of every Experiment 4 endpoint",
-            "counted_as_failure": "is counted as a failure in every Experiment 4 endpoint",
-            "report_both": "each Experiment 4 endpoint is reported with it left out and with it counted as a failure"}
     for name, s in (("Experiment 4", res.summary["transplant"]), ("Experiment 5", res.summary["replication"])):
-        how = exp4[s["precondition_failures"]] if name == "Experiment 4" else f"is left out of every {name} endpoint"
+        how = RULE_TEXT[s["precondition_failures"]] if name == "Experiment 4" else f"is left out of every {name} endpoint"
         for r in s["ineligible"]:
             text += (f" {name} panel row `{r['problem_id']}` ({r['stratum']} stratum) failed the transplant's registered "
                      f"precondition: {how} "
@@ -307,19 +302,10 @@ def _crossing(res: ProfileResults) -> str:
 
 
 def _precondition_ways(t: dict, left: Proportion | None, counted: Proportion | None) -> list[tuple[str, Proportion | None]]:
-    """An Experiment 4 endpoint as the profile's ``exp4_precondition_failures`` rule reports it.
-
-    ``left`` and ``counted`` are its rate with the rows failing the transplant's precondition left out and counted as
-    failures. Returns ``[("", left)]`` where no row failed it or counting them changes nothing, else one or two ``(tag, p)``.
-    """
-    k = len(t["ineligible"])
-    if not k or (left is not None and counted is not None and (left.k, left.n) == (counted.k, counted.n)):
-        return [("", left)]
-    rows = "row" if k == 1 else f"{k} rows"
-    ways = {"left_out": [(f" ({rows} failing the precondition left out)", left)],
-            "counted_as_failure": [(f" ({rows} failing the precondition counted as a failure)", counted)]}
-    ways["report_both"] = ways["left_out"] + ways["counted_as_failure"]
-    return ways[t["precondition_failures"]]
+    """:func:`~kvreplay.experiments.transplant.reported_ways`, each way named as a tag for a table's line."""
+    rows = "row" if len(t["ineligible"]) == 1 else f"{len(t['ineligible'])} rows"
+    return [(way and f" ({rows} failing the precondition {way.replace('_', ' ').replace('as failure', 'as a failure')})", p)
+            for way, p in reported_ways(t, left, counted)]
 
 
 def _transplant(res: ProfileResults) -> list[str]:
@@ -573,15 +559,6 @@ def regenerate(profile: str, root: Path = ROOT, res: ProfileResults | None = Non
             path.write_text(text, encoding="utf-8")
             changed.append(path)
     return changed
-
-
-def profile_stats(profile: str) -> dict:
-    """``seed``, ``n_resamples`` and ``precondition_failures`` (``exp4_precondition_failures``) as
-    ``notebooks/params/<profile>.yaml`` sets them (the chain's defaults otherwise)."""
-    path = NOTEBOOKS / "params" / f"{profile}.yaml"
-    doc = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    return {"seed": doc.get("seed", SEED), "n_resamples": doc.get("n_resamples", N_RESAMPLES),
-            "precondition_failures": doc.get("exp4_precondition_failures", DEFAULT_PRECONDITION_RULE)}
 
 
 def main(argv: list[str] | None = None) -> int:
