@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from ..experiments.transplant import RULE_TEXT, reported_ways
 from ..ledger.lookup import MissingLedgerError
 from ..paths import LEDGERS, ROOT
-from ..stats import PairedDifference, Proportion, wilson
+from ..stats import Proportion, wilson
+from .markdown import caps_text as _caps, dtype_label as _dtype, pct as _pct, pts, pval, rate, table  # re-exported
 from .results import ProfileResults, profile_results, profile_stats
 
 HEADLINE_PROFILE = "paper"
@@ -44,35 +44,6 @@ def page_path(profile: str, root: Path = ROOT) -> Path:
 # ----------------------------------------------------------------------------- formatting
 
 
-def _pct(x: float) -> str:
-    """A percentage with one decimal; 0 and 100 without."""
-    return "0" if x == 0 else "100" if x == 100 else f"{x:.1f}"
-
-
-def rate(p: Proportion | None) -> str:
-    """``k/n (r% [low, high])``: a count with its Wilson 95% interval in percent (``n/a`` for an empty stratum)."""
-    if p is None:
-        return "n/a (no rows)"
-    return f"{p.k}/{p.n} ({_pct(100 * p.rate)}% [{_pct(100 * p.low)}, {_pct(100 * p.high)}])"
-
-
-def pts(d: PairedDifference | None) -> str:
-    """A paired difference in percentage points with its bootstrap interval."""
-    return "n/a" if d is None else f"{100 * d.estimate:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
-
-
-def pval(p: float) -> str:
-    """A p-value to two significant digits."""
-    return f"{p:.2g}"
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table (``|`` in a cell escaped)."""
-    def line(cells: Sequence[object]) -> str:
-        return "| " + " | ".join(str(c).replace("|", r"\|") for c in cells) + " |"
-    return "\n".join([line(header), "|" + "---|" * len(header), *(line(r) for r in rows)])
-
-
 def paper_rate(res: ProfileResults, endpoint_id: str) -> str:
     """The paper's count of an endpoint with its Wilson interval, from ``reference.yaml``'s ``value``."""
     v = res.paper(endpoint_id)
@@ -84,14 +55,6 @@ def inside(ours: Proportion | None, paper: dict) -> str:
     if ours is None:
         return "—"
     return "yes" if ours.low <= paper["k"] / paper["n"] <= ours.high else "no"
-
-
-def _caps(c: dict) -> str:
-    return f"{c['branch']} / {c['merge']} / {c['answer']}"
-
-
-def _dtype(d: str) -> str:
-    return {"bfloat16": "BF16", "float32": "FP32"}.get(d, d)
 
 
 def _path(step_path: str, batch: int | None, attention: str) -> str:
