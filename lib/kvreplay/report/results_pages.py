@@ -24,6 +24,7 @@ from ..experiments.transplant import RULE_TEXT, reported_ways
 from ..ledger.lookup import MissingLedgerError
 from ..paths import LEDGERS, ROOT
 from ..stats import Proportion, wilson
+from .cross_family import Families, families_section, family_results
 from .markdown import caps_text as _caps, dtype_label as _dtype, pct as _pct, pts, pval, rate, table  # re-exported
 from .results import ProfileResults, profile_results, profile_stats
 
@@ -391,8 +392,9 @@ def _cross_hardware(res: ProfileResults) -> list[str]:
                    "prefix + prefill suffix same", "suffixes part (first / second setup)"], rows), ""]
 
 
-def results_page(res: ProfileResults) -> str:
-    """``docs/results-<profile>.md``: every endpoint of the profile beside the paper's, with where it was computed."""
+def results_page(res: ProfileResults, families: Families | None = None) -> str:
+    """``docs/results-<profile>.md``: every endpoint of the profile beside the paper's, with where it was computed
+    (and another model family's profile beside it: ``families``, :func:`~kvreplay.report.cross_family.family_results`)."""
     p = res.profile
     S = res.summary
     m = res.model
@@ -450,7 +452,7 @@ def results_page(res: ProfileResults) -> str:
         "## Experiment 4: whole-cache transplants (§4.4)", "", *_transplant(res),
         "## Experiment 5: the replication on a later checkpoint (§4.5)", "", *_replication(res),
         "## Exploratory controls (Experiment 2's BF16 caches; not in the paper)", "", *_controls(res),
-        *_adapt(res), *_cross_hardware(res),
+        *_adapt(res), *_cross_hardware(res), *families_section(families, res.reference),
     ]
     return "\n".join(lines).rstrip("\n") + "\n"
 
@@ -459,10 +461,10 @@ def results_page(res: ProfileResults) -> str:
 
 
 def expected(profile: str, root: Path, res: ProfileResults, page: Path | None = None,
-             readme: bool | None = None) -> dict[Path, str]:
-    """What each generated file should hold: the results page (``page``, default :func:`page_path`), and the README
-    with its block when ``readme`` (default: ``profile`` is :data:`HEADLINE_PROFILE`)."""
-    out = {Path(page) if page else page_path(profile, root): results_page(res)}
+             readme: bool | None = None, families: Families | None = None) -> dict[Path, str]:
+    """What each generated file should hold: the results page (``page``, default :func:`page_path`; with
+    ``families``), and the README with its block when ``readme`` (default: ``profile`` is :data:`HEADLINE_PROFILE`)."""
+    out = {Path(page) if page else page_path(profile, root): results_page(res, families)}
     if profile == HEADLINE_PROFILE if readme is None else readme:
         path = Path(root) / "README.md"
         out[path] = replace_block(path.read_text(encoding="utf-8"), headline_block(res), profile)
@@ -484,11 +486,12 @@ def check(profile: str, root: Path = ROOT, res: ProfileResults | None = None,
 
     Raises:
         MissingLedgerError, GateError: as :func:`~kvreplay.report.results.profile_results`.
-        ValueError: the README lacks the headline block (headline profile only).
+        ValueError: the README lacks the headline block (headline profile only), or the profile's cross-family
+            partner holds other problems (:func:`~kvreplay.report.cross_family.same_problems`).
     """
     res = res or profile_results(profile, ledger_root, **profile_stats(profile))
     out = []
-    for path, want in expected(profile, Path(root), res).items():
+    for path, want in expected(profile, Path(root), res, families=family_results(res, ledger_root)).items():
         name = path.relative_to(root)
         if not path.is_file():
             out.append(f"{name}: missing (`make paper PROFILE={profile}` writes it)")
@@ -516,7 +519,7 @@ def regenerate(profile: str, root: Path = ROOT, res: ProfileResults | None = Non
     """
     res = res or profile_results(profile, ledger_root, **profile_stats(profile))
     changed = []
-    for path, text in expected(profile, Path(root), res, page, readme).items():
+    for path, text in expected(profile, Path(root), res, page, readme, family_results(res, ledger_root)).items():
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
