@@ -101,8 +101,8 @@ class FamilyTable:
     rows: tuple[FamilyRow, ...]
 
     def frame(self) -> pd.DataFrame:
-        """The rows indexed by ``key``: ``endpoint``, ``paper``, then one column per profile, cells as they are."""
-        return pd.DataFrame([{"key": r.key, "endpoint": r.endpoint, "paper": r.paper, self.a.profile: r.a,
+        """The rows indexed by ``key``: ``endpoint``, ``the paper``, then one column per profile, cells as they are."""
+        return pd.DataFrame([{"key": r.key, "endpoint": r.endpoint, "the paper": r.paper, self.a.profile: r.a,
                               self.b.profile: r.b} for r in self.rows]).set_index("key")
 
     def row(self, key: str) -> FamilyRow:
