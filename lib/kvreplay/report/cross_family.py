@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -294,25 +294,17 @@ def partners(profile: str) -> list[str]:
     return [first for first, second in FAMILY_PAIRS if second == profile]
 
 
-def family_results(res: ProfileResults, ledger_root: str | Path = LEDGERS,
-                   load: Callable[[str], ProfileResults] | None = None) -> Families | None:
+def family_results(res: ProfileResults, ledger_root: str | Path = LEDGERS) -> Families | None:
     """What the results page of ``res`` shows across families: None unless its profile ends a :data:`FAMILY_PAIRS`
-    pair; a :class:`Families` without a table while the pair's first profile has no complete chain.
-
-    Args:
-        res: the page's profile.
-        ledger_root: where the pair's first profile's ledgers are.
-        load: profile -> its results (default: :func:`~kvreplay.report.results.profile_results` under ``ledger_root``).
+    pair; a :class:`Families` without a table while the pair's first profile has no complete chain under
+    ``ledger_root``.
 
     Raises:
         ValueError: as :func:`family_table`.
     """
-    if load is None:
-        def load(p: str) -> ProfileResults:
-            return profile_results(p, ledger_root, **profile_stats(p))
     for first in partners(res.profile):
         try:
-            other = load(first)
+            other = profile_results(first, ledger_root, **profile_stats(first))
         except MissingLedgerError:
             return Families(first, res.profile, None)
         return Families(first, res.profile, family_table(other, res))
