@@ -10,7 +10,8 @@ nothing here. ``make paper PROFILE=<p>`` calls :func:`regenerate`::
     python -m kvreplay.report.results_pages --profile paper --check  # change nothing; exit 1 naming what differs
 
 Only the block between the README's ``results-headline`` markers is ever
-rewritten, and only for :data:`HEADLINE_PROFILE`.
+rewritten, and only for :data:`HEADLINE_PROFILE`. The page of a profile that ends a
+:data:`~kvreplay.report.cross_family.FAMILY_PAIRS` pair ends with the other model family's profile beside it.
 """
 
 from __future__ import annotations
