@@ -43,7 +43,8 @@ CHAIN = [
 def notebook_arms(name: str, params: ChainParameters) -> list[str]:
     """The ledger arms (``<experiment>-<dtype>``) notebook ``name`` reads or, where they are unfinished, computes.
 
-    Experiments 1 and 2 run at every precision of ``params``; 3-5 and the controls in BF16 only. Notebook 02 reads
+    Experiments 1 and 2 run at every precision of ``params``; 3-5 and the controls in BF16 only. Notebook 01 also
+    computes the tie-rule control (``exp1_ties``, BF16) when ``tie_rules`` lists a rule. Notebook 02 reads
     Experiment 1's BF16 prefix bank; 03 the Experiment 1 and 2 BF16 ledgers (its audit); 04 and 05 the
     Experiment 2 BF16 ledger (the panel, the accuracy comparison). Notebooks 06 and 07 read all of them, 08
     Experiments 1 and 2. Notebook 00 (the checkpoint family) is not a ledger arm: ``[]``.
@@ -51,7 +52,8 @@ def notebook_arms(name: str, params: ChainParameters) -> list[str]:
     exp1 = [f"exp1-{d}" for d in params.precisions]
     exp2 = [f"exp2-{d}" for d in params.precisions]
     controls = ["exp2_controls-bfloat16"] if params.exploratory_controls else []
-    own = {"01": exp1, "02": ["exp1-bfloat16", *exp2, *controls], "03": ["exp1-bfloat16", "exp2-bfloat16", "exp3-bfloat16"],
+    ties = ["exp1_ties-bfloat16"] if params.tie_rules and "bfloat16" in params.precisions else []
+    own = {"01": [*exp1, *ties], "02": ["exp1-bfloat16", *exp2, *controls], "03": ["exp1-bfloat16", "exp2-bfloat16", "exp3-bfloat16"],
            "04": ["exp2-bfloat16", "exp4-bfloat16"], "05": ["exp2-bfloat16", "exp5-bfloat16"],
            "08": [*exp1, *exp2]}
     every = [*exp1, *exp2, *controls, "exp3-bfloat16", "exp4-bfloat16", "exp5-bfloat16"]

@@ -165,6 +165,14 @@ class ChainParameters(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _tie_rules_differ_from_the_chain(self):
+        """The control's rules exclude the chain's own (``execution``'s ``tie_rule``): that arm is Experiment 1."""
+        own = parse_tie_rule(self.execution.get("tie_rule", "lowest"), "execution: tie_rule").name
+        if own in self.tie_rules:
+            raise ValueError(f"tie_rules lists {own!r}, the chain's own tie rule: Experiment 1 is that arm already")
+        return self
+
+    @model_validator(mode="after")
     def _checkpoints_fit(self):
         """The role-table checkpoints within the training (refused here, before notebook 00 starts, not by it)."""
         early, later = self.adapt_checkpoints

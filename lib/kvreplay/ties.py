@@ -9,8 +9,8 @@ BF16, whose logits near the top are spaced 0.0625 or 0.125 apart), a rule must p
   ``h = tie_hash(seed, position, tied IDs)``. Two arms facing the same tie at the same position break it alike.
 
 ``position`` is the position ID the chosen token will take (the tokens before it, prompt included).
-:func:`tie_hash` is a 32-bit integer hash of our own (a murmur3-style finaliser, :func:`mix32`):
-``h = mix32(mix32(mix32(seed) ^ position) ^ S)`` with ``S = sum(mix32(t) for t in tied IDs) mod 2**32``, a
+:func:`tie_hash` is a 32-bit integer hash of our own, built on a murmur3-style finaliser (:func:`mix32`):
+``h = mix32(mix32(mix32(seed) ^ position) ^ S)``. Here ``S = sum(mix32(t) for t in tied IDs) mod 2**32``, a
 function of the set (hence of its sorted IDs). :func:`choose` computes it on the device with integer ops only,
 so the engine's step stays graph-capturable, and both decoders call the same :func:`choose`.
 """

@@ -116,8 +116,10 @@ def tie_rule_summary(reference: Sequence[Exp1Record], by_rule: Mapping[str, Sequ
 
     Raises:
         GateError: a row failed a gate (``report``).
-        ValueError: a rule's problems differ from the reference's.
+        ValueError: a rule's problems differ from the reference's, or ``by_rule`` holds the reference's rule.
     """
+    if reference_rule in by_rule:
+        raise ValueError(f"tie rule {reference_rule!r} is the reference's own: its arm is Experiment 1 itself")
     ref = require_gates(reference)
     ids = [r["problem_id"] for r in ref]
     out: dict[str, dict] = {}

@@ -79,8 +79,8 @@ class RunSpec:
             live ignore it.
         live_checks: the ``live_equals_incremental`` checks passed so far (``problem_id``,
             ``seconds``), for the arm's run log (:func:`kvreplay.runner.run_arm` empties it).
-        tie_rule: the greedy tie rule of the eager decoders (:mod:`kvreplay.ties`); the engine's is ``engine.tie_rule``.
-        top_logits: each arm's suffix record also keeps its steps' top-1 eligible logits (``top_logits``).
+        tie_rule, top_logits: the greedy tie rule (:mod:`kvreplay.ties`) and the recording of each step's top-1
+            eligible logit (``top_logits``); a batched run's ``engine`` must carry the same.
 
     Building a RunSpec checks the model (:func:`check_model`): a model that did not come through
     :func:`~kvreplay.models.load_model` gets the same checks here, once per model object.
@@ -105,8 +105,7 @@ class RunSpec:
     def __post_init__(self):
         check_model(self.lm)
         if self.engine is not None and (self.engine.tie_rule, self.engine.top_logits) != (self.tie_rule, self.top_logits):
-            raise ValueError(f"RunSpec: tie rule {self.tie_rule!r} / top logits {self.top_logits} differ from its "
-                             f"engine's ({self.engine.tie_rule!r} / {self.engine.top_logits})")
+            raise ValueError(f"RunSpec: tie rule / top logits {self.tie_rule!r} / {self.top_logits} differ from its engine's")
 
     def check_problem(self, problem: Problem) -> None:
         """What the run loop checks before an arm, for one problem: its prompt and its longest sequence.
@@ -144,17 +143,14 @@ class RunSpec:
         return self.engine
 
 
-ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp1_ties": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2,
-                 "exp5": 2}
+ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp1_ties": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
 """Row-algorithm version of each experiment, recorded in every ledger's environment.
 
-Bump an experiment's number whenever a committed golden row of it would no
-longer recompute byte for byte (a change to what a row computes or records);
-a ledger written by another number is *stale*. A refactor that changes no bit
-keeps the numbers. Version 2 (all experiments): greedy argmax with the lowest
-token ID winning an exact tie, the ``nonfinite`` and ``equivalence`` gates,
-tie accounting and predicted-letter endpoints in the records. ``exp1_ties`` is Experiment 1's row function under
-another tie rule (:data:`kvreplay.experiments.tie_rules.EXP1_TIES`): its version follows ``exp1``.
+Bump an experiment's number whenever a committed golden row of it would no longer recompute byte for byte (a
+change to what a row computes or records); a ledger written by another number is *stale*. A refactor that changes
+no bit keeps the numbers. Version 2 (all experiments): greedy argmax with the lowest token ID winning an exact tie,
+the ``nonfinite`` and ``equivalence`` gates, tie accounting and predicted-letter endpoints in the records.
+``exp1_ties`` (:data:`kvreplay.experiments.tie_rules.EXP1_TIES`) runs ``exp1``'s row function: its version follows.
 """
 
 
@@ -367,11 +363,9 @@ class ArmSettings:
     ``batch`` and ``max_len`` are refused with the eager path (they would not
     be used). Every arm of an experiment should run under the same contract.
 
-    ``tie_rule`` (:mod:`kvreplay.ties`): which of exactly tied eligible tokens greedy decoding takes, on every
-    path. The default ``lowest`` (Hugging Face's argmax) adds nothing to the key or the environment record;
-    another rule adds ``"tie_rule"`` to both. ``top_logits`` (not a contract key: the ``record_top_logits``
-    parameter) makes every arm's suffix record keep its steps' top-1 eligible logits, and adds
-    ``"top_logits": true`` to the key.
+    ``tie_rule`` (:mod:`kvreplay.ties`) breaks exact ties on every path; ``lowest`` (the default) adds nothing to
+    the key or environment, another rule adds ``"tie_rule"`` to both. ``top_logits`` (parameter ``record_top_logits``)
+    keeps each suffix step's top-1 eligible logit in the rows and adds ``"top_logits": true`` to the key.
 
     Raises:
         ValueError: an execution contract :func:`check_execution` refuses; ``live_check_fraction`` outside
@@ -513,16 +507,12 @@ class ArmSettings:
             config["execution"] = execution
         if self.engine_key() is not None:
             config["engine"] = self.engine_key()
-        if self.tie_rule != ties.DEFAULT_TIE_RULE:
-            config["tie_rule"] = self.tie_rule
-        if self.top_logits:
-            config["top_logits"] = True
-        return config
+        ties_key = {"tie_rule": self.tie_rule} if self.tie_rule != ties.DEFAULT_TIE_RULE else {}
+        return config | ties_key | ({"top_logits": True} if self.top_logits else {})
 
     def run_spec(self, lm: LoadedModel, fmt: BlockFormat, run: "EngineRun | None" = None, **kw: Any) -> "RunSpec":
         """The :class:`RunSpec` of this arm on a loaded model: its caps, tie rule and top-logit recording, ``run``."""
-        return RunSpec(lm=lm, fmt=fmt, caps=self.caps, engine=run, tie_rule=self.tie_rule, top_logits=self.top_logits,
-                       **kw)
+        return RunSpec(lm, fmt, self.caps, engine=run, tie_rule=self.tie_rule, top_logits=self.top_logits, **kw)
 
     def load(self, device: str | None = None) -> tuple[LoadedModel, BlockFormat]:
         """Fix the seed, load the model at this precision under the arm's execution contract, resolve the format.
