@@ -81,7 +81,7 @@ def test_every_experiment_of_the_row_algorithms_has_one_declaration():
 
     assert set(ARMS) == set(ROW_ALGORITHM) - {"adapt_eval"}
     assert all(a.experiment == name for name, a in ARMS.items())
-    with pytest.raises(ValueError, match="no arm is declared for experiment 'exp9'; arms: exp1, exp2"):
+    with pytest.raises(ValueError, match="no arm is declared for experiment 'exp9'; arms: exp1, exp1_ties, exp2"):
         arm("exp9")
 
 

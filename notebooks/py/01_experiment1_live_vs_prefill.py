@@ -109,7 +109,8 @@ tie_summary = None
 if p.tie_rules and "bfloat16" in p.precisions:
     tie_records, tie_ledgers = {}, {}
     for plan in session.plans(EXP1_TIES):  # one plan per rule
-        tie_records[plan.key["tie_rule"]], tie_ledgers[plan.key["tie_rule"]] = session.run(plan, "bfloat16")
+        rule = plan.key["tie_rule"]
+        tie_records[rule], tie_ledgers[rule] = session.run(plan, "bfloat16")
     reference_rule = session.execution["tie_rule"]
     tie_summary = tie_rule_summary(records["bfloat16"], tie_records, reference_rule)
     session.save_table(tie_rule_table(tie_summary, reference_rule), "table_exp1_tie_rules",

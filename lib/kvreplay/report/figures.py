@@ -455,7 +455,7 @@ def tie_margins(units: pd.DataFrame, bins: Sequence[str], *, title: str):
     ax.set_xticks(x, list(bins), fontsize=8)
     ax.set_xlabel("top-1 minus top-2 eligible logit, in BF16 spacings at the top-1 logit's magnitude")
     ax.set_ylabel("share of the arm's chosen steps")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=10)
     return fig
 

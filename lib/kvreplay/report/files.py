@@ -174,7 +174,8 @@ def contract_frame(environments: dict[str, dict]) -> pd.DataFrame:
 
     Returns:
         DataFrame indexed by field (software, device, threads, dtype, SDPA, determinism, TF32,
-        model identity; digests cut to 12 hex digits, complete in the files), one column per input.
+        model identity; digests cut to 12 hex digits, complete in the files), one column per input; a
+        ``greedy tie rule`` row when an environment records a rule other than the default.
     """
     cols = {}
     for label, env in environments.items():
@@ -196,4 +197,8 @@ def contract_frame(environments: dict[str, dict]) -> pd.DataFrame:
             "format digest": _short(c.get("format_digest")),
             "library sha256 (when written)": _short(env.get("library_sha256")),
         }
+    rules = {label: env.get("execution_contract", env).get("tie_rule") for label, env in environments.items()}
+    if any(rules.values()):  # a rule other than the default (lowest, recorded by no environment)
+        for label, rule in rules.items():
+            cols[label]["greedy tie rule"] = rule or "lowest"
     return pd.DataFrame(cols)
