@@ -308,3 +308,20 @@ def test_the_report_counts_ties_gaps_intervals_and_mcnemar_on_hand_built_rows():
     assert margin_bin(0.0) == "0 (exact tie)" and margin_bin(1.0) == "1" and margin_bin(0.5) == "(0, 1)"
     assert margin_bin(1.5) == "(1, 2)" and margin_bin(3) == "[2, 4)" and margin_bin(100) == ">= 64"
     assert bf16_spacing([3.0, 8.0, -0.3, 1.0]).tolist() == [2 ** -6, 2 ** -4, 2 ** -9, 2 ** -7]
+
+
+def test_the_margin_histogram_draws_one_bar_group_per_arm():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvreplay.experiments.tie_rules import BINS
+    from kvreplay.report import figures
+
+    s = 2.0 ** -6
+    rows = [_row("a", True, 0, [0.0, s, 3 * s], [s, 100 * s, None]), _row("b", False, None, [0.5 * s], [0.5 * s])]
+    units = margin_units({"x": rows, "y": rows[:1]})
+    fig = figures.tie_margins(units, BINS, title="t")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == list(BINS)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["x (n = 7; 1 exact ties)", "y (n = 5; 1 exact ties)"]
+    assert len(ax.patches) == 2 * len(BINS)
