@@ -325,3 +325,17 @@ def test_the_margin_histogram_draws_one_bar_group_per_arm():
     assert [t.get_text() for t in ax.get_xticklabels()] == list(BINS)
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["x (n = 7; 1 exact ties)", "y (n = 5; 1 exact ties)"]
     assert len(ax.patches) == 2 * len(BINS)
+
+
+def test_notebook_01_computes_the_control_only_when_the_profile_lists_rules():
+    from kvreplay.paper_chain import notebook_arms
+
+    name = "01_experiment1_live_vs_prefill.ipynb"
+    assert notebook_arms(name, load_parameters("smoke")) == ["exp1-bfloat16", "exp1-float32"]
+    assert notebook_arms(name, load_parameters("smoke", {"tie_rules": ["highest"]}))[-1] == "exp1_ties-bfloat16"
+    assert "exp1_ties-bfloat16" not in notebook_arms(name, load_parameters(
+        "smoke", {"tie_rules": ["highest"], "precisions": ["float32"]}))
+    with pytest.raises(ValueError, match="the chain's own tie rule"):
+        load_parameters("smoke", {"tie_rules": ["highest"], "execution": {"tie_rule": "highest"}})
+    with pytest.raises(ValueError, match="the chain's own tie rule"):
+        load_parameters("smoke", {"tie_rules": ["lowest"]})
