@@ -255,6 +255,15 @@ def test_a_tiny_control_arm_passes_every_gate_and_keys_its_rule(tmp_path, tiny_a
         for arm in r["arms"].values():
             assert len(arm["top_logits"]) == len(arm["margins"])
             assert [t is None for t in arm["top_logits"]] == [m is None for m in arm["margins"]]
+    from kvreplay.verify import verify_ledger  # make verify rebinds the rule from the manifest: bit for bit
+
+    checks = verify_ledger(ledger.dir, rows=3, pick="first", problems=problems, model=str(tmp_path / "tiny-llama"))
+    assert [(c.mode, c.ok) for c in checks] == [("bytes", True)] * 3
+    from kvreplay.paper_chain import unfinished_arms
+
+    params = load_parameters("smoke", {"tie_rules": ["hash:0", "highest"], "precisions": ["bfloat16"]})
+    assert [x for x in unfinished_arms(["01_experiment1_live_vs_prefill.ipynb"], params, ledger.dir.parent)
+            if "exp1_ties" in x] == ["01_experiment1_live_vs_prefill.ipynb: exp1_ties-bfloat16 (highest) (not started)"]
     default, _ = EXP1.run(tiny_arm(**path), problems, ledger_root=tmp_path, progress=False)
     assert all("top_logits" not in a for r in default for a in r["arms"].values())
     summary = tie_rule_summary(default, {"hash:0": records})

@@ -64,8 +64,8 @@ def notebook_arms(name: str, params: ChainParameters) -> list[str]:
 def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) -> list[str]:
     """For a profile computed elsewhere (one whose file lists ``done:``), every arm the notebooks of ``chain`` need
     that its ledgers under ``ledgers`` do not hold in full, as ``"<notebook>: <arm> (k of n rows)"`` or
-    ``"... (not started)"``. Run on such a profile, ``make paper`` would compute those rows on this machine
-    (hours on a CPU for the ``paper`` caps), so :func:`main` refuses before any notebook runs. Notebook 00 is
+    ``"... (not started)"`` (the tie-rule control per rule: ``exp1_ties-bfloat16 (highest)``). Run on such a
+    profile, ``make paper`` would compute those rows on this machine (hours on a CPU for the ``paper`` caps), so :func:`main` refuses before any notebook runs. Notebook 00 is
     always listed: such a profile reads the checkpoint family its ``role_adaptation.json`` names (the ``cpu``
     profile's), and 00 would train another one here and point the profile's Experiment 5 at it."""
     out = []
@@ -76,10 +76,15 @@ def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) ->
             continue
         for arm in notebook_arms(name, params):
             folders = sorted(ledgers.glob(f"{arm}-*/manifest.json"))
-            progress = [ledger_progress(f.parent) for f in folders]
-            if not any(done == wanted for done, wanted in progress):
-                held = ", ".join(f"{done} of {wanted} rows" for done, wanted in progress) or "not started"
-                out.append(f"{name}: {arm} ({held})")
+            groups = {arm: folders}
+            if arm.startswith("exp1_ties-"):  # the tie-rule control: one ledger per rule of tie_rules
+                groups = {f"{arm} ({rule})": [f for f in folders if json.loads(f.read_text())["config"].get("tie_rule")
+                                              == rule] for rule in params.tie_rules}
+            for label, found in groups.items():
+                progress = [ledger_progress(f.parent) for f in found]
+                if not any(done == wanted for done, wanted in progress):
+                    held = ", ".join(f"{done} of {wanted} rows" for done, wanted in progress) or "not started"
+                    out.append(f"{name}: {label} ({held})")
     return out
 
 
