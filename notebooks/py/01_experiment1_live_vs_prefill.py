@@ -98,11 +98,7 @@ if "bfloat16" in p.precisions:
 
 # %% [markdown]
 # ## Exploratory: the tie-rule control (not in the paper)
-# Runs only when the profile lists rules in `tie_rules` (e.g. `[highest, "hash:0"]`): Experiment 1 BF16 again
-# under each greedy tie rule (`kvreplay.ties`), every step's top-1 logit recorded. Per rule: suffix divergence with
-# its Wilson interval, split into divergences begun at an exact tie and at a nonzero margin (no rule changes that
-# step), and the exact McNemar test against this chain's own rule on the same problems. Per arm: exact-tie steps
-# per 1,000 chosen tokens and the margins in BF16 spacings at the top logit's magnitude.
+# Only when the profile lists `tie_rules`: Experiment 1 BF16 under each greedy tie rule (docs/experiments.md).
 
 # %%
 tie_summary = None

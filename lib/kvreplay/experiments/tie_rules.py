@@ -1,14 +1,8 @@
 """The tie-rule control (exploratory, not in the paper): Experiment 1 BF16 under other greedy tie rules.
 
-BF16 logits near the top are spaced 0.0625 or 0.125 apart, so the top two eligible logits are often exactly equal,
-and the tie rule (:mod:`kvreplay.ties`) then decides the token. :data:`EXP1_TIES` is Experiment 1's arm
-(:data:`~kvreplay.experiments.live_vs_prefill.EXP1`: same row and chunk functions) run once per rule of the
-profile's ``tie_rules``, BF16 only. Its ledger key adds ``tie_rule`` and ``top_logits`` (every arm's suffix keeps
-its steps' top-1 eligible logits). :func:`tie_rule_summary` contrasts each rule with the chain's Experiment 1
-BF16 arm: divergence with its Wilson interval, split into divergences that start at an exact tie and those that
-start at a nonzero margin, which no rule can change, and the exact McNemar test on the same problems.
-:func:`tie_steps` and :func:`margin_units` give per arm the exact-tie steps per 1,000 chosen tokens and the
-margins in units of the BF16 spacing at the top logit's magnitude (FP32 arms in the same unit).
+:data:`EXP1_TIES` runs Experiment 1's row and chunk functions once per rule of the profile's ``tie_rules``.
+:func:`tie_rule_summary` contrasts each rule with the chain's own arm; :func:`tie_steps` and :func:`margin_units`
+give each arm's exact-tie rate and margins in BF16 spacings (docs/experiments.md).
 """
 
 from __future__ import annotations

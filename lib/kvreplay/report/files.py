@@ -174,8 +174,8 @@ def contract_frame(environments: dict[str, dict]) -> pd.DataFrame:
 
     Returns:
         DataFrame indexed by field (software, device, threads, dtype, SDPA, determinism, TF32,
-        model identity; digests cut to 12 hex digits, complete in the files), one column per input; a
-        ``greedy tie rule`` row when an environment records a rule other than the default.
+        model identity; digests cut to 12 hex digits), one column per input. A ``greedy tie rule`` row
+        appears when an environment records a rule other than the default.
     """
     cols = {}
     for label, env in environments.items():
