@@ -7,7 +7,8 @@
 #   make lab      JupyterLab on the drift explorer, a copy in build/lab/ (tracked notebooks stay clean;
 #                 --allow-root as root)
 #   make verify   recompute committed rows of each experiment and compare bit for bit
-#                 (PROFILE=gpu VERIFY_ARGS="--rows 1 --only exp1"; see python -m kvreplay.verify -h)
+#                 (PROFILE=gpu VERIFY_ARGS="--rows 1 --only exp1", "--rows 3 --pick random --seed 7",
+#                 "--ids mmlu-..."; see python -m kvreplay.verify -h)
 #   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
 #                 (BENCH_ARGS="--device cuda --workers 2": 2 Ray row actors; see python -m kvreplay.bench -h)
 #   make clean    remove build/ and caches   (keeps data/ and .venv)

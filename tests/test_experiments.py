@@ -257,7 +257,8 @@ def test_a_row_that_fails_only_the_transplant_precondition_is_named_and_left_out
     assert "4590 vs 504" in s["ineligible"][0]["reason"]
     table = transplant_table(s, rows).iloc[:, 0]
     assert table["all gates pass (replicas, state, storage, argmax, provenance)"] == f"{len(rows) - 1}/{len(rows)}"
-    assert "mmlu-6bf0fb35afd9b0d6" in table["argmax precondition unmet (no transplant; left out of every line below)"]
+    unmet = next(k for k in table.index if k.startswith("argmax precondition unmet"))
+    assert "mmlu-6bf0fb35afd9b0d6" in table[unmet] and "report_both" in unmet
     assert len(localization_table(rows)) and len(transplant_outcomes(rows))
     assert len(outcome_frame(rows)) == len(rows) - 1
     # the same row failing any other gate is an integrity failure: nothing is reported
@@ -287,6 +288,42 @@ def test_a_row_that_fails_only_the_transplant_precondition_is_named_and_left_out
     assert t5["panel rows (order statistics of prefix length)"].startswith(f"{n} ")
     assert t5["all gates pass (replicas, state, storage, argmax, provenance)"] == f"{n - 1}/{n}"
     assert t5["divergence over the whole panel, the rows left out counted as not / as divergent"].startswith(f"{d}/{n} ")
+
+
+def test_experiment4_reports_a_precondition_failure_by_the_profiles_rule():
+    """`exp4_precondition_failures`: the `paper` row left out (23/23), counted as a failure (23/24, Wilson
+    [79.8, 99.3]), or both; a row of the exact stratum counts as a third trajectory."""
+    import copy
+
+    from kvreplay.experiments.transplant import DEFAULT_PRECONDITION_RULE, PRECONDITION_RULES, transplant_summary, transplant_table
+    from kvreplay.ledger.lookup import finished_rows
+    from kvreplay.paths import LEDGERS
+    from kvreplay.profiles import ChainParameters, load_parameters
+
+    field = ChainParameters.model_fields["exp4_precondition_failures"]
+    assert field.default == DEFAULT_PRECONDITION_RULE and set(field.annotation.__args__) == set(PRECONDITION_RULES)
+    assert {load_parameters(p).exp4_precondition_failures for p in ("cpu", "gpu", "paper")} == {"report_both"}
+    (folder,) = sorted((LEDGERS / "paper").glob("exp4-bfloat16-*"))
+    rows = finished_rows(folder)
+    joint = "joint bidirectional recovery (integrity check)"
+    left, counted = " [unmet precondition: row left out]", " [unmet precondition: counted as a failure]"
+    both = transplant_table(s := transplant_summary(rows, "report_both"), rows).iloc[:, 0]
+    assert (s["joint_recovery"].k, s["joint_recovery"].n) == (23, 23)
+    c = s["counted_as_failure"]["joint_recovery"]
+    assert (c.k, c.n, round(100 * c.low, 1), round(100 * c.high, 1)) == (23, 24, 79.8, 99.3)
+    assert both[joint + left].startswith("23/23 ") and both[joint + counted].startswith("23/24 (95.8%")
+    assert both["third trajectory among exact controls"].startswith("0/8 ")  # the same either way: one line
+    only_left = transplant_table(transplant_summary(rows, "left_out"), rows).iloc[:, 0]
+    assert only_left[joint + left].startswith("23/23 ") and joint + counted not in only_left.index
+    only_counted = transplant_table(transplant_summary(rows, "counted_as_failure"), rows).iloc[:, 0]
+    assert only_counted[joint + counted].startswith("23/24 ") and joint + left not in only_counted.index
+    # the same row in the exact stratum: a third trajectory when counted
+    exact = copy.deepcopy(rows)
+    next(r for r in exact if r["gate_failure"])["stratum"] = "exact"
+    t = transplant_summary(exact)["counted_as_failure"]
+    assert (t["third_among_exact"].k, t["third_among_exact"].n) == (1, 9) and t["joint_recovery"].n == 23
+    with pytest.raises(ValueError, match="exp4_precondition_failures='dropped'"):
+        transplant_summary(rows, "dropped")
 
 
 def test_a_panel_without_ineligible_rows_keeps_its_table():

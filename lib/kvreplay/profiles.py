@@ -105,6 +105,9 @@ class ChainParameters(BaseModel):
     n_divergent: int = Field(1, ge=0, description="Experiment 4 panel: suffix-divergent rows (paper: 24)")
     n_exact: int = Field(1, ge=0, description="Experiment 4 panel: suffix-exact control rows (paper: 8)")
     n_sweep: int = Field(1, ge=0, description="divergent Experiment 4 rows that also get the single-layer sweep")
+    exp4_precondition_failures: Literal["left_out", "counted_as_failure", "report_both"] = Field(
+        "report_both", description="Experiment 4 panel rows that fail the transplant's argmax precondition: left out "
+        "of the endpoints, counted as failures, or both counts in the table (a reporting rule, not in the ledger key)")
     # Experiment 5 (notebook 05)
     n_exp5: int = Field(2, ge=1, description="Experiment 5 panel rows (paper: 48)")
     replication_model: str | None = Field(None, description="None: the chain's model + the later role table of "

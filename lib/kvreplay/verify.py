@@ -17,6 +17,8 @@ IDs (prefix and every suffix) are identical -- and says what it skipped.
 Usage::
 
     python -m kvreplay.verify --profile cpu --rows 1
+    python -m kvreplay.verify --profile gpu --rows 3 --pick random --seed 7   # rows drawn by seed
+    python -m kvreplay.verify --profile gpu --ids mmlu-ddcc9f44cbfb7b0c       # rows a reviewer names
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -121,18 +124,70 @@ def ledger_plan(folder: Path, config: dict, problems: Sequence[Problem]) -> ArmP
                     prefixes=_bank_prefixes(folder, config) if arm.prefixes else None)
 
 
+PICKS = ("shortest", "fastest", "first", "random")
+"""The rules that choose which committed rows :func:`verify_ledger` recomputes (besides rows named by ID)."""
+
+
+def choose_rows(folder: str | Path, rows: int = 1, *, pick: str = "shortest", seed: int | None = None,
+                ids: Sequence[str] | None = None) -> list[int]:
+    """Which committed rows of a ledger :func:`verify_ledger` recomputes: their indices in ledger order.
+
+    ``pick`` is one of :data:`PICKS` (see :func:`verify_ledger`). ``random`` draws ``rows`` rows without replacement,
+    seeded by ``seed`` and the ledger folder's name, so the same seed draws the same rows on any machine. ``ids``
+    (problem IDs) replaces ``pick`` and ``rows``: exactly those rows, in the order given.
+
+    Raises:
+        ValueError: an unknown ``pick``; ``random`` without a ``seed``; an ID the ledger does not hold (the ledger
+            and the missing IDs are named).
+    """
+    folder = Path(folder)
+    lines = row_lines(read_rows_text(folder))
+    committed = [json.loads(x) for x in lines]
+    if ids:
+        where = {r["problem_id"]: i for i, r in enumerate(committed)}
+        missing = [i for i in ids if i not in where]
+        if missing:
+            raise ValueError(f"ledger {folder} holds no row {', '.join(missing)} ({len(committed)} rows, e.g. "
+                             f"{', '.join(r['problem_id'] for r in committed[:3])})")
+        return [where[i] for i in dict.fromkeys(ids)]
+    if pick not in PICKS:
+        raise ValueError(f"pick must be one of {', '.join(PICKS)}, not {pick!r}")
+    if pick == "random":
+        if seed is None:
+            raise ValueError("pick 'random' needs a seed (--seed N), so that the draw can be repeated")
+        return sorted(random.Random(f"kvreplay-verify:{seed}:{folder.name}").sample(range(len(committed)),
+                                                                                     min(rows, len(committed))))
+    config = json.loads((folder / "manifest.json").read_text())["config"]
+    cost: dict[str, float] = {}  # "fastest": logged seconds, or on a batched ledger the line's length
+    if pick == "fastest" and "engine" in config:  # a chunk's seconds sit on its first row: cost by line length
+        cost = {r["problem_id"]: len(x) for r, x in zip(committed, lines)}
+    elif pick == "fastest" and (folder / "runlog.jsonl").is_file():
+        for line in (folder / "runlog.jsonl").read_text().splitlines():
+            event = json.loads(line)
+            if event.get("event") == "row":
+                cost[event["key"]] = event["seconds"]
+    order = list(range(len(committed))) if pick == "first" else sorted(
+        range(len(committed)),
+        key=lambda i: (cost.get(committed[i]["problem_id"], float("inf")), committed[i].get("prefix_len", 0), i))
+    return order[:rows]
+
+
 def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", problems=None,
-                  model: str | None = None, report: Callable[[RowCheck], None] | None = None) -> list[RowCheck]:
+                  model: str | None = None, report: Callable[[RowCheck], None] | None = None,
+                  seed: int | None = None, ids: Sequence[str] | None = None) -> list[RowCheck]:
     """Recompute ``rows`` committed rows of one ledger and compare them with the committed lines.
 
     Args:
         folder: the ledger folder.
         rows: how many rows to recompute.
-        pick: ``"shortest"`` (rows with the shortest prefix first), ``"fastest"`` or ``"first"`` (ledger order).
+        pick: ``"shortest"`` (rows with the shortest prefix first), ``"fastest"``, ``"first"`` (ledger order) or
+            ``"random"`` (drawn by ``seed``; :func:`choose_rows`).
             ``"fastest"`` takes the rows that took the least wall time, from ``runlog.jsonl``, and the shortest
             prefix where the log has none. A batched ledger logs a whole chunk's seconds on its first row, so
             there it takes the shortest committed line (a proxy for the fewest decoded tokens, as the
             resumed-arm gate picks).
+        seed: the draw of ``pick="random"``.
+        ids: problem IDs to recompute instead of ``pick`` and ``rows``; each must be in the ledger.
         problems: the problem set (default: the frozen bank).
         model: where the ledger's model is, for a local folder (the manifest keys it by folder name and file
             digests only); it must have the manifest's model key.
@@ -143,7 +198,8 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
 
     Raises:
         ValueError: an experiment this module cannot recompute; MissingLedgerError-like ``FileNotFoundError``
-            when the folder is not a ledger; a ``model`` whose key differs from the manifest's.
+            when the folder is not a ledger; a ``model`` whose key differs from the manifest's; a bad
+            ``pick``, ``seed`` or ``ids`` (:func:`choose_rows`), before any model is loaded.
     """
     import torch
 
@@ -159,20 +215,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     env = json.loads((folder / "environment.json").read_text())
     lines = row_lines(read_rows_text(folder))
     committed = [json.loads(x) for x in lines]
-    if pick not in ("shortest", "fastest", "first"):
-        raise ValueError(f"pick must be 'shortest', 'fastest' or 'first', not {pick!r}")
-    cost: dict[str, float] = {}  # "fastest": logged seconds, or on a batched ledger the line's length
-    if pick == "fastest" and "engine" in config:  # a chunk's seconds sit on its first row: cost by line length
-        cost = {r["problem_id"]: len(x) for r, x in zip(committed, lines)}
-    elif pick == "fastest" and (folder / "runlog.jsonl").is_file():
-        for line in (folder / "runlog.jsonl").read_text().splitlines():
-            event = json.loads(line)
-            if event.get("event") == "row":
-                cost[event["key"]] = event["seconds"]
-    order = list(range(len(committed))) if pick == "first" else sorted(
-        range(len(committed)),
-        key=lambda i: (cost.get(committed[i]["problem_id"], float("inf")), committed[i].get("prefix_len", 0), i))
-    chosen = order[:rows]
+    chosen = choose_rows(folder, rows, pick=pick, seed=seed, ids=ids)
     if env.get("row_algorithm") != ROW_ALGORITHM.get(config["experiment"]):
         return [RowCheck(folder.name, committed[i]["problem_id"], "stale", False, None,
                          f"written by row algorithm {env.get('row_algorithm')}, this code computes "
@@ -248,14 +291,33 @@ def recomputable_ledgers(ledger_root: str | Path, profile: str, only: Sequence[s
     return out
 
 
-def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only: Sequence[str] = (),
-                   pick: str = "shortest", report: Callable[[RowCheck], None] | None = None) -> list[RowCheck]:
-    """:func:`verify_ledger` on every recomputable experiment ledger of a profile (``only``: name prefixes);
-    ``report`` is told each row as it is recomputed."""
+def ids_by_ledger(ledgers: Sequence[Path], ids: Sequence[str]) -> dict[Path, list[str]]:
+    """The problem IDs of ``ids`` each ledger holds, for the ledgers that hold any (a panel ledger holds a few).
 
+    Raises:
+        ValueError: an ID no ledger holds, naming it and the ledgers searched.
+    """
+    held = {f: {json.loads(x)["problem_id"] for x in row_lines(read_rows_text(f))} for f in ledgers}
+    nowhere = [i for i in ids if not any(i in h for h in held.values())]
+    if nowhere:
+        raise ValueError(f"no row {', '.join(nowhere)} in ledger(s) {', '.join(str(f) for f in ledgers)}")
+    out = {f: [i for i in dict.fromkeys(ids) if i in h] for f, h in held.items()}
+    return {f: v for f, v in out.items() if v}
+
+
+def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only: Sequence[str] = (),
+                   pick: str = "shortest", report: Callable[[RowCheck], None] | None = None,
+                   seed: int | None = None, ids: Sequence[str] | None = None) -> list[RowCheck]:
+    """:func:`verify_ledger` on every recomputable experiment ledger of a profile (``only``: name prefixes);
+    ``report`` is told each row as it is recomputed. With ``ids``, each ledger holding any of them recomputes
+    those rows (:func:`ids_by_ledger`; an ID no ledger holds raises ``ValueError`` before any model loads)."""
+    ledgers = recomputable_ledgers(ledger_root, profile, only)
+    wanted = ids_by_ledger(ledgers, ids) if ids else {f: None for f in ledgers}
+    for folder, mine in wanted.items():  # every selection checked before the first model loads
+        choose_rows(folder, rows, pick=pick, seed=seed, ids=mine)
     out = []
-    for folder in recomputable_ledgers(ledger_root, profile, only):
-        out.extend(verify_ledger(folder, rows, pick=pick, report=report))
+    for folder, mine in wanted.items():
+        out.extend(verify_ledger(folder, rows, pick=pick, report=report, seed=seed, ids=mine))
     return out
 
 
@@ -268,14 +330,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--profile", default="cpu", help="profile whose committed ledgers are recomputed")
     ap.add_argument("--rows", type=int, default=1, help="rows recomputed per ledger")
-    ap.add_argument("--pick", choices=("shortest", "fastest", "first"), default="shortest",
+    ap.add_argument("--pick", choices=PICKS, default="shortest",
                     help="which rows: shortest prefixes, least logged wall time (batched ledgers: shortest lines), "
-                         "or ledger order")
+                         "ledger order, or drawn at random by --seed (the same seed draws the same rows)")
+    ap.add_argument("--seed", type=int, default=None, help="the draw of --pick random (required with it)")
+    ap.add_argument("--ids", nargs="+", default=None, metavar="ID",
+                    help="problem IDs to recompute, in every selected ledger that holds them (replaces --pick and --rows)")
     ap.add_argument("--ledger-root", default=str(LEDGERS), help="folder holding <profile>/ ledger folders")
     ap.add_argument("--only", nargs="*", default=(), help="ledger name prefixes, e.g. exp1-bfloat16 exp3")
     args = ap.parse_args(argv)
     if args.rows < 1:
         ap.error(f"--rows {args.rows}: must be at least 1")
+    if (args.pick == "random") != (args.seed is not None):
+        ap.error("--pick random needs --seed N" if args.seed is None else "--seed goes with --pick random")
+    if args.ids and (args.pick != "shortest" or args.seed is not None):
+        ap.error("--ids names the rows itself: leave out --pick and --seed")
     folder = Path(args.ledger_root, args.profile)
     if not folder.is_dir():
         known = sorted(p.name for p in Path(args.ledger_root).iterdir() if p.is_dir()) if Path(args.ledger_root).is_dir() else []
@@ -287,14 +356,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no recomputable ledger of profile {args.profile!r} under {folder}"
               + (f" matches --only {' '.join(args.only)}" if args.only else ""), file=sys.stderr)
         return 2
-    print(f"make verify: recomputing {args.rows} committed row(s) ({args.pick}) of each of {len(ledgers)} ledgers of "
+    if args.ids:
+        try:
+            held = ids_by_ledger(ledgers, args.ids)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        what = f"rows {' '.join(args.ids)} where held"
+        ledgers = list(held)
+    else:
+        what = f"{args.rows} committed row(s) ({args.pick}{f', seed {args.seed}' if args.seed is not None else ''})"
+    print(f"make verify: recomputing {what} of each of {len(ledgers)} ledgers of "
           f"profile {args.profile} ({', '.join(f.name for f in ledgers)}); each ledger loads its model, and a row "
           "takes seconds to minutes. One line per row as it is done:", flush=True)
 
     def said(r: RowCheck) -> None:
         print(f"{'OK  ' if r.ok else 'FAIL'} {r.mode:8s} {r.ledger:40s} {r.problem_id:24s} {r.detail}", flush=True)
 
-    results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick, report=said)
+    results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick, report=said,
+                             seed=args.seed, ids=args.ids)
     bad = [r for r in results if not r.ok]
     exact = sum(r.ok and r.mode == "bytes" for r in results)
     portable = len(results) - len(bad) - exact

@@ -107,7 +107,8 @@ table3
 # rows. A row that failed any gate withholds every endpoint (the summary functions raise).
 
 # %%
-results = summarize(profile_ledgers, seed=p.seed, n_resamples=p.n_resamples)
+results = summarize(profile_ledgers, seed=p.seed, n_resamples=p.n_resamples,
+                    precondition_failures=p.exp4_precondition_failures)
 CAPTIONS = TABLE_CAPTIONS
 tables = results_tables(profile_ledgers, results)
 for stem, df in tables.items():  # the experiment notebooks write their own tables (compared below, not rewritten)

@@ -30,7 +30,7 @@ from ..ledger.records import (
 from ..problems import Problem
 from ..runner import RunSpec
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import wilson
+from ..stats import Proportion, wilson
 from .endpoints import first_divergence, rate_text, require_gates, tie_initiated
 from .matrix import (
     boundary_gates,
@@ -63,6 +63,10 @@ def order_statistics(items: Sequence[_Item], k: int, key: Callable[[_Item], Any]
 def transplant_table(s: dict, records: Sequence[TransplantRecord]) -> pd.DataFrame:
     """Experiment 4 registered endpoints with the power note (same rows as notebook 04 writes to ``exp4_table``).
 
+    Rows that failed the precondition are reported by the summary's rule (:data:`PRECONDITION_RULES`): left
+    out, counted as failures, or, with ``report_both`` and such rows present, each endpoint both ways (one untagged
+    line where the two agree).
+
     Args:
         s: :func:`~kvreplay.experiments.transplant.transplant_summary` of ``records``.
         records: the Experiment 4 ledger records (their ``stratum`` is the frozen panel's).
@@ -75,15 +79,27 @@ def transplant_table(s: dict, records: Sequence[TransplantRecord]) -> pd.DataFra
         "frozen stratum reproduced by new baselines": f"{s['prior_stratum_reproduced']}/{s['rows']}",
         "all gates pass (replicas, state, storage, argmax, provenance)": f"{s['rows']}/{len(records)}",
     }
+    rule = s.get("precondition_failures", DEFAULT_PRECONDITION_RULE)
+    ways = [("", s)]
     if s["ineligible"]:  # a line only where it has something to say (profiles without such rows keep their tables)
-        table["argmax precondition unmet (no transplant; left out of every line below)"] = "; ".join(
+        ways = {"left_out": [(" [unmet precondition: row left out]", s)],
+                "counted_as_failure": [(" [unmet precondition: counted as a failure]", s["counted_as_failure"])],
+                "report_both": [(" [unmet precondition: row left out]", s),
+                                (" [unmet precondition: counted as a failure]", s["counted_as_failure"])]}[rule]
+        how = {"left_out": "left out of the endpoints below", "counted_as_failure": "counted as a failure below",
+               "report_both": "each endpoint below left out and counted as a failure"}[rule]
+        table[f"argmax precondition unmet (no transplant; {how}; rule exp4_precondition_failures: {rule})"] = "; ".join(
             f"{r['problem_id']} ({r['stratum']}: {r['reason']})" for r in s["ineligible"])
+    endpoints: dict[str, str] = {}
+    for label, e in (("donor recovery, prefill <- incremental (integrity check)", lambda w: w["recovery"]["prefill<-incremental"]),
+                     ("donor recovery, incremental <- prefill (integrity check)", lambda w: w["recovery"]["incremental<-prefill"]),
+                     ("joint bidirectional recovery (integrity check)", lambda w: w["joint_recovery"]),
+                     ("third trajectory among exact controls", lambda w: w["third_among_exact"])):
+        texts = {label + tag: rate_text(e(w)) for tag, w in ways}
+        endpoints |= texts if len(set(texts.values())) == len(texts) else {label: next(iter(texts.values()))}
     return pd.DataFrame({"whole-cache transplant (BF16)": table | {
         "divergent rows (contemporaneous baselines): tie-initiated / not": f"{s['tie_initiated']} / {s['divergent'] - s['tie_initiated']}",
-        "donor recovery, prefill <- incremental (integrity check)": rate_text(s["recovery"]["prefill<-incremental"]),
-        "donor recovery, incremental <- prefill (integrity check)": rate_text(s["recovery"]["incremental<-prefill"]),
-        "joint bidirectional recovery (integrity check)": rate_text(s["joint_recovery"]),
-        "third trajectory among exact controls": rate_text(s["third_among_exact"]),
+        **endpoints,
         "why recovery is an integrity check": ("token IDs, roles and positions are gated equal, so after a whole K/V swap "
                                                "the recipient must follow the donor unless decoding is nondeterministic"),
         "power note": (f"with {s['exact']} exact controls, 0 events would only exclude third-trajectory rates above "
@@ -344,7 +360,21 @@ def _failed(rec: dict, e: GateError) -> None:
 DIRECTIONS = ("prefill<-incremental", "incremental<-prefill")
 
 
-def transplant_summary(records: Sequence[TransplantRecord] | Sequence[ReplicationRecord]) -> dict:
+PRECONDITION_RULES = ("left_out", "counted_as_failure", "report_both")
+"""How a table reports panel rows that failed the precondition (the profile's ``exp4_precondition_failures``):
+left out of the endpoints, counted as failures, or both counts side by side."""
+
+DEFAULT_PRECONDITION_RULE = "report_both"
+"""The rule of a profile that declares none."""
+
+RULE_TEXT = {"left_out": "is left out of every Experiment 4 endpoint",
+             "counted_as_failure": "is counted as a failure in every Experiment 4 endpoint",
+             "report_both": "each Experiment 4 endpoint is reported with it left out and with it counted as a failure"}
+"""What each rule does to a row that failed the precondition, as the results pages say it."""
+
+
+def transplant_summary(records: Sequence[TransplantRecord] | Sequence[ReplicationRecord],
+                       precondition_failures: str = DEFAULT_PRECONDITION_RULE) -> dict:
     """Experiment 4 endpoints (paper §4.4): donor recovery among divergent rows, third trajectories among exact rows.
 
     Rows are grouped by their contemporaneous baselines (incremental vs
@@ -353,9 +383,16 @@ def transplant_summary(records: Sequence[TransplantRecord] | Sequence[Replicatio
     the registered precondition (:func:`split_precondition`) are left out of
     every count and listed under ``ineligible``; ``rows`` counts the others.
 
+    ``counted_as_failure`` holds the same Wilson intervals with each such row counted as a failure in its frozen
+    stratum: not recovered (divergent), a third trajectory (exact). ``precondition_failures`` (one of
+    :data:`PRECONDITION_RULES`) is kept for :func:`transplant_table`.
+
     Raises:
         GateError: if a row failed a gate other than the precondition.
+        ValueError: an unknown ``precondition_failures``.
     """
+    if precondition_failures not in PRECONDITION_RULES:
+        raise ValueError(f"exp4_precondition_failures={precondition_failures!r}: expected one of {PRECONDITION_RULES}")
     eligible, ineligible = split_precondition(records)
     div = [r for r in eligible if r["baseline"]["suffix_differs"]]
     exact = [r for r in eligible if not r["baseline"]["suffix_differs"]]
@@ -363,19 +400,48 @@ def transplant_summary(records: Sequence[TransplantRecord] | Sequence[Replicatio
     def whole(r: TransplantRow | ReplicationRow, direction: str) -> str:
         return outcome_of(r["interventions"]["whole"], direction)["outcome"]
 
-    out = {
+    recovery = {d: wilson(sum(whole(r, d) == "donor" for r in div), len(div)) if div else None for d in DIRECTIONS}
+    out: dict[str, Any] = {
         "rows": len(eligible),
         "prior_stratum_reproduced": sum(r["baseline"]["suffix_differs"] == (r["stratum"] == "divergent") for r in eligible),
         "divergent": len(div),
         "exact": len(exact),
-        "recovery": {d: wilson(sum(whole(r, d) == "donor" for r in div), len(div)) if div else None for d in DIRECTIONS},
+        "recovery": recovery,
         "joint_recovery": wilson(sum(all(whole(r, d) == "donor" for d in DIRECTIONS) for r in div), len(div)) if div else None,
         "third_among_exact": wilson(sum(any(whole(r, d) == "third" for d in DIRECTIONS) for r in exact), len(exact)) if exact else None,
         "tie_initiated": sum(bool(r["baseline"].get("tie_initiated")) for r in div),
         "ineligible": [{"problem_id": r["problem_id"], "stratum": r["stratum"], "reason": r["gate_failure"]["reason"]}
                        for r in ineligible],
+        "precondition_failures": precondition_failures,
+    }
+    u_div = sum(r["stratum"] == "divergent" for r in ineligible)
+    u_ex = len(ineligible) - u_div
+    n_div, n_ex = len(div) + u_div, len(exact) + u_ex
+
+    def counted(p: Proportion | None, n: int, events: int = 0) -> Proportion | None:
+        """``p`` with the rows that failed the precondition added to its denominator (and, as events, ``events``)."""
+        return wilson((p.k if p is not None else 0) + events, n) if n else None
+
+    out["counted_as_failure"] = {
+        "recovery": {d: counted(recovery[d], n_div) for d in DIRECTIONS},
+        "joint_recovery": counted(out["joint_recovery"], n_div),
+        "third_among_exact": counted(out["third_among_exact"], n_ex, u_ex),
     }
     return out
+
+
+def reported_ways(s: dict, left: Proportion | None, counted: Proportion | None) -> list[tuple[str, Proportion | None]]:
+    """One Experiment 4 rate as the summary's ``precondition_failures`` rule reports it.
+
+    ``left`` and ``counted`` are the rate with the rows failing the precondition left out and counted as failures
+    (from ``s`` and ``s["counted_as_failure"]``). Returns ``[("", left)]`` where no row failed it or counting changes
+    nothing, else ``("left_out", left)``, ``("counted_as_failure", counted)`` or both, in that order.
+    """
+    same = left is not None and counted is not None and (left.k, left.n) == (counted.k, counted.n)
+    if not s["ineligible"] or same:
+        return [("", left)]
+    ways = {"left_out": [("left_out", left)], "counted_as_failure": [("counted_as_failure", counted)]}
+    return ways.get(s["precondition_failures"], ways["left_out"] + ways["counted_as_failure"])
 
 
 def localization_table(records: Sequence[TransplantRecord]) -> pd.DataFrame:

@@ -9,7 +9,9 @@
 * :mod:`.row_parts`: the value types and nested records those rows hold;
 * :mod:`.prefix_bank`: Experiment 1's BF16 boundary prefixes, frozen for
   Experiments 2-5;
-* :mod:`.lookup`: a profile's ledgers found by provenance (no re-running).
+* :mod:`.lookup`: a profile's ledgers found by provenance (no re-running);
+* :mod:`.provenance`: the library digests that wrote a profile's ledgers and each run's compute seconds
+  (``python -m kvreplay.ledger digests``).
 
 The store's names are re-exported here.
 """

@@ -1,12 +1,16 @@
 """``python -m kvreplay.ledger seal|unseal FOLDER...``: compress finished ledgers for committing, or restore them;
-``python -m kvreplay.ledger compare RECOMPUTED COMMITTED``: a recomputed profile folder against the committed one.
+``python -m kvreplay.ledger compare RECOMPUTED COMMITTED``: a recomputed profile folder against the committed one;
+``python -m kvreplay.ledger digests PROFILE_FOLDER...``: the library digests that wrote each profile's ledgers.
 
 A sealed ledger keeps its rows as ``rows.jsonl.gz`` (the same bytes, gzip level 9, no time stamp); every reader
 takes either form, and appending to a sealed ledger unseals it first. ``compare`` prints one line per ledger folder
 or file (:mod:`kvreplay.ledger.compare`) and a count, and exits 1 if any row, manifest, prefix bank or panel
 differs, a recomputed folder has no committed counterpart, or no ledger was compared at all. An unfinished
 recomputation whose rows so far are identical, and committed folders not recomputed, fail only with
-``--complete``. Exit 2: a folder that cannot be compared.
+``--complete``. Exit 2: a folder that cannot be compared. ``digests`` prints, per ledger, the library digests of
+its ``environment.json`` and run log, its runs and recorded compute seconds (:mod:`kvreplay.ledger.provenance`),
+then each profile's set of digests. It exits 1 unless each profile named has one library and a digest on every
+run-log event.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import provenance
 from .compare import CompareError, agrees, compare_ledger_roots, describe
 from .store import LedgerError, seal, unseal
 
@@ -22,10 +27,11 @@ from .store import LedgerError, seal, unseal
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.ledger", description=__doc__.replace("``", "`").replace(":mod:`", "`"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=("seal", "unseal", "compare"))
+    ap.add_argument("action", choices=("seal", "unseal", "compare", "digests"))
     ap.add_argument("folders", nargs="+", type=Path,
                     help="ledger folders (holding manifest.json); for compare: two profile folders, the recomputed "
-                         "one first (e.g. /tmp/kv/ledgers/gpu data/ledgers/gpu)")
+                         "one first (e.g. /tmp/kv/ledgers/gpu data/ledgers/gpu); for digests: profile folders "
+                         "(e.g. data/ledgers/paper)")
     ap.add_argument("--complete", action="store_true",
                     help="compare: also fail on an unfinished recomputed ledger and on a committed entry not recomputed")
     args = ap.parse_args(argv)
@@ -49,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                   "nothing compared (profile folders, e.g. /tmp/kv/ledgers/gpu data/ledgers/gpu?)", file=sys.stderr)
             return 1
         return 1 if bad else 0
+    if args.action == "digests":
+        return _digests(args.folders)
     status = 0
     for folder in args.folders:
         if not (folder / "manifest.json").is_file():
@@ -62,6 +70,27 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
             continue
         print(f"{folder}: {out.name}")
+    return status
+
+
+def _digests(profiles: list[Path]) -> int:
+    """``digests``: each profile's ledgers and library digests; 0 when each was written by one library."""
+    status = 0
+    for root in profiles:
+        try:
+            ledgers = provenance.profile_provenance(root)
+            problems = provenance.one_library_problems(root)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for p in ledgers:
+            print(provenance.describe(p))
+        digests = sorted({d[:12] for p in ledgers for d in p.digests})
+        print(f"{root}: {len(digests)} library digest(s): {', '.join(digests) or 'none'}; "
+              f"{sum(p.compute_s for p in ledgers):.1f} s compute recorded")
+        for problem in problems:
+            print(f"  not one library: {problem}")
+        status = status or (1 if problems else 0)
     return status
 
 

@@ -24,7 +24,10 @@ scientific config (its sha256 is the digest):
   Every reader takes either form (:func:`read_rows_text`), and appending to a
   sealed ledger first restores ``rows.jsonl`` (:meth:`Ledger.append`).
 - ``runlog.jsonl``: wall times and hosts (never in ``rows.jsonl``, so two runs
-  of the same config on the same machine give byte-identical rows).
+  of the same config on the same machine give byte-identical rows). Every event
+  carries the ``library_sha256`` of the code that logged it, so a resumed run's
+  library is on record; a run's ``end`` (or ``stopped``) event carries its
+  compute seconds (``compute_s``).
 
 Records are serialized with sorted keys and no whitespace variation.
 """
@@ -232,7 +235,8 @@ class Ledger:
                 raise LedgerError(f"{mpath} has schema {old.get('schema_version')}, this code writes {SCHEMA_VERSION}")
         else:
             mpath.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        env = {"execution_contract": environment or {}, "library_sha256": library_digest(), "row_algorithm": row_algorithm}
+        self.library = library_digest()
+        env = {"execution_contract": environment or {}, "library_sha256": self.library, "row_algorithm": row_algorithm}
         epath = self.dir / "environment.json"
         self.stale: list[str] = []
         self.other_environment: list[str] = []
@@ -290,9 +294,13 @@ class Ledger:
         self.done_keys().add(record[self.key])
 
     def log(self, **event) -> None:
-        """Append a wall-time/host event to ``runlog.jsonl`` (not part of the ledger bytes)."""
+        """Append a wall-time/host event to ``runlog.jsonl`` (not part of the ledger bytes).
+
+        Every event gets ``time``, ``host`` and ``library_sha256`` (:func:`library_digest` of the code logging it).
+        """
         event.setdefault("time", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         event.setdefault("host", platform.node())
+        event.setdefault("library_sha256", self.library)
         with open(self.dir / "runlog.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(event, sort_keys=True) + "\n")
 
@@ -357,6 +365,7 @@ def run_rows(
     desc: str = "rows",
     mapper: Callable[[list[_Item]], Iterable[Mapping[str, Any]]] | None = None,
     validate: Callable[[Mapping[str, Any]], object] | None = None,
+    started: float | None = None,
 ) -> list[Any]:
     """Map a pure per-row function over items in frozen order, appending each record.
 
@@ -376,6 +385,9 @@ def run_rows(
             its schema (the experiment's row type,
             :func:`kvreplay.ledger.records.validate_row`); called before each
             append, so such a record is never written.
+        started: ``time.perf_counter()`` when the arm's run began (model load, compiles and graph capture
+            included); default: this call. The run log's ``end`` event, or ``stopped`` when an exception
+            ends the run, records the seconds since then as ``compute_s``.
 
     Returns:
         The ledger's records for ``items``, in item order.
@@ -411,28 +423,33 @@ def run_rows(
 
     bar = row_bar(len(items), len(items) - len(todo), desc, progress)
     position = {key(it): i for i, it in enumerate(items)}
-    for i, it in enumerate(items[:preflight]):  # preflight rows already in the ledger
-        if key(it) in done:
-            check_preflight(i, key(it))
-    first = [it for it in todo if position[key(it)] < preflight]
-    for chunk in (first, todo[len(first):]):
-        if not chunk:
-            continue
-        t0 = time.perf_counter()
-        for it, rec in zip(chunk, mapper(chunk), strict=True):
-            k = key(it)
-            if rec.get(ledger.key) != k:
-                raise LedgerError(f"{ledger.dir}: the mapper returned row {rec.get(ledger.key)!r} where {k!r} was due")
-            if validate is not None:
-                validate(rec)
-            ledger.append(rec)
-            ledger.log(event="row", key=k, seconds=round(time.perf_counter() - t0, 3))
+    began = time.perf_counter() if started is None else started
+    try:
+        for i, it in enumerate(items[:preflight]):  # preflight rows already in the ledger
+            if key(it) in done:
+                check_preflight(i, key(it))
+        first = [it for it in todo if position[key(it)] < preflight]
+        for chunk in (first, todo[len(first):]):
+            if not chunk:
+                continue
             t0 = time.perf_counter()
-            done[k] = rec
-            bar.update(1)
-            check_preflight(position[k], k)
+            for it, rec in zip(chunk, mapper(chunk), strict=True):
+                k = key(it)
+                if rec.get(ledger.key) != k:
+                    raise LedgerError(f"{ledger.dir}: the mapper returned row {rec.get(ledger.key)!r} where {k!r} was due")
+                if validate is not None:
+                    validate(rec)
+                ledger.append(rec)
+                ledger.log(event="row", key=k, seconds=round(time.perf_counter() - t0, 3))
+                t0 = time.perf_counter()
+                done[k] = rec
+                bar.update(1)
+                check_preflight(position[k], k)
+    except BaseException as e:  # a gate, a deadline or an interrupt: the run's compute time stays on record
+        ledger.log(event="stopped", error=type(e).__name__, compute_s=round(time.perf_counter() - began, 3))
+        raise
     bar.close()
-    ledger.log(event="end")
+    ledger.log(event="end", compute_s=round(time.perf_counter() - began, 3))
     return [done[key(it)] for it in items]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import yaml
@@ -202,6 +203,17 @@ def _unmet_divergence_text(summary: dict) -> str:
     return f"; over all {n} panel rows {k}/{n} to {k + u}/{n} (the {u} left out, unmet argmax precondition, not / all divergent)"
 
 
+def _transplant_rate(t: dict, pick: Callable[[dict], Any]) -> str:
+    """An Experiment 4 rate (``pick`` of the summary) by the profile's ``exp4_precondition_failures`` rule: with rows
+    whose precondition was unmet, left out, counted as failures, or both (``report_both``)."""
+    left, counted = rate_text(pick(t)), rate_text(pick(t["counted_as_failure"]))
+    if not t["ineligible"] or left == counted:
+        return left
+    return {"left_out": f"{left} (unmet precondition left out)",
+            "counted_as_failure": f"{counted} (unmet precondition counted as a failure)",
+            "report_both": f"{left} left out; {counted} counted as a failure"}[t["precondition_failures"]]
+
+
 def _leaves_agree(audit: dict, kind: str) -> str:
     leaves = ", ".join(map(str, audit[f"{kind}_leaves"]))
     return f"{leaves} leaves; {_count_text(audit[f'{kind}_leaves_agree_rows'], audit['rows'])}"
@@ -246,10 +258,10 @@ RUN_VALUES: dict[str, Callable[[dict], str]] = {
     "exp4.panel": lambda R: (lambda t: f"{t['rows'] + len(t['ineligible'])} ({t['divergent']} + {t['exact']}, contemporaneous "
                              f"strata{_unmet_text(t)})")(R["transplant"]),
     "exp4.gates": lambda R: _count_text(R["transplant"]["rows"], R["transplant"]["rows"] + len(R["transplant"]["ineligible"])),
-    "exp4.recovery.prefill_from_incremental": lambda R: rate_text(R["transplant"]["recovery"]["prefill<-incremental"]),
-    "exp4.recovery.incremental_from_prefill": lambda R: rate_text(R["transplant"]["recovery"]["incremental<-prefill"]),
-    "exp4.joint_recovery": lambda R: rate_text(R["transplant"]["joint_recovery"]),
-    "exp4.third_among_exact": lambda R: rate_text(R["transplant"]["third_among_exact"]),
+    "exp4.recovery.prefill_from_incremental": lambda R: _transplant_rate(R["transplant"], lambda t: t["recovery"]["prefill<-incremental"]),
+    "exp4.recovery.incremental_from_prefill": lambda R: _transplant_rate(R["transplant"], lambda t: t["recovery"]["incremental<-prefill"]),
+    "exp4.joint_recovery": lambda R: _transplant_rate(R["transplant"], lambda t: t["joint_recovery"]),
+    "exp4.third_among_exact": lambda R: _transplant_rate(R["transplant"], lambda t: t["third_among_exact"]),
     "exp5.divergence": lambda R: R["replication"]["divergence"].pct() + _unmet_divergence_text(R["replication"]),
     "exp5.joint_recovery": lambda R: rate_text(R["replication"]["joint_recovery"]),
     "exp5.third_among_exact": lambda R: rate_text(R["replication"]["third_among_exact"]),

@@ -15,11 +15,13 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+import yaml
+
 from ..adapt.metric import accuracy_summary
 from ..experiments.controls import controls_summary
-from ..experiments.transplant import localization_table
+from ..experiments.transplant import DEFAULT_PRECONDITION_RULE, localization_table
 from ..ledger.lookup import PREFIX_BANK, LoadedLedger, ProfileLedgers, ledger_progress, load_profile_ledgers, read_ledger
-from ..paths import LEDGERS
+from ..paths import LEDGERS, NOTEBOOKS
 from ..runner import EXECUTION_DEFAULTS
 from .cross_hardware import SETUPS, compare, exp1_records
 from .paper_tables import REFERENCE, load_reference
@@ -180,14 +182,25 @@ def cross_hardware_counts(root: Path, profile: str) -> list[dict]:
     return out
 
 
+def profile_stats(profile: str) -> dict:
+    """``seed``, ``n_resamples`` and ``precondition_failures`` (``exp4_precondition_failures``) as
+    ``notebooks/params/<profile>.yaml`` sets them (the chain's defaults otherwise)."""
+    path = NOTEBOOKS / "params" / f"{profile}.yaml"
+    doc = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return {"seed": doc.get("seed", SEED), "n_resamples": doc.get("n_resamples", N_RESAMPLES),
+            "precondition_failures": doc.get("exp4_precondition_failures", DEFAULT_PRECONDITION_RULE)}
+
+
 def profile_results(profile: str, ledger_root: str | Path = LEDGERS, *, seed: int = SEED,
-                    n_resamples: int = N_RESAMPLES) -> ProfileResults:
+                    n_resamples: int = N_RESAMPLES, precondition_failures: str = DEFAULT_PRECONDITION_RULE) -> ProfileResults:
     """Every number of a profile's results pages, recomputed from its finished ledgers.
 
     Args:
         profile: a folder of ``ledger_root`` holding a complete chain (Experiments 1-5).
         ledger_root: the ledger root (default ``data/ledgers``).
         seed, n_resamples: the bootstrap's seed and replicates (the profile's ``seed`` and ``n_resamples``).
+        precondition_failures: the profile's ``exp4_precondition_failures`` (Experiment 4's rows that failed the
+            transplant's precondition: ``left_out``, ``counted_as_failure`` or ``report_both``).
 
     Raises:
         MissingLedgerError: a ledger of the chain is missing or unfinished (names the notebook to run).
@@ -196,7 +209,7 @@ def profile_results(profile: str, ledger_root: str | Path = LEDGERS, *, seed: in
     """
     root = Path(ledger_root)
     chain: ProfileLedgers = load_profile_ledgers(root, profile)
-    summary = summarize(chain, seed=seed, n_resamples=n_resamples)
+    summary = summarize(chain, seed=seed, n_resamples=n_resamples, precondition_failures=precondition_failures)
     ledgers = dict(chain.ledgers)
     controls = controls_ledger(root, profile)
     if controls is not None:

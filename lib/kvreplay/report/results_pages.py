@@ -21,12 +21,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-
+from ..experiments.transplant import RULE_TEXT, reported_ways
 from ..ledger.lookup import MissingLedgerError
-from ..paths import LEDGERS, NOTEBOOKS, ROOT
+from ..paths import LEDGERS, ROOT
 from ..stats import PairedDifference, Proportion, wilson
-from .results import N_RESAMPLES, SEED, ProfileResults, profile_results
+from .results import ProfileResults, profile_results, profile_stats
 
 HEADLINE_PROFILE = "paper"
 """The profile whose results the README's headline table shows (the paper's caps and row count)."""
@@ -120,9 +119,10 @@ def gates_text(res: ProfileResults) -> str:
     text = (f"Every gate passed on all {rows:,} rows." if not failed else
             f"Every gate passed on {rows - failed:,} of {rows:,} rows.")
     for name, s in (("Experiment 4", res.summary["transplant"]), ("Experiment 5", res.summary["replication"])):
+        how = RULE_TEXT[s["precondition_failures"]] if name == "Experiment 4" else f"is left out of every {name} endpoint"
         for r in s["ineligible"]:
             text += (f" {name} panel row `{r['problem_id']}` ({r['stratum']} stratum) failed the transplant's registered "
-                     f"precondition and is left out of every {name} endpoint "
+                     f"precondition: {how} "
                      f"([why](differences.md#the-transplant-precondition)); its ledger row records: {r['reason']}.")
     return text
 
@@ -160,15 +160,13 @@ def headline_rows(res: ProfileResults) -> list[tuple[str, str, str, str, str]]:
                  " / ".join(f"{p.k}/{p.n}" for p in ours), " / ".join(f"{v['k']}/{v['n']}" for v in theirs),
                  "yes" if all(inside(p, v) == "yes" for p, v in zip(ours, theirs)) else "no"))
     t = S["transplant"]
-    k = len(t["ineligible"])
-    left = f"; {k} panel row{'s' if k > 1 else ''} left out (below)" if k else ""
-    for short, label, ours_p, pid in (
+    for short, label, key, pid in (
             ("Exp 4 transplant", "§4.4 Exp 4: whole-cache transplant, suffix follows the donor both ways (integrity check)",
-             t["joint_recovery"], "exp4.joint_recovery"),
-            ("Exp 4 exact controls", "§4.4 Exp 4: third trajectory among exact controls", t["third_among_exact"],
+             "joint_recovery", "exp4.joint_recovery"),
+            ("Exp 4 exact controls", "§4.4 Exp 4: third trajectory among exact controls", "third_among_exact",
              "exp4.third_among_exact")):
-        rows.append((short, label, rate(ours_p) + (left if pid == "exp4.joint_recovery" else ""), paper_rate(res, pid),
-                     inside(ours_p, res.paper(pid))))
+        for tag, ours_p in _precondition_ways(t, t[key], t["counted_as_failure"][key]):
+            rows.append((short + tag, label, rate(ours_p) + tag, paper_rate(res, pid), inside(ours_p, res.paper(pid))))
     r = S["replication"]
     rows.append(("Exp 5 rate", "§4.5 Exp 5 (later checkpoint): suffixes part, prefill vs incremental", rate(r["divergence"]),
                  paper_rate(res, "exp5.divergence"), inside(r["divergence"], res.paper("exp5.divergence"))))
@@ -303,6 +301,13 @@ def _crossing(res: ProfileResults) -> str:
                   "the paper: BF16 → FP32 reduction, pts [95% CI]; p"], rows)
 
 
+def _precondition_ways(t: dict, left: Proportion | None, counted: Proportion | None) -> list[tuple[str, Proportion | None]]:
+    """:func:`~kvreplay.experiments.transplant.reported_ways`, each way named as a tag for a table's line."""
+    rows = "row" if len(t["ineligible"]) == 1 else f"{len(t['ineligible'])} rows"
+    return [(way and f" ({rows} failing the precondition {way.replace('_', ' ').replace('as failure', 'as a failure')})", p)
+            for way, p in reported_ways(t, left, counted)]
+
+
 def _transplant(res: ProfileResults) -> list[str]:
     t = res.summary["transplant"]
     panel = t["rows"] + len(t["ineligible"])
@@ -312,10 +317,14 @@ def _transplant(res: ProfileResults) -> list[str]:
         ["rows passing every gate", f"{t['rows']}/{panel}", res.paper_text("exp4.gates")],
         ["divergent / exact rows (contemporaneous baselines)", f"{t['divergent']} / {t['exact']}", "—"],
         ["divergent rows tie-initiated / not", f"{t['tie_initiated']} / {t['divergent'] - t['tie_initiated']}", "not reported"],
-        *[[f"donor recovery, {d} (integrity check)", rate(p),
-           res.paper_text(f"exp4.recovery.{d.replace('<-', '_from_')}")] for d, p in t["recovery"].items()],
-        ["**joint donor recovery, both ways** (integrity check)", rate(t["joint_recovery"]), paper_rate(res, "exp4.joint_recovery")],
-        ["**third trajectory among exact controls**", rate(t["third_among_exact"]), paper_rate(res, "exp4.third_among_exact")],
+        *[[f"donor recovery, {d} (integrity check){tag}", rate(p),
+           res.paper_text(f"exp4.recovery.{d.replace('<-', '_from_')}")]
+          for d, left in t["recovery"].items()
+          for tag, p in _precondition_ways(t, left, t["counted_as_failure"]["recovery"][d])],
+        *[[label + tag, rate(p), paper_rate(res, f"exp4.{key}")]
+          for key, label in (("joint_recovery", "**joint donor recovery, both ways** (integrity check)"),
+                             ("third_among_exact", "**third trajectory among exact controls**"))
+          for tag, p in _precondition_ways(t, t[key], t["counted_as_failure"][key])],
     ]
     out = [table(["endpoint", "here", "the paper"], rows), ""]
     coarse = [r for r in res.localization if not r["intervention"].startswith("layer_")]
@@ -550,13 +559,6 @@ def regenerate(profile: str, root: Path = ROOT, res: ProfileResults | None = Non
             path.write_text(text, encoding="utf-8")
             changed.append(path)
     return changed
-
-
-def profile_stats(profile: str) -> dict:
-    """``seed`` and ``n_resamples`` as ``notebooks/params/<profile>.yaml`` sets them (the chain's defaults otherwise)."""
-    path = NOTEBOOKS / "params" / f"{profile}.yaml"
-    doc = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    return {"seed": doc.get("seed", SEED), "n_resamples": doc.get("n_resamples", N_RESAMPLES)}
 
 
 def main(argv: list[str] | None = None) -> int:

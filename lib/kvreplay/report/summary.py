@@ -27,6 +27,7 @@ from ..experiments.replication import (
     replication_table,
 )
 from ..experiments.transplant import (
+    DEFAULT_PRECONDITION_RULE,
     localization_table,
     transplant_summary,
     transplant_table,
@@ -34,7 +35,8 @@ from ..experiments.transplant import (
 from ..ledger.lookup import ProfileLedgers
 
 
-def summarize(profile_ledgers: ProfileLedgers, *, seed: int = 20260729, n_resamples: int = 20000) -> dict:
+def summarize(profile_ledgers: ProfileLedgers, *, seed: int = 20260729, n_resamples: int = 20000,
+              precondition_failures: str = DEFAULT_PRECONDITION_RULE) -> dict:
     """Every endpoint of Experiments 1–5 recomputed from the ledgers with the library's summary functions.
 
     Returns:
@@ -42,7 +44,8 @@ def summarize(profile_ledgers: ProfileLedgers, *, seed: int = 20260729, n_resamp
         ``exp1_cross``: ``(prefixes token-identical across precisions, rows)`` or None;
         ``crossing``: :func:`~kvreplay.experiments.fixed_prefix.precision_crossing` or None;
         ``bridge``: :func:`bridge_summary`; ``audit``: :func:`~kvreplay.experiments.bridge.saved_ledger_audit`;
-        ``transplant``: :func:`~kvreplay.experiments.transplant.transplant_summary`;
+        ``transplant``: :func:`~kvreplay.experiments.transplant.transplant_summary`, under the profile's
+        ``exp4_precondition_failures`` rule (``precondition_failures``);
         ``replication``: :func:`~kvreplay.experiments.replication.replication_summary`;
         ``replication_accuracy``: :func:`~kvreplay.experiments.replication.accuracy_vs_checkpoint0`;
         ``replication_checkpoint``: the replication checkpoint's description (from the Exp 5 ledger key);
@@ -65,7 +68,7 @@ def summarize(profile_ledgers: ProfileLedgers, *, seed: int = 20260729, n_resamp
         out["crossing"] = precision_crossing(profile_ledgers.records("exp2-bfloat16"), profile_ledgers.records("exp2-float32"), **kw)
     out["bridge"] = bridge_summary(profile_ledgers.records("exp3-bfloat16"))
     out["audit"] = saved_ledger_audit(profile_ledgers.records("exp1-bfloat16"), profile_ledgers.records("exp2-bfloat16"))
-    out["transplant"] = transplant_summary(profile_ledgers.records("exp4-bfloat16"))
+    out["transplant"] = transplant_summary(profile_ledgers.records("exp4-bfloat16"), precondition_failures)
     out["replication"] = replication_summary(profile_ledgers.records("exp5-bfloat16"))
     out["replication_accuracy"] = accuracy_vs_checkpoint0(profile_ledgers.records("exp2-bfloat16"), profile_ledgers.records("exp5-bfloat16"), **kw)
     out["replication_checkpoint"] = describe_checkpoint(profile_ledgers["exp5-bfloat16"].config["checkpoint"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -96,6 +97,8 @@ def run_arm(
     (:func:`kvreplay.experiments.matrix.check_live`). The run log records the sample before any row
     (event ``live_check_sample``) and, in this process, each check passed with its seconds (event ``live_check_passed``);
     a passing check adds nothing to the row, so it is not part of the ledger key.
+    Every run-log event records the library digest that logged it; the run's ``end`` (or ``stopped``) event records
+    its compute seconds since this call began, model load and compiles included (``compute_s``).
 
     Raises:
         GateError: ``preflight`` if a preflight row fails a gate; ``composition``
@@ -116,6 +119,7 @@ def run_arm(
         ReadOnlyLedgerError: a row left to compute while :data:`READ_ONLY_ENV` is ``1``, before any model is
             loaded or ledger folder created.
     """
+    started = time.perf_counter()  # the run's compute time (run log, ``compute_s``): model load and compiles included
     if settings.step_path != "eager" and chunk is None:
         raise ValueError(f"experiment {name!r} has no batched runner: step path {settings.step_path!r} is "
                          f"refused (use step_path='eager'; every experiment of notebooks 01-05 has one)")
@@ -179,7 +183,7 @@ def run_arm(
                 records = run_rows(
                     ledger, list(problems), None, key=lambda p: p.problem_id, mapper=pooled,
                     preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype} x{pool.workers}",
-                    validate=lambda rec: validate_row(name, rec),
+                    validate=lambda rec: validate_row(name, rec), started=started,
                 )
             finally:
                 for event in pool.events:
@@ -215,6 +219,6 @@ def run_arm(
     records = run_rows(
         ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",
-        validate=lambda rec: validate_row(name, rec),
+        validate=lambda rec: validate_row(name, rec), started=started,
     )
     return records, ledger
