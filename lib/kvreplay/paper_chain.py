@@ -20,8 +20,9 @@ from .paths import LEDGERS, NOTEBOOKS
 from .profiles import ChainParameters
 
 
-EXECUTED_PROFILES = ("cpu", "gpu", "paper")
-"""Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (those with committed ledgers)."""
+EXECUTED_PROFILES = ("cpu", "gpu", "paper", "gemma")
+"""Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` and whose results pages go to
+``docs/`` (those with committed ledgers; ``gemma``'s are computed on a GPU, docs/gpu.md)."""
 
 RUN_PARAMETERS = {"interactive": False}
 """Parameters every headless run passes (to the notebooks that declare them): no widgets in executed copies."""
