@@ -6,7 +6,8 @@ Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``)::
         [--set NAME=VALUE ...]
 
 ``ARM`` is one of ``exp1-bfloat16``, ``exp1-float32`` (notebook 01; the BF16
-arm also writes the prefix bank, as the notebook does), ``exp2-bfloat16``,
+arm also writes the prefix bank, as the notebook does), ``exp1_ties-bfloat16`` (notebook 01's tie-rule control,
+one ledger per rule of the profile's ``tie_rules``), ``exp2-bfloat16``,
 ``exp2-float32`` (notebook 02, reading that bank), ``exp2_controls-bfloat16``
 (notebook 02's exploratory controls), and ``exp3-bfloat16``, ``exp4-bfloat16``,
 ``exp5-bfloat16`` (notebooks 03-05, each with its panel frozen and written as
@@ -62,8 +63,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ARMS = ("exp1-bfloat16", "exp1-float32", "exp2-bfloat16", "exp2-float32", "exp2_controls-bfloat16", "exp3-bfloat16",
-        "exp4-bfloat16", "exp5-bfloat16")
+ARMS = ("exp1-bfloat16", "exp1-float32", "exp1_ties-bfloat16", "exp2-bfloat16", "exp2-float32", "exp2_controls-bfloat16",
+        "exp3-bfloat16", "exp4-bfloat16", "exp5-bfloat16")
 """Every arm this script runs (notebooks 03-05 and the controls are BF16 only); each is declared once, in its
 experiment's module (:data:`kvreplay.experiments.arms.ARMS`)."""
 PACK_S = 25.0
@@ -213,6 +214,12 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
     declared = ARMS[experiment]
     session = open_session(declared.notebook, profile, overrides | {"ledger_root": str(ledger_root)})
     t = time.perf_counter()
+    if declared.variants is not None:  # the tie-rule control: one ledger per rule of the profile's tie_rules
+        done = [session.run(plan, dtype) for plan in session.plans(declared)]
+        if not done:
+            raise ValueError(f"arm {arm}: the profile lists no variant (tie_rules is empty); --set tie_rules=...")
+        return {"ledger": [ledger.dir.name for _, ledger in done], "rows": sum(len(r) for r, _ in done),
+                "wall_s": round(time.perf_counter() - t, 1)}
     records, ledger = session.run(declared, dtype)
     if experiment == "exp1" and dtype == "bfloat16":  # notebook 01's next cell: the bank Experiments 2-5 read
         write_prefix_bank(records, session.ledger_root / session.profile / "prefix_bank_bf16.jsonl", ledger.dir.name)
@@ -361,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
             entry |= json.loads(done.read_text())
             done.unlink()
         experiment, dtype = arm.rsplit("-", 1)
-        # the arm's folder: named by the child, else (cut off) the one it created or was appending to
-        folders = [there / entry["ledger"]] if "ledger" in entry else sorted(
+        # the arm's folder(s) (the tie-rule control: one per rule): named by the child, else (cut off) the ones it
+        # created or was appending to
+        named = entry.get("ledger")
+        folders = [there / n for n in ([named] if isinstance(named, str) else named)] if named else sorted(
             p for p in there.iterdir() if p.is_dir() and p.name.startswith(f"{experiment}-{dtype}-")
             and (p.name not in before or (p / "rows.jsonl").exists()))
         for folder in folders:  # tarball name -> finished rows in the ledger
@@ -371,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             entry.setdefault("packed", {})[pack(folder, args.out).name] = n
             # every row's gate failure, from the ledger itself: also for an arm stopped by the chunk deadline
             # or cut off, whose child reported no records
-            entry["gate_failures"] = ledger_gate_failures(folder) if rows.exists() else []
+            entry.setdefault("gate_failures", []).extend(ledger_gate_failures(folder) if rows.exists() else [])
         if experiment == "exp1" and dtype == "bfloat16" and (there / "prefix_bank_bf16.jsonl").exists():
             for f in ("prefix_bank_bf16.jsonl", "prefix_bank_bf16.jsonl.manifest.json"):
                 shutil.copy2(there / f, args.out / f)

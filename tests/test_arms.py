@@ -64,11 +64,11 @@ def test_each_arm_declaration_keys_its_committed_ledger(folder, monkeypatch):
             skipped.append(f"{name}: its checkpoint folder {_checkpoint_missing(folder)} is not here (make paper "
                            "PROFILE=cpu trains it)")
             continue
-        plan = session.plan(declared)
-        for label in labels:
-            path = plan.folder(session.arm_settings(plan, label.rsplit("-", 1)[1]), LEDGERS)
-            assert path.name in committed, f"{folder}: {label} keys {path.name}, committed: {sorted(committed)}"
-            found.add(path.name)
+        for plan in session.plans(declared):  # one, or one per variant (the tie-rule control: per rule)
+            for label in labels:
+                path = plan.folder(session.arm_settings(plan, label.rsplit("-", 1)[1]), LEDGERS)
+                assert path.name in committed, f"{folder}: {label} keys {path.name}, committed: {sorted(committed)}"
+                found.add(path.name)
     left = committed - found
     assert not left or skipped, f"{folder}: committed ledgers no arm declaration keys: {sorted(left)}"
     assert all(c.startswith("exp5-") for c in left), (left, skipped)
@@ -81,7 +81,7 @@ def test_every_experiment_of_the_row_algorithms_has_one_declaration():
 
     assert set(ARMS) == set(ROW_ALGORITHM) - {"adapt_eval"}
     assert all(a.experiment == name for name, a in ARMS.items())
-    with pytest.raises(ValueError, match="no arm is declared for experiment 'exp9'; arms: exp1, exp2"):
+    with pytest.raises(ValueError, match="no arm is declared for experiment 'exp9'; arms: exp1, exp1_ties, exp2"):
         arm("exp9")
 
 
@@ -102,7 +102,7 @@ def test_no_notebook_script_or_command_wires_an_arm_itself():
         assert not called & {"exec", "compile"}, f"{path.relative_to(ROOT)} executes code it reads"
     runs = [line.strip() for path in sorted((ROOT / "notebooks" / "py").glob("0[1-5]_*.py"))
             for line in path.read_text().splitlines() if "session.run(" in line]
-    assert len(runs) == 6 and all(len(r) < 100 for r in runs), runs  # 01, 02 (+ controls), 03, 04, 05: one line each
+    assert len(runs) == 7 and all(len(r) < 100 for r in runs), runs  # 01 (+ tie rules), 02 (+ controls), 03-05: one each
 
 
 @pytest.mark.gate("provenance")

@@ -22,6 +22,9 @@ PENDING: set[str] = set()
 """Experiments whose committed cpu ledgers await recomputation under the current row algorithm (README,
 "Results"): their superseded ledgers were removed, so none of the profile's ledgers is of another version.
 Empty this set when they are committed; the tests below then expect them."""
+OPTIONAL = {"exp1_ties"}
+"""Experiments a profile computes only when it asks for them (the tie-rule control: its ``tie_rules``); the cpu
+profile does not, and Experiment 1's golden row covers their row function."""
 
 
 def _ledgers(profile: str):
@@ -39,7 +42,7 @@ def test_the_committed_profile_is_one_code_version_with_no_copied_rows():
             f"{folder.name} was written by row algorithm {env.get('row_algorithm')}, the code computes "
             f"{ROW_ALGORITHM[experiment]}: recompute the {COMMITTED} profile")
         assert "salvag" not in (folder / "runlog.jsonl").read_text(), f"{folder.name}: rows copied from another ledger"
-    assert {name.split("-")[0] for name in found} == set(ROW_ALGORITHM) - PENDING, found
+    assert {name.split("-")[0] for name in found} == set(ROW_ALGORITHM) - PENDING - OPTIONAL, found
 
 
 def test_every_profile_is_written_by_one_version_per_experiment():
@@ -88,7 +91,7 @@ def test_one_committed_row_per_experiment_recomputes(capsys):
         for r in results:
             print(f"\n  golden row {r.ledger} {r.problem_id}: {r.mode}, {r.detail}", end="")
     assert {r.ledger.rsplit("-", 1)[0] for r in results} == {g for g in GOLDEN if g.split("-")[0] not in PENDING}
-    assert {g.split("-")[0] for g in GOLDEN} == set(ROW_ALGORITHM) - {"adapt_eval"}  # every experiment has one
+    assert {g.split("-")[0] for g in GOLDEN} == set(ROW_ALGORITHM) - {"adapt_eval"} - OPTIONAL  # every experiment has one
     bad = [r for r in results if not r.ok]
     assert not bad, bad
 

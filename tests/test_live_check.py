@@ -54,10 +54,10 @@ def _live_without_mask(monkeypatch, only: set[str] | None = None):
         embeds, mask, positions = real_inputs(*args, **kwargs)
         return embeds, None if on["live"] else mask, positions
 
-    def live(lm, fmt, prompt, caps):
+    def live(lm, fmt, prompt, caps, **kwargs):
         on["live"] = prompts is None or tuple(prompt) in prompts
         try:
-            return real_live(lm, fmt, prompt, caps)
+            return real_live(lm, fmt, prompt, caps, **kwargs)
         finally:
             on["live"] = False
 

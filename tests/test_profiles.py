@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pydantic
 import pytest
 import yaml
@@ -194,6 +196,8 @@ def test_the_paper_profiles_done_list_is_what_its_committed_ledgers_hold():
     held = {}
     for folder in sorted(p for p in (LEDGERS / "paper").iterdir() if p.is_dir()):
         arm = folder.name.rsplit("-", 1)[0]
+        if arm.startswith("exp1_ties-"):  # the tie-rule control: one ledger per rule, `exp1_ties-bfloat16 (highest)`
+            arm += f" ({json.loads((folder / 'manifest.json').read_text())['config']['tie_rule']})"
         assert arm not in held, f"two ledgers of {arm} under data/ledgers/paper"
         held[arm] = ledger_progress(folder)[0]
     assert done == held

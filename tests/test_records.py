@@ -51,7 +51,9 @@ def test_every_committed_row_fits_its_record(folder):
 
 
 def test_every_row_kind_has_committed_ledgers_and_a_record():
-    assert {experiment_of(p.name) for p in LEDGERS} == set(ROW_TYPES)
+    committed = {experiment_of(p.name) for p in LEDGERS}
+    # the tie-rule control (exp1_ties) is exploratory: a profile computes it only when its tie_rules lists a rule
+    assert set(ROW_TYPES) - {"exp1_ties"} <= committed <= set(ROW_TYPES)
     assert set(FAILED_ROW_TYPES) == set(ROW_TYPES) - {"adapt_eval"}  # the checkpoint metric has no gates
 
 
@@ -307,6 +309,8 @@ def test_row_functions_return_the_schema_layouts():
     from kvreplay.experiments import bridge, controls, fixed_prefix, live_vs_prefill, replication, transplant
 
     functions = {"exp1": (live_vs_prefill.live_vs_prefill_row, live_vs_prefill.live_vs_prefill_chunk, None),
+                 # the tie-rule control: Experiment 1's own functions under another rule
+                 "exp1_ties": (live_vs_prefill.live_vs_prefill_row, live_vs_prefill.live_vs_prefill_chunk, None),
                  "exp2": (fixed_prefix.fixed_prefix_row, fixed_prefix.fixed_prefix_chunk, None),
                  "exp2_controls": (controls.controls_row, controls.controls_chunk, controls.controls_summary),
                  "exp3": (bridge.bridge_row, bridge.bridge_chunk, bridge.bridge_summary),

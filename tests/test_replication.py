@@ -121,9 +121,9 @@ def test_replication_row_runs_exactly_six_arms(spec, monkeypatch):
     calls = []
     real = decode.decode_suffix
 
-    def counting(lm, fmt, state, caps):
+    def counting(lm, fmt, state, caps, **kwargs):
         calls.append(state.construction)
-        return real(lm, fmt, state, caps)
+        return real(lm, fmt, state, caps, **kwargs)
 
     monkeypatch.setattr(decode, "decode_suffix", counting)
     rec = replication.replication_row(spec, p, prefix)

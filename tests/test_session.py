@@ -58,7 +58,8 @@ def test_execution_defaults_are_the_arm_settings_defaults():
     """One set of defaults: a notebook's `execution = {}` gives the ArmSettings (and so the ledger key) of no contract at all."""
     assert dict(EXECUTION_DEFAULTS) == {"threads": 2, "sdpa_backends": ("math",), "device": "cpu", "deterministic": None,
                                         "allow_tf32": False, "workers": 1, "ray_address": None, "step_path": "eager",
-                                        "batch": 8, "max_len": None, "chunk": None, "attention": "sdpa"}
+                                        "batch": 8, "max_len": None, "chunk": None, "attention": "sdpa",
+                                        "tie_rule": "lowest"}
     s = open_session(NB, "smoke", {"execution": {}})
     assert s.execution == dict(EXECUTION_DEFAULTS)
     assert s.settings("bfloat16", 1) == ArmSettings(profile="smoke", dtype="bfloat16", caps=s.caps, preflight=1)

@@ -40,6 +40,7 @@ from .contract import (
     ContractError,
     attention_mask_4d,
 )
+from . import ties
 from .gates import GateError
 from .execution import sdpa_backend_list
 from .models import LoadedModel, context_length, kv_cache, layer_masks
@@ -245,9 +246,13 @@ class BlockCursor:
     Inside an open block the eligible tokens are non-special vocabulary and
     the block's closing token; a closing delimiter is forced at the cap;
     between blocks the next opening delimiter is forced token by token.
+    ``tie_rule`` picks among exactly tied eligible tokens (:mod:`kvreplay.ties`; default ``lowest``).
     """
-    def __init__(self, fmt: BlockFormat, caps: Caps, role: int, forced: Sequence[tuple[int, int]] = ()):
+    def __init__(self, fmt: BlockFormat, caps: Caps, role: int, forced: Sequence[tuple[int, int]] = (),
+                 tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE):
         self.fmt, self.caps = fmt, caps
+        self.tie_rule = ties.parse_tie_rule(tie_rule)
+        self.last_top: float | None = None  # the top-1 eligible logit of the last model-chosen step (float32)
         self.role = role
         self.count = 0
         self.forced: deque[tuple[int, int]] = deque(forced)
@@ -268,18 +273,21 @@ class BlockCursor:
             queue += [(t, self.role + 1) for t in self.fmt.openers[self.role + 1]]
         self.forced.extend(queue)
 
-    def step(self, logits: torch.Tensor, in_sync: torch.Tensor | None = None) -> tuple[int, int, float | None, bool]:
-        """Choose the next token from one row's logits ``[vocab]`` (greedy, Hugging Face semantics).
+    def step(self, logits: torch.Tensor, in_sync: torch.Tensor | None = None,
+             position: int | None = None) -> tuple[int, int, float | None, bool]:
+        """Choose the next token from one row's logits ``[vocab]`` (greedy, Hugging Face semantics by default).
 
-        The token is the argmax over the eligible logits; on an exact tie the
-        lowest token ID wins (``torch.argmax`` returns the first maximal
-        index, as ``generate(do_sample=False)`` does). The margin is the
-        top-1 minus top-2 eligible logit, so an exact tie has margin 0.
+        The token is the argmax over the eligible logits; an exact tie goes by
+        the cursor's tie rule (:func:`kvreplay.ties.choose`; ``lowest``: the
+        first maximal index, as ``torch.argmax`` and ``generate(do_sample=False)``).
+        The margin is the top-1 minus top-2 eligible logit, so an exact tie has
+        margin 0; the top-1 logit is kept in :attr:`last_top`.
 
         Args:
             in_sync: optional 0-d bool tensor (the duplicate-row check of the
                 call that produced ``logits``), read in the same host transfer
                 as the chosen token and the finiteness check.
+            position: the position ID the chosen token takes (the ``hash`` rule needs it).
 
         Returns:
             ``(token, role, margin, in_sync)``: the token and the raw role it
@@ -306,10 +314,16 @@ class BlockCursor:
             self._masks[key] = self.fmt.content_mask(self.role, logits.device, logits.shape[-1])
         masked = logits.float().masked_fill(~self._masks[key], float("-inf"))
         top = torch.topk(masked, 2).values
-        # one host transfer per step: token (exact in float32 below 2**24), float32 margin, sync and finiteness flags
-        t, margin, ok, fin = torch.stack([masked.argmax().float(), top[0] - top[1], flag, finite]).tolist()
+        if self.tie_rule.kind == "lowest":
+            choice = masked.argmax()
+        else:
+            where = None if position is None else torch.tensor([position], device=logits.device)
+            choice = ties.choose(masked[None], self.tie_rule, where)[0]
+        # one host transfer per step: token (exact in float32 below 2**24), float32 margin and top-1, sync and finiteness
+        t, margin, top1, ok, fin = torch.stack([choice.float(), top[0] - top[1], top[0], flag, finite]).tolist()
         if fin != 1.0:
             raise GateError("nonfinite", "NaN or infinite logits at a model-chosen step")
+        self.last_top = top1
         return (*self.take(int(t), margin), ok == 1.0)
 
     def take(self, chosen: int, margin: float) -> tuple[int, int, float | None]:
@@ -352,11 +366,13 @@ def _run(
     margins: list | None = None,
     trace: list | None = None,
     readout: FP32Readout | None = None,
+    tops: list | None = None,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, int]:
     """Greedy loop: choose, then feed one token per call, until ``stop``.
 
     The duplicate-row check of each call is read with the next choice (one
-    host sync per step); a desync raises before its logits are used.
+    host sync per step); a desync raises before its logits are used. ``tops``
+    gets each step's top-1 eligible logit (``None`` for a forced token).
     """
     new: list[int] = []
     calls = 0
@@ -364,13 +380,15 @@ def _run(
     pending: torch.Tensor | None = None  # duplicate check of the last call, not read yet
     last = len(ids) - 1
     while not stop(cursor):
-        token, role, margin, ok = cursor.step(logits[0], pending)
+        token, role, margin, ok = cursor.step(logits[0], pending, len(ids) + len(new))
         if not ok:
             raise _desync(last)
         pending = None
         new.append(token)
         if margins is not None:
             margins.append(margin)
+        if tops is not None:
+            tops.append(None if margin is None else cursor.last_top)
         roles = torch.cat([roles, torch.full((BATCH, 1), role, dtype=torch.long, device=dev)], dim=1)
         if cursor.done:
             break
@@ -385,12 +403,14 @@ def _run(
 
 
 @torch.inference_mode()
-def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: Caps) -> Boundary:
+def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: Caps, *,
+                tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE) -> Boundary:
     """Ordinary greedy multi-branch decoding up to the merge boundary (live construction).
 
     Args:
         prompt: token IDs of the prompt block (role 0).
         caps: content caps; branches stop at ``caps.branch``.
+        tie_rule: which of exactly tied eligible tokens is chosen (:mod:`kvreplay.ties`).
 
     Returns:
         The live :class:`Boundary`: cache after the merge opener, with the
@@ -405,7 +425,7 @@ def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: 
     cache = new_cache(lm)
     trace: list = []
     logits = forward(lm, cache, _as_batch(ids, dev), roles, 0, trace)
-    cursor = BlockCursor(fmt, caps, PROMPT, [(t, BRANCH1) for t in fmt.openers[BRANCH1]])
+    cursor = BlockCursor(fmt, caps, PROMPT, [(t, BRANCH1) for t in fmt.openers[BRANCH1]], tie_rule)
     new, roles, logits, calls = _run(
         lm, cursor, cache, ids, roles, logits, stop=lambda c: c.role == MERGE and c.in_content, trace=trace
     )
@@ -475,16 +495,20 @@ class Suffix:
         margins: per suffix step, top-1 minus top-2 eligible logit margin
             when the model chose the token, ``None`` for forced tokens.
         merge: merge content token IDs. answer: answer content token IDs.
+        tops: per suffix step, the top-1 eligible logit (float32) when the
+            model chose the token, ``None`` for forced tokens.
     """
     tokens: list[int]
     margins: list[float | None]
     merge: list[int]
     answer: list[int]
+    tops: list[float | None] = dataclasses.field(default_factory=list)
 
 
 @torch.inference_mode()
 def decode_suffix(
     lm: LoadedModel, fmt: BlockFormat, boundary: Boundary, caps: Caps, *, readout: FP32Readout | None = None,
+    tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE,
 ) -> Suffix:
     """The shared suffix decoder: continue any boundary state through merge and answer.
 
@@ -494,29 +518,36 @@ def decode_suffix(
     in place (it is consumed); take replicas and summaries first. With
     ``readout`` every step's logits come from :class:`FP32Readout` (the
     exploratory FP32-readout control; the boundary's logits should come from
-    a construction built with the same readout).
+    a construction built with the same readout). ``tie_rule`` as in :func:`decode_live`.
 
     Raises:
         GateError: ``nonfinite``, ``desync``.
     """
-    cursor = BlockCursor(fmt, caps, MERGE)
+    cursor = BlockCursor(fmt, caps, MERGE, tie_rule=tie_rule)
     margins: list = []
+    tops: list = []
     new, _, _, _ = _run(
         lm, cursor, boundary.cache, boundary.ids, boundary.roles, boundary.logits, stop=lambda c: c.done, margins=margins,
-        readout=readout,
+        readout=readout, tops=tops,
     )
     parsed = fmt.parse(boundary.ids + new, where=f"{boundary.construction} suffix")
     if not parsed.complete:
         raise ContractError(f"{boundary.construction} suffix: the answer block was not closed")
     full = boundary.ids + new
     (m0, m1), (a0, a1) = parsed.content[MERGE], parsed.content[ANSWER]
-    return Suffix(new, margins, full[m0:m1], full[a0:a1])
+    return Suffix(new, margins, full[m0:m1], full[a0:a1], tops)
 
 
-def first_eligible_argmax(fmt: BlockFormat, logits: torch.Tensor) -> int:
-    """Argmax of boundary logits ``[vocab]`` over tokens eligible in the open merge block (lowest ID on a tie)."""
+def first_eligible_argmax(fmt: BlockFormat, logits: torch.Tensor, tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE,
+                          position: int | None = None) -> int:
+    """Greedy choice from boundary logits ``[vocab]`` over tokens eligible in the open merge block.
+
+    An exact tie goes by ``tie_rule`` (default: the lowest ID); ``position``, the boundary's length, for ``hash``.
+    """
     mask = fmt.content_mask(MERGE, logits.device, logits.shape[-1])
-    return int(logits.float().masked_fill(~mask, float("-inf")).argmax())
+    masked = logits.float().masked_fill(~mask, float("-inf"))
+    where = None if position is None else torch.tensor([position], device=logits.device)
+    return int(ties.choose(masked[None], tie_rule, where)[0])
 
 
 def raw_argmax(logits: torch.Tensor) -> int:

@@ -16,10 +16,10 @@ source, the profile's ledgers) are unchanged since its last successful run is
 skipped (the parameters enter as resolved, so editing a profile's value reruns
 what reads it); ``--force`` runs it anyway.
 
-For the profiles whose ledgers are committed (:data:`EXECUTED_PROFILES`: ``cpu``, ``gpu``, ``paper``)
-the executed notebooks are also written, without volatile metadata, to
-``executed/<profile>/`` (committed: a reviewer reads them without running
-anything). ``executed/<profile>/README.md`` indexes them, linking each table
+For the profiles whose ledgers are committed (:data:`EXECUTED_PROFILES`: ``cpu``, ``gpu``, ``paper``; ``gemma``
+once its GPU-computed ledgers are in ``data/ledgers/gemma/``) the executed notebooks are also written to
+``executed/<profile>/``, without volatile metadata. They are committed: a reviewer reads them without running
+anything. ``executed/<profile>/README.md`` indexes them, linking each table
 and figure to the notebook cell that makes it; ``build/<profile>/index.html`` is
 the same index for the HTML renderings, which show outputs with the code hidden.
 ``--executed`` writes them for any profile, ``--no-executed`` for none.
@@ -121,15 +121,18 @@ def run_notebook(name: str, params: dict, out_dir: Path, html: bool = True, prog
 
 def _results_inputs(label: str, ledgers: Path, targets: list[Path]) -> str:
     """sha256 of what a results page reads and writes: the library, the paper's numbers, the profile's ledgers (and
-    the cross-hardware setups' when the profile is one of them; run logs excluded) and the files it writes."""
+    the cross-hardware setups' when the profile is one of them, and its cross-family partner's; run logs excluded)
+    and the files it writes."""
     import hashlib
 
+    from .report.cross_family import partners
     from .report.cross_hardware import SETUPS
     from .report.results import REFERENCE
 
     h = hashlib.sha256(library_digest().encode() + REFERENCE.read_bytes())
     setups = [p for p, _ in SETUPS]
-    for folder in (ledgers.parent / name for name in ([label] + setups if label in setups else [label])):
+    names = ([label] + setups if label in setups else [label]) + partners(label)
+    for folder in (ledgers.parent / name for name in names):
         for f in sorted(folder.rglob("*")) if folder.is_dir() else ():
             if f.is_file() and f.name != "runlog.jsonl":
                 h.update(str(f.relative_to(ledgers.parent)).encode() + f.read_bytes())
@@ -161,7 +164,7 @@ def write_results(label: str, params: ChainParameters, ledgers: Path) -> str:
         return f"results page up to date: {page}"
     try:
         res = results_pages.profile_results(label, ledgers.parent, **results_pages.profile_stats(label))
-        changed = results_pages.regenerate(label, ROOT, res, page=page, readme=readme)
+        changed = results_pages.regenerate(label, ROOT, res, ledgers.parent, page=page, readme=readme)
     except (MissingLedgerError, ValueError) as e:
         return f"no results page ({e})"
     stamp.parent.mkdir(parents=True, exist_ok=True)

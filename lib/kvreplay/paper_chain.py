@@ -20,8 +20,9 @@ from .paths import LEDGERS, NOTEBOOKS
 from .profiles import ChainParameters
 
 
-EXECUTED_PROFILES = ("cpu", "gpu", "paper")
-"""Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` (those with committed ledgers)."""
+EXECUTED_PROFILES = ("cpu", "gpu", "paper", "gemma")
+"""Profiles whose executed notebooks ``make paper`` writes to :data:`EXECUTED` and whose results pages go to
+``docs/`` (those with committed ledgers; ``gemma``'s are computed on a GPU, docs/gpu.md)."""
 
 RUN_PARAMETERS = {"interactive": False}
 """Parameters every headless run passes (to the notebooks that declare them): no widgets in executed copies."""
@@ -43,7 +44,8 @@ CHAIN = [
 def notebook_arms(name: str, params: ChainParameters) -> list[str]:
     """The ledger arms (``<experiment>-<dtype>``) notebook ``name`` reads or, where they are unfinished, computes.
 
-    Experiments 1 and 2 run at every precision of ``params``; 3-5 and the controls in BF16 only. Notebook 02 reads
+    Experiments 1 and 2 run at every precision of ``params``; 3-5 and the controls in BF16 only. Notebook 01 also
+    computes the tie-rule control (``exp1_ties``, BF16) when ``tie_rules`` lists a rule. Notebook 02 reads
     Experiment 1's BF16 prefix bank; 03 the Experiment 1 and 2 BF16 ledgers (its audit); 04 and 05 the
     Experiment 2 BF16 ledger (the panel, the accuracy comparison). Notebooks 06 and 07 read all of them, 08
     Experiments 1 and 2. Notebook 00 (the checkpoint family) is not a ledger arm: ``[]``.
@@ -51,7 +53,8 @@ def notebook_arms(name: str, params: ChainParameters) -> list[str]:
     exp1 = [f"exp1-{d}" for d in params.precisions]
     exp2 = [f"exp2-{d}" for d in params.precisions]
     controls = ["exp2_controls-bfloat16"] if params.exploratory_controls else []
-    own = {"01": exp1, "02": ["exp1-bfloat16", *exp2, *controls], "03": ["exp1-bfloat16", "exp2-bfloat16", "exp3-bfloat16"],
+    ties = ["exp1_ties-bfloat16"] if params.tie_rules and "bfloat16" in params.precisions else []
+    own = {"01": [*exp1, *ties], "02": ["exp1-bfloat16", *exp2, *controls], "03": ["exp1-bfloat16", "exp2-bfloat16", "exp3-bfloat16"],
            "04": ["exp2-bfloat16", "exp4-bfloat16"], "05": ["exp2-bfloat16", "exp5-bfloat16"],
            "08": [*exp1, *exp2]}
     every = [*exp1, *exp2, *controls, "exp3-bfloat16", "exp4-bfloat16", "exp5-bfloat16"]
@@ -62,8 +65,8 @@ def notebook_arms(name: str, params: ChainParameters) -> list[str]:
 def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) -> list[str]:
     """For a profile computed elsewhere (one whose file lists ``done:``), every arm the notebooks of ``chain`` need
     that its ledgers under ``ledgers`` do not hold in full, as ``"<notebook>: <arm> (k of n rows)"`` or
-    ``"... (not started)"``. Run on such a profile, ``make paper`` would compute those rows on this machine
-    (hours on a CPU for the ``paper`` caps), so :func:`main` refuses before any notebook runs. Notebook 00 is
+    ``"... (not started)"`` (the tie-rule control per rule: ``exp1_ties-bfloat16 (highest)``). Run on such a
+    profile, ``make paper`` would compute those rows on this machine (hours on a CPU for the ``paper`` caps), so :func:`main` refuses before any notebook runs. Notebook 00 is
     always listed: such a profile reads the checkpoint family its ``role_adaptation.json`` names (the ``cpu``
     profile's), and 00 would train another one here and point the profile's Experiment 5 at it."""
     out = []
@@ -74,10 +77,15 @@ def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) ->
             continue
         for arm in notebook_arms(name, params):
             folders = sorted(ledgers.glob(f"{arm}-*/manifest.json"))
-            progress = [ledger_progress(f.parent) for f in folders]
-            if not any(done == wanted for done, wanted in progress):
-                held = ", ".join(f"{done} of {wanted} rows" for done, wanted in progress) or "not started"
-                out.append(f"{name}: {arm} ({held})")
+            groups = {arm: folders}
+            if arm.startswith("exp1_ties-"):  # the tie-rule control: one ledger per rule of tie_rules
+                groups = {f"{arm} ({rule})": [f for f in folders if json.loads(f.read_text())["config"].get("tie_rule")
+                                              == rule] for rule in params.tie_rules}
+            for label, found in groups.items():
+                progress = [ledger_progress(f.parent) for f in found]
+                if not any(done == wanted for done, wanted in progress):
+                    held = ", ".join(f"{done} of {wanted} rows" for done, wanted in progress) or "not started"
+                    out.append(f"{name}: {label} ({held})")
     return out
 
 

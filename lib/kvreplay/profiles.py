@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .paths import PARAMS, ROOT
 from .runner import EXECUTION_KEYS, resolve_execution
 from .runner.spec import LIVE_CHECK_FRACTION
+from .ties import parse_tie_rule
 
 PROFILE_KEYS = ("notebooks", "done", "base")
 """Profile keys that are not chain parameters: the notebooks ``make paper`` runs (read by :mod:`kvreplay.paper`),
@@ -162,6 +163,12 @@ class ChainParameters(BaseModel):
         LIVE_CHECK_FRACTION, ge=0, le=1, description="share of Experiment 1's rows after the preflight ones whose "
         "live boundary a BF16 arm rebuilds and requires equal bit for bit (gate live_equals_incremental; the "
         "preflight rows always), a sample drawn from the problem IDs before any row runs; not in the ledger key")
+    tie_rules: tuple[str, ...] = Field(
+        (), description="the tie-rule control (exploratory): Experiment 1 BF16 rerun under each of these greedy tie "
+        "rules ('highest', 'hash:<seed>'; kvreplay.ties), contrasted with the chain's own; empty: not run")
+    record_top_logits: bool = Field(
+        False, description="every arm's suffix records its steps' top-1 eligible logits (top_logits; adds "
+        "top_logits: true to each ledger key), which the tie-margin histogram needs; the tie-rule control always does")
     # Experiment 2 (notebook 02) and its controls
     preflight_fixed: int = Field(1, description="preflight rows of Experiments 2 and 5, at least 1 (paper: 2)")
     exploratory_controls: bool = Field(True, description="run Experiment 2's exploratory controls (BF16, the "
@@ -206,7 +213,7 @@ class ChainParameters(BaseModel):
     figures_root: str | None = Field(None, description="the folder holding <profile>/ tables and figures (None: figures)")
     checkpoint_root: str | None = Field(None, description="the role-table checkpoint folders (None: data/checkpoints)")
 
-    @field_validator("precisions", "adapt_checkpoints", mode="before")
+    @field_validator("precisions", "adapt_checkpoints", "tie_rules", mode="before")
     @classmethod
     def _list_as_tuple(cls, value):
         """YAML and ``overrides`` give lists; the frozen model keeps tuples."""
@@ -217,6 +224,15 @@ class ChainParameters(BaseModel):
     def _no_execution_is_the_defaults(cls, value):
         """``execution:`` with nothing under it (YAML null) is the empty mapping: every key at its default."""
         return {} if value is None else value
+
+    @field_validator("tie_rules", mode="after")
+    @classmethod
+    def _known_tie_rules(cls, value: tuple[str, ...]):
+        """Each rule parses (:func:`kvreplay.ties.parse_tie_rule`), once; written as the ledger key writes it."""
+        rules = tuple(parse_tie_rule(r, "tie_rules").name for r in value)
+        if len(set(rules)) != len(rules):
+            raise ValueError(f"tie_rules: a rule is listed twice in {list(value)}")
+        return rules
 
     @field_validator("preflight", "preflight_fixed", mode="after")
     @classmethod
@@ -229,6 +245,14 @@ class ChainParameters(BaseModel):
                              f"run below float32 ({checks}) and the abort of an arm on a failed preflight row; use "
                              "at least 1")
         return value
+
+    @model_validator(mode="after")
+    def _tie_rules_differ_from_the_chain(self):
+        """The control's rules exclude the chain's own (``execution``'s ``tie_rule``): that arm is Experiment 1."""
+        own = parse_tie_rule(self.execution.get("tie_rule", "lowest"), "execution: tie_rule").name
+        if own in self.tie_rules:
+            raise ValueError(f"tie_rules lists {own!r}, the chain's own tie rule: Experiment 1 is that arm already")
+        return self
 
     @model_validator(mode="after")
     def _checkpoints_fit(self):

@@ -140,7 +140,8 @@ class Session:
         if role_table is not None:
             kw["role_table"] = role_table
         return ArmSettings(profile=self.profile, dtype=dtype, caps=self.caps, preflight=preflight,
-                           live_check_fraction=self.params.live_check_fraction, **kw)
+                           live_check_fraction=self.params.live_check_fraction,
+                           top_logits=self.params.record_top_logits, **kw)
 
     def plan(self, arm: Arm[R]) -> ArmPlan[R]:
         """An arm under these parameters: its problems, prefixes and key entries; its panel frozen and written first.
@@ -150,6 +151,12 @@ class Session:
             ledger, ``ReadOnlyLedgerError`` for a panel that would change, a checkpoint that cannot be resolved).
         """
         return arm.prepare(self)
+
+    def plans(self, arm: Arm[R]) -> list[ArmPlan[R]]:
+        """Every plan of an arm under these parameters (:meth:`~kvreplay.runner.Arm.plans`): one, or one per variant.
+
+        The tie-rule control gives one plan per rule of ``tie_rules`` (none when it is empty)."""
+        return arm.plans(self)
 
     def arm_settings(self, plan: ArmPlan[Any], dtype: str) -> ArmSettings:
         """The :class:`~kvreplay.runner.ArmSettings` of a planned arm at one precision (:meth:`settings`).

@@ -241,8 +241,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     run = settings.engine_run(fmt, [by_id[committed[i]["problem_id"]] for i in chosen], lm.model.config)
     check_prompts(fmt, [by_id[committed[i]["problem_id"]] for i in chosen], context_length(lm.model.config),
                   caps=settings.caps)
-    spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, equivalence_ids=frozenset(config["problem_ids"][: settings.preflight]),
-                   engine=run)
+    spec = settings.run_spec(lm, fmt, run, equivalence_ids=frozenset(config["problem_ids"][: settings.preflight]))
     current = environment_record(lm, settings.threads)
     differs = same_environment(recorded, current)
     shown = "; ".join(f"{k} {recorded.get(k)!r} in the ledger, {current.get(k)!r} here" for k in differs)

@@ -41,6 +41,7 @@ from IPython.display import Markdown, display
 from kvreplay.experiments.endpoints import require_gates
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.experiments.matrix import matrix_summary, matrix_table
+from kvreplay.experiments.tie_rules import BINS, EXP1_TIES, margin_units, tie_rule_summary, tie_rule_table, tie_steps
 from kvreplay.ledger.prefix_bank import write_prefix_bank
 from kvreplay.report import figures
 from kvreplay.report.files import drift_by_layer
@@ -96,6 +97,33 @@ if "bfloat16" in p.precisions:
     print(bank_path, digest)
 
 # %% [markdown]
+# ## Exploratory: the tie-rule control (not in the paper)
+# Only when the profile lists `tie_rules`: Experiment 1 BF16 under each greedy tie rule (docs/experiments.md).
+
+# %%
+tie_summary = None
+if p.tie_rules and "bfloat16" in p.precisions:
+    tie_records, tie_ledgers = {}, {}
+    for plan in session.plans(EXP1_TIES):  # one plan per rule
+        rule = plan.key["tie_rule"]
+        tie_records[rule], tie_ledgers[rule] = session.run(plan, "bfloat16")
+    reference_rule = session.execution["tie_rule"]
+    tie_summary = tie_rule_summary(records["bfloat16"], tie_records, reference_rule)
+    session.save_table(tie_rule_table(tie_summary, reference_rule), "table_exp1_tie_rules",
+                       caption="Experiment 1 BF16 under other greedy tie rules (exploratory)")
+    tie_arms = {f"exp1 {d} ({reference_rule})": records[d] for d in p.precisions}
+    tie_arms |= {f"exp1_ties bfloat16 ({rule})": rows for rule, rows in tie_records.items()}
+    steps = tie_steps(tie_arms)
+    session.save_table(steps.set_index("arm"), "table_exp1_tie_steps",
+                       caption="Exact-tie steps per 1,000 chosen tokens, per arm (live and prefill suffixes)")
+    units = margin_units(tie_arms)
+    if len(units):
+        session.save_figure(figures.tie_margins(units, BINS, title=f"Experiment 1 ({p.profile}): greedy margins in "
+                                                "BF16 spacings"), "exp1_tie_margins")
+    display(session.contract(tie_ledgers))
+    display(steps)
+
+# %% [markdown]
 # ## Figures
 # Left: where the live and prefill suffixes first differ (tokens after the boundary). Right: per-layer relative
 # L2 drift of prefill against live, median over rows, keys and values, per precision.
@@ -138,6 +166,11 @@ for d in p.precisions:
 if cross:
     lines.append(f"- Boundary prefixes token-identical across the two independently decoded precisions: "
                  f"{cross[0]}/{cross[1]}.")
+if tie_summary:
+    for rule, t in list(tie_summary.items())[1:]:
+        lines.append(f"- Tie rule **{rule}** (exploratory): suffixes differ on {t['suffix'].pct()} against "
+                     f"{tie_summary[reference_rule]['suffix'].pct()} under {reference_rule} (exact McNemar p = "
+                     f"{t['mcnemar'].pvalue:.3g}); {t['tie']} begun at an exact tie, {t['nonzero']} at a nonzero margin.")
 # the model as loaded when the rows were computed (the ledger's environment.json), the problems as the parameters name them
 model_id = json.loads((ledgers[p.precisions[0]].dir / "environment.json").read_text())["execution_contract"]["model"]
 data = "the frozen MMLU bank" if p.problems == "bank" else f"`{Path(p.problems).name}`"

@@ -27,6 +27,9 @@ class EngineRun:
         fill_from: ``"first"`` or ``"last"``: which free slot a waiting job takes first. The ``composition``
             gate's run alone fills from the last, so its problem sits in another slot than in its chunk. Not in
             the ledger key: no bit depends on the slot.
+        tie_rule: which of exactly tied eligible tokens is chosen (:mod:`kvreplay.ties`; ``lowest``: Hugging
+            Face's argmax).
+        top_logits: each suffix also keeps its steps' top-1 eligible logits (:attr:`kvreplay.decode.Suffix.tops`).
     """
     step_path: str = "eager"
     batch: int = 8
@@ -36,6 +39,8 @@ class EngineRun:
     attention: str = "sdpa"
     tolerance_check: bool = False
     fill_from: str = "first"
+    tie_rule: str = "lowest"
+    top_logits: bool = False
 
     @property
     def problems_per_chunk(self) -> int:

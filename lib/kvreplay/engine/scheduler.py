@@ -66,6 +66,7 @@ class _Job:
     work: "_Work"
     new: list[int] = dataclasses.field(default_factory=list)
     margins: list = dataclasses.field(default_factory=list)
+    tops: list = dataclasses.field(default_factory=list)  # top-1 eligible logits, when the engine reads them
     finishing: bool = False  # fed its last token: the next step's logits end it (a built boundary)
 
 
@@ -141,12 +142,14 @@ class _Scheduler:
         self.engine.set_idle(slot)
         job.work.done(result)
 
-    def _advance(self, slot: int, chosen: int, margin: float) -> None:
+    def _advance(self, slot: int, chosen: int, margin: float, top: float | None = None) -> None:
         """Take the next token of the job in ``slot`` and stage its feed (or finish the job)."""
         engine, job = self.engine, self.slots[slot]
         token, role, m = job.cursor.take(chosen, margin)
         job.new.append(token)
         job.margins.append(m)
+        if engine.top_logits:
+            job.tops.append(None if m is None else top)
         job.roles.append(role)
         if job.cursor.done:
             try:  # the last token was chosen, not fed: |ids| + |new| - 1 positions written
@@ -171,13 +174,13 @@ class _Scheduler:
                 work = (self.waiting if self.waiting and late else self.urgent).popleft()
                 job, logits = work.admit(slot)
                 self.slots[slot] = job
-                stats = engine.first_choice(logits, job.cursor.prepare())
+                stats = engine.first_choice(logits, job.cursor.prepare(), len(job.ids))
                 try:
                     _check(stats, 0, job, len(job.ids) - 1)
                 except GateError as err:
                     self._fail(slot, err)
                     continue
-                self._advance(slot, int(stats[0][0]), stats[1][0])
+                self._advance(slot, int(stats[0][0]), stats[1][0], stats[4][0] if engine.top_logits else None)
 
     def run(self) -> None:
         """Drive every submitted job (and every job their callbacks submit) to its end."""
@@ -208,7 +211,7 @@ class _Scheduler:
                         continue
                     self._end(slot, logits[r : r + 2].clone())
                 else:
-                    self._advance(slot, int(stats[0][r]), stats[1][r])
+                    self._advance(slot, int(stats[0][r]), stats[1][r], stats[4][r] if engine.top_logits else None)
 
 
 def suffix_length_bound(fmt: BlockFormat, caps: Caps) -> int:
@@ -236,7 +239,8 @@ def new_engine(lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int,
         max_len = -(-need // FLEX_BLOCK) * FLEX_BLOCK if run.attention == "flex" else need
     if need > max_len:
         raise ValueError(f"max_len={max_len} is shorter than the {need} positions the longest problem may need")
-    return StepEngine(lm, fmt, run.batch, max_len, run.step_path, run.verify_steps, readout, run.attention)
+    return StepEngine(lm, fmt, run.batch, max_len, run.step_path, run.verify_steps, readout, run.attention,
+                      run.tie_rule, run.top_logits)
 
 
 # ------------------------------------------------------------------------------------------------ jobs
@@ -254,7 +258,7 @@ def _suffix_work(engine: StepEngine, fmt: BlockFormat, caps: Caps, index: int, b
         if not parsed.complete:
             raise ContractError(f"{b.construction} suffix: the answer block was not closed")
         (m0, m1), (a0, a1) = parsed.content[MERGE], parsed.content[ANSWER]
-        return Suffix(job.new, job.margins, full[m0:m1], full[a0:a1])
+        return Suffix(job.new, job.margins, full[m0:m1], full[a0:a1], job.tops)
 
     work = _Work(index, admit, finish, done)
     return work

@@ -15,7 +15,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 from transformers import AttentionInterface, DynamicCache
 
-from .. import decode
+from .. import decode, ties
 from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, ContractError, visibility_matrix
 from ..gates import GateError
 from ..models import LoadedModel, layer_masks
@@ -40,23 +40,27 @@ SLOT_STEPS = {"steps": 0, "slot_steps": 0, "busy_slot_steps": 0}
 ``busy_slot_steps / slot_steps`` is the slot occupancy (the useful share of the batch)."""
 
 
-def choice_stats(logits: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+def choice_stats(logits: torch.Tensor, eligible: torch.Tensor, tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE,
+                 position: torch.Tensor | None = None, *, top: bool = False) -> torch.Tensor:
     """Greedy choice, margin and integrity flags of every row, computed on the device.
 
     Args:
         logits: ``[rows, vocab]`` next-token logits (model dtype), rows in duplicate pairs ``(2s, 2s + 1)``.
         eligible: ``[rows, vocab]`` bool structural mask (true = may be chosen).
+        tie_rule: which of exactly tied eligible tokens is chosen (:func:`kvreplay.ties.choose`, the eager
+            decoders' function); ``position``: ``[rows]`` int64 position IDs of the tokens chosen (``hash`` only).
+        top: add row 4, the top-1 eligible logit.
 
     Returns:
-        ``[4, rows]`` float32. Row 0 is the chosen token (argmax of the eligible
-        logits in float32, the lowest ID on an exact tie; exact for vocabularies
+        ``[4, rows]`` float32 (``[5, rows]`` with ``top``). Row 0 is the chosen token (argmax of the eligible
+        logits in float32, an exact tie broken by ``tie_rule``; exact for vocabularies
         below 2**24). Row 1 is the margin top-1 minus top-2 eligible logit (float32
         logit units). Row 2 is 1.0 where the row's duplicate pair is bit-identical
         (as ``torch.equal``: NaN never is). Row 3 is 1.0 where every logit of the row is finite.
     """
     rows, vocab = logits.shape
     masked = logits.float().masked_fill(~eligible, float("-inf"))
-    idx = masked.argmax(-1)
+    idx = ties.choose(masked, tie_rule, position)
     top1 = masked.gather(1, idx[:, None]).squeeze(1)
     with row_cache._unique_index_writes():  # one index per row
         top2 = masked.scatter(1, idx[:, None], float("-inf")).amax(-1)
@@ -64,7 +68,7 @@ def choice_stats(logits: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
     same = (pair[:, 0] == pair[:, 1]).all(-1)
     same = same[:, None].expand(rows // 2, 2).reshape(rows)
     finite = torch.isfinite(logits).all(-1)
-    return torch.stack([idx.float(), top1 - top2, same.float(), finite.float()])
+    return torch.stack([idx.float(), top1 - top2, same.float(), finite.float(), *([top1] if top else [])])
 
 
 class StepEngine:
@@ -100,6 +104,9 @@ class StepEngine:
             dtype and writes the same keys/values, the final norm and LM head run in
             float32 (``[rows, vocab]`` float32 logits; the exploratory control of
             Experiment 2). ``None``: the model's own head.
+        tie_rule: which of exactly tied eligible tokens each row chooses (:mod:`kvreplay.ties`; the ``hash``
+            rule hashes the chosen token's position, the input position plus one).
+        top_logits: the choice statistics carry each row's top-1 eligible logit (row 4).
         attention: ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`ATTENTIONS`): the step's attention (prompt
             blocks and prefills, one call per problem outside the step, always use the model's own SDPA).
             ``"flex"`` needs ``max_len`` a multiple of :data:`~kvreplay.engine.attention.FLEX_BLOCK`; it builds a
@@ -116,12 +123,14 @@ class StepEngine:
         ContractError: a vocabulary of 2**24 tokens or more.
     """
     def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
-                 verify_steps: int = 0, readout: decode.FP32Readout | None = None, attention: str = "sdpa"):
+                 verify_steps: int = 0, readout: decode.FP32Readout | None = None, attention: str = "sdpa",
+                 tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE, top_logits: bool = False):
         if step_path not in STEP_PATHS:
             raise ValueError(f"unknown step path {step_path!r}; use one of {STEP_PATHS}")
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r}; use one of {ATTENTIONS}")
         self.attention = attention
+        self.tie_rule, self.top_logits = ties.parse_tie_rule(tie_rule), top_logits
         if step_path == "graph" and lm.device.type != "cuda":
             raise ValueError(f"step path 'graph' needs a CUDA device, the model is on {lm.device}")
         if batch < 1 or max_len < 1:
@@ -264,7 +273,8 @@ class StepEngine:
                 logits = lm.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
             else:
                 logits = self.readout(lm, kwargs)
-        return logits, choice_stats(logits, self._eligible[crole])
+        position = pos + 1 if self.tie_rule.kind == "hash" else None  # the chosen token's position
+        return logits, choice_stats(logits, self._eligible[crole], self.tie_rule, position, top=self.top_logits)
 
     def _capture(self) -> None:
         # The step is idempotent for fixed inputs (it rewrites the same role and keys/values at each row's
@@ -427,8 +437,11 @@ class StepEngine:
             raise GateError("functional_state", f"{where}: keys/values written beyond the valid length {n} "
                             f"(positions the mask hides must be untouched padding)")
 
-    def first_choice(self, logits: torch.Tensor, choice_role: int) -> list[list[float]]:
-        """:func:`choice_stats` of a duplicate pair's logits ``[2, vocab]`` (from a prefill), read to the host."""
+    def first_choice(self, logits: torch.Tensor, choice_role: int, position: int = 0) -> list[list[float]]:
+        """:func:`choice_stats` of a duplicate pair's logits ``[2, vocab]`` (from a prefill), read to the host.
+
+        ``position``: the position ID of the token chosen (the prefix's length), for the ``hash`` tie rule."""
         eligible = self._eligible[choice_role].expand(2, -1)
-        return choice_stats(logits, eligible).tolist()
+        where = torch.full((2,), position, dtype=torch.long, device=logits.device)
+        return choice_stats(logits, eligible, self.tie_rule, where, top=self.top_logits).tolist()
 

@@ -40,10 +40,11 @@ from .matrix_summary import DRIFT_OUTLIER_FACTOR, drift_outliers, matrix_summary
 
 
 def arm_record(spec: RunSpec, problem: Problem, suffix: decode.Suffix) -> dict:
+    """One arm's suffix record (``ArmSuffix``); with ``spec.top_logits`` also its steps' top-1 eligible logits."""
     tok = spec.lm.tokenizer
     text = spec.fmt.answer_prefix_text + cast(str, tok.decode(suffix.answer))  # one flat ID list decodes to one str
     score = score_answer(text, problem.answer, problem.options)
-    return {
+    rec = {
         "suffix": suffix.tokens,
         "margins": suffix.margins,
         "merge_len": len(suffix.merge),
@@ -53,6 +54,12 @@ def arm_record(spec: RunSpec, problem: Problem, suffix: decode.Suffix) -> dict:
         "correct": score.correct,
         "rule": score.rule,
     }
+    if spec.top_logits:
+        if len(suffix.tops) != len(suffix.margins):
+            raise ValueError(f"problem {problem.problem_id}: {len(suffix.tops)} top-1 logits for "
+                             f"{len(suffix.margins)} suffix steps (a decoder that did not record them)")
+        rec["top_logits"] = suffix.tops
+    return rec
 
 
 def boundary_gates(states: dict[str, decode.Boundary], dtype: torch.dtype, pairs: Sequence[tuple[str, str]]) -> None:
@@ -266,7 +273,7 @@ def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary)
         GateError: the first gate that fails (callers record it).
     """
     states = matrix_states(spec, problem, rec, ref)
-    arms = {n: decode.decode_suffix(spec.lm, spec.fmt, s, spec.caps) for n, s in states.items()}
+    arms = {n: decode.decode_suffix(spec.lm, spec.fmt, s, spec.caps, tie_rule=spec.tie_rule) for n, s in states.items()}
     return matrix_arms(spec, problem, rec, ref.construction, arms)
 
 
@@ -313,7 +320,7 @@ def matrix_states(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Bounda
         "prefill_replica": comparison(states["prefill"], states["prefill_replica"], per_tensor=False),
     }
     rec["equivalence"] = equivalence_record(spec, problem, z, rec["boundary"][key], key)
-    rec["first_token"] = {n: decode.first_eligible_argmax(fmt, s.logits[0]) for n, s in states.items()}
+    rec["first_token"] = {n: decode.first_eligible_argmax(fmt, s.logits[0], spec.tie_rule, len(s.ids)) for n, s in states.items()}
     rec["raw_argmax"] = {n: decode.raw_argmax(s.logits[0]) for n, s in states.items()}
     return states
 

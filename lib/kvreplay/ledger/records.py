@@ -18,6 +18,8 @@ Row kinds, keyed by the ledger folder's experiment prefix (:data:`ROW_TYPES`):
 
 * ``exp1`` (:class:`Exp1Row`): Experiment 1, the live cache of greedy decoding against a prefill of the same token
   IDs (paper §4.1), the four-arm matrix of paper §3.5 around the live boundary;
+* ``exp1_ties`` (:class:`Exp1Row`): Experiment 1 under another greedy tie rule (the exploratory tie-rule control),
+  every arm with its steps' ``top_logits``;
 * ``exp2`` (:class:`Exp2Row`): Experiment 2, fixed BF16 prefixes, the incremental rebuild against prefill at each
   precision (paper §4.2), the same matrix around the incremental boundary;
 * ``exp2_controls`` (:class:`ControlsRow`): Experiment 2's exploratory controls, the FP32 readout and the matched
@@ -84,7 +86,8 @@ __all__ = [
     "BridgeRecord", "ControlsRecord", "Exp1Record", "Exp2Record", "ReplicationRecord", "TransplantRecord",
 ]
 
-SCHEMA_ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
+SCHEMA_ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp1_ties": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2,
+                        "exp5": 2}
 """The row-algorithm version of each experiment whose rows this schema describes (``kvreplay.runner.ROW_ALGORITHM``
 when it was written; a test keeps the two equal, so a version bump makes one revisit the schema)."""
 
@@ -271,6 +274,7 @@ class AdaptEvalRow(TypedDict):
 
 ROW_TYPES: dict[str, type] = {
     "exp1": Exp1Row,
+    "exp1_ties": Exp1Row,
     "exp2": Exp2Row,
     "exp2_controls": ControlsRow,
     "exp3": BridgeRow,
@@ -346,6 +350,7 @@ def outcome_of(intervention: Intervention, direction: str) -> TransplantOutcome:
 
 FAILED_ROW_TYPES: dict[str, type] = {
     "exp1": Exp1FailedRow,
+    "exp1_ties": Exp1FailedRow,
     "exp2": Exp2FailedRow,
     "exp2_controls": ControlsFailedRow,
     "exp3": BridgeFailedRow,
@@ -430,6 +435,8 @@ def validate_row(experiment: str, row: _Row) -> _Row:
 # A literal experiment types the rows as its record.
 @overload
 def validate_rows(experiment: Literal["exp1"], rows: Iterable[Any]) -> list[Exp1Record]: ...
+@overload
+def validate_rows(experiment: Literal["exp1_ties"], rows: Iterable[Any]) -> list[Exp1Record]: ...
 @overload
 def validate_rows(experiment: Literal["exp2"], rows: Iterable[Any]) -> list[Exp2Record]: ...
 @overload

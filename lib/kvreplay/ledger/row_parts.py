@@ -182,6 +182,7 @@ class ArmSuffix(AnswerScore):
     """One arm's continuation from its boundary through the closed answer block (``matrix.arm_record``)."""
     suffix: TokenIds  # every token after the boundary
     margins: Margins  # one per suffix token
+    top_logits: NotRequired[Margins]  # top-1 eligible logit per step (None when forced); ledgers keyed top_logits only
 
 
 @with_config(_CONFIG)

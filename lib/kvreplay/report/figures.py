@@ -429,6 +429,37 @@ def near_tie(margin_sets: Mapping[str, pd.DataFrame], *, title: str):
     return fig
 
 
+def tie_margins(units: pd.DataFrame, bins: Sequence[str], *, title: str):
+    """Histogram of greedy margins in BF16 spacings at the top logit's magnitude, one bar group per arm.
+
+    Args:
+        units: :func:`kvreplay.experiments.tie_rules.margin_units` (``arm``, ``units``, ``bin``), one row per
+            model-chosen step.
+        bins: the bin labels in order (:data:`kvreplay.experiments.tie_rules.BINS`).
+        title: the figure title.
+
+    Returns:
+        the figure: y is the share of the arm's chosen steps in each bin (log), each arm's exact ties named in
+        the legend.
+    """
+    arms = list(dict.fromkeys(units["arm"]))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(bins) + 0.4 * len(arms)), 3.9), constrained_layout=True)
+    width = 0.8 / max(len(arms), 1)
+    x = np.arange(len(bins))
+    for i, arm in enumerate(arms):
+        sel = units.loc[units["arm"] == arm, "bin"]
+        share = sel.value_counts().reindex(list(bins), fill_value=0).to_numpy() / len(sel)
+        ax.bar(x + (i - (len(arms) - 1) / 2) * width, np.where(share > 0, share, np.nan), width,
+               label=f"{arm} (n = {len(sel)}; {int((sel == bins[0]).sum())} exact ties)")
+    ax.set_yscale("log")
+    ax.set_xticks(x, list(bins), fontsize=8)
+    ax.set_xlabel("top-1 minus top-2 eligible logit, in BF16 spacings at the top-1 logit's magnitude")
+    ax.set_ylabel("share of the arm's chosen steps")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
 def adaptation_curve(train: pd.DataFrame, held: pd.DataFrame, steps: Mapping[str, int], *, n_heldout: int, title: str):
     """Role-table training: loss per step and held-out loss / letter accuracy.
 
@@ -464,6 +495,6 @@ def adaptation_curve(train: pd.DataFrame, held: pd.DataFrame, steps: Mapping[str
 __all__ = [
     "OUTCOME_COLORS", "PRECISION_COLORS", "adaptation_curve", "at_floor", "design_figure", "divergence_and_drift",
     "drift_heatmaps", "exact_floor", "explorer_layers", "mark_layer_kinds", "explorer_view", "token_ticks", "first_divergence", "first_divergence_hist", "fixed_prefix_drift",
-    "integer_axis", "layer_drift", "localization", "log_with_exact", "near_tie", "replication", "topk_logits",
-    "transplant_outcomes",
+    "integer_axis", "layer_drift", "localization", "log_with_exact", "near_tie", "replication", "tie_margins",
+    "topk_logits", "transplant_outcomes",
 ]

@@ -91,8 +91,28 @@ def _in_kernel() -> bool:
     return ip is not None and hasattr(ip, "kernel")
 
 
+def _save_png(fig, png: Path, source: str) -> None:
+    """Write ``fig`` as a 150-dpi PNG reduced to a 256-colour palette (median cut, no dithering).
+
+    A plot's pixels hold few colours, so the palette leaves it looking the same at about a third of the bytes;
+    every executed notebook embeds these files. Pillow's quantizer is deterministic: same figure, same bytes.
+    """
+    import io
+
+    from PIL import Image, PngImagePlugin
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=150, bbox_inches="tight")
+    buf.seek(0)
+    with Image.open(buf) as im:
+        palette = im.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    info = PngImagePlugin.PngInfo()
+    info.add_text("Software", source)
+    palette.save(png, format="PNG", optimize=True, pnginfo=info)
+
+
 def save_figure(fig, stem: str | Path, *, source: str, show: bool = True) -> list[Path]:
-    """Save a matplotlib figure as PNG (150 dpi) and PDF, stamped with its source notebook; show it inline; close it.
+    """Save a matplotlib figure as PNG (150 dpi, a 256-colour palette) and PDF, stamped with its source notebook; show it inline; close it.
 
     Prints ``[saved figure <stem>: .png .pdf]`` (the index of executed notebooks reads it). The ``source:`` stamp is placed below everything the figure draws (its
     tight bounding box), so it never overlaps tick or axis labels.
@@ -120,7 +140,7 @@ def save_figure(fig, stem: str | Path, *, source: str, show: bool = True) -> lis
     x = box.x1 / fig.get_figwidth()
     fig.text(x, y, f"source: {source}", ha="right", va="top", fontsize=6, color="0.5")
     png, pdf = stem.with_suffix(".png"), stem.with_suffix(".pdf")
-    fig.savefig(png, dpi=150, bbox_inches="tight", metadata={"Software": source})
+    _save_png(fig, png, source)
     fig.savefig(pdf, bbox_inches="tight", metadata={"Creator": source, "CreationDate": None})
     print(f"[saved figure {stem.name}: .png .pdf]")  # the executed notebooks' index finds the cell by this line
     if show and _in_kernel():
@@ -174,7 +194,8 @@ def contract_frame(environments: dict[str, dict]) -> pd.DataFrame:
 
     Returns:
         DataFrame indexed by field (software, device, threads, dtype, SDPA, determinism, TF32,
-        model identity; digests cut to 12 hex digits, complete in the files), one column per input.
+        model identity; digests cut to 12 hex digits), one column per input. A ``greedy tie rule`` row
+        appears when an environment records a rule other than the default.
     """
     cols = {}
     for label, env in environments.items():
@@ -196,4 +217,8 @@ def contract_frame(environments: dict[str, dict]) -> pd.DataFrame:
             "format digest": _short(c.get("format_digest")),
             "library sha256 (when written)": _short(env.get("library_sha256")),
         }
+    rules = {label: env.get("execution_contract", env).get("tie_rule") for label, env in environments.items()}
+    if any(rules.values()):  # a rule other than the default (lowest, recorded by no environment)
+        for label, rule in rules.items():
+            cols[label]["greedy tie rule"] = rule or "lowest"
     return pd.DataFrame(cols)

@@ -10,7 +10,8 @@ nothing here. ``make paper PROFILE=<p>`` calls :func:`regenerate`::
     python -m kvreplay.report.results_pages --profile paper --check  # change nothing; exit 1 naming what differs
 
 Only the block between the README's ``results-headline`` markers is ever
-rewritten, and only for :data:`HEADLINE_PROFILE`.
+rewritten, and only for :data:`HEADLINE_PROFILE`. The page of a profile that ends a
+:data:`~kvreplay.report.cross_family.FAMILY_PAIRS` pair ends with the other model family's profile beside it.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from ..experiments.transplant import RULE_TEXT, reported_ways
 from ..ledger.lookup import MissingLedgerError
 from ..paths import LEDGERS, ROOT
-from ..stats import PairedDifference, Proportion, wilson
+from ..stats import Proportion, wilson
+from .cross_family import Families, families_section, family_results
+from .markdown import caps_text as _caps, dtype_label as _dtype, pct as _pct, pts, pval, rate, table  # re-exported
 from .results import ProfileResults, profile_results, profile_stats
 
 HEADLINE_PROFILE = "paper"
@@ -44,35 +46,6 @@ def page_path(profile: str, root: Path = ROOT) -> Path:
 # ----------------------------------------------------------------------------- formatting
 
 
-def _pct(x: float) -> str:
-    """A percentage with one decimal; 0 and 100 without."""
-    return "0" if x == 0 else "100" if x == 100 else f"{x:.1f}"
-
-
-def rate(p: Proportion | None) -> str:
-    """``k/n (r% [low, high])``: a count with its Wilson 95% interval in percent (``n/a`` for an empty stratum)."""
-    if p is None:
-        return "n/a (no rows)"
-    return f"{p.k}/{p.n} ({_pct(100 * p.rate)}% [{_pct(100 * p.low)}, {_pct(100 * p.high)}])"
-
-
-def pts(d: PairedDifference | None) -> str:
-    """A paired difference in percentage points with its bootstrap interval."""
-    return "n/a" if d is None else f"{100 * d.estimate:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
-
-
-def pval(p: float) -> str:
-    """A p-value to two significant digits."""
-    return f"{p:.2g}"
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table (``|`` in a cell escaped)."""
-    def line(cells: Sequence[object]) -> str:
-        return "| " + " | ".join(str(c).replace("|", r"\|") for c in cells) + " |"
-    return "\n".join([line(header), "|" + "---|" * len(header), *(line(r) for r in rows)])
-
-
 def paper_rate(res: ProfileResults, endpoint_id: str) -> str:
     """The paper's count of an endpoint with its Wilson interval, from ``reference.yaml``'s ``value``."""
     v = res.paper(endpoint_id)
@@ -84,14 +57,6 @@ def inside(ours: Proportion | None, paper: dict) -> str:
     if ours is None:
         return "—"
     return "yes" if ours.low <= paper["k"] / paper["n"] <= ours.high else "no"
-
-
-def _caps(c: dict) -> str:
-    return f"{c['branch']} / {c['merge']} / {c['answer']}"
-
-
-def _dtype(d: str) -> str:
-    return {"bfloat16": "BF16", "float32": "FP32"}.get(d, d)
 
 
 def _path(step_path: str, batch: int | None, attention: str) -> str:
@@ -428,8 +393,9 @@ def _cross_hardware(res: ProfileResults) -> list[str]:
                    "prefix + prefill suffix same", "suffixes part (first / second setup)"], rows), ""]
 
 
-def results_page(res: ProfileResults) -> str:
-    """``docs/results-<profile>.md``: every endpoint of the profile beside the paper's, with where it was computed."""
+def results_page(res: ProfileResults, families: Families | None = None) -> str:
+    """``docs/results-<profile>.md``: every endpoint of the profile beside the paper's, with where it was computed
+    (and another model family's profile beside it: ``families``, :func:`~kvreplay.report.cross_family.family_results`)."""
     p = res.profile
     S = res.summary
     m = res.model
@@ -487,7 +453,7 @@ def results_page(res: ProfileResults) -> str:
         "## Experiment 4: whole-cache transplants (§4.4)", "", *_transplant(res),
         "## Experiment 5: the replication on a later checkpoint (§4.5)", "", *_replication(res),
         "## Exploratory controls (Experiment 2's BF16 caches; not in the paper)", "", *_controls(res),
-        *_adapt(res), *_cross_hardware(res),
+        *_adapt(res), *_cross_hardware(res), *families_section(families, res.reference),
     ]
     return "\n".join(lines).rstrip("\n") + "\n"
 
@@ -496,10 +462,10 @@ def results_page(res: ProfileResults) -> str:
 
 
 def expected(profile: str, root: Path, res: ProfileResults, page: Path | None = None,
-             readme: bool | None = None) -> dict[Path, str]:
-    """What each generated file should hold: the results page (``page``, default :func:`page_path`), and the README
-    with its block when ``readme`` (default: ``profile`` is :data:`HEADLINE_PROFILE`)."""
-    out = {Path(page) if page else page_path(profile, root): results_page(res)}
+             readme: bool | None = None, families: Families | None = None) -> dict[Path, str]:
+    """What each generated file should hold: the results page (``page``, default :func:`page_path`; with
+    ``families``), and the README with its block when ``readme`` (default: ``profile`` is :data:`HEADLINE_PROFILE`)."""
+    out = {Path(page) if page else page_path(profile, root): results_page(res, families)}
     if profile == HEADLINE_PROFILE if readme is None else readme:
         path = Path(root) / "README.md"
         out[path] = replace_block(path.read_text(encoding="utf-8"), headline_block(res), profile)
@@ -521,11 +487,12 @@ def check(profile: str, root: Path = ROOT, res: ProfileResults | None = None,
 
     Raises:
         MissingLedgerError, GateError: as :func:`~kvreplay.report.results.profile_results`.
-        ValueError: the README lacks the headline block (headline profile only).
+        ValueError: the README lacks the headline block (headline profile only), or the profile's cross-family
+            partner holds other problems (:func:`~kvreplay.report.cross_family.same_problems`).
     """
     res = res or profile_results(profile, ledger_root, **profile_stats(profile))
     out = []
-    for path, want in expected(profile, Path(root), res).items():
+    for path, want in expected(profile, Path(root), res, families=family_results(res, ledger_root)).items():
         name = path.relative_to(root)
         if not path.is_file():
             out.append(f"{name}: missing (`make paper PROFILE={profile}` writes it)")
@@ -553,7 +520,7 @@ def regenerate(profile: str, root: Path = ROOT, res: ProfileResults | None = Non
     """
     res = res or profile_results(profile, ledger_root, **profile_stats(profile))
     changed = []
-    for path, text in expected(profile, Path(root), res, page, readme).items():
+    for path, text in expected(profile, Path(root), res, page, readme, family_results(res, ledger_root)).items():
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")

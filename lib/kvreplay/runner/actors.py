@@ -49,7 +49,7 @@ import torch
 from ..execution import device_type
 from ..models import context_length
 from .batched import BatchedRows
-from .spec import EngineRun, RunSpec, arm_environment, check_prompts
+from .spec import EngineRun, arm_environment, check_prompts
 
 DEPTH = 2
 """Groups of rows in flight per actor: the next one waits in the actor's queue while it computes the current one."""
@@ -195,8 +195,8 @@ class RowActor:
             self.device = settings.device + (f" (GPU {','.join(map(str, gpus))})" if gpus else "")
             lm, fmt = settings.load()  # the contract is applied before the model loads
             self.settings, self.row, self.chunk = settings, row, chunk
-            self.spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids,
-                                live_check_ids=live_check_ids)
+            self.spec = settings.run_spec(lm, fmt, faults=faults, equivalence_ids=equivalence_ids,
+                                          live_check_ids=live_check_ids)
             self.gated = False  # this actor passed its own preflight gate (a restarted actor starts over)
         except BaseException as e:  # noqa: BLE001 (re-raised, named, by ready() and every call)
             self.error = e

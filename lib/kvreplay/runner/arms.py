@@ -27,6 +27,10 @@ from .spec import ArmSettings, Hook, RunSpec
 R = TypeVar("R", bound=Mapping[str, Any])
 """An arm's row record (:mod:`kvreplay.ledger.records`, e.g. ``Exp1Record``)."""
 
+SETTING_ENTRIES = ("tie_rule", "top_logits")
+"""Ledger-key entries of an arm that are also :class:`ArmSettings` fields: a plan's entry sets the field
+(:meth:`ArmPlan.bind`)."""
+
 
 class Chain(Protocol):
     """What an arm's ``prepare`` reads from a notebook's session (:class:`kvreplay.session.Session` is one)."""
@@ -65,6 +69,8 @@ class Arm(Generic[R]):
         preflight: the chain parameter giving its preflight rows (``None``: none).
         notebook: the notebook that runs it.
         prepare: ``(chain) -> plan`` under a session's parameters: panels frozen and written, upstream read.
+        variants: ``(chain) -> plans`` for an arm run once per declared variant (the tie-rule control: one plan
+            per rule of the profile's ``tie_rules``); ``None``: one plan, ``prepare``'s.
     """
     experiment: str
     row: Callable[[RunSpec, Problem, "ArmPlan[R]"], R]
@@ -76,6 +82,11 @@ class Arm(Generic[R]):
     live_check: bool = False
     dtypes: tuple[str, ...] = ("bfloat16", "float32")
     preflight: str | None = "preflight"
+    variants: Callable[[Chain], Sequence["ArmPlan[R]"]] | None = None
+
+    def plans(self, chain: Chain) -> list["ArmPlan[R]"]:
+        """Every plan of this arm under a session: :attr:`variants`' plans, else ``[prepare(chain)]``."""
+        return list(self.variants(chain)) if self.variants is not None else [self.prepare(chain)]
 
     def plan(self, problems: Sequence[Problem], *, key: Mapping[str, Any] | None = None,
              prefixes: Mapping[str, Sequence[int]] | None = None, preflight: int | None = None,
@@ -163,9 +174,17 @@ class ArmPlan(Generic[R]):
         arm, plan = self.arm, self._bare()
         return lambda spec, problems: arm.chunk(spec, problems, plan)
 
+    def bind(self, settings: ArmSettings) -> ArmSettings:
+        """The settings this plan runs under: a key entry named in :data:`SETTING_ENTRIES` sets that field.
+
+        The tie-rule control keys ``tie_rule`` and ``top_logits``; its rows are decoded under them."""
+        given = {k: self.key[k] for k in SETTING_ENTRIES if k in self.key}
+        return dataclasses.replace(settings, **given) if given else settings
+
     def config(self, settings: ArmSettings) -> dict:
-        """The scientific config that keys the arm's ledger: :meth:`ArmSettings.config` plus :attr:`key`."""
-        return settings.config(self.experiment, self.problems) | dict(self.key)
+        """The scientific config that keys the arm's ledger: :meth:`ArmSettings.config` (of :meth:`bind`) plus
+        :attr:`key`."""
+        return self.bind(settings).config(self.experiment, self.problems) | dict(self.key)
 
     def label(self, settings: ArmSettings) -> str:
         """The ledger folder's name without its digest: ``<experiment>-<dtype>``."""
@@ -184,6 +203,7 @@ class ArmPlan(Generic[R]):
         """
         if settings.dtype not in self.arm.dtypes:
             raise ValueError(f"arm {self.experiment} runs at {', '.join(self.arm.dtypes)}, not {settings.dtype}")
+        settings = self.bind(settings)
         return run_arm(self.experiment, settings, self.problems, self.row_function(), ledger_root=ledger_root,
                        extra_config=dict(self.key), progress=progress, faults=faults, chunk=self.chunk_function(),
                        live_check=self.arm.live_check)

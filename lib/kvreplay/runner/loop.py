@@ -193,8 +193,8 @@ def run_arm(
     check_prompts(block_format, problems, context_length(lm.model.config), caps=settings.caps)  # before the ledger folder exists
     run = settings.engine_run(block_format, problems, lm.model.config)
     ledger = Ledger(root, label, config, environment=arm_environment(lm, block_format, settings, run), row_algorithm=version)
-    spec = RunSpec(lm=lm, fmt=block_format, caps=settings.caps, faults=faults, equivalence_ids=equivalence_ids, engine=run,
-                   live_check_ids=checked)
+    spec = settings.run_spec(lm, block_format, run, faults=faults, equivalence_ids=equivalence_ids,
+                             live_check_ids=checked)
     if checked:
         ledger.log(**declared)
 

@@ -22,7 +22,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from .. import decode, engine
+from .. import decode, engine, ties
 from ..engine import EngineRun
 from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
 from ..ledger.store import canonical_json
@@ -79,6 +79,8 @@ class RunSpec:
             live ignore it.
         live_checks: the ``live_equals_incremental`` checks passed so far (``problem_id``,
             ``seconds``), for the arm's run log (:func:`kvreplay.runner.run_arm` empties it).
+        tie_rule, top_logits: the greedy tie rule (:mod:`kvreplay.ties`) and the recording of each step's top-1
+            eligible logit (``top_logits``); a batched run's ``engine`` must carry the same.
 
     Building a RunSpec checks the model (:func:`check_model`): a model that did not come through
     :func:`~kvreplay.models.load_model` gets the same checks here, once per model object.
@@ -97,9 +99,13 @@ class RunSpec:
     memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     live_check_ids: frozenset = frozenset()
     live_checks: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+    tie_rule: str = ties.DEFAULT_TIE_RULE
+    top_logits: bool = False
 
     def __post_init__(self):
         check_model(self.lm)
+        if self.engine is not None and (self.engine.tie_rule, self.engine.top_logits) != (self.tie_rule, self.top_logits):
+            raise ValueError(f"RunSpec: tie rule / top logits {self.tie_rule!r} / {self.top_logits} differ from its engine's")
 
     def check_problem(self, problem: Problem) -> None:
         """What the run loop checks before an arm, for one problem: its prompt and its longest sequence.
@@ -137,15 +143,14 @@ class RunSpec:
         return self.engine
 
 
-ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
+ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp1_ties": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
 """Row-algorithm version of each experiment, recorded in every ledger's environment.
 
-Bump an experiment's number whenever a committed golden row of it would no
-longer recompute byte for byte (a change to what a row computes or records);
-a ledger written by another number is *stale*. A refactor that changes no bit
-keeps the numbers. Version 2 (all experiments): greedy argmax with the lowest
-token ID winning an exact tie, the ``nonfinite`` and ``equivalence`` gates,
-tie accounting and predicted-letter endpoints in the records.
+Bump an experiment's number whenever a committed golden row of it would no longer recompute byte for byte (a
+change to what a row computes or records); a ledger written by another number is *stale*. A refactor that changes
+no bit keeps the numbers. Version 2 (all experiments): greedy argmax with the lowest token ID winning an exact tie,
+the ``nonfinite`` and ``equivalence`` gates, tie accounting and predicted-letter endpoints in the records.
+``exp1_ties`` (:data:`kvreplay.experiments.tie_rules.EXP1_TIES`) runs ``exp1``'s row function: its version follows.
 """
 
 
@@ -244,6 +249,7 @@ EXECUTION_KINDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "max_len": ("null or a whole number", lambda v: v is None or _whole(v)),
     "chunk": ("null or a whole number", lambda v: v is None or _whole(v)),
     "attention": (f"one of {engine.ATTENTIONS}", lambda v: isinstance(v, str)),
+    "tie_rule": ("'lowest', 'highest' or 'hash:<seed>'", lambda v: isinstance(v, str)),
 }
 """The execution contract's keys (the :class:`ArmSettings` fields the notebooks' ``execution`` parameter sets),
 each with the kind of value it takes: a description and a check (ranges are :func:`check_execution`'s)."""
@@ -263,9 +269,10 @@ def check_execution(contract: dict) -> None:
             string or None; an unknown step path; ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len`` below 2;
             ``chunk`` below 1; a batch shape, chunk or an attention other than ``"sdpa"`` given with
             ``step_path="eager"``; an unknown attention; ``attention="flex"`` with a ``max_len`` that is not a
-            multiple of 128.
+            multiple of 128; an unknown ``tie_rule``.
     """
     c = contract
+    ties.parse_tie_rule(c.get("tie_rule", ties.DEFAULT_TIE_RULE))  # ValueError naming the rules
     kind = device_type(c["device"])  # ValueError naming an unknown device
     if not _whole(c["workers"]) or c["workers"] < 1:
         raise ValueError(f"workers must be a whole number of at least 1, got {c['workers']!r}")
@@ -356,6 +363,10 @@ class ArmSettings:
     ``batch`` and ``max_len`` are refused with the eager path (they would not
     be used). Every arm of an experiment should run under the same contract.
 
+    ``tie_rule`` (:mod:`kvreplay.ties`) breaks exact ties on every path; ``lowest`` (the default) adds nothing to
+    the key or environment, another rule adds ``"tie_rule"`` to both. ``top_logits`` (parameter ``record_top_logits``)
+    keeps each suffix step's top-1 eligible logit in the rows and adds ``"top_logits": true`` to the key.
+
     Raises:
         ValueError: an execution contract :func:`check_execution` refuses; ``live_check_fraction`` outside
             [0, 1]. Refused: an unknown device, step path or ``attention``; ``workers``, ``batch``, ``max_len``
@@ -382,6 +393,8 @@ class ArmSettings:
     chunk: int | None = None
     attention: str = "sdpa"
     live_check_fraction: float = LIVE_CHECK_FRACTION
+    tie_rule: str = ties.DEFAULT_TIE_RULE
+    top_logits: bool = False
 
     def __post_init__(self):
         check_execution({k: getattr(self, k) for k in EXECUTION_KEYS})
@@ -415,7 +428,8 @@ class ArmSettings:
                    model=config["model"]["model"], fmt=config["format"], role_table=table, threads=config["threads"],
                    sdpa_backends=tuple(config["sdpa_backends"]), preflight=config["preflight"],
                    **{k: execution[k] for k in ("device", "deterministic", "allow_tf32") if k in execution},
-                   **engine_keys)
+                   **engine_keys, tie_rule=config.get("tie_rule", ties.DEFAULT_TIE_RULE),
+                   top_logits=bool(config.get("top_logits", False)))
 
     def eager(self) -> "ArmSettings":
         """These settings on the eager reference path (:mod:`kvreplay.decode`): the engine keys at their defaults."""
@@ -462,7 +476,8 @@ class ArmSettings:
         if self.max_len is None and self.attention == "flex":
             need = -(-need // engine.FLEX_BLOCK) * engine.FLEX_BLOCK  # whole blocks: the mask hides the padding
         return EngineRun("graph" if self.step_path == "graph" else "eager", self.batch,
-                         self.max_len if self.max_len is not None else need, chunk=self.chunk, attention=self.attention)
+                         self.max_len if self.max_len is not None else need, chunk=self.chunk, attention=self.attention,
+                         tie_rule=self.tie_rule, top_logits=self.top_logits)
 
     def contract(self, device: str | None = None) -> ExecutionContract:
         """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
@@ -492,7 +507,12 @@ class ArmSettings:
             config["execution"] = execution
         if self.engine_key() is not None:
             config["engine"] = self.engine_key()
-        return config
+        ties_key = {"tie_rule": self.tie_rule} if self.tie_rule != ties.DEFAULT_TIE_RULE else {}
+        return config | ties_key | ({"top_logits": True} if self.top_logits else {})
+
+    def run_spec(self, lm: LoadedModel, fmt: BlockFormat, run: "EngineRun | None" = None, **kw: Any) -> "RunSpec":
+        """The :class:`RunSpec` of this arm on a loaded model: its caps, tie rule and top-logit recording, ``run``."""
+        return RunSpec(lm, fmt, self.caps, engine=run, tie_rule=self.tie_rule, top_logits=self.top_logits, **kw)
 
     def load(self, device: str | None = None) -> tuple[LoadedModel, BlockFormat]:
         """Fix the seed, load the model at this precision under the arm's execution contract, resolve the format.
@@ -565,6 +585,8 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
     env = environment_record(lm, settings.threads) | {"format_digest": fmt.digest}
     if "contract" in env:
         env["contract"]["device"] = settings.device
+    if settings.tie_rule != ties.DEFAULT_TIE_RULE:
+        env["tie_rule"] = settings.tie_rule
     if run is not None:
         env["engine"] = {"step_path": settings.step_path, "batch": run.batch, "max_len": run.max_len}
         if run.attention != "sdpa":
