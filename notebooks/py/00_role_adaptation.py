@@ -242,6 +242,9 @@ h0, h1 = held_curve.iloc[0], held_curve.iloc[-1]
 m = acc["mcnemar"]
 chosen, ck0 = search.tries[search.chosen], search.ckpt0
 meeting = [t.name for t in search.tries if t.meets(criterion, ck0)]
+bank_later, bank_ck0 = adapt.letter_try(records, "later"), adapt.letter_try(records, "ckpt0")
+ck0_top_right = sum(r["checkpoints"]["ckpt0"]["correct"] and r["checkpoints"]["ckpt0"]["predicted"] == bank_ck0.top_letter
+                    for r in records)
 lines = [
     f"- {len(recipes)} recipes were tried on {len(heldout)} held-out MMLU rows outside the bank; checkpoint 0 answers "
     f"{ck0.accuracy.pct()} there, predicting {ck0.top_letter} on {ck0.max_share:.0%}. "
@@ -262,6 +265,12 @@ lines = [
     f"- MMLU bank ({acc['n']} rows, not used to choose), teacher-forced answer letter: checkpoint 0 "
     f"{acc['acc_a'].pct()}, later {acc['acc_b'].pct()}; McNemar {m.b} vs {m.c}, p = {m.pvalue:.3g}; "
     f"the two checkpoints pick the same letter on {acc['predicted_same']}/{acc['n']}.",
+    f"- The same criterion on the bank (reported, not used to choose): the chosen later checkpoint "
+    f"{'meets' if bank_later.meets(criterion, bank_ck0) else 'does not meet'} it there: "
+    f"{bank_later.max_share:.0%} of its predictions are its most frequent letter {bank_later.top_letter}, and it answers "
+    f"{bank_later.correct} rows correctly against checkpoint 0's {bank_ck0.correct}, of which {ck0_top_right} are "
+    f"checkpoint 0's one letter {bank_ck0.top_letter} ({bank_ck0.letters[bank_ck0.top_letter]} predictions; "
+    f"{acc['letters']['gold'].get(bank_ck0.top_letter, 0)} gold).",
     "- Letter prior on the bank: " + "; ".join(
         f"{labels.get(k, k)} predicts its most frequent letter on {max(c.values())}/{acc['n']} rows "
         f"({', '.join(f'{L} {n}' for L, n in c.items())})"
