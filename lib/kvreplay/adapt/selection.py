@@ -262,7 +262,8 @@ def search_recipes(
         folders.append(folder)
         manifests.append(manifest)
     later = {cfg.name: checkpoint(f, "later") for cfg, f in zip(configs, folders)}
-    tables = {CKPT0: (None, None)} | {name: (str(c.path), c.sha256) for name, c in later.items()}
+    tables: dict[str, tuple[str | None, str | None]] = {CKPT0: (None, None)}
+    tables |= {name: (str(c.path), c.sha256) for name, c in later.items()}
     first = configs[0]
     records, ledger = run_letter_eval(heldout, tables, model=model, fmt=fmt, profile=profile, ledger_root=ledger_root,
                                       threads=first.threads, sdpa_backends=first.sdpa_backends, progress=progress,
