@@ -114,8 +114,9 @@ def test_gemma_smoke_chain(tmp_path):
         assert records and all(r["gate_failure"] is None or r["gate_failure"]["gate"] == "argmax" for r in records), arm
     first = _rows(ledgers, "gemma_smoke", "exp1-bfloat16")[0]["boundary"]["prefill_vs_live"]["tensors"]
     assert [t["layer_kind"] for t in first][::2] == (["sliding"] * 5 + ["full"]) * 3
-    (folder,) = checkpoints.glob("role-table-gemma-smoke-*")
-    assert json.loads((folder / "manifest.json").read_text())["base_model"]["unchanged_after_training"]
+    folders = sorted(checkpoints.glob("role-table-gemma-smoke-*"))  # its two recipes: as split and letter-balanced
+    assert [f.name.rsplit("-", 1)[0] for f in folders] == ["role-table-gemma-smoke", "role-table-gemma-smoke-balanced"]
+    assert all(json.loads((f / "manifest.json").read_text())["base_model"]["unchanged_after_training"] for f in folders)
     assert (figures / "gemma_smoke" / "table_exp1_matrix.csv").is_file()
 
 

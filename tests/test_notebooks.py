@@ -72,17 +72,27 @@ def chain_run(tmp_path_factory, explorer_cache, progress):
 
 def test_role_adaptation_smoke(chain_run):
     root, ledgers, figures = chain_run
-    (folder,) = (root / "checkpoints").glob("role-table-smoke-*")
-    manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["base_model"]["unchanged_after_training"]
+    folders = sorted((root / "checkpoints").glob("role-table-smoke-*"))  # one per recipe of smoke's search
+    names = [r["name"] for r in SMOKE["adapt_selection"]["recipes"]]
+    assert sorted(f.name.rsplit("-", 1)[0] for f in folders) == sorted(f"role-table-{n}" for n in names)
+    manifests = [json.loads((f / "manifest.json").read_text()) for f in folders]
+    assert all(m["base_model"]["unchanged_after_training"] for m in manifests)
+    pointer = json.loads((ledgers / "smoke" / "role_adaptation.json").read_text())
+    (manifest,) = [m for m, f in zip(manifests, folders) if pointer["folder"].endswith(f.name)]  # the chosen recipe
     assert [manifest["checkpoints"][k]["step"] for k in ("early", "later")] == SMOKE["adapt_checkpoints"]
     assert len(manifest["curve"]["train"]) == SMOKE["adapt_steps"]
-    pointer = json.loads((ledgers / "smoke" / "role_adaptation.json").read_text())
     assert pointer["checkpoints"]["later"]["sha256"] == manifest["checkpoints"]["later"]["sha256"]
-    (rows,) = (ledgers / "smoke").glob("adapt_eval-float32-*/rows.jsonl")
-    assert len(rows.read_text().splitlines()) == SMOKE["n_adapt_eval"]
+    evals = {json.loads((f / "manifest.json").read_text())["config"]["problem_set"]: f
+             for f in (ledgers / "smoke").glob("adapt_eval-float32-*")}
+    assert set(evals) == {"bank", "heldout selection"}
+    assert len((evals["bank"] / "rows.jsonl").read_text().splitlines()) == SMOKE["n_adapt_eval"]
+    held = [json.loads(x) for x in (evals["heldout selection"] / "rows.jsonl").read_text().splitlines()]
+    assert len(held) == SMOKE["adapt_selection"]["n_heldout"] and set(held[0]["checkpoints"]) == {"ckpt0", *names}
     acc = pd.read_csv(figures / "smoke" / "adapt_accuracy.csv", index_col=0)
     assert acc.iloc[:, 0]["problems"] == str(SMOKE["n_adapt_eval"])
+    tries = pd.read_csv(figures / "smoke" / "adapt_selection.csv", index_col=0)
+    assert list(tries.index) == ["ckpt0", *names] and list(tries["chosen"].fillna("")).count("chosen") == 1
+    assert pointer["folder"].split("/")[-1].startswith(f"role-table-{tries.index[tries['chosen'] == 'chosen'][0]}-")
     for ext in ("png", "pdf"):
         assert (figures / "smoke" / f"adapt_training_curve.{ext}").stat().st_size > 0
 

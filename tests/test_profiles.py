@@ -8,7 +8,10 @@ import pydantic
 import pytest
 import yaml
 from kvreplay.paths import PARAMS
-from kvreplay.profiles import PROFILE_KEYS, ChainParameters, base_of, describe, load_parameters, profile_path
+from kvreplay.profiles import (
+    MIN_HELDOUT, PROFILE_KEYS, AdaptSelection, ChainParameters, base_of, describe, load_parameters,
+    profile_path,
+)
 from kvreplay.runner import resolve_execution
 
 
@@ -20,6 +23,8 @@ def test_the_defaults_are_the_smoke_profile():
     for key, value in smoke.items():
         if key == "execution":  # the same contract: `{}` over the defaults is smoke's `threads: 2`
             assert defaults.contract == resolve_execution("smoke.yaml", value), key
+        elif key == "adapt_selection":  # a typed block: the file's mapping, typed, is the default
+            assert defaults.adapt_selection == AdaptSelection(**value), key
         else:
             assert dumped[key] == value, key
     assert load_parameters("smoke").contract == defaults.contract
@@ -110,7 +115,8 @@ def test_a_users_profile_takes_what_it_leaves_out_from_cpu_not_smoke(tmp_path, c
     assert (params.model, params.n_rows, params.cap_branch, params.profile) == ("/models/Qwen2.5-0.5B-Instruct", 8, 64, "mymodel")
     left_out = set(ChainParameters.model_fields) - set(yaml.safe_load(MYMODEL))
     assert {k: getattr(params, k) for k in left_out} == {k: getattr(cpu, k) for k in left_out}
-    assert (params.adapt_steps, params.adapt_name, params.n_bridge, params.n_exp5) == (64, "v1", 6, 16)  # not smoke's 4
+    assert (params.adapt_steps, params.n_bridge, params.n_exp5) == (64, 6, 16)  # not smoke's 4
+    assert params.adapt_selection == cpu.adapt_selection and params.adapt_selection.n_heldout >= MIN_HELDOUT
     assert base_of(path) == "cpu" and "the rest from base cpu" in describe(params, path)
     # an explicit base: any profile name or file, or the field defaults
     (tmp_path / "small.yaml").write_text("base: smoke\nmodel: /models/x\n")
@@ -126,11 +132,14 @@ def test_a_users_profile_takes_what_it_leaves_out_from_cpu_not_smoke(tmp_path, c
 
 def test_the_committed_profiles_resolve_over_their_documented_base():
     """smoke and cpu over the field defaults (smoke's values), gpu and paper over cpu; paper sets every value in
-    which cpu and the defaults differ, gpu leaves notebook 00's adapt_* out (it reads cpu's checkpoint family)."""
+    which cpu and the defaults differ, gpu leaves notebook 00's adapt_* out (it reads cpu's checkpoint family) but
+    declares cpu's recipe search, for when it is recomputed."""
     assert [base_of(n) for n in ("smoke", "cpu", "gpu", "paper")] == ["defaults", "defaults", "cpu", "cpu"]
     cpu = load_parameters("cpu")
     gpu = load_parameters("gpu")
-    assert (gpu.adapt_name, gpu.adapt_steps, gpu.n_adapt_eval) == (cpu.adapt_name, cpu.adapt_steps, cpu.n_adapt_eval)
+    assert (gpu.adapt_steps, gpu.n_adapt_eval) == (cpu.adapt_steps, cpu.n_adapt_eval)
+    assert gpu.adapt_selection == cpu.adapt_selection == load_parameters("paper").adapt_selection
+    assert "adapt_selection" in yaml.safe_load((PARAMS / "gpu.yaml").read_text())  # declared, not only inherited
     assert (gpu.n_rows, gpu.cap_merge, gpu.n_exp5) == (200, 160, 48)
 
 
@@ -256,3 +265,40 @@ def test_settings_come_back_from_a_ledger_key():
         assert again.config("exp1", []) == settings.config("exp1", [])
     again = ArmSettings.from_config(dataclasses.replace(base, step_path="engine-eager").config("exp1", []))
     assert dataclasses.replace(again.eager(), fmt=base.fmt) == base
+
+
+def test_profiles_that_report_results_choose_their_recipe_on_at_least_100_held_out_rows():
+    """The recipe search's held-out selection set: at least MIN_HELDOUT rows in every profile that scores the bank on
+    that many rows (cpu, gpu, paper, gemma); a smaller one refused there, naming the rule; toy profiles exempt."""
+    for path in sorted(PARAMS.glob("*.yaml")):
+        params = load_parameters(path.stem)
+        toy = params.n_adapt_eval < MIN_HELDOUT
+        assert params.adapt_selection.n_heldout >= MIN_HELDOUT or toy, path.stem
+        assert toy == (path.stem in ("smoke", "gemma_smoke")), path.stem
+        assert 0 < params.adapt_selection.max_letter_share <= 0.6, path.stem
+    small = load_parameters("smoke").adapt_selection.model_dump()
+    with pytest.raises(ValueError, match=r"adapt_selection.n_heldout=4: a profile that scores the bank on 100 rows or "
+                                         r"more \(n_adapt_eval=200\) chooses its recipe on at least 100 held-out rows"):
+        load_parameters("cpu", {"adapt_selection": small})
+    assert load_parameters("cpu", {"adapt_selection": small, "n_adapt_eval": 20}).adapt_selection.n_heldout == 4
+
+
+@pytest.mark.parametrize("block, match", [
+    ({"n_heldot": 120}, r"adapt_selection: Value error, 'n_heldot' \(did you mean 'n_heldout'\?\): not a key of "
+                        r"AdaptSelection"),
+    ({"recipes": [{"name": "a", "stpes": 8}]}, r"adapt_selection.recipes.0: Value error, 'stpes' \(did you mean "
+                                               r"'steps'\?\): not a key of AdaptRecipe"),
+    ({"recipes": [{"name": "a"}, {"name": "a"}]}, r"recipe names must be unique and not 'ckpt0'"),
+    ({"recipes": [{"name": "ckpt0"}]}, r"recipe names must be unique and not 'ckpt0'"),
+    ({"recipes": [{"name": "Big Recipe"}]}, r"adapt_selection.recipes.0.name: String should match pattern"),
+    ({"recipes": []}, r"adapt_selection.recipes: Tuple should have at least 1 item"),
+    ({"recipes": [{"name": "a", "lr": "0.001"}]}, r"adapt_selection.recipes.0.lr: Input should be a valid number"),
+    ({"recipes": [{"name": "a", "steps": 2}]}, r"recipe 'a': checkpoints \[2, 4\] must satisfy 0 < early < later <= "
+                                               r"steps \(2\); a recipe that changes steps gives its checkpoints"),
+    ({"max_letter_share": 1.5}, r"adapt_selection.max_letter_share: Input should be less than or equal to 1"),
+    ({"min_accuracy": "chance"}, r"adapt_selection.min_accuracy: Input should be 'checkpoint0'"),
+])
+def test_a_bad_recipe_search_is_refused_before_anything_runs(block, match):
+    smoke = load_parameters("smoke").adapt_selection.model_dump()
+    with pytest.raises(ValueError, match=match):
+        load_parameters("smoke", {"adapt_selection": smoke | block})

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
+from kvreplay import adapt
 from kvreplay.paths import PARAMS
 from kvreplay.runner import EXECUTION_DEFAULTS, ArmSettings, resolve_execution
 from kvreplay.session import open_session
@@ -186,12 +189,19 @@ def test_gpu_profile_reads_gate_failures_from_the_ledger_also_for_a_stopped_arm(
 
 def test_adapt_config_comes_from_the_profile_and_the_training_model_loads_only_when_asked():
     s = open_session("notebooks/00_role_adaptation.ipynb", "smoke", {"adapt_steps": 8, "adapt_checkpoints": [2, 8]})
-    cfg = s.adapt_config()
-    assert (cfg.steps, cfg.checkpoints, cfg.name, cfg.source) == (8, (2, 8), s.params.adapt_name, s.params.adapt_source)
-    assert (cfg.threads, cfg.sdpa_backends) == (s.execution["threads"], tuple(s.execution["sdpa_backends"]))
+    plain, balanced = s.adapt_recipes()  # smoke's two recipes: the adapt_* values, and the same letter-balanced
+    assert (plain.steps, plain.checkpoints, plain.name, plain.source) == (8, (2, 8), "smoke", s.params.adapt_source)
+    assert (balanced.name, balanced.letter_balanced, plain.letter_balanced) == ("smoke-balanced", True, False)
+    assert dataclasses.replace(balanced, name="smoke", letter_balanced=False) == plain  # nothing else differs
+    assert (plain.threads, plain.sdpa_backends) == (s.execution["threads"], tuple(s.execution["sdpa_backends"]))
+    assert s.adapt_criterion() == adapt.Criterion(4, 0.6)
     assert s._training_model is None  # nothing loaded until a loader call
     with pytest.raises(ValueError, match="checkpoints"):
-        open_session("notebooks/00_role_adaptation.ipynb", "smoke", {"adapt_steps": 4, "adapt_checkpoints": [2, 8]}).adapt_config()
+        open_session("notebooks/00_role_adaptation.ipynb", "smoke", {"adapt_steps": 4, "adapt_checkpoints": [2, 8]})
+    recipe = {"n_heldout": 4, "max_letter_share": 0.6, "recipes": [{"name": "long", "steps": 8, "checkpoints": [4, 8],
+                                                                     "lr": 0.001, "batch": 4, "n_train": 12}]}
+    (cfg,) = open_session("notebooks/00_role_adaptation.ipynb", "smoke", {"adapt_selection": recipe}).adapt_recipes()
+    assert (cfg.name, cfg.steps, cfg.checkpoints, cfg.lr, cfg.batch, cfg.n_train) == ("long", 8, (4, 8), 0.001, 4, 12)
 
 
 def test_gpu_profile_from_scratch_copies_only_the_chain_inputs(tmp_path):

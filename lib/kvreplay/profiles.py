@@ -54,6 +54,79 @@ DEFAULT_PROFILE = "smoke"
 
 SEED = 20260729
 
+MIN_HELDOUT = 100
+"""Held-out selection rows (``adapt_selection.n_heldout``) a profile's recipe search needs at least, when the profile
+scores the bank on that many rows or more (``n_adapt_eval``): a profile whose checkpoint numbers are results. A toy
+profile (``smoke``, ``gemma_smoke``: 4 bank rows) only checks that the chain runs, and may select on fewer."""
+
+RECIPE_KEYS = ("n_train", "steps", "lr", "batch", "letter_balanced", "checkpoints")
+"""What a recipe may set besides its name; each key it leaves out takes the ``adapt_<key>`` parameter."""
+
+
+class _Block(BaseModel):
+    """A typed mapping inside a profile: frozen, strict, and an unknown key refused with the closest known one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value):
+        if isinstance(value, Mapping):
+            unknown = [k for k in value if k not in cls.model_fields]
+            if unknown:
+                hints = {k: difflib.get_close_matches(str(k), list(cls.model_fields), n=1) for k in unknown}
+                named = ", ".join(f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in unknown)
+                raise ValueError(f"{named}: not a key of {cls.__name__} (keys: {', '.join(cls.model_fields)})")
+        return value
+
+
+class AdaptRecipe(_Block):
+    """One role-table training recipe of the search: a name and what it changes of the ``adapt_*`` parameters."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]*$", description="the recipe's label: its checkpoint folder is "
+                      "role-table-<name>-<digest12> (lower case, digits, '.', '-'), unique, not 'ckpt0'")
+    n_train: int | None = Field(None, ge=1, description="training rows (left out: adapt_n_train)")
+    steps: int | None = Field(None, ge=1, description="optimizer steps (left out: adapt_steps)")
+    lr: float | None = Field(None, gt=0, description="learning rate (left out: adapt_lr)")
+    batch: int | None = Field(None, ge=1, description="sequences per step (left out: adapt_batch)")
+    letter_balanced: bool | None = Field(None, description="letter-balanced training rows (left out: "
+                                         "adapt_letter_balanced)")
+    checkpoints: tuple[int, int] | None = Field(None, description="[early, later] steps (left out: adapt_checkpoints; "
+                                                "a recipe that changes steps gives them)")
+
+    @field_validator("checkpoints", mode="before")
+    @classmethod
+    def _list_as_tuple(cls, value):
+        return tuple(value) if isinstance(value, list) else value
+
+
+class AdaptSelection(_Block):
+    """Notebook 00's recipe search, declared before any recipe is evaluated (:mod:`kvreplay.adapt.selection`)."""
+
+    n_heldout: int = Field(ge=1, description="held-out selection rows: MMLU rows after the bank in its frozen order, "
+                           f"disjoint from it; at least {MIN_HELDOUT} when n_adapt_eval is {MIN_HELDOUT} or more")
+    max_letter_share: float = Field(gt=0, le=1, description="largest share of held-out predictions one letter may take")
+    min_accuracy: Literal["checkpoint0"] = Field("checkpoint0", description="held-out accuracy a recipe must reach: "
+                                                 "checkpoint 0's (rows correct)")
+    recipes: tuple[AdaptRecipe, ...] = Field(min_length=1, description="the recipes tried, in the order that breaks ties")
+
+    @field_validator("recipes", mode="before")
+    @classmethod
+    def _list_as_tuple(cls, value):
+        return tuple(value) if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _names(self):
+        names = [r.name for r in self.recipes]
+        if len(set(names)) != len(names) or "ckpt0" in names:
+            raise ValueError(f"recipe names must be unique and not 'ckpt0', got {names}")
+        return self
+
+
+SMOKE_SELECTION = AdaptSelection(n_heldout=4, max_letter_share=0.6, recipes=(
+    AdaptRecipe(name="smoke"), AdaptRecipe(name="smoke-balanced", letter_balanced=True)))
+"""The ``smoke`` profile's recipe search (the field default): the base recipe, and the same letter-balanced."""
+
 
 class ChainParameters(BaseModel):
     """Every parameter of the notebook chain, with its type and its default (the ``smoke`` profile's value).
@@ -114,17 +187,23 @@ class ChainParameters(BaseModel):
                                           "notebook 00; or any HF folder / .gguf / cached hub id")
     replication_role_table: str | None = Field(None, description="optional role-table file for the replication checkpoint")
     # the role-table adaptation (notebook 00)
-    adapt_name: str = Field("smoke", description="label of the training run (folder role-table-<name>-<digest12>)")
     adapt_source: str = Field("openbookqa", description="training data (a kvreplay.bank.SOURCES key), disjoint "
                               "from the MMLU bank")
-    adapt_n_train: int = Field(4, ge=1, description="training rows")
-    adapt_n_heldout: int = Field(2, ge=1, description="held-out rows")
-    adapt_steps: int = Field(4, ge=1, description="optimizer steps")
-    adapt_batch: int = Field(1, ge=1, description="sequences per step")
-    adapt_lr: float = Field(0.005, gt=0, description="learning rate")
-    adapt_checkpoints: tuple[int, int] = Field((2, 4), description="[early, later] steps whose role tables are saved")
+    adapt_n_train: int = Field(4, ge=1, description="training rows (of a recipe that does not set n_train)")
+    adapt_n_heldout: int = Field(2, ge=1, description="held-out OpenBookQA rows of the training curve (every recipe)")
+    adapt_steps: int = Field(4, ge=1, description="optimizer steps (of a recipe that does not set steps)")
+    adapt_batch: int = Field(1, ge=1, description="sequences per step (of a recipe that does not set batch)")
+    adapt_lr: float = Field(0.005, gt=0, description="learning rate (of a recipe that does not set lr)")
+    adapt_checkpoints: tuple[int, int] = Field((2, 4), description="[early, later] steps whose role tables are saved "
+                                               "(of a recipe that does not set checkpoints)")
     adapt_eval_every: int = Field(2, ge=1, description="held-out evaluation every this many steps")
     adapt_seed: int = Field(SEED, description="seed of the training run")
+    adapt_letter_balanced: bool = Field(False, description="train on letter-balanced rows, kvreplay.adapt.balance_letters "
+                                        "(of a recipe that does not set letter_balanced)")
+    adapt_selection: AdaptSelection = Field(
+        default_factory=lambda: SMOKE_SELECTION, description="notebook 00's recipe search: a criterion and the recipes "
+        "tried on held-out MMLU rows, one chosen by a fixed rule (kvreplay.adapt.selection); each recipe's values over "
+        "the adapt_* ones")
     n_adapt_eval: int = Field(4, ge=1, description="MMLU bank rows of the checkpoint-0 vs later accuracy table")
     # statistics
     n_resamples: int = Field(20000, ge=1, description="bootstrap replicates of every interval (paper: 20,000)")
@@ -182,7 +261,27 @@ class ChainParameters(BaseModel):
         if not 0 < early < later <= self.adapt_steps:
             raise ValueError(f"adapt_checkpoints={list(self.adapt_checkpoints)} must satisfy 0 < early < later <= "
                              f"adapt_steps ({self.adapt_steps})")
+        selection = self.adapt_selection
+        for recipe in selection.recipes:
+            r = self.recipe(recipe)
+            if not 0 < r["checkpoints"][0] < r["checkpoints"][1] <= r["steps"]:
+                raise ValueError(f"adapt_selection recipe {recipe.name!r}: checkpoints {list(r['checkpoints'])} must "
+                                 f"satisfy 0 < early < later <= steps ({r['steps']}); a recipe that changes steps "
+                                 "gives its checkpoints")
+        if selection.n_heldout < MIN_HELDOUT <= self.n_adapt_eval:
+            raise ValueError(f"adapt_selection.n_heldout={selection.n_heldout}: a profile that scores the bank on "
+                             f"{MIN_HELDOUT} rows or more (n_adapt_eval={self.n_adapt_eval}) chooses its recipe on at "
+                             f"least {MIN_HELDOUT} held-out rows")
         return self
+
+    def recipe(self, recipe: AdaptRecipe) -> dict[str, Any]:
+        """A recipe's training values: its ``name`` and each of :data:`RECIPE_KEYS`, from ``adapt_<key>`` where it
+        leaves the key out."""
+        out: dict[str, Any] = {"name": recipe.name}
+        for key in RECIPE_KEYS:
+            given = getattr(recipe, key)
+            out[key] = getattr(self, f"adapt_{key}") if given is None else given
+        return out
 
     @property
     def contract(self) -> dict:
@@ -317,7 +416,8 @@ def load_parameters(profile: str | Path = DEFAULT_PROFILE, overrides: Mapping[st
     try:
         params = ChainParameters(**(doc | {"profile": path.stem} | overrides))
     except ValidationError as e:
-        errors = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}, got {err['input']!r}" for err in e.errors())
+        errors = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}, got {err['input']!r}" if err["loc"]
+                           else err["msg"] for err in e.errors())  # a check across parameters: its message says it all
         raise ValueError(f"{where}: {errors}") from None
     resolve_execution(where, params.execution)
     return params

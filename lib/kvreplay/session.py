@@ -31,14 +31,14 @@ from typing import Any, TypeVar
 import pandas as pd
 
 from . import paths
-from .adapt import AdaptConfig
+from .adapt import AdaptConfig, Criterion
 from .contract import Caps
 from .experiments.fixed_prefix import FixedPrefixes, load_fixed_prefixes
 from .ledger.lookup import PREFIX_BANK, LoadedLedger, find_chain_ledger
 from .ledger.store import Ledger, unchanged_when_read_only
 from .models import LoadedModel, load_model
 from .problems import Problem, load_bank, load_problems
-from .profiles import DEFAULT_PROFILE, ChainParameters, describe, load_parameters
+from .profiles import DEFAULT_PROFILE, AdaptRecipe, ChainParameters, describe, load_parameters
 from .report.files import contract_frame, save_figure, save_table
 from .report.summary import TABLE_CAPTIONS
 from .runner import ENGINE_KEYS, Arm, ArmPlan, ArmSettings, resolve_execution
@@ -203,23 +203,32 @@ class Session:
         """
         return find_chain_ledger(self.ledger_root, self.profile, key)
 
-    def adapt_config(self) -> AdaptConfig:
-        """Notebook 00's role-table training config: the profile's ``adapt_*`` parameters, model, format and seed,
-        with the ``execution`` contract's threads and SDPA backends (training is FP32 on the CPU whatever the
-        profile's device; the config's digest keys the checkpoint folder).
+    def adapt_config(self, recipe: AdaptRecipe) -> AdaptConfig:
+        """A role-table training config of notebook 00: ``recipe``'s values over the profile's ``adapt_*`` ones
+        (:meth:`~kvreplay.profiles.ChainParameters.recipe`), its model, format and seed. Training runs in FP32 on the
+        CPU whatever the device, under the ``execution`` contract's threads and SDPA backends.
 
         Raises:
             ValueError: checkpoints not ``0 < early < later <= steps``, or a non-positive size.
         """
-        p, ex = self.params, self.execution
-        return AdaptConfig(name=p.adapt_name, model=p.model, fmt=p.format, source=p.adapt_source,
-                           n_train=p.adapt_n_train, n_heldout=p.adapt_n_heldout, steps=p.adapt_steps,
-                           batch=p.adapt_batch, lr=p.adapt_lr, checkpoints=p.adapt_checkpoints,
+        p, ex, r = self.params, self.execution, self.params.recipe(recipe)
+        return AdaptConfig(name=r["name"], model=p.model, fmt=p.format, source=p.adapt_source,
+                           n_train=r["n_train"], n_heldout=p.adapt_n_heldout, steps=r["steps"],
+                           batch=r["batch"], lr=r["lr"], checkpoints=r["checkpoints"],
                            eval_every=p.adapt_eval_every, seed=p.adapt_seed, threads=ex["threads"],
-                           sdpa_backends=tuple(ex["sdpa_backends"]))
+                           sdpa_backends=tuple(ex["sdpa_backends"]), letter_balanced=r["letter_balanced"])
+
+    def adapt_recipes(self) -> list[AdaptConfig]:
+        """The training configs of notebook 00's recipe search (``adapt_selection.recipes``), in the profile's order."""
+        return [self.adapt_config(r) for r in self.params.adapt_selection.recipes]
+
+    def adapt_criterion(self) -> Criterion:
+        """The recipe search's criterion as the profile declares it (``adapt_selection``)."""
+        s = self.params.adapt_selection
+        return Criterion(s.n_heldout, s.max_letter_share, s.min_accuracy)
 
     def training_model(self) -> LoadedModel:
-        """The base model in float32 on the CPU under :meth:`adapt_config`'s contract (its threads and SDPA backends),
+        """The base model in float32 on the CPU under the training contract (:meth:`adapt_recipes`' threads and SDPA backends),
         for notebook 00's training and letter metric: loaded on the first call only (a notebook whose checkpoints and
         ledger exist loads none).
 
@@ -227,7 +236,7 @@ class Session:
             ModelLoadError: the model cannot be loaded offline.
         """
         if self._training_model is None:
-            self._training_model = load_model(self.params.model, "float32", contract=self.adapt_config().contract())
+            self._training_model = load_model(self.params.model, "float32", contract=self.adapt_recipes()[0].contract())
         return self._training_model
 
     def write_panel(self, name: str, *, sort_keys: bool = False, **doc) -> Path:

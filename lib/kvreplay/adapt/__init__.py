@@ -29,6 +29,11 @@ Block contents are deterministic functions of the problem:
   format's answer prefix ("The answer is" by default). This is the only block
   that holds the gold answer.
 
+Letter-balanced construction (:data:`CONSTRUCTION_BALANCED`, a config's ``letter_balanced``): the training rows'
+options are rotated so that their gold letters cycle A, B, C, D in training order (:func:`balance_letters`);
+nothing but the option order and the gold letter changes. With a batch of four, every step then sees each letter
+once.
+
 Objective (merge-targeted): per sequence, the mean negative log-likelihood of
 the tokens the model itself chooses in the merge block (its content and its
 closing token) plus the same mean over the answer block, halved. Each
@@ -58,16 +63,23 @@ each file's sha256, base-model identity and weight digest, loss curves).
 ``environment.json`` holds the execution contract and ``runlog.jsonl`` the
 wall times (kept apart so the other files stay byte-identical).
 
-The package has three modules: :mod:`.training` (the config, data, staged sequences, loss and training loop),
-:mod:`.checkpoints` (the checkpoint folder, made once per training config, and the pointer to it) and
-:mod:`.metric` (the letter metric's ledger and summary). Their public names are re-exported here.
+Recipe search (:mod:`.selection`): a profile declares a criterion and several training configs (recipes). Each is
+trained once. Checkpoint 0 and every recipe's later role table are scored with the letter metric on held-out MMLU
+rows outside the bank. A rule fixed in advance then picks the recipe whose family Experiment 5 uses.
+
+Four modules: :mod:`.training` (the config, data, staged sequences, loss and training loop),
+:mod:`.checkpoints` (the checkpoint folder, made once per training config, and the pointer to it),
+:mod:`.metric` (the letter metric's ledger and summary) and :mod:`.selection` (the recipe search). Each public name
+is re-exported here.
 """
 
 from __future__ import annotations
 
 from .training import (
+    BALANCE_RULE,
     CHECKPOINT_NAMES,
     CONSTRUCTION,
+    CONSTRUCTION_BALANCED,
     LETTER_METRIC,
     POINTER,
     SCHEMA_VERSION,
@@ -78,6 +90,7 @@ from .training import (
     Staged,
     TrainResult,
     assert_disjoint,
+    balance_letters,
     block_texts,
     build_staged,
     data_record,
@@ -89,6 +102,7 @@ from .training import (
     split_problems,
     train_role_table,
     training_contract,
+    training_rows,
 )
 from .checkpoints import (
     Checkpoint,
@@ -109,10 +123,26 @@ from .metric import (
     load_table,
     run_letter_eval,
 )
+from .selection import (
+    CHOICE_RULE,
+    CKPT0,
+    HELDOUT_RULE,
+    HELDOUT_SET,
+    Criterion,
+    Search,
+    Try,
+    assert_heldout_disjoint,
+    choose,
+    heldout_rows,
+    letter_try,
+    search_recipes,
+)
 
 __all__ = [
+    "BALANCE_RULE",
     "CHECKPOINT_NAMES",
     "CONSTRUCTION",
+    "CONSTRUCTION_BALANCED",
     "LETTER_METRIC",
     "POINTER",
     "SCHEMA_VERSION",
@@ -123,6 +153,7 @@ __all__ = [
     "Staged",
     "TrainResult",
     "assert_disjoint",
+    "balance_letters",
     "block_texts",
     "build_staged",
     "data_record",
@@ -134,6 +165,7 @@ __all__ = [
     "split_problems",
     "train_role_table",
     "training_contract",
+    "training_rows",
     "Checkpoint",
     "checkpoint",
     "checkpoint_folder",
@@ -149,4 +181,16 @@ __all__ = [
     "letter_row",
     "load_table",
     "run_letter_eval",
+    "CHOICE_RULE",
+    "CKPT0",
+    "HELDOUT_RULE",
+    "HELDOUT_SET",
+    "Criterion",
+    "Search",
+    "Try",
+    "assert_heldout_disjoint",
+    "choose",
+    "heldout_rows",
+    "letter_try",
+    "search_recipes",
 ]

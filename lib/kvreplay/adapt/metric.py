@@ -47,6 +47,7 @@ def run_letter_eval(
     problems: Sequence[Problem], tables: dict[str, tuple[str | None, str | None]], *, model: str, fmt: str | dict,
     profile: str, ledger_root: str | Path, threads: int = 2, sdpa_backends: tuple[str, ...] = ("math",),
     progress: bool = True, loader: Callable[[], LoadedModel] | None = None, base_key: dict | None = None,
+    problem_set: str = "bank",
 ) -> tuple[list[AdaptEvalRow], Ledger]:
     """:data:`LETTER_METRIC` on ``problems`` under each checkpoint, in a resumable ledger ``adapt_eval-float32-<digest12>``.
 
@@ -54,12 +55,14 @@ def run_letter_eval(
         tables: checkpoint name -> ``(role-table path or None, its sha256 or None)``; ``None`` is checkpoint 0.
         loader: returns the FP32 model, called only when rows remain (default: load ``model``).
         base_key: the model's identity in the ledger key (default: :func:`kvreplay.runner.model_key`).
+        problem_set: what ``problems`` are, in the ledger key: ``"bank"`` (the MMLU bank, the one a profile's
+            results page reads) or ``"heldout selection"`` (:mod:`kvreplay.adapt.selection`).
 
     Returns:
         ``(records in problem order, ledger)``. A finished ledger is read without loading the model.
     """
     config = {
-        "experiment": "adapt_eval", "profile": profile, "dtype": "float32", "metric": LETTER_METRIC,
+        "experiment": "adapt_eval", "profile": profile, "problem_set": problem_set, "dtype": "float32", "metric": LETTER_METRIC,
         "construction": CONSTRUCTION, "model": base_key if base_key is not None else model_key(model),
         "format": fmt if isinstance(fmt, dict) else load_spec(fmt), "problems_sha256": problems_digest(problems),
         "problem_ids": [p.problem_id for p in problems], "checkpoints": {k: v[1] for k, v in tables.items()},

@@ -30,6 +30,12 @@ from ..problems import Problem
 SCHEMA_VERSION = 1
 CONSTRUCTION = "staged-obqa-v1"
 """Version tag of the training-sequence construction (part of the training config)."""
+CONSTRUCTION_BALANCED = "staged-obqa-v1-letter-balanced"
+"""Version tag of the letter-balanced construction (:func:`balance_letters`; a config with ``letter_balanced``)."""
+BALANCE_RULE = (
+    "the i-th training row (0-based, in training order) has its options rotated cyclically so that its gold option "
+    "sits at letter 'ABCD'[i % 4]; question, option texts, their cyclic order and the problem ID are unchanged"
+)
 SPLIT_SALT = "kvreplay-adapt-v1"
 TRAINED_ROWS = tuple(range(ROLE_OFFSET, ROLE_OFFSET + 6))
 """Role-embedding rows that are trained (raw roles 0..5 + 8)."""
@@ -66,6 +72,8 @@ class AdaptConfig:
         checkpoints: ``(early, later)`` steps whose role tables are saved.
         eval_every: held-out loss every this many steps (also at step 0 and at both checkpoints).
         seed: torch seed; ``threads``: intra-op threads; ``sdpa_backends``: as in the experiments.
+        letter_balanced: train on :func:`balance_letters` of the training rows (construction
+            :data:`CONSTRUCTION_BALANCED`); when False the config is the one this field predates, digest unchanged.
     """
     name: str = "v1"
     model: str = "embedded"
@@ -82,6 +90,7 @@ class AdaptConfig:
     seed: int = 20260729
     threads: int = 2
     sdpa_backends: tuple[str, ...] = ("math",)
+    letter_balanced: bool = False
 
     def __post_init__(self):
         early, later = self.checkpoints
@@ -108,8 +117,11 @@ class AdaptConfig:
         d["checkpoints"] = list(self.checkpoints)
         d["sdpa_backends"] = list(self.sdpa_backends)
         d["model"] = model_key
+        construction: dict = {"construction": CONSTRUCTION}
+        if d.pop("letter_balanced"):  # absent when False: the folders of unbalanced configs keep their digests
+            construction = {"construction": CONSTRUCTION_BALANCED, "letter_balanced": True, "letter_balance": BALANCE_RULE}
         return {
-            "kind": "role_table_adaptation", "construction": CONSTRUCTION, "dtype": "float32", "device": "cpu",
+            "kind": "role_table_adaptation", **construction, "dtype": "float32", "device": "cpu",
             "trainable_rows": list(TRAINED_ROWS), "optimizer": "Adam(betas=(0.9, 0.999), eps=1e-8, no weight decay)",
             "objective": "mean NLL over merge (content + closer) + mean NLL over answer (content + closer), halved; "
                          "log-softmax over each block's structural mask",
@@ -158,6 +170,31 @@ def load_source(name: str) -> tuple[list[Problem], str]:
 
     parsed = read_source_file(locate_source(name), source=name, n_options=SOURCES[name].n_options)
     return list(parsed.valid), parsed.sha256
+
+
+def balance_letters(problems: Sequence[Problem]) -> list[Problem]:
+    """Letter-balanced training rows (:data:`BALANCE_RULE`): gold letters cycle A, B, C, D in training order.
+
+    Each row's options are rotated cyclically so that the gold option lands on ``letters[i % n]``; only the
+    option order and the gold letter change (a row already in place is returned as is).
+
+    Raises:
+        ValueError: rows with different numbers of options (the cycle needs one set of letters).
+    """
+    if len({len(p.options) for p in problems}) > 1:
+        raise ValueError("letter balancing needs every training row to have the same number of options")
+    out = []
+    for i, p in enumerate(problems):
+        n = len(p.options)
+        shift = (i % n - p.letters.index(p.answer)) % n  # option k moves to (k + shift) % n
+        options = tuple(p.options[(k - shift) % n] for k in range(n))
+        out.append(dataclasses.replace(p, options=options, answer=p.letters[i % n]) if shift else p)
+    return out
+
+
+def training_rows(cfg: AdaptConfig, train: Sequence[Problem]) -> list[Problem]:
+    """The rows a config trains on, in training order: ``train`` as split, letter-balanced when the config says so."""
+    return balance_letters(train) if cfg.letter_balanced else list(train)
 
 
 def data_record(train: Sequence[Problem], heldout: Sequence[Problem], source: str, source_sha256: str) -> dict:
@@ -364,6 +401,9 @@ def train_role_table(
 ) -> TrainResult:
     """Train role rows 8..13 with the merge-targeted objective (FP32, CPU, deterministic).
 
+    The training rows are :func:`training_rows` of ``train`` (letter-balanced when ``cfg`` says so); the held-out
+    rows keep their own option order.
+
     Raises:
         ValueError: if the model is not FP32.
         CheckpointError: if any base parameter changed during training.
@@ -379,7 +419,7 @@ def train_role_table(
         for p in lm.model.parameters():
             p.requires_grad_(False)
         before = weights_sha256(lm.model)
-        train_seqs = [build_staged(fmt, p) for p in train]
+        train_seqs = [build_staged(fmt, p) for p in training_rows(cfg, train)]
         held_seqs = [build_staged(fmt, p) for p in heldout]
         hidden = lm.model.config.hidden_size
         rows = torch.zeros(len(TRAINED_ROWS), hidden, dtype=torch.float32, device=lm.device, requires_grad=True)

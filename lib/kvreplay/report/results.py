@@ -158,9 +158,11 @@ def controls_ledger(root: Path, profile: str) -> LoadedLedger | None:
 
 
 def adapt_ledger(root: Path, profile: str) -> LoadedLedger | None:
-    """The profile's finished checkpoint-metric ledger (notebook 00's ``adapt_eval``), or None (a profile that reads
-    another profile's checkpoint family has none)."""
-    folder = _finished_folder(root / profile, "adapt_eval-float32-*")
+    """The profile's finished checkpoint-metric ledger on the MMLU bank (notebook 00's ``adapt_eval`` with
+    ``problem_set`` ``bank``; not the recipe search's held-out one), or None (a profile that reads another profile's
+    checkpoint family has none)."""
+    folder = _finished_folder(root / profile, "adapt_eval-float32-*",
+                              lambda m: m["config"].get("problem_set", "bank") == "bank")
     return read_ledger(folder, "adapt_eval-float32") if folder else None
 
 
