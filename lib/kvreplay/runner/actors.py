@@ -104,6 +104,10 @@ def actor_resources(device: str, workers: int, threads: int, gpus: float) -> dic
 
 def _ray():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # offline by contract: no usage report
+    # Ray starts its workers at niceness 15 by default; beside any other CPU-bound job a row actor then gets a few
+    # percent of a core. Row actors do the run's work, so they run at the driver's priority (read by a local
+    # cluster when ray.init starts it; changes no bit).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
     return ray
