@@ -12,6 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from kvreplay.contract import Caps, resolve_format  # noqa: E402
 from kvreplay.models import LoadedModel  # noqa: E402
 from kvreplay.problems import Problem  # noqa: E402
@@ -246,3 +247,24 @@ def pytest_runtest_call(item):
     silent = [n for n in names if n not in fired]
     assert not silent, f"{item.nodeid}: its planted fault never made gate(s) {silent} fire (fired: {sorted(set(fired))})"
     return result
+
+
+@pytest.fixture
+def tiny_arm(tmp_path, request):
+    """A factory of :class:`~kvreplay.runner.ArmSettings` on a tiny random Llama saved under ``tmp_path`` and the
+    tiny block format (caps :data:`TINY_CAPS`, one thread, one preflight row): ``tiny_arm(**fields)`` overrides any
+    field. The dtype defaults to the test module's ``TINY_ARM_DTYPE``, ``"float32"`` where it sets none."""
+    from kvreplay.runner import ArmSettings
+
+    tok = make_tokenizer()
+    make_model("llama", len(tok)).save_pretrained(tmp_path / "tiny-llama")
+    tok.save_pretrained(tmp_path / "tiny-llama")
+    fmt = tmp_path / "tiny.yaml"
+    fmt.write_text(yaml.safe_dump(TINY_FORMAT))
+    base = dict(profile="t", dtype=getattr(request.module, "TINY_ARM_DTYPE", "float32"), caps=TINY_CAPS,
+                model=str(tmp_path / "tiny-llama"), fmt=str(fmt), threads=1, preflight=1)
+
+    def settings(**fields):
+        return ArmSettings(**(base | fields))
+
+    return settings

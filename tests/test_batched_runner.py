@@ -18,12 +18,10 @@ import time
 
 import pytest
 import torch
-import yaml
 from conftest import (
     TINY_CAPS,
     TINY_FORMAT,
     key_paths,
-    make_model,
     make_tokenizer,
     tiny_lm,
     tiny_problems,
@@ -40,20 +38,6 @@ from kvreplay.problems import Problem
 from kvreplay.runner import CHUNK_DEADLINE_ENV, ArmSettings, ChunkDeadline, run_arm
 
 
-@pytest.fixture
-def tiny_arm(tmp_path):
-    tok = make_tokenizer()
-    make_model("llama", len(tok)).save_pretrained(tmp_path / "tiny-llama")
-    tok.save_pretrained(tmp_path / "tiny-llama")
-    fmt = tmp_path / "tiny.yaml"
-    fmt.write_text(yaml.safe_dump(TINY_FORMAT))
-
-    def settings(**kw):
-        base = dict(profile="t", dtype="float32", caps=TINY_CAPS, model=str(tmp_path / "tiny-llama"), fmt=str(fmt),
-                    threads=1, preflight=1)
-        return ArmSettings(**(base | kw))
-
-    return settings
 
 
 def _problems(n: int) -> list[Problem]:

@@ -8,8 +8,7 @@ import json
 
 import pytest
 import torch
-import yaml
-from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm, tiny_problems
+from conftest import TINY_CAPS, TINY_FORMAT, make_tokenizer, tiny_lm, tiny_problems
 from kvreplay import decode, engine
 from kvreplay.contract import resolve_format
 from kvreplay.experiments.live_vs_prefill import EXP1, live_vs_prefill_row
@@ -20,20 +19,7 @@ from kvreplay.runner.spec import EngineRun
 from kvreplay.runner.spec import live_check_ids
 
 
-@pytest.fixture
-def tiny_arm(tmp_path):
-    tok = make_tokenizer()
-    make_model("llama", len(tok)).save_pretrained(tmp_path / "tiny-llama")
-    tok.save_pretrained(tmp_path / "tiny-llama")
-    fmt = tmp_path / "tiny.yaml"
-    fmt.write_text(yaml.safe_dump(TINY_FORMAT))
-
-    def settings(**kw):
-        base = dict(profile="t", dtype="bfloat16", caps=TINY_CAPS, model=str(tmp_path / "tiny-llama"), fmt=str(fmt),
-                    threads=1, preflight=1)
-        return ArmSettings(**(base | kw))
-
-    return settings
+TINY_ARM_DTYPE = "bfloat16"  # the tiny_arm fixture's default dtype in this module (conftest)
 
 
 def _events(ledger) -> list[dict]:

@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 import yaml
-from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_problems
+from conftest import tiny_problems
 from kvreplay.experiments.live_vs_prefill import EXP1, live_vs_prefill_row
 from kvreplay.gates import GateError
 from kvreplay.ledger.store import Ledger, run_rows
@@ -34,20 +34,6 @@ def cluster():
     parallel.shutdown()
 
 
-@pytest.fixture
-def tiny_arm(tmp_path):
-    tok = make_tokenizer()
-    make_model("llama", len(tok)).save_pretrained(tmp_path / "tiny-llama")
-    tok.save_pretrained(tmp_path / "tiny-llama")
-    fmt = tmp_path / "tiny.yaml"
-    fmt.write_text(yaml.safe_dump(TINY_FORMAT))
-
-    def settings(**kw):
-        base = dict(profile="t", dtype="float32", caps=TINY_CAPS, model=str(tmp_path / "tiny-llama"), fmt=str(fmt),
-                    threads=1, preflight=1)
-        return ArmSettings(**(base | kw))
-
-    return settings
 
 
 def _events(ledger) -> list[dict]:

@@ -8,7 +8,6 @@ import types
 
 import pytest
 import torch
-import yaml
 
 from kvreplay import caches, decode, engine, ties
 from kvreplay.contract import ANSWER, MERGE, resolve_format
@@ -28,7 +27,7 @@ from kvreplay.profiles import load_parameters
 from kvreplay.runner import ArmSettings, arm_environment
 from kvreplay.stats import mcnemar_exact, wilson
 
-from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm, tiny_problems
+from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
 
 RULES = ("lowest", "highest", "hash:0", "hash:7")
 
@@ -174,20 +173,7 @@ def test_the_engine_step_breaks_every_planted_tie_as_the_eager_cursor_does(lm_fm
 # ----------------------------------------------------------------------------- keys, arm, report
 
 
-@pytest.fixture
-def tiny_arm(tmp_path):
-    tok = make_tokenizer()
-    make_model("llama", len(tok)).save_pretrained(tmp_path / "tiny-llama")
-    tok.save_pretrained(tmp_path / "tiny-llama")
-    fmt = tmp_path / "tiny.yaml"
-    fmt.write_text(yaml.safe_dump(TINY_FORMAT))
-
-    def settings(**kw):
-        base = dict(profile="t", dtype="bfloat16", caps=TINY_CAPS, model=str(tmp_path / "tiny-llama"), fmt=str(fmt),
-                    threads=1, preflight=1)
-        return ArmSettings(**(base | kw))
-
-    return settings
+TINY_ARM_DTYPE = "bfloat16"  # the tiny_arm fixture's default dtype in this module (conftest)
 
 
 def test_the_default_rule_adds_nothing_to_a_key_or_an_environment(tiny_arm, tmp_path, lm_fmt):
