@@ -29,6 +29,8 @@ from kvreplay.stats import mcnemar_exact, wilson
 
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
 
+TINY_ARM_DTYPE = "bfloat16"  # the tiny_arm fixture's default dtype in this module (conftest)
+
 RULES = ("lowest", "highest", "hash:0", "hash:7")
 
 
@@ -171,9 +173,6 @@ def test_the_engine_step_breaks_every_planted_tie_as_the_eager_cursor_does(lm_fm
 
 
 # ----------------------------------------------------------------------------- keys, arm, report
-
-
-TINY_ARM_DTYPE = "bfloat16"  # the tiny_arm fixture's default dtype in this module (conftest)
 
 
 def test_the_default_rule_adds_nothing_to_a_key_or_an_environment(tiny_arm, tmp_path, lm_fmt):
