@@ -38,13 +38,10 @@ from kvreplay.problems import Problem
 from kvreplay.runner import CHUNK_DEADLINE_ENV, ArmSettings, ChunkDeadline, run_arm
 
 
-
-
 def _problems(n: int) -> list[Problem]:
     """Problems with prompts of different lengths (rows of one batch sit at different positions)."""
     return [Problem(f"p-{i:02d}", "test", i + 1, "Q" + "xyz"[i % 3] * (3 * i) + "?", ("x", "y", f"z{i}", "w"), "ABCD"[i % 4])
             for i in range(n)]
-
 
 
 def test_batched_records_have_the_eager_layout_and_pass_every_gate(tmp_path, tiny_arm):

@@ -34,8 +34,6 @@ def cluster():
     parallel.shutdown()
 
 
-
-
 def _events(ledger) -> list[dict]:
     return [json.loads(x) for x in (ledger.dir / "runlog.jsonl").read_text().splitlines()]
 
