@@ -4,6 +4,7 @@ in-memory byte-level tokenizer."""
 from __future__ import annotations
 
 import os
+import sys
 
 # Idle OpenMP threads sleep instead of spinning (read once, when torch loads its OpenMP runtime: before the import
 # below). The Makefile exports the same for `make test`; this covers a plain pytest, and the notebook kernels, Ray
@@ -161,19 +162,29 @@ HEARTBEAT_S = float(os.environ.get("KVREPLAY_TEST_HEARTBEAT_S", "60"))
 
 
 def _terminal(config):
-    """``write(line)`` on the terminal past pytest's output capture, or ``None`` where there is no terminal reporter
-    (xdist workers, the terminal plugin off)."""
+    """``write(line)`` on the terminal past pytest's output capture, or ``None`` with the terminal plugin off.
+
+    In a pytest-xdist worker (``make test`` runs two) there is no terminal reporter: the line goes to the worker's
+    standard error, which is the terminal of the ``pytest`` that started it, tagged with the worker's name."""
     tr = config.pluginmanager.get_plugin("terminalreporter")
     capman = config.pluginmanager.get_plugin("capturemanager")
-    if tr is None:
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if tr is None and worker is None:
         return None
+
+    def emit(line: str) -> None:
+        if worker is None:
+            tr.write_line(line)
+        else:
+            sys.stderr.write(f"[{worker}] {line.lstrip()}\n")
+            sys.stderr.flush()
 
     def write(line: str) -> None:
         if capman is None:
-            tr.write_line(line)
+            emit(line)
             return
         with capman.global_and_fixture_disabled():
-            tr.write_line(line)
+            emit(line)
     return write
 
 
@@ -209,8 +220,17 @@ def progress(pytestconfig):
     return say
 
 
+FIRST = ("test_notebooks.py", "test_golden_rows.py")
+"""Test files that run first, longest first: the notebook chain (about a third of the suite's time on 2 cores) and the
+golden rows. ``make test`` spreads files over two pytest-xdist workers in this order (``--dist loadfile``), so
+the chain starts at once on one worker while the other takes everything else."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` (the Gemma 3 smoke chain) run only with ``KVREPLAY_SLOW=1``: not in the default CI run."""
+    """Test files in :data:`FIRST` go first (the order of the rest is kept). Tests marked ``slow`` (the Gemma 3 smoke
+    chain) run only with ``KVREPLAY_SLOW=1``: not in the default CI run."""
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
     if os.environ.get("KVREPLAY_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: set KVREPLAY_SLOW=1 to run it")
