@@ -1,0 +1,32 @@
+"""`make test` never sits silent: a long test's heartbeat and a fixture's progress line reach the terminal, from one
+process and from the two pytest-xdist workers `make test` starts (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+LONG_TESTS = """
+import time
+
+def test_long(progress):
+    progress("planted progress line")
+    time.sleep(2.5)
+
+def test_short():
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadfile"]], ids=["one process", "two workers"])
+def test_a_long_test_prints_its_heartbeat_and_progress(pytester, monkeypatch, workers):
+    monkeypatch.setenv("KVREPLAY_TEST_HEARTBEAT_S", "1")
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makepyfile(test_planted=LONG_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *workers)
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()
+    out = result.stdout.str() + result.stderr.str()
+    tag = "[gw" if workers else "  ["
+    assert f"{tag}" in out and "planted progress line" in out, out
+    assert "still running after 1 s] test_planted.py::test_long" in out, out
