@@ -9,7 +9,6 @@ record to the arm's ledger (:mod:`kvreplay.ledger`) as it finishes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,7 +17,8 @@ from typing import Any, TypeVar
 
 from ..ledger.lookup import ledger_progress
 from ..ledger.records import validate_row
-from ..ledger.store import READ_ONLY_ENV, Ledger, ReadOnlyLedgerError, read_rows_text, row_bar, row_lines, run_rows
+from ..ledger import lock
+from ..ledger.store import READ_ONLY_ENV, Ledger, ReadOnlyLedgerError, ledger_rows, row_bar, run_rows
 from ..models import context_length
 from ..problems import Problem
 from .actors import RowActors
@@ -49,6 +49,7 @@ def _other_folders(root: Path, label: str, folder: Path) -> list[str]:
     return out
 
 
+@lock.releases_locks
 def run_arm(
     name: str,
     settings: ArmSettings,
@@ -118,6 +119,9 @@ def run_arm(
             every row actor died (finished rows stay in the ledger).
         ReadOnlyLedgerError: a row left to compute while :data:`READ_ONLY_ENV` is ``1``, before any model is
             loaded or ledger folder created.
+        LedgerBusyError: another process is writing this arm's ledger (its writer lock, :mod:`kvreplay.ledger.lock`,
+            is taken before the model is loaded and held to the end), unless ``KVREPLAY_LEDGER_WAIT`` allows waiting.
+        LedgerLineError: a damaged line or a duplicated problem ID in the arm's ledger, before any model is loaded.
     """
     started = time.perf_counter()  # the run's compute time (run log, ``compute_s``): model load and compiles included
     if settings.step_path != "eager" and chunk is None:
@@ -132,10 +136,12 @@ def run_arm(
     done: set[str] = set()
     committed: list[str] = []  # the ledger's finished lines, for a resumed batched arm's gate
     parsed: list[Any] = []  # the same lines parsed
+    if os.environ.get(READ_ONLY_ENV) != "1":
+        lock.acquire(Ledger.folder(root, label, config))  # one writer, before any model is loaded; released at return
     if Ledger.folder(root, label, config).is_dir():
         probe = Ledger(root, label, config, row_algorithm=version)
-        committed = row_lines(read_rows_text(probe.dir))  # read once: done keys and lines
-        parsed = [json.loads(x) for x in committed]
+        rows = ledger_rows(probe.dir, probe.key)  # read once: done keys and lines
+        committed, parsed = [r.text for r in rows], [r.record for r in rows]
         by_id = {r[probe.key]: r for r in parsed}
         if set(ids) <= by_id.keys():  # nothing to compute: no model, no actors; the one line a finished ledger gets
             row_bar(len(ids), len(ids), f"{name} {settings.dtype}", progress)
