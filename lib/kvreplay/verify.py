@@ -141,8 +141,8 @@ def choose_rows(folder: str | Path, rows: int = 1, *, pick: str = "shortest", se
             and the missing IDs are named).
     """
     folder = Path(folder)
-    rows = ledger_rows(folder)  # a damaged line or a duplicated ID: LedgerLineError naming file, line and ID
-    lines, committed = [r.text for r in rows], [r.record for r in rows]
+    read = ledger_rows(folder)  # a damaged line or a duplicated ID: LedgerLineError naming file, line and ID
+    lines, committed = [r.text for r in read], [r.record for r in read]
     if ids:
         where = {r["problem_id"]: i for i, r in enumerate(committed)}
         missing = [i for i in ids if i not in where]
@@ -212,8 +212,8 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
                              f"({config['model'].get('model')!r}: other files or digests)")
         settings = dataclasses.replace(settings, model=model)
     env = read_environment(folder)
-    rows = ledger_rows(folder)
-    lines, committed = [r.text for r in rows], [r.record for r in rows]
+    read = ledger_rows(folder)
+    lines, committed = [r.text for r in read], [r.record for r in read]
     chosen = choose_rows(folder, rows, pick=pick, seed=seed, ids=ids)
     if env.get("row_algorithm") != ROW_ALGORITHM.get(config["experiment"]):
         return [RowCheck(folder.name, committed[i]["problem_id"], "stale", False, None,
