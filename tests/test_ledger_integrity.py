@@ -288,3 +288,58 @@ def test_a_tie_rule_enters_the_ledger_key_in_one_canonical_spelling(tiny_arm):
     keys = {json.dumps(tiny_arm(tie_rule=r).config("exp1", problems), sort_keys=True) for r in ("hash:7", "hash:07")}
     assert len(keys) == 1 and '"tie_rule": "hash:7"' in keys.pop()
     assert "tie_rule" not in tiny_arm(tie_rule="lowest").config("exp1", problems)
+
+
+@pytest.fixture
+def prefill_shifted_after_the_first_problem(monkeypatch):
+    """A construction fault that shows only on some rows: the prefill call of every problem but ``tiny-00`` (the
+    preflight row) sees its position IDs shifted by one, while the positions it records stay correct."""
+    from kvreplay import decode
+
+    state = {"on": False}
+    inputs, prefill = decode.model_inputs, decode.build_prefill
+
+    def shifted(*args, **kwargs):
+        e, m, p = inputs(*args, **kwargs)
+        return e, m, (p + 1 if state["on"] else p)
+
+    def faulty(*args, where="prefix", **kwargs):
+        state["on"] = where != "tiny-00"
+        try:
+            b = prefill(*args, where=where, **kwargs)
+        finally:
+            state["on"] = False
+        if where != "tiny-00":
+            b.positions = b.positions - 1
+        return b
+
+    monkeypatch.setattr(decode, "model_inputs", shifted)
+    monkeypatch.setattr(decode, "build_prefill", faulty)
+
+
+def test_the_float32_check_runs_on_a_sample_of_the_other_rows_and_logs_without_changing_rows(tmp_path, tiny_arm):
+    from kvreplay.runner.row_checks import equivalence_sample
+
+    records, ledger = EXP1.run(tiny_arm(dtype="bfloat16"), tiny_problems(3), ledger_root=tmp_path, progress=False)
+    assert [r["equivalence"] is None for r in records] == [False, True, True]  # rows as before: only preflight's
+    events = [e for e in read_log(ledger.dir / "runlog.jsonl") if e["event"] == "equivalence_sample"]
+    assert [e["passed"] for e in events] == [True]
+    assert [c["problem_id"] for c in events[0]["checks"]] == equivalence_sample(records[1:])
+    assert len(events[0]["checks"]) == 2 and all(c["rel_l2"] < 1e-3 for c in events[0]["checks"])
+    lengths = {r["problem_id"]: len(r["prefix"]) for r in records[1:]}
+    assert lengths[events[0]["checks"][0]["problem_id"]] == max(lengths.values())  # the longest prefix first
+
+
+def test_a_construction_fault_on_non_preflight_rows_stops_the_arm_and_wedges_its_ledger_closed(
+        tmp_path, tiny_arm, monkeypatch, prefill_shifted_after_the_first_problem):
+    from kvreplay.gates import GateError
+
+    settings = tiny_arm(dtype="bfloat16")
+    with pytest.raises(GateError, match="equivalence"):
+        EXP1.run(settings, tiny_problems(3), ledger_root=tmp_path, progress=False)
+    folder = EXP1.plan(tiny_problems(3)).folder(settings, tmp_path)
+    failed = [e for e in read_log(folder / "runlog.jsonl") if e["event"] == "equivalence_sample"]
+    assert failed and failed[-1]["passed"] is False and failed[-1]["rows"] == ["tiny-01", "tiny-02"]
+    monkeypatch.setattr(ArmSettings, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(GateError, match="sampled float32 construction-equivalence check failed"):
+        EXP1.run(settings, tiny_problems(3), ledger_root=tmp_path, progress=False)

@@ -17,12 +17,15 @@ from typing import Any, TypeVar
 
 from ..ledger.lookup import ledger_progress
 from ..ledger.records import validate_row
+from ..gates import GateError
 from ..ledger import lock
+from ..ledger.files import read_log
 from ..ledger.store import READ_ONLY_ENV, Ledger, ReadOnlyLedgerError, ledger_rows, row_bar, run_rows
 from ..models import context_length
 from ..problems import Problem
 from .actors import RowActors
 from .batched import BatchedRows, gate_recorder
+from .row_checks import EAGER_SAMPLE_CHUNK, failed_equivalence_samples, sampled_equivalence
 from .spec import (
     LIVE_CHECK_SALT,
     ROW_ALGORITHM,
@@ -90,7 +93,9 @@ def run_arm(
     for this scientific config is read without loading the model. The first
     ``settings.preflight`` rows are preflight rows: a gate failure there
     aborts the arm, and in a run below float32 they also carry the float32
-    construction-equivalence gate (:func:`kvreplay.experiments.matrix.construction_equivalence`).
+    construction-equivalence gate (:func:`kvreplay.experiments.matrix.construction_equivalence`). In this
+    process that check also runs on a sample of each chunk's other rows, its result in the run log, never in
+    the row (:func:`~kvreplay.runner.row_checks.sampled_equivalence`; docs/gates.md).
 
     With ``live_check`` (an experiment whose reference is the live cache) and a dtype below float32, the
     preflight rows and a sample of ``settings.live_check_fraction`` of the others, drawn from the problem IDs
@@ -102,7 +107,8 @@ def run_arm(
     its compute seconds since this call began, model load and compiles included (``compute_s``).
 
     Raises:
-        GateError: ``preflight`` if a preflight row fails a gate; ``composition``
+        GateError: ``equivalence`` when the sampled float32 check of a chunk fails (its rows stay, and the
+            ledger is refused from then on, before any model is loaded); ``preflight`` if a preflight row fails a gate; ``composition``
             or ``graph_equals_eager`` (batched arms) before any row of the process (or, with Ray workers,
             of the actor) that failed it is appended; rows of actors that passed theirs may be in the
             ledger already, in problem order.
@@ -140,6 +146,11 @@ def run_arm(
         lock.acquire(Ledger.folder(root, label, config))  # one writer, before any model is loaded; released at return
     if Ledger.folder(root, label, config).is_dir():
         probe = Ledger(root, label, config, row_algorithm=version)
+        failed = failed_equivalence_samples(read_log(probe.dir / "runlog.jsonl"))
+        if failed:
+            raise GateError("equivalence", f"{probe.dir}: the sampled float32 construction-equivalence check failed on "
+                            f"the chunk of rows {', '.join(failed)} (run log), so its rows may come from a broken "
+                            "construction; fix it, delete the folder and run the arm again")
         rows = ledger_rows(probe.dir, probe.key)  # read once: done keys and lines
         committed, parsed = [r.text for r in rows], [r.record for r in rows]
         by_id = {r[probe.key]: r for r in parsed}
@@ -222,6 +233,12 @@ def run_arm(
                               on_chunk=lambda stats: ledger.log(event="chunk", **stats))
         mapper, row_fn = (lambda items: (logged(rec) for rec in batched(items))) if checked else batched, None
         ledger.log(event="engine", **dataclasses.asdict(run))
+    if settings.dtype != "float32":  # the float32 equivalence check also on a sample of each chunk's other rows
+        one = row_fn
+        plain = mapper or (lambda items: (one(p) for p in items) if one else iter(()))
+        mapper, row_fn = sampled_equivalence(plain, spec, {p.problem_id: p for p in problems}, equivalence_ids,
+                                             EAGER_SAMPLE_CHUNK if run is None else settings.chunk or settings.batch,
+                                             ledger.log), None
     records = run_rows(
         ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",
