@@ -8,9 +8,9 @@
   seen twice, raises :class:`LedgerLineError` naming the file, the line (1-based) and the problem ID where known;
 * :func:`read_log`: a run log (``runlog.jsonl``) read the same way.
 
-A *torn last line* (text after the last ``\\n``) is a row still being written, or cut off by a crash: every reader
-leaves it out (with a warning naming file and line), the writer cuts it before appending
-(:class:`kvreplay.ledger.store.Ledger`), and ``seal`` refuses it. A row is finished when its newline is on disk.
+A *torn last line* (text after the last ``\\n``) is a row still being written, or cut off by a crash. Every reader
+leaves it out (with a warning naming file and line); the writer cuts it before appending
+(:class:`kvreplay.ledger.store.Ledger`); ``seal`` refuses it. A row is finished when its newline is on disk.
 """
 
 from __future__ import annotations

@@ -234,9 +234,11 @@ def run_arm(
         mapper, row_fn = (lambda items: (logged(rec) for rec in batched(items))) if checked else batched, None
         ledger.log(event="engine", **dataclasses.asdict(run))
     if settings.dtype != "float32":  # the float32 equivalence check also on a sample of each chunk's other rows
-        one = row_fn
-        plain = mapper or (lambda items: (one(p) for p in items) if one else iter(()))
-        mapper, row_fn = sampled_equivalence(plain, spec, {p.problem_id: p for p in problems}, equivalence_ids,
+        if mapper is None:
+            assert row_fn is not None
+            one = row_fn
+            mapper = lambda items: (one(p) for p in items)  # noqa: E731
+        mapper, row_fn = sampled_equivalence(mapper, spec, {p.problem_id: p for p in problems}, equivalence_ids,
                                              EAGER_SAMPLE_CHUNK if run is None else settings.chunk or settings.batch,
                                              ledger.log), None
     records = run_rows(
