@@ -126,7 +126,8 @@ def compare_ledger_roots(recomputed: str | Path, committed: str | Path) -> list[
             raise CompareError(f"{p} is a ledger folder: give its profile folder ({p.parent})")
 
     def entries(root: Path) -> dict[str, str]:
-        return {p.name: ("ledger" if _is_ledger(p) else "file") for p in root.iterdir() if _is_ledger(p) or p.is_file()}
+        return {p.name: ("ledger" if _is_ledger(p) else "file") for p in root.iterdir()
+                if (_is_ledger(p) or p.is_file()) and not p.name.startswith(".")}  # not writer locks, temporaries
 
     ours, theirs = entries(recomputed), entries(committed)
     out: list[dict] = []

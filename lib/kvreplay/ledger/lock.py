@@ -1,6 +1,6 @@
 """One writer per ledger: an advisory ``fcntl.flock`` lock on a file beside the ledger folder.
 
-The lock file is ``<profile folder>/<ledger folder name>.lock``; its holder writes its PID, host and start time
+The lock file is ``<profile folder>/.<ledger folder name>.lock`` (hidden: no ``exp1-*`` pattern matches it); its holder writes its PID, host and start time
 into it. The kernel drops the lock when its holder exits, however it exits (``SIGKILL`` included), so a lock left
 by a killed process never wedges the arm: the file remains, the lock does not. Locks are **same-host only**: two
 machines writing one ledger over a network file system are not kept apart.
@@ -48,9 +48,9 @@ class LedgerBusyError(LedgerError):
 
 
 def lock_path(folder: str | Path) -> Path:
-    """The lock file of a ledger folder: beside it, named after it (``exp1-bfloat16-<digest12>.lock``)."""
+    """The lock file of a ledger folder: beside it, named after it (``.exp1-bfloat16-<digest12>.lock``)."""
     folder = Path(folder)
-    return folder.with_name(folder.name + ".lock")
+    return folder.with_name(f".{folder.name}.lock")
 
 
 def wait_seconds(wait: float | None = None) -> float:
@@ -158,5 +158,5 @@ def releases_locks(fn: _F) -> _F:
         finally:
             for path in held() - before:
                 while path in held():
-                    release(path.with_name(path.name[: -len(".lock")]))
+                    release(path.with_name(path.name[1: -len(".lock")]))
     return wrapper  # type: ignore[return-value]
