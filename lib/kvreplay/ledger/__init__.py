@@ -12,7 +12,7 @@
 * :mod:`.lookup`: a profile's ledgers found by provenance (no re-running);
 * :mod:`.files`: atomic writes of small files, and rows, run logs and small files read back with every damaged
   line named by file, line and problem ID;
-* :mod:`.lock`: one writer per ledger (an advisory lock beside it, same-host only);
+* :mod:`.lock`: one writer per ledger (an advisory lock named after its folder, same-host only);
 * :mod:`.repair`: byte-identical duplicate rows dropped (``python -m kvreplay.ledger repair``);
 * :mod:`.provenance`: the library digests that wrote a profile's ledgers and each run's compute seconds
   (``python -m kvreplay.ledger digests``).

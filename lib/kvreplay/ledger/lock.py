@@ -1,7 +1,8 @@
-"""One writer per ledger: an advisory ``fcntl.flock`` lock on a file beside the ledger folder.
+"""One writer per ledger: an advisory ``fcntl.flock`` lock on a file named after the ledger folder.
 
-The lock file is ``<profile folder>/.<ledger folder name>.lock`` (hidden: no ``exp1-*`` pattern matches it); its holder writes its PID, host and start time
-into it. The kernel drops the lock when its holder exits, however it exits (``SIGKILL`` included), so a lock left
+The lock file is ``<temporary folder>/kvreplay-ledger-locks/<ledger folder name>-<hash16>.lock``, where ``hash16``
+hashes the folder's resolved path: host-local, and nothing is created under the ledger root before the ledger
+folder itself. Its holder writes its PID, host, start time and the ledger folder into it. The kernel drops the lock when its holder exits, however it exits (``SIGKILL`` included), so a lock left
 by a killed process never wedges the arm: the file remains, the lock does not. Locks are **same-host only**: two
 machines writing one ledger over a network file system are not kept apart.
 
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import math
 import os
 import platform
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -48,9 +51,11 @@ class LedgerBusyError(LedgerError):
 
 
 def lock_path(folder: str | Path) -> Path:
-    """The lock file of a ledger folder: beside it, named after it (``.exp1-bfloat16-<digest12>.lock``)."""
-    folder = Path(folder)
-    return folder.with_name(f".{folder.name}.lock")
+    """The lock file of a ledger folder (it need not exist): ``exp1-bfloat16-<digest12>-<hash16>.lock`` in the
+    host's temporary folder, ``hash16`` from the folder's resolved path."""
+    folder = Path(folder).resolve()
+    where = hashlib.sha256(str(folder).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "kvreplay-ledger-locks" / f"{folder.name}-{where}.lock"
 
 
 def wait_seconds(wait: float | None = None) -> float:
@@ -78,7 +83,7 @@ _mutex = threading.Lock()
 def acquire(folder: str | Path, wait: float | None = None) -> Path:
     """Take the writer lock of a ledger folder (re-entrant within this process); returns the lock file.
 
-    The profile folder is created if missing; the ledger folder need not exist yet.
+    Nothing is created under the ledger root; the ledger folder need not exist yet.
 
     Raises:
         LedgerBusyError: another process holds it and it was not released within ``wait`` seconds
@@ -111,7 +116,8 @@ def acquire(folder: str | Path, wait: float | None = None) -> Path:
                 raise LedgerBusyError(folder, holder, 0 if limit == 0 else round(waited, 1)) from None
             time.sleep(0.2 if math.isinf(limit) else min(0.2, max(limit - waited, 0.01)))
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} host {platform.node()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode(), 0)
+    os.pwrite(fd, f"pid {os.getpid()} host {platform.node()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')} "
+                  f"ledger {folder}\n".encode(), 0)
     with _mutex:
         _held[path] = (fd, 1)
     return path
@@ -128,7 +134,11 @@ def _holder(fd: int) -> str:
 
 def release(folder: str | Path) -> None:
     """Give back one hold of this process on a ledger's writer lock (the lock goes when the last hold does)."""
-    path = lock_path(folder)
+    _release(lock_path(folder))
+
+
+def _release(path: Path) -> None:
+    """:func:`release` by lock file."""
     with _mutex:
         if path not in _held:
             return
@@ -158,5 +168,5 @@ def releases_locks(fn: _F) -> _F:
         finally:
             for path in held() - before:
                 while path in held():
-                    release(path.with_name(path.name[1: -len(".lock")]))
+                    _release(path)
     return wrapper  # type: ignore[return-value]
