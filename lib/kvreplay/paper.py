@@ -134,7 +134,7 @@ def _results_inputs(label: str, ledgers: Path, targets: list[Path]) -> str:
     names = ([label] + setups if label in setups else [label]) + partners(label)
     for folder in (ledgers.parent / name for name in names):
         for f in sorted(folder.rglob("*")) if folder.is_dir() else ():
-            if f.is_file() and f.name != "runlog.jsonl":
+            if f.is_file() and f.name != "runlog.jsonl" and not f.name.endswith(".lock") and ".tmp-" not in f.name:
                 h.update(str(f.relative_to(ledgers.parent)).encode() + f.read_bytes())
     for t in targets:
         h.update(t.read_bytes() if t.is_file() else b"missing")

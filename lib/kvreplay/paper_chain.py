@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from .adapt import read_pointer
+from .ledger.files import read_manifest
 from .ledger.lookup import ledger_progress
 from .ledger.store import canonical_json, library_digest
 from .paths import LEDGERS, NOTEBOOKS
@@ -79,7 +80,7 @@ def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) ->
             folders = sorted(ledgers.glob(f"{arm}-*/manifest.json"))
             groups = {arm: folders}
             if arm.startswith("exp1_ties-"):  # the tie-rule control: one ledger per rule of tie_rules
-                groups = {f"{arm} ({rule})": [f for f in folders if json.loads(f.read_text())["config"].get("tie_rule")
+                groups = {f"{arm} ({rule})": [f for f in folders if read_manifest(f.parent)["config"].get("tie_rule")
                                               == rule] for rule in params.tie_rules}
             for label, found in groups.items():
                 progress = [ledger_progress(f.parent) for f in found]

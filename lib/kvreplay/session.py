@@ -35,6 +35,7 @@ from .adapt import AdaptConfig, Criterion
 from .contract import Caps
 from .experiments.fixed_prefix import FixedPrefixes, load_fixed_prefixes
 from .ledger.lookup import PREFIX_BANK, LoadedLedger, find_chain_ledger
+from .ledger.files import atomic_write, read_environment
 from .ledger.store import Ledger, unchanged_when_read_only
 from .models import LoadedModel, load_model
 from .problems import Problem, load_bank, load_problems
@@ -256,7 +257,7 @@ class Session:
         if unchanged_when_read_only({path: text}, "this frozen panel"):  # make paper on a profile computed elsewhere
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        atomic_write(path, text)  # never a partial panel after a full disk or a kill
         return path
 
     def save_table(self, df: pd.DataFrame, stem: str, caption: str | None = None) -> list[Path]:
@@ -273,7 +274,7 @@ class Session:
         Args:
             ledgers: column label (e.g. a precision, ``"bfloat16"``) -> the arm's ledger.
         """
-        return contract_frame({label: json.loads((ledger.dir / "environment.json").read_text()) for label, ledger in ledgers.items()})
+        return contract_frame({label: read_environment(ledger.dir) for label, ledger in ledgers.items()})
 
 
 def open_session(notebook: str, profile: str | Path = DEFAULT_PROFILE, overrides: Mapping[str, Any] | None = None, *,

@@ -31,7 +31,7 @@ TIE_RULES = ("lowest", "highest", "hash:<seed>")
 
 _MASK = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x6C8E9CF5  # odd multipliers below 2**31: every product of a 32-bit value fits in int64
-_HASH = re.compile(r"^hash:(\d+)$")
+_HASH = re.compile(r"hash:([0-9]+)")  # fullmatch, ASCII digits only: no "hash:0\n", no "hash:٣"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +50,16 @@ def parse_tie_rule(rule: "str | TieRule", where: str = "tie_rule") -> TieRule:
     """Parse a rule name (:data:`TIE_RULES`).
 
     Raises:
-        ValueError: naming ``where``, for anything else (``hash:`` without a whole seed, a seed of 2**32 or more).
+        ValueError: naming ``where``, for anything else (``hash:`` without a whole seed of ASCII digits, surrounding
+            whitespace, a seed of 2**32 or more).
+
+    :attr:`TieRule.name` is the rule's one canonical spelling (``"hash:07"`` -> ``"hash:7"``), the one a ledger key holds.
     """
     if isinstance(rule, TieRule):
         return rule
     if rule in ("lowest", "highest"):
         return TieRule(rule)
-    m = _HASH.match(rule) if isinstance(rule, str) else None
+    m = _HASH.fullmatch(rule) if isinstance(rule, str) else None
     if m is None or int(m.group(1)) > _MASK:
         raise ValueError(f"{where}: unknown tie rule {rule!r}; use 'lowest', 'highest' or 'hash:<seed>' with a seed "
                          f"from 0 to {_MASK}")

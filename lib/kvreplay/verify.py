@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import sys
 from collections.abc import Callable, Sequence
@@ -36,7 +35,8 @@ from .experiments import arms
 from .gates import GateError
 from .ledger.lookup import PREFIX_BANK
 from .ledger.prefix_bank import read_prefix_bank
-from .ledger.store import canonical_json, read_rows_text, row_lines
+from .ledger.files import LedgerError, read_environment, read_log, read_manifest
+from .ledger.store import canonical_json, ledger_rows
 from .models import context_length, environment_record
 from .paths import LEDGERS, ROOT
 from .problems import Problem, load_bank
@@ -87,7 +87,7 @@ def settings_from_manifest(folder: Path) -> tuple[ArmSettings, dict]:
     Raises:
         ValueError: a contract the settings refuse.
     """
-    config = json.loads((folder / "manifest.json").read_text())["config"]
+    config = read_manifest(folder)["config"]
     return ArmSettings.from_config(config), config
 
 
@@ -141,8 +141,8 @@ def choose_rows(folder: str | Path, rows: int = 1, *, pick: str = "shortest", se
             and the missing IDs are named).
     """
     folder = Path(folder)
-    lines = row_lines(read_rows_text(folder))
-    committed = [json.loads(x) for x in lines]
+    read = ledger_rows(folder)  # a damaged line or a duplicated ID: LedgerLineError naming file, line and ID
+    lines, committed = [r.text for r in read], [r.record for r in read]
     if ids:
         where = {r["problem_id"]: i for i, r in enumerate(committed)}
         missing = [i for i in ids if i not in where]
@@ -157,13 +157,12 @@ def choose_rows(folder: str | Path, rows: int = 1, *, pick: str = "shortest", se
             raise ValueError("pick 'random' needs a seed (--seed N), so that the draw can be repeated")
         return sorted(random.Random(f"kvreplay-verify:{seed}:{folder.name}").sample(range(len(committed)),
                                                                                      min(rows, len(committed))))
-    config = json.loads((folder / "manifest.json").read_text())["config"]
+    config = read_manifest(folder)["config"]
     cost: dict[str, float] = {}  # "fastest": logged seconds, or on a batched ledger the line's length
     if pick == "fastest" and "engine" in config:  # a chunk's seconds sit on its first row: cost by line length
         cost = {r["problem_id"]: len(x) for r, x in zip(committed, lines)}
     elif pick == "fastest" and (folder / "runlog.jsonl").is_file():
-        for line in (folder / "runlog.jsonl").read_text().splitlines():
-            event = json.loads(line)
+        for event in read_log(folder / "runlog.jsonl"):
             if event.get("event") == "row":
                 cost[event["key"]] = event["seconds"]
     order = list(range(len(committed))) if pick == "first" else sorted(
@@ -212,9 +211,9 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
             raise ValueError(f"{folder.name}: model {model!r} is not the model that wrote the ledger "
                              f"({config['model'].get('model')!r}: other files or digests)")
         settings = dataclasses.replace(settings, model=model)
-    env = json.loads((folder / "environment.json").read_text())
-    lines = row_lines(read_rows_text(folder))
-    committed = [json.loads(x) for x in lines]
+    env = read_environment(folder)
+    read = ledger_rows(folder)
+    lines, committed = [r.text for r in read], [r.record for r in read]
     chosen = choose_rows(folder, rows, pick=pick, seed=seed, ids=ids)
     if env.get("row_algorithm") != ROW_ALGORITHM.get(config["experiment"]):
         return [RowCheck(folder.name, committed[i]["problem_id"], "stale", False, None,
@@ -284,7 +283,7 @@ def recomputable_ledgers(ledger_root: str | Path, profile: str, only: Sequence[s
     for folder in sorted(Path(ledger_root, profile).iterdir()):
         if not (folder / "manifest.json").is_file():
             continue
-        name = json.loads((folder / "manifest.json").read_text())["config"].get("experiment")
+        name = read_manifest(folder)["config"].get("experiment")
         if name not in ROW_ALGORITHM or name == "adapt_eval" or (only and not any(folder.name.startswith(o) for o in only)):
             continue
         out.append(folder)
@@ -297,7 +296,7 @@ def ids_by_ledger(ledgers: Sequence[Path], ids: Sequence[str]) -> dict[Path, lis
     Raises:
         ValueError: an ID no ledger holds, naming it and the ledgers searched.
     """
-    held = {f: {json.loads(x)["problem_id"] for x in row_lines(read_rows_text(f))} for f in ledgers}
+    held = {f: {r.record["problem_id"] for r in ledger_rows(f)} for f in ledgers}
     nowhere = [i for i in ids if not any(i in h for h in held.values())]
     if nowhere:
         raise ValueError(f"no row {', '.join(nowhere)} in ledger(s) {', '.join(str(f) for f in ledgers)}")
@@ -359,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ids:
         try:
             held = ids_by_ledger(ledgers, args.ids)
-        except ValueError as e:
+        except (ValueError, LedgerError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         what = f"rows {' '.join(args.ids)} where held"
@@ -373,8 +372,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     def said(r: RowCheck) -> None:
         print(f"{'OK  ' if r.ok else 'FAIL'} {r.mode:8s} {r.ledger:40s} {r.problem_id:24s} {r.detail}", flush=True)
 
-    results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick, report=said,
-                             seed=args.seed, ids=args.ids)
+    try:
+        results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick,
+                                 report=said, seed=args.seed, ids=args.ids)
+    except LedgerError as e:  # a damaged line, a duplicated row or a damaged small file: named, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     bad = [r for r in results if not r.ok]
     exact = sum(r.ok and r.mode == "bytes" for r in results)
     portable = len(results) - len(bad) - exact

@@ -18,6 +18,7 @@ from ..contract import (
     ROLE_OFFSET,
     resolve_format,
 )
+from ..ledger.files import atomic_write, read_json
 from ..ledger.store import canonical_json, config_digest
 from ..execution import resolve_contract
 from ..models import LoadedModel, environment_record, file_sha256, load_model
@@ -73,8 +74,8 @@ def save_checkpoints(folder: str | Path, config: dict, result: TrainResult, base
         "checkpoints": entries,
         "curve": {"train": result.train_curve, "heldout": result.heldout_curve},
     }
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    (folder / "environment.json").write_text(json.dumps(environment, indent=1, sort_keys=True) + "\n")
+    atomic_write(folder / "environment.json", json.dumps(environment, indent=1, sort_keys=True) + "\n")
+    atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")  # last: marks it done
     return manifest
 
 
@@ -87,7 +88,7 @@ def read_manifest(folder: str | Path) -> dict:
     path = Path(folder) / "manifest.json"
     if not path.is_file():
         raise CheckpointError(f"no checkpoint manifest at {path}: run notebooks/00_role_adaptation.ipynb first")
-    return json.loads(path.read_text())
+    return read_json(path, f"delete {path.parent} and run notebooks/00_role_adaptation.ipynb again")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +228,7 @@ def write_pointer(path: str | Path, folder: Path, manifest: dict) -> dict:
     pointer = {"folder": where, "config_digest": manifest["config_digest"], "base_model": manifest["base_model"]["key"],
                "model": manifest["base_model"]["model"], "checkpoints": manifest["checkpoints"]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(pointer, indent=1, sort_keys=True) + "\n")
+    atomic_write(path, json.dumps(pointer, indent=1, sort_keys=True) + "\n")
     return pointer
 
 
@@ -240,6 +241,6 @@ def read_pointer(path: str | Path) -> tuple[Path, dict]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no {path}: run notebooks/00_role_adaptation.ipynb for this profile first")
-    pointer = json.loads(path.read_text())
+    pointer = read_json(path, "run notebooks/00_role_adaptation.ipynb for this profile again (it rewrites the pointer)")
     folder = Path(pointer["folder"])
     return (folder if folder.is_absolute() else ROOT / folder), pointer

@@ -34,6 +34,7 @@ from ..gates import GateError
 from ..models import LoadedModel
 from ..problems import Problem
 from ..runner import RunSpec
+from ..runner.row_checks import register_equivalence_check
 from ..scoring import score_answer
 from .endpoints import divergence_endpoints
 from .matrix_summary import DRIFT_OUTLIER_FACTOR, drift_outliers, matrix_summary, matrix_table  # re-exported
@@ -160,6 +161,9 @@ def construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[i
         raise
     spec.memo[key] = out
     return dict(out)
+
+
+register_equivalence_check(construction_equivalence)  # the sampled check of run_arm's other rows
 
 
 def _construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:

@@ -10,6 +10,10 @@
 * :mod:`.prefix_bank`: Experiment 1's BF16 boundary prefixes, frozen for
   Experiments 2-5;
 * :mod:`.lookup`: a profile's ledgers found by provenance (no re-running);
+* :mod:`.files`: atomic writes of small files, and rows, run logs and small files read back with every damaged
+  line named by file, line and problem ID;
+* :mod:`.lock`: one writer per ledger (an advisory lock named after its folder, same-host only);
+* :mod:`.repair`: byte-identical duplicate rows dropped (``python -m kvreplay.ledger repair``);
 * :mod:`.provenance`: the library digests that wrote a profile's ledgers and each run's compute seconds
   (``python -m kvreplay.ledger digests``).
 
@@ -24,10 +28,13 @@ from .store import (
     LedgerError,
     ReadOnlyLedgerError,
     canonical_json,
+    LedgerLineError,
     config_digest,
     export_parquet,
+    ledger_rows,
     library_digest,
     read_rows_text,
+    rows_file,
     row_bar,
     row_lines,
     run_rows,
@@ -37,5 +44,5 @@ from .store import (
 
 __all__ = [
     "READ_ONLY_ENV", "SCHEMA_VERSION", "TERMINAL_PROGRESS", "Ledger", "LedgerError", "ReadOnlyLedgerError", "canonical_json", "config_digest", "export_parquet",
-    "library_digest", "read_rows_text", "row_bar", "row_lines", "run_rows", "seal", "unseal",
+    "LedgerLineError", "ledger_rows", "library_digest", "read_rows_text", "rows_file", "row_bar", "row_lines", "run_rows", "seal", "unseal",
 ]

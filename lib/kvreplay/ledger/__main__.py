@@ -1,6 +1,8 @@
 """``python -m kvreplay.ledger seal|unseal FOLDER...``: compress finished ledgers for committing, or restore them;
 ``python -m kvreplay.ledger compare RECOMPUTED COMMITTED``: a recomputed profile folder against the committed one;
-``python -m kvreplay.ledger digests PROFILE_FOLDER...``: the library digests that wrote each profile's ledgers.
+``python -m kvreplay.ledger digests PROFILE_FOLDER...``: the library digests that wrote each profile's ledgers;
+``python -m kvreplay.ledger repair FOLDER...``: drop byte-identical duplicate rows (two writers at once), refuse
+differing ones (:mod:`kvreplay.ledger.repair`); exit 1 on a folder it cannot repair.
 
 A sealed ledger keeps its rows as ``rows.jsonl.gz`` (the same bytes, gzip level 9, no time stamp); every reader
 takes either form, and appending to a sealed ledger unseals it first. ``compare`` prints one line per ledger folder
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 
 from . import provenance
+from . import repair as repairing
 from .compare import CompareError, agrees, compare_ledger_roots, describe
 from .store import LedgerError, seal, unseal
 
@@ -27,7 +30,7 @@ from .store import LedgerError, seal, unseal
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvreplay.ledger", description=__doc__.replace("``", "`").replace(":mod:`", "`"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=("seal", "unseal", "compare", "digests"))
+    ap.add_argument("action", choices=("seal", "unseal", "compare", "digests", "repair"))
     ap.add_argument("folders", nargs="+", type=Path,
                     help="ledger folders (holding manifest.json); for compare: two profile folders, the recomputed "
                          "one first (e.g. /tmp/kv/ledgers/gpu data/ledgers/gpu); for digests: profile folders "
@@ -64,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             status = 2
             continue
         try:
+            if args.action == "repair":
+                print(repairing.describe(repairing.repair(folder)))
+                continue
             out = seal(folder) if args.action == "seal" else unseal(folder)
         except LedgerError as e:
             print(f"{folder}: {e}", file=sys.stderr)
@@ -80,7 +86,7 @@ def _digests(profiles: list[Path]) -> int:
         try:
             ledgers = provenance.profile_provenance(root)
             problems = provenance.one_library_problems(root)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError, LedgerError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         for p in ledgers:

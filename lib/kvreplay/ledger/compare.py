@@ -16,7 +16,7 @@ import json
 import zlib
 from pathlib import Path
 
-from .store import read_rows_text
+from .store import LedgerError, read_rows_text
 
 __all__ = ["SAME", "CompareError", "agrees", "compare_ledger_roots", "compare_rows", "describe"]
 
@@ -83,7 +83,7 @@ def compare_rows(recomputed: str, committed: str, key: str = "problem_id") -> di
 def _read_rows(folder: Path) -> str:
     try:
         return read_rows_text(folder)
-    except (OSError, EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError) as e:
+    except (OSError, EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError, LedgerError) as e:
         raise CompareError(f"{folder}: its rows cannot be read ({type(e).__name__}: {e})") from None
 
 
@@ -126,7 +126,8 @@ def compare_ledger_roots(recomputed: str | Path, committed: str | Path) -> list[
             raise CompareError(f"{p} is a ledger folder: give its profile folder ({p.parent})")
 
     def entries(root: Path) -> dict[str, str]:
-        return {p.name: ("ledger" if _is_ledger(p) else "file") for p in root.iterdir() if _is_ledger(p) or p.is_file()}
+        return {p.name: ("ledger" if _is_ledger(p) else "file") for p in root.iterdir()
+                if (_is_ledger(p) or p.is_file()) and not p.name.startswith(".")}  # not writer locks, temporaries
 
     ours, theirs = entries(recomputed), entries(committed)
     out: list[dict] = []

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -28,7 +27,8 @@ from .records import (
     TransplantRecord,
     validate_rows,
 )
-from .store import ROWS, SEALED, read_rows_text
+from .files import read_environment, read_json, read_manifest
+from .store import ROWS, SEALED, ledger_rows
 
 PREFIX_BANK = "prefix_bank_bf16.jsonl"
 
@@ -119,31 +119,20 @@ class LoadedLedger:
 def finished_rows(folder: str | Path) -> list[dict]:
     """The rows of a ledger folder as written (``rows.jsonl`` or sealed ``rows.jsonl.gz``), finished or not.
 
-    A last line cut off mid-write (an arm stopped by a time limit) is left out: the ledger is
-    unfinished, not corrupt.
+    A torn last line (an arm stopped mid-write) is left out with a warning: the ledger is unfinished, not corrupt.
 
     Raises:
-        json.JSONDecodeError: a line other than the last is not JSON.
-        LedgerError: the folder holds both the plain and the sealed rows file.
+        LedgerLineError: a line other than the last is not JSON, or a problem ID is recorded twice (naming file,
+            line and problem ID).
+        LedgerError: the folder holds both the plain and the sealed rows file, with different rows.
     """
-    lines = read_rows_text(folder).split("\n")
-    out = []
-    for i, line in enumerate(lines):
-        if not line:
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:  # a row cut off mid-write: the ledger is unfinished, not corrupt
-                break
-            raise
-    return out
+    return [r.record for r in ledger_rows(folder)]
 
 
 def ledger_progress(folder: str | Path) -> tuple[int, int]:
     """``(finished, expected)`` rows of a ledger folder: records present for the manifest's ``problem_ids``."""
     folder = Path(folder)
-    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest = read_manifest(folder)
     ids = manifest["config"]["problem_ids"]
     done = {r.get("problem_id") for r in finished_rows(folder)}
     return sum(i in done for i in ids), len(ids)
@@ -158,14 +147,15 @@ def read_ledger(folder: str | Path, key: str | None = None) -> LoadedLedger:
     Raises:
         MissingLedgerError: if the folder has no manifest or is unfinished.
         RowSchemaError: a row that does not fit its experiment's row type (naming the row and the field).
+        LedgerLineError: a damaged line or a duplicated problem ID (naming file, line and problem ID).
+        LedgerFileError: an empty or partial manifest or environment (naming it and what to do).
     """
     folder = Path(folder)
     mpath = folder / "manifest.json"
     if not mpath.is_file():
         raise MissingLedgerError(f"{folder} is not a ledger (no manifest.json)")
-    manifest = json.loads(mpath.read_text())
-    epath = folder / "environment.json"
-    env = json.loads(epath.read_text()) if epath.is_file() else {}
+    manifest = read_manifest(folder)
+    env = read_environment(folder)
     by_id = {r["problem_id"]: r for r in finished_rows(folder)}
     ids = manifest["config"]["problem_ids"]
     missing = [i for i in ids if i not in by_id]
@@ -212,7 +202,7 @@ def find_ledger(
         state = ", ".join(f"{p.name} {d}/{n} rows" for p, (d, n) in progress.items())
         raise MissingLedgerError(f"{spec.what} ledger under {base} is unfinished ({state}): {_run_hint(spec, profile)}")
     if match is not None:
-        finished = [p for p in finished if match(json.loads((p / "manifest.json").read_text()))]
+        finished = [p for p in finished if match(read_manifest(p))]
         if not finished:
             raise MissingLedgerError(
                 f"no finished {spec.what} ledger under {base} matches {why or 'the chain'} "
@@ -271,7 +261,7 @@ class ProfileLedgers:
 
 def _bank(root: Path, profile: str) -> dict | None:
     path = root / profile / f"{PREFIX_BANK}.manifest.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path, "write the prefix bank again (notebook 01)") if path.is_file() else None
 
 
 def find_chain_ledger(root: str | Path, profile: str, key: str) -> LoadedLedger:

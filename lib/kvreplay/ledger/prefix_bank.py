@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ..gates import GateError
 from .records import Exp1Record
-from .store import canonical_json, row_lines, unchanged_when_read_only
+from .files import atomic_write, parse_rows, read_json
+from .store import canonical_json, unchanged_when_read_only
 
 
 def write_prefix_bank(records: Sequence[Exp1Record], path: str | Path, source_ledger: str) -> str:
@@ -58,8 +59,8 @@ def write_prefix_bank(records: Sequence[Exp1Record], path: str | Path, source_le
     if unchanged_when_read_only({path: data, manifest_path: manifest}, "this prefix bank (or its manifest)"):
         return digest
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    manifest_path.write_text(manifest)
+    atomic_write(path, data)
+    atomic_write(manifest_path, manifest)
     return digest
 
 
@@ -78,7 +79,7 @@ def read_prefix_bank(path: str | Path) -> tuple[list[dict], str]:
         raise FileNotFoundError(f"no prefix bank at {path}: run notebook 01 (Experiment 1) for this profile first")
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
-    manifest = json.loads(Path(str(path) + ".manifest.json").read_text())
+    manifest = read_json(Path(str(path) + ".manifest.json"), "write the prefix bank again (notebook 01)")
     if manifest["sha256"] != digest:
         raise GateError("provenance", f"{path} has sha256 {digest}, its manifest says {manifest['sha256']}")
-    return [json.loads(x) for x in row_lines(data.decode())], digest
+    return [r.record for r in parse_rows(data.decode(), path)], digest

@@ -9,9 +9,10 @@ data/ledgers/<profile>`` prints this and exits 1 unless the profile was written 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from .files import read_environment, read_log
 
 
 @dataclass(frozen=True)
@@ -45,23 +46,19 @@ def ledger_provenance(folder: str | Path) -> LedgerProvenance:
 
     Raises:
         FileNotFoundError: ``folder`` has no ``manifest.json``.
-        json.JSONDecodeError: a run-log line or ``environment.json`` that is not JSON (named in the message).
+        LedgerLineError: a run-log line other than the last that is not JSON (naming file and line; a torn last
+            line is left out with a warning).
+        LedgerFileError: an empty or partial ``environment.json`` (naming it).
     """
     folder = Path(folder)
     if not (folder / "manifest.json").is_file():
         raise FileNotFoundError(f"{folder}: not a ledger folder (no manifest.json)")
     env_path, log_path = folder / "environment.json", folder / "runlog.jsonl"
-    environment = json.loads(env_path.read_text()).get("library_sha256") if env_path.is_file() else None
+    environment = read_environment(folder).get("library_sha256") if env_path.is_file() else None
     digests: set[str] = set()
     unstamped = runs = 0
     compute = 0.0
-    for n, line in enumerate(log_path.read_text().splitlines() if log_path.is_file() else [], 1):
-        if not line.strip():
-            continue
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise json.JSONDecodeError(f"{log_path} line {n}: {e.msg}", e.doc, e.pos) from None
+    for event in read_log(log_path):
         if event.get("library_sha256"):
             digests.add(event["library_sha256"])
         else:

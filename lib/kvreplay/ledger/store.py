@@ -30,6 +30,11 @@ scientific config (its sha256 is the digest):
   compute seconds (``compute_s``).
 
 Records are serialized with sorted keys and no whitespace variation.
+
+One process writes a ledger at a time: :func:`run_rows` (and ``run_arm``, before it loads a model) holds the
+ledger's writer lock (:mod:`.lock`, same-host only). The small files are written atomically and read back with
+their path named on damage; a damaged row line is named by file, line and problem ID, and a problem ID recorded
+twice is refused by every reader (:mod:`.files`; ``python -m kvreplay.ledger repair``).
 """
 
 from __future__ import annotations
@@ -47,14 +52,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..gates import GateError
+from . import lock
+from .files import LedgerError, LedgerLineError, RowLine, atomic_write, cut_torn_tail, parse_rows, read_json
 
 SCHEMA_VERSION = 1
 
 _Item = TypeVar("_Item")
 
-
-class LedgerError(RuntimeError):
-    """A ledger cannot be opened or appended to as requested."""
+__all__ = ["LedgerError", "LedgerLineError", "RowLine"]  # re-exported from .files, with the names defined here
 
 
 def canonical_json(obj) -> str:
@@ -74,18 +79,50 @@ SEALED = "rows.jsonl.gz"
 def read_rows_text(folder: str | Path) -> str:
     """The text of a ledger folder's rows, from ``rows.jsonl`` or, for a sealed ledger, ``rows.jsonl.gz``.
 
-    Returns ``""`` when the folder has neither (no row finished yet).
+    Returns ``""`` when the folder has neither (no row finished yet). Both files holding the same rows (a seal or
+    unseal killed between its two steps) read as those rows.
 
     Raises:
-        LedgerError: both files exist (a sealed ledger appended to by code that does not unseal it).
+        LedgerError: both files exist and differ, or the sealed file does not decompress (naming it).
     """
     folder = Path(folder)
     plain, sealed = folder / ROWS, folder / SEALED
-    if plain.exists() and sealed.exists():
-        raise LedgerError(f"{folder} holds both {ROWS} and {SEALED}: keep one (python -m kvreplay.ledger seal/unseal)")
     if sealed.exists():
-        return gzip.decompress(sealed.read_bytes()).decode("utf-8")
+        data = _sealed_bytes(sealed)
+        if plain.exists() and plain.read_bytes() != data:
+            raise LedgerError(f"{folder} holds both {ROWS} and {SEALED} with different rows: keep the right one "
+                              "(compare them; python -m kvreplay.ledger unseal after removing the wrong one)")
+        return data.decode("utf-8")
     return plain.read_text(encoding="utf-8") if plain.exists() else ""
+
+
+def _sealed_bytes(sealed: Path) -> bytes:
+    """The rows inside ``rows.jsonl.gz``.
+
+    Raises:
+        LedgerError: it is not a whole gzip file (naming it).
+    """
+    try:
+        return gzip.decompress(sealed.read_bytes())
+    except (OSError, EOFError) as e:
+        raise LedgerError(f"{sealed} does not decompress ({e}): a partial write; restore it (e.g. git checkout) "
+                          "or delete the folder and run the arm again") from None
+
+
+def rows_file(folder: str | Path) -> Path:
+    """The file holding a ledger folder's rows: ``rows.jsonl.gz`` when sealed, else ``rows.jsonl``."""
+    folder = Path(folder)
+    return folder / (SEALED if (folder / SEALED).exists() else ROWS)
+
+
+def ledger_rows(folder: str | Path, key: str | None = "problem_id") -> list[RowLine]:
+    """A ledger folder's finished rows with their line numbers (:func:`~kvreplay.ledger.files.parse_rows`).
+
+    Raises:
+        LedgerLineError: a damaged line or a duplicated ``key``, naming file, line and problem ID.
+        LedgerError: as :func:`read_rows_text`.
+    """
+    return parse_rows(read_rows_text(folder), rows_file(folder), key)
 
 
 def row_lines(text: str) -> list[str]:
@@ -103,32 +140,52 @@ def seal(folder: str | Path) -> Path:
     Returns:
         the sealed file (unchanged if the folder is sealed already).
 
+    The compressed file is written atomically before ``rows.jsonl`` is removed, so a kill at any point leaves
+    ``rows.jsonl``, or both files with the same rows (which every reader takes, and which sealing again finishes).
+
     Raises:
-        LedgerError: the folder has no rows, or its last line is cut off (an unfinished write).
+        LedgerError: the folder has no rows, its last line is cut off (an unfinished write), or both files exist
+            with different rows.
+        LedgerLineError: a damaged line or a duplicated problem ID (naming file, line and ID).
+        LedgerBusyError: another process is writing the ledger.
     """
     folder = Path(folder)
     plain, sealed = folder / ROWS, folder / SEALED
-    if sealed.exists() and not plain.exists():
+    lock.acquire(folder)
+    try:
+        if sealed.exists():
+            read_rows_text(folder)  # refuses differing copies
+            plain.unlink(missing_ok=True)  # same rows: finish an interrupted seal
+            return sealed
+        data = plain.read_bytes() if plain.exists() else b""
+        if not data or not data.endswith(b"\n"):
+            raise LedgerError(f"{plain}: {'no rows' if not data else 'a cut-off last line'}; nothing to seal")
+        parse_rows(data.decode("utf-8"), plain)
+        atomic_write(sealed, gzip.compress(data, compresslevel=9, mtime=0))
+        if gzip.decompress(sealed.read_bytes()) != data:  # never lose a row to a bad write
+            sealed.unlink()
+            raise LedgerError(f"{sealed}: the compressed copy does not read back; {plain} kept")
+        plain.unlink()
         return sealed
-    data = plain.read_bytes() if plain.exists() else b""
-    if not data or not data.endswith(b"\n"):
-        raise LedgerError(f"{plain}: {'no rows' if not data else 'a cut-off last line'}; nothing to seal")
-    sealed.write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
-    if gzip.decompress(sealed.read_bytes()) != data:  # never lose a row to a bad write
-        sealed.unlink()
-        raise LedgerError(f"{sealed}: the compressed copy does not read back; {plain} kept")
-    plain.unlink()
-    return sealed
+    finally:
+        lock.release(folder)
 
 
 def unseal(folder: str | Path) -> Path:
-    """Restore a sealed ledger's ``rows.jsonl`` (to append to it); the inverse of :func:`seal`."""
+    """Restore a sealed ledger's ``rows.jsonl`` (to append to it); the inverse of :func:`seal`.
+
+    ``rows.jsonl`` is written atomically before ``rows.jsonl.gz`` is removed; both files with the same rows (a
+    seal or unseal killed between its two steps) are resolved by removing the compressed one.
+
+    Raises:
+        LedgerError: both files exist with different rows, or the compressed file does not decompress.
+    """
     folder = Path(folder)
     plain, sealed = folder / ROWS, folder / SEALED
     if sealed.exists():
-        if plain.exists():
-            raise LedgerError(f"{folder} holds both {ROWS} and {SEALED}: keep one")
-        plain.write_bytes(gzip.decompress(sealed.read_bytes()))
+        data = read_rows_text(folder).encode("utf-8")  # refuses differing copies
+        if not plain.exists():
+            atomic_write(plain, data)
         sealed.unlink()
     return plain
 
@@ -227,21 +284,31 @@ class Ledger:
         self.rows_path = self.dir / ROWS
         manifest = {"schema_version": SCHEMA_VERSION, "name": name, "config_digest": self.digest, "config": config}
         mpath = self.dir / "manifest.json"
+        text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+        if mpath.exists() and not mpath.read_text(encoding="utf-8").strip():
+            # an empty manifest (a full disk or a kill before the first write): derivable from the folder's key
+            warnings.warn(f"{mpath} was empty (an interrupted write); rebuilt from the config that keys the folder")
+            atomic_write(mpath, text)
         if mpath.exists():
-            old = json.loads(mpath.read_text())
+            old = read_json(mpath, "delete the ledger folder and run the arm again (its config is the folder's key)")
             if old.get("config_digest") != self.digest:
                 raise LedgerError(f"{mpath} belongs to config {old.get('config_digest')}, not {self.digest}")
             if old.get("schema_version") != SCHEMA_VERSION:
                 raise LedgerError(f"{mpath} has schema {old.get('schema_version')}, this code writes {SCHEMA_VERSION}")
         else:
-            mpath.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+            atomic_write(mpath, text)
         self.library = library_digest()
         env = {"execution_contract": environment or {}, "library_sha256": self.library, "row_algorithm": row_algorithm}
         epath = self.dir / "environment.json"
         self.stale: list[str] = []
         self.other_environment: list[str] = []
+        if epath.exists() and environment is not None and not epath.read_text(encoding="utf-8").strip() and not (
+                (self.dir / ROWS).exists() or (self.dir / SEALED).exists()):
+            warnings.warn(f"{epath} was empty (an interrupted write) and no row was written; rebuilt")
+            epath.unlink()
         if epath.exists():
-            old_env = json.loads(epath.read_text())
+            old_env = read_json(epath, "it records the environment the rows were computed in: restore it (e.g. git "
+                                       "checkout), or delete the ledger folder and run the arm again")
             if row_algorithm is not None and old_env.get("row_algorithm") != row_algorithm:
                 self.stale = ["row_algorithm"]
                 warnings.warn(f"ledger {self.dir.name} is stale: written by row algorithm "
@@ -253,45 +320,57 @@ class Ledger:
                     warnings.warn(f"ledger {self.dir.name} was computed in another environment "
                                   f"({', '.join(self.other_environment)} differ)")
         elif environment is not None:
-            epath.write_text(json.dumps(env, indent=1, sort_keys=True) + "\n")
+            atomic_write(epath, json.dumps(env, indent=1, sort_keys=True) + "\n")
         self._done: set[str] | None = None
+        self._seen = -1  # the size of rows.jsonl when done keys were last read
         self._repair()
 
     def _repair(self) -> None:
-        """Cut a partial trailing line left by a crash mid-write."""
-        if not self.rows_path.exists():
-            return
-        data = self.rows_path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            cut = data.rfind(b"\n") + 1
-            with open(self.rows_path, "r+b") as f:
-                f.truncate(cut)
+        """Cut a partial trailing line left by a crash mid-write (only while holding the writer lock, or with
+        no other writer: a reader never cuts the line another process is writing)."""
+        if lock.lock_path(self.dir) in lock.held():
+            cut_torn_tail(self.rows_path)
 
     def records(self) -> list[Any]:
         """All finished records, in the order they were appended (parsed JSON; typed ``Any``, since which record of
-        :mod:`kvreplay.ledger.records` they are depends on the ledger's experiment)."""
-        return [json.loads(line) for line in row_lines(read_rows_text(self.dir))]
+        :mod:`kvreplay.ledger.records` they are depends on the ledger's experiment).
+
+        Raises:
+            LedgerLineError: a damaged line or a duplicated key (naming file, line and problem ID).
+        """
+        return [r.record for r in ledger_rows(self.dir, self.key)]
 
     def done_keys(self) -> set[str]:
-        if self._done is None:
+        """The keys of the finished records, re-read whenever ``rows.jsonl`` changed size since last read (rows
+        appended by another process)."""
+        size = self.rows_path.stat().st_size if self.rows_path.exists() else -1
+        if self._done is None or size != self._seen:
             self._done = {r[self.key] for r in self.records()}
+            self._seen = size
         return self._done
 
     def append(self, record: Mapping[str, Any]) -> None:
-        """Append one finished record and flush it to disk.
+        """Append one finished record and flush it to disk (holding the writer lock meanwhile).
 
         Raises:
-            LedgerError: if a record with the same key is already present.
+            LedgerError: if a record with the same key is already present (re-read from disk).
+            LedgerBusyError: another process holds the ledger's writer lock.
         """
-        if record[self.key] in self.done_keys():
-            raise LedgerError(f"{self.rows_path}: {self.key}={record[self.key]} already recorded")
-        line = canonical_json(record) + "\n"
-        unseal(self.dir)  # a sealed ledger takes more rows as rows.jsonl again
-        with open(self.rows_path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-        self.done_keys().add(record[self.key])
+        lock.acquire(self.dir)
+        try:
+            unseal(self.dir)  # a sealed ledger takes more rows as rows.jsonl again
+            cut_torn_tail(self.rows_path)
+            if record[self.key] in self.done_keys():
+                raise LedgerError(f"{self.rows_path}: {self.key}={record[self.key]} already recorded")
+            line = canonical_json(record) + "\n"
+            with open(self.rows_path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            self.done_keys().add(record[self.key])
+            self._seen = self.rows_path.stat().st_size
+        finally:
+            lock.release(self.dir)
 
     def log(self, **event) -> None:
         """Append a wall-time/host event to ``runlog.jsonl`` (not part of the ledger bytes).
@@ -301,7 +380,9 @@ class Ledger:
         event.setdefault("time", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         event.setdefault("host", platform.node())
         event.setdefault("library_sha256", self.library)
-        with open(self.dir / "runlog.jsonl", "a", encoding="utf-8") as f:
+        path = self.dir / "runlog.jsonl"
+        cut_torn_tail(path)  # an event cut off by a crash is dropped, not continued on its line
+        with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(event, sort_keys=True) + "\n")
 
     def complete(self, keys: Iterable[str]) -> bool:
@@ -395,11 +476,26 @@ def run_rows(
     Raises:
         GateError: gate ``preflight`` when a preflight row fails a gate.
         RowSchemaError: (from ``validate``) a record that does not fit its row type; the rows before it stay.
+        LedgerBusyError: another process is writing this ledger (:mod:`.lock`).
         LedgerError: if rows remain to compute in a stale ledger or one
             computed in another environment (rows of two algorithms or two
             environments would mix); delete the folder, or set
             ``KVREPLAY_ALLOW_STALE=1`` to append anyway.
     """
+    lock.acquire(ledger.dir)  # one writer per ledger, released when the run ends
+    try:
+        return _run_rows(ledger, items, row_fn, key=key, preflight=preflight, progress=progress, desc=desc,
+                         mapper=mapper, validate=validate, started=started)
+    finally:
+        lock.release(ledger.dir)
+
+
+def _run_rows(ledger: Ledger, items: list[_Item], row_fn: Callable[[_Item], Mapping[str, Any]] | None, *,
+              key: Callable[[_Item], str], preflight: int, progress: bool, desc: str,
+              mapper: Callable[[list[_Item]], Iterable[Mapping[str, Any]]] | None,
+              validate: Callable[[Mapping[str, Any]], object] | None, started: float | None) -> list[Any]:
+    """:func:`run_rows` under the ledger's writer lock."""
+    ledger._repair()
     done: dict[str, Any] = {r[ledger.key]: r for r in ledger.records()}
     todo = [it for it in items if key(it) not in done]
     if todo and done and (ledger.stale or ledger.other_environment) and os.environ.get("KVREPLAY_ALLOW_STALE") != "1":
@@ -481,7 +577,7 @@ def export_parquet(folder: str | Path) -> list[Path]:
     import pandas as pd
 
     folder = Path(folder)
-    records = [json.loads(x) for x in row_lines(read_rows_text(folder))]
+    records = [r.record for r in ledger_rows(folder)]
     rows = pd.DataFrame([_flat_scalars(r) for r in records])
     tensors = pd.DataFrame([
         {"problem_id": r["problem_id"], "comparison": comp, **{k: v for k, v in t.items() if not isinstance(v, dict)}}

@@ -20,14 +20,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
 
 from ..ledger.records import Exp1Record, arm_of
-from ..ledger.store import read_rows_text, row_lines
+from ..ledger.store import ledger_rows
 from ..paths import FIGURES, LEDGERS
 from .files import save_table
 
@@ -52,12 +51,11 @@ def exp1_records(ledger_root: str | Path, profile: str, dtype: str) -> dict[str,
     """
     out: dict[str, Exp1Record] = {}
     for folder in sorted(Path(ledger_root, profile).glob(f"exp1-{dtype}-*")):
-        for line in row_lines(read_rows_text(folder)):
-            if line:
-                rec = json.loads(line)
-                if rec["problem_id"] in out:
-                    raise ValueError(f"{profile}: problem {rec['problem_id']} is in two exp1-{dtype} ledgers")
-                out[rec["problem_id"]] = rec
+        for row in ledger_rows(folder):  # a damaged or duplicated line: LedgerLineError naming file, line and ID
+            rec = row.record
+            if rec["problem_id"] in out:
+                raise ValueError(f"{profile}: problem {rec['problem_id']} is in two exp1-{dtype} ledgers")
+            out[rec["problem_id"]] = rec
     return out
 
 

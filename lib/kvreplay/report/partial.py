@@ -21,7 +21,6 @@ rows each arm has finished goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from ..experiments.bridge import bridge_summary, bridge_table
 from ..experiments.replication import describe_checkpoint, replication_summary, replication_table
 from ..experiments.transplant import transplant_summary, transplant_table
 from ..gates import GateError
+from ..ledger.files import read_manifest
 from ..ledger.lookup import finished_rows, ledger_progress
 from ..ledger.records import Exp1Record, Exp2Record
 from ..paths import LEDGERS
@@ -82,7 +82,7 @@ def one_arm_table(experiment: str, rows: list[Any], folder: Path | None = None) 
     if experiment == "exp5":
         if folder is None:
             raise ValueError("Experiment 5's table names its checkpoint from the ledger folder's manifest: pass folder")
-        checkpoint = json.loads((Path(folder) / "manifest.json").read_text())["config"].get("checkpoint")
+        checkpoint = read_manifest(folder)["config"].get("checkpoint")
         if not isinstance(checkpoint, dict):
             raise ValueError(f"{Path(folder) / 'manifest.json'}: its config names no replication checkpoint (`checkpoint`)")
         return replication_table(replication_summary(rows), describe_checkpoint(checkpoint))

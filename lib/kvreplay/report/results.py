@@ -11,7 +11,6 @@ It returns numbers and summary objects, never formatted text;
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import yaml
 from ..adapt.metric import accuracy_summary
 from ..experiments.controls import controls_summary
 from ..experiments.transplant import DEFAULT_PRECONDITION_RULE, localization_table
+from ..ledger.files import read_json, read_manifest
 from ..ledger.lookup import PREFIX_BANK, LoadedLedger, ProfileLedgers, ledger_progress, load_profile_ledgers, read_ledger
 from ..paths import LEDGERS, NOTEBOOKS
 from ..runner import EXECUTION_DEFAULTS
@@ -143,7 +143,7 @@ def _finished_folder(root: Path, pattern: str, match=lambda manifest: True) -> P
         ValueError: more than one (two configs of one arm: move the stale one away).
     """
     found = [p for p in sorted(root.glob(pattern)) if (p / "manifest.json").is_file()
-             and match(json.loads((p / "manifest.json").read_text())) and ledger_progress(p)[0] == ledger_progress(p)[1]]
+             and match(read_manifest(p)) and ledger_progress(p)[0] == ledger_progress(p)[1]]
     if len(found) > 1:
         raise ValueError(f"{len(found)} finished ledgers {pattern} under {root}: {[p.name for p in found]}")
     return found[0] if found else None
@@ -151,7 +151,7 @@ def _finished_folder(root: Path, pattern: str, match=lambda manifest: True) -> P
 
 def controls_ledger(root: Path, profile: str) -> LoadedLedger | None:
     """The finished exploratory-controls ledger built on the profile's prefix bank, or None when not run."""
-    bank = json.loads((root / profile / f"{PREFIX_BANK}.manifest.json").read_text())["sha256"]
+    bank = read_json(root / profile / f"{PREFIX_BANK}.manifest.json", "write the prefix bank again (notebook 01)")["sha256"]
     folder = _finished_folder(root / profile, "exp2_controls-bfloat16-*",
                               lambda m: m["config"].get("prefix_bank_sha256") == bank)
     return read_ledger(folder, "exp2_controls-bfloat16") if folder else None

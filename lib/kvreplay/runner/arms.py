@@ -199,10 +199,16 @@ class ArmPlan(Generic[R]):
         """Run, resume or reuse the arm's ledger (:func:`~kvreplay.runner.run_arm`, with its errors).
 
         Raises:
-            ValueError: ``settings.dtype`` is not one of the arm's precisions; and those of :func:`run_arm`.
+            ValueError: ``settings.dtype`` is not one of the arm's precisions; an arm with preflight rows
+                (``Arm.preflight``) given ``settings.preflight < 1`` below float32, as the profile refuses it; and
+                those of :func:`run_arm`.
         """
         if settings.dtype not in self.arm.dtypes:
             raise ValueError(f"arm {self.experiment} runs at {', '.join(self.arm.dtypes)}, not {settings.dtype}")
+        if self.arm.preflight is not None and settings.preflight < 1 and settings.dtype != "float32":
+            raise ValueError(f"arm {self.experiment} {settings.dtype}: preflight {settings.preflight} would switch off "
+                             "the construction checks of a run below float32 and the abort on a failed preflight row "
+                             f"(the profile's {self.arm.preflight!r} refuses it too); use 1 or more")
         settings = self.bind(settings)
         return run_arm(self.experiment, settings, self.problems, self.row_function(), ledger_root=ledger_root,
                        extra_config=dict(self.key), progress=progress, faults=faults, chunk=self.chunk_function(),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .. import engine
 from ..gates import GateError
+from ..ledger.files import ENVIRONMENT_TODO, atomic_write, read_json
 from ..ledger.store import canonical_json
 from ..problems import Problem
 from .spec import EngineRun, RunSpec
@@ -262,10 +263,10 @@ def gate_recorder(log: Callable[..., None], folder: str | Path, first_id: str | 
         log(event="gates", checks=checks)
         for c in checks:
             if c.get("gate") == "attention_tolerance" and c.get("problem_id") == first_id and path.is_file():
-                env = json.loads(path.read_text())
+                env = read_json(path, ENVIRONMENT_TODO)
                 if ENVIRONMENT_CHECK not in env:
                     env[ENVIRONMENT_CHECK] = {k: v for k, v in c.items() if k not in ("actor_pid", "device", "gate")}
-                    path.write_text(json.dumps(env, indent=1, sort_keys=True) + "\n")
+                    atomic_write(path, json.dumps(env, indent=1, sort_keys=True) + "\n")
     return record
 
 

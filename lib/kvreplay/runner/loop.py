@@ -9,7 +9,6 @@ record to the arm's ledger (:mod:`kvreplay.ledger`) as it finishes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,11 +17,15 @@ from typing import Any, TypeVar
 
 from ..ledger.lookup import ledger_progress
 from ..ledger.records import validate_row
-from ..ledger.store import READ_ONLY_ENV, Ledger, ReadOnlyLedgerError, read_rows_text, row_bar, row_lines, run_rows
+from ..gates import GateError
+from ..ledger import lock
+from ..ledger.files import read_log
+from ..ledger.store import READ_ONLY_ENV, Ledger, ReadOnlyLedgerError, ledger_rows, row_bar, run_rows
 from ..models import context_length
 from ..problems import Problem
 from .actors import RowActors
 from .batched import BatchedRows, gate_recorder
+from .row_checks import EAGER_SAMPLE_CHUNK, failed_equivalence_samples, sampled_equivalence
 from .spec import (
     LIVE_CHECK_SALT,
     ROW_ALGORITHM,
@@ -49,6 +52,7 @@ def _other_folders(root: Path, label: str, folder: Path) -> list[str]:
     return out
 
 
+@lock.releases_locks
 def run_arm(
     name: str,
     settings: ArmSettings,
@@ -89,7 +93,9 @@ def run_arm(
     for this scientific config is read without loading the model. The first
     ``settings.preflight`` rows are preflight rows: a gate failure there
     aborts the arm, and in a run below float32 they also carry the float32
-    construction-equivalence gate (:func:`kvreplay.experiments.matrix.construction_equivalence`).
+    construction-equivalence gate (:func:`kvreplay.experiments.matrix.construction_equivalence`). In this
+    process that check also runs on a sample of each chunk's other rows, its result in the run log, never in
+    the row (:func:`~kvreplay.runner.row_checks.sampled_equivalence`; docs/gates.md).
 
     With ``live_check`` (an experiment whose reference is the live cache) and a dtype below float32, the
     preflight rows and a sample of ``settings.live_check_fraction`` of the others, drawn from the problem IDs
@@ -101,7 +107,8 @@ def run_arm(
     its compute seconds since this call began, model load and compiles included (``compute_s``).
 
     Raises:
-        GateError: ``preflight`` if a preflight row fails a gate; ``composition``
+        GateError: ``equivalence`` when the sampled float32 check of a chunk fails (its rows stay, and the
+            ledger is refused from then on, before any model is loaded); ``preflight`` if a preflight row fails a gate; ``composition``
             or ``graph_equals_eager`` (batched arms) before any row of the process (or, with Ray workers,
             of the actor) that failed it is appended; rows of actors that passed theirs may be in the
             ledger already, in problem order.
@@ -118,6 +125,9 @@ def run_arm(
             every row actor died (finished rows stay in the ledger).
         ReadOnlyLedgerError: a row left to compute while :data:`READ_ONLY_ENV` is ``1``, before any model is
             loaded or ledger folder created.
+        LedgerBusyError: another process is writing this arm's ledger (its writer lock, :mod:`kvreplay.ledger.lock`,
+            is taken before the model is loaded and held to the end), unless ``KVREPLAY_LEDGER_WAIT`` allows waiting.
+        LedgerLineError: a damaged line or a duplicated problem ID in the arm's ledger, before any model is loaded.
     """
     started = time.perf_counter()  # the run's compute time (run log, ``compute_s``): model load and compiles included
     if settings.step_path != "eager" and chunk is None:
@@ -132,10 +142,17 @@ def run_arm(
     done: set[str] = set()
     committed: list[str] = []  # the ledger's finished lines, for a resumed batched arm's gate
     parsed: list[Any] = []  # the same lines parsed
+    if os.environ.get(READ_ONLY_ENV) != "1":
+        lock.acquire(Ledger.folder(root, label, config))  # one writer, before any model is loaded; released at return
     if Ledger.folder(root, label, config).is_dir():
         probe = Ledger(root, label, config, row_algorithm=version)
-        committed = row_lines(read_rows_text(probe.dir))  # read once: done keys and lines
-        parsed = [json.loads(x) for x in committed]
+        failed = failed_equivalence_samples(read_log(probe.dir / "runlog.jsonl"))
+        if failed:
+            raise GateError("equivalence", f"{probe.dir}: the sampled float32 construction-equivalence check failed on "
+                            f"the chunk of rows {', '.join(failed)} (run log), so its rows may come from a broken "
+                            "construction; fix it, delete the folder and run the arm again")
+        rows = ledger_rows(probe.dir, probe.key)  # read once: done keys and lines
+        committed, parsed = [r.text for r in rows], [r.record for r in rows]
         by_id = {r[probe.key]: r for r in parsed}
         if set(ids) <= by_id.keys():  # nothing to compute: no model, no actors; the one line a finished ledger gets
             row_bar(len(ids), len(ids), f"{name} {settings.dtype}", progress)
@@ -216,6 +233,14 @@ def run_arm(
                               on_chunk=lambda stats: ledger.log(event="chunk", **stats))
         mapper, row_fn = (lambda items: (logged(rec) for rec in batched(items))) if checked else batched, None
         ledger.log(event="engine", **dataclasses.asdict(run))
+    if settings.dtype != "float32":  # the float32 equivalence check also on a sample of each chunk's other rows
+        if mapper is None:
+            assert row_fn is not None
+            one = row_fn
+            mapper = lambda items: (one(p) for p in items)  # noqa: E731
+        mapper, row_fn = sampled_equivalence(mapper, spec, {p.problem_id: p for p in problems}, equivalence_ids,
+                                             EAGER_SAMPLE_CHUNK if run is None else settings.chunk or settings.batch,
+                                             ledger.log), None
     records = run_rows(
         ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",

@@ -4,7 +4,8 @@ builds and fits the model's context (paper §3.9). Re-exported by :mod:`kvreplay
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from ..contract import BlockFormat, Caps, ContractError
 from ..problems import Problem
@@ -91,3 +92,94 @@ def check_prompts(
                 f"{max_positions} (max_position_embeddings). Shorten the question, lower the caps, or leave the "
                 f"problem out."
             )
+
+
+EQUIVALENCE_SAMPLE_SIZE = 2
+"""Non-preflight rows per chunk whose boundary prefix gets the float32 construction-equivalence check in a run below
+float32: the chunk's longest prefix and one more drawn by :data:`EQUIVALENCE_SAMPLE_SALT` (docs/gates.md)."""
+
+EQUIVALENCE_SAMPLE_SALT = "construction_equivalence"
+"""Salt (the seed) of the equivalence sample's draw (:func:`equivalence_sample`)."""
+
+EAGER_SAMPLE_CHUNK = 8
+"""Rows of an eager run that form one chunk of the equivalence sample (a batched run: its engine chunk)."""
+
+_EQUIVALENCE_CHECK: list[Callable[..., dict]] = []
+
+
+def register_equivalence_check(check: Callable[..., dict]) -> None:
+    """Name the float32 construction-equivalence check, ``check(spec, problem, prefix) -> {"rel_l2", ...}``
+    raising ``GateError``; :mod:`kvreplay.experiments.matrix` registers ``construction_equivalence`` on import."""
+    _EQUIVALENCE_CHECK[:] = [check]
+
+
+def equivalence_sample(records: Sequence[Mapping[str, Any]], skip: frozenset[str] = frozenset(),
+                       size: int = EQUIVALENCE_SAMPLE_SIZE) -> list[str]:
+    """The problem IDs of one chunk's rows whose prefix gets the sampled float32 equivalence check.
+
+    Candidates: rows with a ``prefix`` (token IDs), no ``gate_failure`` and an ID not in ``skip`` (the preflight
+    rows, checked inside their rows). The longest prefix comes first (ties: the smaller ID), then the others in
+    the order of sha256(``"construction_equivalence:<problem_id>"``), up to ``size`` rows in all.
+    """
+    import hashlib
+
+    rows = [r for r in records if r.get("prefix") and not r.get("gate_failure") and r["problem_id"] not in skip]
+    if not rows or size < 1:
+        return []
+    longest = min(rows, key=lambda r: (-len(r["prefix"]), r["problem_id"]))["problem_id"]
+    drawn = sorted((r["problem_id"] for r in rows if r["problem_id"] != longest),
+                   key=lambda pid: hashlib.sha256(f"{EQUIVALENCE_SAMPLE_SALT}:{pid}".encode()).hexdigest())
+    return [longest, *drawn[: size - 1]]
+
+
+def sampled_equivalence(mapper: Callable[[list[Any]], Iterable[Mapping[str, Any]]], spec: Any,
+                        problems: Mapping[str, Any], skip: frozenset[str], chunk: int,
+                        log: Callable[..., None]) -> Callable[[list[Any]], Iterator[Mapping[str, Any]]]:
+    """``mapper`` with the sampled float32 construction-equivalence check after each chunk of ``chunk`` records.
+
+    Records pass through unchanged, each yielded before its chunk is checked (so appended as before, and a crash
+    loses no more). After a chunk, :func:`equivalence_sample` rows are checked with the registered check; the run
+    log gets ``{"event": "equivalence_sample", "passed", "checks": [{problem_id, prefix_len, rel_l2, seconds}]}``.
+
+    Raises:
+        GateError: the check's (``equivalence``), after logging ``passed: false``; the chunk's rows stay in the
+            ledger, and the arm refuses that ledger afterwards (:func:`failed_equivalence_samples`).
+    """
+    import time
+
+    def check(records: list[Mapping[str, Any]]) -> None:
+        ids = equivalence_sample(records, skip)
+        if not ids or not _EQUIVALENCE_CHECK:
+            return
+        by_id = {r["problem_id"]: r for r in records}
+        done: list[dict] = []
+        for pid in ids:
+            t0 = time.perf_counter()
+            entry = {"problem_id": pid, "prefix_len": len(by_id[pid]["prefix"])}
+            try:
+                out = _EQUIVALENCE_CHECK[0](spec, problems[pid], by_id[pid]["prefix"])
+            except Exception as e:
+                log(event="equivalence_sample", passed=False, checks=done + [entry | {"error": str(e)}],
+                    rows=[r["problem_id"] for r in records])
+                raise
+            done.append(entry | {"rel_l2": out["rel_l2"], "seconds": round(time.perf_counter() - t0, 3)})
+        log(event="equivalence_sample", passed=True, checks=done)
+
+    def mapped(items: list[Any]) -> Iterator[Mapping[str, Any]]:
+        held: list[Mapping[str, Any]] = []
+        for rec in mapper(items):
+            yield rec
+            held.append(rec)
+            if len(held) == chunk:
+                check(held)
+                held = []
+        if held:
+            check(held)
+
+    return mapped
+
+
+def failed_equivalence_samples(events: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The rows of every chunk whose sampled equivalence check failed, from a ledger's run-log events."""
+    return [pid for e in events if e.get("event") == "equivalence_sample" and e.get("passed") is False
+            for pid in e.get("rows", [])]

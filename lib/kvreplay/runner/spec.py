@@ -507,7 +507,7 @@ class ArmSettings:
             config["execution"] = execution
         if self.engine_key() is not None:
             config["engine"] = self.engine_key()
-        ties_key = {"tie_rule": self.tie_rule} if self.tie_rule != ties.DEFAULT_TIE_RULE else {}
+        ties_key = {"tie_rule": r} if (r := ties.parse_tie_rule(self.tie_rule).name) != ties.DEFAULT_TIE_RULE else {}
         return config | ties_key | ({"top_logits": True} if self.top_logits else {})
 
     def run_spec(self, lm: LoadedModel, fmt: BlockFormat, run: "EngineRun | None" = None, **kw: Any) -> "RunSpec":
