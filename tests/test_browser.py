@@ -267,3 +267,30 @@ def test_the_index_opens_with_the_headline_and_links_its_files(reviewer_pages, b
     files = [h for h in page["links"] if h and h.endswith((".csv", ".png", ".pdf", ".md", ".tex"))]
     assert files and all(not h.startswith("/") for h in files)
     assert all((reviewer_pages / h).resolve().is_file() for h in files), "a file link leads nowhere"
+
+
+def test_reviewer_pages_draw_figures_at_full_width_and_wrap_whole_words(reviewer_pages, browser):
+    """At 1,400 px every figure spans its output area, no table cell of a page or of the index may break inside a
+    word (CSS `overflow-wrap: anywhere` or `word-break: break-all` did: "figur / e"), and every link says what it
+    opens: a link to an HTML page reads `.html`, never `.ipynb`."""
+    for name in ("04_experiment4_cache_transplant", "07_figures", "index"):
+        browser.set_window_size(1400, 1000)
+        browser.get((reviewer_pages / f"{name}.html").as_uri())
+        got = browser.execute_script("""
+            const imgs = [...document.querySelectorAll('.jp-OutputArea-output img')].map(i => ({
+                shown: i.getBoundingClientRect().width,
+                area: i.closest('.jp-OutputArea-output').getBoundingClientRect().width}));
+            const cells = [...document.querySelectorAll('td, th')].map(c => getComputedStyle(c))
+                .map(s => s.overflowWrap + ' ' + s.wordBreak);
+            const links = [...document.querySelectorAll('a')].map(a => [a.getAttribute('href') || '', a.innerText]);
+            return {imgs: imgs, cells: cells, links: links, window: window.innerWidth};""")
+        if name == "07_figures":
+            assert got["imgs"], "07: no figure"
+        for img in got["imgs"]:
+            assert img["shown"] >= 0.95 * img["area"] and img["shown"] > 0.6 * got["window"], (
+                f"{name}: a figure {img['shown']:.0f} px wide in an output area of {img['area']:.0f} px")
+        breaking = sorted({c for c in got["cells"] if "anywhere" in c or "break-all" in c})
+        assert not breaking, f"{name}: table cells break inside words ({breaking})"
+        for href, text in got["links"]:
+            if href.split("#")[0].endswith(".html"):
+                assert ".ipynb" not in text and ".html" in text, f"{name}: link to {href} reads {text!r}"

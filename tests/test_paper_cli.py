@@ -387,7 +387,8 @@ def test_the_index_opens_with_the_headline_from_the_data_and_links_every_file(tm
     assert any("frozen interpretation" in x for x in top) and top[-1].startswith("- What differs from the paper's setup")
     page = html.read_text()
     assert page.index("5/16 (31.2%") < page.index("<table>")
-    assert '<a href="08_drift_explorer.html">08_drift_explorer.ipynb</a>' in page
+    assert '<a href="08_drift_explorer.html">08_drift_explorer.html</a>' in page  # a link reads what it opens
+    assert ".ipynb</a>" not in page
     import os
 
     rel = os.path.relpath(FIGURES / "cpu", html_dir)
