@@ -2,8 +2,9 @@
 
 The explorer: JupyterLab serves copies of the notebooks made as ``make lab`` makes them (``make lab-copies``;
 ``--allow-root`` as root), opens the explorer, runs all cells on its defaults (the committed ``cpu`` ledgers:
-"runs as is"), waits for the ipywidgets controls and the first figure (the committed rebuild: no model load),
-flips the K/V switch, moves the layer slider and the position window and waits for a new figure after each
+"runs as is"), waits for the ipywidgets controls and at once, while the first row may still be drawing, picks
+another row, which is rebuilt: its figure must appear in the explorer, not blank (pixels read back), with its
+suffixes and the equality line; then it flips the K/V switch, moves the layer slider and the position window and waits for a new figure after each
 change, then saves the notebook: the copy holds the outputs, the tracked ``notebooks/`` stay byte for byte.
 The HTML: ``make paper``'s renderings of the committed executed notebooks and its index, read at 1,400 px:
 no page wider than the window, all 80 Experiment 4 localization rows there, counts as integers, no raw dict,
@@ -135,8 +136,22 @@ def _status(driver) -> str:
 
 def _figure_src(driver) -> str:
     return driver.execute_script(
-        "const i = document.querySelectorAll('.kvreplay-explorer .jp-OutputArea-output img');"
-        " return i.length ? i[i.length - 1].getAttribute('src').slice(-200) : '';")
+        "const i = document.querySelector('.kvreplay-explorer img.kvreplay-figure');"
+        " return i && i.offsetWidth && i.getAttribute('src') ? i.getAttribute('src').slice(-200) : '';")
+
+
+def _figure_ink(driver) -> float:
+    """The share of the explorer figure's pixels that are not white (-1 while no image is loaded): 0 is a blank figure."""
+    return driver.execute_script("""
+        const img = document.querySelector('.kvreplay-explorer img.kvreplay-figure');
+        if (!img || !img.offsetWidth || !img.complete || !img.naturalWidth) return -1;
+        const c = document.createElement('canvas');
+        c.width = img.naturalWidth; c.height = img.naturalHeight;
+        const g = c.getContext('2d'); g.drawImage(img, 0, 0);
+        const d = g.getImageData(0, 0, c.width, c.height).data;
+        let ink = 0, n = 0;
+        for (let i = 0; i < d.length; i += 40) { n++; if (d[i] < 235 || d[i + 1] < 235 || d[i + 2] < 235) ink++; }
+        return ink / n;""")
 
 
 def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
@@ -158,11 +173,20 @@ def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
     progress("browser: running all cells of the explorer")
     _wait(d, lambda d: d.find_elements("css selector", ".kvreplay-explorer .widget-dropdown select"), 600,
           "the explorer's widgets did not render")
-    _wait(d, lambda d: "drawn in" in _status(d) and _figure_src(d), 900, "no figure after the first draw")
+    # at once, while the cell that drew the widgets may still be drawing the first row: pick another row (one whose
+    # suffixes part), which is rebuilt; its figure must show in the explorer, not blank and not elsewhere
+    target = d.execute_script("""
+        const sel = document.querySelectorAll('.kvreplay-explorer .widget-dropdown select')[1];
+        const k = [...sel.options].findIndex((o, i) => i !== sel.selectedIndex && o.text.includes('diverges at token'));
+        sel.selectedIndex = k; sel.dispatchEvent(new Event('change', {bubbles: true}));
+        return sel.options[k].text.split(' · ')[0];""")
+    progress(f"browser: row changed to {target} right after Run All (a rebuild)")
+    _wait(d, lambda d: "drawn in" in _status(d) and target in _status(d) and _figure_ink(d) > 0.01, 900,
+          f"no figure of {target} after changing the row right after Run All")
     first = time.time() - t0
-    progress(f"browser: first figure {first:.0f} s after Run All")
-    assert "read from the cache of rebuilt rows" in d.execute_script(
-        "return document.querySelector('.kvreplay-explorer').textContent") or "drawn in" in _status(d)
+    progress(f"browser: figure of the changed row {first:.0f} s after Run All")
+    text = d.execute_script("return document.querySelector('.kvreplay-explorer').textContent")
+    assert "suffixes part at step" in text and "boundary logits" in text, text[-800:]
     explorer = d.find_element("css selector", ".kvreplay-explorer")
     d.execute_script("arguments[0].scrollIntoView()", explorer)
     d.save_screenshot(str(shots / "explorer_first_draw.png"))
@@ -177,7 +201,8 @@ def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
         t = time.time()
         action()
         # the status line may read the same after two redraws ("drawn in 1.05 s" twice): the figure must change
-        _wait(d, lambda d: _figure_src(d) != before_src and "drawn in" in _status(d), 120, f"no new figure after {label}")
+        _wait(d, lambda d: _figure_src(d) != before_src and "drawn in" in _status(d) and _figure_ink(d) > 0.01, 120,
+              f"no new figure after {label}")
         return time.time() - t
 
     value_button = next(b for b in d.find_elements("css selector", ".kvreplay-explorer .widget-toggle-buttons button")
