@@ -131,7 +131,7 @@ def headline_rows(res: ProfileResults) -> list[tuple[str, str, str, str, str]]:
             ("Exp 4 exact controls", "§4.4 Exp 4: third trajectory among exact controls", "third_among_exact",
              "exp4.third_among_exact")):
         for tag, ours_p in _precondition_ways(t, t[key], t["counted_as_failure"][key]):
-            rows.append((short + tag, label, rate(ours_p) + tag, paper_rate(res, pid), inside(ours_p, res.paper(pid))))
+            rows.append((short + tag, label + tag, rate(ours_p), paper_rate(res, pid), inside(ours_p, res.paper(pid))))
     r = S["replication"]
     rows.append(("Exp 5 rate", "§4.5 Exp 5 (later checkpoint): suffixes part, prefill vs incremental", rate(r["divergence"]),
                  paper_rate(res, "exp5.divergence"), inside(r["divergence"], res.paper("exp5.divergence"))))
