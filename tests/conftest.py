@@ -246,9 +246,9 @@ def progress(pytestconfig):
     return say
 
 
-FIRST = ("test_notebooks.py", "test_golden_rows.py")
-"""Test files that run first, longest first: the notebook chain (about a third of the suite's time on 2 cores) and the
-golden rows. ``make test`` spreads files over two pytest-xdist workers in this order (``--dist loadfile``), so
+FIRST = ("test_notebooks.py", "test_golden_rows.py", "test_own_model.py")
+"""Test files that run first, longest first: the notebook chain (about a third of the suite's time on 2 cores), the
+golden rows and the README's own-model example through `make paper`. ``make test`` spreads files over two pytest-xdist workers in this order (``--dist loadfile``), so
 the chain starts at once on one worker while the other takes everything else."""
 
 
