@@ -11,7 +11,7 @@ first, so a bad profile stops before any notebook runs. The executed copy and an
 notebooks themselves (``data/ledgers/<profile>/``, ``figures/<profile>/``).
 A notebook that fails stops the chain: its partial copy is moved to
 ``build/<profile>/failed/`` (never left in place of a good one) and the
-failing cell is named; the notebooks before it stay done, so the same
+failing cell is named. The notebooks before it stay done: the same
 command resumes at the one that failed (or was interrupted). A notebook whose inputs (source, parameters, library
 source, the profile's ledgers) are unchanged since its last successful run is
 skipped (the parameters enter as resolved, so editing a profile's value reruns

@@ -97,10 +97,10 @@ class Session:
 
     @property
     def checkpoint_root(self) -> Path:
-        """The role-table checkpoint folders: ``checkpoint_root`` when set; else ``data/checkpoints`` for the
+        """The role-table checkpoint folders: ``checkpoint_root`` when set. Else ``data/checkpoints`` for the
         profiles shipped with the repository (:data:`SHARED_CHECKPOINT_PROFILES`, whose committed pointers name
-        folders there) and ``data/checkpoints/<profile>`` for any other, so that a profile of your own never
-        writes beside the committed folders under look-alike names."""
+        folders there), and ``data/checkpoints/<profile>`` for any other: a profile of your own never writes
+        beside the committed folders under look-alike names."""
         if self.params.checkpoint_root:
             return Path(self.params.checkpoint_root)
         return paths.CHECKPOINTS if self.profile in SHARED_CHECKPOINT_PROFILES else paths.CHECKPOINTS / self.profile
