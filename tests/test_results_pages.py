@@ -157,7 +157,13 @@ def test_make_paper_writes_the_page_of_another_ledger_root_into_build(tmp_path, 
     params = load_parameters("cpu", {"ledger_root": str(LEDGERS)})
     line = paper.write_results("cpu", params, LEDGERS / "cpu")
     page = tmp_path / "build" / "cpu" / "results.md"
-    assert "rewritten" in line and page.read_text() == rp.page_path("cpu").read_text()
+    assert "rewritten" in line and page.read_text() == rp.relinked(rp.page_path("cpu").read_text(), page, ROOT, "cpu")
+    # its links lead where the docs page's do (the executed notebooks: the build folder's own index)
+    import re
+
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text())
+    assert "./index.html" in links and "../executed/cpu/README.md" not in links
+    assert all((page.parent / x).resolve().is_file() for x in links if x != "./index.html" and not x.startswith("http")), links
     assert "up to date" in paper.write_results("cpu", params, LEDGERS / "cpu")
     assert (ROOT / "README.md").read_text() == readme
     empty = load_parameters("smoke", {"ledger_root": str(tmp_path / "none")})
