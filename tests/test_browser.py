@@ -3,7 +3,7 @@
 The explorer: JupyterLab serves copies of the notebooks made as ``make lab`` makes them (``make lab-copies``;
 ``--allow-root`` as root), opens the explorer, runs all cells on its defaults (the committed ``cpu`` ledgers:
 "runs as is"), waits for the ipywidgets controls and at once, while the first row may still be drawing, picks
-another row, which is rebuilt: its figure must appear in the explorer, not blank (pixels read back), with its
+another row, which is rebuilt (the server's cache of rebuilt rows is a temp folder): its figure must appear in the explorer, not blank (pixels read back), with its
 suffixes and the equality line; then it flips the K/V switch, moves the layer slider and the position window and waits for a new figure after each
 change, then saves the notebook: the copy holds the outputs, the tracked ``notebooks/`` stay byte for byte.
 The HTML: ``make paper``'s renderings of the committed executed notebooks and its index, read at 1,400 px:
@@ -64,7 +64,8 @@ def lab(tmp_path_factory):
     (settings / "plugin.jupyterlab-settings").write_text('{"autosave": false}')
     port, token = _free_port(), "kvreplay-browser-test"
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(tmp / "ws"),
-               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "lib"), os.environ.get("PYTHONPATH")])))
+               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), KVREPLAY_EXPLORER_CACHE=str(tmp / "explorer-cache"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "lib"), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp / 'root'}", "--LabApp.expose_app_in_browser=True",
            "--LabApp.news_url=", "--ServerApp.open_browser=False"]
@@ -175,18 +176,23 @@ def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
           "the explorer's widgets did not render")
     # at once, while the cell that drew the widgets may still be drawing the first row: pick another row (one whose
     # suffixes part), which is rebuilt; its figure must show in the explorer, not blank and not elsewhere
-    target = d.execute_script("""
-        const sel = document.querySelectorAll('.kvreplay-explorer .widget-dropdown select')[1];
-        const k = [...sel.options].findIndex((o, i) => i !== sel.selectedIndex && o.text.includes('diverges at token'));
-        sel.selectedIndex = k; sel.dispatchEvent(new Event('change', {bubbles: true}));
-        return sel.options[k].text.split(' · ')[0];""")
+    rows = "document.querySelectorAll('.kvreplay-explorer .widget-dropdown select')[1]"
+    _wait(d, lambda d: d.execute_script(f"const s = {rows}; return !!(s && s.options.length > 1);"), 120,
+          "the row picker lists no rows")
+    target = d.execute_script(f"""
+        const sel = {rows};
+        const others = [...sel.options].map((o, i) => [o, i]).filter(([o, i]) => i !== sel.selectedIndex);
+        const [o, k] = others.find(([o, i]) => o.text.includes('diverges at token')) || others[0];
+        sel.selectedIndex = k; sel.dispatchEvent(new Event('change', {{bubbles: true}}));
+        return o.text.trim().split(/\\s/)[0];""")
     progress(f"browser: row changed to {target} right after Run All (a rebuild)")
     _wait(d, lambda d: "drawn in" in _status(d) and target in _status(d) and _figure_ink(d) > 0.01, 900,
           f"no figure of {target} after changing the row right after Run All")
     first = time.time() - t0
     progress(f"browser: figure of the changed row {first:.0f} s after Run All")
-    text = d.execute_script("return document.querySelector('.kvreplay-explorer').textContent")
-    assert "suffixes part at step" in text and "boundary logits" in text, text[-800:]
+    text = d.execute_script("return document.querySelector('.kvreplay-explorer').textContent").replace("\xa0", " ")
+    assert ("suffixes part at step" in text or "suffixes identical" in text) and "boundary logits" in text, text[-800:]
+    assert "rebuilt on" in text and "in this session" in text, "the changed row does not say it was rebuilt here"
     explorer = d.find_element("css selector", ".kvreplay-explorer")
     d.execute_script("arguments[0].scrollIntoView()", explorer)
     d.save_screenshot(str(shots / "explorer_first_draw.png"))
