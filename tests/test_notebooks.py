@@ -258,7 +258,8 @@ def test_finished_ledgers_are_reused(reused_run, explorer_cache):
     # the explorer's rebuild of the first run is read back (rebuild = False here): its maps, no model loaded
     assert len(list(explorer_cache.glob("smoke/*.npz"))) == 1
     explorer = (out / "08_drift_explorer.ipynb").read_text()
-    assert "read from the cache of rebuilt rows; rebuilt on " in explorer and "image/png" in explorer
+    assert "read from the cache of rebuilt rows (" in explorer and "earlier; nothing rebuilt now" in explorer
+    assert "image/png" in explorer
     assert "Mean over layers of the per-position drift" in explorer
 
 
