@@ -195,18 +195,44 @@ def pytest_runtest_protocol(item, nextitem):
 
     tr = _terminal(item.config)
     stop = threading.Event()
+    _PHASE[item.nodeid] = ("setup", time.monotonic())
     if tr is not None and HEARTBEAT_S > 0:
-        t0 = time.monotonic()
-
         def beat():
             while not stop.wait(HEARTBEAT_S):
-                tr(f"  [still running after {time.monotonic() - t0:.0f} s] {item.nodeid}")
+                phase, since = _PHASE.get(item.nodeid, ("call", time.monotonic()))
+                tr(f"  [{HEARTBEAT_WORDS[phase]} {time.monotonic() - since:.0f} s] {item.nodeid}")
 
         threading.Thread(target=beat, name="test-heartbeat", daemon=True).start()
     try:
         yield
     finally:
         stop.set()
+        _PHASE.pop(item.nodeid, None)
+
+
+_PHASE: dict[str, tuple[str, float]] = {}
+"""A running test's phase (``setup``, ``call``, ``teardown``) and when it began: the heartbeat names it, so a fixture
+torn down after a test has finished (a module's notebook chain, a JupyterLab server) is not read as that test still
+running."""
+
+HEARTBEAT_WORDS = {"setup": "setting up its fixtures for", "call": "still running after",
+                   "teardown": "test done; tearing down its fixtures for"}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    import time
+
+    _PHASE[item.nodeid] = ("setup", time.monotonic())
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    import time
+
+    _PHASE[item.nodeid] = ("teardown", time.monotonic())
+    yield
 
 
 @pytest.fixture(scope="session")
@@ -220,9 +246,9 @@ def progress(pytestconfig):
     return say
 
 
-FIRST = ("test_notebooks.py", "test_golden_rows.py")
-"""Test files that run first, longest first: the notebook chain (about a third of the suite's time on 2 cores) and the
-golden rows. ``make test`` spreads files over two pytest-xdist workers in this order (``--dist loadfile``), so
+FIRST = ("test_notebooks.py", "test_golden_rows.py", "test_own_model.py")
+"""Test files that run first, longest first: the notebook chain (about a third of the suite's time on 2 cores), the
+golden rows and the README's own-model example through `make paper`. ``make test`` spreads files over two pytest-xdist workers in this order (``--dist loadfile``), so
 the chain starts at once on one worker while the other takes everything else."""
 
 
@@ -244,6 +270,9 @@ def pytest_runtest_call(item):
     """A test marked ``@pytest.mark.gate(name)`` fails unless a :class:`~kvreplay.gates.GateError` of that gate is
     raised while it runs (in this process, or in a Ray actor and unpickled here): its planted fault must make that
     gate fire. ``tests/test_gate_registry.py`` checks that every registered gate has such a test."""
+    import time
+
+    _PHASE[item.nodeid] = ("call", time.monotonic())
     names = [m.args[0] for m in item.iter_markers("gate")]
     if not names:
         return (yield)

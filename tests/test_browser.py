@@ -2,8 +2,9 @@
 
 The explorer: JupyterLab serves copies of the notebooks made as ``make lab`` makes them (``make lab-copies``;
 ``--allow-root`` as root), opens the explorer, runs all cells on its defaults (the committed ``cpu`` ledgers:
-"runs as is"), waits for the ipywidgets controls and the first figure (the committed rebuild: no model load),
-flips the K/V switch, moves the layer slider and the position window and waits for a new figure after each
+"runs as is"), waits for the ipywidgets controls and at once, while the first row may still be drawing, picks
+another row, which is rebuilt (the server's cache of rebuilt rows is a temp folder): its figure must appear in the explorer, not blank (pixels read back), with its
+suffixes and the equality line; then it flips the K/V switch, moves the layer slider and the position window and waits for a new figure after each
 change, then saves the notebook: the copy holds the outputs, the tracked ``notebooks/`` stay byte for byte.
 The HTML: ``make paper``'s renderings of the committed executed notebooks and its index, read at 1,400 px:
 no page wider than the window, all 80 Experiment 4 localization rows there, counts as integers, no raw dict,
@@ -63,7 +64,8 @@ def lab(tmp_path_factory):
     (settings / "plugin.jupyterlab-settings").write_text('{"autosave": false}')
     port, token = _free_port(), "kvreplay-browser-test"
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(tmp / "ws"),
-               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "lib"), os.environ.get("PYTHONPATH")])))
+               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), KVREPLAY_EXPLORER_CACHE=str(tmp / "explorer-cache"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "lib"), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp / 'root'}", "--LabApp.expose_app_in_browser=True",
            "--LabApp.news_url=", "--ServerApp.open_browser=False"]
@@ -135,8 +137,22 @@ def _status(driver) -> str:
 
 def _figure_src(driver) -> str:
     return driver.execute_script(
-        "const i = document.querySelectorAll('.kvreplay-explorer .jp-OutputArea-output img');"
-        " return i.length ? i[i.length - 1].getAttribute('src').slice(-200) : '';")
+        "const i = document.querySelector('.kvreplay-explorer img.kvreplay-figure');"
+        " return i && i.offsetWidth && i.getAttribute('src') ? i.getAttribute('src').slice(-200) : '';")
+
+
+def _figure_ink(driver) -> float:
+    """The share of the explorer figure's pixels that are not white (-1 while no image is loaded): 0 is a blank figure."""
+    return driver.execute_script("""
+        const img = document.querySelector('.kvreplay-explorer img.kvreplay-figure');
+        if (!img || !img.offsetWidth || !img.complete || !img.naturalWidth) return -1;
+        const c = document.createElement('canvas');
+        c.width = img.naturalWidth; c.height = img.naturalHeight;
+        const g = c.getContext('2d'); g.drawImage(img, 0, 0);
+        const d = g.getImageData(0, 0, c.width, c.height).data;
+        let ink = 0, n = 0;
+        for (let i = 0; i < d.length; i += 40) { n++; if (d[i] < 235 || d[i + 1] < 235 || d[i + 2] < 235) ink++; }
+        return ink / n;""")
 
 
 def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
@@ -158,11 +174,25 @@ def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
     progress("browser: running all cells of the explorer")
     _wait(d, lambda d: d.find_elements("css selector", ".kvreplay-explorer .widget-dropdown select"), 600,
           "the explorer's widgets did not render")
-    _wait(d, lambda d: "drawn in" in _status(d) and _figure_src(d), 900, "no figure after the first draw")
+    # at once, while the cell that drew the widgets may still be drawing the first row: pick another row (one whose
+    # suffixes part), which is rebuilt; its figure must show in the explorer, not blank and not elsewhere
+    rows = "document.querySelectorAll('.kvreplay-explorer .widget-dropdown select')[1]"
+    _wait(d, lambda d: d.execute_script(f"const s = {rows}; return !!(s && s.options.length > 1);"), 120,
+          "the row picker lists no rows")
+    target = d.execute_script(f"""
+        const sel = {rows};
+        const others = [...sel.options].map((o, i) => [o, i]).filter(([o, i]) => i !== sel.selectedIndex);
+        const [o, k] = others.find(([o, i]) => o.text.includes('diverges at token')) || others[0];
+        sel.selectedIndex = k; sel.dispatchEvent(new Event('change', {{bubbles: true}}));
+        return o.text.trim().split(/\\s/)[0];""")
+    progress(f"browser: row changed to {target} right after Run All (a rebuild)")
+    _wait(d, lambda d: "drawn in" in _status(d) and target in _status(d) and _figure_ink(d) > 0.01, 900,
+          f"no figure of {target} after changing the row right after Run All")
     first = time.time() - t0
-    progress(f"browser: first figure {first:.0f} s after Run All")
-    assert "read from the cache of rebuilt rows" in d.execute_script(
-        "return document.querySelector('.kvreplay-explorer').textContent") or "drawn in" in _status(d)
+    progress(f"browser: figure of the changed row {first:.0f} s after Run All")
+    text = d.execute_script("return document.querySelector('.kvreplay-explorer').textContent").replace("\xa0", " ")
+    assert ("suffixes part at step" in text or "suffixes identical" in text) and "boundary logits" in text, text[-800:]
+    assert "rebuilt on" in text and "in this session" in text, "the changed row does not say it was rebuilt here"
     explorer = d.find_element("css selector", ".kvreplay-explorer")
     d.execute_script("arguments[0].scrollIntoView()", explorer)
     d.save_screenshot(str(shots / "explorer_first_draw.png"))
@@ -177,7 +207,8 @@ def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
         t = time.time()
         action()
         # the status line may read the same after two redraws ("drawn in 1.05 s" twice): the figure must change
-        _wait(d, lambda d: _figure_src(d) != before_src and "drawn in" in _status(d), 120, f"no new figure after {label}")
+        _wait(d, lambda d: _figure_src(d) != before_src and "drawn in" in _status(d) and _figure_ink(d) > 0.01, 120,
+              f"no new figure after {label}")
         return time.time() - t
 
     value_button = next(b for b in d.find_elements("css selector", ".kvreplay-explorer .widget-toggle-buttons button")
@@ -267,3 +298,30 @@ def test_the_index_opens_with_the_headline_and_links_its_files(reviewer_pages, b
     files = [h for h in page["links"] if h and h.endswith((".csv", ".png", ".pdf", ".md", ".tex"))]
     assert files and all(not h.startswith("/") for h in files)
     assert all((reviewer_pages / h).resolve().is_file() for h in files), "a file link leads nowhere"
+
+
+def test_reviewer_pages_draw_figures_at_full_width_and_wrap_whole_words(reviewer_pages, browser):
+    """At 1,400 px every figure spans its output area, no table cell of a page or of the index may break inside a
+    word (CSS `overflow-wrap: anywhere` or `word-break: break-all` did: "figur / e"), and every link says what it
+    opens: a link to an HTML page reads `.html`, never `.ipynb`."""
+    for name in ("04_experiment4_cache_transplant", "07_figures", "index"):
+        browser.set_window_size(1400, 1000)
+        browser.get((reviewer_pages / f"{name}.html").as_uri())
+        got = browser.execute_script("""
+            const imgs = [...document.querySelectorAll('.jp-OutputArea-output img')].map(i => ({
+                shown: i.getBoundingClientRect().width,
+                area: i.closest('.jp-OutputArea-output').getBoundingClientRect().width}));
+            const cells = [...document.querySelectorAll('td, th')].map(c => getComputedStyle(c))
+                .map(s => s.overflowWrap + ' ' + s.wordBreak);
+            const links = [...document.querySelectorAll('a')].map(a => [a.getAttribute('href') || '', a.innerText]);
+            return {imgs: imgs, cells: cells, links: links, window: window.innerWidth};""")
+        if name == "07_figures":
+            assert got["imgs"], "07: no figure"
+        for img in got["imgs"]:
+            assert img["shown"] >= 0.95 * img["area"] and img["shown"] > 0.6 * got["window"], (
+                f"{name}: a figure {img['shown']:.0f} px wide in an output area of {img['area']:.0f} px")
+        breaking = sorted({c for c in got["cells"] if "anywhere" in c or "break-all" in c})
+        assert not breaking, f"{name}: table cells break inside words ({breaking})"
+        for href, text in got["links"]:
+            if href.split("#")[0].endswith(".html"):
+                assert ".ipynb" not in text and ".html" in text, f"{name}: link to {href} reads {text!r}"

@@ -92,6 +92,18 @@ def test_the_widget_draws_a_cached_row_and_marks_a_rebuild_before_it_starts(cpu_
     ex.refresh()  # the committed rebuild: drawn at once, no model
     assert "drawn in" in ex.status.value and ex.window.value == (0, row["prefix_len"] - 1)
     assert (ex.layer.max, ex.head.max) == (29, 2)
+    # it opens where the drift is: the layer and head of largest key drift, not layer 0, head 0
+    drift = explorer.cached(ledger, row, "prefill_vs_live")
+    heads = drift.maps[("key", "head")].to_numpy()
+    assert heads[ex.layer.value, ex.head.value] == np.nanmax(heads) > 0 and "bit-exact" not in ex.status.value
+    # where the drawn row comes from, and what was compared with the ledger
+    assert "a committed rebuild (data/explorer/cpu/" in ex.source.value and "nothing rebuilt here" in ex.source.value
+    assert "rebuilt in" not in ex.status.value
+    assert "whole-cache summary" in ex.source.value and "reproduces the ledger bit for bit" in ex.source.value
+    # the two suffixes side by side from a few tokens before they part
+    first = row["endpoints"]["first_divergence"]
+    assert f"suffixes part at step {first}" in ex.suffixes.value and f"step {max(0, first - 4)}" in ex.suffixes.value
+    assert ex.figure.value[:4] == b"\x89PNG" and ex.figure.layout.display is None
     seen = []
 
     def fake_rebuild(ledger, row, comparison, model=None, progress=None):
@@ -107,3 +119,50 @@ def test_the_widget_draws_a_cached_row_and_marks_a_rebuild_before_it_starts(cpu_
     ex.last_draw_s = None
     ex.window.value = (5, 20)  # a change of the window redraws
     assert ex.last_draw_s is not None
+
+
+def test_the_equality_line_says_what_was_compared_and_why_it_may_differ(cpu_exp1, no_model):
+    import dataclasses
+
+    ledger, row = cpu_exp1
+    drift = explorer.cached(ledger, row, "prefill_vs_live")
+    line = explorer.equality_line(drift, ledger)
+    assert "boundary logits" in line and "per-layer K/V drift" in line and "bit for bit" in line
+    elsewhere = dataclasses.replace(drift, fingerprint={"cache": True, "logits": False, "tensors": True},
+                                    environment=drift.environment | {"device_name": "Another CPU"})
+    line = explorer.equality_line(elsewhere, ledger)
+    assert "boundary logits (argmax, top-5, top-1 minus top-2 margins, max |Δ|): differs" in line
+    assert f"written on {ledger.contract['device_name']}" in line and "ran on Another CPU" in line
+    assert "need not equal the ledger's" in line
+
+
+def test_an_all_exact_row_opens_on_bit_exact(cpu_exp1, no_model):
+    import dataclasses
+
+    ledger, row = cpu_exp1
+    drift = explorer.cached(ledger, row, "prefill_vs_live")
+    exact = dataclasses.replace(drift, maps={k: m * 0 for k, m in drift.maps.items()})
+    assert explorer.largest_view(drift) is not None and explorer.largest_view(exact) is None
+
+
+def test_block_names_overlap_neither_each_other_nor_the_titles(cpu_exp1, no_model):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvreplay.report import figures
+
+    ledger, row = cpu_exp1
+    drift = explorer.cached(ledger, row, "prefill_vs_live")
+    for window in (None, (0, 40)):
+        fig = figures.explorer_view(drift.maps, explorer.head_position_drift(drift, 5, 1, "key"), drift.tokens,
+                                    drift.blocks, layer=5, head=1, kind="key", title="t")
+        explorer.zoom(fig, drift.tokens, window)
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            boxes = [t.get_window_extent(r) for t in ax.texts if t.get_visible()]
+            boxes += [ax.title.get_window_extent(r), ax._left_title.get_window_extent(r)]
+            boxes = [b for b in boxes if b.width > 0]
+            clash = [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if boxes[i].overlaps(boxes[j])]
+            assert not clash, f"{ax.get_title(loc='left')!r}, window {window}: labels overlap"
+        matplotlib.pyplot.close(fig)

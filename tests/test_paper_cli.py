@@ -73,6 +73,42 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
     assert [n[:2] for n in ran] == ["03"]
 
 
+@pytest.mark.parametrize("stop", ["failure", "interrupt"])
+def test_a_stopped_chain_resumes_at_the_notebook_that_stopped(tmp_path, monkeypatch, capsys, stop):
+    """A chain that fails (or is interrupted) in 03 keeps 01 and 02 done: the same command skips them, even though
+    03 wrote ledger rows before it stopped, and runs 03 (then the rest) again."""
+    from kvreplay import paper, profiles
+
+    params = tmp_path / "params"
+    params.mkdir()
+    (params / "mini.yaml").write_text(f"profile: mini\nbase: defaults\nledger_root: {tmp_path / 'ledgers'}\n")
+    ledgers = tmp_path / "ledgers" / "mini"
+    ledgers.mkdir(parents=True)
+    ran, failing = [], ["03"]
+
+    def fake_run(name, prm, out_dir, html=True, progress=True):
+        ran.append(name[:2])
+        (ledgers / f"rows-{name[:2]}.jsonl").write_text(f"{len(ran)}\n")  # each notebook writes (or resumes) a ledger
+        if name[:2] in failing:
+            if stop == "interrupt":
+                raise KeyboardInterrupt
+            raise RuntimeError(f"{name} failed in cell 3 (ValueError: planted)")
+        (out_dir / name).write_text("executed")
+
+    monkeypatch.setattr(profiles, "PARAMS", params)
+    monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(paper, "run_notebook", fake_run)
+    args = ["--profile", "mini", "--only", "01", "02", "03", "04"]
+    assert paper.main(args) == (1 if stop == "failure" else 130)
+    assert ran == ["01", "02", "03"]
+    failing.clear()
+    assert paper.main(args) == 0
+    assert ran == ["01", "02", "03", "03", "04"], "the notebooks that finished before the stop ran again"
+    out = capsys.readouterr().out
+    assert out.count("up to date") == 2
+    assert paper.main(args) == 0 and len(ran) == 5  # a finished chain: every notebook skipped
+
+
 def test_inprocess_engine_injects_parameters_and_names_the_failing_cell(tmp_path):
     """The in-process runner injects the values of the names the parameters cell declares, as papermill does."""
     import json
@@ -351,7 +387,8 @@ def test_the_index_opens_with_the_headline_from_the_data_and_links_every_file(tm
     assert any("frozen interpretation" in x for x in top) and top[-1].startswith("- What differs from the paper's setup")
     page = html.read_text()
     assert page.index("5/16 (31.2%") < page.index("<table>")
-    assert '<a href="08_drift_explorer.html">08_drift_explorer.ipynb</a>' in page
+    assert '<a href="08_drift_explorer.html">08_drift_explorer.html</a>' in page  # a link reads what it opens
+    assert ".ipynb</a>" not in page
     import os
 
     rel = os.path.relpath(FIGURES / "cpu", html_dir)

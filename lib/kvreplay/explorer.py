@@ -50,6 +50,7 @@ notebook 08 draw without loading a model."""
 _MODELS: dict = {}
 _TOKENIZERS: dict = {}
 _DRIFTS: dict = {}
+_ORIGINS: dict[str, Path | None] = {}  # a drift's digest -> the file it was read from (None: rebuilt in this kernel)
 
 
 def cache_dir() -> Path:
@@ -105,8 +106,94 @@ def cached(ledger: LoadedLedger, row: Exp1Row | Exp2Row, comparison: str, model:
         if path.is_file():
             drift = load_drift(path)
             _DRIFTS[key["digest"]] = drift
+            _ORIGINS[key["digest"]] = path
             return drift
     return None
+
+
+def _shown(path: Path) -> str:
+    from .paths import ROOT
+
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def origin(drift: RebuiltDrift) -> str:
+    """Where a drawn row comes from, in words: a committed rebuild (:data:`COMMITTED_CACHE`), the cache of rebuilt rows
+    (a file of :func:`cache_dir`) or a rebuild in this kernel, with the machine and the seconds that rebuild took."""
+    made = (f"rebuilt on {drift.environment.get('device_name', '?')} in {drift.seconds['rebuild']:.1f} s "
+            f"(model load {drift.seconds['model']:.1f} s)")
+    path = _ORIGINS.get(drift.key["digest"])
+    if path is None:
+        return f"{made} in this session"
+    if Path(path).resolve().is_relative_to(COMMITTED_CACHE.resolve()):
+        return f"a committed rebuild ({_shown(path)}), {made} where its ledger was computed; nothing rebuilt here"
+    return f"read from the cache of rebuilt rows ({_shown(path)}), {made} earlier; nothing rebuilt now"
+
+
+def same_environment(drift: RebuiltDrift, ledger: LoadedLedger) -> bool:
+    """Whether ``drift`` was rebuilt with the ledger's machine and software: torch, transformers, device name, threads,
+    SDPA backends, dtype and the model's weights digest (where they all agree the rebuild must equal the ledger)."""
+    here, there = drift.environment, ledger.contract
+    return all(here.get(k) == there.get(k) for k in ("torch", "transformers", "device_name", "intra_op_threads",
+                                                      "sdpa_backends_used", "dtype")) \
+        and here.get("model", {}).get("weights_sha256") == there.get("model", {}).get("weights_sha256")
+
+
+FINGERPRINT_PARTS = {"cache": "whole-cache summary (exact, relative L2, max |Δ|, differing elements)",
+                     "logits": "boundary logits (argmax, top-5, top-1 minus top-2 margins, max |Δ|)",
+                     "tensors": "per-layer K/V drift"}
+"""What :func:`kvreplay.rebuild.fingerprint_matches` compares, part by part, between a rebuild and its ledger row."""
+
+
+def equality_line(drift: RebuiltDrift, ledger: LoadedLedger) -> str:
+    """One sentence: what of the row was compared with its ledger (:data:`FINGERPRINT_PARTS`), which parts are equal,
+    and, where some differ, why they may: the ledger's machine and software against the rebuild's."""
+    fp = drift.fingerprint
+    parts = "; ".join(f"{FINGERPRINT_PARTS.get(k, k)}: {'equal' if ok else 'differs'}" for k, ok in fp.items())
+    line = f"rebuilt values against the ledger row's ({parts})"
+    if all(fp.values()):
+        return line + ": the rebuild reproduces the ledger bit for bit"
+    there, here = ledger.contract, drift.environment
+    if same_environment(drift, ledger):
+        return line + ": the same machine and software as the ledger, so this is a failure to reproduce it"
+    return (line + f". The ledger was written on {there.get('device_name', '?')} (torch {there.get('torch', '?')}, "
+            f"{there.get('intra_op_threads', '?')} threads), the rebuild ran on {here.get('device_name', '?')} (torch "
+            f"{here.get('torch', '?')}, {here.get('intra_op_threads', '?')} threads): another CPU kind or software runs "
+            "other BF16 and FP32 kernels, whose last bits differ, so the rebuilt values need not equal the ledger's")
+
+
+def largest_view(drift: RebuiltDrift, kind: str = "key") -> tuple[int, int] | None:
+    """``(layer, KV head)`` of the largest drift of ``kind`` in ``drift`` (per head, over positions); ``None`` where the
+    row's two caches are bit-exact in every layer and head."""
+    m = np.nan_to_num(drift.maps[(kind, "head")].to_numpy().astype(np.float64), nan=0.0)
+    if not (m > 0).any():
+        return None
+    layer, head = np.unravel_index(int(np.argmax(m)), m.shape)
+    return int(layer), int(head)
+
+
+def suffix_table(tokenizer, row: Exp1Row | Exp2Row, ref: str, other: str, before: int = 4, after: int = 8) -> tuple[str, pd.DataFrame]:
+    """The two suffixes of a row's arms side by side, from ``before`` tokens before the step where they first differ
+    to ``after`` tokens past it (the first ``before + after + 1`` steps when they never differ).
+
+    Returns:
+        ``(heading, frame)``: a line naming where they part; a frame with one row per arm (``ref``, ``other``,
+        ``same``) and one column per suffix step (token text, whitespace shown as escapes).
+    """
+    from .experiments.endpoints import first_divergence
+    from .ledger.records import arm_of
+    from .rebuild import suffix_alignment
+
+    a, b = arm_of(row, ref), arm_of(row, other)
+    first = first_divergence(a["suffix"], b["suffix"])
+    aligned = suffix_alignment(tokenizer, a["suffix"], b["suffix"], a["margins"], b["margins"], first,
+                               before=before, after=after)
+    frame = aligned[["reference", "other", "same"]].rename(columns={"reference": ref, "other": other}).T
+    frame.columns = [f"step {i}" for i in frame.columns]
+    heading = (f"suffixes identical ({len(a['suffix'])} tokens)" if first is None else
+               f"suffixes part at step {first} after the boundary ({ref}: {a['predicted']}, {other}: {b['predicted']})")
+    return heading, frame
 
 
 def committed_example(ledger_key: str, comparison: str, profile: str = "cpu") -> RebuiltDrift | None:
@@ -155,6 +242,7 @@ def rebuild(ledger: LoadedLedger, row: Exp1Row | Exp2Row, comparison: str, model
     tell(3, 4, "writing the rebuilt row to the cache")
     save_drift(drift, drift_file(Path(into) if into is not None else cache_dir(), drift.key))
     _DRIFTS[drift.key["digest"]] = drift
+    _ORIGINS[drift.key["digest"]] = None
     tell(4, 4, "done")
     return drift
 
@@ -189,20 +277,27 @@ def zoom(fig, tokens: list[str], window: tuple[int, int] | None, max_labels: int
             ax.set_xlim(lo - 0.5, hi + 0.5)
             figures.token_ticks(ax, tokens, lo, hi + 1, max_labels=max_labels)
             for text in ax.texts:  # block names outside the window would stretch the layout
-                text.set_visible(lo - 0.5 <= text.get_position()[0] <= hi + 0.5)
+                x = text.xy[0] if hasattr(text, "xy") else text.get_position()[0]  # an annotation: its anchor
+                text.set_visible(lo - 0.5 <= x <= hi + 0.5)
 
 
-def as_png(fig, dpi: int = 80):
-    """A figure as an inline PNG image at ``dpi`` (closed afterwards): independent of the kernel's matplotlib backend."""
+def png_bytes(fig, dpi: int = 80) -> bytes:
+    """A figure as PNG bytes at ``dpi`` (closed afterwards): independent of the kernel's matplotlib backend."""
     import io
 
     import matplotlib.pyplot as plt
-    from IPython.display import Image
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     plt.close(fig)
-    return Image(data=buf.getvalue(), format="png")
+    return buf.getvalue()
+
+
+def as_png(fig, dpi: int = 80):
+    """A figure as an inline PNG image at ``dpi`` (closed afterwards): :func:`png_bytes` for ``display``."""
+    from IPython.display import Image
+
+    return Image(data=png_bytes(fig, dpi), format="png")
 
 
 def row_status(row: dict, comparison: str) -> str:
@@ -241,10 +336,14 @@ class Explorer:
 
     ``Explorer(ledger_root, profile).widget`` is an ipywidgets box; display it in a notebook. Picking a row or pair
     draws it from the cache of rebuilt rows (:func:`cached`) within about a second, or rebuilds it (minutes, with a
-    progress bar; the figure says "rebuilding" meanwhile, the previous row's maps cleared). Sliders and switches
-    redraw from the cached drift, a slider when released (``continuous_update=False``). The position window
-    zooms the position axes until each token's text is on the axis; a table lists the positions of largest drift of
-    the selected layer and head. ``last_draw_s`` holds the last redraw's wall time, also shown in the status line.
+    progress bar; the figure says "Rebuilding" meanwhile, the previous row's maps hidden). A new row opens at the
+    layer and KV head of its largest key drift (:func:`largest_view`; a bit-exact row says so). Sliders and switches
+    redraw from the cached drift, a slider when released (``continuous_update=False``). Every figure and table is
+    a widget's value (an ``Image``, ``HTML``), never output captured into an ``Output`` area, so a change made
+    while an earlier draw or Run All is still going cannot send a figure elsewhere. The status line says where the
+    row comes from (:func:`origin`) and what was compared with the ledger (:func:`equality_line`); below the
+    figure, the positions of largest drift and the two suffixes from a few tokens before they part
+    (:func:`suffix_table`). ``last_draw_s`` holds the last redraw's wall time.
 
     Raises:
         MissingLedgerError: if the profile has no Experiment 1 or 2 ledger.
@@ -271,9 +370,15 @@ class Explorer:
         self.kind = w.ToggleButtons(options=["key", "value"], description="K / V")
         self.progress = w.IntProgress(min=0, max=4, description="rebuild", layout=w.Layout(width="460px"))
         self.status = w.HTML()
-        self.summary_out = w.Output()
-        self.plot = w.Output()
-        self.largest = w.Output()
+        self.source = w.HTML()  # where the row comes from and what was compared with the ledger
+        self.summary_note = w.HTML()
+        self.summary_image = w.Image(format="png", layout=w.Layout(width="100%", max_width="1100px"))
+        self.notice = w.HTML()  # "Rebuilding ..." while a rebuild runs
+        self.figure = w.Image(format="png", layout=w.Layout(width="100%", max_width="1300px"))
+        self.figure.add_class("kvreplay-figure")
+        self.largest = w.HTML()
+        self.suffixes = w.HTML()
+        self.suffixes.add_class("kvreplay-suffixes")
         self._fill_rows(problem)
         self.pair_picker.observe(self._on_pair, names="value")
         self.row_picker.observe(self._on_row, names="value")
@@ -281,7 +386,8 @@ class Explorer:
             c.observe(self._on_view, names="value")
         self.widget = w.VBox([
             w.HBox([self.pair_picker, self.kind]), self.row_picker, w.HBox([self.layer, self.head]), self.window,
-            w.HBox([self.progress, self.status]), self.summary_out, self.plot, self.largest,
+            w.HBox([self.progress, self.status]), self.source, self.summary_note, self.summary_image, self.notice,
+            self.figure, self.largest, self.suffixes,
         ])
         self.widget.add_class("kvreplay-explorer")
 
@@ -332,39 +438,46 @@ class Explorer:
 
     # -- drawing
     def refresh(self) -> None:
-        """Show the ledger's per-layer summary of the current row, then draw its rebuilt drift: from the cache, or
-        rebuilt (the figure marked as rebuilding until then)."""
-        from IPython.display import HTML, display
+        """Show the ledger's per-layer summary of the current row and its two suffixes, then draw its rebuilt drift:
+        from the cache, or rebuilt (the figure marked as rebuilding until then), at its layer and head of largest
+        drift."""
+        import html
 
         row, comp = self.row, self.comparison
         ref, other = comparison_arms(self.ledger.key.split("-")[0], comp)
         summary = comparison_of(row, comp)
-        with self.summary_out:
-            self.summary_out.clear_output(wait=True)
-            if "tensors" in summary:
-                fig = figures.explorer_layers(layer_drift_frame(summary["tensors"]),
-                                              title=f"{row['problem_id']}: {other} vs {ref}, {self.ledger.config['dtype']} (ledger)")
-                display(as_png(fig))
-            else:
-                print(f"the ledger keeps only the whole-cache summary for {comp} (exact: {summary['cache']['exact']})")
+        if "tensors" in summary:
+            fig = figures.explorer_layers(layer_drift_frame(summary["tensors"]),
+                                          title=f"{row['problem_id']}: {other} vs {ref}, {self.ledger.config['dtype']} (ledger)")
+            self.summary_image.value = png_bytes(fig)
+            self.summary_image.layout.display = None
+            self.summary_note.value = ""
+        else:
+            self.summary_image.layout.display = "none"
+            self.summary_note.value = (f"<p>the ledger keeps only the whole-cache summary for {comp} "
+                                       f"(exact: {summary['cache']['exact']})</p>")
+        heading, frame = suffix_table(tokenizer_for(self.ledger, self.model), row, ref, other)
+        self.suffixes.value = (f"<p><b>The two suffixes</b>, {html.escape(heading)}:</p>"
+                               + frame.to_html(escape=True, border=0))
         drift = cached(self.ledger, row, comp, self.model)
         if drift is None:  # minutes: say so where the figure is, so the previous row's maps are not read as this one's
-            with self.plot:
-                self.plot.clear_output(wait=True)
-                display(HTML(f"<p class='kvreplay-stale'><b>Rebuilding {row['problem_id']}</b> ({other} vs {ref}, "
-                             f"{self.ledger.config['dtype']}, |z| = {len(row['prefix'])} tokens): the model loads and "
-                             "both caches are rebuilt once; later draws of this row read the cache.</p>"))
-            with self.largest:
-                self.largest.clear_output()
+            self.figure.layout.display = "none"
+            self.largest.value = ""
+            self.source.value = ""
+            self.notice.value = (f"<p class='kvreplay-stale'><b>Rebuilding {row['problem_id']}</b> ({other} vs {ref}, "
+                                 f"{self.ledger.config['dtype']}, |z| = {len(row['prefix'])} tokens): the model loads "
+                                 "and both caches are rebuilt once; later draws of this row read the cache.</p>")
             self.status.value = "<span class='kvreplay-status-stale'>rebuilding</span>"
             drift = rebuild(self.ledger, row, comp, self.model, progress=self._tell)
         else:
             self._tell(4, 4, "read from the cache of rebuilt rows")
         n_layers, n_heads = drift.maps[("key", "head")].shape
         n = len(drift.tokens)
+        at = largest_view(drift, self.kind.value) or (0, 0)
         self._quiet = True
         try:
             self.layer.max, self.head.max = n_layers - 1, n_heads - 1
+            self.layer.value, self.head.value = at
             self.window.max = max(1, n - 1)
             self.window.value = (0, n - 1)
         finally:
@@ -374,7 +487,7 @@ class Explorer:
     def draw(self) -> None:
         """Redraw the heatmaps, the selected layer/head's per-position drift and its largest positions from the cached
         drift (nothing while the current row is being rebuilt)."""
-        from IPython.display import display
+        import html
 
         t0 = time.perf_counter()
         row, comp = self.row, self.comparison
@@ -383,28 +496,24 @@ class Explorer:
             return
         ref, other = comparison_arms(self.ledger.key.split("-")[0], comp)
         layer, head, kind = self.layer.value, self.head.value, self.kind.value
+        exact = largest_view(drift, kind) is None
         detail = head_position_drift(drift, layer, head, kind)
         fig = figures.explorer_view(drift.maps, detail, drift.tokens, drift.blocks, layer=layer, head=head, kind=kind,
-                                    title=f"{row['problem_id']}: {other} vs {ref}, {self.ledger.config['dtype']}")
+                                    title=f"{row['problem_id']}: {other} vs {ref}, {self.ledger.config['dtype']}"
+                                    + (f": bit-exact ({kind}s equal in every layer, head and position)" if exact else ""))
         lo, hi = self.window.value
         zoom(fig, drift.tokens, (lo, hi) if (lo, hi) != (0, len(drift.tokens) - 1) else None)
-        image = as_png(fig)
+        self.figure.value = png_bytes(fig)
+        self.figure.layout.display = None
+        self.notice.value = ""
         top = largest_drift(drift, layer, head, kind)
-        with self.plot:
-            self.plot.clear_output(wait=True)
-            display(image)
-        with self.largest:
-            self.largest.clear_output(wait=True)
-            print(f"positions of largest drift, layer {layer}, KV head {head}, {kind}s"
-                  + ("" if len(top) else ": none (bit-exact)"))
-            if len(top):
-                display(top)
+        self.largest.value = (f"<p>positions of largest drift, layer {layer}, KV head {head}, {kind}s"
+                              + (": none (bit-exact)</p>" if not len(top) else "</p>" + top.to_html(escape=True, border=0)))
         self.last_draw_s = time.perf_counter() - t0
-        fp = all(drift.fingerprint.values())
-        self.status.value = (f"<span class='kvreplay-status'>drawn in {self.last_draw_s:.2f} s · rebuilt in "
-                             f"{drift.seconds['rebuild']:.1f} s (model load {drift.seconds['model']:.1f} s) on "
-                             f"{drift.environment.get('device_name', '?')} · rebuilt drift equals the ledger's: "
-                             f"{fp}</span>")
+        self.source.value = (f"<span class='kvreplay-source'>{html.escape(origin(drift))} · "
+                             f"{html.escape(equality_line(drift, self.ledger))}</span>")
+        self.status.value = (f"<span class='kvreplay-status'>drawn in {self.last_draw_s:.2f} s · {row['problem_id']} · "
+                             f"layer {layer}, KV head {head}" + (" · bit-exact" if exact else "") + "</span>")
 
     def show(self):
         """Display the controls and draw the current row (rebuilding it if needed); returns the widget."""

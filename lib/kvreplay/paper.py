@@ -11,7 +11,8 @@ first, so a bad profile stops before any notebook runs. The executed copy and an
 notebooks themselves (``data/ledgers/<profile>/``, ``figures/<profile>/``).
 A notebook that fails stops the chain: its partial copy is moved to
 ``build/<profile>/failed/`` (never left in place of a good one) and the
-failing cell is named. A notebook whose inputs (source, parameters, library
+failing cell is named. The notebooks before it stay done: the same
+command resumes at the one that failed (or was interrupted). A notebook whose inputs (source, parameters, library
 source, the profile's ledgers) are unchanged since its last successful run is
 skipped (the parameters enter as resolved, so editing a profile's value reruns
 what reads it); ``--force`` runs it anyway.
@@ -289,24 +290,41 @@ def _main(argv: list[str] | None) -> int:
     os.environ[TERMINAL_PROGRESS] = "1"  # kernels inherit it: computed rows get a row bar in this terminal
     executed = (args.executed or label in EXECUTED_PROFILES) and not args.no_executed
     name = chain[0]
+    finished: list[str] = []  # run or skipped as up to date in this run, in chain order
+
+    def stamp_finished() -> None:
+        # A chain that stops (a failing cell, Ctrl-C) keeps what it finished: each notebook before the one that
+        # stopped is stamped against the state now, so the same command skips them and resumes at the one that
+        # stopped (a notebook reads only its own and earlier notebooks' ledgers; what the stopped one wrote since
+        # is the ledger it resumes).
+        for done in finished:
+            (out_dir / f".{Path(done).stem}.inputs").write_text(inputs_digest(done, params))
+
     try:
         for name in chain:
             t = time.perf_counter()
             stamp = out_dir / f".{Path(name).stem}.inputs"
             if not args.force and (out_dir / name).exists() and stamp.exists() and stamp.read_text() == inputs_digest(name, params):
                 print(f"== {name}: up to date (source, parameters, library and ledgers unchanged), skipped", flush=True)
+                finished.append(name)
                 continue
             print(f"== {name} (profile {label})", flush=True)
             stamp.unlink(missing_ok=True)
             try:
                 run_notebook(name, injected, out_dir, html=not args.no_html)
             except RuntimeError as e:
+                stamp_finished()
                 print(f"error: {e}", file=sys.stderr)
+                if finished:
+                    print(f"the notebooks before it stay done: the same command skips {', '.join(Path(f).stem[:2] for f in finished)} "
+                          f"and resumes at {Path(name).stem[:2]}", file=sys.stderr)
                 return 1
             print(f"   done in {time.perf_counter() - t:.0f} s", flush=True)
+            finished.append(name)
             if executed:
                 clean_executed(out_dir / name, EXECUTED / label / name)
     except KeyboardInterrupt:
+        stamp_finished()
         print(f"\ninterrupted (Ctrl-C) in {name}: the rows it finished are kept in {_shown_path(ledgers)}; "
               "run the same command again to resume", file=sys.stderr, flush=True)
         return 130

@@ -17,13 +17,27 @@ from .report.paper_tables import NOT_RUN
 
 READING_CSS = """
 .jp-OutputArea-output { overflow-x: auto; }
+.jp-RenderedImage img, .jp-OutputArea-output img { width: 100%; max-width: 100%; height: auto; }
 .jp-RenderedHTMLCommon table { table-layout: auto; max-width: none; }
-.jp-RenderedHTMLCommon td, .jp-RenderedHTMLCommon th { white-space: normal; overflow-wrap: anywhere;
-  max-width: 36em; vertical-align: top; }
+.jp-RenderedHTMLCommon td, .jp-RenderedHTMLCommon th { white-space: normal; overflow-wrap: normal;
+  word-break: normal; hyphens: none; max-width: 36em; vertical-align: top; }
 .jp-RenderedHTMLCommon thead th { position: sticky; top: 0; background: var(--jp-layout-color0, #fff); }
 """
-"""Style added to every HTML rendering: a table's cells wrap (at most 36em wide) and a table wider than the page
-scrolls inside its output, with its header row kept in view."""
+"""Style added to every HTML rendering: a figure spans the page's width (its PNG is drawn at twice its shown size,
+so it stays sharp), a table's cells wrap between words, never inside one (at most 36em wide), and a table wider
+than the page scrolls inside its output, with its header row kept in view."""
+
+INDEX_CSS = ("body{font-family:sans-serif;max-width:70em;margin:2em auto}"
+             "td,th{padding:2px 8px;text-align:left;vertical-align:top;overflow-wrap:normal;word-break:normal;"
+             "hyphens:none}tr:nth-child(even){background:#f4f4f4}")
+"""The index page's style: words wrap whole (a long artifact name breaks only after an underscore, :func:`_breakable`)."""
+
+
+def _breakable(name: str) -> str:
+    """An artifact or file name as HTML that may wrap after each underscore (``<wbr>``), never inside a word."""
+    import html as H
+
+    return "_<wbr>".join(H.escape(part) for part in name.split("_"))
 
 
 def render_html(path: Path) -> str:
@@ -226,22 +240,22 @@ def write_index(entries: list[dict], profile: str, folder: Path, html_folder: Pa
 
         fig_href = _relative(figures, html_folder)
         rows = "".join(
-            f"<tr><td><code>{H.escape(e['stem'])}</code></td><td>{e['kind']}</td>"
-            f"<td><a href=\"{Path(e['notebook']).stem}.html#cell-id={e['cell_id']}\">{H.escape(e['notebook'])}, code cell {e['cell']}</a>"
+            f"<tr><td><code>{_breakable(e['stem'])}</code></td><td>{e['kind']}</td>"
+            f"<td><a href=\"{Path(e['notebook']).stem}.html#cell-id={e['cell_id']}\">{_breakable(Path(e['notebook']).stem + '.html')}, code cell {e['cell']}</a>"
             f" ({H.escape(e['heading'])})</td><td>"
             + ", ".join(f"<a href=\"{H.escape(fig_href)}/{H.escape(e['stem'] + x)}\">{H.escape(x)}</a>" for x in e["files"].split())
             + "</td></tr>" for e in entries)
-        notebooks = "".join(f"<li><a href=\"{Path(n).stem}.html\">{H.escape(n)}</a></li>" for n in CHAIN
+        notebooks = "".join(f"<li><a href=\"{Path(n).stem}.html\">{H.escape(Path(n).stem)}.html</a> (executed "
+                            f"notebook: {H.escape(n)})</li>" for n in CHAIN
                             if (html_folder / f"{Path(n).stem}.html").is_file())
         explorer = Path(EXPLORER).stem + ".html"
         page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvreplay, profile {profile}</title>"
-                "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}td,th{padding:2px 8px;text-align:left;"
-                "vertical-align:top;overflow-wrap:anywhere}tr:nth-child(even){background:#f4f4f4}</style></head><body>"
+                f"<style>{INDEX_CSS}</style></head><body>"
                 f"<h1>kvreplay: tables and figures, profile <code>{profile}</code></h1>"
                 f"<p>Headline (from <code>{H.escape(_relative(figures / 'table_vs_paper.csv', html_folder))}</code>):</p>"
                 "<ul class='headline'>" + "".join(f"<li>{inline(x[2:])}</li>" for x in top) + "</ul>"
                 f"<p>Per-tensor drift of one row, per layer, KV head and token position: <a href=\"{explorer}\">"
-                f"{EXPLORER}</a> (the drift explorer; interactive with <code>make lab</code>).</p>"
+                f"{explorer}</a> (the drift explorer, {EXPLORER} executed; interactive with <code>make lab</code>).</p>"
                 f"<p>Executed notebooks (code hidden):</p><ul>{notebooks}</ul>"
                 "<p>Each link below opens the executed notebook at the cell that makes the artifact, or the file.</p>"
                 f"<table><tr><th>artifact</th><th>kind</th><th>made by</th><th>files</th></tr>{rows}</table></body></html>")

@@ -26,8 +26,8 @@ from .gates import GateError
 from .ledger.lookup import LoadedLedger
 from .ledger.records import Exp1Record, Exp1Row, Exp2Record, Exp2Row
 from .ledger.store import canonical_json
-from .models import load_model
-from .runner import ArmSettings
+from .models import ModelLoadError, load_model
+from .runner import ArmSettings, model_key
 
 if TYPE_CHECKING:
     import torch
@@ -72,18 +72,35 @@ def pick_row(records: Sequence[Exp1Record] | Sequence[Exp2Record], problem: str 
     return records[0]
 
 
+def profile_model(ledger: LoadedLedger, candidate: str | None) -> str | None:
+    """``candidate`` (a profile's ``model``) when it is the local model folder the ledger keyed: same folder name
+    and every file's sha256 equal (:func:`kvreplay.runner.model_key`); ``None`` otherwise (a ledger of another
+    kind of model, or another folder). A ledger keys a local folder by its name and file digests only, not its path:
+    this is how notebook 08 finds a profile's own model folder again without a ``model`` parameter."""
+    key = ledger.config["model"]
+    if not candidate or "files" not in key:
+        return None
+    try:
+        return candidate if model_key(candidate) == key else None
+    except (ModelLoadError, OSError):  # an unknown path is not the ledger's folder
+        return None
+
+
 def model_for_ledger(ledger: LoadedLedger, model: str | None = None) -> str:
     """The ``model`` argument that reloads the ledger's model (``model`` overrides it).
 
     Raises:
-        ValueError: if the ledger keyed a local folder (only its name is recorded) and no ``model`` is given.
+        ValueError: if the ledger keyed a local folder (only its name and file digests are recorded) and no ``model``
+            is given.
     """
     if model:
         return model
     key = ledger.config["model"]
     if key.get("model") == "embedded" or "sha256" in key or "files" not in key:
         return key["model"]
-    raise ValueError(f"ledger {ledger.dir.name} was written with the local model folder {key['model']!r}; pass its path as `model`")
+    raise ValueError(f"ledger {ledger.dir.name} was written with the local model folder {key['model']!r} (the ledger "
+                     "keeps its name and file digests, not its path); pass its path as `model`, or run the profile "
+                     "whose `model` names it")
 
 
 def load_for_ledger(ledger: LoadedLedger, model: str | None = None):

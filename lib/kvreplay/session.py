@@ -46,6 +46,11 @@ from .runner import ENGINE_KEYS, Arm, ArmPlan, ArmSettings, resolve_execution
 
 R = TypeVar("R", bound=Mapping[str, Any])
 
+SHARED_CHECKPOINT_PROFILES = ("cpu", "gpu", "paper", "gemma", "smoke", "gemma_smoke")
+"""Profiles shipped in ``notebooks/params/`` whose role-table folders lie directly under ``data/checkpoints/`` (the
+committed ones, and the smoke profiles' ignored ``role-table-smoke-*``); any other profile's go to
+``data/checkpoints/<profile>/`` (:attr:`Session.checkpoint_root`)."""
+
 WHOLE_TABLES = {"display.max_rows": None, "display.max_columns": None, "display.max_colwidth": None}
 """pandas display options :func:`open_session` sets: a notebook shows every row, column and whole cell text of a
 table (executed copies and their HTML are read, not scrolled in a kernel; pandas would cut at 60 rows and 50
@@ -93,8 +98,13 @@ class Session:
 
     @property
     def checkpoint_root(self) -> Path:
-        """The role-table checkpoint folders (``checkpoint_root``, default ``data/checkpoints``)."""
-        return Path(self.params.checkpoint_root) if self.params.checkpoint_root else paths.CHECKPOINTS
+        """The role-table checkpoint folders: ``checkpoint_root`` when set. Else ``data/checkpoints`` for the
+        profiles shipped with the repository (:data:`SHARED_CHECKPOINT_PROFILES`, whose committed pointers name
+        folders there), and ``data/checkpoints/<profile>`` for any other: a profile of your own never writes
+        beside the committed folders under look-alike names."""
+        if self.params.checkpoint_root:
+            return Path(self.params.checkpoint_root)
+        return paths.CHECKPOINTS if self.profile in SHARED_CHECKPOINT_PROFILES else paths.CHECKPOINTS / self.profile
 
     @functools.cached_property
     def bank(self) -> list[Problem]:

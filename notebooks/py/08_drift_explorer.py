@@ -47,7 +47,8 @@ comparison = "prefill_vs_live"  # exp1: prefill_vs_live | live_replica | prefill
 problem = None                # a problem ID; None: the first row whose suffixes differ, else the first row
 rebuild = False               # True: rebuild the row's two caches here for the per-head / per-position maps when
                               # no rebuild of it is cached (loads the model; minutes)
-model = None                  # None: the ledger's model; give a path for a ledger written from a local folder
+model = None                  # None: the ledger's model (a local folder: the profile's `model`, when it is the
+                              # folder the ledger keyed); give a path for a ledger written from another folder
 top_k = 10                    # boundary-logit tokens shown per state
 before, after = 8, 12         # suffix tokens shown before and after the first divergence
 save_figures = False          # also write the figures to figures/<profile>/explorer/
@@ -64,7 +65,7 @@ from kvreplay.report import figures
 from kvreplay.experiments.endpoints import first_divergence
 from kvreplay.ledger.lookup import find_chain_ledger
 from kvreplay.ledger.records import arm_of, comparison_of
-from kvreplay.rebuild import comparison_arms, pick_row, suffix_alignment, token_text, topk_frame
+from kvreplay.rebuild import comparison_arms, pick_row, profile_model, suffix_alignment, token_text, topk_frame
 from kvreplay.report.frames import layer_drift_frame
 from kvreplay.report.files import save_figure
 from kvreplay.session import open_session
@@ -73,6 +74,7 @@ from kvreplay.session import open_session
 session = open_session("notebooks/08_drift_explorer.ipynb", profile, overrides)
 ref_arm, other_arm = comparison_arms(experiment, comparison)
 ledger = find_chain_ledger(session.ledger_root, session.profile, f"{experiment}-{precision}")
+model = model or profile_model(ledger, session.params.model)  # a profile's own model folder, found again
 row = pick_row(ledger.records, problem, experiment)
 assert not row["gate_failure"], f"row {row['problem_id']} failed gate {row['gate_failure']}: nothing to explore"
 summary = comparison_of(row, comparison)
@@ -139,24 +141,15 @@ else:
 
 # %%
 drift = explorer.cached(ledger, row, comparison, model)  # rebuilt before: read, no model loaded
-from_cache = drift is not None
 if drift is None and rebuild:
     drift = explorer.rebuild(ledger, row, comparison, model)  # written to the cache of rebuilt rows
 if drift is not None:
     rebuilt, fingerprint, here = drift.summary, drift.fingerprint, drift.environment
-    same_env = all(here.get(k) == ledger.contract.get(k)
-                   for k in ("torch", "transformers", "device_name", "intra_op_threads", "sdpa_backends_used",
-                             "dtype")) \
-        and here["model"].get("weights_sha256") == ledger.contract.get("model", {}).get("weights_sha256")
-    print(("read from the cache of rebuilt rows; " if from_cache else "")
-          + f"rebuilt on {here['device_name']} (torch {here['torch']}, {here['intra_op_threads']} threads): model "
-          f"loaded in {drift.seconds['model']:.1f} s, both states rebuilt and compared in {drift.seconds['rebuild']:.1f} s")
-    print(f"same machine and software as the ledger: {same_env}; rebuilt drift equals the ledger's: "
-          + ", ".join(f"{part} {ok}" for part, ok in fingerprint.items()))
+    same_env = explorer.same_environment(drift, ledger)
+    print(f"{row['problem_id']}: {explorer.origin(drift)}")
+    print(explorer.equality_line(drift, ledger))
     if same_env:
         assert all(fingerprint.values()), f"rebuilt states do not reproduce the ledger's fingerprint: {fingerprint}"
-    elif not all(fingerprint.values()):
-        print("note: a different machine or software stack; the rebuilt drift is that machine's, not the ledger's")
     if layers is None:
         layers = layer_drift_frame(rebuilt["tensors"])
         show(figures.explorer_layers(layers,
@@ -266,10 +259,8 @@ if example is not None:
                  f"`{example.key['problem_id']}` of the `{example.key['profile']}` profile, a committed rebuild that "
                  f"reproduces its ledger's drift summary: {all(example.fingerprint.values())}.")
 if drift is not None:
-    lines.append(f"- Rebuilt {'earlier (read from the cache of rebuilt rows)' if from_cache else 'here'} in "
-                 f"{drift.seconds['rebuild']:.1f} s on {here['device_name']}; "
-                 f"it reproduces the ledger's drift summary: {all(fingerprint.values())} "
-                 f"(same machine and software: {same_env}).")
+    lines.append(f"- The maps: {explorer.origin(drift)}; it reproduces the ledger's drift summary: "
+                 f"{all(fingerprint.values())} (same machine and software: {same_env}).")
 if first is None:
     lines.append(f"- The two suffixes are identical ({len(sa)} tokens).")
 else:

@@ -96,14 +96,28 @@ def drift_heatmaps(maps: Mapping[tuple[str, str], pd.DataFrame], tokens: Sequenc
                 for name, s in blocks.items():
                     if lo <= s < hi:
                         ax.axvline(s - 0.5, color="cyan", ls=":", lw=1)
-                        ax.text(s, 1.0, name, color="tab:blue", fontsize=7, rotation=0, va="bottom", ha="left",
-                                transform=ax.get_xaxis_transform())
+                block_labels(ax, blocks, lo, hi)
                 token_ticks(ax, tokens, lo, hi)
-            ax.set_title(f"{k}s: drift per {axis}", fontsize=9, loc="left")
+            ax.set_title(f"{k}s: drift per {axis}", fontsize=9, loc="left", pad=TITLE_PAD)
     assert im is not None  # kinds is never empty (kinds[0] is read above), so the loop drew at least one image
     fig.colorbar(im, ax=axes, shrink=0.7, label="relative L2 (log; white: exactly 0)")
     fig.suptitle(title, fontsize=10)
     return fig
+
+
+TITLE_PAD = 24
+"""Points between a position axis and its title: room for the two rows of block names (:func:`block_labels`)."""
+
+
+def block_labels(ax, blocks: Mapping[str, int], lo: int = 0, hi: int | None = None) -> None:
+    """Name each block of z above a position axis at its first position (``lo <= start < hi``), alternating between
+    two heights so that the names of neighbouring blocks do not overlap; the axes' title sits above both rows
+    (:data:`TITLE_PAD`). Each name is an annotation whose ``xy`` is ``(start, 1)`` (:func:`kvreplay.explorer.zoom`
+    hides those outside a window)."""
+    shown = sorted((s, name) for name, s in blocks.items() if lo <= s < (hi if hi is not None else s + 1))
+    for i, (s, name) in enumerate(shown):
+        ax.annotate(name, (s, 1.0), xycoords=ax.get_xaxis_transform(), xytext=(1, 1 + 10 * (i % 2)),
+                    textcoords="offset points", color="tab:blue", fontsize=7, va="bottom", ha="left")
 
 
 def token_ticks(ax, tokens: Sequence[str], lo: int = 0, hi: int | None = None, max_labels: int = 80) -> None:
@@ -148,12 +162,12 @@ def explorer_view(maps: Mapping[tuple[str, str], pd.DataFrame], detail: np.ndarr
     ax_head.add_patch(plt.Rectangle((head - 0.5, -0.5), 1, head_map.shape[0], fill=False, ec="cyan", lw=1.5))
     ax_head.set_xticks(range(head_map.shape[1]))
     ax_head.set_xlabel("KV head")
-    ax_head.set_title(f"{kind}s: drift per head", fontsize=9, loc="left")
+    ax_head.set_title(f"{kind}s: drift per head", fontsize=9, loc="left", pad=TITLE_PAD)
     for ax in (ax_head, ax_pos):
         ax.axhline(layer, color="cyan", lw=0.9, ls="--")
         ax.set_ylabel("layer")
         integer_axis(ax.yaxis)
-    ax_pos.set_title(f"{kind}s: drift per position (all heads)", fontsize=9, loc="left")
+    ax_pos.set_title(f"{kind}s: drift per position (all heads)", fontsize=9, loc="left", pad=TITLE_PAD)
     token_ticks(ax_pos, tokens, 0, n)
     fig.colorbar(im, ax=[ax_head, ax_pos], shrink=0.9, label="relative L2 (log; white: exactly 0)")
     floor = log_with_exact(ax_det, pd.Series(detail).fillna(0))
@@ -164,11 +178,12 @@ def explorer_view(maps: Mapping[tuple[str, str], pd.DataFrame], detail: np.ndarr
     ax_det.set_xlim(-0.5, n - 0.5)
     token_ticks(ax_det, tokens, 0, n)
     ax_det.set_ylabel("relative L2 over head_dim")
-    ax_det.set_title(f"layer {layer}, KV head {head}, {kind}s: drift per position", fontsize=9, loc="left")
+    ax_det.set_title(f"layer {layer}, KV head {head}, {kind}s: drift per position", fontsize=9, loc="left",
+                     pad=TITLE_PAD)
     for ax in (ax_pos, ax_det):
         for name, s0 in blocks.items():
             ax.axvline(s0 - 0.5, color="tab:cyan" if ax is ax_pos else "0.4", ls=":", lw=1)
-            ax.text(s0, 1.0, name, color="tab:blue", fontsize=7, va="bottom", ha="left", transform=ax.get_xaxis_transform())
+        block_labels(ax, blocks)
     fig.suptitle(title, fontsize=10)
     return fig
 

@@ -17,6 +17,7 @@ rewritten, and only for :data:`HEADLINE_PROFILE`. The page of a profile that end
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -131,7 +132,7 @@ def headline_rows(res: ProfileResults) -> list[tuple[str, str, str, str, str]]:
             ("Exp 4 exact controls", "§4.4 Exp 4: third trajectory among exact controls", "third_among_exact",
              "exp4.third_among_exact")):
         for tag, ours_p in _precondition_ways(t, t[key], t["counted_as_failure"][key]):
-            rows.append((short + tag, label, rate(ours_p) + tag, paper_rate(res, pid), inside(ours_p, res.paper(pid))))
+            rows.append((short + tag, label + tag, rate(ours_p), paper_rate(res, pid), inside(ours_p, res.paper(pid))))
     r = S["replication"]
     rows.append(("Exp 5 rate", "§4.5 Exp 5 (later checkpoint): suffixes part, prefill vs incremental", rate(r["divergence"]),
                  paper_rate(res, "exp5.divergence"), inside(r["divergence"], res.paper("exp5.divergence"))))
@@ -461,11 +462,28 @@ def results_page(res: ProfileResults, families: Families | None = None) -> str:
 # ----------------------------------------------------------------------------- write and check
 
 
+_LINK = re.compile(r"\]\((?!https?:|#|/|\./)([^)#]+)(#[^)]*)?\)")
+
+
+def relinked(text: str, page: Path, root: Path, profile: str) -> str:
+    """A results page's text with its relative links (written for ``docs/``) made relative to ``page``'s folder, for
+    a page written elsewhere (``build/<profile>/results.md``). There the executed notebooks are ``make paper``'s
+    copies beside the page, indexed by ``index.html``; ``text`` is returned unchanged for a page in ``docs/``."""
+    docs = (Path(root) / "docs").resolve()
+    here = Path(page).resolve().parent
+    if here == docs:
+        return text
+    text = text.replace(f"[`executed/{profile}/`](../executed/{profile}/README.md)",
+                        f"[`build/{profile}/`](./index.html) (executed notebooks and their HTML)")
+    return _LINK.sub(lambda m: f"]({os.path.relpath(docs / m.group(1), here)}{m.group(2) or ''})", text)
+
+
 def expected(profile: str, root: Path, res: ProfileResults, page: Path | None = None,
              readme: bool | None = None, families: Families | None = None) -> dict[Path, str]:
     """What each generated file should hold: the results page (``page``, default :func:`page_path`; with
     ``families``), and the README with its block when ``readme`` (default: ``profile`` is :data:`HEADLINE_PROFILE`)."""
-    out = {Path(page) if page else page_path(profile, root): results_page(res, families)}
+    target = Path(page) if page else page_path(profile, root)
+    out = {target: relinked(results_page(res, families), target, Path(root), profile)}
     if profile == HEADLINE_PROFILE if readme is None else readme:
         path = Path(root) / "README.md"
         out[path] = replace_block(path.read_text(encoding="utf-8"), headline_block(res), profile)
