@@ -22,7 +22,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from .. import decode, engine, ties
+from .. import decode, engine, kernels, ties
 from ..engine import EngineRun
 from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
 from ..ledger.store import canonical_json
@@ -101,6 +101,7 @@ class RunSpec:
     live_checks: list = dataclasses.field(default_factory=list, compare=False, repr=False)
     tie_rule: str = ties.DEFAULT_TIE_RULE
     top_logits: bool = False
+    kernels: str = kernels.DEFAULT
 
     def __post_init__(self):
         check_model(self.lm)
@@ -250,6 +251,7 @@ EXECUTION_KINDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "chunk": ("null or a whole number", lambda v: v is None or _whole(v)),
     "attention": (f"one of {engine.ATTENTIONS}", lambda v: isinstance(v, str)),
     "tie_rule": ("'lowest', 'highest' or 'hash:<seed>'", lambda v: isinstance(v, str)),
+    "kernels": (f"one of {list(kernels.KERNELS)}", lambda v: isinstance(v, str)),
 }
 """The execution contract's keys (the :class:`ArmSettings` fields the notebooks' ``execution`` parameter sets),
 each with the kind of value it takes: a description and a check (ranges are :func:`check_execution`'s)."""
@@ -269,10 +271,14 @@ def check_execution(contract: dict) -> None:
             string or None; an unknown step path; ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len`` below 2;
             ``chunk`` below 1; a batch shape, chunk or an attention other than ``"sdpa"`` given with
             ``step_path="eager"``; an unknown attention; ``attention="flex"`` with a ``max_len`` that is not a
-            multiple of 128; an unknown ``tie_rule``.
+            multiple of 128; an unknown ``tie_rule``; an unknown ``kernels`` value, or one other than
+            ``"default"`` with an engine step path.
     """
     c = contract
     ties.parse_tie_rule(c.get("tie_rule", ties.DEFAULT_TIE_RULE))  # ValueError naming the rules
+    if kernels.parse_kernels(c.get("kernels", kernels.DEFAULT)).invariant and c["step_path"] != "eager":
+        raise ValueError(f"kernels {c['kernels']!r} runs on the eager decoders only (step_path 'eager'): the batched "
+                         f"engine has no invariant kernels yet, not {c['step_path']!r}")
     kind = device_type(c["device"])  # ValueError naming an unknown device
     if not _whole(c["workers"]) or c["workers"] < 1:
         raise ValueError(f"workers must be a whole number of at least 1, got {c['workers']!r}")
@@ -395,6 +401,7 @@ class ArmSettings:
     live_check_fraction: float = LIVE_CHECK_FRACTION
     tie_rule: str = ties.DEFAULT_TIE_RULE
     top_logits: bool = False
+    kernels: str = kernels.DEFAULT
 
     def __post_init__(self):
         check_execution({k: getattr(self, k) for k in EXECUTION_KEYS})
@@ -427,7 +434,7 @@ class ArmSettings:
         return cls(profile=config["profile"], dtype=config["dtype"], caps=Caps(**config["caps"]),
                    model=config["model"]["model"], fmt=config["format"], role_table=table, threads=config["threads"],
                    sdpa_backends=tuple(config["sdpa_backends"]), preflight=config["preflight"],
-                   **{k: execution[k] for k in ("device", "deterministic", "allow_tf32") if k in execution},
+                   **{k: execution[k] for k in ("device", "deterministic", "allow_tf32", "kernels") if k in execution},
                    **engine_keys, tie_rule=config.get("tie_rule", ties.DEFAULT_TIE_RULE),
                    top_logits=bool(config.get("top_logits", False)))
 
@@ -482,7 +489,8 @@ class ArmSettings:
     def contract(self, device: str | None = None) -> ExecutionContract:
         """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
         return resolve_contract(device=device or self.device, sdpa_backends=self.sdpa_backends,
-                                deterministic=self.deterministic, allow_tf32=self.allow_tf32, threads=self.threads)
+                                deterministic=self.deterministic, allow_tf32=self.allow_tf32, threads=self.threads,
+                                kernels=self.kernels)
 
     def config(self, experiment: str, problems: Sequence[Problem]) -> dict:
         """The scientific config that keys the ledger (CPU defaults add no key, so CPU ledgers keep their digests)."""
