@@ -8,6 +8,8 @@ and the batched engine are refused.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
@@ -17,9 +19,12 @@ from kvreplay.execution import resolve_contract
 from kvreplay.runner import ArmSettings, resolve_execution
 
 DTYPES = (torch.float32, torch.bfloat16)
+UNDER_TEST = os.environ.get("KVREPLAY_TEST_KERNELS", "invariant")
+"""The kernels value the invariance tests run under: ``KVREPLAY_TEST_KERNELS=invariant-except-linear`` shows them
+catch one class left on the default path (where this machine's default kernels are not invariant)."""
 
 
-def _lm(arch: str, dtype: torch.dtype, value: str = "invariant"):
+def _lm(arch: str, dtype: torch.dtype, value: str = UNDER_TEST):
     lm = tiny_lm(arch, dtype)
     lm.contract = resolve_contract(kernels=value)
     return lm, resolve_format(lm.tokenizer, TINY_FORMAT)
@@ -89,7 +94,7 @@ FAULTY = ("row_linear", "row_mlp", "row_rms_norm", "block_attention", "row_rope"
 def test_planted_fault_is_caught(name, monkeypatch):
     """A kernel whose bits depend on its call (one ulp when the call holds more than the duplicate pair of rows,
     or more than one sequence) is caught by the construction check, and by the batch check."""
-    lm, fmt = _lm("llama", torch.float32)
+    lm, fmt = _lm("llama", torch.float32, "invariant")
     monkeypatch.setattr(kernels, name, _nudged(getattr(kernels, name), lambda a, k: _tokens(name, a, k) > 2))
     r = invariance.construction_check(lm, fmt, _prompt(fmt), TINY_CAPS)
     assert r["live_vs_prefill"] or not r["logits_live_vs_prefill"]
@@ -101,7 +106,7 @@ def test_planted_fault_is_caught(name, monkeypatch):
 
 
 def test_uncovered_operation_fails_closed():
-    lm, fmt = _lm("llama", torch.float32)
+    lm, fmt = _lm("llama", torch.float32, "invariant")
     live = decode.decode_live(lm, fmt, _prompt(fmt), TINY_CAPS)
     readout = decode.FP32Readout(lm)  # copies of the norm and head: not wrapped, so not covered
     with pytest.raises(kernels.UncoveredOperationError, match="outside every covered kernel"):
@@ -126,7 +131,7 @@ def test_uncovered_models_and_values_are_refused(windowed_arch):
 def test_engine_refuses_invariant_kernels():
     from kvreplay.engine import StepEngine
 
-    lm, fmt = _lm("llama", torch.float32)
+    lm, fmt = _lm("llama", torch.float32, "invariant")
     with pytest.raises(ContractError, match="no invariant kernels"):
         StepEngine(lm, fmt, batch=1, max_len=64)
 
