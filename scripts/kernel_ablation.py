@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
 
-from kvreplay import kernels
-from kvreplay.contract import Caps
-from kvreplay.experiments.kernel_ablation import ROW_ALGORITHM, ablation_row, ablation_table
-from kvreplay.ledger.store import Ledger
-from kvreplay.paths import ROOT
-from kvreplay.problems import load_bank
-from kvreplay.profiles import load_parameters
-from kvreplay.runner import ArmSettings, arm_environment
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep (as under make); read when torch loads
+
+from kvreplay import kernels  # noqa: E402
+from kvreplay.contract import Caps  # noqa: E402
+from kvreplay.experiments.kernel_ablation import ROW_ALGORITHM, ablation_row, ablation_table  # noqa: E402
+from kvreplay.ledger.store import Ledger  # noqa: E402
+from kvreplay.paths import ROOT  # noqa: E402
+from kvreplay.problems import load_bank  # noqa: E402
+from kvreplay.profiles import load_parameters  # noqa: E402
+from kvreplay.runner import ArmSettings, arm_environment  # noqa: E402
 
 VALUES = ("default", "invariant", *(kernels.EXCEPT + c for c in ("linear", "attention", "norm", "lm_head", "rope")))
 

@@ -148,9 +148,9 @@ def forward(
             duplicate rows' logits differ.
         ContractError: the call reaches a position the model does not have
             (``max_position_embeddings``), before the model runs.
-        kvreplay.kernels.UncoveredOperationError: under ``kernels: invariant`` (``lm.contract.kernels``, entered
-            here around the model call, :func:`kvreplay.kernels.installed`), an operation the contract does not
-            cover, e.g. the FP32 readout's copies of the norm and head.
+        kvreplay.kernels.UncoveredOperationError: an operation the contract does not cover ran under ``kernels:
+            invariant``, e.g. the FP32 readout's copies of the norm and head. The kernels (``lm.contract.kernels``)
+            are installed here around the model call (:func:`kvreplay.kernels.installed`).
     """
     q = ids.shape[1]
     limit = _positions(lm.model)

@@ -34,8 +34,8 @@ def construction_check(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int],
     Returns:
         ``{"boundary": |z|, "live_vs_incremental": [...], "live_vs_prefill": [...], "logits_live_vs_prefill":
         bool, "logits_live_vs_incremental": bool, "rel_l2_prefill_vs_live": float, "boundaries": (live,
-        incremental, prefill)}``: the lists name every cache tensor that differs (empty: bit-identical on every
-        layer); the relative L2 is over all K and V tensors concatenated (:func:`kvreplay.drift.cache_drift`).
+        incremental, prefill)}``. The lists name every cache tensor that differs (empty: bit-identical on every
+        layer). The relative L2 is over all K and V tensors concatenated (:func:`kvreplay.drift.aggregate`).
     """
     live = decode.decode_live(lm, fmt, prompt, caps)
     inc = decode.build_incremental(lm, fmt, live.ids)

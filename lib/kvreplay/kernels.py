@@ -10,9 +10,9 @@ shape per row, so the same kernel runs on the same operand shapes wherever the r
   ``F.linear`` on a fresh ``[1, in]`` copy (M = 1);
 * ``norm`` (RMSNorm): one row at a time, Hugging Face's formula (float32 mean of squares, ``rsqrt``);
 * ``attention``: one query at a time over its keys in blocks of :data:`ATTENTION_BLOCK` positions anchored at key 0,
-  up to the block holding its last visible key, in float32: scores per block, the exact maximum over visible keys,
-  ``exp`` per block, per-block sums and ``P @ V`` per block added in block order; masked keys and cache padding
-  enter as exact zeros (``torch.where`` on both the weights and the values, so a non-finite padding value cannot
+  up to the block holding its last visible key, in float32. Scores come per block, then the exact maximum over
+  visible keys, ``exp`` per block, per-block sums and ``P @ V`` per block added in block order. Masked keys and cache
+  padding enter as exact zeros (``torch.where`` on both the weights and the values, so a non-finite padding value cannot
   leak: ``0 * NaN`` is NaN);
 * ``lm_head``: the output projection one row at a time, as ``linear``. The choice statistics (greedy argmax, the
   top-1 minus top-2 margin) are already exact: maxima and comparisons of one row's logits and one subtraction,
@@ -20,10 +20,10 @@ shape per row, so the same kernel runs on the same operand shapes wherever the r
 * ``rope``: the rotary cosines and sines one position at a time.
 
 Each class can be left on the default path (``invariant-except-<class>``, e.g. ``invariant-except-attention``), so
-"every operation invariant but one" is a contract value: the attribution control. Nothing is patched globally: the
+"every operation invariant but one" is a contract value: the attribution control. Nothing is patched globally. The
 model's own modules get instance-level ``forward`` replacements and a registered attention function
-(:data:`ATTENTION_NAME`) for the duration of :func:`installed`, so a matmul override cannot reach the rotary
-frequency product (``inv_freq @ position_ids``, a one-term product) or anything outside the model.
+(:data:`ATTENTION_NAME`) while :func:`installed` is entered. So no matmul override reaches the rotary frequency
+product (``inv_freq @ position_ids``, a one-term product) or anything outside the model.
 
 While installed, a guard (:class:`_Guard`, a ``TorchFunctionMode``) refuses every reducing or transcendental
 floating-point torch call (matmul, linear, softmax, sum, mean, SDPA, exp, rsqrt, cos, sin, silu, ...) that does not
@@ -33,8 +33,8 @@ Llama and Qwen2, and any module type outside :data:`COVERED_MODULES`, are refuse
 before any row.
 
 This is a reference: slow (one Python-level kernel call per row, query and key block), portable between CPU and
-CUDA, and meant for tests, gates and the attribution control; bits are those of this torch build, device and
-thread count, like every other contract.
+CUDA, and meant for tests, gates and the attribution control. Its bits are those of this torch build, device and
+thread count, like every other contract's.
 """
 
 from __future__ import annotations
@@ -113,6 +113,17 @@ def parse_kernels(value: "str | KernelSpec") -> KernelSpec:
     if isinstance(value, str) and value.startswith(EXCEPT) and value[len(EXCEPT):] in CLASSES:
         return KernelSpec(value, frozenset(CLASSES) - {value[len(EXCEPT):]})
     raise ValueError(f"unknown kernels value {value!r}; use one of {list(KERNELS)}")
+
+
+def check_step_path(value: str, step_path: str) -> None:
+    """Refuse a ``kernels`` value that is unknown, or not ``default`` on a step path other than ``eager``.
+
+    Raises:
+        ValueError: naming the value (the batched engine has no invariant kernels yet).
+    """
+    if parse_kernels(value).invariant and step_path != "eager":
+        raise ValueError(f"kernels {value!r} runs on the eager decoders only (step_path 'eager'): the batched engine "
+                         f"has no invariant kernels yet, not {step_path!r}")
 
 
 def check_model(model: torch.nn.Module) -> None:

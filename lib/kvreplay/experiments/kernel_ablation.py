@@ -3,11 +3,11 @@ order, brings back the prefill-versus-live cache drift and the BF16 suffix diver
 
 Each kernels value (:data:`kvreplay.kernels.KERNELS`: ``default``, ``invariant`` and every
 ``invariant-except-<class>``) is its own arm with its own ledger key (:meth:`kvreplay.runner.ArmSettings.config`
-with ``kernels``). A row is Experiment 1's comparison under that value: greedy live decoding to the merge
-boundary, a prefill over the same IDs, the two boundary caches compared on every layer, one greedy suffix from
-each, where they part, and both answers scored. Under ``invariant`` the caches coincide by construction (the
-contract's test, not a finding); the finding is which ``invariant-except-<class>`` arm brings drift and divergence
-back. Outcomes are recorded and tabulated, never asserted. The command is ``scripts/kernel_ablation.py``.
+with ``kernels``). A row is Experiment 1's comparison under that value. Greedy live decoding reaches the merge
+boundary and a prefill runs over the same IDs. The two boundary caches are compared on every layer, one greedy
+suffix is decoded from each, where they part is found, and both answers are scored. Under ``invariant`` the caches
+coincide by construction (the contract's test, not a finding); the finding is which ``invariant-except-<class>``
+arm brings drift and divergence back. Outcomes are recorded and tabulated, never asserted. The command is ``scripts/kernel_ablation.py``.
 """
 
 from __future__ import annotations
