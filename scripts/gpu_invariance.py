@@ -3,13 +3,15 @@ layer, and a row alone (B = 1) against the same row inside batches of other size
 
 Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``)::
 
-    OUT=/some/folder python3 scripts/gpu_invariance.py --device cuda [--rows 4] [--caps 48 160 12] [--sizes 2 7 64]
+    OUT=/some/folder python3 scripts/gpu_invariance.py --device cuda [--rows 2] [--caps 48 160 12] [--sizes 2 7 64]
 
 writes ``$OUT/invariance.json``: per dtype and kernels value (``invariant``, and ``default`` for comparison), per
 problem the tensors that differ between the constructions and the prefill-vs-live relative L2, and per batch size
 whether the target row's logits and cache are bit-identical to the row alone; plus the environment record and
 wall seconds. On the CPU the same command runs at tiny sizes (``--device cpu --rows 1 --caps 4 4 2 --sizes 2``);
 ``tests/test_gpu_invariance_script.py`` runs it on a tiny model. Outcomes are printed and written, never asserted.
+The invariant kernels are the slow reference (one kernel call per row, query and key block): each row prints its
+seconds, so try ``--rows 1`` first.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from kvreplay.problems import Problem
 
 
 def measure(load: Callable[[str], tuple[LoadedModel, BlockFormat]], problems: list[Problem], caps: Caps,
-            sizes: list[int], dtypes: list[str], values: list[str]) -> dict:
-    """The report: ``{"caps", "sizes", "runs": [{"dtype", "kernels", "rows": [...], "environment"}]}``."""
+            sizes: list[int], dtypes: list[str], values: list[str], whole: bool = False) -> dict:
+    """The report: ``{"caps", "sizes", "runs": [{"dtype", "kernels", "rows": [...], "environment"}]}``.
+
+    The batch check's target row is the problem's prompt block (``whole``: its whole live boundary prefix), beside
+    the other problems' prompts, its own prefix cut short and its whole live prefix.
+    """
     runs = []
     for dtype in dtypes:
         lm, fmt = load(dtype)
@@ -44,8 +50,9 @@ def measure(load: Callable[[str], tuple[LoadedModel, BlockFormat]], problems: li
                 t = time.perf_counter()
                 c = invariance.construction_check(lm, fmt, prompts[i], caps)
                 live_ids = c.pop("boundaries")[0].ids
-                companions = [q for j, q in enumerate(prompts) if j != i] + [live_ids[:-5], prompts[i]]
-                b = invariance.batch_check(lm, live_ids, companions, sizes)
+                target = live_ids if whole else prompts[i]
+                companions = [q for j, q in enumerate(prompts) if j != i] + [target[:-5], live_ids]
+                b = invariance.batch_check(lm, target, companions, sizes)
                 rows.append({"problem_id": p.problem_id, **c, "batch": {str(k): v for k, v in b.items()},
                              "seconds": round(time.perf_counter() - t, 2)})
                 print(f"{dtype} {value} {p.problem_id}: |z| {c['boundary']} live=inc {not c['live_vs_incremental']} "
@@ -60,12 +67,13 @@ def main(argv: list[str] | None = None, load: Callable[[str], tuple[LoadedModel,
          problems: list[Problem] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--caps", type=int, nargs=3, default=[48, 160, 12])
     ap.add_argument("--sizes", type=int, nargs="+", default=[2, 7, 64])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--values", nargs="+", default=["invariant", "default"])
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--whole", action="store_true", help="batch check on the whole boundary prefix, not the prompt")
     args = ap.parse_args(argv)
     if load is None:
         from kvreplay.runner import ArmSettings
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None, load: Callable[[str], tuple[LoadedModel,
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    report = measure(load, problems, Caps(*args.caps), args.sizes, args.dtypes, args.values)
+    report = measure(load, problems, Caps(*args.caps), args.sizes, args.dtypes, args.values, args.whole)
     report["wall_s"] = round(time.perf_counter() - t, 1)
     report["command"] = " ".join(["scripts/gpu_invariance.py", *(argv if argv is not None else sys.argv[1:])])
     path = out / "invariance.json"

@@ -146,3 +146,14 @@ def test_key_entry_only_when_not_default():
     assert "execution" not in config
     other = ArmSettings(profile="smoke", dtype="float32", caps=TINY_CAPS, kernels="invariant").config("exp1", problems)
     assert other == config | {"execution": {"kernels": "invariant"}}
+
+
+def test_environment_records_kernels_only_when_not_default():
+    from kvreplay.models import environment_record
+
+    lm = tiny_lm("llama")
+    lm.contract = resolve_contract()
+    assert "kernels" not in environment_record(lm)["contract"]  # today's environment records are unchanged
+    lm.contract = resolve_contract(kernels="invariant")
+    env = environment_record(lm)["contract"]
+    assert env["kernels"] == "invariant" and env["kernels_attention_block"] == kernels.ATTENTION_BLOCK
