@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     execution = dict(params.execution or {})
     problems = load_bank()[:n]
     root = (ROOT / args.out / args.profile) if not Path(args.out).is_absolute() else Path(args.out) / args.profile
-    command = " ".join(["scripts/kernel_ablation.py", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["scripts/kernel_ablation.py", *(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--table")])
     settings = {v: ArmSettings(profile=args.profile, dtype=args.dtype, caps=caps, threads=execution.get("threads", 2),
                                kernels=v) for v in args.values}
     lm = fmt = None
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         (root / "table.md").write_text(
             f"Attribution control of the invariant-kernel contract, profile `{args.profile}` ({args.dtype}, caps "
             f"{caps.branch}/{caps.merge}/{caps.answer}, first {n} bank problems; rows done per value below).\n"
-            f"Made by `{command}`; rows from the ledgers beside this file.\n\n" + table)
+            f"Made by `{command}` (rerun: it resumes each ledger; `--table` rewrites only this file); rows from the "
+            f"ledgers beside this file.\n\n" + table)
         print(table, flush=True)
 
     if not args.table:
