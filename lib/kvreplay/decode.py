@@ -40,7 +40,7 @@ from .contract import (
     ContractError,
     attention_mask_4d,
 )
-from . import ties
+from . import kernels, ties
 from .gates import GateError
 from .execution import sdpa_backend_list
 from .models import LoadedModel, context_length, kv_cache, layer_masks
@@ -148,6 +148,9 @@ def forward(
             duplicate rows' logits differ.
         ContractError: the call reaches a position the model does not have
             (``max_position_embeddings``), before the model runs.
+        kvreplay.kernels.UncoveredOperationError: an operation the contract does not cover ran under ``kernels:
+            invariant``, e.g. the FP32 readout's copies of the norm and head. The kernels (``lm.contract.kernels``)
+            are installed here around the model call (:func:`kvreplay.kernels.installed`).
     """
     q = ids.shape[1]
     limit = _positions(lm.model)
@@ -158,7 +161,7 @@ def forward(
     if trace is not None:
         trace.append(positions)
     kwargs = dict(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-    with sdpa_kernel(_backends(lm.sdpa_backends)):
+    with sdpa_kernel(_backends(lm.sdpa_backends)), kernels.installed(lm.model, kernels_of(lm)):
         if readout is None:
             logits = lm.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
         else:
@@ -170,6 +173,11 @@ def forward(
         if not torch.equal(logits[0], logits[1]):
             raise _desync(start + q - 1)
     return logits
+
+
+def kernels_of(lm: LoadedModel) -> str:
+    """The ``kernels`` value a model runs under: its contract's (:mod:`kvreplay.kernels`), ``default`` without one."""
+    return lm.contract.kernels if lm.contract is not None else kernels.DEFAULT
 
 
 class FP32Readout:

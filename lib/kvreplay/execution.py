@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from . import kernels as _kernels
+
 
 class DeviceUnavailableError(RuntimeError):
     """The contract asks for a device this machine does not have (``cuda`` where torch sees no GPU)."""
@@ -61,6 +63,10 @@ class ExecutionContract:
             CUDA when deterministic (cuBLAS needs it for reproducible GEMMs).
         threads: intra-op CPU threads (``torch.set_num_threads``); ``None``
             leaves torch's choice.
+        kernels: ``"default"`` (the model's own kernels) or ``"invariant"`` (and its
+            ``"invariant-except-<class>"`` ablations): every reducing operation gives a row
+            the same bits whatever its call (:mod:`kvreplay.kernels`); entered around every
+            eager forward call by :func:`kvreplay.decode.forward`.
     """
     device: str = "cpu"
     sdpa_backends: tuple[str, ...] = ("math",)
@@ -68,6 +74,7 @@ class ExecutionContract:
     allow_tf32: bool = False
     cublas_workspace_config: str = ":4096:8"
     threads: int | None = None
+    kernels: str = _kernels.DEFAULT
 
     @property
     def device_type(self) -> str:
@@ -91,6 +98,8 @@ class ExecutionContract:
             out["deterministic"] = self.resolved_deterministic()
         if self.allow_tf32:
             out["allow_tf32"] = True
+        if self.kernels != _kernels.DEFAULT:
+            out["kernels"] = self.kernels
         return out
 
     def apply(self) -> None:
@@ -127,7 +136,8 @@ class ExecutionContract:
 
 
 def resolve_contract(*, device: str = "cpu", sdpa_backends: Sequence[str] = ("math",), deterministic: bool | None = None,
-                     allow_tf32: bool = False, threads: int | None = None) -> ExecutionContract:
+                     allow_tf32: bool = False, threads: int | None = None,
+                     kernels: str = _kernels.DEFAULT) -> ExecutionContract:
     """The one builder of an :class:`ExecutionContract`, checked before anything is loaded (paper Table 3).
 
     Arms build theirs through :meth:`kvreplay.runner.ArmSettings.contract`; role-table training, the
@@ -135,14 +145,15 @@ def resolve_contract(*, device: str = "cpu", sdpa_backends: Sequence[str] = ("ma
 
     Raises:
         ValueError: a device torch cannot parse; an SDPA backend unknown, or missing on the device
-            (:func:`check_sdpa_on_device`); ``threads`` below 1.
+            (:func:`check_sdpa_on_device`); ``threads`` below 1; an unknown ``kernels`` value.
     """
     sdpa_backend_list(tuple(sdpa_backends))
     check_sdpa_on_device(sdpa_backends, device)
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be at least 1 (or None: torch's choice), got {threads!r}")
+    _kernels.parse_kernels(kernels)
     return ExecutionContract(device=device, sdpa_backends=tuple(sdpa_backends), deterministic=deterministic,
-                             allow_tf32=allow_tf32, threads=threads)
+                             allow_tf32=allow_tf32, threads=threads, kernels=kernels)
 
 
 def device_type(device: str) -> str:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import kernels
 from .execution import ExecutionContract, cpu_isa_flags, cpu_name, resolve_contract, sdpa_backend_list
 from .layout import (  # re-exported: kvreplay.models is where users import them
     AttentionLayout,
@@ -466,6 +467,11 @@ def load_model(
             f"file, or a cached hub id. {cause}"
         ) from e
     check_cache_auditable(m, model_str)
+    if contract.kernels != kernels.DEFAULT:  # a model the kernels contract does not cover: refused before any row
+        try:
+            kernels.check_model(m)
+        except kernels.KernelContractError as e:
+            raise ModelLoadError(f"model {model_str!r}: {e}") from None
     with torch.no_grad():  # every weight in fresh memory: a safetensors load maps the file, and CPU kernels then
         for p in m.parameters():  # depend on where a tensor starts in it (tied weights share one Parameter: one copy)
             p.data = p.data.to(device=device, dtype=torch_dtype, copy=True)
@@ -549,6 +555,10 @@ def environment_record(lm: LoadedModel | None = None, threads: int | None = None
         if lm.contract is not None:
             contract["contract"] = dataclasses.asdict(lm.contract) | {
                 "sdpa_backends": list(lm.contract.sdpa_backends), "deterministic_resolved": lm.contract.resolved_deterministic()}
+            if lm.contract.kernels == kernels.DEFAULT:  # today's environment records stay as they were
+                del contract["contract"]["kernels"]
+            else:
+                contract["contract"]["kernels_attention_block"] = kernels.ATTENTION_BLOCK
     return contract
 
 

@@ -120,13 +120,16 @@ class StepEngine:
     Raises:
         ValueError: unknown step path or attention, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1``,
             ``verify_steps < 0``, or ``"flex"`` with a ``max_len`` that is not a multiple of 128.
-        ContractError: a vocabulary of 2**24 tokens or more.
+        ContractError: a vocabulary of 2**24 tokens or more; a model under ``kernels`` other than ``default``.
     """
     def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
                  verify_steps: int = 0, readout: decode.FP32Readout | None = None, attention: str = "sdpa",
                  tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE, top_logits: bool = False):
         if step_path not in STEP_PATHS:
             raise ValueError(f"unknown step path {step_path!r}; use one of {STEP_PATHS}")
+        if decode.kernels_of(lm) != "default":
+            raise ContractError(f"kernels {decode.kernels_of(lm)!r}: the batched engine has no invariant kernels yet; "
+                                f"decode under this contract with the eager decoders (step_path 'eager')")
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r}; use one of {ATTENTIONS}")
         self.attention = attention

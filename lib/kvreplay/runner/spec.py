@@ -22,7 +22,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from .. import decode, engine, ties
+from .. import decode, engine, kernels, ties
 from ..engine import EngineRun
 from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
 from ..ledger.store import canonical_json
@@ -250,6 +250,7 @@ EXECUTION_KINDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "chunk": ("null or a whole number", lambda v: v is None or _whole(v)),
     "attention": (f"one of {engine.ATTENTIONS}", lambda v: isinstance(v, str)),
     "tie_rule": ("'lowest', 'highest' or 'hash:<seed>'", lambda v: isinstance(v, str)),
+    "kernels": (f"one of {list(kernels.KERNELS)}", lambda v: isinstance(v, str)),
 }
 """The execution contract's keys (the :class:`ArmSettings` fields the notebooks' ``execution`` parameter sets),
 each with the kind of value it takes: a description and a check (ranges are :func:`check_execution`'s)."""
@@ -265,14 +266,16 @@ def check_execution(contract: dict) -> None:
     """Refuse an execution contract (every key of :data:`EXECUTION_KEYS`) whose values do not fit together.
 
     Raises:
-        ValueError: an unknown device, or an SDPA backend unknown or missing on it; ``workers`` below 1 or not whole; ``ray_address`` not a non-empty
-            string or None; an unknown step path; ``graph`` on a non-CUDA device; ``batch`` below 1; ``max_len`` below 2;
-            ``chunk`` below 1; a batch shape, chunk or an attention other than ``"sdpa"`` given with
-            ``step_path="eager"``; an unknown attention; ``attention="flex"`` with a ``max_len`` that is not a
-            multiple of 128; an unknown ``tie_rule``.
+        ValueError: an unknown device, or an SDPA backend unknown or missing on it; ``workers`` below 1 or not whole;
+            ``ray_address`` not a non-empty string or None; an unknown step path; ``graph`` on a non-CUDA device;
+            ``batch`` below 1; ``max_len`` below 2; ``chunk`` below 1; a batch shape, chunk or an attention other than
+            ``"sdpa"`` given with ``step_path="eager"``; an unknown attention; ``attention="flex"`` with a ``max_len``
+            that is not a multiple of 128; an unknown ``tie_rule``; an unknown ``kernels`` value, or one other than
+            ``"default"`` with an engine step path.
     """
     c = contract
     ties.parse_tie_rule(c.get("tie_rule", ties.DEFAULT_TIE_RULE))  # ValueError naming the rules
+    kernels.check_step_path(c.get("kernels", kernels.DEFAULT), c["step_path"])  # ValueError: unknown, or on the engine
     kind = device_type(c["device"])  # ValueError naming an unknown device
     if not _whole(c["workers"]) or c["workers"] < 1:
         raise ValueError(f"workers must be a whole number of at least 1, got {c['workers']!r}")
@@ -308,33 +311,28 @@ def check_execution(contract: dict) -> None:
 class ArmSettings:
     """Everything that fixes an arm's numerics besides its rows (part of every ledger key).
 
-    Attributes mirror the notebooks' parameters: ``profile``, ``dtype``,
-    ``caps``, ``model`` (``"embedded"``, folder, ``.gguf`` or cached hub id),
-    ``fmt`` (block format name or YAML path), ``role_table`` (path or None),
-    ``preflight`` (rows), ``live_check_fraction``, and the execution contract. ``live_check_fraction`` is the
-    share of the rows after the preflight ones whose live boundary a run below float32 checks (gate
-    ``live_equals_incremental``; :func:`live_check_ids`). It is not part of the key: a row that passes records
-    nothing more. The execution contract: ``threads`` (intra-op threads), ``sdpa_backends``, the CUDA side
-    (:class:`~kvreplay.execution.ExecutionContract`: ``device``, ``deterministic``, ``allow_tf32``), and the
-    fields below. The notebooks take the contract as one
-    mapping parameter, ``execution``, over these fields' defaults
-    (:data:`EXECUTION_DEFAULTS`, checked by :func:`resolve_execution`).
+    Attributes mirror the notebooks' parameters: ``profile``, ``dtype``, ``caps``, ``model`` (``"embedded"``, folder,
+    ``.gguf`` or cached hub id), ``fmt`` (block format name or YAML path), ``role_table`` (path or None),
+    ``preflight`` (rows), ``live_check_fraction``, and the execution contract. ``live_check_fraction`` is the share of
+    the rows after the preflight ones whose live boundary a run below float32 checks (gate
+    ``live_equals_incremental``; :func:`live_check_ids`). It is not part of the key: a row that passes records nothing
+    more. The execution contract: ``threads`` (intra-op threads), ``sdpa_backends``, the CUDA side
+    (:class:`~kvreplay.execution.ExecutionContract`: ``device``, ``deterministic``, ``allow_tf32``, ``kernels``:
+    :mod:`kvreplay.kernels`, eager path only), and the fields below. The notebooks take the contract as one mapping
+    parameter, ``execution``, over these fields' defaults (:data:`EXECUTION_DEFAULTS`, checked by
+    :func:`resolve_execution`).
 
-    Where the rows run is not part of the key: the rows are identical
-    bit for bit however many actors compute them. ``workers`` is the number of
-    Ray row actors (:mod:`kvreplay.runner.actors`; on CUDA one per GPU, shared
-    when there are more actors than GPUs; 1 = in this process, without
-    Ray). ``ray_address`` is an existing Ray cluster to run them on
-    (``"auto"``, ``"host:port"`` or ``"ray://host:10001"``; ``None``: the one
-    in ``$RAY_ADDRESS``, else a local cluster started for them).
+    Where the rows run is not part of the key: the rows are identical bit for bit however many actors compute them.
+    ``workers`` is the number of Ray row actors (:mod:`kvreplay.runner.actors`; on CUDA one per GPU, shared when there
+    are more actors than GPUs; 1 = in this process, without Ray). ``ray_address`` is an existing Ray cluster to run
+    them on (``"auto"``, ``"host:port"`` or ``"ray://host:10001"``; ``None``: the one in ``$RAY_ADDRESS``, else a
+    local cluster started for them).
 
     The decode path is part of the contract too:
 
-    * ``step_path``: ``"eager"`` (default, the reference): one problem at a
-      time through :mod:`kvreplay.decode` (``DynamicCache``, one forward call
-      per token); ``"engine-eager"``: the batched engine
-      (:mod:`kvreplay.engine`) with its op-by-op step (runs on the CPU);
-      ``"graph"``: the engine with its step replayed as a CUDA graph (CUDA only).
+    * ``step_path``: ``"eager"`` (default, the reference): one problem at a time through :mod:`kvreplay.decode`
+      (``DynamicCache``, one forward call per token); ``"engine-eager"``: the batched engine (:mod:`kvreplay.engine`)
+      with its op-by-op step (runs on the CPU); ``"graph"``: the engine with its step replayed as a CUDA graph.
     * ``batch``: problems per batched step ``B`` (the engine's ``2B`` rows);
     * ``max_len``: positions per row of the engine's static cache, or ``None``
       for the arm's bound. That bound is the longest full sequence any of its problems
@@ -395,6 +393,7 @@ class ArmSettings:
     live_check_fraction: float = LIVE_CHECK_FRACTION
     tie_rule: str = ties.DEFAULT_TIE_RULE
     top_logits: bool = False
+    kernels: str = kernels.DEFAULT
 
     def __post_init__(self):
         check_execution({k: getattr(self, k) for k in EXECUTION_KEYS})
@@ -427,7 +426,7 @@ class ArmSettings:
         return cls(profile=config["profile"], dtype=config["dtype"], caps=Caps(**config["caps"]),
                    model=config["model"]["model"], fmt=config["format"], role_table=table, threads=config["threads"],
                    sdpa_backends=tuple(config["sdpa_backends"]), preflight=config["preflight"],
-                   **{k: execution[k] for k in ("device", "deterministic", "allow_tf32") if k in execution},
+                   **{k: execution[k] for k in ("device", "deterministic", "allow_tf32", "kernels") if k in execution},
                    **engine_keys, tie_rule=config.get("tie_rule", ties.DEFAULT_TIE_RULE),
                    top_logits=bool(config.get("top_logits", False)))
 
@@ -481,7 +480,7 @@ class ArmSettings:
 
     def contract(self, device: str | None = None) -> ExecutionContract:
         """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
-        return resolve_contract(device=device or self.device, sdpa_backends=self.sdpa_backends,
+        return resolve_contract(device=device or self.device, sdpa_backends=self.sdpa_backends, kernels=self.kernels,
                                 deterministic=self.deterministic, allow_tf32=self.allow_tf32, threads=self.threads)
 
     def config(self, experiment: str, problems: Sequence[Problem]) -> dict:
