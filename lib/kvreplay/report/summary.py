@@ -132,6 +132,9 @@ TABLE_CAPTIONS = {
     "table_exp5_replication": "Experiment 5: outcome-blind replication on a later checkpoint (frozen interpretation matrix)",
     "table_exp5_accuracy": "Experiment 5 (secondary): decoded accuracy, later checkpoint vs checkpoint 0, same prefixes",
     "table_first_divergence": "First divergence, tokens after the boundary: quartiles (referee minor comment 3)",
+    "table_prefix_length": "Exploratory: Experiment 1 BF16 rows and divergences per boundary-prefix length bin",
+    "table_prefix_length_fit": "Exploratory: logistic fit of divergence on boundary-prefix length (rates beyond the "
+                               "observed prefixes are extrapolations)",
 }
 """Caption of every results table (the experiment notebooks and notebook 06 use the same text)."""
 
