@@ -177,8 +177,9 @@ def test_experiment5_smoke(chain_run):
 TABLES = ("table1_related_work", "table2_role_visibility", "table3_numerical_contract", "table_exp1_matrix",
           "table_exp2_matrix", "table_exp2_crossing", "table_exp3_bridge", "table_exp3_audit", "table5_exp4_transplant",
           "table_exp5_replication", "table_exp5_accuracy",
-          "table_first_divergence", "table_setup_vs_paper", "table_vs_paper", "table_artifact_map")
-FIGURES = ("fig1_design", "fig_first_divergence", "fig_layer_drift", "fig_transplants", "fig_near_tie")
+          "table_first_divergence", "table_setup_vs_paper", "table_vs_paper", "table_artifact_map",
+          "table_prefix_length", "table_prefix_length_fit")
+FIGURES = ("fig1_design", "fig_first_divergence", "fig_layer_drift", "fig_transplants", "fig_near_tie", "fig_prefix_length")
 
 
 def test_tables_smoke(chain_run):

@@ -501,6 +501,23 @@ def load_model(
     return lm
 
 
+def gpu_record(dev: torch.device) -> dict:
+    """What fixes a CUDA GPU's BF16 bits besides torch: ``cuda_runtime`` (e.g. ``"13.0"``), ``gpu_capability``
+    (``"9.0"``), ``gpu_sm_count`` (streaming multiprocessors, e.g. 132; split-K and tile choices follow it) and
+    ``cublas`` (the installed ``nvidia-cublas*`` distribution as ``name==version``, None for a cuBLAS that did not
+    come from pip). Every ledger written on a GPU records them (:func:`environment_record`); ``make verify``
+    compares bits where they match (:mod:`kvreplay.verify`).
+    """
+    from importlib import metadata
+
+    cublas = sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+                    if (d.metadata["Name"] or "").lower().startswith("nvidia-cublas"))
+    return {"cuda_runtime": torch.version.cuda,
+            "gpu_capability": ".".join(map(str, torch.cuda.get_device_capability(dev))),
+            "gpu_sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
+            "cublas": cublas[0] if cublas else None}
+
+
 def environment_record(lm: LoadedModel | None = None, threads: int | None = None) -> dict:
     """The environment a model runs in, as every ledger records it under ``execution_contract`` (paper Table 3).
 
@@ -545,8 +562,7 @@ def environment_record(lm: LoadedModel | None = None, threads: int | None = None
         contract["cudnn_deterministic"] = torch.backends.cudnn.deterministic
         contract["cudnn_benchmark"] = torch.backends.cudnn.benchmark
         contract["fill_uninitialized_memory"] = torch.utils.deterministic.fill_uninitialized_memory
-        contract["cuda_runtime"] = torch.version.cuda
-        contract["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(dev)))
+        contract |= gpu_record(dev)
     if lm is not None:
         contract["dtype"] = str(lm.dtype).replace("torch.", "")
         contract["attn_implementation"] = lm.model.config._attn_implementation

@@ -8,11 +8,18 @@ function the notebooks use, and compares each recomputed record with the
 committed line byte for byte (canonical JSON).
 
 BF16 bits depend on the CPU's kernels (AMX, AVX-512-BF16, AVX2 pick different
-oneDNN paths) and on the torch build. So a byte comparison is only owed where
-the environment matches the one that wrote the ledger (same CPU capability and
-ISA flags, device name, torch version and threads). Elsewhere the check falls
-back to what must hold anywhere -- every gate passes, and in float32 the token
-IDs (prefix and every suffix) are identical -- and says what it skipped.
+oneDNN paths) and on the torch build; on a GPU on its compute capability, SM
+count, CUDA and cuBLAS, and on the step path and batch shape. So records are
+compared byte for byte where those match the ledger's recorded environment
+(:func:`compare_environments`). On the machine kind that wrote the ledger a
+difference is a failure (mode ``bytes``). On another GPU with the same
+bit-relevant fields it is reported as "bits differ" with the first differing
+field, not as a failure (mode ``bits``). Elsewhere the check falls back to what
+must hold anywhere -- every gate passes, and in float32 the token IDs (prefix
+and every suffix) are identical -- and says what it skipped (mode
+``portable``). The command says before the first model loads which ledgers'
+bits can be compared on this machine, and why not where they cannot; it prints
+each row's time and how many remain, and a summary also when interrupted.
 
 Usage::
 
@@ -27,6 +34,7 @@ import argparse
 import dataclasses
 import random
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,15 +45,25 @@ from .ledger.lookup import PREFIX_BANK
 from .ledger.prefix_bank import read_prefix_bank
 from .ledger.files import LedgerError, read_environment, read_log, read_manifest
 from .ledger.store import canonical_json, ledger_rows
-from .models import context_length, environment_record
+from .models import context_length, environment_record, gpu_record
 from .paths import LEDGERS, ROOT
 from .problems import Problem, load_bank
-from .runner import ROW_ALGORITHM, ArmPlan, ArmSettings, RunSpec, check_prompts
+from .runner import ROW_ALGORITHM, ArmPlan, ArmSettings, RunSpec, arm_environment, check_prompts
 from .runner.batched import first_difference, leaves
 from .runner.spec import model_key
 
 ENVIRONMENT_KEYS = ("device_name", "cpu_capability", "cpu_isa_flags", "torch", "intra_op_threads")
-"""Execution-contract fields that must match for a byte-for-byte comparison to be owed."""
+"""What must match for a CPU ledger's bits to be compared (and owed): the CPU kind and kernel ISA, torch, threads."""
+
+GPU_BIT_KEYS = ("gpu_capability", "gpu_sm_count", "cuda_runtime", "cublas", "torch", "engine.step_path", "engine.batch")
+"""What must match for a GPU ledger's bits to be compared: compute capability, SM count, CUDA runtime, cuBLAS,
+torch, step path and batch shape (dotted: inside the record's ``engine``). Ledgers written before
+:func:`kvreplay.models.gpu_record` existed lack ``gpu_sm_count`` and ``cublas``: those are named as not recorded."""
+
+MODES = ("bytes", "bits", "portable", "stale")
+"""How a row is checked: ``bytes`` (the ledger's environment: identical records owed), ``bits`` (another GPU with
+the same :data:`GPU_BIT_KEYS`: compared, a difference reported and not a failure), ``portable`` (gates and float32
+token IDs only), ``stale`` (another row algorithm: not comparable, a failure)."""
 
 
 @dataclasses.dataclass
@@ -54,12 +72,12 @@ class RowCheck:
 
     Attributes:
         ledger: the ledger folder's name; problem_id: the row.
-        mode: ``"bytes"`` (same environment: the record must be identical) or
-            ``"portable"`` (another environment: gates and float32 tokens only).
-        ok: whether every owed check held.
+        mode: one of :data:`MODES`.
+        ok: whether every owed check held (in mode ``bits`` a bit difference does not fail it).
         parted: where the recomputed record first parts from the committed one
             (a dotted path such as ``arms.prefill.suffix[12]``), or None.
         detail: a one-line account (what was compared, what was skipped).
+        seconds: wall seconds the row's recomputation took (model load not included).
     """
     ledger: str
     problem_id: str
@@ -67,11 +85,89 @@ class RowCheck:
     ok: bool
     parted: str | None
     detail: str
+    seconds: float = 0.0
+
+    @property
+    def bits_differ(self) -> bool:
+        """Compared on another GPU of the same bit-relevant fields, and the bits part (not a failure)."""
+        return self.mode == "bits" and self.parted is not None
 
 
-def same_environment(recorded: dict, current: dict) -> list[str]:
-    """The :data:`ENVIRONMENT_KEYS` that differ between a ledger's recorded contract and this machine's."""
-    return [k for k in ENVIRONMENT_KEYS if recorded.get(k) != current.get(k)]
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Whether a ledger's bits can be compared here (:func:`compare_environments`).
+
+    Attributes:
+        mode: ``bytes``, ``bits`` or ``portable`` (:data:`MODES`).
+        differs: the fields that differ (mode ``portable``), in :data:`ENVIRONMENT_KEYS` / :data:`GPU_BIT_KEYS` order.
+        unrecorded: bit-relevant fields the ledger does not record (compared as far as recorded).
+        why: one line saying what was compared against what.
+    """
+    mode: str
+    differs: tuple[str, ...]
+    unrecorded: tuple[str, ...]
+    why: str
+
+
+def _field(record: dict, key: str) -> Any:
+    """A possibly dotted field of an environment record (``engine.batch``); None where absent."""
+    value: Any = record
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _recorded(record: dict, key: str) -> bool:
+    head, _, rest = key.partition(".")
+    return head in record and (not rest or isinstance(record[head], dict) and rest in record[head])
+
+
+def _path(record: dict) -> str:
+    engine = record.get("engine") or {"step_path": "eager"}
+    return f"{engine['step_path']} path" + (f", B={engine['batch']}" if "batch" in engine else "")
+
+
+def compare_environments(recorded: dict, current: dict) -> Comparison:
+    """Whether rows of a ledger written under ``recorded`` can be compared bit for bit under ``current``.
+
+    Both are execution-contract records (:func:`kvreplay.models.environment_record`, plus ``engine`` for a batched
+    arm). A CPU ledger: bytes where every :data:`ENVIRONMENT_KEYS` field matches, else portable. A GPU ledger
+    recomputed on a GPU: where every recorded :data:`GPU_BIT_KEYS` field matches, bytes on the same device name
+    and bits on another; else portable, naming the first field that differs. A GPU ledger recomputed on a CPU
+    (no GPU here): portable.
+    """
+    on_gpu = str(recorded.get("device", "")).startswith("cuda")
+    if on_gpu and not str(current.get("device", "")).startswith("cuda"):
+        return Comparison("portable", ("device",), (), f"written on {recorded.get('device_name', 'a GPU')} "
+                          f"({_path(recorded)}); this machine has no GPU, so rows are recomputed on this CPU through the "
+                          "eager path")
+    keys = GPU_BIT_KEYS if on_gpu else ENVIRONMENT_KEYS
+    unrecorded = tuple(k for k in keys if on_gpu and not _recorded(recorded, k))
+    differs = tuple(k for k in keys if k not in unrecorded and _field(recorded, k) != _field(current, k))
+    if differs:
+        return Comparison("portable", differs, unrecorded, "; ".join(
+            f"{k} {_field(recorded, k)!r} in the ledger, {_field(current, k)!r} here" for k in differs))
+    missing = f"; not recorded by the ledger: {', '.join(unrecorded)}" if unrecorded else ""
+    if not on_gpu or recorded.get("device_name") == current.get("device_name"):
+        return Comparison("bytes", (), unrecorded, f"the ledger's environment ({recorded.get('device_name')}){missing}")
+    return Comparison("bits", (), unrecorded, f"written on {recorded.get('device_name')}, recomputed on "
+                      f"{current.get('device_name')}: same {', '.join(k for k in keys if k not in unrecorded)}{missing}")
+
+
+def expected_environment(recorded: dict, threads: int) -> dict:
+    """The fields :func:`compare_environments` reads, as this machine will have them when it recomputes a ledger
+    written under ``recorded`` at ``threads`` intra-op threads: without loading a model, so that the command can say
+    up front which ledgers' bits it can compare. A GPU ledger is recomputed on ``cuda:0`` where there is one, at its
+    recorded step path and batch shape."""
+    import torch
+
+    current = environment_record(None, threads) | {"intra_op_threads": threads}
+    if str(recorded.get("device", "")).startswith("cuda") and torch.cuda.is_available():
+        dev = torch.device("cuda", 0)
+        current |= {"device": str(dev), "device_name": torch.cuda.get_device_name(dev)} | gpu_record(dev)
+        if "engine" in recorded:
+            current["engine"] = recorded["engine"]
+    return current
 
 
 def _token_fields(rec: dict) -> dict:
@@ -216,22 +312,22 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     lines, committed = [r.text for r in read], [r.record for r in read]
     chosen = choose_rows(folder, rows, pick=pick, seed=seed, ids=ids)
     if env.get("row_algorithm") != ROW_ALGORITHM.get(config["experiment"]):
-        return [RowCheck(folder.name, committed[i]["problem_id"], "stale", False, None,
-                         f"written by row algorithm {env.get('row_algorithm')}, this code computes "
-                         f"{ROW_ALGORITHM.get(config['experiment'])}: not comparable") for i in chosen]
+        stale = [RowCheck(folder.name, committed[i]["problem_id"], "stale", False, None,
+                          f"written by row algorithm {env.get('row_algorithm')}, this code computes "
+                          f"{ROW_ALGORITHM.get(config['experiment'])}: not comparable") for i in chosen]
+        if report is not None:
+            for check in stale:
+                report(check)
+        return stale
     bank = list(problems if problems is not None else load_bank())
     by_id = {p.problem_id: p for p in bank}
     plan = ledger_plan(folder, config, bank)
     row, chunk = plan.row_function(), plan.chunk_function()
     fn: Callable[[RunSpec, Problem], dict] = row
     recorded = env["execution_contract"]
-    where = ""
     if settings.contract().device_type == "cuda" and not torch.cuda.is_available():
         # a GPU ledger on a machine without one: recompute on this CPU through the eager reference path
         settings = dataclasses.replace(settings.eager(), device="cpu", deterministic=None)
-        path = recorded.get("engine") or {"step_path": "eager"}
-        where = (f"; recorded on {recorded.get('device_name', 'a GPU')} ({path['step_path']} path"
-                 + (f", B={path['batch']}" if "batch" in path else "") + "), recomputed on this CPU through the eager path")
     elif config.get("engine"):
         # a batched ledger: the row alone in a chunk of one at the recorded batch shape (the composition gate's run)
         settings = dataclasses.replace(settings, max_len=recorded["engine"]["max_len"])
@@ -241,40 +337,55 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     check_prompts(fmt, [by_id[committed[i]["problem_id"]] for i in chosen], context_length(lm.model.config),
                   caps=settings.caps)
     spec = settings.run_spec(lm, fmt, run, equivalence_ids=frozenset(config["problem_ids"][: settings.preflight]))
-    current = environment_record(lm, settings.threads)
-    differs = same_environment(recorded, current)
-    shown = "; ".join(f"{k} {recorded.get(k)!r} in the ledger, {current.get(k)!r} here" for k in differs)
+    current = arm_environment(lm, fmt, settings, run)
+    comparison = compare_environments(recorded, current)
     out = []
     for i in chosen:
         old = committed[i]
+        start = time.perf_counter()
         new = fn(spec, by_id[old["problem_id"]])
-        if not differs:
-            ok = canonical_json(new) == lines[i]
-            parted = None if ok else first_difference(old, new)
-            detail = "byte-identical" if ok else f"differs first at {parted}"
-            out.append(RowCheck(folder.name, old["problem_id"], "bytes", ok, parted, detail))
-            if report is not None:
-                report(out[-1])
-            continue
-        checks, parted = [], None
-        gates_ok = new.get("gate_failure") is None and old.get("gate_failure") is None
-        checks.append(f"gates {'pass' if gates_ok else 'FAIL: ' + str(new.get('gate_failure'))}")
-        ok = gates_ok
-        if lm.dtype == torch.float32:
-            a, b = _token_fields(old), _token_fields(new)
-            tok_ok = a == b
-            if not tok_ok:
-                parted = first_difference(a, b)
-            checks.append("float32 token IDs " + ("identical" if tok_ok else f"differ first at {parted}")
-                          + " (cache summaries and margins not compared)")
-            ok = ok and tok_ok
-        else:
-            checks.append("BF16 bits not compared")
-        out.append(RowCheck(folder.name, old["problem_id"], "portable", ok, parted,
-                            f"{'; '.join(checks)} (another environment: {shown}{where})"))
+        out.append(judge_row(folder.name, old, new, lines[i], comparison, float32=lm.dtype == torch.float32,
+                             seconds=time.perf_counter() - start))
         if report is not None:
             report(out[-1])
     return out
+
+
+def judge_row(ledger: str, old: dict, new: dict, line: str, comparison: Comparison, *, float32: bool,
+              seconds: float = 0.0) -> RowCheck:
+    """The verdict on one recomputed record ``new`` against its committed record ``old`` (committed line ``line``).
+
+    Mode ``bytes``: the canonical JSON must equal ``line``. Mode ``bits``: byte-identical passes; otherwise the
+    row says "bits differ" at the first differing field and passes if the portable checks do. Mode ``portable``:
+    every gate passes on both, and in float32 the token IDs are identical.
+    """
+    pid = old["problem_id"]
+    same = canonical_json(new) == line
+    if comparison.mode == "bytes":
+        parted = None if same else first_difference(old, new)
+        return RowCheck(ledger, pid, "bytes", same, parted, "byte-identical" if same else f"differs first at {parted}",
+                        seconds)
+    if comparison.mode == "bits" and same:
+        return RowCheck(ledger, pid, "bits", True, None, f"byte-identical ({comparison.why})", seconds)
+    checks, parted = [], None
+    if comparison.mode == "bits":
+        parted = first_difference(old, new)
+        checks.append(f"bits differ first at {parted} (not a gate failure)")
+    gates_ok = new.get("gate_failure") is None and old.get("gate_failure") is None
+    checks.append(f"gates {'pass' if gates_ok else 'FAIL: ' + str(new.get('gate_failure'))}")
+    ok = gates_ok
+    if float32:
+        a, b = _token_fields(old), _token_fields(new)
+        tok_ok = a == b
+        where = None if tok_ok else first_difference(a, b)
+        parted = parted or where
+        checks.append("float32 token IDs " + ("identical" if tok_ok else f"differ first at {where}")
+                      + ("" if comparison.mode == "bits" else " (cache summaries and margins not compared)"))
+        ok = ok and tok_ok
+    elif comparison.mode == "portable":
+        checks.append("BF16 bits not compared")
+    what = "another environment" if comparison.mode == "portable" else "another GPU"
+    return RowCheck(ledger, pid, comparison.mode, ok, parted, f"{'; '.join(checks)} ({what}: {comparison.why})", seconds)
 
 
 def recomputable_ledgers(ledger_root: str | Path, profile: str, only: Sequence[str] = ()) -> list[Path]:
@@ -310,22 +421,76 @@ def verify_profile(ledger_root: str | Path, profile: str, rows: int = 1, *, only
     """:func:`verify_ledger` on every recomputable experiment ledger of a profile (``only``: name prefixes);
     ``report`` is told each row as it is recomputed. With ``ids``, each ledger holding any of them recomputes
     those rows (:func:`ids_by_ledger`; an ID no ledger holds raises ``ValueError`` before any model loads)."""
-    ledgers = recomputable_ledgers(ledger_root, profile, only)
-    wanted = ids_by_ledger(ledgers, ids) if ids else {f: None for f in ledgers}
-    for folder, mine in wanted.items():  # every selection checked before the first model loads
-        choose_rows(folder, rows, pick=pick, seed=seed, ids=mine)
+    wanted = selection(recomputable_ledgers(ledger_root, profile, only), rows, pick=pick, seed=seed, ids=ids)
     out = []
     for folder, mine in wanted.items():
         out.extend(verify_ledger(folder, rows, pick=pick, report=report, seed=seed, ids=mine))
     return out
 
 
+def selection(ledgers: Sequence[Path], rows: int, *, pick: str, seed: int | None,
+              ids: Sequence[str] | None) -> dict[Path, list[str] | None]:
+    """Each ledger to recompute -> the problem IDs it recomputes (None: ``rows`` rows by ``pick``), every choice
+    checked (:func:`choose_rows`) before the first model loads.
+
+    Raises:
+        ValueError: an ID no ledger holds, a bad ``pick`` or ``seed`` (:func:`ids_by_ledger`, :func:`choose_rows`).
+    """
+    wanted: dict[Path, list[str] | None] = dict(ids_by_ledger(ledgers, ids)) if ids else {f: None for f in ledgers}
+    for folder, mine in wanted.items():
+        choose_rows(folder, rows, pick=pick, seed=seed, ids=mine)
+    return wanted
+
+
+def forecast(ledgers: Sequence[Path]) -> list[str]:
+    """What the command says before the first model loads: for which ledgers this machine compares bits, and for
+    which it cannot and why (:func:`compare_environments` on :func:`expected_environment`), one line per reason."""
+    groups: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for folder in ledgers:
+        settings, config = settings_from_manifest(folder)
+        recorded = read_environment(folder)["execution_contract"]
+        c = compare_environments(recorded, expected_environment(recorded, settings.threads))
+        groups.setdefault((c.mode, c.why), []).append((folder.name, config["dtype"]))
+    out = []
+    for (mode, why), named in groups.items():
+        names = ", ".join(n for n, _ in named)
+        if mode == "bytes":
+            out.append(f"Bits compared byte for byte (a difference fails) in {names}: this machine matches {why}.")
+        elif mode == "bits":
+            out.append(f"Bits compared on another GPU in {names} ({why}); where they part the row says "
+                       "\"bits differ\" with the first differing field, not a failure.")
+        else:
+            fp32 = [n for n, d in named if d == "float32"]
+            out.append(f"BF16 bits cannot be compared on this machine for {names}: {why}. Their rows get the portable "
+                       "checks: every gate passes" + (f", and the float32 ledgers' token IDs ({', '.join(fp32)}) are "
+                                                      "identical" if fp32 else "") + ".")
+    return out
+
+
+def summary(results: Sequence[RowCheck], total: int, seconds: float, *, interrupted: bool = False) -> str:
+    """The closing line of ``make verify``: rows byte-identical, with bits that differ on another GPU, passing the
+    portable checks only, failing; when ``interrupted``, how many of ``total`` were never recomputed."""
+    bad = sum(not r.ok for r in results)
+    differ = sum(r.ok and r.bits_differ for r in results)
+    portable = sum(r.ok and r.mode == "portable" for r in results)
+    exact = len(results) - bad - differ - portable
+    head = f"interrupted after {len(results)} of {total} rows: " if interrupted else ""
+    return (head + f"{exact} of {len(results)} recomputed rows match byte for byte"
+            + (f"; {differ} pass with bits that differ on another GPU (first differing fields above)" if differ else "")
+            + (f"; {portable} pass the portable checks (gates, and what must hold on any machine; their BF16 bits are "
+               "not compared here)" if portable else "") + (f"; {bad} do not" if bad else "")
+            + (f"; {total - len(results)} not recomputed" if interrupted else "") + f" ({seconds:.0f} s)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kvreplay.verify", description=__doc__.split("\n\n")[0],
-                                 epilog="Byte-identical rows are expected only where the ledger's environment (device, CPU "
-                                        "kernel ISA, torch, threads, step path, batch shape) matches this machine; "
-                                        "elsewhere the portable checks run (gates pass, FP32 token IDs equal).",
+                                 epilog="Bits are compared where the ledger's recorded environment matches this machine "
+                                        "(CPU: CPU kind and kernel ISA, torch, threads; GPU: compute capability, SM "
+                                        "count, CUDA, cuBLAS, torch, step path, batch shape); on another GPU of the "
+                                        "same fields a difference is reported as 'bits differ', not a failure; "
+                                        "elsewhere the portable checks run (gates pass, FP32 token IDs equal). "
+                                        "Ctrl-C prints the summary of the rows done.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--profile", default="cpu", help="profile whose committed ledgers are recomputed")
     ap.add_argument("--rows", type=int, default=1, help="rows recomputed per ledger")
@@ -355,36 +520,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no recomputable ledger of profile {args.profile!r} under {folder}"
               + (f" matches --only {' '.join(args.only)}" if args.only else ""), file=sys.stderr)
         return 2
+    try:
+        wanted = selection(ledgers, args.rows, pick=args.pick, seed=args.seed, ids=args.ids)
+    except (ValueError, LedgerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.ids:
-        try:
-            held = ids_by_ledger(ledgers, args.ids)
-        except (ValueError, LedgerError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
         what = f"rows {' '.join(args.ids)} where held"
-        ledgers = list(held)
+        ledgers = list(wanted)
     else:
         what = f"{args.rows} committed row(s) ({args.pick}{f', seed {args.seed}' if args.seed is not None else ''})"
+    total = sum(len(choose_rows(f, args.rows, pick=args.pick, seed=args.seed, ids=mine)) for f, mine in wanted.items())
     print(f"make verify: recomputing {what} of each of {len(ledgers)} ledgers of "
-          f"profile {args.profile} ({', '.join(f.name for f in ledgers)}); each ledger loads its model, and a row "
-          "takes seconds to minutes. One line per row as it is done:", flush=True)
+          f"profile {args.profile} ({', '.join(f.name for f in ledgers)}), {total} rows; each ledger loads its model, "
+          "and a row takes seconds to minutes.", flush=True)
+    for line in forecast(ledgers):
+        print(line, flush=True)
+    print("One line per row as it is done (its time, how many remain); Ctrl-C stops with a summary:", flush=True)
+    done: list[RowCheck] = []
+    start = time.perf_counter()
 
     def said(r: RowCheck) -> None:
-        print(f"{'OK  ' if r.ok else 'FAIL'} {r.mode:8s} {r.ledger:40s} {r.problem_id:24s} {r.detail}", flush=True)
+        done.append(r)
+        tag = "DIFF" if r.ok and r.bits_differ else "OK  " if r.ok else "FAIL"
+        print(f"{tag} {r.mode:8s} {r.ledger:40s} {r.problem_id:24s} {r.detail} [{r.seconds:.1f} s; {len(done)} of "
+              f"{total} done, {total - len(done)} left, {time.perf_counter() - start:.0f} s so far]", flush=True)
 
     try:
-        results = verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick,
-                                 report=said, seed=args.seed, ids=args.ids)
+        verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick, report=said,
+                       seed=args.seed, ids=args.ids)
+    except KeyboardInterrupt:
+        print(summary(done, total, time.perf_counter() - start, interrupted=True), flush=True)
+        return 130
     except LedgerError as e:  # a damaged line, a duplicated row or a damaged small file: named, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    bad = [r for r in results if not r.ok]
-    exact = sum(r.ok and r.mode == "bytes" for r in results)
-    portable = len(results) - len(bad) - exact
-    print(f"{exact} of {len(results)} recomputed rows match byte for byte"
-          + (f"; {portable} pass the portable checks (gates, and what must hold on any machine; their BF16 bits are "
-             "not compared here)" if portable else "") + ("" if not bad else f"; {len(bad)} do not"))
-    return 1 if bad else 0
+    print(summary(done, total, time.perf_counter() - start))
+    return 1 if any(not r.ok for r in done) else 0
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ profile = "smoke"  # which notebooks/params file: a profile name, or a path to a
 overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
+import json
+
 from IPython.display import Markdown, display
 
-from kvreplay.experiments.bridge import EXP3, audit_table, bridge_summary, bridge_table, saved_ledger_audit
+from kvreplay.experiments.bridge import EXP3, audit_table, bridge_summary, bridge_table, replay_setting, saved_ledger_audit
 from kvreplay.session import open_session
 
 session = open_session("notebooks/03_experiment3_bridge_and_audit.ipynb", profile, overrides)
@@ -82,12 +84,13 @@ atable
 # ## What this shows
 
 # %%
+bridge_ledger_env = json.loads((bridge_ledger.dir / "environment.json").read_text())  # its contract and library, as recorded
 display(Markdown("\n".join([
     f"- Bridge: incremental equals live bit for bit on every layer in {b['layers_exact']}/{b['n']} rows; "
     f"boundary logits exact {b['logits_exact']}/{b['n']}; "
     f"complete suffixes exact {b['suffix_exact']}/{b['n']} (paper: 12/12 each).",
     f"- New live prefixes identical to the saved ones: {b['same_as_saved']}/{b['n']} "
-    f"(paper: 0/12 on its hardware; here the same machine and software replay the same decode).",
+    f"(paper: 0/12 on its hardware; {replay_setting(bridge_ledger_env, session.upstream('exp1-bfloat16').environment)}).",
     f"- Audit: prefixes agree {audit['prefix_agrees']}/{audit['rows']}; "
     f"live suffix reproduced by the incremental arm {audit['suffix_agrees']['live→incremental']}/{audit['rows']}; "
     f"all common cache leaves agree on {audit['cache_leaves_agree_rows']}/{audit['rows']} rows, "

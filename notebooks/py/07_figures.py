@@ -35,7 +35,7 @@ import pandas as pd
 import seaborn as sns
 from IPython.display import Markdown, display
 
-from kvreplay.report import figures
+from kvreplay.report import figures, prefix_length
 from kvreplay.ledger.lookup import load_profile_ledgers
 from kvreplay.ledger.records import Exp1Record, Exp2Record
 from kvreplay.report.frames import divergence_margins, first_divergence_frame, margin_percentiles, transplant_outcomes
@@ -143,10 +143,35 @@ written["fig_near_tie"] = session.save_figure(fig, "fig_near_tie")
 pd.DataFrame.from_dict(near_tie, orient="index").convert_dtypes()  # step and tie counts stay whole numbers
 
 # %% [markdown]
+# ## Divergence by boundary-prefix length (exploratory)
+# Each Experiment 1 BF16 row is one observation: its boundary prefix length in tokens and whether the prefill and
+# live suffixes part. The paper's prefixes are 1,025-5,080 tokens, most of ours much shorter. Rows and divergences
+# per length bin (Wilson 95%), and a logistic regression of divergence on length (statsmodels, Wald 95% band)
+# drawn inside the observed range; dashed beyond it is an extrapolation, not evidence. No arm yet runs the same
+# problems at two or more branch caps (a manipulated length), so a longer prefix here is also another problem:
+# this is an association, not the effect of length.
+
+# %%
+exp1_bf16 = profile_ledgers["exp1-bfloat16"]
+length_rows = prefix_length.prefix_length_frame(exp1_bf16.records, p.profile,
+                                                prefix_length.family_of(exp1_bf16.contract.get("model", {})))
+length_fit = prefix_length.logistic_fit(length_rows)
+length_bins = prefix_length.bin_table(length_rows)
+length_fits = prefix_length.fit_table([length_fit])
+session.save_table(length_bins, "table_prefix_length")
+session.save_table(length_fits, "table_prefix_length_fit")
+fig = prefix_length.prefix_length_figure(length_rows, length_fit, title=f"Experiment 1 BF16 ({p.profile}): divergence "
+                                         "by boundary-prefix length")
+written["fig_prefix_length"] = session.save_figure(fig, "fig_prefix_length")
+display(length_bins)
+length_fits.T
+
+# %% [markdown]
 # ## Integrity assertions
 
 # %%
-assert set(written) == {"fig1_design", "fig_first_divergence", "fig_layer_drift", "fig_transplants", "fig_near_tie"}
+assert set(written) == {"fig1_design", "fig_first_divergence", "fig_layer_drift", "fig_transplants", "fig_near_tie",
+                        "fig_prefix_length"}
 assert all(p.stat().st_size > 0 for files in written.values() for p in files)
 for label, df in margin_sets.items():
     assert df.margin.notna().all() and (df.margin >= 0).all(), f"{label}: a recorded margin is missing or negative"
@@ -187,4 +212,15 @@ for label, s in near_tie.items():
                      f"{s['median percentile of divergence margins among shared']:.1f} among shared-step margins.")
     else:
         lines.append(f"- {label}: no divergent row, so no divergence margin to compare.")
+if length_fit.note is None:
+    assert length_fit.odds_ratio is not None and length_fit.odds_ratio_ci is not None
+    lo, hi = length_fit.observed
+    lines.append(f"- Divergence by prefix length (exploratory; Experiment 1 BF16, {lo}-{hi} tokens): odds ratio "
+                 f"{length_fit.odds_ratio:.3g} per 1,000 tokens [95% {length_fit.odds_ratio_ci[0]:.3g}, "
+                 f"{length_fit.odds_ratio_ci[1]:.3g}], p = {length_fit.p_value:.2g}; fitted rate "
+                 f"{100 * length_fit.at(lo).p:.0f}% at {lo} and {100 * length_fit.at(hi).p:.0f}% at {hi} tokens. "
+                 f"Beyond {hi} tokens (the paper reaches 5,080) the curve is an extrapolation, and with no "
+                 "manipulated-length arm it is an association across problems, not an effect of length.")
+else:
+    lines.append(f"- Divergence by prefix length: {length_fit.note}.")
 display(Markdown("\n".join(lines)))

@@ -194,6 +194,29 @@ def saved_ledger_audit(exp1: Sequence[Exp1Record], exp2: Sequence[Exp2Record]) -
     return out
 
 
+REPLAY_FIELDS = ("device_name", "torch", "cpu_capability", "intra_op_threads", "engine.step_path", "engine.batch")
+"""The recorded execution-contract fields :func:`replay_setting` compares between the bridge and Experiment 1."""
+
+
+def replay_setting(bridge_env: dict, exp1_env: dict) -> str:
+    """Where the bridge's new live decodes ran against Experiment 1's saved ones, read from both ledgers'
+    ``environment.json`` (``execution_contract`` and ``library_sha256``), never assumed. One clause names the
+    :data:`REPLAY_FIELDS` that differ, if any, and both library digests (12 hex digits) when they differ."""
+    def field(env: dict, key: str) -> Any:
+        value: Any = env.get("execution_contract", {})
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        return value
+
+    differ = [k for k in REPLAY_FIELDS if field(bridge_env, k) != field(exp1_env, k)]
+    where = (f"on Experiment 1's execution contract ({field(bridge_env, 'device_name')}, torch "
+             f"{field(bridge_env, 'torch')})" if not differ else "under another execution contract than Experiment 1's ("
+             + "; ".join(f"{k} {field(exp1_env, k)!r} there, {field(bridge_env, k)!r} here" for k in differ) + ")")
+    a, b = bridge_env.get("library_sha256") or "none recorded", exp1_env.get("library_sha256") or "none recorded"
+    lib = f"by Experiment 1's library ({a[:12]})" if a == b else f"by library {a[:12]}, Experiment 1's by {b[:12]}"
+    return f"here the bridge ran {where}, its ledger created {lib}"
+
+
 def bridge_summary(records: Sequence[BridgeRecord]) -> dict:
     """Experiment 3 bridge endpoints (paper §4.3) from its ledger records.
 

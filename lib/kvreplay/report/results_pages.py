@@ -29,6 +29,7 @@ from ..stats import Proportion, wilson
 from .cross_family import Families, families_section, family_results
 from .markdown import caps_text as _caps, dtype_label as _dtype, pct as _pct, pts, pval, rate, table  # re-exported
 from .results import ProfileResults, profile_results, profile_stats
+from .summary import checkpoint_recipe
 
 HEADLINE_PROFILE = "paper"
 """The profile whose results the README's headline table shows (the paper's caps and row count)."""
@@ -311,13 +312,25 @@ def _transplant(res: ProfileResults) -> list[str]:
     return out
 
 
+def _checkpoint(res: ProfileResults) -> str:
+    """The replication checkpoint with its recipe, and whether ``cpu``'s recipe search chose that recipe."""
+    ledger = res.ledgers["exp5-bfloat16"]
+    recipe, chosen = checkpoint_recipe(ledger.config["checkpoint"], ledger.dir.parent.parent)
+    text = res.summary["replication_checkpoint"] + (f", recipe `{recipe}`" if recipe else "")
+    if recipe is None or chosen is None:
+        return text
+    why = "[why](experiments.md#the-checkpoint-family)"
+    return text + (f", the recipe `cpu`'s recipe search chooses ({why})" if recipe == chosen else
+                   f", which `cpu`'s recipe search rejects: it chooses `{chosen}` ({why})")
+
+
 def _replication(res: ProfileResults) -> list[str]:
     r, a = res.summary["replication"], res.summary["replication_accuracy"]
     panel = r["rows"] + len(r["ineligible"])
     i, j = r["interpretation"], r["interpretation_scaled"]
     bound = wilson(0, r["exact"]).high if r["exact"] else None
     rows = [
-        ["replication checkpoint", res.summary["replication_checkpoint"], "a later training checkpoint"],
+        ["replication checkpoint", _checkpoint(res), "a later training checkpoint"],
         ["panel rows; prefix length, tokens", f"{panel}; {r['prefix_len_range'][0]}–{r['prefix_len_range'][1]}",
          str(res.reference["setup"]["rows"]["exp5"])],
         ["rows passing every gate", f"{r['rows']}/{panel}", "—"],

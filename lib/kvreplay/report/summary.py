@@ -7,6 +7,7 @@ The same summary functions the experiment notebooks call
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -33,6 +34,7 @@ from ..experiments.transplant import (
     transplant_table,
 )
 from ..ledger.lookup import ProfileLedgers
+from ..paths import CHECKPOINTS
 
 
 def summarize(profile_ledgers: ProfileLedgers, *, seed: int = 20260729, n_resamples: int = 20000,
@@ -130,6 +132,9 @@ TABLE_CAPTIONS = {
     "table_exp5_replication": "Experiment 5: outcome-blind replication on a later checkpoint (frozen interpretation matrix)",
     "table_exp5_accuracy": "Experiment 5 (secondary): decoded accuracy, later checkpoint vs checkpoint 0, same prefixes",
     "table_first_divergence": "First divergence, tokens after the boundary: quartiles (referee minor comment 3)",
+    "table_prefix_length": "Exploratory: Experiment 1 BF16 rows and divergences per boundary-prefix length bin",
+    "table_prefix_length_fit": "Exploratory: logistic fit of divergence on boundary-prefix length (rates beyond the "
+                               "observed prefixes are extrapolations)",
 }
 """Caption of every results table (the experiment notebooks and notebook 06 use the same text)."""
 
@@ -164,3 +169,22 @@ def first_divergence_table(results: dict) -> pd.DataFrame:
                 "max": rng[1] if rng else "",
             }
     return pd.DataFrame(rows).T
+
+
+def checkpoint_recipe(record: dict, ledger_root: Path, checkpoints: Path = CHECKPOINTS) -> tuple[str | None, str | None]:
+    """The recipe of a replication checkpoint (notebook 00's later role table) and the recipe the ``cpu`` profile's
+    recipe search chose, as ``(recipe, chosen)``; either is None where it cannot be read.
+
+    ``record`` is the Exp 5 ledger key's ``checkpoint``. A family's folder is ``role-table-<recipe>-<digest[:12]>``
+    under ``checkpoints``, the digest being the training config's (``checkpoint_config_digest``); ``cpu`` names the
+    folder it chose in ``<ledger_root>/cpu/role_adaptation.json``.
+    """
+    def recipe(folder: str) -> str | None:
+        name = Path(folder).name
+        return name[len("role-table-"):].rsplit("-", 1)[0] if name.startswith("role-table-") else None
+
+    digest = record.get("checkpoint_config_digest") or ""
+    found = sorted(checkpoints.glob(f"role-table-*-{digest[:12]}")) if digest else []
+    pointer = Path(ledger_root) / "cpu" / "role_adaptation.json"
+    chosen = recipe(json.loads(pointer.read_text())["folder"]) if pointer.is_file() else None
+    return (recipe(found[0].name) if found else None), chosen
