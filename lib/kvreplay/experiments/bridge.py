@@ -271,6 +271,6 @@ def _prepare(chain: Chain) -> ArmPlan[BridgeRecord]:
 EXP3: Arm[BridgeRecord] = Arm(
     "exp3", row=lambda spec, problem, plan: bridge_row(spec, problem, plan.prefix(problem)),
     chunk=lambda spec, problems, plan: bridge_chunk(spec, problems, plan.prefixes_of(problems)),
-    notebook="notebooks/03_experiment3_bridge_and_audit.ipynb", prepare=_prepare,
-    key=("prefix_bank_sha256",), prefixes=True, dtypes=("bfloat16",), preflight=None)
+    prepare=_prepare,
+    key=("prefix_bank_sha256",), prefixes=True, preflight=None)
 """Experiment 3's bridge (paper §4.3), BF16, on its frozen panel; the bank's digest keys the ledger."""

@@ -295,8 +295,8 @@ EXP2_CONTROLS: Arm[ControlsRecord] = Arm(
     "exp2_controls",
     row=lambda spec, problem, plan: controls_row(spec, problem, plan.prefix(problem), plan.key["seed"]),
     chunk=lambda spec, problems, plan: controls_chunk(spec, problems, plan.prefixes_of(problems), plan.key["seed"]),
-    notebook="notebooks/02_experiment2_fixed_prefix_precision.ipynb", prepare=_prepare,
-    key=("prefix_bank_sha256", "seed"), prefixes=True, dtypes=("bfloat16",), preflight="preflight_fixed")
+    prepare=_prepare,
+    key=("prefix_bank_sha256", "seed"), prefixes=True, preflight="preflight_fixed")
 """The exploratory controls (:func:`controls_row`) on the fixed BF16 prefixes, BF16 only; ledger ``exp2_controls``.
 
 The bank's digest and the null perturbation's seed key the ledger."""

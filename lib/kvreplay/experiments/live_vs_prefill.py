@@ -97,7 +97,7 @@ def _prepare(chain: Chain) -> ArmPlan[Exp1Record]:
 EXP1: Arm[Exp1Record] = Arm(
     "exp1", row=lambda spec, problem, plan: live_vs_prefill_row(spec, problem),
     chunk=lambda spec, problems, plan: live_vs_prefill_chunk(spec, problems),
-    notebook="notebooks/01_experiment1_live_vs_prefill.ipynb", prepare=_prepare, live_check=True)
+    prepare=_prepare, live_check=True)
 """Experiment 1 (paper §3.5): live decoding, then the four-arm matrix; nothing added to the ledger key.
 
 Below float32, the preflight rows and a sample of ``live_check_fraction`` of the others carry the

@@ -515,6 +515,6 @@ EXP4: Arm[TransplantRecord] = Arm(
     chunk=lambda spec, problems, plan: transplant_chunk(
         spec, problems, plan.prefixes_of(problems), [_stratum(plan, q) for q in problems],
         [q.problem_id in plan.key["sweep"] for q in problems]),
-    notebook="notebooks/04_experiment4_cache_transplant.ipynb", prepare=_prepare,
-    key=("prefix_bank_sha256", "panel", "sweep"), prefixes=True, dtypes=("bfloat16",), preflight=None)
+    prepare=_prepare,
+    key=("prefix_bank_sha256", "panel", "sweep"), prefixes=True, preflight=None)
 """Experiment 4 (paper §4.4), BF16, on its frozen panel; the bank's digest, the panel and the sweep rows key the ledger."""

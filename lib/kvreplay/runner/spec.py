@@ -23,6 +23,7 @@ from typing import Any, TypeGuard
 import torch
 
 from .. import decode, engine, ties
+from ..arm_facts import ARM_FACTS, Derived
 from ..engine import EngineRun
 from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
 from ..ledger.store import canonical_json
@@ -143,15 +144,9 @@ class RunSpec:
         return self.engine
 
 
-ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp1_ties": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
-"""Row-algorithm version of each experiment, recorded in every ledger's environment.
-
-Bump an experiment's number whenever a committed golden row of it would no longer recompute byte for byte (a
-change to what a row computes or records); a ledger written by another number is *stale*. A refactor that changes
-no bit keeps the numbers. Version 2 (all experiments): greedy argmax with the lowest token ID winning an exact tie,
-the ``nonfinite`` and ``equivalence`` gates, tie accounting and predicted-letter endpoints in the records.
-``exp1_ties`` (:data:`kvreplay.experiments.tie_rules.EXP1_TIES`) runs ``exp1``'s row function: its version follows.
-"""
+ROW_ALGORITHM: Mapping[str, int] = Derived(lambda: {e: f.row_algorithm for e, f in ARM_FACTS.items()})
+"""Row-algorithm version of each experiment, recorded in every ledger's environment: its
+:attr:`~kvreplay.arm_facts.ArmFacts.row_algorithm` (when to bump it, and what version 2 means, is said there)."""
 
 
 _MODEL_CHECKS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
