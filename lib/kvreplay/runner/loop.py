@@ -8,7 +8,6 @@ record to the arm's ledger (:mod:`kvreplay.ledger`) as it finishes.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -176,7 +175,7 @@ def run_arm(
             ledger.log(event="workers", workers=pool.workers, devices=pool.devices, ray=pool.cluster["address"],
                        ray_started=pool.cluster["started"], startup_s=pool.startup)
             if run is not None:
-                ledger.log(event="engine", **dataclasses.asdict(run))
+                ledger.log(event="engine", **run.settings())
             pooled = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first, reference=reference,
                                  on_checks=gate_recorder(ledger.log, ledger.dir, ids[0]))
             try:
@@ -215,7 +214,7 @@ def run_arm(
                               on_checks=gate_recorder(ledger.log, ledger.dir, ids[0]),
                               on_chunk=lambda stats: ledger.log(event="chunk", **stats))
         mapper, row_fn = (lambda items: (logged(rec) for rec in batched(items))) if checked else batched, None
-        ledger.log(event="engine", **dataclasses.asdict(run))
+        ledger.log(event="engine", **run.settings())
     records = run_rows(
         ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",

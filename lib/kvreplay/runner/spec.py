@@ -468,10 +468,9 @@ class ArmSettings:
         if self.max_len is not None and self.max_len < need:
             raise ValueError(f"max_len={self.max_len} is shorter than the {need} positions the arm's longest problem "
                              f"can reach at caps {dataclasses.astuple(self.caps)}")
-        if self.max_len is None and self.attention == "flex":
-            need = -(-need // engine.FLEX_BLOCK) * engine.FLEX_BLOCK  # whole blocks: the mask hides the padding
         return EngineRun("graph" if self.step_path == "graph" else "eager", self.batch,
-                         self.max_len if self.max_len is not None else need, chunk=self.chunk, attention=self.attention,
+                         self.max_len if self.max_len is not None else engine.engine_max_len(need, self.attention),
+                         chunk=self.chunk, attention=self.attention,
                          tie_rule=self.tie_rule, top_logits=self.top_logits)
 
     def contract(self, device: str | None = None) -> ExecutionContract:
