@@ -38,7 +38,7 @@ def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> Exp1Record:
     rec: dict[str, Any] = {"problem_id": problem.problem_id, "gate_failure": None}
     try:
         prompt = spec.fmt.prompt_ids(problem.question, problem.options)
-        live = decode.decode_live(spec.lm, spec.fmt, prompt, spec.caps, tie_rule=spec.tie_rule)
+        live = decode.decode_live(spec.lm, spec.fmt, prompt, spec.decoding)
         rec.update(prompt_len=len(prompt), prefix_len=len(live.ids), prefix=live.ids, schedule_calls=len(live.schedule))
         matrix_row(spec, problem, rec, live)
     except GateError as e:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from .. import decode, engine, ties
 from ..arm_facts import ARM_FACTS, Derived
 from ..engine import EngineRun
 from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
+from ..decoding import Decoding
 from ..ledger.store import canonical_json
 from ..execution import ExecutionContract, check_sdpa_on_device, device_type, resolve_contract
 from ..models import (
@@ -102,6 +104,12 @@ class RunSpec:
     live_checks: list = dataclasses.field(default_factory=list, compare=False, repr=False)
     tie_rule: str = ties.DEFAULT_TIE_RULE
     top_logits: bool = False
+
+    @functools.cached_property
+    def decoding(self) -> Decoding:
+        """Its caps, tie rule and top-logit recording as one value, built once: what a row function passes whole
+        to the eager decoders (:mod:`kvreplay.decode`)."""
+        return Decoding.of(self.caps, self.tie_rule, self.top_logits)
 
     def __post_init__(self):
         check_model(self.lm)
@@ -419,12 +427,12 @@ class ArmSettings:
             engine_keys = {"step_path": path["step_path"], "batch": path["batch"],
                            "max_len": None if path["max_len"] == "longest_sequence" else path["max_len"],
                            "attention": path.get("attention", "sdpa")}
-        return cls(profile=config["profile"], dtype=config["dtype"], caps=Caps(**config["caps"]),
+        decoding = Decoding.from_key(config)
+        return cls(profile=config["profile"], dtype=config["dtype"], caps=decoding.caps,
                    model=config["model"]["model"], fmt=config["format"], role_table=table, threads=config["threads"],
                    sdpa_backends=tuple(config["sdpa_backends"]), preflight=config["preflight"],
                    **{k: execution[k] for k in ("device", "deterministic", "allow_tf32") if k in execution},
-                   **engine_keys, tie_rule=config.get("tie_rule", ties.DEFAULT_TIE_RULE),
-                   top_logits=bool(config.get("top_logits", False)))
+                   **engine_keys, tie_rule=decoding.tie_rule.name, top_logits=decoding.top_logits)
 
     def eager(self) -> "ArmSettings":
         """These settings on the eager reference path (:mod:`kvreplay.decode`): the engine keys at their defaults."""
@@ -485,7 +493,6 @@ class ArmSettings:
             "experiment": experiment,
             "profile": self.profile,
             "dtype": self.dtype,
-            "caps": dataclasses.asdict(self.caps),
             "model": model_key(self.model),
             "role_table": role_table_key(self.role_table) if self.role_table else None,
             "format": load_spec(self.fmt),
@@ -501,8 +508,12 @@ class ArmSettings:
             config["execution"] = execution
         if self.engine_key() is not None:
             config["engine"] = self.engine_key()
-        ties_key = {"tie_rule": self.tie_rule} if self.tie_rule != ties.DEFAULT_TIE_RULE else {}
-        return config | ties_key | ({"top_logits": True} if self.top_logits else {})
+        return config | self.decoding.key()
+
+    @property
+    def decoding(self) -> Decoding:
+        """Its :class:`~kvreplay.decoding.Decoding` (caps, tie rule, top logits), whose entries key the ledger."""
+        return Decoding.of(self.caps, self.tie_rule, self.top_logits)
 
     def run_spec(self, lm: LoadedModel, fmt: BlockFormat, run: "EngineRun | None" = None, **kw: Any) -> "RunSpec":
         """The :class:`RunSpec` of this arm on a loaded model: its caps, tie rule and top-logit recording, ``run``."""
