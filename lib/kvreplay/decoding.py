@@ -1,8 +1,8 @@
 """What every decoder needs to choose a token, as one value: :class:`Decoding` (paper §3.3, §3.9).
 
 The content caps, the greedy tie rule (parsed once, :mod:`kvreplay.ties`) and whether each suffix step's top-1
-eligible logit is kept are built once from a profile (``runner.ArmSettings.decoding``) and passed whole to the eager
-decoders (:mod:`kvreplay.decode`) and, through ``engine.EngineRun``, to the batched engine. Its ledger-key entries are
+eligible logit is kept are built once from a profile (``runner.ArmSettings.decoding``). Row functions pass the value
+whole to the eager decoders (:mod:`kvreplay.decode`). Its ledger-key entries are
 written by :meth:`Decoding.key` and read back by its inverse :meth:`Decoding.from_key`; a setting at its default
 writes nothing, so ledgers written before the setting existed keep their keys.
 

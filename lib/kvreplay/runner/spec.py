@@ -82,8 +82,7 @@ class RunSpec:
             live ignore it.
         live_checks: the ``live_equals_incremental`` checks passed so far (``problem_id``,
             ``seconds``), for the arm's run log (:func:`kvreplay.runner.run_arm` empties it).
-        tie_rule, top_logits: the greedy tie rule (:mod:`kvreplay.ties`) and the recording of each step's top-1
-            eligible logit (``top_logits``); a batched run's ``engine`` must carry the same.
+        tie_rule, top_logits: as in :attr:`decoding`, which holds them with ``caps``; ``engine`` carries the same.
 
     Building a RunSpec checks the model (:func:`check_model`): a model that did not come through
     :func:`~kvreplay.models.load_model` gets the same checks here, once per model object.
@@ -107,8 +106,7 @@ class RunSpec:
 
     @functools.cached_property
     def decoding(self) -> Decoding:
-        """Its caps, tie rule and top-logit recording as one value, built once: what a row function passes whole
-        to the eager decoders (:mod:`kvreplay.decode`)."""
+        """Caps, tie rule and top logits as one value, built once; row functions pass it whole to the decoders."""
         return Decoding.of(self.caps, self.tie_rule, self.top_logits)
 
     def __post_init__(self):
@@ -145,16 +143,14 @@ class RunSpec:
         """This run's :class:`~kvreplay.engine.EngineRun`, which a chunk function passes to the engine's decoders.
 
         Raises:
-            ValueError: a one-problem run (``engine`` is None), which has no batched runner to drive.
-        """
+            ValueError: a one-problem run (``engine`` is None), which has no batched runner to drive."""
         if self.engine is None:
             raise ValueError("this run has no engine (RunSpec.engine is None): a chunk function needs a batched run")
         return self.engine
 
 
 ROW_ALGORITHM: Mapping[str, int] = Derived(lambda: {e: f.row_algorithm for e, f in ARM_FACTS.items()})
-"""Row-algorithm version of each experiment, recorded in every ledger's environment: its
-:attr:`~kvreplay.arm_facts.ArmFacts.row_algorithm` (when to bump it, and what version 2 means, is said there)."""
+"""Row-algorithm version of each experiment (:attr:`kvreplay.arm_facts.ArmFacts.row_algorithm`: when to bump it)."""
 
 
 _MODEL_CHECKS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -366,9 +362,8 @@ class ArmSettings:
     ``batch`` and ``max_len`` are refused with the eager path (they would not
     be used). Every arm of an experiment should run under the same contract.
 
-    ``tie_rule`` (:mod:`kvreplay.ties`) breaks exact ties on every path; ``lowest`` (the default) adds nothing to
-    the key or environment, another rule adds ``"tie_rule"`` to both. ``top_logits`` (parameter ``record_top_logits``)
-    keeps each suffix step's top-1 eligible logit in the rows and adds ``"top_logits": true`` to the key.
+    ``caps``, ``tie_rule`` and ``top_logits`` (parameter ``record_top_logits``) key the ledger as their
+    :attr:`decoding` writes them (:meth:`kvreplay.decoding.Decoding.key`: at their defaults, nothing).
 
     Raises:
         ValueError: an execution contract :func:`check_execution` refuses; ``live_check_fraction`` outside
@@ -512,7 +507,7 @@ class ArmSettings:
 
     @property
     def decoding(self) -> Decoding:
-        """Its :class:`~kvreplay.decoding.Decoding` (caps, tie rule, top logits), whose entries key the ledger."""
+        """Its :class:`~kvreplay.decoding.Decoding`, whose entries key the ledger."""
         return Decoding.of(self.caps, self.tie_rule, self.top_logits)
 
     def run_spec(self, lm: LoadedModel, fmt: BlockFormat, run: "EngineRun | None" = None, **kw: Any) -> "RunSpec":
