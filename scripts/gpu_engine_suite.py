@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         return fp32[0]
 
     def graph_equals_eager() -> dict:
-        verified = engine.VERIFIED_STEPS[0]
         t = time.perf_counter()
-        g = engine.decode_suffixes(lm, fmt, states, caps, run=dataclasses.replace(run, step_path=graph, verify_steps=10_000))
-        steps = engine.VERIFIED_STEPS[0] - verified
+        checked = dataclasses.replace(run, step_path=graph, verify_steps=10_000).measured()
+        g = engine.decode_suffixes(lm, fmt, states, caps, run=checked)
+        steps = checked.stats.verified_steps
         seconds = time.perf_counter() - t
         e = engine.decode_suffixes(lm, fmt, states, caps, run=dataclasses.replace(run, step_path="eager"))
         first["graph"] = g
@@ -164,13 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         lm32 = model32()
         problems = [p for p in load_bank() if p.problem_id in committed][: args.rows]
         run32 = dataclasses.replace(settings, dtype="float32", chunk=len(problems)).engine_run(fmt, problems)
+        run32 = run32.measured()
         spec = RunSpec(lm=lm32, fmt=fmt, caps=caps, engine=run32)  # max_len: the longest sequence, whole flex blocks
-        before = dict(engine.SLOT_STEPS)
         t = time.perf_counter()
         recs = live_vs_prefill_chunk(spec, problems)
         seconds = time.perf_counter() - t
-        busy = engine.SLOT_STEPS["busy_slot_steps"] - before["busy_slot_steps"]
-        slots = engine.SLOT_STEPS["slot_steps"] - before["slot_steps"]
+        busy, slots = run32.stats.busy_slot_steps, run32.stats.slot_steps
         prefix = suffix = 0
         parted = []
         for r in recs:

@@ -10,7 +10,8 @@
 #   bash scripts/gpu_gemma_trial.sh OUT [ROWS] [BUDGET_S] [ARM ...]
 #
 # ROWS problems per arm (default 8), BUDGET_S seconds for every arm with packing (default 500), arms in order
-# (default: exp1-bfloat16 exp1-float32 exp2-bfloat16 exp3-bfloat16 exp2-float32; an arm with less than 60 s left
+# (default: the paper's arms of notebooks 01-03, BF16 first, as `scripts/gpu_profile.py --list-arms 01 02 03` prints
+# them: exp1-bfloat16 exp2-bfloat16 exp3-bfloat16 exp1-float32 exp2-float32; an arm with less than 60 s left
 # is skipped, see scripts/gpu_profile.py --min-arm-s). Experiment 3's panel is 4 bridge rows, and 2 rows of each
 # arm carry the float32 construction-equivalence check (the profile: 8). The rows are the first ROWS of the bank,
 # so their ledger keys are not the full profile's (200 rows): a trial, not a part of it.
@@ -32,10 +33,10 @@ OUT=$1
 ROWS=${2:-8}
 BUDGET=${3:-500}
 shift $(( $# < 3 ? $# : 3 ))
-ARMS=${*:-exp1-bfloat16 exp1-float32 exp2-bfloat16 exp3-bfloat16 exp2-float32}
 export KV_MODELS=gemma3
 # shellcheck source=/dev/null
 source scripts/offline_gpu_env.sh || exit 1
+ARMS=${*:-$(python3 scripts/gpu_profile.py --list-arms 01 02 03)} || exit 1
 mkdir -p "$OUT"
 SETS=""
 for s in ${KV_TRIAL_SET:-}; do SETS="$SETS --set $s"; done

@@ -5,13 +5,17 @@ Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``)::
     python3 scripts/gpu_profile.py OUTDIR ARM [ARM ...] [--profile gpu] [--budget SECONDS] [--min-arm-s SECONDS]
         [--set NAME=VALUE ...]
 
-``ARM`` is one of ``exp1-bfloat16``, ``exp1-float32`` (notebook 01; the BF16
-arm also writes the prefix bank, as the notebook does), ``exp1_ties-bfloat16`` (notebook 01's tie-rule control,
-one ledger per rule of the profile's ``tie_rules``), ``exp2-bfloat16``,
-``exp2-float32`` (notebook 02, reading that bank), ``exp2_controls-bfloat16``
-(notebook 02's exploratory controls), and ``exp3-bfloat16``, ``exp4-bfloat16``,
-``exp5-bfloat16`` (notebooks 03-05, each with its panel frozen and written as
-the notebook writes it).
+    python3 scripts/gpu_profile.py --list-arms [NOTEBOOK ...]
+
+``ARM`` is a ledger label ``<experiment>-<dtype>`` of an arm of :data:`kvreplay.arm_facts.ARM_FACTS` (``--help``
+lists them, in chain order): ``exp1-bfloat16``, ``exp1-float32`` (notebook 01; the BF16 arm,
+:data:`~kvreplay.arm_facts.PREFIX_BANK_SOURCE`, also writes the prefix bank, as the notebook does),
+``exp1_ties-bfloat16`` (notebook 01's tie-rule control, one ledger per rule of the profile's ``tie_rules``),
+``exp2-bfloat16``, ``exp2-float32`` (notebook 02, reading that bank), ``exp2_controls-bfloat16`` (notebook 02's
+exploratory controls), and ``exp3-bfloat16``, ``exp4-bfloat16``, ``exp5-bfloat16`` (notebooks 03-05, each with its
+panel frozen and written as the notebook writes it). ``--list-arms`` prints the paper's arms (no exploratory control)
+of the notebooks numbered ``NOTEBOOK`` (``01``; default: all), BF16 arms first, space-separated, for a shell
+script's default arm list (``scripts/gpu_gemma_trial.sh``).
 
 Each arm is run through its one declaration (:data:`kvreplay.experiments.arms.ARMS`), under the notebook's own two
 parameters, ``profile`` and ``overrides``, handed to :func:`kvreplay.session.open_session` as the notebook's setup
@@ -63,10 +67,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ARMS = ("exp1-bfloat16", "exp1-float32", "exp1_ties-bfloat16", "exp2-bfloat16", "exp2-float32", "exp2_controls-bfloat16",
-        "exp3-bfloat16", "exp4-bfloat16", "exp5-bfloat16")
-"""Every arm this script runs (notebooks 03-05 and the controls are BF16 only); each is declared once, in its
-experiment's module (:data:`kvreplay.experiments.arms.ARMS`)."""
+sys.path.insert(0, str(ROOT / "lib"))  # kvreplay.arm_facts imports no torch: the parent reads it
+from kvreplay.arm_facts import PREFIX_BANK_SOURCE, arm_labels  # noqa: E402
 PACK_S = 25.0
 CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"  # kvreplay.runner.CHUNK_DEADLINE_ENV (this process does not import torch)
 FIRST_CHUNK_ESTIMATE_ENV = "KV_FIRST_CHUNK_ESTIMATE"  # kvreplay.runner.FIRST_CHUNK_ESTIMATE_ENV
@@ -207,7 +209,6 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from kvreplay.experiments.arms import ARMS
-    from kvreplay.ledger.prefix_bank import write_prefix_bank
     from kvreplay.session import open_session
 
     experiment, dtype = arm.rsplit("-", 1)
@@ -221,8 +222,8 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
         return {"ledger": [ledger.dir.name for _, ledger in done], "rows": sum(len(r) for r, _ in done),
                 "wall_s": round(time.perf_counter() - t, 1)}
     records, ledger = session.run(declared, dtype)
-    if experiment == "exp1" and dtype == "bfloat16":  # notebook 01's next cell: the bank Experiments 2-5 read
-        write_prefix_bank(records, session.ledger_root / session.profile / "prefix_bank_bf16.jsonl", ledger.dir.name)
+    if arm == PREFIX_BANK_SOURCE:  # notebook 01's next cell: the bank Experiments 2-5 read
+        session.write_prefix_bank(records, ledger)
     # the parent reads the gate failures from the ledger it packs (also for an arm stopped or cut off)
     return {"ledger": ledger.dir.name, "rows": len(records), "wall_s": round(time.perf_counter() - t, 1)}
 
@@ -256,12 +257,26 @@ def pack(folder: Path, out: Path) -> Path:
     return dest
 
 
+def list_arms(notebooks: list[str]) -> list[str]:
+    """The labels of the paper's arms (no exploratory control) of the notebooks numbered ``notebooks`` (all when
+    empty), in chain order with the BF16 arms first: a budgeted run's upstream arms come first."""
+    from kvreplay.arm_facts import chain_facts
+
+    labels = [label for f in chain_facts() if not f.exploratory and (not notebooks or f.notebook[:2] in notebooks)
+              for label in f.labels()]
+    return sorted(labels, key=lambda label: not label.endswith("-bfloat16"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--list-arms"]:
+        print(" ".join(list_arms(argv[1:])))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("out", type=Path, help="folder for the packed ledgers (<ledger folder>.tar.gz) and gpu_profile.json "
                     "(on the device: $OUT)")
-    ap.add_argument("arms", nargs="+", help=f"arms in order: {', '.join(ARMS)}. Exits 1 when an arm failed (its error "
+    ap.add_argument("arms", nargs="+", help=f"arms in order: {', '.join(arm_labels())}. Exits 1 when an arm failed (its error "
                     "is in gpu_profile.json), was killed at the budget, was refused (--from-scratch) or stopped before "
                     "computing a row (no_progress); an arm skipped by --min-arm-s is not a failure")
     ap.add_argument("--profile", default="gpu", help="the profile whose arms run (notebooks/params/<profile>.yaml)")
@@ -310,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         (args.out / f".{args.arms[0]}.json").write_text(json.dumps(res, default=str) + "\n")
         return 0
-    unknown = [arm for arm in args.arms if arm not in ARMS]
+    unknown = [arm for arm in args.arms if arm not in arm_labels()]
     if unknown:
-        raise SystemExit(f"unknown arm(s) {unknown}; arms: {', '.join(ARMS)}")
+        raise SystemExit(f"unknown arm(s) {unknown}; arms: {', '.join(arm_labels())}")
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     from kvreplay.profiles import load_parameters
@@ -381,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             # every row's gate failure, from the ledger itself: also for an arm stopped by the chunk deadline
             # or cut off, whose child reported no records
             entry.setdefault("gate_failures", []).extend(ledger_gate_failures(folder) if rows.exists() else [])
-        if experiment == "exp1" and dtype == "bfloat16" and (there / "prefix_bank_bf16.jsonl").exists():
+        if arm == PREFIX_BANK_SOURCE and (there / "prefix_bank_bf16.jsonl").exists():
             for f in ("prefix_bank_bf16.jsonl", "prefix_bank_bf16.jsonl.manifest.json"):
                 shutil.copy2(there / f, args.out / f)
         for panel in there.glob(f"{experiment}*_panel.json"):  # the frozen panel the notebook wrote

@@ -13,6 +13,7 @@ path is checked on a GPU (``graph_equals_eager``). Asserted here:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -35,6 +36,7 @@ from kvreplay.gates import GateError
 from kvreplay.ledger.records import RowSchemaError
 from kvreplay.ledger.store import config_digest
 from kvreplay.problems import Problem
+from kvreplay.engine import EngineRun
 from kvreplay.runner import CHUNK_DEADLINE_ENV, ArmSettings, ChunkDeadline, run_arm
 
 
@@ -322,14 +324,18 @@ def test_verify_recomputes_a_batched_row_alone_at_the_arm_batch_shape(tmp_path, 
     assert bad[0].parted.startswith("arms.prefill.suffix[")
 
 
+@dataclasses.dataclass
+class _ChunkSpec:
+    """What BatchedRows reads of a RunSpec when its chunk function reads nothing: the engine run."""
+    engine: EngineRun
+
+
 def test_the_chunk_deadline_leaves_the_preflight_gates_out_of_a_chunks_time(monkeypatch):
     """A new arm's first chunk carries its one-off gates; the estimate for the next chunk is the chunk alone."""
-    from types import SimpleNamespace
-
     from kvreplay.runner.batched import BatchedRows
 
     problems = _problems(4)
-    spec = SimpleNamespace(engine=SimpleNamespace(problems_per_chunk=2))
+    spec = _ChunkSpec(EngineRun(batch=2))  # two problems per chunk
     mapper = BatchedRows(spec, lambda _spec, group: [{"problem_id": p.problem_id} for p in group], problems,
                          composition_id="p-00")
     monkeypatch.setattr(BatchedRows, "check_composition", lambda *_: time.sleep(0.5))  # a slow gate, a fast chunk
@@ -353,13 +359,11 @@ def test_the_chunk_deadline_leaves_the_preflight_gates_out_of_a_chunks_time(monk
 def test_a_first_chunk_is_not_started_when_its_estimate_passes_the_deadline(monkeypatch):
     """With KV_FIRST_CHUNK_ESTIMATE (an earlier run's longest chunk) a first chunk that would be killed is not begun;
     without it, or with room for it, the first chunk starts as before."""
-    from types import SimpleNamespace
-
     from kvreplay.runner import FIRST_CHUNK_ESTIMATE_ENV
     from kvreplay.runner.batched import BatchedRows
 
     problems = _problems(4)
-    spec = SimpleNamespace(engine=SimpleNamespace(problems_per_chunk=2))
+    spec = _ChunkSpec(EngineRun(batch=2))  # two problems per chunk
     calls = []
     chunk = lambda _spec, group: calls.append(len(group)) or [{"problem_id": p.problem_id} for p in group]  # noqa: E731
     monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time() + 30:.3f}")

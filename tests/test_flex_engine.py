@@ -155,11 +155,10 @@ def test_tolerance_gate_passes_on_a_real_boundary_and_records_every_layer(attent
     eng = engine.StepEngine(lm, fmt, batch=3, max_len=MAX_LEN, attention=attention)
     n = eng.admit(1, lives[2].cache, lives[2].roles)
     eng.set_row_pair(1, 100, n, ANSWER, ANSWER)  # an answer query: it must not see the branches
-    before = len(engine.ATTENTION_CHECKS)
     rec = eng.check_attention("problem 2")
     assert rec["gate"] == "attention_tolerance" and len(rec["rel_err_by_layer"]) == lm.model.config.num_hidden_layers
     assert rec["max_rel_err"] == max(rec["rel_err_by_layer"]) <= engine.TOLERANCE[dtype] and rec["rows"] == 2
-    assert engine.ATTENTION_CHECKS[before:] == [rec] and eng.attention_check == rec
+    assert eng.stats.attention_checks == [rec] and eng.attention_check == rec
     with pytest.raises(ValueError, match="sdpa"):
         engine.StepEngine(lm, fmt, batch=1, max_len=MAX_LEN).check_attention()
 
@@ -228,10 +227,10 @@ def test_flex_bridge_incremental_rebuilt_equals_engine_live_bit_for_bit():
 def test_one_engine_for_boundaries_and_suffixes_gives_the_phase_wise_records(attention):
     lm, fmt, _, lives = _setup(torch.bfloat16)
     problems = _problems(5)
-    spec = RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, engine=EngineRun("eager", 2, MAX_LEN, attention=attention))
-    before = dict(engine.SLOT_STEPS)
+    run = EngineRun("eager", 2, MAX_LEN, attention=attention).measured()
+    spec = RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, engine=run)
     one = live_vs_prefill.live_vs_prefill_chunk(spec, problems)
-    steps = {k: engine.SLOT_STEPS[k] - before[k] for k in before}
+    steps = {k: getattr(run.stats, k) for k in ("steps", "slot_steps", "busy_slot_steps")}
     phased = live_vs_prefill.live_vs_prefill_chunk_phased(spec, problems)
     assert [canonical_json(r) for r in one] == [canonical_json(r) for r in phased]
     assert all(r["gate_failure"] is None for r in one)

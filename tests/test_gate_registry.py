@@ -137,3 +137,31 @@ def test_a_transplant_whose_constructions_choose_another_next_token_is_caught(ti
     assert rec["gate_failure"]["gate"] == "argmax", rec["gate_failure"]
     assert "raw next-token argmax differs between constructions" in rec["gate_failure"]["reason"]
 
+
+
+def test_each_gates_where_names_every_module_that_raises_it():
+    """The registry's ``where`` (modules, ``module.function``, ``.sibling`` after a dotted module, or a package such
+    as ``experiments``) names every module holding a literal raise site of the gate: it cannot drift from the code."""
+    checks = {"GateError", "check_equal_sequences", "check_identical"}
+    sites: dict[str, set[str]] = {}
+    lib = ROOT / "lib" / "kvreplay"
+    for path in sorted(lib.rglob("*.py")):
+        module = ".".join(path.relative_to(lib).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+                literal = [a.value for a in node.args[:1] if name in checks and isinstance(a, ast.Constant)]
+                literal += [k.value.value for k in node.keywords if k.arg == "gate" and isinstance(k.value, ast.Constant)]
+                for gate in literal:
+                    sites.setdefault(gate, set()).add(module)
+    missing = {}
+    for gate, found in sites.items():
+        named, package = [], ""
+        for entry in (w.strip() for w in GATES[gate].where.split(",")):
+            entry = package + entry if entry.startswith(".") else entry
+            package = entry.rsplit(".", 1)[0]
+            named.append(entry)
+        unnamed = [m for m in found if not any(m == n or n.startswith(m + ".") or m.startswith(n + ".") for n in named)]
+        if unnamed:
+            missing[gate] = sorted(unnamed)
+    assert not missing, f"gates raised in modules their registry entry's `where` does not name: {missing}"

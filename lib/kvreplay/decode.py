@@ -41,6 +41,7 @@ from .contract import (
     attention_mask_4d,
 )
 from . import kernels, ties
+from .decoding import Decoding
 from .gates import GateError
 from .execution import sdpa_backend_list
 from .models import LoadedModel, context_length, kv_cache, layer_masks
@@ -410,15 +411,29 @@ def _run(
     return new, roles, logits, calls
 
 
+def _settings(caps: "Caps | Decoding", tie_rule: "str | ties.TieRule") -> tuple[Caps, "str | ties.TieRule"]:
+    """``(caps, tie rule)`` of a decoder's call: a :class:`~kvreplay.decoding.Decoding` given whole, else ``caps``
+    and ``tie_rule`` as given.
+
+    Raises:
+        ValueError: a ``Decoding`` together with a ``tie_rule`` other than the default (two rules for one call)."""
+    if isinstance(caps, Decoding):
+        if tie_rule != ties.DEFAULT_TIE_RULE:
+            raise ValueError("give the tie rule in the Decoding, not beside it")
+        return caps.caps, caps.tie_rule
+    return caps, tie_rule
+
+
 @torch.inference_mode()
-def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: Caps, *,
+def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: "Caps | Decoding", *,
                 tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE) -> Boundary:
     """Ordinary greedy multi-branch decoding up to the merge boundary (live construction).
 
     Args:
         prompt: token IDs of the prompt block (role 0).
-        caps: content caps; branches stop at ``caps.branch``.
-        tie_rule: which of exactly tied eligible tokens is chosen (:mod:`kvreplay.ties`).
+        caps: the run's :class:`~kvreplay.decoding.Decoding` (caps and tie rule), or content caps alone with
+            ``tie_rule``; branches stop at ``caps.branch``.
+        tie_rule: which of exactly tied eligible tokens is chosen (:mod:`kvreplay.ties`), with caps alone.
 
     Returns:
         The live :class:`Boundary`: cache after the merge opener, with the
@@ -427,6 +442,7 @@ def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: 
     Raises:
         GateError: ``desync`` if the duplicates diverge.
     """
+    caps, tie_rule = _settings(caps, tie_rule)
     dev = lm.device
     ids = list(prompt)
     roles = torch.full((BATCH, len(ids)), PROMPT, dtype=torch.long, device=dev)
@@ -515,8 +531,8 @@ class Suffix:
 
 @torch.inference_mode()
 def decode_suffix(
-    lm: LoadedModel, fmt: BlockFormat, boundary: Boundary, caps: Caps, *, readout: FP32Readout | None = None,
-    tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE,
+    lm: LoadedModel, fmt: BlockFormat, boundary: Boundary, caps: "Caps | Decoding", *,
+    readout: FP32Readout | None = None, tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE,
 ) -> Suffix:
     """The shared suffix decoder: continue any boundary state through merge and answer.
 
@@ -526,11 +542,12 @@ def decode_suffix(
     in place (it is consumed); take replicas and summaries first. With
     ``readout`` every step's logits come from :class:`FP32Readout` (the
     exploratory FP32-readout control; the boundary's logits should come from
-    a construction built with the same readout). ``tie_rule`` as in :func:`decode_live`.
+    a construction built with the same readout). ``caps`` and ``tie_rule`` as in :func:`decode_live`.
 
     Raises:
         GateError: ``nonfinite``, ``desync``.
     """
+    caps, tie_rule = _settings(caps, tie_rule)
     cursor = BlockCursor(fmt, caps, MERGE, tie_rule=tie_rule)
     margins: list = []
     tops: list = []

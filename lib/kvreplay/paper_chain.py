@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from .adapt import read_pointer
+from .arm_facts import notebook_labels
 from .ledger.files import read_manifest
 from .ledger.lookup import ledger_progress
 from .ledger.store import canonical_json, library_digest
@@ -45,22 +46,13 @@ CHAIN = [
 def notebook_arms(name: str, params: ChainParameters) -> list[str]:
     """The ledger arms (``<experiment>-<dtype>``) notebook ``name`` reads or, where they are unfinished, computes.
 
-    Experiments 1 and 2 run at every precision of ``params``; 3-5 and the controls in BF16 only. Notebook 01 also
-    computes the tie-rule control (``exp1_ties``, BF16) when ``tie_rules`` lists a rule. Notebook 02 reads
-    Experiment 1's BF16 prefix bank; 03 the Experiment 1 and 2 BF16 ledgers (its audit); 04 and 05 the
-    Experiment 2 BF16 ledger (the panel, the accuracy comparison). Notebooks 06 and 07 read all of them, 08
-    Experiments 1 and 2. Notebook 00 (the checkpoint family) is not a ledger arm: ``[]``.
+    Derived from :data:`kvreplay.arm_facts.ARM_FACTS` (:func:`~kvreplay.arm_facts.notebook_labels`). First each arm
+    the notebook computes, after the upstream ledgers it reads, at the precisions of ``params`` it runs at. An arm
+    is left out unless the parameter that enables it is set (``exploratory_controls``, ``tie_rules``). Then the
+    arms whose finished ledgers it reads (06 and 07: all but the tie-rule control; 08: Experiments 1 and 2).
+    Notebook 00 (the checkpoint family) is not a ledger arm: ``[]``.
     """
-    exp1 = [f"exp1-{d}" for d in params.precisions]
-    exp2 = [f"exp2-{d}" for d in params.precisions]
-    controls = ["exp2_controls-bfloat16"] if params.exploratory_controls else []
-    ties = ["exp1_ties-bfloat16"] if params.tie_rules and "bfloat16" in params.precisions else []
-    own = {"01": [*exp1, *ties], "02": ["exp1-bfloat16", *exp2, *controls], "03": ["exp1-bfloat16", "exp2-bfloat16", "exp3-bfloat16"],
-           "04": ["exp2-bfloat16", "exp4-bfloat16"], "05": ["exp2-bfloat16", "exp5-bfloat16"],
-           "08": [*exp1, *exp2]}
-    every = [*exp1, *exp2, *controls, "exp3-bfloat16", "exp4-bfloat16", "exp5-bfloat16"]
-    arms = own.get(name[:2], every if name[:2] in ("06", "07") else [])
-    return list(dict.fromkeys(arms))
+    return notebook_labels(name, params.precisions, lambda parameter: getattr(params, parameter))
 
 
 def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) -> list[str]:

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +36,8 @@ from .contract import Caps
 from .experiments.fixed_prefix import FixedPrefixes, load_fixed_prefixes
 from .ledger.lookup import PREFIX_BANK, LoadedLedger, find_chain_ledger
 from .ledger.files import atomic_write, read_environment
+from .ledger.prefix_bank import write_prefix_bank
+from .ledger.records import Exp1Record
 from .ledger.store import Ledger, unchanged_when_read_only
 from .models import LoadedModel, load_model
 from .problems import Problem, load_bank, load_problems
@@ -192,6 +194,21 @@ class Session:
         """
         plan = arm if isinstance(arm, ArmPlan) else self.plan(arm)
         return plan.run(self.arm_settings(plan, dtype), ledger_root=self.ledger_root, progress=progress)
+
+    def write_prefix_bank(self, records: Sequence[Exp1Record], ledger: Ledger) -> tuple[Path, str]:
+        """Freeze the boundary prefixes of :data:`~kvreplay.arm_facts.PREFIX_BANK_SOURCE`'s finished rows into this
+        profile's prefix bank, the one Experiments 2-5 read (:meth:`fixed`); notebook 01 and
+        ``scripts/gpu_profile.py`` write it this way.
+
+        Returns:
+            the bank's path and its sha256.
+
+        Raises:
+            the errors of :func:`~kvreplay.ledger.prefix_bank.write_prefix_bank` (a failed row, a bank that would
+            change under ``KV_LEDGERS_READ_ONLY``).
+        """
+        path = self.ledger_root / self.profile / PREFIX_BANK
+        return path, write_prefix_bank(records, path, ledger.dir.name)
 
     @functools.cached_property
     def fixed(self) -> FixedPrefixes:

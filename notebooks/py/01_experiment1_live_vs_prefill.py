@@ -42,7 +42,6 @@ from kvreplay.experiments.endpoints import require_gates
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.experiments.matrix import matrix_summary, matrix_table
 from kvreplay.experiments.tie_rules import BINS, EXP1_TIES, margin_units, tie_rule_summary, tie_rule_table, tie_steps
-from kvreplay.ledger.prefix_bank import write_prefix_bank
 from kvreplay.report import figures
 from kvreplay.report.files import drift_by_layer
 from kvreplay.session import open_session
@@ -92,8 +91,7 @@ table
 
 # %%
 if "bfloat16" in p.precisions:
-    bank_path = session.ledger_root / p.profile / "prefix_bank_bf16.jsonl"
-    digest = write_prefix_bank(records["bfloat16"], bank_path, ledgers["bfloat16"].dir.name)
+    bank_path, digest = session.write_prefix_bank(records["bfloat16"], ledgers["bfloat16"])
     print(bank_path, digest)
 
 # %% [markdown]

@@ -20,6 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
+from .run import FLEX_BLOCK  # the flex step's key/value block (positions), declared beside max_len's rounding
+
 ATTENTIONS = ("sdpa", "grouped", "flex")
 """How the step's attention runs. ``sdpa``: the model's own attention call, ``scaled_dot_product_attention``
 under ``lm.sdpa_backends`` (transformers first repeats each key/value head for the query heads that share it);
@@ -33,8 +35,6 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 that the ``attention_tolerance`` gate accepts for a non-``sdpa`` attention, per model dtype, against
 :func:`reference_attention` on the same inputs."""
 
-FLEX_BLOCK = 128
-"""Key/value block of the ``flex`` step's block mask (positions). An engine's ``max_len`` must be a multiple of it."""
 
 _IGNORED = ("position_ids", "use_cache", "cache_position")  # keywords transformers' layers pass on, unused here
 _WINDOW = "sliding_window"  # the layer's window (Gemma 2/3, Mistral, Qwen2 pass it; None on full layers): in the mask

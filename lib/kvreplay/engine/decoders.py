@@ -193,6 +193,60 @@ def build_incrementals(
     return results
 
 
+class _Chains:
+    """What :func:`decode_chains` does when a job of a problem ends, between two steps of its scheduler.
+
+    A built boundary (:meth:`boundary_done`) is rebuilt first when ``rebuild`` asks (:meth:`rebuilt_done`), then
+    handed to ``continue_with``; its states' suffix jobs join the queue ahead of new boundaries
+    (:meth:`suffix_done`); once all of them ended, ``finished`` gets them in order.
+    """
+
+    def __init__(self, engine, scheduler: _Scheduler, lm: LoadedModel, fmt: BlockFormat, caps: Caps,
+                 continue_with: Callable[..., Sequence[Boundary]], finished: Callable[[int, list], None],
+                 rebuild: Callable[[int, Boundary], bool] | None):
+        self.engine, self.scheduler, self.lm, self.fmt, self.caps = engine, scheduler, lm, fmt, caps
+        self.continue_with, self.finished, self.rebuild = continue_with, finished, rebuild
+        self.suffixes: dict[int, list] = {}  # problem -> its suffixes so far (None: not ended yet)
+
+    def boundary_done(self, i: int) -> Callable[[object], None]:
+        """The end of problem ``i``'s construction: a :class:`Boundary` or the ``GateError`` that stopped it."""
+        def done(boundary: object) -> None:
+            if self.rebuild is not None and isinstance(boundary, Boundary) and self.rebuild(i, boundary):
+                again = self.fmt.boundary_parse(boundary.ids, where=f"problem {i} (rebuild of its boundary)")
+                self.scheduler.submit(_incremental_work(self.engine, self.lm, self.fmt, i, boundary.ids, again, None,
+                                                        self.rebuilt_done(i, boundary)), urgent=True)
+            else:
+                self.proceed(i, boundary, ())
+        return done
+
+    def rebuilt_done(self, i: int, boundary: Boundary) -> Callable[[object], None]:
+        """The end of the incremental rebuild of problem ``i``'s ``boundary`` (or its ``GateError``)."""
+        return lambda rebuilt: self.proceed(i, boundary, (rebuilt,))
+
+    def proceed(self, i: int, boundary: object, extra: tuple) -> None:
+        """``continue_with``, then the suffix jobs of the states it gives (none: ``finished(i, [])`` at once)."""
+        states = list(self.continue_with(i, boundary, *extra))
+        if isinstance(boundary, GateError) and states:
+            raise ValueError(f"problem {i}: continue_with gave states to decode after a failed construction")
+        if not states:
+            self.finished(i, [])
+            return
+        self.suffixes[i] = [None] * len(states)
+        for k, b in enumerate(states):
+            self.scheduler.submit(_suffix_work(self.engine, self.fmt, self.caps, i, b, self.suffix_done(i, k)),
+                                  urgent=True)
+
+    def suffix_done(self, i: int, k: int) -> Callable[[object], None]:
+        """The end of problem ``i``'s ``k``-th suffix; the last one hands them all to ``finished``."""
+        def done(result: object) -> None:
+            got = self.suffixes[i]
+            got[k] = result
+            if all(r is not None for r in got):
+                del self.suffixes[i]
+                self.finished(i, got)
+        return done
+
+
 @torch.inference_mode()
 def decode_chains(
     lm: LoadedModel,
@@ -255,44 +309,13 @@ def decode_chains(
         longest = max(len(z) for z in starts)
     engine = new_engine(lm, fmt, run, longest + suffix_length_bound(fmt, caps))
     scheduler = _Scheduler(engine, "return", run.tolerance_check, run.fill_from, 4 * run.batch if hold is None else hold)
-
-    def built(i: int) -> Callable[[object], None]:
-        def done(boundary: object) -> None:
-            if rebuild is not None and isinstance(boundary, Boundary) and rebuild(i, boundary):
-                again = fmt.boundary_parse(boundary.ids, where=f"problem {i} (rebuild of its boundary)")
-                scheduler.submit(_incremental_work(engine, lm, fmt, i, boundary.ids, again, None,
-                                                   lambda rebuilt: proceed(i, boundary, (rebuilt,))), urgent=True)
-                return
-            proceed(i, boundary, ())
-        return done
-
-    def proceed(i: int, boundary: object, extra: tuple) -> None:
-        states = list(continue_with(i, boundary, *extra))  # type: ignore[arg-type, call-arg]
-        if isinstance(boundary, GateError) and states:
-            raise ValueError(f"problem {i}: continue_with gave states to decode after a failed construction")
-        if not states:
-            finished(i, [])
-            return
-        suffixes: list = [None] * len(states)
-        left = [len(states)]
-
-        def one(k: int) -> Callable[[object], None]:
-            def got(result: object) -> None:
-                suffixes[k] = result
-                left[0] -= 1
-                if not left[0]:
-                    finished(i, suffixes)
-            return got
-
-        for k, b in enumerate(states):
-            scheduler.submit(_suffix_work(engine, fmt, caps, i, b, one(k)), urgent=True)
-
+    chains = _Chains(engine, scheduler, lm, fmt, caps, continue_with, finished, rebuild)
     for i, start in enumerate(starts):
         if parsed is None:
-            scheduler.submit(_live_work(engine, lm, fmt, caps, i, start, built(i)))
+            scheduler.submit(_live_work(engine, lm, fmt, caps, i, start, chains.boundary_done(i)))
         else:
-            scheduler.submit(_incremental_work(engine, lm, fmt, i, start, parsed[i], None, built(i)))
-    scheduler.run()
+            scheduler.submit(_incremental_work(engine, lm, fmt, i, start, parsed[i], None, chains.boundary_done(i)))
+    scheduler.run()  # a job's end calls a step of `chains`, which may submit the problem's next jobs
     return {"steps": engine.steps, "busy_slot_steps": engine.busy_slot_steps, "batch": engine.batch}
 
 

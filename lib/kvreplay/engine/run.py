@@ -1,8 +1,52 @@
-"""The batched engine's settings as one object (:class:`EngineRun`), passed through every batched decoder."""
+"""The batched engine's settings as one object (:class:`EngineRun`), passed through every batched decoder, and what
+its engines measured (:class:`EngineStats`)."""
 
 from __future__ import annotations
 
 import dataclasses
+
+FLEX_BLOCK = 128
+"""Positions per block of the ``flex`` attention's block mask (:mod:`kvreplay.engine.attention` reads the cache in
+such blocks): a ``flex`` engine's ``max_len`` is a multiple of it."""
+
+
+def engine_max_len(need: int, attention: str) -> int:
+    """The positions per row an engine needs for sequences of at most ``need`` positions: ``need``, for ``flex``
+    rounded up to whole :data:`FLEX_BLOCK` blocks (the mask hides the padding). The one place this is computed."""
+    return -(-need // FLEX_BLOCK) * FLEX_BLOCK if attention == "flex" else need
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """What the engines of one run measured, summed over them (a :class:`EngineRun`'s :attr:`EngineRun.stats`).
+
+    Attributes:
+        steps: batched steps run.
+        slot_steps: their slots (steps x ``batch``).
+        busy_slot_steps: the slots that held a problem; ``busy_slot_steps / slot_steps`` is the slot occupancy.
+        verified_steps: steps checked against the eager step (gate ``graph_equals_eager``).
+        attention_checks: every ``attention_tolerance`` record passed, in order
+            (:meth:`kvreplay.engine.StepEngine.check_attention`).
+    """
+    steps: int = 0
+    slot_steps: int = 0
+    busy_slot_steps: int = 0
+    verified_steps: int = 0
+    attention_checks: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def occupancy(self) -> float | None:
+        """``busy_slot_steps / slot_steps`` (the share of the batch's slots that held a problem), ``None`` without
+        steps."""
+        return self.busy_slot_steps / self.slot_steps if self.slot_steps else None
+
+    def chunk_event(self, problems: int, seconds: float) -> dict:
+        """A chunk's run-log entry: ``{"problems", "seconds", "steps", "slot_steps", "busy_slot_steps",
+        "occupancy"}`` (seconds to 3 decimals, occupancy to 4, ``None`` without steps)."""
+        occupancy = self.occupancy
+        return {"problems": problems, "seconds": round(seconds, 3), "steps": self.steps, "slot_steps": self.slot_steps,
+                "busy_slot_steps": self.busy_slot_steps,
+                "occupancy": round(occupancy, 4) if occupancy is not None else None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +74,9 @@ class EngineRun:
         tie_rule: which of exactly tied eligible tokens is chosen (:mod:`kvreplay.ties`; ``lowest``: Hugging
             Face's argmax).
         top_logits: each suffix also keeps its steps' top-1 eligible logits (:attr:`kvreplay.decode.Suffix.tops`).
+        stats: where every engine built from this run adds what it measured (:meth:`measured` gives a run with a
+            fresh one); ``None``: each engine keeps its own only. Not a setting: left out of comparisons,
+            :meth:`settings` and the run log.
     """
     step_path: str = "eager"
     batch: int = 8
@@ -41,6 +88,26 @@ class EngineRun:
     fill_from: str = "first"
     tie_rule: str = "lowest"
     top_logits: bool = False
+    stats: EngineStats | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def measured(self) -> "EngineRun":
+        """This run with a fresh :class:`EngineStats` that its engines fill (read it from :attr:`stats` after the
+        decoders return)."""
+        return dataclasses.replace(self, stats=EngineStats())
+
+    def settings(self) -> dict:
+        """The settings as a plain mapping (every field but :attr:`stats`), as the run log records them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "stats"}
+
+    def max_len_for(self, need: int) -> int:
+        """:attr:`max_len`, else what sequences of ``need`` positions take (:func:`engine_max_len`).
+
+        Raises:
+            ValueError: a fixed :attr:`max_len` below ``need``."""
+        max_len = self.max_len if self.max_len is not None else engine_max_len(need, self.attention)
+        if need > max_len:
+            raise ValueError(f"max_len={max_len} is shorter than the {need} positions the longest problem may need")
+        return max_len
 
     @property
     def problems_per_chunk(self) -> int:

@@ -19,7 +19,6 @@ from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, BlockFormat, Caps, Contra
 from ..decode import BlockCursor, Boundary, Suffix
 from ..gates import GateError
 from ..models import LoadedModel
-from .attention import FLEX_BLOCK
 from .run import EngineRun
 from .step import StepEngine
 
@@ -228,19 +227,13 @@ def live_length_bound(fmt: BlockFormat, caps: Caps, prompt_len: int) -> int:
 
 def new_engine(lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int,
                readout: decode.FP32Readout | None = None) -> StepEngine:
-    """A :class:`StepEngine` at ``run``'s batch shape; ``max_len`` defaults to ``need`` (rounded up to a multiple of
-    128 for ``flex``).
+    """A :class:`StepEngine` at ``run``'s settings (:meth:`StepEngine.for_run`): ``max_len`` defaults to ``need``
+    (whole blocks for ``flex``, :func:`~kvreplay.engine.run.engine_max_len`); it adds to ``run.stats``.
 
     Raises:
         ValueError: a fixed ``max_len`` below ``need``, or a setting :class:`StepEngine` refuses.
     """
-    max_len = run.max_len
-    if max_len is None:
-        max_len = -(-need // FLEX_BLOCK) * FLEX_BLOCK if run.attention == "flex" else need
-    if need > max_len:
-        raise ValueError(f"max_len={max_len} is shorter than the {need} positions the longest problem may need")
-    return StepEngine(lm, fmt, run.batch, max_len, run.step_path, run.verify_steps, readout, run.attention,
-                      run.tie_rule, run.top_logits)
+    return StepEngine.for_run(lm, fmt, run, need, readout)
 
 
 # ------------------------------------------------------------------------------------------------ jobs

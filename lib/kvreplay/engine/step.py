@@ -23,21 +23,13 @@ from . import attention as attn
 from . import cache as row_cache
 from .attention import ATTENTIONS, FLEX_BLOCK, FlexMask, use_attention
 from .cache import RowCache
+from .run import EngineRun, EngineStats
 
 STEP_PATHS = ("eager", "graph")
 """``eager``: the step runs op by op; ``graph``: captured once in a CUDA graph and replayed (CUDA only)."""
 
 _STAT_ROWS = 4  # chosen token, margin, duplicate rows equal, row finite
 
-VERIFIED_STEPS = [0]
-"""Steps this process has checked against the eager step (``verify_steps``), all engines together."""
-
-ATTENTION_CHECKS: list[dict] = []
-"""Every ``attention_tolerance`` check this process has passed (:meth:`StepEngine.check_attention`), in order."""
-
-SLOT_STEPS = {"steps": 0, "slot_steps": 0, "busy_slot_steps": 0}
-"""Steps this process has run, their slots (steps x B) and the slots that held a problem, all engines together;
-``busy_slot_steps / slot_steps`` is the slot occupancy (the useful share of the batch)."""
 
 
 def choice_stats(logits: torch.Tensor, eligible: torch.Tensor, tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE,
@@ -107,6 +99,8 @@ class StepEngine:
         tie_rule: which of exactly tied eligible tokens each row chooses (:mod:`kvreplay.ties`; the ``hash``
             rule hashes the chosen token's position, the input position plus one).
         top_logits: the choice statistics carry each row's top-1 eligible logit (row 4).
+        stats: where the engine adds what it measures (steps, slot-steps, busy slot-steps, verified steps,
+            attention checks); ``None``: a fresh :class:`~kvreplay.engine.run.EngineStats` of its own.
         attention: ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`ATTENTIONS`): the step's attention (prompt
             blocks and prefills, one call per problem outside the step, always use the model's own SDPA).
             ``"flex"`` needs ``max_len`` a multiple of :data:`~kvreplay.engine.attention.FLEX_BLOCK`; it builds a
@@ -114,7 +108,8 @@ class StepEngine:
 
     Attributes:
         steps, busy_slot_steps: steps run, and slots that held a problem summed over them (slot occupancy:
-            ``busy_slot_steps / (steps * batch)``); :data:`SLOT_STEPS` sums them over all engines.
+            ``busy_slot_steps / (steps * batch)``); :attr:`stats` sums them with the other engines of its run.
+        stats: the :class:`~kvreplay.engine.run.EngineStats` it adds to.
         attention_check: the ``attention_tolerance`` record of :meth:`check_attention`, once run.
 
     Raises:
@@ -122,9 +117,22 @@ class StepEngine:
             ``verify_steps < 0``, or ``"flex"`` with a ``max_len`` that is not a multiple of 128.
         ContractError: a vocabulary of 2**24 tokens or more; a model under ``kernels`` other than ``default``.
     """
+    @classmethod
+    def for_run(cls, lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int,
+                readout: decode.FP32Readout | None = None) -> "StepEngine":
+        """An engine at ``run``'s settings for sequences of at most ``need`` positions (``max_len``:
+        :meth:`EngineRun.max_len_for`), adding what it measures to ``run.stats``.
+
+        Raises:
+            ValueError: a fixed ``max_len`` below ``need``, or a setting the constructor refuses."""
+        return cls(lm, fmt, run.batch, run.max_len_for(need), run.step_path, run.verify_steps, readout,
+                   run.attention, run.tie_rule, run.top_logits, run.stats)
+
     def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
                  verify_steps: int = 0, readout: decode.FP32Readout | None = None, attention: str = "sdpa",
-                 tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE, top_logits: bool = False):
+                 tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE, top_logits: bool = False,
+                 stats: EngineStats | None = None):
+        self.stats = stats if stats is not None else EngineStats()
         if step_path not in STEP_PATHS:
             raise ValueError(f"unknown step path {step_path!r}; use one of {STEP_PATHS}")
         if decode.kernels_of(lm) != "default":
@@ -306,9 +314,9 @@ class StepEngine:
         self.inputs.copy_(self._host, non_blocking=True)
         busy = sum(self._busy)
         self.busy_slot_steps += busy
-        SLOT_STEPS["steps"] += 1
-        SLOT_STEPS["slot_steps"] += self.batch
-        SLOT_STEPS["busy_slot_steps"] += busy
+        self.stats.steps += 1
+        self.stats.slot_steps += self.batch
+        self.stats.busy_slot_steps += busy
         if self.step_path == "graph":
             if self._graph is None:
                 self._capture()
@@ -342,7 +350,7 @@ class StepEngine:
             raise GateError("graph_equals_eager",
                             f"step {self.steps} ({self.step_path} vs eager): keys/values written differ")
         self.verified += 1
-        VERIFIED_STEPS[0] += 1
+        self.stats.verified_steps += 1
 
     @torch.inference_mode()
     def check_attention(self, where: str = "") -> dict:
@@ -362,7 +370,7 @@ class StepEngine:
             where: named in the record and in a failure (e.g. the problem whose boundary is in a slot).
 
         Returns:
-            The record (also kept in :attr:`attention_check` and appended to :data:`ATTENTION_CHECKS`):
+            The record (also kept in :attr:`attention_check` and appended to ``stats.attention_checks``):
             ``{"gate", "attention", "dtype", "reference", "tolerance", "max_rel_err", "rel_err_by_layer",
             "rows", "step", "where"}``.
 
@@ -407,7 +415,7 @@ class StepEngine:
                             f"differs from the math-SDPA reference by a relative L2 error of {errors[bad[0]]:.3g} > "
                             f"{tolerance:g} ({self.lm.dtype}); {len(bad)} of {len(errors)} layers beyond it")
         self.attention_check = record
-        ATTENTION_CHECKS.append(record)
+        self.stats.attention_checks.append(record)
         return record
 
     def check_valid_length(self, slot: int, n: int, roles: Sequence[int], where: str) -> None:

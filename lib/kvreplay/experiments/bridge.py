@@ -47,14 +47,13 @@ def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> 
     lm, fmt = spec.lm, spec.fmt
     rec: dict[str, Any] = {"problem_id": problem.problem_id, "gate_failure": None}
     try:
-        live = decode.decode_live(lm, fmt, fmt.prompt_ids(problem.question, problem.options), spec.caps,
-                                   tie_rule=spec.tie_rule)
+        live = decode.decode_live(lm, fmt, fmt.prompt_ids(problem.question, problem.options), spec.decoding)
         z = live.ids
         rec.update(prefix_len=len(z), prefix=z, saved_prefix_len=len(saved_prefix), same_as_saved=z == list(saved_prefix))
         states = _bridge_states(spec, live, decode.build_incremental(lm, fmt, z, where=problem.problem_id))
         cmp = comparison(live, states["incremental"], per_tensor=True)
         rec["equivalence"] = equivalence_record(spec, problem, z)
-        arms = {n: decode.decode_suffix(lm, fmt, s, spec.caps, tie_rule=spec.tie_rule) for n, s in states.items()}
+        arms = {n: decode.decode_suffix(lm, fmt, s, spec.decoding) for n, s in states.items()}
         _bridge_endpoints(spec, problem, rec, cmp, arms)
     except GateError as e:
         rec["gate_failure"] = gate_failure(e)
@@ -294,6 +293,6 @@ def _prepare(chain: Chain) -> ArmPlan[BridgeRecord]:
 EXP3: Arm[BridgeRecord] = Arm(
     "exp3", row=lambda spec, problem, plan: bridge_row(spec, problem, plan.prefix(problem)),
     chunk=lambda spec, problems, plan: bridge_chunk(spec, problems, plan.prefixes_of(problems)),
-    notebook="notebooks/03_experiment3_bridge_and_audit.ipynb", prepare=_prepare,
-    key=("prefix_bank_sha256",), prefixes=True, dtypes=("bfloat16",), preflight=None)
+    prepare=_prepare,
+    key=("prefix_bank_sha256",), prefixes=True, preflight=None)
 """Experiment 3's bridge (paper §4.3), BF16, on its frozen panel; the bank's digest keys the ledger."""

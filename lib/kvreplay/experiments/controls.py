@@ -125,11 +125,10 @@ def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: i
         inc = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id)
         inc_ro = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id, readout=readout)
         states, null, null_rec = _controls_states(spec, problem, prefix, inc, inc_ro, readout, seed)
-        rule = spec.tie_rule
-        plain = {c: decode.decode_suffix(lm, fmt, states[c], spec.caps, tie_rule=rule) for c in ("incremental", "prefill")}
-        fp32 = {c: decode.decode_suffix(lm, fmt, states[f"{c}_fp32_readout"], spec.caps, readout=readout, tie_rule=rule)
+        plain = {c: decode.decode_suffix(lm, fmt, states[c], spec.decoding) for c in ("incremental", "prefill")}
+        fp32 = {c: decode.decode_suffix(lm, fmt, states[f"{c}_fp32_readout"], spec.decoding, readout=readout)
                 for c in ("incremental", "prefill")}
-        moved = decode.decode_suffix(lm, fmt, null, spec.caps, tie_rule=spec.tie_rule)
+        moved = decode.decode_suffix(lm, fmt, null, spec.decoding)
         _controls_record(rec, plain, fp32, moved, null_rec)
     except GateError as e:
         rec["gate_failure"] = gate_failure(e)
@@ -295,8 +294,8 @@ EXP2_CONTROLS: Arm[ControlsRecord] = Arm(
     "exp2_controls",
     row=lambda spec, problem, plan: controls_row(spec, problem, plan.prefix(problem), plan.key["seed"]),
     chunk=lambda spec, problems, plan: controls_chunk(spec, problems, plan.prefixes_of(problems), plan.key["seed"]),
-    notebook="notebooks/02_experiment2_fixed_prefix_precision.ipynb", prepare=_prepare,
-    key=("prefix_bank_sha256", "seed"), prefixes=True, dtypes=("bfloat16",), preflight="preflight_fixed")
+    prepare=_prepare,
+    key=("prefix_bank_sha256", "seed"), prefixes=True, preflight="preflight_fixed")
 """The exploratory controls (:func:`controls_row`) on the fixed BF16 prefixes, BF16 only; ledger ``exp2_controls``.
 
 The bank's digest and the null perturbation's seed key the ledger."""

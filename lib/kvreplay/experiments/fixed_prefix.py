@@ -128,7 +128,7 @@ def _prepare(chain: Chain) -> ArmPlan[Exp2Record]:
 EXP2: Arm[Exp2Record] = Arm(
     "exp2", row=lambda spec, problem, plan: fixed_prefix_row(spec, problem, plan.prefix(problem)),
     chunk=lambda spec, problems, plan: fixed_prefix_chunk(spec, problems, plan.prefixes_of(problems)),
-    notebook="notebooks/02_experiment2_fixed_prefix_precision.ipynb", prepare=_prepare,
+    prepare=_prepare,
     key=("prefix_bank_sha256",), prefixes=True, preflight="preflight_fixed")
 """Experiment 2 (paper §3.6) at one precision on the fixed BF16 prefixes; the bank's digest keys the ledger."""
 

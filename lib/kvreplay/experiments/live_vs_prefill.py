@@ -38,7 +38,7 @@ def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> Exp1Record:
     rec: dict[str, Any] = {"problem_id": problem.problem_id, "gate_failure": None}
     try:
         prompt = spec.fmt.prompt_ids(problem.question, problem.options)
-        live = decode.decode_live(spec.lm, spec.fmt, prompt, spec.caps, tie_rule=spec.tie_rule)
+        live = decode.decode_live(spec.lm, spec.fmt, prompt, spec.decoding)
         rec.update(prompt_len=len(prompt), prefix_len=len(live.ids), prefix=live.ids, schedule_calls=len(live.schedule))
         matrix_row(spec, problem, rec, live)
     except GateError as e:
@@ -97,7 +97,7 @@ def _prepare(chain: Chain) -> ArmPlan[Exp1Record]:
 EXP1: Arm[Exp1Record] = Arm(
     "exp1", row=lambda spec, problem, plan: live_vs_prefill_row(spec, problem),
     chunk=lambda spec, problems, plan: live_vs_prefill_chunk(spec, problems),
-    notebook="notebooks/01_experiment1_live_vs_prefill.ipynb", prepare=_prepare, live_check=True)
+    prepare=_prepare, live_check=True)
 """Experiment 1 (paper §3.5): live decoding, then the four-arm matrix; nothing added to the ledger key.
 
 Below float32, the preflight rows and a sample of ``live_check_fraction`` of the others carry the

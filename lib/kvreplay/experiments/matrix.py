@@ -277,7 +277,7 @@ def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary)
         GateError: the first gate that fails (callers record it).
     """
     states = matrix_states(spec, problem, rec, ref)
-    arms = {n: decode.decode_suffix(spec.lm, spec.fmt, s, spec.caps, tie_rule=spec.tie_rule) for n, s in states.items()}
+    arms = {n: decode.decode_suffix(spec.lm, spec.fmt, s, spec.decoding) for n, s in states.items()}
     return matrix_arms(spec, problem, rec, ref.construction, arms)
 
 
@@ -324,7 +324,7 @@ def matrix_states(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Bounda
         "prefill_replica": comparison(states["prefill"], states["prefill_replica"], per_tensor=False),
     }
     rec["equivalence"] = equivalence_record(spec, problem, z, rec["boundary"][key], key)
-    rec["first_token"] = {n: decode.first_eligible_argmax(fmt, s.logits[0], spec.tie_rule, len(s.ids)) for n, s in states.items()}
+    rec["first_token"] = {n: decode.first_eligible_argmax(fmt, s.logits[0], spec.decoding.tie_rule, len(s.ids)) for n, s in states.items()}
     rec["raw_argmax"] = {n: decode.raw_argmax(s.logits[0]) for n, s in states.items()}
     return states
 

@@ -513,8 +513,8 @@ def _prepare(chain: Chain) -> ArmPlan[ReplicationRecord]:
 EXP5: Arm[ReplicationRecord] = Arm(
     "exp5", row=lambda spec, problem, plan: replication_row(spec, problem, plan.prefix(problem)),
     chunk=lambda spec, problems, plan: replication_chunk(spec, problems, plan.prefixes_of(problems)),
-    notebook="notebooks/05_experiment5_replication.ipynb", prepare=_prepare,
-    key=("prefix_bank_sha256", "panel", "checkpoint"), prefixes=True, dtypes=("bfloat16",), preflight="preflight_fixed")
+    prepare=_prepare,
+    key=("prefix_bank_sha256", "panel", "checkpoint"), prefixes=True, preflight="preflight_fixed")
 """Experiment 5 (paper §4.5), BF16, under the later checkpoint on its frozen panel.
 
 The bank's digest, the panel and the checkpoint's record key the ledger."""

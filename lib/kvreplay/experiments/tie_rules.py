@@ -39,8 +39,7 @@ def _plans(chain: Chain) -> list[ArmPlan[Exp1Record]]:
 
 
 EXP1_TIES: Arm[Exp1Record] = dataclasses.replace(
-    EXP1, experiment="exp1_ties", prepare=_no_single_plan, variants=_plans, key=("tie_rule", "top_logits"),
-    dtypes=("bfloat16",))
+    EXP1, experiment="exp1_ties", prepare=_no_single_plan, variants=_plans, key=("tie_rule", "top_logits"))
 """Experiment 1 under another tie rule (exploratory), BF16 only, once per rule of ``tie_rules``; ledger ``exp1_ties``.
 
 The key entries set the arm's settings (:meth:`kvreplay.runner.ArmPlan.bind`): rows are those of

@@ -227,10 +227,10 @@ def transplant_row(
     try:
         inc = decode.build_incremental(lm, fmt, prefix, where=problem.problem_id)
         states, src = _transplant_states(spec, problem, prefix, inc, rec)
-        suffixes = {n: decode.decode_suffix(lm, fmt, s, spec.caps, tie_rule=spec.tie_rule) for n, s in states.items()}
+        suffixes = {n: decode.decode_suffix(lm, fmt, s, spec.decoding) for n, s in states.items()}
         base = _baseline(rec, suffixes)
         for name, recipient, donor, state, prov in _interventions(spec, rec, src, sweep, primary_only):
-            hybrid = decode.decode_suffix(lm, fmt, state, spec.caps, tie_rule=spec.tie_rule)
+            hybrid = decode.decode_suffix(lm, fmt, state, spec.decoding)
             _record_intervention(rec, name, recipient, donor, hybrid.tokens, base, prov)
     except GateError as e:
         rec["gate_failure"] = gate_failure(e)
@@ -515,6 +515,6 @@ EXP4: Arm[TransplantRecord] = Arm(
     chunk=lambda spec, problems, plan: transplant_chunk(
         spec, problems, plan.prefixes_of(problems), [_stratum(plan, q) for q in problems],
         [q.problem_id in plan.key["sweep"] for q in problems]),
-    notebook="notebooks/04_experiment4_cache_transplant.ipynb", prepare=_prepare,
-    key=("prefix_bank_sha256", "panel", "sweep"), prefixes=True, dtypes=("bfloat16",), preflight=None)
+    prepare=_prepare,
+    key=("prefix_bank_sha256", "panel", "sweep"), prefixes=True, preflight=None)
 """Experiment 4 (paper §4.4), BF16, on its frozen panel; the bank's digest, the panel and the sweep rows key the ledger."""

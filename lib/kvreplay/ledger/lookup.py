@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
+from ..arm_facts import ARM_FACTS, Derived
 from .records import (
     ROW_TYPES,
     BridgeRecord,
@@ -57,28 +58,11 @@ class LedgerSpec:
         return f"{self.experiment}-{self.dtype}"
 
 
-_NB = {
-    "exp1": "01_experiment1_live_vs_prefill.ipynb",
-    "exp2": "02_experiment2_fixed_prefix_precision.ipynb",
-    "exp3": "03_experiment3_bridge_and_audit.ipynb",
-    "exp4": "04_experiment4_cache_transplant.ipynb",
-    "exp5": "05_experiment5_replication.ipynb",
-}
-
-
-LEDGER_SPECS: dict[str, LedgerSpec] = {
-    s.key: s
-    for s in (
-        LedgerSpec("exp1", "bfloat16", _NB["exp1"], "Experiment 1, live/prefill matrix, BF16"),
-        LedgerSpec("exp1", "float32", _NB["exp1"], "Experiment 1, live/prefill matrix, FP32"),
-        LedgerSpec("exp2", "bfloat16", _NB["exp2"], "Experiment 2, fixed-prefix matrix, BF16"),
-        LedgerSpec("exp2", "float32", _NB["exp2"], "Experiment 2, fixed-prefix matrix, FP32"),
-        LedgerSpec("exp3", "bfloat16", _NB["exp3"], "Experiment 3, live/incremental bridge, BF16"),
-        LedgerSpec("exp4", "bfloat16", _NB["exp4"], "Experiment 4, cache transplants, BF16"),
-        LedgerSpec("exp5", "bfloat16", _NB["exp5"], "Experiment 5, replication on a later checkpoint, BF16"),
-    )
-}
-"""Every ledger the paper assembly reads, keyed ``<experiment>-<dtype>``."""
+LEDGER_SPECS: Mapping[str, LedgerSpec] = Derived(lambda: {
+    s.key: s for f in ARM_FACTS.values() if f.assembly
+    for s in (LedgerSpec(f.experiment, d, f.notebook, f.what_at(d)) for d in f.dtypes)})
+"""Every ledger the paper assembly reads, keyed ``<experiment>-<dtype>``: the arms of
+:data:`kvreplay.arm_facts.ARM_FACTS` marked ``assembly``, at each of their precisions."""
 
 
 @dataclasses.dataclass

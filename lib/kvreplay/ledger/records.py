@@ -37,7 +37,8 @@ A row whose integrity gate failed has ``gate_failure`` set (:class:`GateFailure`
 stages it finished; its layout is :data:`FAILED_ROW_TYPES` (``adapt_eval`` rows never fail a gate). Each of those
 fields is optional on its own there: the stages' grouping (e.g. ``prefix`` comes with ``prefix_len``) is not checked.
 
-The layouts are those of the row-algorithm versions in :data:`SCHEMA_ROW_ALGORITHM`. Rows of an older version (a
+The layouts are those of the row-algorithm versions declared beside each record's name in
+:data:`kvreplay.arm_facts.ARM_FACTS`. Rows of an older version (a
 *stale* ledger) may lack keys added since, e.g. ``equivalence`` or ``endpoints.tie_initiated``, and do not validate.
 
 Units: token IDs and counts are ints; ``rel_l2`` is a relative L2 distance ``||other - ref|| / ||ref||``
@@ -56,6 +57,7 @@ from typing import Any, Literal, TypeVar, cast, overload
 from pydantic import TypeAdapter, ValidationError, with_config
 from typing_extensions import NotRequired, TypedDict  # pydantic needs typing_extensions' TypedDict before Python 3.12
 
+from ..arm_facts import ARM_FACTS, Derived
 from .row_parts import (  # noqa: F401  (the parts of a row; re-exported)
     AnswerScore, ArmSuffix, BridgeArms, BridgeBoundary, BridgeEndpoints, CacheDiff, Comparison, Endpoints,
     Equivalence, Float, GateFailure, IncrementalArmTokens, IncrementalArms, IncrementalBoundary, Intervention,
@@ -66,7 +68,7 @@ from .row_parts import (  # noqa: F401  (the parts of a row; re-exported)
 )
 
 __all__ = [
-    "FAILED_ROW_TYPES", "ROW_TYPES", "SCHEMA_ROW_ALGORITHM", "RowSchemaError", "experiment_of", "validate_row",
+    "FAILED_ROW_TYPES", "ROW_TYPES", "RowSchemaError", "experiment_of", "validate_row",
     "validate_rows",
     # reads by a key known only at run time
     "AnyComparison", "arm_of", "comparison_of", "outcome_of",
@@ -85,12 +87,6 @@ __all__ = [
     # a row of either layout, as the row functions return them
     "BridgeRecord", "ControlsRecord", "Exp1Record", "Exp2Record", "ReplicationRecord", "TransplantRecord",
 ]
-
-SCHEMA_ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp1_ties": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2,
-                        "exp5": 2}
-"""The row-algorithm version of each experiment whose rows this schema describes (``kvreplay.runner.ROW_ALGORITHM``
-when it was written; a test keeps the two equal, so a version bump makes one revisit the schema)."""
-
 
 # ----------------------------------------------------------------------------- rows
 
@@ -272,17 +268,9 @@ class AdaptEvalRow(TypedDict):
     checkpoints: dict[str, LetterChoice]  # checkpoint name ("ckpt0": no role rows, "later", ...) -> its choice
 
 
-ROW_TYPES: dict[str, type] = {
-    "exp1": Exp1Row,
-    "exp1_ties": Exp1Row,
-    "exp2": Exp2Row,
-    "exp2_controls": ControlsRow,
-    "exp3": BridgeRow,
-    "exp4": TransplantRow,
-    "exp5": ReplicationRow,
-    "adapt_eval": AdaptEvalRow,
-}
-"""Experiment (ledger folder prefix) -> the layout of its rows that passed every gate."""
+ROW_TYPES: Mapping[str, type] = Derived(lambda: {e: _RECORD_TYPES[f.record] for e, f in ARM_FACTS.items()})
+"""Experiment (ledger folder prefix) -> the layout of its rows that passed every gate (its
+:attr:`~kvreplay.arm_facts.ArmFacts.record`)."""
 
 Exp1Record = Exp1Row | Exp1FailedRow
 """What :func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_row` returns and Experiment 1's summaries read."""
@@ -348,16 +336,15 @@ def outcome_of(intervention: Intervention, direction: str) -> TransplantOutcome:
     return _by_name(cast(Mapping[str, TransplantOutcome], intervention), direction, "transplant directions")
 
 
-FAILED_ROW_TYPES: dict[str, type] = {
-    "exp1": Exp1FailedRow,
-    "exp1_ties": Exp1FailedRow,
-    "exp2": Exp2FailedRow,
-    "exp2_controls": ControlsFailedRow,
-    "exp3": BridgeFailedRow,
-    "exp4": TransplantFailedRow,
-    "exp5": ReplicationFailedRow,
-}
+FAILED_ROW_TYPES: Mapping[str, type] = Derived(lambda: {
+    e: _RECORD_TYPES[f.record.removesuffix("Row") + "FailedRow"] for e, f in ARM_FACTS.items()
+    if f.record.removesuffix("Row") + "FailedRow" in _RECORD_TYPES})
 """Experiment -> the layout of its rows whose ``gate_failure`` is set (``adapt_eval`` has no gates)."""
+
+_RECORD_TYPES: dict[str, type] = {t.__name__: t for t in (
+    Exp1Row, Exp1FailedRow, Exp2Row, Exp2FailedRow, ControlsRow, ControlsFailedRow, BridgeRow, BridgeFailedRow,
+    TransplantRow, TransplantFailedRow, ReplicationRow, ReplicationFailedRow, AdaptEvalRow)}
+"""Every row record by name (what :attr:`kvreplay.arm_facts.ArmFacts.record` names)."""
 
 
 # ----------------------------------------------------------------------------- validation

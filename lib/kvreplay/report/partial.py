@@ -31,6 +31,7 @@ import pandas as pd
 from ..experiments.bridge import bridge_summary, bridge_table
 from ..experiments.replication import describe_checkpoint, replication_summary, replication_table
 from ..experiments.transplant import transplant_summary, transplant_table
+from ..arm_facts import ARM_FACTS, Derived
 from ..gates import GateError
 from ..ledger.files import read_manifest
 from ..ledger.lookup import finished_rows, ledger_progress
@@ -57,14 +58,24 @@ def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[Path, list[Any]]:
     return folders[0], finished_rows(folders[0])
 
 
-COMPARISON = {"exp1": "live vs prefill", "exp2": "incremental vs prefill, fixed BF16 prefixes"}
-"""What the suffix-divergence endpoint compares, per experiment (both rows have the same ``endpoints`` layout)."""
-ONE_ARM_TITLES = {"exp3": "the incremental bridge (new live boundary vs its incremental rebuild)",
-                  "exp4": "boundary K/V transplants between incremental and prefill",
-                  "exp5": "whole-cache transplants on the later checkpoint"}
+def _titles(kind: str) -> dict[str, str]:
+    return {e: f.title for e, f in ARM_FACTS.items() if f.partial == kind and f.title is not None}
+
+
+COMPARISON: Mapping[str, str] = Derived(lambda: _titles("suffix"))
+"""What the suffix-divergence endpoint compares, per experiment (both rows have the same ``endpoints`` layout): the
+:attr:`~kvreplay.arm_facts.ArmFacts.title` of each arm tabulated ``"suffix"``."""
+ONE_ARM_TITLES: Mapping[str, str] = Derived(lambda: _titles("one_arm"))
 """Experiments with one BF16 arm, reported by their notebooks' own summary tables (:func:`one_arm_table`), and what
-each table is about (its heading)."""
-ONE_ARM = tuple(ONE_ARM_TITLES)
+each table is about (its heading): the arms tabulated ``"one_arm"``."""
+
+
+def title(experiment: str) -> str:
+    """The heading of one experiment's table (its :attr:`~kvreplay.arm_facts.ArmFacts.title`).
+
+    Raises:
+        KeyError: the experiment has no table here."""
+    return {**COMPARISON, **ONE_ARM_TITLES}[experiment]
 
 
 def one_arm_table(experiment: str, rows: list[Any], folder: Path | None = None) -> pd.DataFrame:
@@ -73,7 +84,7 @@ def one_arm_table(experiment: str, rows: list[Any], folder: Path | None = None) 
 
     Raises:
         GateError: a row failed a gate (Experiments 4 and 5: a gate other than the transplant's precondition).
-        ValueError: ``experiment`` is not one of :data:`ONE_ARM`, or Experiment 5 without its ``folder``.
+        ValueError: ``experiment`` is not one of :data:`ONE_ARM_TITLES`, or Experiment 5 without its ``folder``.
     """
     if experiment == "exp3":
         return bridge_table(bridge_summary(rows))
@@ -86,7 +97,7 @@ def one_arm_table(experiment: str, rows: list[Any], folder: Path | None = None) 
         if not isinstance(checkpoint, dict):
             raise ValueError(f"{Path(folder) / 'manifest.json'}: its config names no replication checkpoint (`checkpoint`)")
         return replication_table(replication_summary(rows), describe_checkpoint(checkpoint))
-    raise ValueError(f"{experiment!r} is not one of {ONE_ARM}")
+    raise ValueError(f"{experiment!r} is not one of {list(ONE_ARM_TITLES)}")
 
 
 def suffix_frame(rows: Sequence[Exp1Record] | Sequence[Exp2Record]) -> pd.DataFrame:
@@ -149,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--profile", default="paper", help="profile whose ledgers are read (<ledger-root>/<profile>/)")
     ap.add_argument("--ledger-root", type=Path, default=LEDGERS, help="folder holding <profile>/ ledger folders")
-    ap.add_argument("--experiments", nargs="+", choices=[*sorted(COMPARISON), *ONE_ARM],
-                    default=[*sorted(COMPARISON), *ONE_ARM], help="which experiments' tables, in this order")
+    ap.add_argument("--experiments", nargs="+", choices=[*sorted(COMPARISON), *ONE_ARM_TITLES],
+                    default=[*sorted(COMPARISON), *ONE_ARM_TITLES], help="which experiments' tables, in this order")
     args = ap.parse_args(argv)
     root = args.ledger_root / args.profile
     if not root.is_dir():
@@ -161,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for experiment in args.experiments:
         rows, folders, unfinished = {}, {}, []
-        for dtype in ("bfloat16",) if experiment in ONE_ARM else ("bfloat16", "float32"):
+        for dtype in ("bfloat16",) if experiment in ONE_ARM_TITLES else ("bfloat16", "float32"):
             try:
                 folder, arm = arm_rows(root, experiment, dtype)
             except FileNotFoundError as e:
@@ -182,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if not rows:
             continue
         try:
-            if experiment in ONE_ARM:
+            if experiment in ONE_ARM_TITLES:
                 table = one_arm_table(experiment, rows["bfloat16"], folders["bfloat16"]).to_markdown()
             else:
                 summary = suffix_summary(rows)
@@ -190,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {experiment}: {e}", file=sys.stderr)
             status = max(status, 1)
             continue
-        print(f"## {experiment}: {COMPARISON[experiment] if experiment in COMPARISON else ONE_ARM_TITLES[experiment]}")
+        print(f"## {experiment}: {title(experiment)}")
         if unfinished:
             print("unfinished: " + "; ".join(unfinished))
-        print(table if experiment in ONE_ARM else summary.astype(object).fillna("").to_markdown(index=False))
+        print(table if experiment in ONE_ARM_TITLES else summary.astype(object).fillna("").to_markdown(index=False))
         print()
     return status
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar
 
+from ..arm_facts import ArmFacts, facts
 from ..gates import GateError
 from ..ledger.lookup import LoadedLedger
 from ..ledger.store import Ledger
@@ -65,9 +66,7 @@ class Arm(Generic[R]):
         key: the names of the entries the arm adds to its ledger key, beyond :meth:`ArmSettings.config`.
         prefixes: each problem needs its fixed BF16 boundary prefix (Experiments 2-5).
         live_check: below float32, sampled rows carry the ``live_equals_incremental`` gate (:func:`run_arm`).
-        dtypes: the precisions the chain runs it at.
         preflight: the chain parameter giving its preflight rows (``None``: none).
-        notebook: the notebook that runs it.
         prepare: ``(chain) -> plan`` under a session's parameters: panels frozen and written, upstream read.
         variants: ``(chain) -> plans`` for an arm run once per declared variant (the tie-rule control: one plan
             per rule of the profile's ``tie_rules``); ``None``: one plan, ``prepare``'s.
@@ -75,14 +74,30 @@ class Arm(Generic[R]):
     experiment: str
     row: Callable[[RunSpec, Problem, "ArmPlan[R]"], R]
     chunk: Callable[[RunSpec, Sequence[Problem], "ArmPlan[R]"], list[R]]
-    notebook: str
     prepare: Callable[[Chain], "ArmPlan[R]"]
     key: tuple[str, ...] = ()
     prefixes: bool = False
     live_check: bool = False
-    dtypes: tuple[str, ...] = ("bfloat16", "float32")
     preflight: str | None = "preflight"
     variants: Callable[[Chain], Sequence["ArmPlan[R]"]] | None = None
+
+    @property
+    def facts(self) -> ArmFacts:
+        """Its facts as data (:data:`kvreplay.arm_facts.ARM_FACTS`): notebook, precisions, row algorithm, record.
+
+        Raises:
+            ValueError: none is declared for :attr:`experiment`."""
+        return facts(self.experiment)
+
+    @property
+    def notebook(self) -> str:
+        """The notebook that runs it, ``notebooks/<name>.ipynb`` (its facts')."""
+        return f"notebooks/{self.facts.notebook}"
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The precisions the chain runs it at (its facts')."""
+        return self.facts.dtypes
 
     def plans(self, chain: Chain) -> list["ArmPlan[R]"]:
         """Every plan of this arm under a session: :attr:`variants`' plans, else ``[prepare(chain)]``."""

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from .. import engine
 from ..gates import GateError
 from ..ledger.files import ENVIRONMENT_TODO, atomic_write, read_json
 from ..ledger.store import canonical_json
@@ -81,7 +80,8 @@ class BatchedRows:
         on_checks: called with the preflight gates just passed (``checks`` entries), as soon as they pass,
             so that an arm stopped later still has them in its run log.
         on_chunk: called after each chunk with ``{"chunk", "problems", "seconds", "steps", "slot_steps",
-            "busy_slot_steps", "occupancy"}`` (the engines' step counts of the chunk, :data:`kvreplay.engine.SLOT_STEPS`).
+            "busy_slot_steps", "occupancy"}`` (the engines' step counts of the chunk: its run's
+            :class:`~kvreplay.engine.EngineStats`, :meth:`~kvreplay.engine.EngineStats.chunk_event`).
 
     Deadline: when the environment variable :data:`CHUNK_DEADLINE_ENV` holds
     a wall-clock time (seconds since the epoch, as ``time.time()``), a chunk
@@ -146,12 +146,12 @@ class BatchedRows:
                     self.reference = None
                     if self.on_checks is not None:
                         self.on_checks(self.checks[before:])
-                t0, counted = time.perf_counter(), dict(engine.SLOT_STEPS)
-                records = self.chunk(self.spec, group)
+                t0, run = time.perf_counter(), self._run.measured()
+                records = self.chunk(dataclasses.replace(self.spec, engine=run), group)
                 self.seconds.append(time.perf_counter() - t0)  # the chunk alone: its preflight gates left out
                 self.chunks.append([p.problem_id for p in group])
-                if self.on_chunk is not None:
-                    self.on_chunk(chunk_stats(counted, len(group), self.seconds[-1]) | {"chunk": len(self.chunks)})
+                if self.on_chunk is not None and run.stats is not None:
+                    self.on_chunk(run.stats.chunk_event(len(group), self.seconds[-1]) | {"chunk": len(self.chunks)})
                 ids = [p.problem_id for p in group]
                 if self.composition_id in ids:
                     i = ids.index(self.composition_id)
@@ -209,34 +209,24 @@ class BatchedRows:
         """
         run = self._run
         verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
-        alone_run = dataclasses.replace(run, verify_steps=verify, tolerance_check=True, fill_from="last")
+        alone_run = dataclasses.replace(run, verify_steps=verify, tolerance_check=True, fill_from="last").measured()
         spec = dataclasses.replace(self.spec, engine=alone_run, memo=self.spec.memo)
-        t0, verified0, checked0 = time.perf_counter(), engine.VERIFIED_STEPS[0], len(engine.ATTENTION_CHECKS)
+        t0 = time.perf_counter()
         alone = self.chunk(spec, [problem])[0]
         seconds = round(time.perf_counter() - t0, 3)
+        measured = alone_run.stats
+        assert measured is not None  # measured() set it
         if verify:
             self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
-                                "steps_checked": engine.VERIFIED_STEPS[0] - verified0, "seconds": seconds})
+                                "steps_checked": measured.verified_steps, "seconds": seconds})
         if run.attention != "sdpa":
-            checked = engine.ATTENTION_CHECKS[checked0:]
+            checked = measured.attention_checks
             if not checked and not alone.get("gate_failure"):
                 raise GateError("attention_tolerance", f"problem {problem.problem_id}: its run alone decoded no "
                                 f"boundary, so attention {run.attention!r} was not checked against the reference")
             for c in checked[:1]:  # the first: on the problem's boundary (nested engines check nothing)
                 self.checks.append({k: v for k, v in c.items() if k != "where"} | {"problem_id": problem.problem_id})
         return alone, seconds
-
-
-def chunk_stats(before: dict, problems: int, seconds: float) -> dict:
-    """Steps, slot-steps and slot occupancy the engines ran since ``before`` (a copy of :data:`kvreplay.engine.SLOT_STEPS`).
-
-    Returns:
-        ``{"problems", "seconds", "steps", "slot_steps", "busy_slot_steps", "occupancy"}``; ``occupancy`` is
-        ``busy_slot_steps / slot_steps`` (the share of the batch's slots that held a problem), ``None`` without steps.
-    """
-    d = {k: engine.SLOT_STEPS[k] - before[k] for k in ("steps", "slot_steps", "busy_slot_steps")}
-    return {"problems": problems, "seconds": round(seconds, 3), **d,
-            "occupancy": round(d["busy_slot_steps"] / d["slot_steps"], 4) if d["slot_steps"] else None}
 
 
 ENVIRONMENT_CHECK = "attention_tolerance"

@@ -8,7 +8,6 @@ record to the arm's ledger (:mod:`kvreplay.ledger`) as it finishes.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -193,7 +192,7 @@ def run_arm(
             ledger.log(event="workers", workers=pool.workers, devices=pool.devices, ray=pool.cluster["address"],
                        ray_started=pool.cluster["started"], startup_s=pool.startup)
             if run is not None:
-                ledger.log(event="engine", **dataclasses.asdict(run))
+                ledger.log(event="engine", **run.settings())
             pooled = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first, reference=reference,
                                  on_checks=gate_recorder(ledger.log, ledger.dir, ids[0]))
             try:
@@ -232,7 +231,7 @@ def run_arm(
                               on_checks=gate_recorder(ledger.log, ledger.dir, ids[0]),
                               on_chunk=lambda stats: ledger.log(event="chunk", **stats))
         mapper, row_fn = (lambda items: (logged(rec) for rec in batched(items))) if checked else batched, None
-        ledger.log(event="engine", **dataclasses.asdict(run))
+        ledger.log(event="engine", **run.settings())
     if settings.dtype != "float32":  # the float32 equivalence check also on a sample of each chunk's other rows
         if mapper is None:
             assert row_fn is not None

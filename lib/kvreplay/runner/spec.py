@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -23,8 +24,10 @@ from typing import Any, TypeGuard
 import torch
 
 from .. import decode, engine, kernels, ties
+from ..arm_facts import ARM_FACTS, Derived
 from ..engine import EngineRun
 from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
+from ..decoding import Decoding
 from ..ledger.store import canonical_json
 from ..execution import ExecutionContract, check_sdpa_on_device, device_type, resolve_contract
 from ..models import (
@@ -79,8 +82,7 @@ class RunSpec:
             live ignore it.
         live_checks: the ``live_equals_incremental`` checks passed so far (``problem_id``,
             ``seconds``), for the arm's run log (:func:`kvreplay.runner.run_arm` empties it).
-        tie_rule, top_logits: the greedy tie rule (:mod:`kvreplay.ties`) and the recording of each step's top-1
-            eligible logit (``top_logits``); a batched run's ``engine`` must carry the same.
+        tie_rule, top_logits: as in :attr:`decoding`, which holds them with ``caps``; ``engine`` carries the same.
 
     Building a RunSpec checks the model (:func:`check_model`): a model that did not come through
     :func:`~kvreplay.models.load_model` gets the same checks here, once per model object.
@@ -101,6 +103,11 @@ class RunSpec:
     live_checks: list = dataclasses.field(default_factory=list, compare=False, repr=False)
     tie_rule: str = ties.DEFAULT_TIE_RULE
     top_logits: bool = False
+
+    @functools.cached_property
+    def decoding(self) -> Decoding:
+        """Caps, tie rule and top logits as one value, built once; row functions pass it whole to the decoders."""
+        return Decoding.of(self.caps, self.tie_rule, self.top_logits)
 
     def __post_init__(self):
         check_model(self.lm)
@@ -136,22 +143,14 @@ class RunSpec:
         """This run's :class:`~kvreplay.engine.EngineRun`, which a chunk function passes to the engine's decoders.
 
         Raises:
-            ValueError: a one-problem run (``engine`` is None), which has no batched runner to drive.
-        """
+            ValueError: a one-problem run (``engine`` is None), which has no batched runner to drive."""
         if self.engine is None:
             raise ValueError("this run has no engine (RunSpec.engine is None): a chunk function needs a batched run")
         return self.engine
 
 
-ROW_ALGORITHM = {"adapt_eval": 1, "exp1": 2, "exp1_ties": 2, "exp2": 2, "exp2_controls": 1, "exp3": 2, "exp4": 2, "exp5": 2}
-"""Row-algorithm version of each experiment, recorded in every ledger's environment.
-
-Bump an experiment's number whenever a committed golden row of it would no longer recompute byte for byte (a
-change to what a row computes or records); a ledger written by another number is *stale*. A refactor that changes
-no bit keeps the numbers. Version 2 (all experiments): greedy argmax with the lowest token ID winning an exact tie,
-the ``nonfinite`` and ``equivalence`` gates, tie accounting and predicted-letter endpoints in the records.
-``exp1_ties`` (:data:`kvreplay.experiments.tie_rules.EXP1_TIES`) runs ``exp1``'s row function: its version follows.
-"""
+ROW_ALGORITHM: Mapping[str, int] = Derived(lambda: {e: f.row_algorithm for e, f in ARM_FACTS.items()})
+"""Row-algorithm version of each experiment (:attr:`kvreplay.arm_facts.ArmFacts.row_algorithm`: when to bump it)."""
 
 
 _MODEL_CHECKS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -361,9 +360,8 @@ class ArmSettings:
     ``batch`` and ``max_len`` are refused with the eager path (they would not
     be used). Every arm of an experiment should run under the same contract.
 
-    ``tie_rule`` (:mod:`kvreplay.ties`) breaks exact ties on every path; ``lowest`` (the default) adds nothing to
-    the key or environment, another rule adds ``"tie_rule"`` to both. ``top_logits`` (parameter ``record_top_logits``)
-    keeps each suffix step's top-1 eligible logit in the rows and adds ``"top_logits": true`` to the key.
+    ``caps``, ``tie_rule`` and ``top_logits`` (parameter ``record_top_logits``) key the ledger as their
+    :attr:`decoding` writes them (:meth:`kvreplay.decoding.Decoding.key`: at their defaults, nothing).
 
     Raises:
         ValueError: an execution contract :func:`check_execution` refuses; ``live_check_fraction`` outside
@@ -423,12 +421,12 @@ class ArmSettings:
             engine_keys = {"step_path": path["step_path"], "batch": path["batch"],
                            "max_len": None if path["max_len"] == "longest_sequence" else path["max_len"],
                            "attention": path.get("attention", "sdpa")}
-        return cls(profile=config["profile"], dtype=config["dtype"], caps=Caps(**config["caps"]),
+        decoding = Decoding.from_key(config)
+        return cls(profile=config["profile"], dtype=config["dtype"], caps=decoding.caps,
                    model=config["model"]["model"], fmt=config["format"], role_table=table, threads=config["threads"],
                    sdpa_backends=tuple(config["sdpa_backends"]), preflight=config["preflight"],
                    **{k: execution[k] for k in ("device", "deterministic", "allow_tf32", "kernels") if k in execution},
-                   **engine_keys, tie_rule=config.get("tie_rule", ties.DEFAULT_TIE_RULE),
-                   top_logits=bool(config.get("top_logits", False)))
+                   **engine_keys, tie_rule=decoding.tie_rule.name, top_logits=decoding.top_logits)
 
     def eager(self) -> "ArmSettings":
         """These settings on the eager reference path (:mod:`kvreplay.decode`): the engine keys at their defaults."""
@@ -472,10 +470,9 @@ class ArmSettings:
         if self.max_len is not None and self.max_len < need:
             raise ValueError(f"max_len={self.max_len} is shorter than the {need} positions the arm's longest problem "
                              f"can reach at caps {dataclasses.astuple(self.caps)}")
-        if self.max_len is None and self.attention == "flex":
-            need = -(-need // engine.FLEX_BLOCK) * engine.FLEX_BLOCK  # whole blocks: the mask hides the padding
         return EngineRun("graph" if self.step_path == "graph" else "eager", self.batch,
-                         self.max_len if self.max_len is not None else need, chunk=self.chunk, attention=self.attention,
+                         self.max_len if self.max_len is not None else engine.engine_max_len(need, self.attention),
+                         chunk=self.chunk, attention=self.attention,
                          tie_rule=self.tie_rule, top_logits=self.top_logits)
 
     def contract(self, device: str | None = None) -> ExecutionContract:
@@ -490,7 +487,6 @@ class ArmSettings:
             "experiment": experiment,
             "profile": self.profile,
             "dtype": self.dtype,
-            "caps": dataclasses.asdict(self.caps),
             "model": model_key(self.model),
             "role_table": role_table_key(self.role_table) if self.role_table else None,
             "format": load_spec(self.fmt),
@@ -506,8 +502,12 @@ class ArmSettings:
             config["execution"] = execution
         if self.engine_key() is not None:
             config["engine"] = self.engine_key()
-        ties_key = {"tie_rule": r} if (r := ties.parse_tie_rule(self.tie_rule).name) != ties.DEFAULT_TIE_RULE else {}
-        return config | ties_key | ({"top_logits": True} if self.top_logits else {})
+        return config | self.decoding.key()
+
+    @property
+    def decoding(self) -> Decoding:
+        """Its :class:`~kvreplay.decoding.Decoding`, whose entries key the ledger."""
+        return Decoding.of(self.caps, self.tie_rule, self.top_logits)
 
     def run_spec(self, lm: LoadedModel, fmt: BlockFormat, run: "EngineRun | None" = None, **kw: Any) -> "RunSpec":
         """The :class:`RunSpec` of this arm on a loaded model: its caps, tie rule and top-logit recording, ``run``."""

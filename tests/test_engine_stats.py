@@ -1,0 +1,79 @@
+"""The engine reports what it measured through the run it was given, never through process-wide counters.
+
+Each engine adds its steps, slot-steps, verified steps and attention checks to its run's
+:class:`kvreplay.engine.EngineStats` (``EngineRun.measured()``); two runs measured side by side do not see each
+other's steps, and no module of ``kvreplay.engine`` keeps state of its own that a step changes.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+import torch
+from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
+
+from kvreplay import engine
+from kvreplay.contract import resolve_format
+from kvreplay.engine import EngineRun, EngineStats, engine_max_len
+from kvreplay.paths import ROOT
+
+
+def _module_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_no_engine_module_keeps_state_that_a_step_changes():
+    """No ``global``, and no write into a module-level name (item, attribute or a mutating method) in a function."""
+    mutating = {"append", "extend", "update", "clear", "pop", "add", "insert", "setdefault", "remove"}
+    found = []
+    for path in sorted((ROOT / "lib" / "kvreplay" / "engine").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = _module_names(tree)
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(fn):
+                target = None
+                if isinstance(node, ast.Global):
+                    found.append(f"{path.name}:{node.lineno}: global {node.names}")
+                elif isinstance(node, (ast.AugAssign, ast.Assign)):
+                    for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                        if isinstance(t, (ast.Subscript, ast.Attribute)) and isinstance(t.value, ast.Name):
+                            target = t.value.id
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr in mutating and isinstance(node.func.value, ast.Name):
+                    target = node.func.value.id
+                if target in names:
+                    found.append(f"{path.name}:{node.lineno}: writes module-level {target}")
+    assert not found, found
+
+
+def test_two_measured_runs_count_their_own_steps():
+    lm = tiny_lm(dtype=torch.float32)
+    fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
+    prompts = [fmt.prompt_ids("Q" + "x" * i + "?", ("a", "b", "c", "d")) for i in range(3)]
+    a, b = EngineRun(batch=2).measured(), EngineRun(batch=3).measured()
+    engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=a)
+    assert a.stats is not None and b.stats is not None
+    assert a.stats.steps > 0 and a.stats.slot_steps == 2 * a.stats.steps and b.stats == EngineStats()
+    lives = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=b)
+    assert b.stats.slot_steps == 3 * b.stats.steps and 0 < b.stats.busy_slot_steps <= b.stats.slot_steps
+    steps_a = a.stats.steps
+    engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=b)  # a second decoder adds to the same run's stats
+    assert a.stats.steps == steps_a and b.stats.steps > 0
+    event = b.stats.chunk_event(3, 1.23456)
+    assert list(event) == ["problems", "seconds", "steps", "slot_steps", "busy_slot_steps", "occupancy"]
+    assert event["seconds"] == 1.235 and event["occupancy"] == round(b.stats.busy_slot_steps / b.stats.slot_steps, 4)
+    unmeasured = EngineRun(batch=2)
+    assert unmeasured.stats is None and "stats" not in unmeasured.settings() and unmeasured == a
+
+
+def test_flex_max_len_is_rounded_in_one_place():
+    assert engine_max_len(129, "flex") == 256 and engine_max_len(128, "flex") == 128
+    assert engine_max_len(129, "sdpa") == 129 == EngineRun().max_len_for(129)
+    assert EngineRun(attention="flex").max_len_for(129) == 256
+    with pytest.raises(ValueError, match="max_len=100 is shorter than the 129 positions"):
+        EngineRun(max_len=100).max_len_for(129)
