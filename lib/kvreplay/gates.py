@@ -40,7 +40,7 @@ GATES: Mapping[str, Gate] = {g.name: g for g in (
          "gates.check_functional_state, engine.step, caches.verify_transplant, experiments.matrix", "§3.5"),
     Gate("dtype", "Every boundary tensor has the run's dtype.", "gates.check_dtype, caches", "§3.5, Table 3"),
     Gate("equivalence", "Two constructions of one boundary, computed in float32, differ by no more than rounding "
-         "(whole-cache relative L2 at most 1e-4).", "gates.check_equivalence, experiments.matrix, runner.row_checks", "§3.5"),
+         "(whole-cache relative L2 at most 1e-4).", "gates.check_equivalence, experiments.matrix, runner.row_checks, runner.loop", "§3.5"),
     Gate("suffix_replica", "A replica's greedy suffix equals its source's suffix token for token.",
          "experiments.matrix, .bridge, .transplant", "§3.5"),
     Gate("readout", "Building the float32 readout leaves the boundary caches bit-identical to the plain build.",

@@ -45,7 +45,8 @@ from .ledger.lookup import PREFIX_BANK
 from .ledger.prefix_bank import read_prefix_bank
 from .ledger.files import LedgerError, read_environment, read_log, read_manifest
 from .ledger.store import canonical_json, ledger_rows
-from .models import context_length, environment_record, gpu_record
+from .execution import gpu_record
+from .models import context_length, environment_record
 from .paths import LEDGERS, ROOT
 from .problems import Problem, load_bank
 from .runner import ROW_ALGORITHM, ArmPlan, ArmSettings, RunSpec, arm_environment, check_prompts
@@ -58,7 +59,7 @@ ENVIRONMENT_KEYS = ("device_name", "cpu_capability", "cpu_isa_flags", "torch", "
 GPU_BIT_KEYS = ("gpu_capability", "gpu_sm_count", "cuda_runtime", "cublas", "torch", "engine.step_path", "engine.batch")
 """What must match for a GPU ledger's bits to be compared: compute capability, SM count, CUDA runtime, cuBLAS,
 torch, step path and batch shape (dotted: inside the record's ``engine``). Ledgers written before
-:func:`kvreplay.models.gpu_record` existed lack ``gpu_sm_count`` and ``cublas``: those are named as not recorded."""
+:func:`kvreplay.execution.gpu_record` existed lack ``gpu_sm_count`` and ``cublas``: those are named as not recorded."""
 
 MODES = ("bytes", "bits", "portable", "stale")
 """How a row is checked: ``bytes`` (the ledger's environment: identical records owed), ``bits`` (another GPU with
