@@ -39,7 +39,6 @@ profile = "smoke"  # which notebooks/params file: a profile name, or a path to a
 overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
-import json
 
 import pandas as pd
 import torch
@@ -47,6 +46,7 @@ from IPython.display import Markdown, display
 
 from kvreplay import adapt
 from kvreplay.contract import ROLE_NAMES, resolve_format
+from kvreplay.ledger.files import read_environment, read_json
 from kvreplay.models import load_tokenizer
 from kvreplay.problems import load_bank
 from kvreplay.report import figures
@@ -91,7 +91,7 @@ pd.DataFrame([{"recipe": c.name, "training rows": c.n_train, "steps": c.steps, "
 mmlu_rows, mmlu_sha256 = adapt.load_source("mmlu")
 heldout = adapt.heldout_rows(mmlu_rows, bank, criterion.n_heldout)
 panel_path = session.ledger_root / p.profile / "exp5_panel.json"
-panel_ids = [e["problem_id"] for e in json.loads(panel_path.read_text())["panel"]] if panel_path.is_file() else []
+panel_ids = [e["problem_id"] for e in read_json(panel_path, "restore it (git checkout) or delete it, and the notebook freezes it again")["panel"]] if panel_path.is_file() else []
 adapt.assert_heldout_disjoint(heldout, **{"the MMLU bank": bank, "Experiment 5's candidate rows": bank[:p.n_rows],
                                           "Experiment 5's frozen panel": panel_ids,
                                           f"the {p.adapt_source} rows": source_rows})
@@ -169,7 +169,7 @@ pd.DataFrame({name: {"step": c.step, "file": c.path.name, "sha256": c.sha256[:16
 # As recorded when the chosen role table was trained (`environment.json` beside the manifest).
 
 # %%
-contract_frame({"role-table training (FP32)": json.loads((folder / "environment.json").read_text())})
+contract_frame({"role-table training (FP32)": read_environment(folder)})
 
 # %% [markdown]
 # ## Training curve

@@ -32,7 +32,6 @@ profile = "smoke"  # which notebooks/params file: a profile name, or a path to a
 overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -42,6 +41,7 @@ from kvreplay.experiments.endpoints import require_gates
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.experiments.matrix import matrix_summary, matrix_table
 from kvreplay.experiments.tie_rules import BINS, EXP1_TIES, margin_units, tie_rule_summary, tie_rule_table, tie_steps
+from kvreplay.ledger.files import read_environment
 from kvreplay.report import figures
 from kvreplay.report.files import drift_by_layer
 from kvreplay.session import open_session
@@ -170,7 +170,7 @@ if tie_summary:
                      f"{tie_summary[reference_rule]['suffix'].pct()} under {reference_rule} (exact McNemar p = "
                      f"{t['mcnemar'].pvalue:.3g}); {t['tie']} begun at an exact tie, {t['nonzero']} at a nonzero margin.")
 # the model as loaded when the rows were computed (the ledger's environment.json), the problems as the parameters name them
-model_id = json.loads((ledgers[p.precisions[0]].dir / "environment.json").read_text())["execution_contract"]["model"]
+model_id = read_environment(ledgers[p.precisions[0]].dir)["execution_contract"]["model"]
 data = "the frozen MMLU bank" if p.problems == "bank" else f"`{Path(p.problems).name}`"
 lines.append("- Paper (14B, GPQA Main, 768/512/64 caps): BF16 suffixes differ 166/200, answers 49/200, labels 20/200; "
              f"FP32 0/200 decoded disagreement. This run uses {model_id.get('file') or model_id['model']} "

@@ -36,7 +36,6 @@ profile = "smoke"  # which notebooks/params file: a profile name, or a path to a
 overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
-import json
 
 import pandas as pd
 from IPython.display import Markdown, display
@@ -44,6 +43,7 @@ from IPython.display import Markdown, display
 from kvreplay.experiments import replication
 from kvreplay.experiments.endpoints import rate_text
 from kvreplay.experiments.transplant import DIRECTIONS, split_precondition
+from kvreplay.ledger.files import read_environment, read_json
 from kvreplay.ledger.records import outcome_of
 from kvreplay.report import figures
 from kvreplay.session import open_session
@@ -79,7 +79,7 @@ pd.DataFrame(panel)
 # %%
 records, ledger = session.run(plan, "bfloat16")
 exp2, chain_format = plan.notes["exp2"], plan.notes["chain_format"]  # checkpoint 0, read when the arm was planned
-env = json.loads((ledger.dir / "environment.json").read_text())
+env = read_environment(ledger.dir)
 assert env["execution_contract"].get("format_digest") == chain_format, (
     "the replication checkpoint's block format differs from the chain's")
 print(ledger.dir.name)
@@ -141,7 +141,7 @@ figure_files = session.save_figure(fig, "exp5_replication")
 # %%
 assert [r["problem_id"] for r in records] == [e["problem_id"] for e in panel], (
     "ledger rows differ from the frozen panel")
-assert json.loads(panel_path.read_text())["panel"] == panel
+assert read_json(panel_path, "restore it (git checkout) or delete it, and the notebook freezes it again")["panel"] == panel
 assert env["execution_contract"]["model"]["role_table_sha256"] == ckpt.record["role_table_sha256"], (
     "the loaded role table is not the checkpoint's")
 eligible, _ = split_precondition(records)  # a row stopped by the transplant's precondition has no transplant
