@@ -59,7 +59,7 @@ def test_execution_defaults_are_the_arm_settings_defaults():
     assert dict(EXECUTION_DEFAULTS) == {"threads": 2, "sdpa_backends": ("math",), "device": "cpu", "deterministic": None,
                                         "allow_tf32": False, "workers": 1, "ray_address": None, "step_path": "eager",
                                         "batch": 8, "max_len": None, "chunk": None, "attention": "sdpa",
-                                        "tie_rule": "lowest"}
+                                        "tie_rule": "lowest", "kernels": "default"}
     s = open_session(NB, "smoke", {"execution": {}})
     assert s.execution == dict(EXECUTION_DEFAULTS)
     assert s.settings("bfloat16", 1) == ArmSettings(profile="smoke", dtype="bfloat16", caps=s.caps, preflight=1)
