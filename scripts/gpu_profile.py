@@ -11,6 +11,7 @@ Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``)::
 lists them, in chain order): ``exp1-bfloat16``, ``exp1-float32`` (notebook 01; the BF16 arm,
 :data:`~kvreplay.arm_facts.PREFIX_BANK_SOURCE`, also writes the prefix bank, as the notebook does),
 ``exp1_ties-bfloat16`` (notebook 01's tie-rule control, one ledger per rule of the profile's ``tie_rules``),
+``exp1_length-bfloat16`` (notebook 01's manipulated-length arm, one ledger per cap of ``length_branch_caps``),
 ``exp2-bfloat16``, ``exp2-float32`` (notebook 02, reading that bank), ``exp2_controls-bfloat16`` (notebook 02's
 exploratory controls), and ``exp3-bfloat16``, ``exp4-bfloat16``, ``exp5-bfloat16`` (notebooks 03-05, each with its
 panel frozen and written as the notebook writes it). ``--list-arms`` prints the paper's arms (no exploratory control)
@@ -215,10 +216,11 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
     declared = ARMS[experiment]
     session = open_session(declared.notebook, profile, overrides | {"ledger_root": str(ledger_root)})
     t = time.perf_counter()
-    if declared.variants is not None:  # the tie-rule control: one ledger per rule of the profile's tie_rules
+    if declared.variants is not None:  # one ledger per variant (the tie rules, the branch caps of the length arm)
         done = [session.run(plan, dtype) for plan in session.plans(declared)]
         if not done:
-            raise ValueError(f"arm {arm}: the profile lists no variant (tie_rules is empty); --set tie_rules=...")
+            listing = declared.facts.variants
+            raise ValueError(f"arm {arm}: the profile lists no variant ({listing} is empty); --set {listing}=...")
         return {"ledger": [ledger.dir.name for _, ledger in done], "rows": sum(len(r) for r, _ in done),
                 "wall_s": round(time.perf_counter() - t, 1)}
     records, ledger = session.run(declared, dtype)

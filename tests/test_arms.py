@@ -81,7 +81,7 @@ def test_every_experiment_of_the_row_algorithms_has_one_declaration():
 
     assert set(ARMS) == set(ROW_ALGORITHM) - {"adapt_eval"}
     assert all(a.experiment == name for name, a in ARMS.items())
-    with pytest.raises(ValueError, match="no arm is declared for experiment 'exp9'; arms: exp1, exp1_ties, exp2"):
+    with pytest.raises(ValueError, match="no arm is declared for experiment 'exp9'; arms: exp1, exp1_ties, exp1_length, exp2"):
         arm("exp9")
 
 
@@ -102,7 +102,7 @@ def test_no_notebook_script_or_command_wires_an_arm_itself():
         assert not called & {"exec", "compile"}, f"{path.relative_to(ROOT)} executes code it reads"
     runs = [line.strip() for path in sorted((ROOT / "notebooks" / "py").glob("0[1-5]_*.py"))
             for line in path.read_text().splitlines() if "session.run(" in line]
-    assert len(runs) == 7 and all(len(r) < 100 for r in runs), runs  # 01 (+ tie rules), 02 (+ controls), 03-05: one each
+    assert len(runs) == 8 and all(len(r) < 100 for r in runs), runs  # 01 (+ tie rules, + branch caps), 02 (+ controls), 03-05
 
 
 @pytest.mark.gate("provenance")

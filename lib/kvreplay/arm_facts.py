@@ -50,6 +50,7 @@ class ArmFacts:
             the tie-rule control); else at all of :attr:`dtypes`.
         enabled_by: a chain parameter that must be non-empty for the chain to compute it (``None``: always).
         variants: a chain parameter listing its variants, one ledger each (the tie rules); ``None``: one ledger.
+        variant_key: the ledger-key entry that tells its variants apart (``"tie_rule"``); ``None`` without variants.
         assembly: the paper assembly (notebooks 06 and 07, ``ledger.lookup.LEDGER_SPECS``) reads it.
         exploratory: not one of the paper's experiments (a control).
         chain: an arm of the notebook chain (``kvreplay.experiments.arms.ARMS`` declares its functions).
@@ -67,6 +68,7 @@ class ArmFacts:
     per_precision: bool = False
     enabled_by: str | None = None
     variants: str | None = None
+    variant_key: str | None = None
     assembly: bool = False
     exploratory: bool = False
     chain: bool = True
@@ -89,7 +91,11 @@ ARM_FACTS: dict[str, ArmFacts] = {f.experiment: f for f in (
              read_by=("06", "07", "08"), per_precision=True, assembly=True),
     ArmFacts("exp1_ties", "01_experiment1_live_vs_prefill.ipynb", ("bfloat16",), 2, "Exp1Row",
              "Experiment 1 under another greedy tie rule (exploratory)", per_precision=True, enabled_by="tie_rules",
-             variants="tie_rules", exploratory=True),
+             variants="tie_rules", variant_key="tie_rule", exploratory=True),
+    ArmFacts("exp1_length", "01_experiment1_live_vs_prefill.ipynb", ("bfloat16",), 2, "Exp1Row",
+             "Experiment 1 at another branch cap (exploratory, manipulated prefix length)", per_precision=True,
+             enabled_by="length_branch_caps", variants="length_branch_caps", variant_key="cap_branch",
+             exploratory=True),
     ArmFacts("exp2", "02_experiment2_fixed_prefix_precision.ipynb", ("bfloat16", "float32"), 2, "Exp2Row",
              "Experiment 2, fixed-prefix matrix", title="incremental vs prefill, fixed BF16 prefixes",
              partial="suffix", reads=("exp1-bfloat16",), read_by=("06", "07", "08"), per_precision=True,

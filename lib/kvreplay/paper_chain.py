@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .adapt import read_pointer
-from .arm_facts import notebook_labels
+from .arm_facts import facts, notebook_labels
 from .ledger.files import read_manifest
 from .ledger.lookup import ledger_progress
 from .ledger.store import canonical_json, library_digest
@@ -71,9 +71,10 @@ def unfinished_arms(chain: list[str], params: ChainParameters, ledgers: Path) ->
         for arm in notebook_arms(name, params):
             folders = sorted(ledgers.glob(f"{arm}-*/manifest.json"))
             groups = {arm: folders}
-            if arm.startswith("exp1_ties-"):  # the tie-rule control: one ledger per rule of tie_rules
-                groups = {f"{arm} ({rule})": [f for f in folders if read_manifest(f.parent)["config"].get("tie_rule")
-                                              == rule] for rule in params.tie_rules}
+            declared = facts(arm.rsplit("-", 1)[0])
+            if declared.variants and declared.variant_key:  # one ledger per variant (tie rule, branch cap)
+                groups = {f"{arm} ({v})": [f for f in folders if read_manifest(f.parent)["config"].get(
+                    declared.variant_key) == v] for v in getattr(params, declared.variants)}
             for label, found in groups.items():
                 progress = [ledger_progress(f.parent) for f in found]
                 if not any(done == wanted for done, wanted in progress):

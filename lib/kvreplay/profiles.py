@@ -166,6 +166,10 @@ class ChainParameters(BaseModel):
     tie_rules: tuple[str, ...] = Field(
         (), description="the tie-rule control (exploratory): Experiment 1 BF16 rerun under each of these greedy tie "
         "rules ('highest', 'hash:<seed>'; kvreplay.ties), contrasted with the chain's own; empty: not run")
+    length_branch_caps: tuple[int, ...] = Field(
+        (), description="the manipulated-length arm (exploratory): Experiment 1 BF16 rerun on the same problems with "
+        "the branch cap set to each of these (content tokens per branch block), everything else as the chain's, "
+        "contrasted with the chain's own cap_branch (kvreplay.experiments.prefix_length); empty: not run")
     record_top_logits: bool = Field(
         False, description="every arm's suffix records its steps' top-1 eligible logits (top_logits; adds "
         "top_logits: true to each ledger key), which the tie-margin histogram needs; the tie-rule control always does")
@@ -213,7 +217,7 @@ class ChainParameters(BaseModel):
     figures_root: str | None = Field(None, description="the folder holding <profile>/ tables and figures (None: figures)")
     checkpoint_root: str | None = Field(None, description="the role-table checkpoint folders (None: data/checkpoints)")
 
-    @field_validator("precisions", "adapt_checkpoints", "tie_rules", mode="before")
+    @field_validator("precisions", "adapt_checkpoints", "tie_rules", "length_branch_caps", mode="before")
     @classmethod
     def _list_as_tuple(cls, value):
         """YAML and ``overrides`` give lists; the frozen model keeps tuples."""
@@ -245,6 +249,20 @@ class ChainParameters(BaseModel):
                              f"run below float32 ({checks}) and the abort of an arm on a failed preflight row; use "
                              "at least 1")
         return value
+
+    @model_validator(mode="after")
+    def _length_caps_differ_from_the_chain(self):
+        """The manipulated-length arm's branch caps: positive, each once, none the chain's own (that arm is
+        Experiment 1)."""
+        caps = self.length_branch_caps
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps):
+            raise ValueError(f"length_branch_caps: each cap must be a whole number of tokens >= 1, got {list(caps)}")
+        if len(set(caps)) != len(caps):
+            raise ValueError(f"length_branch_caps: a cap is listed twice in {list(caps)}")
+        if self.cap_branch in caps:
+            raise ValueError(f"length_branch_caps lists {self.cap_branch}, the chain's own cap_branch: Experiment 1 "
+                             "is that arm already")
+        return self
 
     @model_validator(mode="after")
     def _tie_rules_differ_from_the_chain(self):

@@ -38,6 +38,7 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from kvreplay.experiments.endpoints import require_gates
+from kvreplay.experiments.length_arm import EXP1_LENGTH, length_summary, length_table
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.experiments.matrix import matrix_summary, matrix_table
 from kvreplay.experiments.tie_rules import BINS, EXP1_TIES, margin_units, tie_rule_summary, tie_rule_table, tie_steps
@@ -122,6 +123,24 @@ if p.tie_rules and "bfloat16" in p.precisions:
     display(steps)
 
 # %% [markdown]
+# ## Exploratory: the manipulated-length arm (not in the paper)
+# Only when the profile lists `length_branch_caps`: Experiment 1 BF16 on the same problems at each of those branch
+# caps, so the boundary prefix's length is manipulated rather than observed across problems. The comparison rule is
+# declared in `kvreplay.experiments.length_arm` (primary: every problem, paired with itself at the chain's cap).
+
+# %%
+length_summary_ = None
+if p.length_branch_caps and "bfloat16" in p.precisions:
+    length_records = {}
+    for plan in session.plans(EXP1_LENGTH):  # one plan per branch cap
+        length_records[plan.key["cap_branch"]], _ = session.run(plan, "bfloat16")
+    length_summary_ = length_summary(records["bfloat16"], length_records, p.cap_branch)
+    length_frame = length_table(length_summary_, p.cap_branch)
+    session.save_table(length_frame, "table_exp1_length",
+                       caption="Experiment 1 BF16 at other branch caps, same problems (exploratory)")
+    display(length_frame)
+
+# %% [markdown]
 # ## Figures
 # Left: where the live and prefill suffixes first differ (tokens after the boundary). Right: per-layer relative
 # L2 drift of prefill against live, median over rows, keys and values, per precision.
@@ -169,6 +188,15 @@ if tie_summary:
         lines.append(f"- Tie rule **{rule}** (exploratory): suffixes differ on {t['suffix'].pct()} against "
                      f"{tie_summary[reference_rule]['suffix'].pct()} under {reference_rule} (exact McNemar p = "
                      f"{t['mcnemar'].pvalue:.3g}); {t['tie']} begun at an exact tie, {t['nonzero']} at a nonzero margin.")
+if length_summary_:
+    for cap, t in length_summary_.items():
+        if cap == p.cap_branch:
+            continue
+        lines.append(f"- Branch cap **{cap}** (exploratory, same problems; median boundary prefix {t['prefix_len'][0]:g} "
+                     f"against {length_summary_[p.cap_branch]['prefix_len'][0]:g} tokens at {p.cap_branch}): suffixes "
+                     f"differ on {t['suffix'].pct()} against {length_summary_[p.cap_branch]['suffix'].pct()} (exact "
+                     f"McNemar p = {t['mcnemar'].pvalue:.3g}); the prefix moved in the cap's direction on "
+                     f"{t['moved']}/{t['n']}.")
 # the model as loaded when the rows were computed (the ledger's environment.json), the problems as the parameters name them
 model_id = read_environment(ledgers[p.precisions[0]].dir)["execution_contract"]["model"]
 data = "the frozen MMLU bank" if p.problems == "bank" else f"`{Path(p.problems).name}`"

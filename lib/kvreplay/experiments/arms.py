@@ -12,12 +12,13 @@ from ..runner.arms import Arm
 from .bridge import EXP3
 from .controls import EXP2_CONTROLS
 from .fixed_prefix import EXP2
+from .length_arm import EXP1_LENGTH
 from .live_vs_prefill import EXP1
 from .replication import EXP5
 from .tie_rules import EXP1_TIES
 from .transplant import EXP4
 
-ARMS: dict[str, Arm[Any]] = {a.experiment: a for a in (EXP1, EXP1_TIES, EXP2, EXP2_CONTROLS, EXP3, EXP4, EXP5)}
+ARMS: dict[str, Arm[Any]] = {a.experiment: a for a in (EXP1, EXP1_TIES, EXP1_LENGTH, EXP2, EXP2_CONTROLS, EXP3, EXP4, EXP5)}
 """Experiment (the ledger label's first part) -> its arm, in chain order."""
 
 

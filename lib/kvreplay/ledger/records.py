@@ -20,6 +20,7 @@ Row kinds, keyed by the ledger folder's experiment prefix (:data:`ROW_TYPES`):
   IDs (paper §4.1), the four-arm matrix of paper §3.5 around the live boundary;
 * ``exp1_ties`` (:class:`Exp1Row`): Experiment 1 under another greedy tie rule (the exploratory tie-rule control),
   every arm with its steps' ``top_logits``;
+* ``exp1_length`` (:class:`Exp1Row`): Experiment 1 at another branch cap (the exploratory manipulated-length arm);
 * ``exp2`` (:class:`Exp2Row`): Experiment 2, fixed BF16 prefixes, the incremental rebuild against prefill at each
   precision (paper §4.2), the same matrix around the incremental boundary;
 * ``exp2_controls`` (:class:`ControlsRow`): Experiment 2's exploratory controls, the FP32 readout and the matched
@@ -424,6 +425,8 @@ def validate_row(experiment: str, row: _Row) -> _Row:
 def validate_rows(experiment: Literal["exp1"], rows: Iterable[Any]) -> list[Exp1Record]: ...
 @overload
 def validate_rows(experiment: Literal["exp1_ties"], rows: Iterable[Any]) -> list[Exp1Record]: ...
+@overload
+def validate_rows(experiment: Literal["exp1_length"], rows: Iterable[Any]) -> list[Exp1Record]: ...
 @overload
 def validate_rows(experiment: Literal["exp2"], rows: Iterable[Any]) -> list[Exp2Record]: ...
 @overload

@@ -29,7 +29,7 @@ from ..stats import Proportion, wilson
 from .cross_family import Families, families_section, family_results
 from .markdown import caps_text as _caps, dtype_label as _dtype, pct as _pct, pts, pval, rate, table  # re-exported
 from .results import ProfileResults, profile_results, profile_stats
-from .summary import checkpoint_recipe
+from .summary import checkpoint_recipe, recipe_note
 
 HEADLINE_PROFILE = "paper"
 """The profile whose results the README's headline table shows (the paper's caps and row count)."""
@@ -135,7 +135,7 @@ def headline_rows(res: ProfileResults) -> list[tuple[str, str, str, str, str]]:
         for tag, ours_p in _precondition_ways(t, t[key], t["counted_as_failure"][key]):
             rows.append((short + tag, label + tag, rate(ours_p), paper_rate(res, pid), inside(ours_p, res.paper(pid))))
     r = S["replication"]
-    rows.append(("Exp 5 rate", f"§4.5 Exp 5 (later checkpoint{_recipe_note(res)}): suffixes part, prefill vs incremental",
+    rows.append(("Exp 5 rate", f"§4.5 Exp 5 (later checkpoint{recipe_note(res.ledgers.get('exp5-bfloat16'))}): suffixes part, prefill vs incremental",
                  rate(r["divergence"]),
                  paper_rate(res, "exp5.divergence"), inside(r["divergence"], res.paper("exp5.divergence"))))
     both = [inside(r["joint_recovery"], res.paper("exp5.joint_recovery")),
@@ -311,20 +311,6 @@ def _transplant(res: ProfileResults) -> list[str]:
                 f"{sum(r['follows donor'] for r in layers)}, the recipient in {sum(r['follows recipient'] for r in layers)}, "
                 f"and takes a third trajectory in {sum(r['new (third) trajectory'] for r in layers)}.", ""]
     return out
-
-
-def _recipe_note(res: ProfileResults) -> str:
-    """``", recipe `v1`, which our recipe search rejects"``-style words on the replication checkpoint for the
-    headline's Exp 5 label; empty where the recipe cannot be read."""
-    ledger = res.ledgers.get("exp5-bfloat16")
-    if ledger is None:
-        return ""
-    recipe, chosen = checkpoint_recipe(ledger.config["checkpoint"], ledger.dir.parent.parent)
-    if recipe is None:
-        return ""
-    if chosen is None or recipe == chosen:
-        return f", recipe `{recipe}`"
-    return f", recipe `{recipe}`, which our recipe search rejects for `{chosen}`"
 
 
 def _checkpoint(res: ProfileResults) -> str:

@@ -33,7 +33,7 @@ from ..experiments.transplant import (
     transplant_summary,
     transplant_table,
 )
-from ..ledger.lookup import ProfileLedgers
+from ..ledger.lookup import LoadedLedger, ProfileLedgers
 from ..paths import CHECKPOINTS
 
 
@@ -188,3 +188,11 @@ def checkpoint_recipe(record: dict, ledger_root: Path, checkpoints: Path = CHECK
     pointer = Path(ledger_root) / "cpu" / "role_adaptation.json"
     chosen = recipe(json.loads(pointer.read_text())["folder"]) if pointer.is_file() else None
     return (recipe(found[0].name) if found else None), chosen
+
+
+def recipe_note(ledger: LoadedLedger | None) -> str:
+    """``", recipe `v1`, which our recipe search rejects for `bal-b1`"``: words on an Exp 5 ledger's checkpoint for
+    the README headline (:func:`checkpoint_recipe`); empty without a ledger or a readable recipe."""
+    recipe, chosen = checkpoint_recipe(ledger.config["checkpoint"], ledger.dir.parent.parent) if ledger else (None, None)
+    return "" if recipe is None else f", recipe `{recipe}`" + (
+        f", which our recipe search rejects for `{chosen}`" if chosen not in (None, recipe) else "")

@@ -32,6 +32,10 @@ SETTING_ENTRIES = ("tie_rule", "top_logits")
 """Ledger-key entries of an arm that are also :class:`ArmSettings` fields: a plan's entry sets the field
 (:meth:`ArmPlan.bind`)."""
 
+CAP_ENTRIES = {"cap_branch": "branch"}
+"""Ledger-key entries of an arm that set one of the content caps (:class:`~kvreplay.contract.Caps` field): the
+manipulated-length arm keys ``cap_branch`` (:meth:`ArmPlan.bind`)."""
+
 
 class Chain(Protocol):
     """What an arm's ``prepare`` reads from a notebook's session (:class:`kvreplay.session.Session` is one)."""
@@ -192,8 +196,12 @@ class ArmPlan(Generic[R]):
     def bind(self, settings: ArmSettings) -> ArmSettings:
         """The settings this plan runs under: a key entry named in :data:`SETTING_ENTRIES` sets that field.
 
-        The tie-rule control keys ``tie_rule`` and ``top_logits``; its rows are decoded under them."""
-        given = {k: self.key[k] for k in SETTING_ENTRIES if k in self.key}
+        The tie-rule control keys ``tie_rule`` and ``top_logits``; its rows are decoded under them. An entry of
+        :data:`CAP_ENTRIES` sets that cap (the manipulated-length arm's ``cap_branch``)."""
+        given: dict[str, Any] = {k: self.key[k] for k in SETTING_ENTRIES if k in self.key}
+        caps = {field: self.key[k] for k, field in CAP_ENTRIES.items() if k in self.key}
+        if caps:
+            given["caps"] = dataclasses.replace(settings.caps, **caps)
         return dataclasses.replace(settings, **given) if given else settings
 
     def config(self, settings: ArmSettings) -> dict:
