@@ -82,6 +82,7 @@ def test_the_summary_pairs_problems_and_counts_the_moved_stratum_on_hand_built_r
     s = length_summary(ref, {96: at}, 48)
     assert (s[48]["suffix"].k, s[96]["suffix"].k, s[96]["tie"]) == (1, 3, 1)
     assert s[96]["moved"] == 2 and (s[96]["moved_suffix"].k, s[96]["moved_suffix"].n) == (2, 2)
+    assert (s[96]["moved_reference"].k, s[96]["moved_reference"].n) == (1, 2)  # a and b moved; b parted at 48 too
     assert (s[96]["mcnemar"].b + s[96]["mcnemar"].c) == 2  # a and c part only at 96
     assert s[96]["prefix_len"] == (125.0, 100, 150)
     shorter = length_summary(ref, {24: [_row(x, False, 100) for x in "abcd"]}, 48)

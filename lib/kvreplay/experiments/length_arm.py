@@ -64,7 +64,8 @@ def length_summary(reference: Sequence[Exp1Record], by_cap: Mapping[int, Sequenc
         cap -> ``n``, ``prefix_len`` (median and range of the boundary prefix, tokens), ``suffix``
         (:class:`~kvreplay.stats.Proportion`, live vs prefill suffix differs), ``tie`` (of those, begun at an exact
         tie), ``moved`` (problems whose prefix moved in the cap's direction; ``None`` for the reference),
-        ``moved_suffix`` (divergence among them; ``None`` when none moved), ``mcnemar`` (exact, against the reference; ``None`` for it).
+        ``moved_suffix`` (divergence among them; ``None`` when none moved), ``moved_reference`` (the same problems'
+        divergence at the reference cap), ``mcnemar`` (exact, against the reference; ``None`` for it).
         Sorted by cap, the reference among them.
 
     Raises:
@@ -91,6 +92,8 @@ def length_summary(reference: Sequence[Exp1Record], by_cap: Mapping[int, Sequenc
             "tie": sum(bool(r["endpoints"]["suffix_differs"] and r["endpoints"]["tie_initiated"]) for r in rows),
             "moved": None if moved is None else sum(moved),
             "moved_suffix": None if not moved or not any(moved) else wilson(sum(d for d, m in zip(div, moved) if m), sum(moved)),
+            "moved_reference": None if not moved or not any(moved) else wilson(
+                sum(q["endpoints"]["suffix_differs"] for q, m in zip(ref, moved) if m), sum(moved)),
             "mcnemar": None if cap == reference_cap else mcnemar_exact(
                 [q["endpoints"]["suffix_differs"] for q in ref], div),
         }
@@ -114,5 +117,7 @@ def length_table(summary: Mapping[int, dict], reference_cap: int) -> pd.DataFram
             "secondary: prefix moved in the cap's direction": "—" if s["moved"] is None else f"{s['moved']}/{s['n']}",
             "secondary: suffix differs among those (Wilson 95%)": "—" if s["moved_suffix"] is None
             else s["moved_suffix"].pct(),
+            f"secondary: the same problems at cap {reference_cap}": "—" if s["moved_reference"] is None
+            else s["moved_reference"].pct(),
         }
     return pd.DataFrame(cols)
