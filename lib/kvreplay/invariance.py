@@ -4,9 +4,9 @@
 caches on every layer and the boundary logits bit for bit (under ``kernels: invariant`` all three must coincide).
 :func:`batch_check` runs a row alone (B = 1) and inside batches of other sizes beside other sequences of other
 lengths, in another slot, and compares its logits at every position and its cache on every layer bit for bit.
-:func:`engine_check` does the same through the batched engine: a problem's live boundary and suffix from the eager
-decoders, from the engine alone (B = 1), and from the engine beside other problems of other lengths in another
-slot, compared bit for bit. All three report; the tests, the attribution control (:mod:`kvreplay.experiments.kernel_ablation`) and
+:func:`engine_check` does the same through the batched engine. It compares a problem's live boundary and suffix
+from the eager decoders, from the engine alone (B = 1), and from the engine beside other problems of other lengths
+in another slot, bit for bit. All three report; the tests, the attribution control (:mod:`kvreplay.experiments.kernel_ablation`) and
 ``scripts/gpu_invariance.py`` decide what to do with the report.
 """
 
@@ -128,9 +128,9 @@ def engine_check(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], compa
     order would give. Each engine's ``max_len`` is what its longest problem needs, so it differs between the runs.
 
     Returns:
-        ``{"eager_vs_alone": [...], B: [...] per size}``: what differs, bit for bit, between the eager decoders' row
-        and the engine's row alone, and between the row alone and the row in the batch of ``B``; empty lists
-        where everything is identical. Names: ``ids``, ``logits`` (boundary logits ``[2, vocab]``), the cache
+        ``{"eager_vs_alone": [...], B: [...] per size}``: what differs bit for bit between the eager decoders' row
+        and the engine's row alone, and between the row alone and the row in the batch of ``B`` (empty: identical).
+        Names: ``ids``, ``logits`` (boundary logits ``[2, vocab]``), the cache
         tensors ``L00.key`` ... on every layer, ``suffix.tokens``, ``suffix.margins``, ``suffix.tops``.
 
     Raises:

@@ -9,8 +9,8 @@ committed line byte for byte (canonical JSON).
 
 BF16 bits depend on the CPU's kernels (AMX, AVX-512-BF16, AVX2 pick different
 oneDNN paths) and on the torch build; on a GPU on its compute capability, SM
-count, CUDA and cuBLAS, and on the step path and batch shape (except under invariant kernels,
-whose rows owe nothing to the batch: a batched row is then recomputed alone, B = 1). So records are
+count, CUDA and cuBLAS, and on the step path and batch shape. Under invariant kernels a row owes
+nothing to its batch, and a batched row is recomputed alone (B = 1). So records are
 compared byte for byte where those match the ledger's recorded environment
 (:func:`compare_environments`). On the machine kind that wrote the ledger a
 difference is a failure (mode ``bytes``). On another GPU with the same
@@ -144,7 +144,7 @@ def compare_environments(recorded: dict, current: dict) -> Comparison:
         return Comparison("portable", ("device",), (), f"written on {recorded.get('device_name', 'a GPU')} "
                           f"({_path(recorded)}); this machine has no GPU, so rows are recomputed on this CPU through the "
                           "eager path")
-    keys = GPU_BIT_KEYS if on_gpu else ENVIRONMENT_KEYS
+    keys: tuple[str, ...] = GPU_BIT_KEYS if on_gpu else ENVIRONMENT_KEYS
     if _field(recorded, "contract.kernels") not in (None, kernels.DEFAULT):  # the batch owes no bit: verified alone
         keys = tuple(k for k in keys if k != "engine.batch")
     unrecorded = tuple(k for k in keys if on_gpu and not _recorded(recorded, k))
@@ -277,10 +277,10 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
                   seed: int | None = None, ids: Sequence[str] | None = None) -> list[RowCheck]:
     """Recompute ``rows`` committed rows of one ledger and compare them with the committed lines.
 
-    The shape a row is recomputed at: an eager-path ledger's row as it was written (one problem, two duplicate rows);
-    a batched ledger's row alone in a chunk of one at the recorded batch shape (``B``, ``max_len``), the composition
-    gate's run; under ``kernels`` other than ``default`` a batched ledger's row alone at ``B = 1`` and its own
-    ``max_len``, since the contract makes its bits independent of the batch (its detail ends ``(alone: B=1)``).
+    The shape a row is recomputed at: an eager-path ledger's row as it was written (one problem, two duplicate
+    rows). A batched ledger's row: alone in a chunk of one at the recorded batch shape (``B``, ``max_len``), the
+    composition gate's run. Under ``kernels`` other than ``default``, alone at ``B = 1`` and its own ``max_len``:
+    the contract makes its bits independent of the batch (its detail ends ``(alone: B=1)``).
 
     Args:
         folder: the ledger folder.

@@ -1,25 +1,24 @@
 """The batched engine under the invariant-kernel contract (``kernels: invariant``): what it refuses, and its step.
 
 Under ``kernels`` other than ``default`` the engine's eager step runs the model inside
-:func:`kvreplay.kernels.installed`, the same kernels the eager decoders run (:func:`kvreplay.decode.forward`): the
-linear layers, the MLP, RMSNorm, the rotary embedding and the LM head one token row at a time, and attention one
-query at a time over keys in the fixed blocks of :data:`kvreplay.kernels.ATTENTION_BLOCK` positions anchored at key
-0. The static cache (:class:`~kvreplay.engine.cache.RowCache`) holds ``max_len`` positions per row. A row's keys
-beyond its position are zero padding that its mask hides, and the invariant attention reads them as exact zeros. So
-it reads the blocks up to the one holding the row's last visible key, as the eager decoders' attention reads them
-over a cache of the row's own length. The choice statistics (:func:`~kvreplay.engine.step.choice_stats`) are
-maxima, comparisons and one subtraction per row, exact as they are. So under ``invariant`` a row's logits, choices,
-margins and keys/values are those the eager decoders give it alone, whatever its companions, their lengths, its
-slot, the batch ``B`` and ``max_len``.
+:func:`kvreplay.kernels.installed`, the kernels the eager decoders run (:func:`kvreplay.decode.forward`). The linear
+layers, the MLP, RMSNorm, the rotary embedding and the LM head run one token row at a time. Attention runs one query
+at a time over keys in blocks of :data:`kvreplay.kernels.ATTENTION_BLOCK` positions anchored at key 0. The static
+cache (:class:`~kvreplay.engine.cache.RowCache`) holds ``max_len`` positions per row; a row's keys beyond its
+position are zero padding that its mask hides, and the invariant attention reads them as exact zeros. So it reads
+the blocks up to the one holding the row's last visible key, as over the eager decoders' cache of the row's own
+length. The choice statistics (:func:`~kvreplay.engine.step.choice_stats`) are maxima, comparisons and one
+subtraction per row, exact as they are. So under ``invariant`` a row's logits, choices, margins and keys/values are
+those the eager decoders give it alone. Its companions, their lengths, its slot, ``B`` and ``max_len`` change no bit.
 
-What it does not run under the contract, refused before any row with :class:`~kvreplay.contract.ContractError`
-(:func:`check_engine`): the ``graph`` step path (the reference kernels read each row's last visible key on the host,
-which a captured graph cannot do), an attention other than ``sdpa`` (``flex`` and ``grouped`` are other
-reduction orders; the invariant attention replaces the step's attention), and the FP32 readout (copies of the norm
-and head outside the covered modules, which the eager decoders refuse too). The ablation values
-(``invariant-except-<class>``) run: the class left default computes as the model's own kernels do over the
-engine's shapes, so such a row may depend on its batch (a diagnostic: the runner allows only ``invariant`` on the
-engine, :func:`kvreplay.kernels.check_step_path`).
+:func:`check_engine` refuses, before any row, what the engine does not run under the contract
+(:class:`~kvreplay.contract.ContractError`). The ``graph`` step path: the reference kernels read each row's last
+visible key on the host, which a captured graph cannot do. An attention other than ``sdpa``: ``flex`` and
+``grouped`` are other reduction orders, and the invariant attention replaces the step's attention. The FP32
+readout: copies of the norm and head outside the covered modules, which the eager decoders refuse too. The
+ablation values (``invariant-except-<class>``) run; the class left default computes as the model's own kernels do
+over the engine's shapes. So such a row may depend on its batch: a diagnostic, and the runner allows only
+``invariant`` on the engine (:func:`kvreplay.kernels.check_step_path`).
 """
 
 from __future__ import annotations
