@@ -76,7 +76,7 @@ def load_boundaries(path: str | Path | None, n: int, source: str | Path | None =
     else:
         bank = Path(source) if source is not None else LEDGERS / "paper" / "prefix_bank_bf16.jsonl"
         entries, digest = read_prefix_bank(bank)
-        saved = {"source": str(bank.relative_to(ROOT)) if bank.resolve().is_relative_to(ROOT) else str(bank),
+        saved = {"source": str(bank.resolve().relative_to(ROOT)) if bank.resolve().is_relative_to(ROOT) else str(bank),
                  "source_sha256": digest, "prefixes": [e["prefix"] for e in entries]}
         if p is not None:
             p.parent.mkdir(parents=True, exist_ok=True)
