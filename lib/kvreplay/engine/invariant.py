@@ -26,14 +26,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from .. import kernels
+from .. import decode, kernels
 from ..contract import ContractError
 from ..models import LoadedModel
-
-
-def kernels_value(lm: LoadedModel) -> str:
-    """The ``kernels`` value ``lm`` runs under (its contract's; ``default`` without one)."""
-    return lm.contract.kernels if lm.contract is not None else kernels.DEFAULT
 
 
 def check_engine(lm: LoadedModel, step_path: str, attention: str, readout: object | None) -> None:
@@ -45,7 +40,7 @@ def check_engine(lm: LoadedModel, step_path: str, attention: str, readout: objec
         kvreplay.kernels.KernelContractError: a model the contract does not cover
             (:func:`kvreplay.kernels.check_model`).
     """
-    value = kernels_value(lm)
+    value = decode.kernels_of(lm)
     if kernels.parse_kernels(value).default:
         return
     where = (f"kernels {value!r}: the batched engine runs the invariant kernels on its eager step with the model's "
@@ -71,5 +66,5 @@ def step_kernels(lm: LoadedModel) -> Iterator[None]:
     Raises:
         kvreplay.kernels.UncoveredOperationError: (inside the block) an operation the contract does not cover ran.
     """
-    with kernels.installed(lm.model, kernels_value(lm)):
+    with kernels.installed(lm.model, decode.kernels_of(lm)):
         yield
