@@ -29,6 +29,7 @@ from pathlib import Path
 
 from kvreplay import invariance
 from kvreplay.contract import BlockFormat, Caps
+from kvreplay.engine import EngineRun
 from kvreplay.models import LoadedModel, environment_record
 from kvreplay.problems import Problem
 
@@ -59,7 +60,7 @@ def measure(load: Callable[[str], tuple[LoadedModel, BlockFormat]], problems: li
                 row = {"problem_id": p.problem_id, **c, "batch": {str(k): v for k, v in b.items()}}
                 if engine_sizes:
                     e = invariance.engine_check(lm, fmt, prompts[i], [q for j, q in enumerate(prompts) if j != i]
-                                                or [prompts[i][:-5]], caps, engine_sizes)
+                                                or [prompts[i][:-5]], caps, EngineRun(), engine_sizes)
                     row["engine"] = {str(k): v for k, v in e.items()}
                     print(f"{dtype} {value} {p.problem_id}: engine differs {row['engine']}", flush=True)
                 rows.append(row | {"seconds": round(time.perf_counter() - t, 2)})

@@ -39,7 +39,7 @@ def _prompts(fmt, n: int = 4) -> list[list[int]]:
 def test_engine_row_is_the_eager_row_alone_or_among_companions(arch, dtype):
     lm, fmt = _lm(arch, dtype)
     prompts = _prompts(fmt)
-    r = invariance.engine_check(lm, fmt, prompts[0], prompts[1:], TINY_CAPS, sizes=(2, 7))
+    r = invariance.engine_check(lm, fmt, prompts[0], prompts[1:], TINY_CAPS, engine.EngineRun(), sizes=(2, 7))
     assert r == {"eager_vs_alone": [], 2: [], 7: []}, r
 
 
@@ -74,7 +74,7 @@ def test_a_planted_fault_is_caught(fault, monkeypatch):
     if not fault.startswith(kernels.EXCEPT):
         monkeypatch.setattr(kernels, fault, _nudged(getattr(kernels, fault), lambda a: a[0].shape[0] > 2))
     prompts = _prompts(fmt)
-    r = invariance.engine_check(lm, fmt, prompts[0], prompts[1:], TINY_CAPS, sizes=(2,))
+    r = invariance.engine_check(lm, fmt, prompts[0], prompts[1:], TINY_CAPS, engine.EngineRun(), sizes=(2,))
     assert r["eager_vs_alone"] or r[2], r
 
 

@@ -12,6 +12,7 @@ in another slot, bit for bit. All three report; the tests, the attribution contr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -119,13 +120,15 @@ def _suffix_differs(a: decode.Suffix, b: decode.Suffix) -> list[str]:
 
 
 def engine_check(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], companions: Sequence[Sequence[int]],
-                 caps: Caps, sizes: Sequence[int] = (2, 7)) -> dict:
+                 caps: Caps, run: EngineRun, sizes: Sequence[int] = (2, 7)) -> dict:
     """One problem's live boundary and suffix under ``lm``'s kernels: the eager decoders against the batched engine.
 
     The engine (:mod:`kvreplay.engine`, eager step, ``sdpa`` attention) decodes ``prompt`` alone (B = 1), then
     beside ``companions`` (prompts of other lengths, cycled) in batches of ``sizes`` problems. It fills its slots
     from the last, so ``prompt``, submitted last, sits in slot 0 there and in another slot than its companions'
     order would give. Each engine's ``max_len`` is what its longest problem needs, so it differs between the runs.
+    ``run`` gives the engine's other settings (step path, attention, tie rule); its ``batch``, ``max_len``,
+    ``fill_from`` and ``top_logits`` are set here.
 
     Returns:
         ``{"eager_vs_alone": [...], B: [...] per size}``: what differs bit for bit between the eager decoders' row
@@ -141,9 +144,9 @@ def engine_check(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], compa
     eager = decode.decode_suffix(lm, fmt, caches.live_replica(live), caps)
 
     def engine_row(problems: Sequence[Sequence[int]], batch: int) -> tuple[decode.Boundary, decode.Suffix]:
-        run = EngineRun(batch=batch, fill_from="last", top_logits=True)
-        boundaries = decode_lives(lm, fmt, problems, caps, run)
-        return boundaries[-1], decode_suffixes(lm, fmt, boundaries, caps, run)[-1]
+        this = dataclasses.replace(run, batch=batch, max_len=None, fill_from="last", top_logits=True)
+        boundaries = decode_lives(lm, fmt, problems, caps, this)
+        return boundaries[-1], decode_suffixes(lm, fmt, boundaries, caps, this)[-1]
 
     alone = engine_row([prompt], 1)
     out: dict = {"eager_vs_alone": _boundary_differs(live, alone[0]) + _suffix_differs(eager, alone[1])}
