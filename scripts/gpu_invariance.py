@@ -8,7 +8,9 @@ Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``)::
 writes ``$OUT/invariance.json``: per dtype and kernels value (``invariant``, and ``default`` for comparison), per
 problem the tensors that differ between the constructions and the prefill-vs-live relative L2, and per batch size
 whether the target row's logits and cache are bit-identical to the row alone; plus the environment record and
-wall seconds. On the CPU the same command runs at tiny sizes (``--device cpu --rows 1 --caps 4 4 2 --sizes 2``);
+wall seconds. ``--engine-sizes 2 7 64`` adds the batched engine's check per problem
+(:func:`kvreplay.invariance.engine_check`): the eager decoders' live boundary and suffix against the engine's row
+alone (B = 1), and the row alone against the row beside the other problems at each size, in another slot. On the CPU the same command runs at tiny sizes (``--device cpu --rows 1 --caps 4 4 2 --sizes 2``);
 ``tests/test_gpu_invariance_script.py`` runs it on a tiny model. Outcomes are printed and written, never asserted.
 The invariant kernels are the slow reference (one kernel call per row, query and key block): each row prints its
 seconds, so try ``--rows 1`` first.
@@ -27,12 +29,14 @@ from pathlib import Path
 
 from kvreplay import invariance
 from kvreplay.contract import BlockFormat, Caps
+from kvreplay.engine import EngineRun
 from kvreplay.models import LoadedModel, environment_record
 from kvreplay.problems import Problem
 
 
 def measure(load: Callable[[str], tuple[LoadedModel, BlockFormat]], problems: list[Problem], caps: Caps,
-            sizes: list[int], dtypes: list[str], values: list[str], whole: bool = False) -> dict:
+            sizes: list[int], dtypes: list[str], values: list[str], whole: bool = False,
+            engine_sizes: list[int] | None = None) -> dict:
     """The report: ``{"caps", "sizes", "runs": [{"dtype", "kernels", "rows": [...], "environment"}]}``.
 
     The batch check's target row is the problem's prompt block (``whole``: its whole live boundary prefix), beside
@@ -53,8 +57,13 @@ def measure(load: Callable[[str], tuple[LoadedModel, BlockFormat]], problems: li
                 target = live_ids if whole else prompts[i]
                 companions = [q for j, q in enumerate(prompts) if j != i] + [target[:-5], live_ids]
                 b = invariance.batch_check(lm, target, companions, sizes)
-                rows.append({"problem_id": p.problem_id, **c, "batch": {str(k): v for k, v in b.items()},
-                             "seconds": round(time.perf_counter() - t, 2)})
+                row = {"problem_id": p.problem_id, **c, "batch": {str(k): v for k, v in b.items()}}
+                if engine_sizes:
+                    e = invariance.engine_check(lm, fmt, prompts[i], [q for j, q in enumerate(prompts) if j != i]
+                                                or [prompts[i][:-5]], caps, EngineRun(), engine_sizes)
+                    row["engine"] = {str(k): v for k, v in e.items()}
+                    print(f"{dtype} {value} {p.problem_id}: engine differs {row['engine']}", flush=True)
+                rows.append(row | {"seconds": round(time.perf_counter() - t, 2)})
                 print(f"{dtype} {value} {p.problem_id}: |z| {c['boundary']} live=inc {not c['live_vs_incremental']} "
                       f"live=prefill {not c['live_vs_prefill']} rel_l2 {c['rel_l2_prefill_vs_live']:.2e} "
                       + " ".join(f"B={k}:{v['logits_equal'] and not v['cache_differs']}" for k, v in b.items()),
@@ -74,6 +83,8 @@ def main(argv: list[str] | None = None, load: Callable[[str], tuple[LoadedModel,
     ap.add_argument("--values", nargs="+", default=["invariant", "default"])
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--whole", action="store_true", help="batch check on the whole boundary prefix, not the prompt")
+    ap.add_argument("--engine-sizes", type=int, nargs="*", default=[],
+                    help="batch sizes of the batched engine's check (none: not run)")
     args = ap.parse_args(argv)
     if load is None:
         from kvreplay.runner import ArmSettings
@@ -88,7 +99,8 @@ def main(argv: list[str] | None = None, load: Callable[[str], tuple[LoadedModel,
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    report = measure(load, problems, Caps(*args.caps), args.sizes, args.dtypes, args.values, args.whole)
+    report = measure(load, problems, Caps(*args.caps), args.sizes, args.dtypes, args.values, args.whole,
+                     args.engine_sizes)
     report["wall_s"] = round(time.perf_counter() - t, 1)
     report["command"] = " ".join(["scripts/gpu_invariance.py", *(argv if argv is not None else sys.argv[1:])])
     path = out / "invariance.json"

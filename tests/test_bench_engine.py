@@ -66,6 +66,22 @@ def test_engine_and_generate_do_the_same_work_and_report_step_time_and_floor(tin
         bench.engine_vs_generate(lm, fmt, prefixes, batches=(2,), hf=("vllm",))
 
 
+def test_the_invariant_step_and_prefill_are_timed_beside_the_others(tiny):
+    lm, fmt, _, prefixes = tiny
+    records = bench.engine_vs_generate(lm, fmt, prefixes, batches=(1, 2), new_tokens=(2, 4), step_path="eager",
+                                       attentions=("sdpa",), hf=(), repeats=1, caps=CAPS, invariant_tokens=(1, 2))
+    assert [(r["path"], r["B"]) for r in records] == [("prefill", 1), ("prefill-invariant", 1), ("engine-sdpa", 1),
+                                                      ("engine-invariant", 1), ("engine-sdpa", 2),
+                                                      ("engine-invariant", 2)]
+    assert all(isinstance(r.get("ms_per_step", r.get("ms")), float) for r in records)
+    inv = records[-1]
+    assert inv["step_path"] == "eager" and inv["new_tokens"] == 2 and inv["timed_steps"] == 1
+    assert inv["floor_ms"] == records[-2]["floor_ms"]  # the same work as the other engine path of its B
+    assert lm.contract.kernels == "default"  # restored
+    with pytest.raises(ValueError, match="invariant_tokens"):
+        bench.engine_vs_generate(lm, fmt, prefixes, batches=(2,), invariant_tokens=(2, 2))
+
+
 def test_forced_lengths_on_both_sides_and_the_saved_boundaries_are_reused(tiny, tmp_path):
     from kvreplay import engine
 

@@ -23,10 +23,11 @@ def test_script_writes_its_report(tmp_path, monkeypatch):
         return lm, resolve_format(lm.tokenizer, TINY_FORMAT)
 
     monkeypatch.setenv("OUT", str(tmp_path))
-    path = mod.main(["--device", "cpu", "--rows", "1", "--caps", "2", "2", "1", "--sizes", "2", "3", "--dtypes", "float32"],
-                    load=load, problems=tiny_problems(1))
+    path = mod.main(["--device", "cpu", "--rows", "1", "--caps", "2", "2", "1", "--sizes", "2", "3", "--dtypes", "float32",
+                     "--engine-sizes", "2"], load=load, problems=tiny_problems(1))
     report = json.loads(path.read_text())
     assert [(r["dtype"], r["kernels"]) for r in report["runs"]] == [("float32", "invariant"), ("float32", "default")]
     row = report["runs"][0]["rows"][0]
     assert set(row["batch"]) == {"2", "3"} and {"live_vs_prefill", "live_vs_incremental", "rel_l2_prefill_vs_live"} <= set(row)
     assert report["runs"][0]["environment"]["contract"]["kernels"] == "invariant"
+    assert row["engine"] == {"eager_vs_alone": [], "2": []}  # the engine's check, under invariant kernels

@@ -3,7 +3,7 @@
 Under it prefill, live and incremental boundaries coincide bit for bit on every layer, and a row computed alone
 equals the same row inside batches of 2 and 7 beside other sequences of other lengths; a planted fault in any
 one kernel class is caught by those checks; an operation the contract does not cover, a model it does not cover
-and the batched engine are refused.
+and the engine's graph path are refused (the engine's eager step: tests/test_engine_invariant.py).
 """
 
 from __future__ import annotations
@@ -123,17 +123,18 @@ def test_uncovered_models_and_values_are_refused(windowed_arch):
     with pytest.raises(ValueError, match="unknown kernels value"):
         resolve_contract(kernels="fast")
     with pytest.raises(ValueError, match="eager decoders only"):
-        ArmSettings(profile="smoke", dtype="float32", caps=TINY_CAPS, kernels="invariant", step_path="engine-eager")
+        ArmSettings(profile="smoke", dtype="float32", caps=TINY_CAPS, kernels="invariant-except-linear",
+                    step_path="engine-eager")
     with pytest.raises(ValueError, match="kernels"):
         resolve_execution("nb.ipynb", {"kernels": "invariant-except-softmax"})
 
 
-def test_engine_refuses_invariant_kernels():
+def test_engine_refuses_the_graph_path_under_invariant_kernels():
     from kvreplay.engine import StepEngine
 
     lm, fmt = _lm("llama", torch.float32, "invariant")
-    with pytest.raises(ContractError, match="no invariant kernels"):
-        StepEngine(lm, fmt, batch=1, max_len=64)
+    with pytest.raises(ContractError, match="step_path 'graph' is not covered"):
+        StepEngine(lm, fmt, batch=1, max_len=64, step_path="graph")
 
 
 def test_key_entry_only_when_not_default():

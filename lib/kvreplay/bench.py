@@ -31,7 +31,7 @@ batched runner (:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chun
 the given caps sets.
 
 ``--vs-generate`` runs only the side-by-side section instead (``docs/engine.md``; :mod:`kvreplay.bench_generate`),
-written to ``--json`` and ``--md``. It has :func:`engine_vs_generate` (the engine and ``generate`` continuing
+written to ``--json`` and ``--md``; ``--invariant SHORT LONG`` adds the invariant-kernel step and prefill. It has :func:`engine_vs_generate` (the engine and ``generate`` continuing
 the same saved boundaries by the same number of tokens, per batched step, with the memory floor).
 It also has :func:`exp1_end_to_end` (a real Experiment 1 chunk: useful problem-steps per second and slot
 occupancy) and :func:`profile_step` (where a step's time goes).
@@ -396,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     vs.add_argument("--no-gates", action="store_true", help="the Experiment 1 chunk without its preflight gates")
     vs.add_argument("--vs-caps", type=int, nargs=3, default=PAPER_CAPS, metavar=("BRANCH", "MERGE", "ANSWER"),
                     help="caps of the Experiment 1 chunk and of the recorded boundaries (default 768 512 64)")
+    vs.add_argument("--invariant", type=int, nargs=2, default=None, metavar=("SHORT", "LONG"),
+                    help="also time the engine's invariant-kernel step (kernels: invariant, eager step) over SHORT and "
+                         "LONG new tokens per row, and the prefill of the first boundary under each kernels value")
     vs.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="also profile N engine steps at the first of --batches (torch.profiler, top ops; 0: none)")
     vs.add_argument("--bandwidth-tbs", type=float, default=4.3, help="memory bandwidth for the floor, TB/s (default 4.3)")
@@ -464,6 +467,8 @@ def _vs_generate_main(ap: argparse.ArgumentParser, args, argv: list[str] | None)
             ap.error(str(e))
     if not 1 <= args.new_tokens[0] < args.new_tokens[1]:
         ap.error(f"--new-tokens {args.new_tokens}: need 1 <= SHORT < LONG")
+    if args.invariant and not 1 <= args.invariant[0] < args.invariant[1]:
+        ap.error(f"--invariant {args.invariant}: need 1 <= SHORT < LONG")
     try:
         prefixes, source = load_boundaries(args.boundaries, max(batches), args.bank, args.cycle)
     except (OSError, ValueError) as e:
@@ -484,7 +489,8 @@ def _vs_generate_main(ap: argparse.ArgumentParser, args, argv: list[str] | None)
                                  new_tokens=tuple(args.new_tokens), attentions=() if args.skip_engine else attentions,
                                  hf=tuple(args.hf),
                                  flag_sets=tuple(args.flags), repeats=args.repeats, step_path=step_path,
-                                 bandwidth=args.bandwidth_tbs * 1e12, caps=tuple(args.vs_caps), emit=show)
+                                 bandwidth=args.bandwidth_tbs * 1e12, caps=tuple(args.vs_caps),
+                                 invariant_tokens=tuple(args.invariant) if args.invariant else None, emit=show)
     if args.choice_vocab:
         records += choice_stats_cost(lm.device, batches=batches, vocabs=args.choice_vocab, dtype=lm.dtype,
                                      repeats=args.repeats)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import engine
+from . import engine, kernels
 from .contract import Caps
 from .decode import build_prefill
 from .experiments.live_vs_prefill import EXP1
@@ -76,7 +76,7 @@ def load_boundaries(path: str | Path | None, n: int, source: str | Path | None =
     else:
         bank = Path(source) if source is not None else LEDGERS / "paper" / "prefix_bank_bf16.jsonl"
         entries, digest = read_prefix_bank(bank)
-        saved = {"source": str(bank.relative_to(ROOT)) if bank.resolve().is_relative_to(ROOT) else str(bank),
+        saved = {"source": str(bank.resolve().relative_to(ROOT)) if bank.resolve().is_relative_to(ROOT) else str(bank),
                  "source_sha256": digest, "prefixes": [e["prefix"] for e in entries]}
         if p is not None:
             p.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +172,36 @@ def _steady(timer: _Timer, run: Callable[[int], object], lengths: tuple[int, int
     return statistics.median(per)
 
 
+@contextlib.contextmanager
+def _kernels(lm, value: str):
+    """Within the block ``lm`` runs under ``kernels: value`` (its contract's other settings kept); restored after."""
+    import dataclasses
+
+    before = lm.contract
+    if before is None or before.kernels == value:
+        if value != kernels.DEFAULT and before is None:
+            raise ValueError("the invariant step needs a model loaded under an execution contract")
+        yield
+        return
+    lm.contract = dataclasses.replace(before, kernels=value)
+    try:
+        yield
+    finally:
+        lm.contract = before
+
+
+def _reset_peak(lm) -> None:
+    if lm.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(lm.device)
+
+
+def _peak(lm) -> dict:
+    """``{"peak_mib": ...}``: peak GPU memory allocated since :func:`_reset_peak` (CUDA), else nothing."""
+    if lm.device.type != "cuda":
+        return {}
+    return {"peak_mib": round(torch.cuda.max_memory_allocated(lm.device) / 2**20, 1)}
+
+
 def _hf_generate(lm, prefixes: Sequence[Sequence[int]], kind: str, max_new: int) -> Callable[[int], object]:
     """``generate`` on left-padded duplicate rows of ``prefixes`` (2 per problem), greedy, exactly ``n`` new tokens."""
     from transformers import StaticCache
@@ -200,6 +230,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
                        attentions: Sequence[str] = ("flex", "grouped"), hf: Sequence[str] = HF_PATHS,
                        flag_sets: Sequence[str] = FLAG_SETS, repeats: int = 3, step_path: str = "graph",
                        bandwidth: float = 4.3e12, caps: tuple[int, int, int] = PAPER_CAPS,
+                       invariant_tokens: tuple[int, int] | None = None,
                        emit: Callable[[dict], None] = lambda record: None) -> list[dict]:
     """The engine and Hugging Face ``generate`` doing the same work, per batched step, and the memory floor.
 
@@ -230,11 +261,16 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
         step_path: the engine's step, ``"graph"`` (CUDA) or ``"eager"``.
         bandwidth: memory bandwidth of the device, bytes/s (the H200 moves about 4.3e12 in practice).
         caps: the caps the prefixes were decoded at (recorded).
+        invariant_tokens: ``(short, long)`` tokens of the invariant engine step's timed runs (path
+            ``engine-invariant``: ``kernels: invariant``, eager step, :mod:`kvreplay.engine.invariant`), and the
+            prefill of ``prefixes[0]`` timed once under each kernels value (paths ``prefill``, ``prefill-invariant``);
+            ``None``: not run. The reference is slow, so fewer tokens than ``new_tokens`` suit it.
         emit: called with each record as it is measured.
 
     Returns:
         Records with ``path``, ``B``, ``rows``, ``caps``, ``new_tokens``, ``ms_per_step``, ``ms_per_problem_step``,
-        ``floor_ms``, ``floor_ms_layout``, ``x_floor``, ``flags``, ``attention`` (engine) and ``note``.
+        ``floor_ms``, ``floor_ms_layout``, ``x_floor``, ``flags``, ``attention`` (engine) and ``note``; engine paths
+        on CUDA also ``peak_mib`` (peak GPU memory allocated while that path ran, MiB).
 
     Raises:
         ValueError: fewer prefixes than the largest batch, ``new_tokens`` not increasing, an unknown path,
@@ -243,6 +279,8 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
     short, long_ = new_tokens
     if not 1 <= short < long_:
         raise ValueError(f"new_tokens {new_tokens}: need 1 <= short < long")
+    if invariant_tokens is not None and not 1 <= invariant_tokens[0] < invariant_tokens[1]:
+        raise ValueError(f"invariant_tokens {invariant_tokens}: need 1 <= short < long")
     if len(prefixes) < max(batches):
         raise ValueError(f"{len(prefixes)} boundary prefixes for a batch of {max(batches)}")
     bad = [a for a in attentions if a not in engine.ATTENTIONS] + [h for h in hf if h not in HF_PATHS] + \
@@ -260,7 +298,15 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
         emit(rec)
 
     states = [build_prefill(lm, fmt, z, where=f"boundary {i}")
-              for i, z in enumerate(prefixes[: max(batches) if attentions else 0])]
+              for i, z in enumerate(prefixes[: max(batches) if attentions or invariant_tokens else 0])]
+    if invariant_tokens is not None:
+        for value in ("default", "invariant"):
+            with _kernels(lm, value):
+                sec = timer(lambda: build_prefill(lm, fmt, prefixes[0], where="boundary 0"))
+            record({"path": "prefill" if value == "default" else "prefill-invariant", "B": 1, "rows": 2,
+                    "caps": caps_s, "prefix": len(prefixes[0]), "ms": round(1e3 * sec, 3), "flags": "engine",
+                    "note": f"one forward call over boundary 0 ({len(prefixes[0])} positions), kernels {value}, "
+                            f"timed once"})
     for B in batches:
         zs = [len(z) for z in prefixes[:B]]
         middle = (short + long_) / 2
@@ -268,14 +314,32 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
         floor = _floor_ms(layout, filled, bandwidth)
         base = {"B": B, "rows": 2 * B, "caps": caps_s, "new_tokens": long_, "timed_steps": long_ - short,
                 "mean_boundary": round(sum(zs) / B, 1), "floor_ms": round(floor, 6)}
-        for attention in attentions:
+        invariant = [("invariant", "sdpa")] if invariant_tokens is not None else []
+        for value, attention in [("default", a) for a in attentions] + invariant:
             length = max_len or max(zs) + long_
             if attention == "flex":  # whole blocks of 128 (the mask hides the padding)
                 length = -(-length // engine.FLEX_BLOCK) * engine.FLEX_BLOCK
-            eng = engine.StepEngine(lm, fmt, B, length, step_path, attention=attention)
-            run = lambda n: engine.decode_forced(lm, fmt, states[:B], n, engine=eng)  # noqa: E731
-            warm = timer(lambda: run(short))  # capture, compile
-            sec = _steady(timer, run, new_tokens, repeats)
+            tokens = new_tokens if value == "default" else invariant_tokens
+            assert tokens is not None
+            _reset_peak(lm)
+            with _kernels(lm, value):
+                path = step_path if value == "default" else "eager"  # the reference runs on the eager step only
+                eng = engine.StepEngine(lm, fmt, B, length, path, attention=attention)
+                run = lambda n: engine.decode_forced(lm, fmt, states[:B], n, engine=eng)  # noqa: E731
+                warm = timer(lambda: run(tokens[0]))  # capture, compile
+                sec = _steady(timer, run, tokens, repeats)
+            if value == "invariant":
+                read = 2 * sum(-(-(n + middle + 1) // kernels.ATTENTION_BLOCK) * kernels.ATTENTION_BLOCK for n in zs)
+                record(base | {"path": "engine-invariant", "attention": "invariant (64-key blocks)", "flags": "engine",
+                               "step_path": path, "max_len": length, "new_tokens": tokens[1],
+                               "timed_steps": tokens[1] - tokens[0], "ms_per_step": round(1e3 * sec, 4),
+                               "ms_per_problem_step": round(1e3 * sec / B, 5),
+                               "floor_ms_layout": round(_floor_ms(layout, read, bandwidth), 6),
+                               "x_floor": round(1e3 * sec / floor, 1), **_peak(lm),
+                               "note": f"kernels invariant, reference kernels; first run ({tokens[0]} tokens) "
+                                       f"{warm:.1f} s"})
+                del eng
+                continue
             if attention == "flex":
                 read = 2 * sum(-(-(n + middle + 1) // engine.FLEX_BLOCK) * engine.FLEX_BLOCK for n in zs)
             else:
@@ -284,7 +348,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
                            "flags": "engine", "step_path": step_path, "max_len": length,
                            "ms_per_step": round(1e3 * sec, 4), "ms_per_problem_step": round(1e3 * sec / B, 5),
                            "floor_ms_layout": round(_floor_ms(layout, read, bandwidth), 6),
-                           "x_floor": round(1e3 * sec / floor, 1),
+                           "x_floor": round(1e3 * sec / floor, 1), **_peak(lm),
                            "note": f"first run (capture, compile, {short} tokens) {warm:.1f} s; sdpa backends "
                                    f"{'+'.join(lm.sdpa_backends)} for the prefill"})
             del eng

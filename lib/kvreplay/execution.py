@@ -66,7 +66,8 @@ class ExecutionContract:
         kernels: ``"default"`` (the model's own kernels) or ``"invariant"`` (and its
             ``"invariant-except-<class>"`` ablations): every reducing operation gives a row
             the same bits whatever its call (:mod:`kvreplay.kernels`); entered around every
-            eager forward call by :func:`kvreplay.decode.forward`.
+            eager forward call by :func:`kvreplay.decode.forward` and every engine step
+            (:mod:`kvreplay.engine.invariant`).
     """
     device: str = "cpu"
     sdpa_backends: tuple[str, ...] = ("math",)

@@ -4,20 +4,24 @@
 caches on every layer and the boundary logits bit for bit (under ``kernels: invariant`` all three must coincide).
 :func:`batch_check` runs a row alone (B = 1) and inside batches of other sizes beside other sequences of other
 lengths, in another slot, and compares its logits at every position and its cache on every layer bit for bit.
-Both report; the tests, the attribution control (:mod:`kvreplay.experiments.kernel_ablation`) and
+:func:`engine_check` does the same through the batched engine. It compares a problem's live boundary and suffix
+from the eager decoders, from the engine alone (B = 1), and from the engine beside other problems of other lengths
+in another slot, bit for bit. All three report; the tests, the attribution control (:mod:`kvreplay.experiments.kernel_ablation`) and
 ``scripts/gpu_invariance.py`` decide what to do with the report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from . import decode, kernels
+from . import caches, decode, kernels
 from .contract import BlockFormat, Caps
 from .drift import aggregate, cache_drift
+from .engine import EngineRun, decode_lives, decode_suffixes
 from .execution import sdpa_backend_list
 from .gates import cache_tensors
 from .models import LoadedModel, kv_cache
@@ -100,4 +104,54 @@ def batch_check(lm: LoadedModel, target: Sequence[int], companions: Sequence[Seq
         differs = [i for i, (x, y) in enumerate(zip(alone_cache[0], caches[-1])) if not torch.equal(x, y)]
         out[b] = {"logits_equal": bool(torch.equal(alone_logits[0], logits[-1])),
                   "cache_differs": [names[i] for i in differs]}
+    return out
+
+
+def _boundary_differs(a: decode.Boundary, b: decode.Boundary) -> list[str]:
+    """What differs between two boundaries: ``ids``, ``logits`` and the cache tensors (``L00.key`` ...)."""
+    if a.ids != b.ids:
+        return ["ids"]
+    return (["logits"] if not torch.equal(a.logits, b.logits) else []) + _differing_layers(a.cache, b.cache)
+
+
+def _suffix_differs(a: decode.Suffix, b: decode.Suffix) -> list[str]:
+    """What differs between two suffixes: ``suffix.tokens``, ``suffix.margins``, ``suffix.tops`` (exact floats)."""
+    return [f"suffix.{n}" for n in ("tokens", "margins", "tops") if getattr(a, n) != getattr(b, n)]
+
+
+def engine_check(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], companions: Sequence[Sequence[int]],
+                 caps: Caps, run: EngineRun, sizes: Sequence[int] = (2, 7)) -> dict:
+    """One problem's live boundary and suffix under ``lm``'s kernels: the eager decoders against the batched engine.
+
+    The engine (:mod:`kvreplay.engine`, eager step, ``sdpa`` attention) decodes ``prompt`` alone (B = 1), then
+    beside ``companions`` (prompts of other lengths, cycled) in batches of ``sizes`` problems. It fills its slots
+    from the last, so ``prompt``, submitted last, sits in slot 0 there and in another slot than its companions'
+    order would give. Each engine's ``max_len`` is what its longest problem needs, so it differs between the runs.
+    ``run`` gives the engine's other settings (step path, attention, tie rule); its ``batch``, ``max_len``,
+    ``fill_from`` and ``top_logits`` are set here.
+
+    Returns:
+        ``{"eager_vs_alone": [...], B: [...] per size}``: what differs bit for bit between the eager decoders' row
+        and the engine's row alone, and between the row alone and the row in the batch of ``B`` (empty: identical).
+        Names: ``ids``, ``logits`` (boundary logits ``[2, vocab]``), the cache
+        tensors ``L00.key`` ... on every layer, ``suffix.tokens``, ``suffix.margins``, ``suffix.tops``.
+
+    Raises:
+        ContractError: an engine setting the kernels contract does not cover (:mod:`kvreplay.engine.invariant`).
+        GateError: a gate of the decoders.
+    """
+    live = decode.decode_live(lm, fmt, prompt, caps)
+    eager = decode.decode_suffix(lm, fmt, caches.live_replica(live), caps)
+
+    def engine_row(problems: Sequence[Sequence[int]], batch: int) -> tuple[decode.Boundary, decode.Suffix]:
+        this = dataclasses.replace(run, batch=batch, max_len=None, fill_from="last", top_logits=True)
+        boundaries = decode_lives(lm, fmt, problems, caps, this)
+        return boundaries[-1], decode_suffixes(lm, fmt, boundaries, caps, this)[-1]
+
+    alone = engine_row([prompt], 1)
+    out: dict = {"eager_vs_alone": _boundary_differs(live, alone[0]) + _suffix_differs(eager, alone[1])}
+    for b in sizes:
+        rows = [companions[i % len(companions)] for i in range(b - 1)] + [list(prompt)]
+        boundary, suffix = engine_row(rows, b)
+        out[b] = _boundary_differs(alone[0], boundary) + _suffix_differs(alone[1], suffix)
     return out

@@ -115,15 +115,32 @@ def parse_kernels(value: "str | KernelSpec") -> KernelSpec:
     raise ValueError(f"unknown kernels value {value!r}; use one of {list(KERNELS)}")
 
 
-def check_step_path(value: str, step_path: str) -> None:
-    """Refuse a ``kernels`` value that is unknown, or not ``default`` on a step path other than ``eager``.
+def check_step_path(value: str, step_path: str, attention: str = "sdpa") -> None:
+    """Refuse a ``kernels`` value that is unknown, or that the arm's decode path does not run.
+
+    ``default`` runs on every path. ``invariant`` runs on the eager decoders (``step_path`` ``eager``) and on the
+    batched engine's eager step (``engine-eager``) with ``attention`` ``sdpa``, which the invariant attention
+    replaces (:mod:`kvreplay.engine.invariant`). The ablation values ``invariant-except-<class>`` run on the eager
+    decoders only: the class they leave default computes over the engine's batch shape, so a row's bits would depend
+    on its batch.
 
     Raises:
-        ValueError: naming the value (the batched engine has no invariant kernels yet).
+        ValueError: naming the value and the setting it does not run with (``graph``, ``flex``/``grouped``, or an
+            ablation value on the engine).
     """
-    if parse_kernels(value).invariant and step_path != "eager":
-        raise ValueError(f"kernels {value!r} runs on the eager decoders only (step_path 'eager'): the batched engine "
-                         f"has no invariant kernels yet, not {step_path!r}")
+    spec = parse_kernels(value)
+    if spec.default or step_path == "eager":
+        return
+    if spec.name != INVARIANT:
+        raise ValueError(f"kernels {value!r} runs on the eager decoders only (step_path 'eager'), not "
+                         f"{step_path!r}: it leaves one class on the default path, whose bits would depend on the "
+                         f"engine's batch (the engine takes kernels 'invariant')")
+    if step_path != "engine-eager":
+        raise ValueError(f"kernels {value!r} runs on step_path 'eager' or 'engine-eager', not {step_path!r} (the "
+                         f"reference kernels cannot be captured in a CUDA graph)")
+    if attention != "sdpa":
+        raise ValueError(f"kernels {value!r} on the engine needs attention 'sdpa' (replaced by the invariant "
+                         f"attention), not {attention!r}")
 
 
 def check_model(model: torch.nn.Module) -> None:

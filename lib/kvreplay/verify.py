@@ -9,7 +9,8 @@ committed line byte for byte (canonical JSON).
 
 BF16 bits depend on the CPU's kernels (AMX, AVX-512-BF16, AVX2 pick different
 oneDNN paths) and on the torch build; on a GPU on its compute capability, SM
-count, CUDA and cuBLAS, and on the step path and batch shape. So records are
+count, CUDA and cuBLAS, and on the step path and batch shape. Under invariant kernels a row owes
+nothing to its batch, and a batched row is recomputed alone (B = 1). So records are
 compared byte for byte where those match the ledger's recorded environment
 (:func:`compare_environments`). On the machine kind that wrote the ledger a
 difference is a failure (mode ``bytes``). On another GPU with the same
@@ -39,6 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import kernels
 from .experiments import arms
 from .gates import GateError
 from .ledger.lookup import PREFIX_BANK
@@ -142,7 +144,9 @@ def compare_environments(recorded: dict, current: dict) -> Comparison:
         return Comparison("portable", ("device",), (), f"written on {recorded.get('device_name', 'a GPU')} "
                           f"({_path(recorded)}); this machine has no GPU, so rows are recomputed on this CPU through the "
                           "eager path")
-    keys = GPU_BIT_KEYS if on_gpu else ENVIRONMENT_KEYS
+    keys: tuple[str, ...] = GPU_BIT_KEYS if on_gpu else ENVIRONMENT_KEYS
+    if _field(recorded, "contract.kernels") not in (None, kernels.DEFAULT):  # the batch owes no bit: verified alone
+        keys = tuple(k for k in keys if k != "engine.batch")
     unrecorded = tuple(k for k in keys if on_gpu and not _recorded(recorded, k))
     differs = tuple(k for k in keys if k not in unrecorded and _field(recorded, k) != _field(current, k))
     if differs:
@@ -273,6 +277,11 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
                   seed: int | None = None, ids: Sequence[str] | None = None) -> list[RowCheck]:
     """Recompute ``rows`` committed rows of one ledger and compare them with the committed lines.
 
+    The shape a row is recomputed at: an eager-path ledger's row as it was written (one problem, two duplicate
+    rows). A batched ledger's row: alone in a chunk of one at the recorded batch shape (``B``, ``max_len``), the
+    composition gate's run. Under ``kernels`` other than ``default``, alone at ``B = 1`` and its own ``max_len``:
+    the contract makes its bits independent of the batch (its detail ends ``(alone: B=1)``).
+
     Args:
         folder: the ledger folder.
         rows: how many rows to recompute.
@@ -325,13 +334,17 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     plan = ledger_plan(folder, config, bank)
     row, chunk = plan.row_function(), plan.chunk_function()
     fn: Callable[[RunSpec, Problem], dict] = row
+    alone = False
     recorded = env["execution_contract"]
     if settings.contract().device_type == "cuda" and not torch.cuda.is_available():
         # a GPU ledger on a machine without one: recompute on this CPU through the eager reference path
         settings = dataclasses.replace(settings.eager(), device="cpu", deterministic=None)
     elif config.get("engine"):
-        # a batched ledger: the row alone in a chunk of one at the recorded batch shape (the composition gate's run)
-        settings = dataclasses.replace(settings, max_len=recorded["engine"]["max_len"])
+        if settings.kernels != kernels.DEFAULT:
+            # invariant kernels: a row's bits owe nothing to its batch, so it is recomputed alone (B = 1, its max_len)
+            settings, alone = dataclasses.replace(settings, batch=1, chunk=None, max_len=None), True
+        else:  # a batched ledger: the row alone in a chunk of one at the recorded batch shape (the composition gate's)
+            settings = dataclasses.replace(settings, max_len=recorded["engine"]["max_len"])
         fn = lambda spec, p: chunk(spec, [p])[0]  # noqa: E731 (the row alone in a chunk of one)
     lm, fmt = settings.load()
     run = settings.engine_run(fmt, [by_id[committed[i]["problem_id"]] for i in chosen], lm.model.config)
@@ -345,8 +358,9 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
         old = committed[i]
         start = time.perf_counter()
         new = fn(spec, by_id[old["problem_id"]])
-        out.append(judge_row(folder.name, old, new, lines[i], comparison, float32=lm.dtype == torch.float32,
-                             seconds=time.perf_counter() - start))
+        check = judge_row(folder.name, old, new, lines[i], comparison, float32=lm.dtype == torch.float32,
+                          seconds=time.perf_counter() - start)
+        out.append(dataclasses.replace(check, detail=f"{check.detail} (alone: B=1)") if alone else check)
         if report is not None:
             report(out[-1])
     return out

@@ -21,6 +21,7 @@ from ..gates import GateError
 from ..models import LoadedModel, layer_masks
 from . import attention as attn
 from . import cache as row_cache
+from . import invariant
 from .attention import ATTENTIONS, FLEX_BLOCK, FlexMask, use_attention
 from .cache import RowCache
 from .run import EngineRun, EngineStats
@@ -115,7 +116,9 @@ class StepEngine:
     Raises:
         ValueError: unknown step path or attention, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1``,
             ``verify_steps < 0``, or ``"flex"`` with a ``max_len`` that is not a multiple of 128.
-        ContractError: a vocabulary of 2**24 tokens or more; a model under ``kernels`` other than ``default``.
+        ContractError: a vocabulary of 2**24 tokens or more; under ``kernels`` other than ``default``, the ``graph``
+            step path, an attention other than ``sdpa`` or a readout (:func:`kvreplay.engine.invariant.check_engine`;
+            the eager step then runs the invariant kernels, :mod:`kvreplay.engine.invariant`).
     """
     @classmethod
     def for_run(cls, lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int,
@@ -135,9 +138,7 @@ class StepEngine:
         self.stats = stats if stats is not None else EngineStats()
         if step_path not in STEP_PATHS:
             raise ValueError(f"unknown step path {step_path!r}; use one of {STEP_PATHS}")
-        if decode.kernels_of(lm) != "default":
-            raise ContractError(f"kernels {decode.kernels_of(lm)!r}: the batched engine has no invariant kernels yet; "
-                                f"decode under this contract with the eager decoders (step_path 'eager')")
+        invariant.check_engine(lm, step_path, attention, readout)  # ContractError: a setting `kernels` does not cover
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r}; use one of {ATTENTIONS}")
         self.attention = attention
@@ -279,7 +280,8 @@ class StepEngine:
             embeds = embeds + lm.role_table[qrole + ROLE_OFFSET][:, None, :]
         kwargs = dict(inputs_embeds=embeds, attention_mask=mask, position_ids=pos[:, None],
                       past_key_values=self.cache, use_cache=True)
-        with sdpa_kernel(decode._backends(lm.sdpa_backends)), use_attention(lm.model, attention or self.attention):
+        with (sdpa_kernel(decode._backends(lm.sdpa_backends)), use_attention(lm.model, attention or self.attention),
+              invariant.step_kernels(lm)):
             if self.readout is None:
                 logits = lm.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
             else:

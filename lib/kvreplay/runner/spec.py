@@ -269,12 +269,12 @@ def check_execution(contract: dict) -> None:
             ``ray_address`` not a non-empty string or None; an unknown step path; ``graph`` on a non-CUDA device;
             ``batch`` below 1; ``max_len`` below 2; ``chunk`` below 1; a batch shape, chunk or an attention other than
             ``"sdpa"`` given with ``step_path="eager"``; an unknown attention; ``attention="flex"`` with a ``max_len``
-            that is not a multiple of 128; an unknown ``tie_rule``; an unknown ``kernels`` value, or one other than
-            ``"default"`` with an engine step path.
+            that is not a multiple of 128; an unknown ``tie_rule``; a ``kernels`` value unknown or off its paths
+            (:func:`kvreplay.kernels.check_step_path`).
     """
     c = contract
     ties.parse_tie_rule(c.get("tie_rule", ties.DEFAULT_TIE_RULE))  # ValueError naming the rules
-    kernels.check_step_path(c.get("kernels", kernels.DEFAULT), c["step_path"])  # ValueError: unknown, or on the engine
+    kernels.check_step_path(c.get("kernels", kernels.DEFAULT), c["step_path"], c["attention"])  # ValueError
     kind = device_type(c["device"])  # ValueError naming an unknown device
     if not _whole(c["workers"]) or c["workers"] < 1:
         raise ValueError(f"workers must be a whole number of at least 1, got {c['workers']!r}")
@@ -317,7 +317,7 @@ class ArmSettings:
     ``live_equals_incremental``; :func:`live_check_ids`). It is not part of the key: a row that passes records nothing
     more. The execution contract: ``threads`` (intra-op threads), ``sdpa_backends``, the CUDA side
     (:class:`~kvreplay.execution.ExecutionContract`: ``device``, ``deterministic``, ``allow_tf32``, ``kernels``:
-    :mod:`kvreplay.kernels`, eager path only), and the fields below. The notebooks take the contract as one mapping
+    :mod:`kvreplay.kernels`), and the fields below. The notebooks take the contract as one mapping
     parameter, ``execution``, over these fields' defaults (:data:`EXECUTION_DEFAULTS`, checked by
     :func:`resolve_execution`).
 
