@@ -91,7 +91,7 @@ recorded). The index of executed notebooks reads these records (:func:`kvreplay.
 
 
 def _saved(kind: str, stem: Path, files: str) -> None:
-    """Print ``[saved <kind> <stem>: <files>]`` for the notebook's reader and, where :data:`ARTIFACT_LOG` names a file,
+    """Print ``[saved <kind> <stem>: <files>]`` for the notebook's reader. Where :data:`ARTIFACT_LOG` names a file,
     append ``{"kind", "stem", "files", "cell_sha256"}`` to it: the sha256 of the running cell's source, which finds
     the cell in the executed notebook (``None`` outside a Jupyter kernel)."""
     print(f"[saved {kind} {stem.name}: {files}]")
