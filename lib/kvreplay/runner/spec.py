@@ -584,8 +584,8 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
     env = environment_record(lm, settings.threads) | {"format_digest": fmt.digest}
     if "contract" in env:
         env["contract"]["device"] = settings.device
-    if settings.tie_rule != ties.DEFAULT_TIE_RULE:
-        env["tie_rule"] = settings.tie_rule
+    if settings.decoding.tie_rule != ties.LOWEST:  # the rule as the ledger key writes it
+        env["tie_rule"] = settings.decoding.tie_rule.name
     if run is not None:
         env["engine"] = {"step_path": settings.step_path, "batch": run.batch, "max_len": run.max_len}
         if run.attention != "sdpa":
