@@ -108,7 +108,7 @@ def _cell_sha256() -> str | None:
         return None
     from IPython import get_ipython
 
-    code = get_ipython().kernel.get_parent().get("content", {}).get("code")  # type: ignore[union-attr]
+    code = get_ipython().kernel.get_parent().get("content", {}).get("code")
     return hashlib.sha256(code.encode()).hexdigest() if isinstance(code, str) else None
 
 
