@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvreplay import engine
     from kvreplay.contract import ANSWER, MERGE, Caps
     from kvreplay.decode import build_prefill
+    from kvreplay.decoding import Decoding
     from kvreplay.experiments.live_vs_prefill import live_vs_prefill_chunk, live_vs_prefill_row
     from kvreplay.ledger.prefix_bank import read_prefix_bank
     from kvreplay.ledger.store import read_rows_text, row_lines
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = [p for p in load_bank() if p.problem_id in committed][: args.rows]
         run32 = dataclasses.replace(settings, dtype="float32", chunk=len(problems)).engine_run(fmt, problems)
         run32 = run32.measured()
-        spec = RunSpec(lm=lm32, fmt=fmt, caps=caps, engine=run32)  # max_len: the longest sequence, whole flex blocks
+        spec = RunSpec(lm=lm32, fmt=fmt, decoding=Decoding.of(caps), engine=run32)  # max_len: the longest sequence, whole flex blocks
         t = time.perf_counter()
         recs = live_vs_prefill_chunk(spec, problems)
         seconds = time.perf_counter() - t

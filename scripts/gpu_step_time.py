@@ -14,7 +14,7 @@ s = ArmSettings(profile="p", dtype="bfloat16", caps=Caps(16, 32, 4), device="cud
 lm, fmt = s.load()
 print("device", lm.device, next(lm.model.parameters()).dtype, torch.get_num_threads())
 p = load_bank()[0]
-spec = RunSpec(lm=lm, fmt=fmt, caps=s.caps)
+spec = RunSpec(lm=lm, fmt=fmt, decoding=s.decoding)
 live_vs_prefill_row(spec, p)
 torch.cuda.synchronize(); t = time.perf_counter(); calls0 = lm.calls
 live = decode.decode_live(lm, fmt, fmt.prompt_ids(p.question, p.options), s.caps)

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems  # noqa: E402
 from kvreplay.contract import resolve_format  # noqa: E402
+from kvreplay.decoding import Decoding
 from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.ledger.store import Ledger, run_rows  # noqa: E402
 from kvreplay.runner import RunSpec  # noqa: E402
@@ -21,7 +22,7 @@ from kvreplay.runner import RunSpec  # noqa: E402
 root = Path(sys.argv[1])
 kill_at = int(sys.argv[2]) if len(sys.argv) > 2 else None
 lm = tiny_lm("qwen2")
-spec = RunSpec(lm=lm, fmt=resolve_format(lm.tokenizer, TINY_FORMAT), caps=TINY_CAPS)
+spec = RunSpec(lm=lm, fmt=resolve_format(lm.tokenizer, TINY_FORMAT), decoding=Decoding.of(TINY_CAPS))
 problems = tiny_problems(4)
 ledger = Ledger(root, "exp1-resume", {"test": "resume"}, environment={"worker": True})
 

@@ -7,6 +7,7 @@ are inverse on every value and on every committed ledger's key, whose entries th
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import TINY_CAPS
@@ -15,7 +16,7 @@ from kvreplay import decode, ties
 from kvreplay.contract import Caps
 from kvreplay.decoding import KEY_ENTRIES, Decoding
 from kvreplay.paths import LEDGERS
-from kvreplay.runner import ArmSettings
+from kvreplay.runner import ArmSettings, RunSpec
 
 
 @pytest.mark.parametrize("rule, top", [("lowest", False), ("highest", True), ("hash:7", False), ("hash:0", True)])
@@ -51,5 +52,23 @@ def test_a_bad_setting_is_refused_where_the_value_is_built():
         Decoding.of(TINY_CAPS, "lowest", "yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ledger key tie_rule: unknown tie rule"):
         Decoding.from_key({"caps": {"branch": 1, "merge": 1, "answer": 1}, "tie_rule": "sideways"})
-    with pytest.raises(ValueError, match="not beside it"):
-        decode._settings(Decoding.of(TINY_CAPS), "highest")
+    with pytest.raises(TypeError, match="a parsed TieRule is needed"):
+        decode.BlockCursor(None, TINY_CAPS, 0, tie_rule="highest")  # type: ignore[arg-type]  (a name: Decoding.of)
+    with pytest.raises(TypeError, match="decoding must be a Decoding"):
+        RunSpec(None, None, TINY_CAPS)  # type: ignore[arg-type]
+
+
+PARSERS = {"decoding.py", "ties.py"}
+"""The modules of lib/kvreplay that may call the tie-rule parser: ties.py defines it, decoding.py calls it once."""
+
+
+def test_the_tie_rule_is_parsed_in_one_place():
+    """Only :mod:`kvreplay.decoding` calls :func:`kvreplay.ties.parse_tie_rule`; every decoder, cursor and the engine
+    takes the parsed rule from a :class:`Decoding` (a second parse site fails here, naming it)."""
+    lib = Path(decode.__file__).parent
+    sites = [f"{path.relative_to(lib)}:{n}" for path in sorted(lib.rglob("*.py")) if path.name not in PARSERS
+             or path.parent != lib for n, line in enumerate(path.read_text().splitlines(), 1)
+             if "parse_tie_rule(" in line]
+    assert not sites, f"the tie rule is parsed outside kvreplay.decoding: {sites}"
+    calls = [line for line in (lib / "decoding.py").read_text().splitlines() if "parse_tie_rule(" in line]
+    assert len(calls) == 1, calls

@@ -8,13 +8,15 @@ other's steps, and no module of ``kvreplay.engine`` keeps state of its own that 
 from __future__ import annotations
 
 import ast
+import json
 
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
 
 from kvreplay import engine
-from kvreplay.contract import resolve_format
+from kvreplay.contract import Caps, resolve_format
+from kvreplay.decoding import Decoding
 from kvreplay.engine import EngineRun, EngineStats, engine_max_len
 from kvreplay.paths import ROOT
 
@@ -68,7 +70,11 @@ def test_two_measured_runs_count_their_own_steps():
     assert list(event) == ["problems", "seconds", "steps", "slot_steps", "busy_slot_steps", "occupancy"]
     assert event["seconds"] == 1.235 and event["occupancy"] == round(b.stats.busy_slot_steps / b.stats.slot_steps, 4)
     unmeasured = EngineRun(batch=2)
-    assert unmeasured.stats is None and "stats" not in unmeasured.settings() and unmeasured == a
+    logged = unmeasured.settings(Decoding.of(Caps(1, 1, 1), "hash:3"))
+    assert unmeasured.stats is None and "stats" not in logged and unmeasured == a
+    assert json.dumps(logged) == (  # the run log's engine entry, byte for byte as before EngineRun lost the rule
+        '{"step_path": "eager", "batch": 2, "max_len": null, "verify_steps": 0, "chunk": null, "attention": "sdpa", '
+        '"tolerance_check": false, "fill_from": "first", "tie_rule": "hash:3", "top_logits": false}')
 
 
 def test_flex_max_len_is_rounded_in_one_place():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
+from kvreplay.decoding import Decoding
 from kvreplay.experiments.bridge import bridge_row, saved_ledger_audit
 from kvreplay.experiments.endpoints import first_divergence
 from kvreplay.experiments.fixed_prefix import fixed_prefix_row, precision_crossing
@@ -54,7 +55,7 @@ def test_precision_crossing_counts_direction():
 @pytest.fixture
 def spec(tiny_format):
     lm = tiny_lm("qwen2", torch.bfloat16)
-    return RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS)
+    return RunSpec(lm=lm, fmt=tiny_format(lm), decoding=Decoding.of(TINY_CAPS))
 
 
 def test_bridge_row_is_exact_and_audit_joins(spec):
@@ -76,7 +77,7 @@ def test_bridge_row_is_exact_and_audit_joins(spec):
 
 def _transplant_spec(tiny_format, transplant_faults=None):
     lm = tiny_lm("llama", torch.bfloat16)
-    return RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS, transplant_faults=transplant_faults)
+    return RunSpec(lm=lm, fmt=tiny_format(lm), decoding=Decoding.of(TINY_CAPS), transplant_faults=transplant_faults)
 
 
 def test_transplant_row_outcomes(tiny_format):

@@ -26,6 +26,7 @@ import yaml
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm
 from kvreplay import caches, decode, engine, gates
 from kvreplay.contract import ANSWER, MERGE, PROMPT, resolve_format, visibility_matrix
+from kvreplay.decoding import Decoding
 from kvreplay.engine import attention as attn
 from kvreplay.experiments import fixed_prefix, live_vs_prefill
 from kvreplay.gates import GateError
@@ -228,7 +229,7 @@ def test_one_engine_for_boundaries_and_suffixes_gives_the_phase_wise_records(att
     lm, fmt, _, lives = _setup(torch.bfloat16)
     problems = _problems(5)
     run = EngineRun("eager", 2, MAX_LEN, attention=attention).measured()
-    spec = RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, engine=run)
+    spec = RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS), engine=run)
     one = live_vs_prefill.live_vs_prefill_chunk(spec, problems)
     steps = {k: getattr(run.stats, k) for k in ("steps", "slot_steps", "busy_slot_steps")}
     phased = live_vs_prefill.live_vs_prefill_chunk_phased(spec, problems)
@@ -260,7 +261,7 @@ def test_the_order_boundaries_and_suffixes_take_the_slots_changes_no_bit():
             out[i] += [(s.tokens, s.margins) for s in suffixes]
 
         stats = engine.decode_chains(lm, fmt, TINY_CAPS, "live", prompts, keep, done, run=engine.EngineRun(batch=2, max_len=MAX_LEN), hold=hold)
-        got[hold] = (out, stats["busy_slot_steps"])
+        got[hold] = (out, stats.busy_slot_steps)
     assert got[0] == got[3] == got[100]  # the same work, the same bits, whatever the order
 
 
@@ -274,10 +275,10 @@ def test_a_gate_failure_in_one_engine_stays_in_its_problem():
             with torch.inference_mode():
                 states["prefill"].cache.layers[0].keys[1, :, 2] += 0.5
 
-    spec = RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, engine=EngineRun("eager", 2, MAX_LEN))
+    spec = RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS), engine=EngineRun("eager", 2, MAX_LEN))
     clean = live_vs_prefill.live_vs_prefill_chunk(spec, problems)
     planted_ids = [next(r["prefix"] for r in clean if r["problem_id"] in planted)]
-    got = live_vs_prefill.live_vs_prefill_chunk(RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, faults=faults,
+    got = live_vs_prefill.live_vs_prefill_chunk(RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS), faults=faults,
                                                         engine=spec.engine), problems)
     assert [r["gate_failure"] is not None for r in got] == [False, True, False, False]
     assert got[1]["gate_failure"]["gate"] == "desync"

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
 from kvreplay import decode, gates
+from kvreplay.decoding import Decoding
 from kvreplay.gates import GATES, GateError
 from kvreplay.paths import ROOT
 from kvreplay.runner import RunSpec
@@ -111,7 +112,7 @@ def test_a_replica_whose_suffix_differs_is_caught(tiny_format, monkeypatch):
         return dataclasses.replace(out, tokens=[*out.tokens[:-1], out.tokens[-1] + 1]) if len(calls) == 2 else out
 
     monkeypatch.setattr(decode, "decode_suffix", skewed)
-    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS), tiny_problems(1)[0])
+    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), decoding=Decoding.of(TINY_CAPS)), tiny_problems(1)[0])
     assert rec["gate_failure"]["gate"] == "suffix_replica" and "live vs live_replica" in rec["gate_failure"]["reason"]
     assert "arms" not in rec
 
@@ -124,7 +125,7 @@ def test_a_transplant_whose_constructions_choose_another_next_token_is_caught(ti
     lm = tiny_lm("llama")
     fmt = tiny_format(lm)
     p = tiny_problems(1)[0]
-    prefix = live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS), p)["prefix"]
+    prefix = live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS)), p)["prefix"]
 
     def other_argmax(states):  # planted: both prefill states (and both duplicate rows) put their maximum elsewhere
         top = decode.raw_argmax(states["incremental"].logits[0])
@@ -133,7 +134,7 @@ def test_a_transplant_whose_constructions_choose_another_next_token_is_caught(ti
             logits[:, (top + 1) % logits.shape[-1]] = logits.max() + 1
             states[name].logits = logits
 
-    rec = transplant_row(RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, faults=other_argmax), p, prefix, "exact", sweep=False)
+    rec = transplant_row(RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS), faults=other_argmax), p, prefix, "exact", sweep=False)
     assert rec["gate_failure"]["gate"] == "argmax", rec["gate_failure"]
     assert "raw next-token argmax differs between constructions" in rec["gate_failure"]["reason"]
 

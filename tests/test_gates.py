@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
 from kvreplay import caches, decode
+from kvreplay.decoding import Decoding
 from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.experiments.matrix import matrix_summary
 from kvreplay.gates import GateError, cache_tensors
@@ -17,7 +18,7 @@ from kvreplay.runner import RunSpec
 def spec_factory(tiny_format):
     def make(faults=None, arch="llama", dtype=torch.float32):
         lm = tiny_lm(arch, dtype)
-        return RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS, faults=faults)
+        return RunSpec(lm=lm, fmt=tiny_format(lm), decoding=Decoding.of(TINY_CAPS), faults=faults)
 
     return make
 

@@ -7,6 +7,7 @@ import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
 from kvreplay import decode
 from kvreplay.contract import BRANCH1, Caps, resolve_format
+from kvreplay.decoding import Decoding
 from kvreplay.experiments.controls import controls_row, controls_summary, controls_table
 from kvreplay.experiments.endpoints import is_tie, tie_initiated
 from kvreplay.experiments.fixed_prefix import fixed_prefix_row
@@ -102,7 +103,7 @@ def test_tie_accounting():
 
 def test_row_endpoints_carry_tie_and_letter_fields(tiny_format):
     lm = tiny_lm("llama")
-    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS), tiny_problems(1)[0])
+    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), decoding=Decoding.of(TINY_CAPS)), tiny_problems(1)[0])
     ep = rec["endpoints"]
     assert {"letter_differs", "tie_initiated", "answer_differs"} <= set(ep)
     assert ep["tie_initiated"] is None if ep["first_divergence"] is None else isinstance(ep["tie_initiated"], bool)
@@ -139,15 +140,15 @@ def prefill_sees_shifted_positions(monkeypatch):
 def test_clean_rows_record_rounding_sized_float32_drift(tiny_format):
     lm = tiny_lm("llama")
     p = tiny_problems(1)[0]
-    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS), p)
+    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), decoding=Decoding.of(TINY_CAPS)), p)
     assert rec["gate_failure"] is None
     assert rec["equivalence"]["rel_l2"] < 1e-5 < EQUIVALENCE_TOLERANCE
     bf = tiny_lm("llama", torch.bfloat16)
     fmt = tiny_format(bf)
-    rec = live_vs_prefill_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS, equivalence_ids=frozenset({p.problem_id})), p)
+    rec = live_vs_prefill_row(RunSpec(lm=bf, fmt=fmt, decoding=Decoding.of(TINY_CAPS), equivalence_ids=frozenset({p.problem_id})), p)
     assert rec["gate_failure"] is None and rec["equivalence"]["dtype"] == "float32"
     assert rec["equivalence"]["rel_l2"] < EQUIVALENCE_TOLERANCE
-    other = live_vs_prefill_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS), p)  # not a preflight row: not checked in BF16
+    other = live_vs_prefill_row(RunSpec(lm=bf, fmt=fmt, decoding=Decoding.of(TINY_CAPS)), p)  # not a preflight row: not checked in BF16
     assert other["equivalence"] is None
 
 
@@ -155,14 +156,14 @@ def test_clean_rows_record_rounding_sized_float32_drift(tiny_format):
 def test_a_construction_fault_fails_closed_in_either_precision(tiny_format, prefill_sees_shifted_positions):
     p = tiny_problems(1)[0]
     lm = tiny_lm("llama")
-    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS), p)
+    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), decoding=Decoding.of(TINY_CAPS)), p)
     assert rec["gate_failure"]["gate"] == "equivalence", rec["gate_failure"]
     assert "exceeds the float32 tolerance" in rec["gate_failure"]["reason"]
     bf = tiny_lm("llama", torch.bfloat16)
     fmt = tiny_format(bf)
-    rec = live_vs_prefill_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS, equivalence_ids=frozenset({p.problem_id})), p)
+    rec = live_vs_prefill_row(RunSpec(lm=bf, fmt=fmt, decoding=Decoding.of(TINY_CAPS), equivalence_ids=frozenset({p.problem_id})), p)
     assert rec["gate_failure"]["gate"] == "equivalence"
-    rec2 = fixed_prefix_row(RunSpec(lm=bf, fmt=fmt, caps=TINY_CAPS, equivalence_ids=frozenset({p.problem_id})), p,
+    rec2 = fixed_prefix_row(RunSpec(lm=bf, fmt=fmt, decoding=Decoding.of(TINY_CAPS), equivalence_ids=frozenset({p.problem_id})), p,
                     rec["prefix"])
     assert rec2["gate_failure"]["gate"] == "equivalence"
 
@@ -219,7 +220,7 @@ def test_nan_in_a_cache_is_caught_before_the_duplicate_gate(tiny_format):
         with torch.inference_mode():
             states["prefill"].cache.layers[0].keys[:, 0, 0, 0] = float("nan")
 
-    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS, faults=poison), tiny_problems(1)[0])
+    rec = live_vs_prefill_row(RunSpec(lm=lm, fmt=tiny_format(lm), decoding=Decoding.of(TINY_CAPS), faults=poison), tiny_problems(1)[0])
     assert rec["gate_failure"]["gate"] == "nonfinite" and "L00.key" in rec["gate_failure"]["reason"]
 
 
@@ -230,7 +231,7 @@ def test_controls_row_fp32_readout_and_null_perturbation(tiny_format):
     lm = tiny_lm("llama", torch.bfloat16)
     fmt = tiny_format(lm)
     problems = tiny_problems(3)
-    spec = RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS)
+    spec = RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS))
     records = []
     for p in problems:
         prefix = decode.decode_live(lm, fmt, fmt.prompt_ids(p.question, p.options), TINY_CAPS).ids
@@ -282,7 +283,7 @@ def test_fp32_readout_on_a_float32_model_is_the_plain_decoder(tiny_format):
     fmt = tiny_format(lm)
     p = tiny_problems(1)[0]
     prefix = decode.decode_live(lm, fmt, fmt.prompt_ids(p.question, p.options), TINY_CAPS).ids
-    rec = controls_row(RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS), p, prefix)
+    rec = controls_row(RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS)), p, prefix)
     assert rec["gate_failure"] is None
     assert rec["fp32_readout"]["incremental"] == rec["baseline"]["incremental"]
     assert rec["fp32_readout"]["prefill"] == rec["baseline"]["prefill"]
@@ -299,5 +300,5 @@ def test_readout_builds_must_leave_the_cache_unchanged(tiny_format):
         with torch.inference_mode():
             states["prefill_fp32_readout"].cache.layers[1].values.add_(1.0)
 
-    rec = controls_row(RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, faults=skew), p, prefix)
+    rec = controls_row(RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS), faults=skew), p, prefix)
     assert rec["gate_failure"]["gate"] == "readout"

@@ -11,6 +11,7 @@ import torch
 from conftest import TINY_CAPS, TINY_FORMAT, make_tokenizer, tiny_lm, tiny_problems
 from kvreplay import decode, engine
 from kvreplay.contract import resolve_format
+from kvreplay.decoding import Decoding
 from kvreplay.experiments.live_vs_prefill import EXP1, live_vs_prefill_row
 from kvreplay.experiments.matrix import DRIFT_OUTLIER_FACTOR, drift_outliers, matrix_summary, matrix_table
 from kvreplay.gates import GateError, check_live_equals_incremental
@@ -71,9 +72,9 @@ def test_a_clean_bf16_row_passes_and_its_record_does_not_change(tiny_format):
     """A pass adds nothing to the row: checked and unchecked records are equal, byte for byte."""
     lm = tiny_lm("llama", torch.bfloat16)
     fmt, p = tiny_format(lm), tiny_problems(1)[0]
-    checked = RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, live_check_ids=frozenset({p.problem_id}))
+    checked = RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS), live_check_ids=frozenset({p.problem_id}))
     a = live_vs_prefill_row(checked, p)
-    b = live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS), p)
+    b = live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS)), p)
     assert a["gate_failure"] is None and json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     assert [c["problem_id"] for c in checked.live_checks] == [p.problem_id]
 
@@ -214,7 +215,7 @@ def test_the_phase_wise_engine_path_checks_its_live_boundaries_too(tiny_format, 
     fmt = tiny_format(lm)
     problems = tiny_problems(2)
     run = EngineRun("eager", 2, 4096)
-    spec = RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, engine=run,
+    spec = RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS), engine=run,
                    live_check_ids=frozenset(p.problem_id for p in problems))
     assert all(r["gate_failure"] is None for r in live_vs_prefill_chunk_phased(spec, problems))
     with _engine_live_without_roles(monkeypatch):
@@ -235,7 +236,7 @@ def test_drift_outliers_flag_rows_far_above_the_arms_median():
 
 def test_the_matrix_table_prints_the_flagged_rows(tiny_format):
     lm = tiny_lm("llama", torch.bfloat16)
-    spec = RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS)
+    spec = RunSpec(lm=lm, fmt=tiny_format(lm), decoding=Decoding.of(TINY_CAPS))
     recs = [live_vs_prefill_row(spec, p) for p in tiny_problems(3)]
     recs[2]["boundary"]["prefill_vs_live"]["cache"]["rel_l2"] = 1.0  # as a live fault outside the sample would show
     for r in recs[:2]:
@@ -257,9 +258,9 @@ def _skew_live(states):
 def test_a_skewed_live_state_passes_every_other_gate_and_fails_this_one(tiny_format):
     lm = tiny_lm("llama", torch.bfloat16)
     fmt, p = tiny_format(lm), tiny_problems(1)[0]
-    unchecked = live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, faults=_skew_live), p)
+    unchecked = live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS), faults=_skew_live), p)
     assert unchecked["gate_failure"] is None
-    checked = live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, caps=TINY_CAPS, faults=_skew_live,
+    checked = live_vs_prefill_row(RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS), faults=_skew_live,
                                           live_check_ids=frozenset({p.problem_id})), p)
     assert checked["gate_failure"]["gate"] == "live_equals_incremental"
     assert "L01.key differs in 2 of" in checked["gate_failure"]["reason"]

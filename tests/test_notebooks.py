@@ -7,13 +7,15 @@ run on the same folder must reuse the finished ledger without recomputing.
 from __future__ import annotations
 
 import json
+import os
 
 import pandas as pd
 import papermill as pm
 import pytest
 import yaml
-from kvreplay.paper import CHAIN, declared_parameters
+from kvreplay.paper import CHAIN, artifact_log, declared_parameters
 from kvreplay.paths import NOTEBOOKS, PARAMS
+from kvreplay.report.files import ARTIFACT_LOG
 from kvreplay.report.paper_tables import NOT_RUN
 from kvreplay.report.summary import TABLES_BY_EXPERIMENTS
 
@@ -27,10 +29,16 @@ def _execute(name, out_dir, ledgers, figures, **extra):
     overrides = {"ledger_root": str(ledgers), "figures_root": str(figures), "checkpoint_root": str(ledgers.parent / "checkpoints")}
     extra.setdefault("interactive", False)  # notebook 08: no widgets in a headless run
     params = declared_parameters(name, {"profile": "smoke", "overrides": overrides, **extra})
-    return pm.execute_notebook(
-        str(NOTEBOOKS / name), str(out_dir / name), parameters=params, cwd=str(NOTEBOOKS), kernel_name="python3",
-        progress_bar=False,
-    )
+    log = artifact_log(out_dir, name)  # the kernel records each table and figure there, as under make paper
+    log.unlink(missing_ok=True)
+    os.environ[ARTIFACT_LOG] = str(log)
+    try:
+        return pm.execute_notebook(
+            str(NOTEBOOKS / name), str(out_dir / name), parameters=params, cwd=str(NOTEBOOKS), kernel_name="python3",
+            progress_bar=False,
+        )
+    finally:
+        del os.environ[ARTIFACT_LOG]
 
 
 def test_every_notebook_has_a_parameters_cell():

@@ -397,3 +397,59 @@ def test_the_index_opens_with_the_headline_from_the_data_and_links_every_file(tm
     assert "- BF16 suffix differs: **5/16" in md.read_text().split("| artifact |")[0]
     assert headline(tmp_path / "none") == ["- No headline yet: notebook 06 writes `table_vs_paper.csv` (this run "
                                            "against the paper)."]
+
+
+def test_the_index_reads_what_the_writers_recorded_not_the_printed_lines(tmp_path, monkeypatch, capsys):
+    """save_table records each table as data (kind, stem, files, the sha256 of its cell's source) where the
+    environment says; the index finds the cell from the record. A ``[saved ...]`` line printed without a record
+    is not read, and a record of a cell the notebook lacks is refused, naming the file and line."""
+    import hashlib
+    import json
+
+    import nbformat
+    import pandas as pd
+
+    from kvreplay.paper import artifact_index, artifact_log
+    from kvreplay.report.files import ARTIFACT_LOG, save_table
+
+    name = "01_experiment1_live_vs_prefill.ipynb"
+    monkeypatch.setenv(ARTIFACT_LOG, str(artifact_log(tmp_path, name)))
+    save_table(pd.DataFrame({"a": [1]}), tmp_path / "figs" / "table_demo", caption="Demo", source=name)
+    assert "[saved table table_demo: .csv .md .tex]" in capsys.readouterr().out  # the reader's line stays
+    (rec,) = [json.loads(line) for line in artifact_log(tmp_path, name).read_text().splitlines()]
+    assert rec == {"kind": "table", "stem": "table_demo", "files": ".csv .md .tex", "cell_sha256": None}  # no kernel
+    saving = "session.save_table(df, 'table_demo')"
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# Experiment 1\n\n## The table"), nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("print('[saved figure not_recorded: .png .pdf]')", outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="[saved figure not_recorded: .png .pdf]\n")]),
+        nbformat.v4.new_code_cell(saving)])
+    nbformat.write(nb, str(tmp_path / name))
+    rec["cell_sha256"] = hashlib.sha256(saving.encode()).hexdigest()  # as a kernel records it
+    artifact_log(tmp_path, name).write_text(json.dumps(rec) + "\n")
+    assert artifact_index(tmp_path, [name, "02_experiment2_fixed_prefix_precision.ipynb"]) == [
+        {"kind": "table", "stem": "table_demo", "files": ".csv .md .tex", "notebook": name, "cell": 3,
+         "cell_id": nb.cells[3].id, "heading": "Experiment 1"}]
+    artifact_log(tmp_path, name).write_text(json.dumps(rec) + "\n" + json.dumps(rec | {"cell_sha256": "0" * 64}) + "\n")
+    with pytest.raises(ValueError, match=r"artifacts\.jsonl:2: not a record of a cell of 01_experiment1"):
+        artifact_index(tmp_path, [name])
+
+
+def test_a_kernel_records_the_cell_that_saved_each_table(tmp_path, monkeypatch):
+    """In a real kernel (papermill), the record names the running cell by the sha256 of its source."""
+    import nbformat
+    import papermill as pm
+
+    from kvreplay.paper import artifact_index, artifact_log
+    from kvreplay.report.files import ARTIFACT_LOG
+
+    name = "06_tables.ipynb"
+    cells = ["import pandas as pd\nfrom kvreplay.report.files import save_table",
+             f"save_table(pd.DataFrame({{'a': [1]}}), {str(tmp_path / 'figs' / 'table_k')!r}, caption='K', source='06')"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Tables"), *map(nbformat.v4.new_code_cell, cells)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(tmp_path / "source.ipynb"))
+    monkeypatch.setenv(ARTIFACT_LOG, str(artifact_log(tmp_path, name)))  # the kernel inherits it
+    pm.execute_notebook(str(tmp_path / "source.ipynb"), str(tmp_path / name), kernel_name="python3", progress_bar=False)
+    (entry,) = artifact_index(tmp_path, [name])
+    assert (entry["stem"], entry["cell"], entry["heading"]) == ("table_k", 2, "Tables")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
 from kvreplay import adapt, decode
+from kvreplay.decoding import Decoding
 from kvreplay.experiments import replication
 from kvreplay.experiments.fixed_prefix import load_fixed_prefixes
 from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
@@ -112,7 +113,7 @@ def test_panel_reads_only_ids_and_lengths(tmp_path):
 @pytest.fixture
 def spec(tiny_format):
     lm = tiny_lm("llama", torch.bfloat16, role_table=torch.randn(14, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16))
-    return RunSpec(lm=lm, fmt=tiny_format(lm), caps=TINY_CAPS)
+    return RunSpec(lm=lm, fmt=tiny_format(lm), decoding=Decoding.of(TINY_CAPS))
 
 
 def test_replication_row_runs_exactly_six_arms(spec, monkeypatch):

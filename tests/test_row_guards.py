@@ -9,6 +9,7 @@ import yaml
 from conftest import TINY_CAPS, TINY_FORMAT, make_tokenizer, tiny_lm, tiny_problems
 from kvreplay import decode, models
 from kvreplay.contract import ContractError, resolve_format
+from kvreplay.decoding import Decoding
 from kvreplay.experiments.fixed_prefix import fixed_prefix_row
 from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.ledger.store import Ledger
@@ -27,7 +28,7 @@ def _hand_built(model: torch.nn.Module, name: str) -> LoadedModel:
 
 
 def _spec(lm: LoadedModel) -> RunSpec:
-    return RunSpec(lm=lm, fmt=resolve_format(lm.tokenizer, TINY_FORMAT), caps=TINY_CAPS)
+    return RunSpec(lm=lm, fmt=resolve_format(lm.tokenizer, TINY_FORMAT), decoding=Decoding.of(TINY_CAPS))
 
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -73,7 +74,7 @@ def test_a_loaded_models_self_check_record_is_reused_and_a_hand_built_one_is_che
     monkeypatch.setattr("kvreplay.runner.spec.self_check", lambda lm: calls.append(1) or real(lm))
     lm = tiny_lm("qwen2")
     spec = _spec(lm)
-    RunSpec(lm=lm, fmt=spec.fmt, caps=TINY_CAPS)  # the same model object again
+    RunSpec(lm=lm, fmt=spec.fmt, decoding=Decoding.of(TINY_CAPS))  # the same model object again
     assert calls == [1]
     loaded = tiny_lm("llama")
     loaded.identity["self_check"] = {"passed": True}  # what load_model records

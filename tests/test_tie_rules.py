@@ -11,6 +11,7 @@ import torch
 
 from kvreplay import caches, decode, engine, ties
 from kvreplay.contract import ANSWER, MERGE, resolve_format
+from kvreplay.decoding import Decoding
 from kvreplay.experiments.arms import ARMS
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.experiments.tie_rules import (
@@ -91,14 +92,16 @@ def test_the_hash_is_deterministic_and_depends_on_seed_position_and_the_tied_set
     for i, s in enumerate(sets):
         masked[i, s] = 3.0
     position = torch.arange(100, 100 + rows)
-    got = ties.choose(masked, "hash:9", position).tolist()
+    got = ties.choose(masked, ties.parse_tie_rule("hash:9"), position).tolist()
     want = [s[ties.tie_hash(9, 100 + i, s) % len(s)] for i, s in enumerate(sets)]
     assert got == want
-    assert ties.choose(masked, "hash:9", position).tolist() == got  # deterministic
-    assert ties.choose(masked, "lowest").tolist() == [s[0] for s in sets]
-    assert ties.choose(masked, "highest").tolist() == [s[-1] for s in sets]
+    assert ties.choose(masked, ties.parse_tie_rule("hash:9"), position).tolist() == got  # deterministic
+    assert ties.choose(masked, ties.LOWEST).tolist() == [s[0] for s in sets]
+    assert ties.choose(masked, ties.TieRule("highest")).tolist() == [s[-1] for s in sets]
     with pytest.raises(ValueError, match="needs the position"):
-        ties.choose(masked, "hash:0")
+        ties.choose(masked, ties.TieRule("hash", 0))
+    with pytest.raises(TypeError, match="a parsed TieRule is needed"):
+        ties.choose(masked, "lowest")  # type: ignore[arg-type]  (decoders take rules parsed: Decoding.of)
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -109,15 +112,16 @@ def test_each_rule_breaks_a_planted_tie_alike_in_the_eager_cursor_and_the_engine
     logits = torch.linspace(-3, 3, vocab)
     logits[a] = logits[b] = 7.0
     logits[bad] = 9.0
+    parsed = Decoding.of(TINY_CAPS, rule).tie_rule
     for position in (11, 12, 13, 14):
-        cursor = decode.BlockCursor(fmt, TINY_CAPS, MERGE, tie_rule=rule)
+        cursor = decode.BlockCursor(fmt, TINY_CAPS, MERGE, tie_rule=parsed)
         token, _, margin, _ = cursor.step(logits, position=position)
         assert token == _want(rule, a, b, position) and margin == 0.0 and cursor.last_top == 7.0
-        assert decode.first_eligible_argmax(fmt, logits, rule, position) == token
+        assert decode.first_eligible_argmax(fmt, logits, parsed, position) == token
         eligible = fmt.content_mask(MERGE, "cpu", vocab).expand(2, -1)
-        stats = engine.choice_stats(logits.expand(2, -1), eligible, rule, torch.full((2,), position), top=True)
+        stats = engine.choice_stats(logits.expand(2, -1), eligible, parsed, torch.full((2,), position), top=True)
         assert stats.tolist() == [[token] * 2, [margin] * 2, [1.0] * 2, [1.0] * 2, [7.0] * 2]
-        eng = engine.StepEngine(lm, fmt, 1, 64, tie_rule=rule, top_logits=True)
+        eng = engine.StepEngine(lm, fmt, 1, 64, tie_rule=parsed, top_logits=True)
         assert eng.first_choice(logits.expand(2, -1), MERGE, position) == stats.tolist()
     if rule == "lowest":  # the default is torch.argmax itself
         assert token == int(logits.masked_fill(~eligible[0], float("-inf")).argmax())
@@ -145,7 +149,8 @@ def test_the_engine_step_breaks_every_planted_tie_as_the_eager_cursor_does(lm_fm
     lives = [decode.decode_live(lm, fmt, fmt.prompt_ids(p.question, p.options), TINY_CAPS) for p in problems]
     with torch.inference_mode():
         lives = [dataclasses.replace(s, logits=plant(s.logits)) for s in lives]
-    eng = engine.StepEngine(lm, fmt, 3, 256, readout=readout, tie_rule=rule, top_logits=True)
+    decoding = Decoding.of(TINY_CAPS, rule, top_logits=True)
+    eng = engine.StepEngine(lm, fmt, 3, 256, readout=readout, tie_rule=decoding.tie_rule, top_logits=True)
     for slot, s in enumerate(lives):
         n = eng.admit(slot, s.cache, s.roles)
         eng.set_row_pair(slot, a, n, MERGE, MERGE)  # feed a content token at the next position
@@ -153,14 +158,12 @@ def test_the_engine_step_breaks_every_planted_tie_as_the_eager_cursor_does(lm_fm
         logits, stats = eng.step()
     for slot, s in enumerate(lives):
         position = len(s.ids) + 1
-        cursor = decode.BlockCursor(fmt, TINY_CAPS, MERGE, tie_rule=rule)
+        cursor = decode.BlockCursor(fmt, TINY_CAPS, MERGE, tie_rule=decoding.tie_rule)
         token, _, margin, _ = cursor.step(logits[2 * slot], position=position)
         assert token == _want(rule, a, b, position) == stats[0][2 * slot] == stats[0][2 * slot + 1]
         assert margin == stats[1][2 * slot] == 0.0 and cursor.last_top == stats[4][2 * slot]
-    eager = [decode.decode_suffix(lm, fmt, caches.live_replica(s), TINY_CAPS, readout=readout, tie_rule=rule)
-             for s in lives]
-    batched = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, readout=readout,
-                                     run=engine.EngineRun(batch=2, tie_rule=rule, top_logits=True))
+    eager = [decode.decode_suffix(lm, fmt, caches.live_replica(s), decoding, readout=readout) for s in lives]
+    batched = engine.decode_suffixes(lm, fmt, lives, decoding, readout=readout, run=engine.EngineRun(batch=2))
     for e, g in zip(eager, batched):
         assert e.tokens == g.tokens and e.margins == g.margins
         assert len(g.tops) == len(g.margins) and [t is None for t in g.tops] == [m is None for m in g.margins]
@@ -190,8 +193,10 @@ def test_the_default_rule_adds_nothing_to_a_key_or_an_environment(tiny_arm, tmp_
     assert "tie_rule" not in arm_environment(lm, fmt, plain)
     assert arm_environment(lm, fmt, high)["tie_rule"] == "highest"
     assert plain.engine_run(fmt, problems) is None
-    run = tiny_arm(step_path="engine-eager", tie_rule="hash:3").engine_run(fmt, problems)
-    assert (run.tie_rule, run.top_logits) == ("hash:3", False)
+    hashed = tiny_arm(step_path="engine-eager", tie_rule="hash:3")
+    run = hashed.engine_run(fmt, problems)
+    assert (hashed.decoding.tie_rule, hashed.decoding.top_logits) == (ties.TieRule("hash", 3), False)
+    assert run.settings(hashed.decoding) == run.settings(Decoding.of(TINY_CAPS)) | {"tie_rule": "hash:3"}  # the run log
     with pytest.raises(ValueError, match="unknown tie rule"):
         tiny_arm(tie_rule="random")
     plan = EXP1_TIES.plan(problems, key={"tie_rule": "highest", "top_logits": True})

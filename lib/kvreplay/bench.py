@@ -120,12 +120,12 @@ def run(model: str = "embedded", dtype: str = "bfloat16", tokens: int = 64, repe
     t_prefill = _median_time(lambda: build_prefill(lm, fmt, z), repeats)
     bank = load_bank()
     row = EXP1.plan(bank).row_function()  # the arm's own row function, as notebook 01 runs it
-    t_row = _median_time(lambda: row(RunSpec(lm=lm, fmt=fmt, caps=settings.caps), problem), 1)
+    t_row = _median_time(lambda: row(RunSpec(lm=lm, fmt=fmt, decoding=settings.decoding), problem), 1)
     t_seq = None
     if workers > 1:
         import dataclasses
 
-        spec = RunSpec(lm=lm, fmt=fmt, caps=settings.caps)
+        spec = RunSpec(lm=lm, fmt=fmt, decoding=settings.decoding)
         n = rows or 2 * workers
         timed = bank[1 : 1 + n]
         t0 = time.perf_counter()
@@ -299,12 +299,13 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
         group = bank[1 : 1 + rows]
         c_caps = Caps(*c)
         for attention in attentions:
-            run = ArmSettings(profile="bench", dtype=str(lm.dtype).split(".")[-1], caps=c_caps, device=str(lm.device),
+            arm = ArmSettings(profile="bench", dtype=str(lm.dtype).split(".")[-1], caps=c_caps, device=str(lm.device),
                               step_path="graph" if step_path == "graph" else "engine-eager", batch=exp1_batch,
-                              attention=attention).engine_run(fmt, group + bank[:1])
+                              attention=attention)
+            run = arm.engine_run(fmt, group + bank[:1])
             assert run is not None  # a batched step path
             need = run.max_len
-            spec = RunSpec(lm=lm, fmt=fmt, caps=c_caps, engine=run)
+            spec = RunSpec(lm=lm, fmt=fmt, decoding=arm.decoding, engine=run)
             t, recs = timed(lambda: chunk(spec, group))
             failed = sum(r["gate_failure"] is not None for r in recs)
             out.append({"path": f"Experiment 1 batched runner, {label}, attention {attention}, caps {tuple(c)}",

@@ -402,7 +402,7 @@ def exp1_end_to_end(lm, fmt, problems: Sequence, *, batch: int, caps: tuple[int,
                            device=str(lm.device), attention=attention, chunk=len(problems))
     run = settings.engine_run(fmt, problems)
     ids = frozenset([problems[0].problem_id]) if gates else frozenset()
-    spec = RunSpec(lm=lm, fmt=fmt, caps=Caps(*caps), engine=run, equivalence_ids=ids)
+    spec = RunSpec(lm=lm, fmt=fmt, decoding=settings.decoding, engine=run, equivalence_ids=ids)
     timer = _Timer(lm.device)
     chunk: dict = {}
     mapper = BatchedRows(spec, EXP1.plan(problems).chunk_function(), problems, on_chunk=chunk.update,

@@ -255,12 +255,16 @@ class BlockCursor:
     Inside an open block the eligible tokens are non-special vocabulary and
     the block's closing token; a closing delimiter is forced at the cap;
     between blocks the next opening delimiter is forced token by token.
-    ``tie_rule`` picks among exactly tied eligible tokens (:mod:`kvreplay.ties`; default ``lowest``).
+    ``tie_rule``, parsed (:attr:`kvreplay.decoding.Decoding.tie_rule`), picks among exactly tied eligible tokens
+    (:mod:`kvreplay.ties`; default ``lowest``).
+
+    Raises:
+        TypeError: a tie rule given by name (:func:`kvreplay.ties.check_parsed`).
     """
     def __init__(self, fmt: BlockFormat, caps: Caps, role: int, forced: Sequence[tuple[int, int]] = (),
-                 tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE):
+                 tie_rule: ties.TieRule = ties.LOWEST):
         self.fmt, self.caps = fmt, caps
-        self.tie_rule = ties.parse_tie_rule(tie_rule)
+        self.tie_rule = ties.check_parsed(tie_rule, "BlockCursor tie_rule")
         self.last_top: float | None = None  # the top-1 eligible logit of the last model-chosen step (float32)
         self.role = role
         self.count = 0
@@ -411,29 +415,14 @@ def _run(
     return new, roles, logits, calls
 
 
-def _settings(caps: "Caps | Decoding", tie_rule: "str | ties.TieRule") -> tuple[Caps, "str | ties.TieRule"]:
-    """``(caps, tie rule)`` of a decoder's call: a :class:`~kvreplay.decoding.Decoding` given whole, else ``caps``
-    and ``tie_rule`` as given.
-
-    Raises:
-        ValueError: a ``Decoding`` together with a ``tie_rule`` other than the default (two rules for one call)."""
-    if isinstance(caps, Decoding):
-        if tie_rule != ties.DEFAULT_TIE_RULE:
-            raise ValueError("give the tie rule in the Decoding, not beside it")
-        return caps.caps, caps.tie_rule
-    return caps, tie_rule
-
-
 @torch.inference_mode()
-def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: "Caps | Decoding", *,
-                tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE) -> Boundary:
+def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], decoding: "Decoding | Caps") -> Boundary:
     """Ordinary greedy multi-branch decoding up to the merge boundary (live construction).
 
     Args:
         prompt: token IDs of the prompt block (role 0).
-        caps: the run's :class:`~kvreplay.decoding.Decoding` (caps and tie rule), or content caps alone with
-            ``tie_rule``; branches stop at ``caps.branch``.
-        tie_rule: which of exactly tied eligible tokens is chosen (:mod:`kvreplay.ties`), with caps alone.
+        decoding: the run's :class:`~kvreplay.decoding.Decoding` (caps and the parsed tie rule), or content caps
+            alone (the ``lowest`` rule); branches stop at ``caps.branch``.
 
     Returns:
         The live :class:`Boundary`: cache after the merge opener, with the
@@ -442,14 +431,14 @@ def decode_live(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], caps: 
     Raises:
         GateError: ``desync`` if the duplicates diverge.
     """
-    caps, tie_rule = _settings(caps, tie_rule)
+    d = Decoding.given(decoding)
     dev = lm.device
     ids = list(prompt)
     roles = torch.full((BATCH, len(ids)), PROMPT, dtype=torch.long, device=dev)
     cache = new_cache(lm)
     trace: list = []
     logits = forward(lm, cache, _as_batch(ids, dev), roles, 0, trace)
-    cursor = BlockCursor(fmt, caps, PROMPT, [(t, BRANCH1) for t in fmt.openers[BRANCH1]], tie_rule)
+    cursor = BlockCursor(fmt, d.caps, PROMPT, [(t, BRANCH1) for t in fmt.openers[BRANCH1]], d.tie_rule)
     new, roles, logits, calls = _run(
         lm, cursor, cache, ids, roles, logits, stop=lambda c: c.role == MERGE and c.in_content, trace=trace
     )
@@ -531,8 +520,8 @@ class Suffix:
 
 @torch.inference_mode()
 def decode_suffix(
-    lm: LoadedModel, fmt: BlockFormat, boundary: Boundary, caps: "Caps | Decoding", *,
-    readout: FP32Readout | None = None, tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE,
+    lm: LoadedModel, fmt: BlockFormat, boundary: Boundary, decoding: "Decoding | Caps", *,
+    readout: FP32Readout | None = None,
 ) -> Suffix:
     """The shared suffix decoder: continue any boundary state through merge and answer.
 
@@ -542,13 +531,13 @@ def decode_suffix(
     in place (it is consumed); take replicas and summaries first. With
     ``readout`` every step's logits come from :class:`FP32Readout` (the
     exploratory FP32-readout control; the boundary's logits should come from
-    a construction built with the same readout). ``caps`` and ``tie_rule`` as in :func:`decode_live`.
+    a construction built with the same readout). ``decoding`` as in :func:`decode_live`.
 
     Raises:
         GateError: ``nonfinite``, ``desync``.
     """
-    caps, tie_rule = _settings(caps, tie_rule)
-    cursor = BlockCursor(fmt, caps, MERGE, tie_rule=tie_rule)
+    d = Decoding.given(decoding)
+    cursor = BlockCursor(fmt, d.caps, MERGE, tie_rule=d.tie_rule)
     margins: list = []
     tops: list = []
     new, _, _, _ = _run(
@@ -563,11 +552,11 @@ def decode_suffix(
     return Suffix(new, margins, full[m0:m1], full[a0:a1], tops)
 
 
-def first_eligible_argmax(fmt: BlockFormat, logits: torch.Tensor, tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE,
+def first_eligible_argmax(fmt: BlockFormat, logits: torch.Tensor, tie_rule: ties.TieRule = ties.LOWEST,
                           position: int | None = None) -> int:
     """Greedy choice from boundary logits ``[vocab]`` over tokens eligible in the open merge block.
 
-    An exact tie goes by ``tie_rule`` (default: the lowest ID); ``position``, the boundary's length, for ``hash``.
+    An exact tie goes by ``tie_rule``, parsed (default: the lowest ID); ``position``, the boundary's length, for ``hash``.
     """
     mask = fmt.content_mask(MERGE, logits.device, logits.shape[-1])
     masked = logits.float().masked_fill(~mask, float("-inf"))

@@ -20,6 +20,7 @@ from torch.nn.attention import sdpa_kernel
 
 from . import caches, decode, kernels
 from .contract import BlockFormat, Caps
+from .decoding import Decoding
 from .drift import aggregate, cache_drift
 from .engine import EngineRun, decode_lives, decode_suffixes
 from .execution import sdpa_backend_list
@@ -120,15 +121,16 @@ def _suffix_differs(a: decode.Suffix, b: decode.Suffix) -> list[str]:
 
 
 def engine_check(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], companions: Sequence[Sequence[int]],
-                 caps: Caps, run: EngineRun, sizes: Sequence[int] = (2, 7)) -> dict:
+                 decoding: "Decoding | Caps", run: EngineRun, sizes: Sequence[int] = (2, 7)) -> dict:
     """One problem's live boundary and suffix under ``lm``'s kernels: the eager decoders against the batched engine.
 
     The engine (:mod:`kvreplay.engine`, eager step, ``sdpa`` attention) decodes ``prompt`` alone (B = 1), then
     beside ``companions`` (prompts of other lengths, cycled) in batches of ``sizes`` problems. It fills its slots
     from the last, so ``prompt``, submitted last, sits in slot 0 there and in another slot than its companions'
     order would give. Each engine's ``max_len`` is what its longest problem needs, so it differs between the runs.
-    ``run`` gives the engine's other settings (step path, attention, tie rule); its ``batch``, ``max_len``,
-    ``fill_from`` and ``top_logits`` are set here.
+    ``decoding`` (caps alone: the default tie rule) is every decoder's; the engine also records top-1 logits.
+    ``run`` gives the engine's other settings (step path, attention); its ``batch``, ``max_len`` and ``fill_from``
+    are set here.
 
     Returns:
         ``{"eager_vs_alone": [...], B: [...] per size}``: what differs bit for bit between the eager decoders' row
@@ -140,13 +142,14 @@ def engine_check(lm: LoadedModel, fmt: BlockFormat, prompt: Sequence[int], compa
         ContractError: an engine setting the kernels contract does not cover (:mod:`kvreplay.engine.invariant`).
         GateError: a gate of the decoders.
     """
-    live = decode.decode_live(lm, fmt, prompt, caps)
-    eager = decode.decode_suffix(lm, fmt, caches.live_replica(live), caps)
+    live = decode.decode_live(lm, fmt, prompt, decoding)
+    eager = decode.decode_suffix(lm, fmt, caches.live_replica(live), decoding)
+    tops = dataclasses.replace(Decoding.given(decoding), top_logits=True)
 
     def engine_row(problems: Sequence[Sequence[int]], batch: int) -> tuple[decode.Boundary, decode.Suffix]:
-        this = dataclasses.replace(run, batch=batch, max_len=None, fill_from="last", top_logits=True)
-        boundaries = decode_lives(lm, fmt, problems, caps, this)
-        return boundaries[-1], decode_suffixes(lm, fmt, boundaries, caps, this)[-1]
+        this = dataclasses.replace(run, batch=batch, max_len=None, fill_from="last")
+        boundaries = decode_lives(lm, fmt, problems, tops, this)
+        return boundaries[-1], decode_suffixes(lm, fmt, boundaries, tops, this)[-1]
 
     alone = engine_row([prompt], 1)
     out: dict = {"eager_vs_alone": _boundary_differs(live, alone[0]) + _suffix_differs(eager, alone[1])}

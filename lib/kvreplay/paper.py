@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -54,13 +55,14 @@ import yaml
 from .ledger.store import TERMINAL_PROGRESS, library_digest
 from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, ROOT
 from .profiles import ChainParameters, describe, load_parameters, profile_path, read_profile
+from .report.files import ARTIFACT_LOG
 from .runner import READ_ONLY_ENV
 from .paper_chain import (  # re-exported
     CHAIN, EXECUTED_PROFILES, RUN_PARAMETERS, assigned_names, code_cells, declared_parameters, inputs_digest,
     notebook_arms, run_inprocess, unfinished_arms,
 )
 from .paper_pages import (  # re-exported
-    EXPLORER, HEADLINE, PROGRESS_BAR, READING_CSS, SAVED_MARK, VOLATILE_METADATA, artifact_index, clean_executed,
+    EXPLORER, HEADLINE, PROGRESS_BAR, READING_CSS, VOLATILE_METADATA, artifact_index, artifact_log, clean_executed,
     headline, is_progress_output, render_html, write_index,
 )
 
@@ -69,6 +71,15 @@ KERNEL_ARGUMENTS = ["--IPKernelApp.log_level=CRITICAL", "--IPKernelApp.capture_f
 """How ``make paper`` starts a kernel: it logs only critical errors (a kernel shut down by Ctrl-C logs no ZMQ
 traceback), and what is written to its file descriptors rather than through ``sys.stdout`` (the row bars drawn
 on the terminal, :data:`~kvreplay.ledger.store.TERMINAL_PROGRESS`) goes to the terminal, not into the notebook."""
+
+
+def copy_artifact_log(src: Path, dest: Path, name: str) -> None:
+    """Copy notebook ``name``'s record of its tables and figures (:func:`artifact_log`) from ``src`` to ``dest`` beside
+    its executed copy; a notebook that saved none has none there either."""
+    if artifact_log(src, name).is_file():
+        shutil.copyfile(artifact_log(src, name), artifact_log(dest, name))
+    else:
+        artifact_log(dest, name).unlink(missing_ok=True)
 
 
 def run_notebook(name: str, params: dict, out_dir: Path, html: bool = True, progress: bool = True) -> Path:
@@ -90,6 +101,9 @@ def run_notebook(name: str, params: dict, out_dir: Path, html: bool = True, prog
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / name
     tmp = out_dir / f".{Path(name).stem}.partial.ipynb"
+    log = artifact_log(out_dir, name)  # the kernel records each table and figure it saves there
+    log.unlink(missing_ok=True)
+    os.environ[ARTIFACT_LOG] = str(log)
     try:
         pm.execute_notebook(
             str(NOTEBOOKS / name), str(tmp), parameters=declared_parameters(name, params), cwd=str(NOTEBOOKS),
@@ -103,6 +117,7 @@ def run_notebook(name: str, params: dict, out_dir: Path, html: bool = True, prog
             os.replace(tmp, failed / name)
         out.unlink(missing_ok=True)
         out.with_suffix(".html").unlink(missing_ok=True)
+        log.unlink(missing_ok=True)
         if isinstance(e, pm.PapermillExecutionError):
             where = f"cell {e.exec_count} ({e.ename}: {e.evalue})"
         elif isinstance(e, KeyboardInterrupt):
@@ -323,6 +338,7 @@ def _main(argv: list[str] | None) -> int:
             finished.append(name)
             if executed:
                 clean_executed(out_dir / name, EXECUTED / label / name)
+                copy_artifact_log(out_dir, EXECUTED / label, name)
     except KeyboardInterrupt:
         stamp_finished()
         print(f"\ninterrupted (Ctrl-C) in {name}: the rows it finished are kept in {_shown_path(ledgers)}; "

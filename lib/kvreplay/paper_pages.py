@@ -6,6 +6,8 @@ Re-exported by :mod:`kvreplay.paper`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -115,44 +117,53 @@ def clean_executed(src: Path, dest: Path) -> Path:
     return dest
 
 
-SAVED_MARK = re.compile(r"^\[saved (table|figure) ([\w.-]+): ([^\]]*)\]", re.M)
-"""The line :func:`kvreplay.report.files.save_table` / ``save_figure`` print in a notebook for each file set they write."""
+def artifact_log(folder: Path, notebook: str) -> Path:
+    """Where a notebook's tables and figures are recorded as it runs, beside its executed copy:
+    ``<folder>/.<notebook stem>.artifacts.jsonl`` (:data:`kvreplay.report.files.ARTIFACT_LOG` names it)."""
+    return folder / f".{Path(notebook).stem}.artifacts.jsonl"
 
 
 def artifact_index(folder: Path, chain: list[str]) -> list[dict]:
-    """Where each table and figure is made: scan executed notebooks' outputs for the ``[saved ...]`` lines.
+    """Where each table and figure is made: each executed notebook's record of what it saved
+    (:func:`artifact_log`), its cells found in the notebook by the sha256 of their source.
 
     Returns:
-        one dict per artifact: ``kind`` (table/figure), ``stem``, ``files`` (suffixes), ``notebook``,
-        ``cell`` (1-based code-cell number), ``cell_id`` (the nbformat cell id), ``heading`` (the nearest
-        markdown heading above the cell).
+        one dict per artifact, in the order they were saved: ``kind`` (table/figure), ``stem``, ``files``
+        (suffixes), ``notebook``, ``cell`` (1-based code-cell number), ``cell_id`` (the nbformat cell id),
+        ``heading`` (the nearest markdown heading above the cell). A notebook without its record is left out.
+
+    Raises:
+        ValueError: a record line that is not JSON, or whose cell is not in the notebook (file and line named).
     """
     import nbformat
 
     out = []
     for name in chain:
-        path = folder / name
-        if not path.is_file():
+        path, log = folder / name, artifact_log(folder, name)
+        if not path.is_file() or not log.is_file():
             continue
         try:
             nb = nbformat.read(str(path), as_version=4)
         except Exception:  # not a notebook (e.g. a placeholder): nothing to index
             continue
+        cells: dict[str, tuple[int, str | None, str]] = {}  # sha256 of a code cell's source -> number, id, heading
         heading, n_code = "", 0
         for c in nb.cells:
             if c.cell_type == "markdown":
-                for line in c.source.splitlines():
-                    if line.startswith("#"):
-                        heading = line.lstrip("#").strip()
-                        break
-                continue
-            if c.cell_type != "code":
-                continue
-            n_code += 1
-            text = "".join(o.get("text", "") for o in c.get("outputs", []) if o.get("output_type") == "stream")
-            for kind, stem, files in SAVED_MARK.findall(text):
-                out.append({"kind": kind, "stem": stem, "files": files, "notebook": name, "cell": n_code,
-                            "cell_id": c.get("id"), "heading": heading})
+                heading = next((line.lstrip("#").strip() for line in c.source.splitlines() if line.startswith("#")),
+                               heading)
+            elif c.cell_type == "code":
+                n_code += 1
+                cells.setdefault(hashlib.sha256(c.source.encode()).hexdigest(), (n_code, c.get("id"), heading))
+        for i, line in enumerate(log.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                rec = json.loads(line)
+                cell, cell_id, head = cells[rec["cell_sha256"]]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{log}:{i}: not a record of a cell of {name} ({type(e).__name__}: {e}); "
+                                 f"re-execute the notebook (make paper) to record its tables and figures again") from None
+            out.append({"kind": rec["kind"], "stem": rec["stem"], "files": rec["files"], "notebook": name,
+                        "cell": cell, "cell_id": cell_id, "heading": head})
     return out
 
 

@@ -50,7 +50,7 @@ def run(device: str = "cuda", rows: int = 2, caps: tuple[int, int, int] = (32, 6
             except Exception as e:  # a backend this torch build or device cannot use at all
                 out.append({"setting": label, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
                 continue
-            spec = RunSpec(lm=lm, fmt=fmt, caps=s.caps)
+            spec = RunSpec(lm=lm, fmt=fmt, decoding=s.decoding)
             recs: list[Exp1Record] = []
             failures: list[GateFailure] = []  # in problem order, a kernel error among them
             for p in problems:

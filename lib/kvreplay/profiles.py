@@ -30,10 +30,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .decoding import parse_rule
 from .paths import PARAMS, ROOT
 from .runner import EXECUTION_KEYS, resolve_execution
 from .runner.spec import LIVE_CHECK_FRACTION
-from .ties import parse_tie_rule
 
 PROFILE_KEYS = ("notebooks", "done", "base")
 """Profile keys that are not chain parameters: the notebooks ``make paper`` runs (read by :mod:`kvreplay.paper`),
@@ -232,8 +232,8 @@ class ChainParameters(BaseModel):
     @field_validator("tie_rules", mode="after")
     @classmethod
     def _known_tie_rules(cls, value: tuple[str, ...]):
-        """Each rule parses (:func:`kvreplay.ties.parse_tie_rule`), once; written as the ledger key writes it."""
-        rules = tuple(parse_tie_rule(r, "tie_rules").name for r in value)
+        """Each rule parses (:func:`kvreplay.decoding.parse_rule`), once; written as the ledger key writes it."""
+        rules = tuple(parse_rule(r, "tie_rules").name for r in value)
         if len(set(rules)) != len(rules):
             raise ValueError(f"tie_rules: a rule is listed twice in {list(value)}")
         return rules
@@ -267,7 +267,7 @@ class ChainParameters(BaseModel):
     @model_validator(mode="after")
     def _tie_rules_differ_from_the_chain(self):
         """The control's rules exclude the chain's own (``execution``'s ``tie_rule``): that arm is Experiment 1."""
-        own = parse_tie_rule(self.execution.get("tie_rule", "lowest"), "execution: tie_rule").name
+        own = parse_rule(self.execution.get("tie_rule", "lowest"), "execution: tie_rule").name
         if own in self.tie_rules:
             raise ValueError(f"tie_rules lists {own!r}, the chain's own tie rule: Experiment 1 is that arm already")
         return self

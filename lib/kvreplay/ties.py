@@ -46,6 +46,22 @@ class TieRule:
         return f"hash:{self.seed}" if self.kind == "hash" else self.kind
 
 
+LOWEST = TieRule("lowest")
+"""The default rule, parsed (:data:`DEFAULT_TIE_RULE`): what a decoder given no :class:`~kvreplay.decoding.Decoding`
+uses."""
+
+
+def check_parsed(rule: object, where: str) -> TieRule:
+    """``rule`` itself when it is a parsed :class:`TieRule`; decoders take rules parsed, never their names.
+
+    Raises:
+        TypeError: anything else (a name: build a :class:`~kvreplay.decoding.Decoding` with ``Decoding.of``)."""
+    if not isinstance(rule, TieRule):
+        raise TypeError(f"{where}: a parsed TieRule is needed, got {rule!r} (kvreplay.decoding.Decoding.of parses a "
+                        f"rule's name)")
+    return rule
+
+
 def parse_tie_rule(rule: "str | TieRule", where: str = "tie_rule") -> TieRule:
     """Parse a rule name (:data:`TIE_RULES`).
 
@@ -95,12 +111,12 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def choose(masked: torch.Tensor, rule: "str | TieRule", position: torch.Tensor | None = None) -> torch.Tensor:
+def choose(masked: torch.Tensor, rule: TieRule, position: torch.Tensor | None = None) -> torch.Tensor:
     """The greedy choice of each row under a tie rule, on the device, without a host sync.
 
     Args:
         masked: ``[rows, vocab]`` float32 logits, ineligible tokens ``-inf``.
-        rule: a :data:`TIE_RULES` name or :class:`TieRule`.
+        rule: the parsed rule (:class:`TieRule`).
         position: ``[rows]`` int64 position IDs of the tokens being chosen (needed by ``hash`` only).
 
     Returns:
@@ -108,9 +124,9 @@ def choose(masked: torch.Tensor, rule: "str | TieRule", position: torch.Tensor |
         maximum (NaN) still gets an index; the ``nonfinite`` gate stops such a row.
 
     Raises:
-        ValueError: an unknown rule, or ``hash`` without ``position``.
+        TypeError: a rule not parsed (:func:`check_parsed`); ValueError: ``hash`` without ``position``.
     """
-    r = parse_tie_rule(rule)
+    r = check_parsed(rule, "tie rule")
     if r.kind == "lowest":
         return masked.argmax(-1)
     vocab = masked.shape[-1]

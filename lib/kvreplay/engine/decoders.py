@@ -5,8 +5,10 @@
 and then its suffixes in the same engine: boundary jobs and suffix jobs share the slots, and a freed slot takes
 the next job at once. :func:`decode_forced` decodes a fixed number of tokens per boundary for the benchmark.
 Each admits jobs into free slots of a :class:`~kvreplay.engine.step.StepEngine` and advances them one token per
-step with the block state machine. A problem's bits do not depend on its slot or its companions, so the order in
-which jobs enter the slots changes no bit.
+step with the block state machine. The decoders that choose tokens take the run's
+:class:`~kvreplay.decoding.Decoding` whole (caps, the parsed tie rule, top-logit recording), as the eager ones do.
+A problem's bits do not depend on its slot or its companions, so the order in which jobs enter the slots changes no
+bit.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import torch
 from .. import decode
 from ..contract import BlockFormat, Caps
 from ..decode import Boundary
+from ..decoding import Decoding
 from ..gates import GateError
 from ..models import LoadedModel
-from .run import EngineRun
+from .run import EngineRun, EngineStats
 from .scheduler import (
-    _collect,
     _forced_work,
+    _in_order,
     _incremental_work,
     _live_work,
     _Scheduler,
@@ -41,7 +44,7 @@ def decode_suffixes(
     lm: LoadedModel,
     fmt: BlockFormat,
     boundaries: Sequence[Boundary],
-    caps: Caps,
+    decoding: Decoding | Caps,
     run: EngineRun = EngineRun(),
     *,
     on_gate_error: str = "raise",
@@ -62,7 +65,8 @@ def decode_suffixes(
             :func:`~kvreplay.decode.build_prefill`, :func:`~kvreplay.decode.decode_live`
             or :func:`decode_lives`: caches ``[2, kv_heads, |z|, head_dim]`` in
             the model dtype, roles ``[2, |z|]``, logits ``[2, vocab]``.
-        caps: content caps (merge and answer are used).
+        decoding: the run's :class:`~kvreplay.decoding.Decoding` (merge and answer caps, tie rule, top logits), or
+            content caps alone (the ``lowest`` rule).
         run: the engine's settings (:class:`~kvreplay.engine.EngineRun`: step path, batch shape, attention,
             checks, slot order). ``run.max_len`` defaults to the longest ``|z|`` plus :func:`suffix_length_bound`
             (for ``flex`` rounded up to a multiple of 128); fix it to compare runs over different problems bit
@@ -87,14 +91,13 @@ def decode_suffixes(
     """
     if not boundaries:
         return []
-    need = max(len(b.ids) for b in boundaries) + suffix_length_bound(fmt, caps)
-    engine = new_engine(lm, fmt, run, need, readout)
+    d = Decoding.given(decoding)
+    need = max(len(b.ids) for b in boundaries) + suffix_length_bound(fmt, d.caps)
+    engine = new_engine(lm, fmt, run, need, d, readout)
     scheduler = _Scheduler(engine, on_gate_error, run.tolerance_check, run.fill_from)
-    results, into = _collect(len(boundaries))
     for i, b in enumerate(boundaries):
-        scheduler.submit(_suffix_work(engine, fmt, caps, i, b, into(i)))
-    scheduler.run()
-    return results
+        scheduler.submit(_suffix_work(engine, fmt, d.caps, i, b))
+    return _in_order(scheduler, len(boundaries))
 
 
 @torch.inference_mode()
@@ -102,7 +105,7 @@ def decode_lives(
     lm: LoadedModel,
     fmt: BlockFormat,
     prompts: Sequence[Sequence[int]],
-    caps: Caps,
+    decoding: Decoding | Caps,
     run: EngineRun = EngineRun(),
     *,
     on_gate_error: str = "raise",
@@ -116,7 +119,7 @@ def decode_lives(
 
     Args:
         prompts: token IDs of each prompt block (role 0).
-        caps: content caps (branches stop at ``caps.branch``).
+        decoding: as in :func:`decode_suffixes` (branches stop at ``caps.branch``).
         run, on_gate_error: as in :func:`decode_suffixes` (``run.max_len`` defaults to the longest prompt plus
             :func:`live_length_bound`'s blocks; a live decode holds no boundary, so ``run.tolerance_check`` checks
             nothing).
@@ -134,14 +137,13 @@ def decode_lives(
     """
     if not prompts:
         return []
-    need = live_length_bound(fmt, caps, max(len(p) for p in prompts)) + 1
-    engine = new_engine(lm, fmt, run, need)
+    d = Decoding.given(decoding)
+    need = live_length_bound(fmt, d.caps, max(len(p) for p in prompts)) + 1
+    engine = new_engine(lm, fmt, run, need, d)
     scheduler = _Scheduler(engine, on_gate_error, fill_from=run.fill_from)
-    results, into = _collect(len(prompts))
     for i, p in enumerate(prompts):
-        scheduler.submit(_live_work(engine, lm, fmt, caps, i, p, into(i)))
-    scheduler.run()
-    return results
+        scheduler.submit(_live_work(engine, lm, fmt, d.caps, i, p))
+    return _in_order(scheduler, len(prompts))
 
 
 @torch.inference_mode()
@@ -184,74 +186,18 @@ def build_incrementals(
         return []
     parsed = [fmt.boundary_parse(z, where=f"prefix {i}") for i, z in enumerate(prefixes)]
     need = max(len(z) for z in prefixes) + 1
-    engine = new_engine(lm, fmt, run, need, readout)
+    engine = new_engine(lm, fmt, run, need, readout=readout)  # teacher forced: no token is chosen, no tie rule
     scheduler = _Scheduler(engine, on_gate_error, fill_from=run.fill_from)
-    results, into = _collect(len(prefixes))
     for i, (z, p) in enumerate(zip(prefixes, parsed)):
-        scheduler.submit(_incremental_work(engine, lm, fmt, i, z, p, readout, into(i)))
-    scheduler.run()
-    return results
-
-
-class _Chains:
-    """What :func:`decode_chains` does when a job of a problem ends, between two steps of its scheduler.
-
-    A built boundary (:meth:`boundary_done`) is rebuilt first when ``rebuild`` asks (:meth:`rebuilt_done`), then
-    handed to ``continue_with``; its states' suffix jobs join the queue ahead of new boundaries
-    (:meth:`suffix_done`); once all of them ended, ``finished`` gets them in order.
-    """
-
-    def __init__(self, engine, scheduler: _Scheduler, lm: LoadedModel, fmt: BlockFormat, caps: Caps,
-                 continue_with: Callable[..., Sequence[Boundary]], finished: Callable[[int, list], None],
-                 rebuild: Callable[[int, Boundary], bool] | None):
-        self.engine, self.scheduler, self.lm, self.fmt, self.caps = engine, scheduler, lm, fmt, caps
-        self.continue_with, self.finished, self.rebuild = continue_with, finished, rebuild
-        self.suffixes: dict[int, list] = {}  # problem -> its suffixes so far (None: not ended yet)
-
-    def boundary_done(self, i: int) -> Callable[[object], None]:
-        """The end of problem ``i``'s construction: a :class:`Boundary` or the ``GateError`` that stopped it."""
-        def done(boundary: object) -> None:
-            if self.rebuild is not None and isinstance(boundary, Boundary) and self.rebuild(i, boundary):
-                again = self.fmt.boundary_parse(boundary.ids, where=f"problem {i} (rebuild of its boundary)")
-                self.scheduler.submit(_incremental_work(self.engine, self.lm, self.fmt, i, boundary.ids, again, None,
-                                                        self.rebuilt_done(i, boundary)), urgent=True)
-            else:
-                self.proceed(i, boundary, ())
-        return done
-
-    def rebuilt_done(self, i: int, boundary: Boundary) -> Callable[[object], None]:
-        """The end of the incremental rebuild of problem ``i``'s ``boundary`` (or its ``GateError``)."""
-        return lambda rebuilt: self.proceed(i, boundary, (rebuilt,))
-
-    def proceed(self, i: int, boundary: object, extra: tuple) -> None:
-        """``continue_with``, then the suffix jobs of the states it gives (none: ``finished(i, [])`` at once)."""
-        states = list(self.continue_with(i, boundary, *extra))
-        if isinstance(boundary, GateError) and states:
-            raise ValueError(f"problem {i}: continue_with gave states to decode after a failed construction")
-        if not states:
-            self.finished(i, [])
-            return
-        self.suffixes[i] = [None] * len(states)
-        for k, b in enumerate(states):
-            self.scheduler.submit(_suffix_work(self.engine, self.fmt, self.caps, i, b, self.suffix_done(i, k)),
-                                  urgent=True)
-
-    def suffix_done(self, i: int, k: int) -> Callable[[object], None]:
-        """The end of problem ``i``'s ``k``-th suffix; the last one hands them all to ``finished``."""
-        def done(result: object) -> None:
-            got = self.suffixes[i]
-            got[k] = result
-            if all(r is not None for r in got):
-                del self.suffixes[i]
-                self.finished(i, got)
-        return done
+        scheduler.submit(_incremental_work(engine, lm, fmt, i, z, p, readout))
+    return _in_order(scheduler, len(prefixes))
 
 
 @torch.inference_mode()
 def decode_chains(
     lm: LoadedModel,
     fmt: BlockFormat,
-    caps: Caps,
+    decoding: Decoding | Caps,
     construction: str,
     starts: Sequence[Sequence[int]],
     continue_with: Callable[..., Sequence[Boundary]],
@@ -260,7 +206,7 @@ def decode_chains(
     *,
     hold: int | None = None,
     rebuild: Callable[[int, Boundary], bool] | None = None,
-) -> dict[str, int]:
+) -> EngineStats:
     """Boundary constructions and their suffixes through one engine, with a slot's next job entering at once.
 
     Every problem's boundary is built as :func:`decode_lives` builds it (``construction="live"``, ``starts`` the
@@ -268,12 +214,14 @@ def decode_chains(
     ``continue_with(i, boundary)`` runs between two steps (e.g. the four-arm matrix's replica, prefill calls and
     boundary gates). It returns the boundary states whose suffixes the same engine then decodes, as
     :func:`decode_suffixes` would. Boundaries not yet started take free slots first while fewer than ``hold``
-    suffixes wait (long chains start early); beyond that the suffixes go first (bounded memory). When all of problem ``i``'s suffixes are done, ``finished(i, suffixes)`` gets them in the order
-    ``continue_with`` gave. At the same batch shape (``batch``, ``max_len``) every boundary and suffix is
-    bit-identical to the phase-wise decoders' (:func:`decode_lives` or :func:`build_incrementals`, then
-    :func:`decode_suffixes`): a problem's bits depend neither on its slot nor on its companions.
+    suffixes wait (long chains start early); beyond that the suffixes go first (bounded memory). When all of problem
+    ``i``'s suffixes are done, ``finished(i, suffixes)`` gets them in the order ``continue_with`` gave. At the same
+    batch shape (``batch``, ``max_len``) every boundary and suffix is bit-identical to the phase-wise decoders'
+    (:func:`decode_lives` or :func:`build_incrementals`, then :func:`decode_suffixes`): a problem's bits depend
+    neither on its slot nor on its companions.
 
     Args:
+        decoding: as in :func:`decode_suffixes`.
         construction: ``"live"`` or ``"incremental"``.
         starts: per problem its prompt block (live) or its prefix z (incremental).
         continue_with: ``(i, Boundary or GateError) -> boundary states`` (an empty list: nothing to decode; a
@@ -289,34 +237,54 @@ def decode_chains(
             plus :func:`suffix_length_bound`.
 
     Returns:
-        ``{"steps", "busy_slot_steps", "batch"}`` of the engine (slot occupancy: ``busy_slot_steps / (steps *
-        batch)``).
+        What this call's engine measured (:class:`~kvreplay.engine.run.EngineStats`: steps, slot-steps, busy
+        slot-steps, verified steps, attention checks); ``run.stats``, when set, also sums them.
 
     Raises:
         ContractError: a prefix that does not end at the boundary, or a suffix that did not close its answer block.
         GateError: ``graph_equals_eager``, ``attention_tolerance``; any other gate goes to the callbacks.
-        ValueError: an unknown construction, or as in :func:`decode_suffixes`.
+        ValueError: an unknown construction, ``continue_with`` giving states after a failed construction, or as
+            in :func:`decode_suffixes`.
     """
     if construction not in ("live", "incremental"):
         raise ValueError(f"construction must be 'live' or 'incremental', got {construction!r}")
     if not starts:
-        return {"steps": 0, "busy_slot_steps": 0, "batch": run.batch}
+        return EngineStats()
+    d = Decoding.given(decoding)
+    parsed: list = []
     if construction == "live":
-        parsed = None
-        longest = live_length_bound(fmt, caps, max(len(p) for p in starts))
+        longest = live_length_bound(fmt, d.caps, max(len(p) for p in starts))
     else:
         parsed = [fmt.boundary_parse(z, where=f"prefix {i}") for i, z in enumerate(starts)]
         longest = max(len(z) for z in starts)
-    engine = new_engine(lm, fmt, run, longest + suffix_length_bound(fmt, caps))
+    engine = new_engine(lm, fmt, run, longest + suffix_length_bound(fmt, d.caps), d)
     scheduler = _Scheduler(engine, "return", run.tolerance_check, run.fill_from, 4 * run.batch if hold is None else hold)
-    chains = _Chains(engine, scheduler, lm, fmt, caps, continue_with, finished, rebuild)
-    for i, start in enumerate(starts):
-        if parsed is None:
-            scheduler.submit(_live_work(engine, lm, fmt, caps, i, start, chains.boundary_done(i)))
-        else:
-            scheduler.submit(_incremental_work(engine, lm, fmt, i, start, parsed[i], None, chains.boundary_done(i)))
-    scheduler.run()  # a job's end calls a step of `chains`, which may submit the problem's next jobs
-    return {"steps": engine.steps, "busy_slot_steps": engine.busy_slot_steps, "batch": engine.batch}
+    for i, start in enumerate(starts):  # jobs are tagged (stage, problem, ...): "built", "rebuilt" or "suffix"
+        scheduler.submit(_live_work(engine, lm, fmt, d.caps, i, start, ("built", i)) if construction == "live"
+                         else _incremental_work(engine, lm, fmt, i, start, parsed[i], None, ("built", i)))
+    suffixes: dict[int, list] = {}  # problem -> its suffixes so far (None: not ended yet)
+    for (stage, i, *more), result in scheduler.run():  # a job ended, between two steps
+        if stage == "suffix":
+            suffixes[i][more[0]] = result
+            if all(r is not None for r in suffixes[i]):
+                finished(i, suffixes.pop(i))
+        elif stage == "built" and rebuild is not None and isinstance(result, Boundary) and rebuild(i, result):
+            again = fmt.boundary_parse(result.ids, where=f"problem {i} (rebuild of its boundary)")
+            scheduler.submit(_incremental_work(engine, lm, fmt, i, result.ids, again, None, ("rebuilt", i, result)),
+                             urgent=True)
+        else:  # a boundary (and its rebuild) done: the states to continue, their suffixes ahead of new boundaries
+            boundary, extra = (result, ()) if stage == "built" else (more[0], (result,))
+            states = list(continue_with(i, boundary, *extra))
+            if isinstance(boundary, GateError) and states:
+                raise ValueError(f"problem {i}: continue_with gave states to decode after a failed construction")
+            if not states:
+                finished(i, [])
+                continue
+            suffixes[i] = [None] * len(states)
+            for k, b in enumerate(states):
+                scheduler.submit(_suffix_work(engine, fmt, d.caps, i, b, ("suffix", i, k)), urgent=True)
+    return EngineStats(engine.steps, engine.steps * engine.batch, engine.busy_slot_steps, engine.verified,
+                       [engine.attention_check] if engine.attention_check is not None else [])
 
 
 @torch.inference_mode()
@@ -357,9 +325,8 @@ def decode_forced(
         engine = new_engine(lm, fmt, run, need)
     steps, busy = engine.steps, engine.busy_slot_steps
     scheduler = _Scheduler(engine, "raise")
-    results, into = _collect(len(boundaries))
     for i, b in enumerate(boundaries):
-        scheduler.submit(_forced_work(engine, i, b, new_tokens, into(i)))
-    scheduler.run()
+        scheduler.submit(_forced_work(engine, i, b, new_tokens))
+    results = _in_order(scheduler, len(boundaries))
     return results, {"steps": engine.steps - steps, "busy_slot_steps": engine.busy_slot_steps - busy,
                      "batch": engine.batch}

@@ -1,9 +1,12 @@
 """The batched engine's settings as one object (:class:`EngineRun`), passed through every batched decoder, and what
-its engines measured (:class:`EngineStats`)."""
+its engines measured (:class:`EngineStats`). What the decoders choose by (caps, tie rule, top logits) is not here:
+they take it as one :class:`~kvreplay.decoding.Decoding`, as the eager decoders do."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from ..decoding import Decoding
 
 FLEX_BLOCK = 128
 """Positions per block of the ``flex`` attention's block mask (:mod:`kvreplay.engine.attention` reads the cache in
@@ -71,9 +74,6 @@ class EngineRun:
         fill_from: ``"first"`` or ``"last"``: which free slot a waiting job takes first. The ``composition``
             gate's run alone fills from the last, so its problem sits in another slot than in its chunk. Not in
             the ledger key: no bit depends on the slot.
-        tie_rule: which of exactly tied eligible tokens is chosen (:mod:`kvreplay.ties`; ``lowest``: Hugging
-            Face's argmax).
-        top_logits: each suffix also keeps its steps' top-1 eligible logits (:attr:`kvreplay.decode.Suffix.tops`).
         stats: where every engine built from this run adds what it measured (:meth:`measured` gives a run with a
             fresh one); ``None``: each engine keeps its own only. Not a setting: left out of comparisons,
             :meth:`settings` and the run log.
@@ -86,8 +86,6 @@ class EngineRun:
     attention: str = "sdpa"
     tolerance_check: bool = False
     fill_from: str = "first"
-    tie_rule: str = "lowest"
-    top_logits: bool = False
     stats: EngineStats | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def measured(self) -> "EngineRun":
@@ -95,9 +93,11 @@ class EngineRun:
         decoders return)."""
         return dataclasses.replace(self, stats=EngineStats())
 
-    def settings(self) -> dict:
-        """The settings as a plain mapping (every field but :attr:`stats`), as the run log records them."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "stats"}
+    def settings(self, decoding: Decoding) -> dict:
+        """The run log's ``engine`` entry: every field but :attr:`stats`, then the tie rule's name and ``top_logits``
+        of the ``decoding`` the decoders were given."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "stats"}
+        return own | {"tie_rule": decoding.tie_rule.name, "top_logits": decoding.top_logits}
 
     def max_len_for(self, need: int) -> int:
         """:attr:`max_len`, else what sequences of ``need`` positions take (:func:`engine_max_len`).

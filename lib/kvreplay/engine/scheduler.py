@@ -2,21 +2,23 @@
 
 A job (a live decode, an incremental rebuild, a suffix, a forced decode) waits for a free slot of a
 :class:`~kvreplay.engine.step.StepEngine` and enters it. It advances one token per step with the block state machine
-(:class:`~kvreplay.decode.BlockCursor`), then hands its result or its :class:`~kvreplay.gates.GateError` to a
-callback. A problem's bits do not depend on its slot or its companions, so the order of entry changes no bit.
+(:class:`~kvreplay.decode.BlockCursor`); when it ends, :meth:`_Scheduler.run` yields its tag with its result or the
+:class:`~kvreplay.gates.GateError` that stopped it. A problem's bits do not depend on its slot or its companions, so
+the order of entry changes no bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from .. import decode
 from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, BlockFormat, Caps, ContractError
 from ..decode import BlockCursor, Boundary, Suffix
+from ..decoding import Decoding
 from ..gates import GateError
 from ..models import LoadedModel
 from .run import EngineRun
@@ -75,15 +77,20 @@ class _Work:
 
     ``admit(slot)`` loads the job's state into a slot and returns the job and its duplicate pair's first logits
     ``[2, vocab]``; ``finish(job, slot, logits)`` builds the result (``logits`` are the pair's logits of the step
-    after the last feed for a job that ends after feeding, else ``None``); ``done(result)`` receives it, or the
-    :class:`~kvreplay.gates.GateError` that stopped the job. ``builds`` marks a boundary construction (live or
-    incremental), which ends once it has fed its merge opener; other jobs end when their cursor is done.
+    after the last feed for a job that ends after feeding, else ``None``). :meth:`_Scheduler.run` yields ``tag``
+    (``None``: ``index``) with the result, or with the :class:`~kvreplay.gates.GateError` that stopped the job.
+    ``builds`` marks a boundary construction (live or incremental), which ends once it has fed its merge opener;
+    other jobs end when their cursor is done.
     """
     index: int
     admit: Callable[[int], tuple[_Job, torch.Tensor]]
     finish: Callable[[_Job, int, torch.Tensor | None], object]
-    done: Callable[[object], None]
+    tag: object = None
     builds: bool = False
+
+    def __post_init__(self):
+        if self.tag is None:
+            self.tag = self.index
 
 
 def _check(stats: list[list[float]], row: int, job: _Job, position: int) -> None:
@@ -102,10 +109,10 @@ class _Scheduler:
     fewer than ``hold`` suffix jobs (``urgent``) wait, so long chains start early; from ``hold`` waiting suffix
     jobs on, those go first, which bounds the boundary states held in memory (``hold=None``: suffix jobs always
     first). After each step every busy slot checks its rows (gates ``nonfinite``, ``desync``), takes its token and
-    stages the next; a job that ends hands its result to its ``done`` callback, which may submit more jobs.
+    stages the next. :meth:`run` yields each job's end as it happens; whoever iterates may submit more jobs then.
 
-    ``on_gate_error="raise"`` stops at the first failed gate; ``"return"`` gives the ``GateError`` to the
-    job's ``done`` and goes on. With ``tolerance_check`` the engine runs its ``attention_tolerance`` gate
+    ``on_gate_error="raise"`` stops at the first failed gate; ``"return"`` yields the ``GateError`` as the job's
+    result and goes on. With ``tolerance_check`` the engine runs its ``attention_tolerance`` gate
     (:meth:`StepEngine.check_attention`) before the first step in which a slot continues from a boundary.
     ``fill_from="last"`` hands out free slots from the last one down (the ``composition`` gate's run alone).
     """
@@ -122,6 +129,7 @@ class _Scheduler:
         self.urgent: deque[_Work] = deque()
         self.waiting: deque[_Work] = deque()
         self.hold = hold
+        self._ended: deque[tuple[object, object]] = deque()  # (tag, result or GateError) not yet yielded
 
     def submit(self, work: _Work, urgent: bool = False) -> None:
         (self.urgent if urgent else self.waiting).append(work)
@@ -132,14 +140,18 @@ class _Scheduler:
         self.engine.set_idle(slot)
         if self.on_gate_error == "raise":
             raise err
-        job.work.done(err)
+        self._ended.append((job.work.tag, err))
 
     def _end(self, slot: int, logits: torch.Tensor | None) -> None:
         job = self.slots[slot]
         result = job.work.finish(job, slot, logits)
         self.slots[slot] = None
         self.engine.set_idle(slot)
-        job.work.done(result)
+        self._ended.append((job.work.tag, result))
+
+    def _yield_ended(self) -> Iterator[tuple[object, object]]:
+        while self._ended:
+            yield self._ended.popleft()
 
     def _advance(self, slot: int, chosen: int, margin: float, top: float | None = None) -> None:
         """Take the next token of the job in ``slot`` and stage its feed (or finish the job)."""
@@ -165,27 +177,45 @@ class _Scheduler:
         else:
             engine.set_row_pair(slot, token, position, role, job.cursor.prepare())
 
-    def _fill(self) -> None:
+    def _admit(self, slot: int) -> None:
+        """The next waiting job enters the free ``slot`` and takes its first token (or fails its first gate)."""
         engine = self.engine
-        for slot in self.order:
-            while self.slots[slot] is None and (self.urgent or self.waiting):
-                late = not self.urgent or (self.hold is not None and len(self.urgent) < self.hold)
-                work = (self.waiting if self.waiting and late else self.urgent).popleft()
-                job, logits = work.admit(slot)
-                self.slots[slot] = job
-                stats = engine.first_choice(logits, job.cursor.prepare(), len(job.ids))
-                try:
-                    _check(stats, 0, job, len(job.ids) - 1)
-                except GateError as err:
-                    self._fail(slot, err)
-                    continue
-                self._advance(slot, int(stats[0][0]), stats[1][0], stats[4][0] if engine.top_logits else None)
+        late = not self.urgent or (self.hold is not None and len(self.urgent) < self.hold)
+        work = (self.waiting if self.waiting and late else self.urgent).popleft()
+        job, logits = work.admit(slot)
+        self.slots[slot] = job
+        stats = engine.first_choice(logits, job.cursor.prepare(), len(job.ids))
+        try:
+            _check(stats, 0, job, len(job.ids) - 1)
+        except GateError as err:
+            self._fail(slot, err)
+            return
+        self._advance(slot, int(stats[0][0]), stats[1][0], stats[4][0] if engine.top_logits else None)
 
-    def run(self) -> None:
-        """Drive every submitted job (and every job their callbacks submit) to its end."""
+    def _stepped(self, slot: int, job: _Job, logits: torch.Tensor, stats: list[list[float]]) -> None:
+        """The job in ``slot`` after a step: its gates, then its next token, or its end."""
+        engine, r = self.engine, 2 * slot
+        try:
+            _check(stats, r, job, len(job.ids) + len(job.new) - 1)
+            if job.finishing:  # every token was fed
+                engine.check_valid_length(slot, len(job.ids) + len(job.new), job.roles, f"problem {job.index}")
+        except GateError as err:
+            self._fail(slot, err)
+            return
+        if job.finishing:
+            self._end(slot, logits[r : r + 2].clone())
+        else:
+            self._advance(slot, int(stats[0][r]), stats[1][r], stats[4][r] if engine.top_logits else None)
+
+    def run(self) -> Iterator[tuple[object, object]]:
+        """Drive every submitted job to its end, one batched step at a time, yielding ``(tag, result)`` as each job
+        ends (its result, or the ``GateError`` that stopped it). Jobs submitted meanwhile join the queue."""
         engine = self.engine
         while True:
-            self._fill()
+            for slot in self.order:  # every free slot takes the next waiting job
+                while self.slots[slot] is None and (self.urgent or self.waiting):
+                    self._admit(slot)
+                    yield from self._yield_ended()
             if all(j is None for j in self.slots):
                 return
             if self.tolerance_check and engine.attention_check is None:
@@ -194,23 +224,9 @@ class _Scheduler:
                     engine.check_attention(f"problem {held[0].index}'s boundary in the engine")
             logits, stats = engine.step()
             for slot, job in enumerate(self.slots):
-                if job is None:
-                    continue
-                r = 2 * slot
-                try:
-                    _check(stats, r, job, len(job.ids) + len(job.new) - 1)
-                except GateError as err:
-                    self._fail(slot, err)
-                    continue
-                if job.finishing:
-                    try:  # every token was fed
-                        engine.check_valid_length(slot, len(job.ids) + len(job.new), job.roles, f"problem {job.index}")
-                    except GateError as err:
-                        self._fail(slot, err)
-                        continue
-                    self._end(slot, logits[r : r + 2].clone())
-                else:
-                    self._advance(slot, int(stats[0][r]), stats[1][r], stats[4][r] if engine.top_logits else None)
+                if job is not None:
+                    self._stepped(slot, job, logits, stats)
+                    yield from self._yield_ended()
 
 
 def suffix_length_bound(fmt: BlockFormat, caps: Caps) -> int:
@@ -225,20 +241,20 @@ def live_length_bound(fmt: BlockFormat, caps: Caps, prompt_len: int) -> int:
     return prompt_len + branches + len(fmt.openers[MERGE])
 
 
-def new_engine(lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int,
+def new_engine(lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int, decoding: Decoding | None = None,
                readout: decode.FP32Readout | None = None) -> StepEngine:
-    """A :class:`StepEngine` at ``run``'s settings (:meth:`StepEngine.for_run`): ``max_len`` defaults to ``need``
-    (whole blocks for ``flex``, :func:`~kvreplay.engine.run.engine_max_len`); it adds to ``run.stats``.
+    """A :class:`StepEngine` at ``run``'s settings choosing by ``decoding`` (:meth:`StepEngine.for_run`):
+    ``max_len`` defaults to ``need`` (whole blocks for ``flex``, :func:`~kvreplay.engine.run.engine_max_len`); it
+    adds to ``run.stats``.
 
     Raises:
         ValueError: a fixed ``max_len`` below ``need``, or a setting :class:`StepEngine` refuses.
     """
-    return StepEngine.for_run(lm, fmt, run, need, readout)
+    return StepEngine.for_run(lm, fmt, run, need, readout, decoding)
 
 
 # ------------------------------------------------------------------------------------------------ jobs
-def _suffix_work(engine: StepEngine, fmt: BlockFormat, caps: Caps, index: int, b: Boundary,
-                 done: Callable[[object], None]) -> _Work:
+def _suffix_work(engine: StepEngine, fmt: BlockFormat, caps: Caps, index: int, b: Boundary, tag: object = None) -> _Work:
     def admit(slot: int):
         n = engine.admit(slot, b.cache, b.roles)
         if n != len(b.ids):
@@ -253,7 +269,7 @@ def _suffix_work(engine: StepEngine, fmt: BlockFormat, caps: Caps, index: int, b
         (m0, m1), (a0, a1) = parsed.content[MERGE], parsed.content[ANSWER]
         return Suffix(job.new, job.margins, full[m0:m1], full[a0:a1], job.tops)
 
-    work = _Work(index, admit, finish, done)
+    work = _Work(index, admit, finish, tag)
     return work
 
 
@@ -270,7 +286,7 @@ def _built(engine: StepEngine, lm: LoadedModel, construction: str, job: _Job, sl
 
 
 def _live_work(engine: StepEngine, lm: LoadedModel, fmt: BlockFormat, caps: Caps, index: int, prompt: Sequence[int],
-               done: Callable[[object], None]) -> _Work:
+               tag: object = None) -> _Work:
     dev = lm.device
 
     def admit(slot: int):
@@ -282,17 +298,17 @@ def _live_work(engine: StepEngine, lm: LoadedModel, fmt: BlockFormat, caps: Caps
         cursor = _Cursor(fmt, caps, PROMPT, [(t, BRANCH1) for t in fmt.openers[BRANCH1]])
         return _Job(index, cursor, ids, [PROMPT] * len(ids), work), logits
 
-    work = _Work(index, admit, lambda job, slot, logits: _built(engine, lm, "live", job, slot, logits), done,
+    work = _Work(index, admit, lambda job, slot, logits: _built(engine, lm, "live", job, slot, logits), tag,
                  builds=True)
     return work
 
 
-def _forced_work(engine: StepEngine, index: int, b: Boundary, n: int, done: Callable[[object], None]) -> _Work:
+def _forced_work(engine: StepEngine, index: int, b: Boundary, n: int) -> _Work:
     def admit(slot: int):
         engine.admit(slot, b.cache, b.roles)
         return _Job(index, _Forced(n), list(b.ids), b.roles[0].tolist(), work), b.logits
 
-    work = _Work(index, admit, lambda job, slot, logits: job.new, done)
+    work = _Work(index, admit, lambda job, slot, logits: job.new)
     return work
 
 
@@ -300,7 +316,7 @@ _FREE = Caps(branch=1 << 30, merge=1 << 30, answer=1 << 30)  # a teacher-forced 
 
 
 def _incremental_work(engine: StepEngine, lm: LoadedModel, fmt: BlockFormat, index: int, z: Sequence[int],
-                      parsed, readout, done: Callable[[object], None]) -> _Work:
+                      parsed, readout, tag: object = None) -> _Work:
     dev = lm.device
     z = list(z)
 
@@ -319,16 +335,13 @@ def _incremental_work(engine: StepEngine, lm: LoadedModel, fmt: BlockFormat, ind
                                 f"not at its boundary")
         return _built(engine, lm, "incremental", job, slot, logits)
 
-    work = _Work(index, admit, finish, done, builds=True)
+    work = _Work(index, admit, finish, tag, builds=True)
     return work
 
 
-def _collect(n: int) -> tuple[list, Callable[[int], Callable[[object], None]]]:
+def _in_order(scheduler: _Scheduler, n: int) -> list:
+    """Every job's result by its tag, jobs tagged ``0..n-1`` (a ``GateError`` in a failed job's place)."""
     results: list = [None] * n
-
-    def into(i: int) -> Callable[[object], None]:
-        def done(result: object) -> None:
-            results[i] = result
-        return done
-
-    return results, into
+    for i, result in scheduler.run():
+        results[i] = result  # type: ignore[index]
+    return results

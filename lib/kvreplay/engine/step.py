@@ -17,6 +17,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from .. import decode, ties
 from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, ContractError, visibility_matrix
+from ..decoding import Decoding
 from ..gates import GateError
 from ..models import LoadedModel, layer_masks
 from . import attention as attn
@@ -33,7 +34,7 @@ _STAT_ROWS = 4  # chosen token, margin, duplicate rows equal, row finite
 
 
 
-def choice_stats(logits: torch.Tensor, eligible: torch.Tensor, tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE,
+def choice_stats(logits: torch.Tensor, eligible: torch.Tensor, tie_rule: ties.TieRule = ties.LOWEST,
                  position: torch.Tensor | None = None, *, top: bool = False) -> torch.Tensor:
     """Greedy choice, margin and integrity flags of every row, computed on the device.
 
@@ -97,7 +98,7 @@ class StepEngine:
             dtype and writes the same keys/values, the final norm and LM head run in
             float32 (``[rows, vocab]`` float32 logits; the exploratory control of
             Experiment 2). ``None``: the model's own head.
-        tie_rule: which of exactly tied eligible tokens each row chooses (:mod:`kvreplay.ties`; the ``hash``
+        tie_rule: which of exactly tied eligible tokens each row chooses, parsed (:mod:`kvreplay.ties`; the ``hash``
             rule hashes the chosen token's position, the input position plus one).
         top_logits: the choice statistics carry each row's top-1 eligible logit (row 4).
         stats: where the engine adds what it measures (steps, slot-steps, busy slot-steps, verified steps,
@@ -122,18 +123,20 @@ class StepEngine:
     """
     @classmethod
     def for_run(cls, lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int,
-                readout: decode.FP32Readout | None = None) -> "StepEngine":
+                readout: decode.FP32Readout | None = None, decoding: Decoding | None = None) -> "StepEngine":
         """An engine at ``run``'s settings for sequences of at most ``need`` positions (``max_len``:
-        :meth:`EngineRun.max_len_for`), adding what it measures to ``run.stats``.
+        :meth:`EngineRun.max_len_for`), adding what it measures to ``run.stats``, choosing by ``decoding``'s
+        parsed tie rule and top-logit recording (``None``: the ``lowest`` rule, no top logits).
 
         Raises:
             ValueError: a fixed ``max_len`` below ``need``, or a setting the constructor refuses."""
+        rule, top = (decoding.tie_rule, decoding.top_logits) if decoding is not None else (ties.LOWEST, False)
         return cls(lm, fmt, run.batch, run.max_len_for(need), run.step_path, run.verify_steps, readout,
-                   run.attention, run.tie_rule, run.top_logits, run.stats)
+                   run.attention, rule, top, run.stats)
 
     def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
                  verify_steps: int = 0, readout: decode.FP32Readout | None = None, attention: str = "sdpa",
-                 tie_rule: "str | ties.TieRule" = ties.DEFAULT_TIE_RULE, top_logits: bool = False,
+                 tie_rule: ties.TieRule = ties.LOWEST, top_logits: bool = False,
                  stats: EngineStats | None = None):
         self.stats = stats if stats is not None else EngineStats()
         if step_path not in STEP_PATHS:
@@ -142,7 +145,7 @@ class StepEngine:
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r}; use one of {ATTENTIONS}")
         self.attention = attention
-        self.tie_rule, self.top_logits = ties.parse_tie_rule(tie_rule), top_logits
+        self.tie_rule, self.top_logits = ties.check_parsed(tie_rule, "StepEngine tie_rule"), top_logits
         if step_path == "graph" and lm.device.type != "cuda":
             raise ValueError(f"step path 'graph' needs a CUDA device, the model is on {lm.device}")
         if batch < 1 or max_len < 1:

@@ -79,7 +79,7 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
     """
     lm, fmt = spec.lm, spec.fmt
     prompts = [fmt.prompt_ids(p.question, p.options) for p in problems]
-    lives = engine.decode_lives(lm, fmt, prompts, spec.caps, run=spec.batched(), on_gate_error="return")
+    lives = engine.decode_lives(lm, fmt, prompts, spec.decoding, run=spec.batched(), on_gate_error="return")
     ok = [i for i, x in enumerate(lives) if not isinstance(x, GateError)]
     rebuilt = engine.build_incrementals(lm, fmt, [lives[i].ids for i in ok], run=spec.batched(), on_gate_error="return")
     incs: list = list(lives)

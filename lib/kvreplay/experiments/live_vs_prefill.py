@@ -85,7 +85,7 @@ def live_vs_prefill_chunk_phased(spec: RunSpec, problems: Sequence[Problem]) -> 
     for p in problems:
         spec.check_problem(p)
     prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
-    lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.caps, run=spec.batched(), on_gate_error="return")
+    lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.decoding, run=spec.batched(), on_gate_error="return")
     return cast(list[Exp1Record], matrix_chunk(spec, problems, lives, [_head(x) for x in prompts]))
 
 

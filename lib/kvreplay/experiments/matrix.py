@@ -41,7 +41,7 @@ from .matrix_summary import DRIFT_OUTLIER_FACTOR, drift_outliers, matrix_summary
 
 
 def arm_record(spec: RunSpec, problem: Problem, suffix: decode.Suffix) -> dict:
-    """One arm's suffix record (``ArmSuffix``); with ``spec.top_logits`` also its steps' top-1 eligible logits."""
+    """One arm's suffix record (``ArmSuffix``); with ``spec.decoding.top_logits`` also its steps' top-1 eligible logits."""
     tok = spec.lm.tokenizer
     text = spec.fmt.answer_prefix_text + cast(str, tok.decode(suffix.answer))  # one flat ID list decodes to one str
     score = score_answer(text, problem.answer, problem.options)
@@ -55,7 +55,7 @@ def arm_record(spec: RunSpec, problem: Problem, suffix: decode.Suffix) -> dict:
         "correct": score.correct,
         "rule": score.rule,
     }
-    if spec.top_logits:
+    if spec.decoding.top_logits:
         if len(suffix.tops) != len(suffix.margins):
             raise ValueError(f"problem {problem.problem_id}: {len(suffix.tops)} top-1 logits for "
                              f"{len(suffix.margins)} suffix steps (a decoder that did not record them)")
@@ -382,7 +382,7 @@ def decode_groups(spec: RunSpec, groups: Sequence[Sequence[decode.Boundary]],
         ContractError: a suffix did not close its answer block.
     """
     flat = [b for g in groups for b in g]
-    out = iter(engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.caps, run=spec.batched(), on_gate_error="return", readout=readout))
+    out = iter(engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.decoding, run=spec.batched(), on_gate_error="return", readout=readout))
     return [[next(out) for _ in g] for g in groups]
 
 
@@ -483,5 +483,5 @@ def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: st
         except GateError as e:
             rec["gate_failure"] = gate_failure(e)
 
-    engine.decode_chains(spec.lm, spec.fmt, spec.caps, construction, starts, continue_with, finished, run=spec.batched(), rebuild=lambda i, ref: live_check_due(spec, problems[i], ref))
+    engine.decode_chains(spec.lm, spec.fmt, spec.decoding, construction, starts, continue_with, finished, run=spec.batched(), rebuild=lambda i, ref: live_check_due(spec, problems[i], ref))
     return recs

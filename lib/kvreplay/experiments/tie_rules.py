@@ -16,7 +16,7 @@ import pandas as pd
 from ..ledger.records import Exp1Record, Exp1Row
 from ..runner.arms import Arm, ArmPlan, Chain
 from ..stats import Proportion, mcnemar_exact, wilson
-from ..ties import DEFAULT_TIE_RULE, parse_tie_rule
+from ..ties import DEFAULT_TIE_RULE
 from .endpoints import is_tie, require_gates
 from .live_vs_prefill import EXP1
 
@@ -32,9 +32,12 @@ def _no_single_plan(chain: Chain) -> ArmPlan[Exp1Record]:
 
 
 def _plans(chain: Chain) -> list[ArmPlan[Exp1Record]]:
-    """One plan per rule of ``tie_rules``: Experiment 1's problems and preflight rows, the rule and top logits keyed."""
+    """One plan per rule of ``tie_rules``: Experiment 1's problems and preflight rows, the rule and top logits keyed.
+
+    The profile holds each rule parsed once and written as the ledger key writes it
+    (:func:`kvreplay.profiles.ChainParameters`' check, :func:`kvreplay.decoding.parse_rule`)."""
     rows = chain.rows(chain.params.n_rows)
-    return [EXP1_TIES.plan(rows, key={"tie_rule": parse_tie_rule(r).name, "top_logits": True},
+    return [EXP1_TIES.plan(rows, key={"tie_rule": r, "top_logits": True},
                            preflight=chain.params.preflight) for r in chain.params.tie_rules]
 
 

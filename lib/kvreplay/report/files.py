@@ -7,6 +7,9 @@ number back to its code and ledger.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,7 +63,7 @@ def save_table(df: pd.DataFrame, stem: str | Path, *, caption: str, source: str)
     """Write ``df`` to ``<stem>.csv``, ``<stem>.md`` and ``<stem>.tex``.
 
     The Markdown file starts with the caption and the producing notebook; ``[saved table <stem>: .csv .md .tex]``
-    is printed (the index of executed notebooks reads it). The
+    is printed and the table recorded for the index of executed notebooks (:data:`ARTIFACT_LOG`). The
     LaTeX table is escaped (special characters by pandas, Unicode by
     :func:`latex_text`), captioned, and labelled ``tab:<stem name>``.
 
@@ -77,8 +80,36 @@ def save_table(df: pd.DataFrame, stem: str | Path, *, caption: str, source: str)
     df.to_csv(csv)
     md.write_text(f"**{caption}** (made by `{source}`)\n\n{df.to_markdown()}\n", encoding="utf-8")
     tex.write_text(f"% made by {source}\n" + latex, encoding="utf-8")
-    print(f"[saved table {stem.name}: .csv .md .tex]")  # the executed notebooks' index finds the cell by this line
+    _saved("table", stem, ".csv .md .tex")
     return [csv, md, tex]
+
+
+ARTIFACT_LOG = "KVREPLAY_ARTIFACT_LOG"
+"""Environment variable naming the file where :func:`save_table` and :func:`save_figure` record what they write, one
+JSON line each (``make paper`` sets it per notebook, :func:`kvreplay.paper_pages.artifact_log`; unset: nothing
+recorded). The index of executed notebooks reads these records (:func:`kvreplay.paper_pages.artifact_index`)."""
+
+
+def _saved(kind: str, stem: Path, files: str) -> None:
+    """Print ``[saved <kind> <stem>: <files>]`` for the notebook's reader. Where :data:`ARTIFACT_LOG` names a file,
+    append ``{"kind", "stem", "files", "cell_sha256"}`` to it: the sha256 of the running cell's source, which finds
+    the cell in the executed notebook (``None`` outside a Jupyter kernel)."""
+    print(f"[saved {kind} {stem.name}: {files}]")
+    log = os.environ.get(ARTIFACT_LOG)
+    if log:
+        record = {"kind": kind, "stem": stem.name, "files": files, "cell_sha256": _cell_sha256()}
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _cell_sha256() -> str | None:
+    """The sha256 of the source of the cell a Jupyter kernel is running (its execute request's code), else ``None``."""
+    if not _in_kernel():
+        return None
+    from IPython import get_ipython
+
+    code = get_ipython().kernel.get_parent().get("content", {}).get("code")
+    return hashlib.sha256(code.encode()).hexdigest() if isinstance(code, str) else None
 
 
 def _in_kernel() -> bool:
@@ -114,7 +145,8 @@ def _save_png(fig, png: Path, source: str) -> None:
 def save_figure(fig, stem: str | Path, *, source: str, show: bool = True) -> list[Path]:
     """Save a matplotlib figure as PNG (150 dpi, a 256-colour palette) and PDF, stamped with its source notebook; show it inline; close it.
 
-    Prints ``[saved figure <stem>: .png .pdf]`` (the index of executed notebooks reads it). The ``source:`` stamp is placed below everything the figure draws (its
+    Prints ``[saved figure <stem>: .png .pdf]`` and records the figure for the index of executed notebooks
+    (:data:`ARTIFACT_LOG`). The ``source:`` stamp is placed below everything the figure draws (its
     tight bounding box), so it never overlaps tick or axis labels.
 
     Args:
@@ -142,7 +174,7 @@ def save_figure(fig, stem: str | Path, *, source: str, show: bool = True) -> lis
     png, pdf = stem.with_suffix(".png"), stem.with_suffix(".pdf")
     _save_png(fig, png, source)
     fig.savefig(pdf, bbox_inches="tight", metadata={"Creator": source, "CreationDate": None})
-    print(f"[saved figure {stem.name}: .png .pdf]")  # the executed notebooks' index finds the cell by this line
+    _saved("figure", stem, ".png .pdf")
     if show and _in_kernel():
         from IPython.display import Image, display
 

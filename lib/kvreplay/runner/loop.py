@@ -192,7 +192,7 @@ def run_arm(
             ledger.log(event="workers", workers=pool.workers, devices=pool.devices, ray=pool.cluster["address"],
                        ray_started=pool.cluster["started"], startup_s=pool.startup)
             if run is not None:
-                ledger.log(event="engine", **run.settings())
+                ledger.log(event="engine", **run.settings(settings.decoding))
             pooled = pool.mapper(todo, key=lambda p: p.problem_id, run=run, composition_id=first, reference=reference,
                                  on_checks=gate_recorder(ledger.log, ledger.dir, ids[0]))
             try:
@@ -231,7 +231,7 @@ def run_arm(
                               on_checks=gate_recorder(ledger.log, ledger.dir, ids[0]),
                               on_chunk=lambda stats: ledger.log(event="chunk", **stats))
         mapper, row_fn = (lambda items: (logged(rec) for rec in batched(items))) if checked else batched, None
-        ledger.log(event="engine", **run.settings())
+        ledger.log(event="engine", **run.settings(settings.decoding))
     if settings.dtype != "float32":  # the float32 equivalence check also on a sample of each chunk's other rows
         if mapper is None:
             assert row_fn is not None

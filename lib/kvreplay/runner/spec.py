@@ -27,7 +27,7 @@ from .. import decode, engine, kernels, ties
 from ..arm_facts import ARM_FACTS, Derived
 from ..engine import EngineRun
 from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
-from ..decoding import Decoding
+from ..decoding import Decoding, parse_rule
 from ..ledger.store import canonical_json
 from ..execution import ExecutionContract, check_sdpa_on_device, device_type, resolve_contract
 from ..models import (
@@ -57,7 +57,9 @@ class RunSpec:
     Attributes:
         lm: loaded model (its dtype is the run's precision).
         fmt: resolved block format.
-        caps: content caps.
+        decoding: caps, the parsed tie rule and top-logit recording as one value
+            (:class:`~kvreplay.decoding.Decoding`, :attr:`ArmSettings.decoding`); row and chunk functions pass it
+            whole to the eager and the batched decoders.
         faults: optional hook called with the boundary states right after
             they are built and before any gate runs; tests use it to plant
             faults through the same runner the notebooks use.
@@ -82,7 +84,6 @@ class RunSpec:
             live ignore it.
         live_checks: the ``live_equals_incremental`` checks passed so far (``problem_id``,
             ``seconds``), for the arm's run log (:func:`kvreplay.runner.run_arm` empties it).
-        tie_rule, top_logits: as in :attr:`decoding`, which holds them with ``caps``; ``engine`` carries the same.
 
     Building a RunSpec checks the model (:func:`check_model`): a model that did not come through
     :func:`~kvreplay.models.load_model` gets the same checks here, once per model object.
@@ -93,7 +94,7 @@ class RunSpec:
     """
     lm: LoadedModel
     fmt: BlockFormat
-    caps: Caps
+    decoding: Decoding
     faults: Hook | None = None
     transplant_faults: Callable | None = None
     equivalence_ids: frozenset = frozenset()
@@ -101,18 +102,16 @@ class RunSpec:
     memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     live_check_ids: frozenset = frozenset()
     live_checks: list = dataclasses.field(default_factory=list, compare=False, repr=False)
-    tie_rule: str = ties.DEFAULT_TIE_RULE
-    top_logits: bool = False
 
-    @functools.cached_property
-    def decoding(self) -> Decoding:
-        """Caps, tie rule and top logits as one value, built once; row functions pass it whole to the decoders."""
-        return Decoding.of(self.caps, self.tie_rule, self.top_logits)
+    @property
+    def caps(self) -> Caps:
+        """The content caps (:attr:`decoding`'s)."""
+        return self.decoding.caps
 
     def __post_init__(self):
+        if not isinstance(self.decoding, Decoding):
+            raise TypeError(f"RunSpec: decoding must be a Decoding (Decoding.of(caps, ...)), got {self.decoding!r}")
         check_model(self.lm)
-        if self.engine is not None and (self.engine.tie_rule, self.engine.top_logits) != (self.tie_rule, self.top_logits):
-            raise ValueError(f"RunSpec: tie rule / top logits {self.tie_rule!r} / {self.top_logits} differ from its engine's")
 
     def check_problem(self, problem: Problem) -> None:
         """What the run loop checks before an arm, for one problem: its prompt and its longest sequence.
@@ -273,7 +272,7 @@ def check_execution(contract: dict) -> None:
             (:func:`kvreplay.kernels.check_step_path`).
     """
     c = contract
-    ties.parse_tie_rule(c.get("tie_rule", ties.DEFAULT_TIE_RULE))  # ValueError naming the rules
+    parse_rule(c.get("tie_rule", ties.DEFAULT_TIE_RULE))  # ValueError naming the rules
     kernels.check_step_path(c.get("kernels", kernels.DEFAULT), c["step_path"], c["attention"])  # ValueError
     kind = device_type(c["device"])  # ValueError naming an unknown device
     if not _whole(c["workers"]) or c["workers"] < 1:
@@ -395,6 +394,7 @@ class ArmSettings:
 
     def __post_init__(self):
         check_execution({k: getattr(self, k) for k in EXECUTION_KEYS})
+        self.decoding  # noqa: B018 (built once here: an unknown tie rule or a non-bool top_logits is refused)
         f = self.live_check_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ValueError(f"live_check_fraction must be a number in [0, 1], got {f!r}")
@@ -472,8 +472,7 @@ class ArmSettings:
                              f"can reach at caps {dataclasses.astuple(self.caps)}")
         return EngineRun("graph" if self.step_path == "graph" else "eager", self.batch,
                          self.max_len if self.max_len is not None else engine.engine_max_len(need, self.attention),
-                         chunk=self.chunk, attention=self.attention,
-                         tie_rule=self.tie_rule, top_logits=self.top_logits)
+                         chunk=self.chunk, attention=self.attention)
 
     def contract(self, device: str | None = None) -> ExecutionContract:
         """The execution contract of this arm (``device`` overrides, e.g. a worker's GPU)."""
@@ -504,14 +503,15 @@ class ArmSettings:
             config["engine"] = self.engine_key()
         return config | self.decoding.key()
 
-    @property
+    @functools.cached_property
     def decoding(self) -> Decoding:
-        """Its :class:`~kvreplay.decoding.Decoding`, whose entries key the ledger."""
+        """Its :class:`~kvreplay.decoding.Decoding`, built once (:meth:`Decoding.of` checks each setting); its
+        entries key the ledger and its rows are decoded by it."""
         return Decoding.of(self.caps, self.tie_rule, self.top_logits)
 
     def run_spec(self, lm: LoadedModel, fmt: BlockFormat, run: "EngineRun | None" = None, **kw: Any) -> "RunSpec":
-        """The :class:`RunSpec` of this arm on a loaded model: its caps, tie rule and top-logit recording, ``run``."""
-        return RunSpec(lm, fmt, self.caps, engine=run, tie_rule=self.tie_rule, top_logits=self.top_logits, **kw)
+        """The :class:`RunSpec` of this arm on a loaded model: its :attr:`decoding` and ``run``."""
+        return RunSpec(lm, fmt, self.decoding, engine=run, **kw)
 
     def load(self, device: str | None = None) -> tuple[LoadedModel, BlockFormat]:
         """Fix the seed, load the model at this precision under the arm's execution contract, resolve the format.
@@ -584,8 +584,8 @@ def arm_environment(lm: LoadedModel, fmt: BlockFormat, settings: ArmSettings, ru
     env = environment_record(lm, settings.threads) | {"format_digest": fmt.digest}
     if "contract" in env:
         env["contract"]["device"] = settings.device
-    if settings.tie_rule != ties.DEFAULT_TIE_RULE:
-        env["tie_rule"] = settings.tie_rule
+    if settings.decoding.tie_rule != ties.LOWEST:  # the rule as the ledger key writes it
+        env["tie_rule"] = settings.decoding.tie_rule.name
     if run is not None:
         env["engine"] = {"step_path": settings.step_path, "batch": run.batch, "max_len": run.max_len}
         if run.attention != "sdpa":
