@@ -81,3 +81,52 @@ def test_committed_ablation_ledgers_keep_their_keys_and_fit():
         rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines()]
         ka.check_rows(kind, rows)
         assert all(r["kernels"] == value for r in rows) if kind == "kernels" else True
+
+
+def _copy(tmp_path, *names):
+    import shutil
+
+    root = tmp_path / "cpu"
+    for name in names:
+        shutil.copytree(next(COMMITTED.glob(f"{name}-*")), root / next(COMMITTED.glob(f"{name}-*")).name)
+    return root
+
+
+def test_load_ablation_reads_the_committed_ledgers_and_refuses_damaged_ones(tmp_path):
+    found = ka.load_ablation(COMMITTED, "bfloat16")
+    assert list(found.by_value)[:2] == ["default", "invariant"] and all(found.by_value.values())
+    frame = ka.ablation_frame(found)
+    assert frame.loc["`default`: prefill vs live", "suffixes part"].startswith(
+        f"{sum(r['diverged'] for r in found.by_value['default'])}/{len(found.by_value['default'])} (")
+    from kvreplay.ledger.files import LedgerError
+
+    root = _copy(tmp_path, "kernels-bfloat16-default", "kernels-bfloat16-invariant-except-norm")
+    folder = next(root.glob("kernels-bfloat16-default-*"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["config"]["threads"] = 3  # the config no longer has the folder's digest
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(LedgerError, match="config digest does not match"):
+        ka.load_ablation(root, "bfloat16")
+    root = _copy(tmp_path / "b", "kernels-bfloat16-default")
+    rows = next(root.glob("*/rows.jsonl"))
+    lines = rows.read_text().splitlines()
+    rows.write_text("\n".join([lines[0].replace('"kernels":"default"', '"kernels":"invariant"'), *lines[1:]]) + "\n")
+    with pytest.raises(LedgerError, match="computed under other kernels"):
+        ka.load_ablation(root, "bfloat16")
+    rows.write_text("\n".join([lines[0].replace('"diverged":', '"parted":'), *lines[1:]]) + "\n")
+    with pytest.raises(RowSchemaError, match="kernel-ablation kernels ledger"):
+        ka.load_ablation(root, "bfloat16")
+    with pytest.raises(LedgerError, match="no ablation ledgers"):
+        ka.load_ablation(tmp_path / "nowhere", "bfloat16")
+
+
+def test_notebook_reads_the_committed_ledgers(tmp_path):
+    """Notebook 09 (not part of make paper) runs on the committed ledgers: its table and figure are written."""
+    import papermill
+
+    out = papermill.execute_notebook(str(ROOT / "notebooks" / "09_kernel_ablation.ipynb"), str(tmp_path / "run.ipynb"),
+                                     parameters={"profile": "cpu", "out": str(tmp_path)}, cwd=str(ROOT),
+                                     progress_bar=False, kernel_name="python3")
+    text = json.dumps(out["cells"])
+    assert "prefill = live bit for bit on every row" in text and "[saved figure" in text
+    assert {p.name for p in tmp_path.iterdir()} >= {"kernel_ablation_bfloat16.md", "kernel_ablation_drift_bfloat16.png"}

@@ -23,18 +23,25 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
+import pandas as pd
 from pydantic import TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
+
+from pathlib import Path
 
 from .. import decode
 from ..contract import BlockFormat, Caps
 from ..drift import aggregate, cache_drift
 from ..gates import cache_tensors
+from ..kernels import KERNELS
+from ..ledger.files import LedgerError, read_environment, read_manifest
 from ..ledger.records import RowSchemaError
+from ..ledger.store import SCHEMA_VERSION, config_digest, ledger_rows
 from ..ledger.row_parts import _CONFIG, Float, Margins, TokenIds
 from ..models import LoadedModel
 from ..problems import Problem
 from ..scoring import score_answer
+from ..stats import wilson
 
 ROW_ALGORITHM = 1
 """Row-algorithm version of this control's ledgers (bumped whenever a row's bytes change)."""
@@ -114,7 +121,7 @@ def check_rows(kind: str, rows: Iterable[Any]) -> list[Any]:
     """
     if kind not in ROW_TYPES:
         raise ValueError(f"unknown kernel-ablation ledger kind {kind!r}; known: {sorted(ROW_TYPES)}")
-    adapter = TypeAdapter(ROW_TYPES[kind])
+    adapter: TypeAdapter[Any] = TypeAdapter(ROW_TYPES[kind])
     out = []
     for row in rows:
         try:
@@ -201,6 +208,8 @@ def orders_row(lm: LoadedModel, fmt: BlockFormat, problem: Problem, caps: Caps, 
         GateError: ``desync`` or ``nonfinite`` (the eager decoders' gates).
     """
     base = lm.contract
+    if base is None:
+        raise ValueError("orders_row needs a model loaded under an execution contract (lm.contract)")
     try:
         lm.contract = dataclasses.replace(base, kernels=order_a)
         live = decode.decode_live(lm, fmt, fmt.prompt_ids(problem.question, problem.options), caps)
@@ -282,3 +291,96 @@ def orders_table(orders_rows: Sequence[Mapping[str, Any]], rows_by_value: Mappin
                      f"{n} | - | - | {parted}/{n} (-) | "
                      f"{sum(a[p]['live']['predicted'] != b[p]['live']['predicted'] for p in both)}/{n} |")
     return head + "\n".join(lines) + "\n"
+
+
+@dataclasses.dataclass
+class AblationLedgers:
+    """A profile's committed ablation ledgers of one dtype, checked (:func:`load_ablation`).
+
+    Attributes:
+        by_value: kernels value -> its rows (:class:`AblationRow`), in :data:`kvreplay.kernels.KERNELS` order.
+        orders: the two-orders rows (:class:`OrdersRow`), empty when there is no such ledger.
+        folders: ledger name -> its folder.
+    """
+    by_value: dict[str, list[Any]]
+    orders: list[Any]
+    folders: dict[str, Path]
+
+
+def load_ablation(root: str | Path, dtype: str) -> AblationLedgers:
+    """Read and check every ablation ledger of ``dtype`` under ``root`` (``data/kernel_ablation/<profile>``).
+
+    Checks, each failing closed: the manifest's schema version and config digest (the folder name ends with its
+    first 12 hex digits, and the digest is that of the config it holds); the kernels value the config names is the
+    folder's and every row's; the row algorithm is :data:`ROW_ALGORITHM`; rows parse, one per problem, and fit
+    their record (:func:`check_rows`).
+
+    Raises:
+        LedgerError: a missing folder, a digest, schema, value or row-algorithm mismatch (naming the folder).
+        LedgerLineError: a damaged line or a duplicated problem.
+        RowSchemaError: a row that does not fit its record.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise LedgerError(f"{root}: no ablation ledgers here (scripts/kernel_ablation.py writes them)")
+    by_value: dict[str, list[Any]] = {}
+    orders: list[Any] = []
+    folders: dict[str, Path] = {}
+    for folder in sorted(root.iterdir()):
+        kind = folder.name.split("-", 1)[0]
+        if not folder.is_dir() or kind not in ROW_TYPES or not folder.name.startswith(f"{kind}-{dtype}-"):
+            continue
+        manifest = read_manifest(folder)
+        digest, config = manifest.get("config_digest", ""), manifest.get("config", {})
+        if manifest.get("schema_version") != SCHEMA_VERSION or config_digest(config) != digest or \
+                not folder.name.endswith("-" + digest[:12]):
+            raise LedgerError(f"{folder}: its manifest's schema or config digest does not match the folder "
+                              f"(digest {digest[:12]!r}); restore it from git")
+        value = config.get("execution", {}).get("kernels", "default")
+        name = folder.name[: -len(digest[:12]) - 1]
+        want = f"kernels-{dtype}-{value}" if kind == "kernels" else f"orders-{dtype}-{ORDER_A}-vs-{ORDER_B}"
+        if name != want or value not in KERNELS or config.get("dtype") != dtype:
+            raise LedgerError(f"{folder}: its config names kernels {value!r} and dtype {config.get('dtype')!r}, "
+                              f"which is not the folder {name!r}")
+        algorithm = read_environment(folder).get("row_algorithm")
+        if algorithm != ROW_ALGORITHM:
+            raise LedgerError(f"{folder}: written by row algorithm {algorithm}, this code reads {ROW_ALGORITHM}")
+        rows = check_rows(kind, [r.record for r in ledger_rows(folder)])
+        if kind == "kernels":
+            wrong = [r["problem_id"] for r in rows if r["kernels"] != value]
+            if wrong:
+                raise LedgerError(f"{folder}: rows {wrong} were computed under other kernels than {value!r}")
+            by_value[value] = rows
+        else:
+            orders = [r for r in rows if r["kernels"] == {"order_a": ORDER_A, "order_b": ORDER_B}]
+            if len(orders) != len(rows):
+                raise LedgerError(f"{folder}: rows of other orders than {ORDER_A!r} and {ORDER_B!r}")
+        folders[name] = folder
+    ordered = {v: by_value[v] for v in KERNELS if v in by_value}
+    return AblationLedgers(ordered, orders, folders)
+
+
+def ablation_frame(ledgers: AblationLedgers) -> pd.DataFrame:
+    """One line per kernels value, then one for the two orders on the same IDs (when that ledger has rows).
+
+    Columns: ``rows``; ``caches bit-identical`` (k/n); ``rel. L2 median`` and ``rel. L2 max`` (of the boundary
+    caches: prefill vs live, or order B vs order A); ``suffixes part`` (k/n with its Wilson 95% interval);
+    ``tie-initiated`` (of those parted); ``live correct`` and ``prefill correct`` (k/n; for the orders: order A's
+    and order B's answers).
+    """
+    lines = {}
+    items: list[tuple[str, list[Any], str, str]] = [(f"`{v}`: prefill vs live", rows, "live", "prefill")
+                                                     for v, rows in ledgers.by_value.items() if rows]
+    if ledgers.orders:
+        items.append((f"`{ORDER_B}` vs `{ORDER_A}`, same IDs", ledgers.orders, "order_a", "order_b"))
+    for label, rows, a, b in items:
+        n = len(rows)
+        rel = [r["drift"]["rel_l2"] for r in rows]
+        parted = sum(r["diverged"] for r in rows)
+        lines[label] = {"rows": n, "caches bit-identical": f"{sum(r['drift']['exact'] for r in rows)}/{n}",
+                        "rel. L2 median": statistics.median(rel), "rel. L2 max": max(rel),
+                        "suffixes part": wilson(parted, n).pct(),
+                        "tie-initiated": f"{sum(r['tie_initiated'] for r in rows)}/{parted}",
+                        "live (order A) correct": f"{sum(bool(r[a]['correct']) for r in rows)}/{n}",
+                        "prefill (order B) correct": f"{sum(bool(r[b]['correct']) for r in rows)}/{n}"}
+    return pd.DataFrame.from_dict(lines, orient="index")
