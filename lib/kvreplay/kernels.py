@@ -328,9 +328,9 @@ def readout(value: "str | KernelSpec", norm: torch.nn.Module, head: torch.nn.Mod
             hidden: torch.Tensor) -> torch.Tensor:
     """A final norm and LM head outside the model (the FP32 readout control's float32 copies) under ``value``.
 
-    Under ``default`` it is ``head(norm(hidden))``, bit for bit. Otherwise it runs as a covered operation (so the
-    guard lets it through): the norm one row at a time when ``norm`` is invariant, the head one row at a time when
-    ``lm_head`` is, each class left default running its module's own code.
+    Under ``default`` it is ``head(norm(hidden))``, bit for bit. Otherwise it runs as a covered operation, so the
+    guard lets it through. The norm runs one row at a time when ``norm`` is invariant, the head when ``lm_head`` is;
+    a class left default runs its module's own code.
 
     Args:
         norm: an RMSNorm module (``weight``, ``variance_epsilon``); head: a linear layer.

@@ -10,8 +10,8 @@ coincide by construction (the contract's test, not a finding); the finding is wh
 arm brings drift and divergence back. Outcomes are recorded and tabulated, never asserted. The command is ``scripts/kernel_ablation.py``.
 
 Two fixed orders at fixed precision (:func:`orders_row`): live decoding under order A (``invariant``) reaches the
-boundary, order B (``invariant-attention-block-128``) builds its boundary cache over the same token IDs, the two
-caches are compared on every layer and one suffix is decoded from each under its own order. Under each order alone
+boundary, and order B (``invariant-attention-block-128``) builds its boundary cache over the same token IDs. The two
+caches are compared on every layer, and one suffix is decoded from each under its own order. Under each order alone
 prefill = live by construction, so this is the size of a change of one fixed reduction order, to set beside the
 default kernels' prefill-vs-live drift (:func:`orders_table`).
 """
@@ -257,8 +257,8 @@ def orders_table(orders_rows: Sequence[Mapping[str, Any]], rows_by_value: Mappin
                  order_a: str = ORDER_A, order_b: str = ORDER_B) -> str:
     """A markdown table of the two fixed orders beside the default kernels, on the problems each line has.
 
-    Lines: order B's cache against order A's live cache over the same IDs (:func:`orders_row`); the default
-    kernels' prefill against live (the ``default`` ledger, the same problems); and the two orders' whole live
+    Lines: order B's cache against order A's live cache over the same IDs (:func:`orders_row`). The default
+    kernels' prefill against live (the ``default`` ledger, the same problems). The two orders' whole live
     decodings from the prompt (their ``kernels`` ledgers: boundary prefix and suffix compared, answers compared).
     Columns: rows, caches bit-identical, rel. L2 median [range], suffixes part (of them tie-initiated), answers differ.
     """
@@ -311,8 +311,8 @@ def load_ablation(root: str | Path, dtype: str) -> AblationLedgers:
     """Read and check every ablation ledger of ``dtype`` under ``root`` (``data/kernel_ablation/<profile>``).
 
     Checks, each failing closed: the manifest's schema version and config digest (the folder name ends with its
-    first 12 hex digits, and the digest is that of the config it holds); the kernels value the config names is the
-    folder's and every row's; the row algorithm is :data:`ROW_ALGORITHM`; rows parse, one per problem, and fit
+    first 12 hex digits, the digest is that of the config it holds). The kernels value the config names is the
+    folder's and every row's. The row algorithm is :data:`ROW_ALGORITHM`. Rows parse, one per problem, and fit
     their record (:func:`check_rows`).
 
     Raises:
