@@ -4,13 +4,16 @@ Usage (from the repository root)::
 
     .venv/bin/python scripts/kernel_ablation.py --profile cpu --rows 16 [--dtype bfloat16] [--out data/kernel_ablation]
     .venv/bin/python scripts/kernel_ablation.py --profile cpu --rows 16 --table   # only (re)write the table
+    .venv/bin/python scripts/kernel_ablation.py --profile cpu --rows 16 --limit 1 --dtype float32 --values default invariant
 
 Rows are the profile's first ``--rows`` bank problems at its caps, on the eager decoders under its execution
-contract with ``kernels`` set to each value of ``--values`` (default: ``default``, ``invariant`` and every
-``invariant-except-<class>``). The loop goes row by row, and within a row value by value, so an interrupted run
+contract with ``kernels`` set to each value of ``--values`` (default: ``default``, ``invariant``, every
+``invariant-except-<class>`` and ``invariant-attention-block-128``). The loop goes row by row, and within a row value by value, so an interrupted run
 leaves every value with about the same number of rows; each value's ledger is append-only and a rerun resumes it
 (:class:`kvreplay.ledger.store.Ledger`, keyed by :meth:`kvreplay.runner.ArmSettings.config` with the ``kernels``
-entry). ``table.md`` beside the ledgers is rewritten from them after every row, with the command that made it.
+entry). ``--limit N`` computes only the first N of those problems, keeping the key of all ``--rows``, so a later
+run with a larger limit extends the same ledgers. ``table.md`` beside the ledgers is rewritten from them after every
+row, with the command that made it.
 
 Two fixed orders: when ``--values`` holds both ``invariant`` and ``invariant-attention-block-128`` (the default), each
 problem also gets a row of the ``orders-<dtype>-invariant-vs-invariant-attention-block-128`` ledger
