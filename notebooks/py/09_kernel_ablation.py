@@ -103,14 +103,17 @@ else:
 # ## Boundary-cache drift per value
 # Each point is one row's relative L2 between the two boundary caches (prefill against live; for the two orders,
 # order B against order A over the same IDs), on a log axis. Bit-identical caches (relative L2 exactly 0) sit on
-# the bottom line. Filled points are rows whose suffixes parted.
+# the bottom line, a decade below the smallest nonzero drift. Filled points are rows whose suffixes parted.
 
 # %%
-FLOOR = 1e-6
+import math
+
 groups = [(v, rows) for v, rows in found.by_value.items() if rows]
 if found.orders:
     groups.append((f"{ORDER_B}\nvs {ORDER_A}\n(same IDs)", found.orders))
-fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(groups)), 4))
+nonzero = [r["drift"]["rel_l2"] for _, rows in groups for r in rows if r["drift"]["rel_l2"] > 0]
+FLOOR = 10.0 ** (math.floor(math.log10(min(nonzero))) - 1) if nonzero else 1e-6  # a decade below the smallest drift
+fig, ax = plt.subplots(figsize=(max(7.5, 1.1 * len(groups)), 4))
 for i, (label, rows) in enumerate(groups):
     for j, r in enumerate(rows):
         y = max(r["drift"]["rel_l2"], FLOOR)
