@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
-from kvreplay import caches, decode, invariance, kernels
+from kvreplay import caches, decode, gates, invariance, kernels
 from kvreplay.contract import ContractError, resolve_format
 from kvreplay.execution import resolve_contract
 from kvreplay.runner import ArmSettings, resolve_execution
@@ -108,9 +108,16 @@ def test_planted_fault_is_caught(name, monkeypatch):
 def test_uncovered_operation_fails_closed():
     lm, fmt = _lm("llama", torch.float32, "invariant")
     live = decode.decode_live(lm, fmt, _prompt(fmt), TINY_CAPS)
-    readout = decode.FP32Readout(lm)  # copies of the norm and head: not wrapped, so not covered
-    with pytest.raises(kernels.UncoveredOperationError, match="outside every covered kernel"):
-        decode.build_prefill(lm, fmt, live.ids, readout=readout)
+    # a forward hook on a decoder layer reduces its output: no covered kernel runs it
+    def reduce(module, args, output):
+        torch.sum(output[0] if isinstance(output, tuple) else output)
+
+    hook = lm.model.model.layers[0].register_forward_hook(reduce)
+    try:
+        with pytest.raises(kernels.UncoveredOperationError, match="sum ran outside every covered kernel"):
+            decode.build_prefill(lm, fmt, live.ids)
+    finally:
+        hook.remove()
     with kernels.installed(lm.model, "invariant"), pytest.raises(kernels.UncoveredOperationError, match="softmax"):
         torch.softmax(torch.ones(3), -1)
     assert torch.softmax(torch.ones(2), -1).tolist() == [0.5, 0.5]  # nothing is left installed
@@ -158,3 +165,63 @@ def test_environment_records_kernels_only_when_not_default():
     lm.contract = resolve_contract(kernels="invariant")
     env = environment_record(lm)["contract"]
     assert env["kernels"] == "invariant" and env["kernels_attention_block"] == kernels.ATTENTION_BLOCK
+
+
+@pytest.mark.parametrize("value", ["invariant", "invariant-except-lm_head"])
+def test_fp32_readout_runs_under_invariant_kernels(value):
+    """The FP32 readout's float32 copies of the norm and head are covered: prefill, incremental and live give the
+    same readout logits bit for bit, and the readout writes the same cache as the plain build."""
+    lm, fmt = _lm("qwen2", torch.bfloat16, value)
+    readout = decode.FP32Readout(lm)
+    live = decode.decode_live(lm, fmt, _prompt(fmt), TINY_CAPS)
+    pre_ro = decode.build_prefill(lm, fmt, live.ids, readout=readout)
+    inc_ro = decode.build_incremental(lm, fmt, live.ids, readout=readout)
+    assert pre_ro.logits.dtype == torch.float32 and torch.equal(pre_ro.logits, inc_ro.logits)
+    plain = decode.build_prefill(lm, fmt, live.ids)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(gates.cache_tensors(plain.cache), gates.cache_tensors(pre_ro.cache)))
+    suffix = decode.decode_suffix(lm, fmt, pre_ro, TINY_CAPS, readout=readout)
+    assert suffix.tokens == decode.decode_suffix(lm, fmt, inc_ro, TINY_CAPS, readout=readout).tokens
+
+
+def test_readout_default_is_the_modules_own_code():
+    lm = tiny_lm("llama", torch.float32)
+    norm, head = lm.model.model.norm, lm.model.get_output_embeddings()
+    x = torch.randn(5, lm.model.config.hidden_size)
+    assert torch.equal(kernels.readout("default", norm, head, x), head(norm(x)))
+    one = kernels.readout("invariant", norm, head, x[2:3])
+    assert torch.equal(kernels.readout("invariant", norm, head, x)[2:3], one)  # a row alone = the row among five
+
+
+def test_second_attention_order_is_its_own_value(monkeypatch):
+    """``invariant-attention-block-128``: every class invariant, attention over key blocks of 128 (a second fixed
+    order); prefill = live = incremental under it too; its own key entry and environment record; the engine refuses it."""
+    value = "invariant-attention-block-128"
+    spec = kernels.parse_kernels(value)
+    assert spec.invariant == frozenset(kernels.CLASSES) and spec.attention_block == 128
+    assert kernels.parse_kernels("invariant").attention_block == kernels.ATTENTION_BLOCK == 64
+    blocks = []
+    original = kernels.block_attention
+    monkeypatch.setattr(kernels, "block_attention", lambda *a, **k: blocks.append(k.get("block")) or original(*a, **k))
+    lm, fmt = _lm("llama", torch.float32, value)
+    r = invariance.construction_check(lm, fmt, _prompt(fmt), TINY_CAPS)
+    assert r["live_vs_incremental"] == [] and r["live_vs_prefill"] == [], r
+    assert blocks and set(blocks) == {128}
+    assert resolve_contract(kernels=value).key() == {"kernels": value}
+    from kvreplay.models import environment_record
+    assert environment_record(lm)["contract"]["kernels_attention_block"] == 128
+    with pytest.raises(ValueError, match="eager decoders only"):
+        ArmSettings(profile="smoke", dtype="float32", caps=TINY_CAPS, kernels=value, step_path="engine-eager")
+
+
+def test_block_size_changes_only_the_key_sums():
+    """Blocks of 64 and 128 give the same output up to rounding, and the same bits when every query sees at most 64
+    keys (one block either way)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 40, 8, generator=g)
+    k, v = torch.randn(1, 1, 200, 8, generator=g), torch.randn(1, 1, 200, 8, generator=g)
+    mask = torch.ones(1, 1, 40, 200, dtype=torch.bool).tril(160)
+    a, b = (kernels.block_attention(q, k, v, mask, 8 ** -0.5, block=n) for n in (64, 128))
+    assert torch.allclose(a, b, atol=1e-5)
+    short = torch.zeros_like(mask)
+    short[..., :50] = True
+    assert torch.equal(*(kernels.block_attention(q, k, v, short, 8 ** -0.5, block=n) for n in (64, 128)))

@@ -150,8 +150,9 @@ def forward(
         ContractError: the call reaches a position the model does not have
             (``max_position_embeddings``), before the model runs.
         kvreplay.kernels.UncoveredOperationError: an operation the contract does not cover ran under ``kernels:
-            invariant``, e.g. the FP32 readout's copies of the norm and head. The kernels (``lm.contract.kernels``)
-            are installed here around the model call (:func:`kvreplay.kernels.installed`).
+            invariant`` (the FP32 readout's copies of the norm and head are covered: :func:`kvreplay.kernels.readout`).
+            The kernels (``lm.contract.kernels``) are installed here around the model call
+            (:func:`kvreplay.kernels.installed`).
     """
     q = ids.shape[1]
     limit = _positions(lm.model)
@@ -193,6 +194,8 @@ class FP32Readout:
 
     Supports models whose final norm is ``model.model.norm`` (Llama, Qwen2,
     Mistral families) and whose LM head is the output embedding.
+    Under a ``kernels`` value other than ``default`` the copies run as covered
+    operations, row by row where their class is invariant (:func:`kvreplay.kernels.readout`).
 
     Raises:
         ContractError: if the model has no ``model.model.norm``.
@@ -214,7 +217,7 @@ class FP32Readout:
             hidden = base(**kwargs).last_hidden_state[:, -1, :]
         finally:
             base.norm = norm
-        return self.head(self.norm(hidden.float()))
+        return kernels.readout(kernels_of(lm), self.norm, self.head, hidden.float())
 
 
 def rows_in_sync(logits: torch.Tensor) -> torch.Tensor:

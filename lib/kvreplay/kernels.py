@@ -19,6 +19,13 @@ shape per row, so the same kernel runs on the same operand shapes wherever the r
   no order-dependent sum;
 * ``rope``: the rotary cosines and sines one position at a time.
 
+A second fixed order for the attention class is its own value, ``invariant-attention-block-128``
+(:data:`ATTENTION_ORDERS`): every class invariant, attention over key blocks of 128 positions instead of 64. The
+maximum, the exponentials and every other class keep their bits; what changes is only how the sums over keys (the
+softmax denominator and ``P @ V``) are grouped: partial sums over 128 keys, added in block order. So prefill = live
+under it too, by construction, and its caches and suffixes against ``invariant``'s measure what a change of one
+fixed reduction order does at fixed precision.
+
 Each class can be left on the default path (``invariant-except-<class>``, e.g. ``invariant-except-attention``), so
 "every operation invariant but one" is a contract value: the attribution control. Nothing is patched globally. The
 model's own modules get instance-level ``forward`` replacements and a registered attention function
@@ -55,11 +62,14 @@ INVARIANT = "invariant"
 CLASSES = ("linear", "attention", "norm", "lm_head", "rope")
 """The operation classes the invariant contract covers, each switchable on its own."""
 EXCEPT = "invariant-except-"
-KERNELS = (DEFAULT, INVARIANT, *(EXCEPT + c for c in CLASSES))
-"""Every value of the execution contract's ``kernels`` key."""
-
 ATTENTION_BLOCK = 64
 """Key positions per attention block (anchored at key 0): pinned, part of the ``invariant`` contract's bits."""
+ATTENTION_ORDERS = {"invariant-attention-block-128": 128}
+"""Values with every class invariant and attention over another fixed key-block size (a second fixed order of the
+attention class's key reductions): value -> key positions per block. 128 rather than a smaller block: the reference
+then makes half as many block calls, and 128 is the key-block size of FlexAttention's kernels."""
+KERNELS = (DEFAULT, INVARIANT, *(EXCEPT + c for c in CLASSES), *ATTENTION_ORDERS)
+"""Every value of the execution contract's ``kernels`` key."""
 ATTENTION_NAME = "kvreplay_invariant"
 """The attention function registered with ``transformers`` for the invariant attention."""
 GUARDED_SDPA_NAME = "kvreplay_guarded_sdpa"
@@ -89,9 +99,12 @@ class KernelSpec:
     Attributes:
         name: the contract value (one of :data:`KERNELS`).
         invariant: the classes (of :data:`CLASSES`) on the invariant path; empty for ``default``.
+        attention_block: key positions per block of the invariant attention (:data:`ATTENTION_BLOCK` unless the
+            value is one of :data:`ATTENTION_ORDERS`).
     """
     name: str
     invariant: frozenset
+    attention_block: int = ATTENTION_BLOCK
 
     @property
     def default(self) -> bool:
@@ -112,6 +125,8 @@ def parse_kernels(value: "str | KernelSpec") -> KernelSpec:
         return KernelSpec(INVARIANT, frozenset(CLASSES))
     if isinstance(value, str) and value.startswith(EXCEPT) and value[len(EXCEPT):] in CLASSES:
         return KernelSpec(value, frozenset(CLASSES) - {value[len(EXCEPT):]})
+    if isinstance(value, str) and value in ATTENTION_ORDERS:
+        return KernelSpec(value, frozenset(CLASSES), ATTENTION_ORDERS[value])
     raise ValueError(f"unknown kernels value {value!r}; use one of {list(KERNELS)}")
 
 
@@ -297,12 +312,56 @@ def invariant_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         return block_attention(query, key, value, attention_mask, scale), None
 
 
+def _attention_with_block(block: int):
+    """:func:`invariant_attention` over key blocks of ``block`` positions (the function registered for that block)."""
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs):
+        if dropout or kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None:
+            raise KernelContractError("invariant attention covers no dropout, sliding window or attention sinks")
+        if not isinstance(attention_mask, torch.Tensor):
+            raise KernelContractError(f"invariant attention needs the explicit 4-D bool mask, got "
+                                      f"{type(attention_mask).__name__}")
+        with _covered():
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return block_attention(query, key, value, attention_mask, scale, block=block), None
+    return attention
+
+
+def attention_name(block: int) -> str:
+    """The registered name of the invariant attention over key blocks of ``block`` positions (:data:`ATTENTION_NAME`
+    for :data:`ATTENTION_BLOCK`)."""
+    return ATTENTION_NAME if block == ATTENTION_BLOCK else f"{ATTENTION_NAME}_block{block}"
+
+
 def guarded_sdpa(*args, **kwargs):
     """The model's own SDPA attention, run as a covered operation (attention left on the default path)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     with _covered():
         return sdpa_attention_forward(*args, **kwargs)
+
+
+def readout(value: "str | KernelSpec", norm: torch.nn.Module, head: torch.nn.Module,
+            hidden: torch.Tensor) -> torch.Tensor:
+    """A final norm and LM head outside the model (the FP32 readout control's float32 copies) under ``value``.
+
+    Under ``default`` it is ``head(norm(hidden))``, bit for bit. Otherwise it runs as a covered operation, so the
+    guard lets it through. The norm runs one row at a time when ``norm`` is invariant, the head when ``lm_head`` is;
+    a class left default runs its module's own code.
+
+    Args:
+        norm: an RMSNorm module (``weight``, ``variance_epsilon``); head: a linear layer.
+        hidden: ``[rows, hidden]`` in the copies' dtype.
+
+    Returns:
+        ``[rows, vocab]`` logits in ``hidden``'s dtype.
+    """
+    spec = parse_kernels(value)
+    if spec.default:
+        return head(norm(hidden))
+    with _covered():
+        x = row_rms_norm(norm, hidden) if "norm" in spec.invariant else norm(hidden)
+        return row_linear(x, head.weight, head.bias) if "lm_head" in spec.invariant else head(x)
 
 
 # --- the guard ----------------------------------------------------------------------------------------------------
@@ -358,6 +417,8 @@ def _register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, invariant_attention)
+    for block in ATTENTION_ORDERS.values():
+        AttentionInterface.register(attention_name(block), _attention_with_block(block))
     AttentionInterface.register(GUARDED_SDPA_NAME, guarded_sdpa)
 
 
@@ -419,7 +480,7 @@ def installed(model: torch.nn.Module, kernels: "str | KernelSpec") -> Iterator[N
         patched.append(module)
     cfg = model.config
     before = cfg._attn_implementation
-    cfg._attn_implementation = ATTENTION_NAME if "attention" in on else GUARDED_SDPA_NAME
+    cfg._attn_implementation = attention_name(spec.attention_block) if "attention" in on else GUARDED_SDPA_NAME
     try:
         with _Guard():
             yield

@@ -557,7 +557,7 @@ def environment_record(lm: LoadedModel | None = None, threads: int | None = None
             if lm.contract.kernels == kernels.DEFAULT:  # today's environment records stay as they were
                 del contract["contract"]["kernels"]
             else:
-                contract["contract"]["kernels_attention_block"] = kernels.ATTENTION_BLOCK
+                contract["contract"]["kernels_attention_block"] = kernels.parse_kernels(lm.contract.kernels).attention_block
     return contract
 
 
