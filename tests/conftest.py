@@ -51,6 +51,9 @@ TINY_FORMAT = {
     "answer_prefix": "Ans:",
 }
 
+COMMITTED_PROFILES = ("cpu", "gemma", "gemma_smoke", "gpu", "paper", "smoke")
+"""The profile files committed under notebooks/params/ (tests/test_own_model.py writes a user's own there while it runs)."""
+
 TINY_CAPS = Caps(branch=5, merge=6, answer=3)
 
 TINY_WINDOW = 8

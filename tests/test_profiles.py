@@ -14,6 +14,8 @@ from kvreplay.profiles import (
 )
 from kvreplay.runner import resolve_execution
 
+from conftest import COMMITTED_PROFILES
+
 
 def test_the_defaults_are_the_smoke_profile():
     """A notebook opened as is runs the smoke profile: the model's defaults cannot drift from smoke.yaml."""
@@ -32,7 +34,8 @@ def test_the_defaults_are_the_smoke_profile():
 
 
 def test_every_committed_profile_loads():
-    for path in sorted(PARAMS.glob("*.yaml")):
+    assert set(COMMITTED_PROFILES) <= {p.stem for p in PARAMS.glob("*.yaml")}
+    for path in (PARAMS / f"{name}.yaml" for name in COMMITTED_PROFILES):
         params = load_parameters(path.stem)
         assert params.profile == path.stem
         assert load_parameters(path) == params  # a path to the file gives the same
@@ -270,12 +273,12 @@ def test_settings_come_back_from_a_ledger_key():
 def test_profiles_that_report_results_choose_their_recipe_on_at_least_100_held_out_rows():
     """The recipe search's held-out selection set: at least MIN_HELDOUT rows in every profile that scores the bank on
     that many rows (cpu, gpu, paper, gemma); a smaller one refused there, naming the rule; toy profiles exempt."""
-    for path in sorted(PARAMS.glob("*.yaml")):
-        params = load_parameters(path.stem)
+    for name in COMMITTED_PROFILES:  # not a user profile another test writes there
+        params = load_parameters(name)
         toy = params.n_adapt_eval < MIN_HELDOUT
-        assert params.adapt_selection.n_heldout >= MIN_HELDOUT or toy, path.stem
-        assert toy == (path.stem in ("smoke", "gemma_smoke")), path.stem
-        assert 0 < params.adapt_selection.max_letter_share <= 0.6, path.stem
+        assert params.adapt_selection.n_heldout >= MIN_HELDOUT or toy, name
+        assert toy == (name in ("smoke", "gemma_smoke")), name
+        assert 0 < params.adapt_selection.max_letter_share <= 0.6, name
     small = load_parameters("smoke").adapt_selection.model_dump()
     with pytest.raises(ValueError, match=r"adapt_selection.n_heldout=4: a profile that scores the bank on 100 rows or "
                                          r"more \(n_adapt_eval=200\) chooses its recipe on at least 100 held-out rows"):

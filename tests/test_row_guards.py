@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from conftest import TINY_CAPS, TINY_FORMAT, make_tokenizer, tiny_lm, tiny_problems
+from conftest import COMMITTED_PROFILES, TINY_CAPS, TINY_FORMAT, make_tokenizer, tiny_lm, tiny_problems
 from kvreplay import decode, models
 from kvreplay.contract import ContractError, resolve_format
 from kvreplay.decoding import Decoding
@@ -141,9 +141,9 @@ def test_preflight_zero_is_refused_naming_the_key_and_why(tmp_path):
     f.write_text("profile: mine\npreflight: 0\n")
     with pytest.raises(ValueError, match=r"profile .*mine.yaml: preflight: "):
         load_parameters(f)
-    for path in sorted(PARAMS.glob("*.yaml")):  # every committed profile keeps its checks on
-        params = load_parameters(path.stem)
-        assert params.preflight >= 1 and params.preflight_fixed >= 1, path.name
+    for name in COMMITTED_PROFILES:  # every committed profile keeps its checks on
+        params = load_parameters(name)
+        assert params.preflight >= 1 and params.preflight_fixed >= 1, name
     with pytest.raises(ValueError, match=r"live_check_fraction: Input should be less than or equal to 1"):
         load_parameters("smoke", {"live_check_fraction": 2})
     assert load_parameters("smoke", {"live_check_fraction": 0}).live_check_fraction == 0
