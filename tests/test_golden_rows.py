@@ -22,9 +22,10 @@ PENDING: set[str] = set()
 """Experiments whose committed cpu ledgers await recomputation under the current row algorithm (README,
 "Results"): their superseded ledgers were removed, so none of the profile's ledgers is of another version.
 Empty this set when they are committed; the tests below then expect them."""
-OPTIONAL = {"exp1_ties"}
-"""Experiments a profile computes only when it asks for them (the tie-rule control: its ``tie_rules``); the cpu
-profile does not, and Experiment 1's golden row covers their row function."""
+OPTIONAL = {"exp1_ties", "exp1_length"}
+"""Experiments a profile computes only when it asks for them (the tie-rule control: its ``tie_rules``; the
+manipulated-length arm: its ``length_branch_caps``). Both run Experiment 1's row function, which its golden row
+covers."""
 
 
 def _ledgers(profile: str):

@@ -314,6 +314,8 @@ def test_row_functions_return_the_schema_layouts():
     functions = {"exp1": (live_vs_prefill.live_vs_prefill_row, live_vs_prefill.live_vs_prefill_chunk, None),
                  # the tie-rule control: Experiment 1's own functions under another rule
                  "exp1_ties": (live_vs_prefill.live_vs_prefill_row, live_vs_prefill.live_vs_prefill_chunk, None),
+                 # the manipulated-length arm: Experiment 1's own functions at another branch cap
+                 "exp1_length": (live_vs_prefill.live_vs_prefill_row, live_vs_prefill.live_vs_prefill_chunk, None),
                  "exp2": (fixed_prefix.fixed_prefix_row, fixed_prefix.fixed_prefix_chunk, None),
                  "exp2_controls": (controls.controls_row, controls.controls_chunk, controls.controls_summary),
                  "exp3": (bridge.bridge_row, bridge.bridge_chunk, bridge.bridge_summary),

@@ -180,7 +180,12 @@ def test_each_row_shows_its_time_and_what_remains_and_an_interrupt_ends_with_a_s
     monkeypatch.setattr(verify, "expected_environment", lambda rec, threads: dict(rec))
     monkeypatch.setattr(verify, "verify_ledger", _fake_rows(calls, then=lambda: signal.raise_signal(signal.SIGINT)
                                                             if len(calls) == 2 else None))
-    rc = verify.main(["--profile", "cpu", "--only", "exp1-bfloat16", "exp1-float32", "exp3"])
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a library loaded earlier left another handler
+    try:
+        rc = verify.main(["--profile", "cpu", "--only", "exp1-bfloat16", "exp1-float32", "exp3"])
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # and gets it back
+    finally:
+        signal.signal(signal.SIGINT, previous)
     out = capsys.readouterr().out.splitlines()
     assert rc == 130 and len(calls) == 2  # SIGINT (Ctrl-C) stopped it inside the second ledger
     rows = [x for x in out if x.startswith("OK ")]

@@ -34,7 +34,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -561,6 +563,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{tag} {r.mode:8s} {r.ledger:40s} {r.problem_id:24s} {r.detail} [{r.seconds:.1f} s; {len(done)} of "
               f"{total} done, {total - len(done)} left, {time.perf_counter() - start:.0f} s so far]", flush=True)
 
+    # Ctrl-C raises KeyboardInterrupt here whatever handler a library loaded earlier left for SIGINT
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if main_thread else None
     try:
         verify_profile(args.ledger_root, args.profile, args.rows, only=args.only, pick=args.pick, report=said,
                        seed=args.seed, ids=args.ids)
@@ -570,6 +575,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LedgerError as e:  # a damaged line, a duplicated row or a damaged small file: named, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
     print(summary(done, total, time.perf_counter() - start))
     return 1 if any(not r.ok for r in done) else 0
 
