@@ -67,7 +67,10 @@ def test_two_measured_runs_count_their_own_steps():
     engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=b)  # a second decoder adds to the same run's stats
     assert a.stats.steps == steps_a and b.stats.steps > 0
     event = b.stats.chunk_event(3, 1.23456)
-    assert list(event) == ["problems", "seconds", "steps", "slot_steps", "busy_slot_steps", "occupancy"]
+    assert list(event) == ["problems", "seconds", "steps", "slot_steps", "busy_slot_steps", "occupancy",
+                           "kv_positions", "capture_s"]
+    # every busy slot-step attends to at least one key position and at most max_len of them
+    assert b.stats.busy_slot_steps <= event["kv_positions"] and event["capture_s"] == 0.0  # eager: no graph captured
     assert event["seconds"] == 1.235 and event["occupancy"] == round(b.stats.busy_slot_steps / b.stats.slot_steps, 4)
     unmeasured = EngineRun(batch=2)
     logged = unmeasured.settings(Decoding.of(Caps(1, 1, 1), "hash:3"))

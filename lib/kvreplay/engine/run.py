@@ -30,12 +30,18 @@ class EngineStats:
         verified_steps: steps checked against the eager step (gate ``graph_equals_eager``).
         attention_checks: every ``attention_tolerance`` record passed, in order
             (:meth:`kvreplay.engine.StepEngine.check_attention`).
+        kv_positions: key positions the busy rows attend to, summed over steps and busy slots (one row of each
+            duplicate pair: a slot at position ``p`` adds ``p + 1``). With the model's per-position K/V bytes it
+            gives the bytes a step must read at the least (the memory floor, ``scripts/gpu_profile.py``).
+        capture_s: seconds spent capturing CUDA graphs (their first step, compiles of a new shape included).
     """
     steps: int = 0
     slot_steps: int = 0
     busy_slot_steps: int = 0
     verified_steps: int = 0
     attention_checks: list[dict] = dataclasses.field(default_factory=list)
+    kv_positions: int = 0
+    capture_s: float = 0.0
 
     @property
     def occupancy(self) -> float | None:
@@ -45,11 +51,12 @@ class EngineStats:
 
     def chunk_event(self, problems: int, seconds: float) -> dict:
         """A chunk's run-log entry: ``{"problems", "seconds", "steps", "slot_steps", "busy_slot_steps",
-        "occupancy"}`` (seconds to 3 decimals, occupancy to 4, ``None`` without steps)."""
+        "occupancy", "kv_positions", "capture_s"}`` (seconds to 3 decimals, occupancy to 4, ``None`` without steps)."""
         occupancy = self.occupancy
         return {"problems": problems, "seconds": round(seconds, 3), "steps": self.steps, "slot_steps": self.slot_steps,
                 "busy_slot_steps": self.busy_slot_steps,
-                "occupancy": round(occupancy, 4) if occupancy is not None else None}
+                "occupancy": round(occupancy, 4) if occupancy is not None else None,
+                "kv_positions": self.kv_positions, "capture_s": round(self.capture_s, 3)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ attention of its own, every layer's attention output against the math-SDPA refer
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -322,9 +323,12 @@ class StepEngine:
         self.stats.steps += 1
         self.stats.slot_steps += self.batch
         self.stats.busy_slot_steps += busy
+        self.stats.kv_positions += sum(p + 1 for p, b in zip(self._next[1], self._busy) if b)
         if self.step_path == "graph":
             if self._graph is None:
+                t0 = time.perf_counter()
                 self._capture()
+                self.stats.capture_s += time.perf_counter() - t0
             self._graph.replay()
             logits, stats = self._out
         else:

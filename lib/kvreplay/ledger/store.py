@@ -360,14 +360,17 @@ class Ledger:
         try:
             unseal(self.dir)  # a sealed ledger takes more rows as rows.jsonl again
             cut_torn_tail(self.rows_path)
-            if record[self.key] in self.done_keys():
+            done = self.done_keys()  # re-read only if another process changed the file since this one last did
+            if record[self.key] in done:
                 raise LedgerError(f"{self.rows_path}: {self.key}={record[self.key]} already recorded")
             line = canonical_json(record) + "\n"
             with open(self.rows_path, "a", encoding="utf-8") as f:
                 f.write(line)
                 f.flush()
                 os.fsync(f.fileno())
-            self.done_keys().add(record[self.key])
+            # the writer lock is held: the file is what was read plus this line, so the keys are updated in place
+            # (re-reading it after every append made a run's appends quadratic in its rows)
+            done.add(record[self.key])
             self._seen = self.rows_path.stat().st_size
         finally:
             lock.release(self.dir)

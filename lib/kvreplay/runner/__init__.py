@@ -43,6 +43,7 @@ from .spec import (
     arm_environment,
     check_execution,
     check_prompts,
+    keep_models,
     model_key,
     problems_digest,
     resolve_execution,
@@ -52,7 +53,7 @@ from .spec import (
 __all__ = [
     "ARM_STEP_PATHS", "CHUNK_DEADLINE_ENV", "ENGINE_KEYS", "EXECUTION_DEFAULTS", "EXECUTION_KEYS", "EXECUTION_KINDS", "FIRST_CHUNK_ESTIMATE_ENV",
     "GRAPH_CHECK_STEPS", "READ_ONLY_ENV", "ROW_ALGORITHM", "Arm", "ArmPlan", "ArmSettings", "Chain", "BatchedRows", "ChunkDeadline", "EngineRun", "Hook", "ReadOnlyLedgerError", "RunSpec",
-    "arm_environment", "check_execution", "check_prompts", "first_difference", "leaves", "model_key", "problems_digest",
+    "arm_environment", "check_execution", "check_prompts", "first_difference", "keep_models", "leaves", "model_key", "problems_digest",
     "resolve_execution",
     "role_table_key", "run_arm",
 ]

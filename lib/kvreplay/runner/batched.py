@@ -24,8 +24,9 @@ from ..ledger.store import canonical_json
 from ..problems import Problem
 from .spec import EngineRun, RunSpec
 
-GRAPH_CHECK_STEPS = 256
-"""Steps of each engine (live, suffix) of the composition run checked against the eager step on the graph path."""
+GRAPH_CHECK_STEPS = 32
+"""Steps of each engine of a new arm's first chunk (a resumed arm's reference run) checked against the eager step on
+the graph path (gate ``graph_equals_eager``): the step is one captured graph, so its first steps stand for all."""
 
 CHUNK_DEADLINE_ENV = "KV_CHUNK_DEADLINE"
 
@@ -51,24 +52,22 @@ class BatchedRows:
     passed. A problem's bits do not depend on which chunk it falls in (the
     batch shape is the arm's), which the ``composition`` gate checks.
 
-    Composition gate: when a chunk holds ``composition_id`` (the first problem
-    a new arm computes, its first preflight problem), that problem's record
-    is computed again alone: a chunk of one at the same ``B`` and ``max_len``,
-    the other slots idle, its jobs placed from the *last* slot down. So the
-    problem sits in another slot than in its chunk. Its record must equal its
-    record inside the chunk, byte for byte in canonical JSON: its bits depend
-    neither on its companions nor on its slot. A run that resumes an arm is given ``reference``
-    instead: a committed row of the ledger (computed inside a chunk by an
-    earlier run, with its own captured graph), which is computed alone before
-    the first chunk and must equal its committed line byte for byte. This
-    checks the companions as above and also that this run's bits are the
-    ledger's (a code or machine change that moved them stops the arm before it
-    appends a row). On the graph path the alone run also checks the first
-    :data:`GRAPH_CHECK_STEPS` steps of each engine against the eager step
-    (gate ``graph_equals_eager``). With an attention other than ``sdpa`` it also
-    checks every layer's attention output of its first step that holds a
-    boundary against the math-SDPA reference (gate ``attention_tolerance``,
-    :meth:`kvreplay.engine.StepEngine.check_attention`).
+    Composition gate: when a chunk holds ``composition_id`` (the first problem a new arm computes, its first
+    preflight problem), that problem is decoded twice in the chunk: once in its place and once more as a copy
+    queued after every other problem. The copy starts when a slot frees late in the chunk, so it runs beside
+    other companions, at another time and, as the queue hands slots out, in other slots; with a chunk of more
+    problems than slots this costs about one problem's steps in the chunk's ragged tail. The two records must
+    agree byte for byte in canonical JSON: a problem's bits depend neither on its companions nor on its slot. The
+    same chunk also runs the first :data:`GRAPH_CHECK_STEPS` steps of its engines eagerly a second time on the
+    graph path (gate ``graph_equals_eager``) and, with an attention other than ``sdpa``, checks every layer's
+    attention output of its first step that holds a boundary against the math-SDPA reference (gate
+    ``attention_tolerance``, :meth:`kvreplay.engine.StepEngine.check_attention`). A run that resumes an arm is
+    given ``reference`` instead: a committed row of the ledger (computed inside a chunk by an earlier run, with
+    its own captured graph), computed alone before the first chunk (a chunk of one at the same ``B`` and
+    ``max_len``, the other slots idle, its jobs placed from the *last* slot down), which must equal its committed
+    line byte for byte. This checks the companions as above and also that this run's bits are the ledger's (a
+    code or machine change that moved them stops the arm before it appends a row); the graph and attention
+    checks run with it.
 
     Args:
         spec: the arm's run spec (``spec.engine`` set).
@@ -87,10 +86,8 @@ class BatchedRows:
     a wall-clock time (seconds since the epoch, as ``time.time()``), a chunk
     is not started if the longest chunk computed so far by this mapper would
     end after it. The first chunk always starts, unless :data:`FIRST_CHUNK_ESTIMATE_ENV` gives its expected
-    time and that would end after the deadline. A chunk's time here leaves
-    out the preflight gates run with it (the alone runs of ``composition`` and
-    ``reference``). They run once a mapper; counted in, they would make a new arm's
-    first chunk stand for every later one with 100-200 s added. A lent machine's time limit
+    time and that would end after the deadline. A chunk's time counts the gates that ran in it; a resumed arm's
+    reference run is left out (it runs once a mapper). A lent machine's time limit
     kills a process mid-chunk and loses that chunk's rows, so stopping at a
     chunk boundary keeps the device time for the next call. The rows already
     yielded are in the ledger; the arm resumes from there.
@@ -146,37 +143,73 @@ class BatchedRows:
                     self.reference = None
                     if self.on_checks is not None:
                         self.on_checks(self.checks[before:])
+                ids = [p.problem_id for p in group]
+                probe = ids.index(self.composition_id) if self.composition_id in ids else None
                 t0, run = time.perf_counter(), self._run.measured()
-                records = self.chunk(dataclasses.replace(self.spec, engine=run), group)
-                self.seconds.append(time.perf_counter() - t0)  # the chunk alone: its preflight gates left out
-                self.chunks.append([p.problem_id for p in group])
+                if probe is not None:  # the preflight gates ride along in this chunk: composition probe queued last
+                    run = dataclasses.replace(run, verify_steps=self._verify_steps, tolerance_check=True)
+                members = group + [group[probe]] if probe is not None else group
+                records = self.chunk(dataclasses.replace(self.spec, engine=run), members)
+                self.seconds.append(time.perf_counter() - t0)  # its gates included: they ride in the chunk
+                self.chunks.append(ids)
                 if self.on_chunk is not None and run.stats is not None:
                     self.on_chunk(run.stats.chunk_event(len(group), self.seconds[-1]) | {"chunk": len(self.chunks)})
-                ids = [p.problem_id for p in group]
-                if self.composition_id in ids:
-                    i = ids.index(self.composition_id)
+                if probe is not None:
                     before = len(self.checks)
-                    self.check_composition(group[i], records[i], len(group))
+                    self.check_composition(group[probe], records[probe], records[-1], len(group), run)
+                    records = records[:-1]
                     if self.on_checks is not None:
                         self.on_checks(self.checks[before:])
                 self.held.update(zip(ids, records))
             yield self.held.pop(it.problem_id)
 
-    def check_composition(self, problem: Problem, record: dict, size: int) -> None:
-        """The composition gate (and, on the graph path, ``graph_equals_eager``) on one problem.
+    @property
+    def _verify_steps(self) -> int:
+        """Steps of each engine checked against the eager step: :data:`GRAPH_CHECK_STEPS` on the graph path, else 0."""
+        return GRAPH_CHECK_STEPS if self._run.step_path == "graph" else 0
+
+    def check_composition(self, problem: Problem, record: dict, again: dict, size: int, run: EngineRun) -> None:
+        """The composition gate on one problem decoded twice in one chunk (and the gates that ran with it).
+
+        ``again`` is the problem's record from its second copy, queued after every other problem of the chunk: it
+        starts when a slot frees late in the chunk, so it is decoded beside other companions, at another time and,
+        as the queue hands slots out, in other slots. Its record must equal ``record`` byte for byte in canonical
+        JSON. Also recorded here: ``graph_equals_eager`` (the first :data:`GRAPH_CHECK_STEPS` steps of the chunk's
+        engines re-run eagerly, on the graph path) and the first ``attention_tolerance`` check (an attention of the
+        engine's own), both of which ran inside the chunk (``run``'s stats).
 
         Raises:
-            GateError: ``composition`` naming the first differing leaf, or ``graph_equals_eager``.
+            GateError: ``composition`` naming the first differing leaf, or ``attention_tolerance`` when the chunk
+                decoded no boundary to check.
         """
-        run = self._run
-        alone, seconds = self._alone(problem)
-        if canonical_json(alone) != canonical_json(record):
-            where = first_difference(alone, record) or "?"
-            raise GateError("composition", f"problem {problem.problem_id}: its record computed alone (B={run.batch}, "
-                            f"max_len={run.max_len}, other slots idle) differs from its record in a chunk of {size} "
-                            f"problems, first at {where!r}; a problem's bits depend on its companions")
+        if canonical_json(again) != canonical_json(record):
+            where = first_difference(again, record) or "?"
+            raise GateError("composition", f"problem {problem.problem_id}: its record decoded a second time in its "
+                            f"chunk of {size} problems (queued last: other companions and slots; B={run.batch}, "
+                            f"max_len={run.max_len}) differs from its first, first at {where!r}; a problem's bits "
+                            "depend on its companions or its slot")
         self.checks.append({"gate": "composition", "problem_id": problem.problem_id, "chunk": size,
-                            "batch": run.batch, "max_len": run.max_len, "seconds": seconds})
+                            "batch": run.batch, "max_len": run.max_len, "probe": "second copy queued last in its chunk"})
+        self._ran_with(problem, record, run)
+
+    def _ran_with(self, problem: Problem, record: dict, run: EngineRun) -> None:
+        """Record the ``graph_equals_eager`` and ``attention_tolerance`` checks that ran in ``run``'s engines.
+
+        Raises:
+            GateError: ``attention_tolerance`` when an attention of the engine's own checked no boundary.
+        """
+        measured = run.stats
+        assert measured is not None  # measured() set it
+        if run.verify_steps:
+            self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
+                                "steps_checked": measured.verified_steps})
+        if run.attention != "sdpa":
+            checked = measured.attention_checks
+            if not checked and not record.get("gate_failure"):
+                raise GateError("attention_tolerance", f"problem {problem.problem_id}: its chunk decoded no "
+                                f"boundary, so attention {run.attention!r} was not checked against the reference")
+            for c in checked[:1]:  # the first: on a boundary of the chunk
+                self.checks.append({k: v for k, v in c.items() if k != "where"} | {"problem_id": problem.problem_id})
 
     def check_reference(self, problem: Problem, line: str) -> None:
         """The composition gate of a resumed arm (and, on the graph path, ``graph_equals_eager``) on a committed row.
@@ -201,31 +234,19 @@ class BatchedRows:
     def _alone(self, problem: Problem) -> tuple[dict, float]:
         """``problem``'s record computed in a chunk of one at the arm's batch shape, and the seconds it took.
 
-        On the graph path the run also checks the first :data:`GRAPH_CHECK_STEPS` steps of each engine against
-        the eager step, recorded as a ``graph_equals_eager`` check.
+        Its slots are handed out from the last one down, and the checks of :meth:`_ran_with` run with it.
 
         Raises:
-            GateError: ``graph_equals_eager``.
+            GateError: ``graph_equals_eager`` or ``attention_tolerance``.
         """
         run = self._run
-        verify = GRAPH_CHECK_STEPS if run.step_path == "graph" else 0
-        alone_run = dataclasses.replace(run, verify_steps=verify, tolerance_check=True, fill_from="last").measured()
+        alone_run = dataclasses.replace(run, verify_steps=self._verify_steps, tolerance_check=True,
+                                        fill_from="last").measured()
         spec = dataclasses.replace(self.spec, engine=alone_run, memo=self.spec.memo)
         t0 = time.perf_counter()
         alone = self.chunk(spec, [problem])[0]
         seconds = round(time.perf_counter() - t0, 3)
-        measured = alone_run.stats
-        assert measured is not None  # measured() set it
-        if verify:
-            self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
-                                "steps_checked": measured.verified_steps, "seconds": seconds})
-        if run.attention != "sdpa":
-            checked = measured.attention_checks
-            if not checked and not alone.get("gate_failure"):
-                raise GateError("attention_tolerance", f"problem {problem.problem_id}: its run alone decoded no "
-                                f"boundary, so attention {run.attention!r} was not checked against the reference")
-            for c in checked[:1]:  # the first: on the problem's boundary (nested engines check nothing)
-                self.checks.append({k: v for k, v in c.items() if k != "where"} | {"problem_id": problem.problem_id})
+        self._ran_with(problem, alone, alone_run)
         return alone, seconds
 
 

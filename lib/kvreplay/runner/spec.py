@@ -12,6 +12,7 @@ experiment's row function: a change to any bit of a committed row bumps it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -519,8 +520,37 @@ class ArmSettings:
         :func:`~kvreplay.models.load_model` validates and applies the contract before loading.
         """
         torch.manual_seed(0)
-        lm = load_model(self.model, self.dtype, role_table=self.role_table, contract=self.contract(device))
+        contract = self.contract(device)
+        key = None if _KEPT is None else canonical_json(
+            {"model": str(self.model), "dtype": self.dtype, "role_table": str(self.role_table), "contract": repr(contract)})
+        if key is not None and key in _KEPT:  # a later arm of the same process (keep_models): the same object
+            contract.apply()
+            lm = _KEPT[key]
+        else:
+            lm = load_model(self.model, self.dtype, role_table=self.role_table, contract=contract)
+            if key is not None and _KEPT is not None:
+                _KEPT[key] = lm
         return lm, resolve_format(lm.tokenizer, self.fmt)
+
+
+_KEPT: dict[str, LoadedModel] | None = None
+"""The models :func:`keep_models` keeps, by model, precision, role table and execution contract; ``None``: none."""
+
+
+@contextlib.contextmanager
+def keep_models():
+    """Within it, :meth:`ArmSettings.load` loads each model once per precision, role table and execution contract,
+    and gives every later arm the same :class:`~kvreplay.models.LoadedModel` (the contract is applied again each
+    time). A GPU profile runs its arms in one process this way (``scripts/gpu_profile.py``): one load and one
+    self-check per model, and torch's compiled kernels are reused by every arm of one shape. Outside it (notebooks,
+    tests) each arm loads its own: a test that plants a fault in a model never reaches another arm.
+    No bit depends on it: the weights are the same, loaded from the same digest-checked file."""
+    global _KEPT
+    outer, _KEPT = _KEPT, ({} if _KEPT is None else _KEPT)
+    try:
+        yield
+    finally:
+        _KEPT = outer
 
 
 EXECUTION_DEFAULTS: Mapping[str, object] = MappingProxyType(
