@@ -329,3 +329,40 @@ def test_gpu_profile_names_an_unreadable_manifest_instead_of_a_traceback(tmp_pat
     (here / "exp1-bfloat16-abc" / "environment.json").write_text("{not json")
     with pytest.raises(SystemExit, match="not readable as JSON"):
         gpu_profile.seed_ledger_root(here, tmp_path / "there", from_scratch=True, library="ours")
+
+
+def test_gpu_profile_all_lists_every_arm_the_profile_turns_on_in_chain_order():
+    """`--all` runs what notebooks 01-05 compute: the exploratory arms only where the profile turns them on."""
+    gpu_profile = _gpu_profile_script()
+    assert gpu_profile.profile_arms("paper", {}) == [
+        "exp1-bfloat16", "exp1-float32", "exp2-bfloat16", "exp2-float32", "exp3-bfloat16", "exp4-bfloat16",
+        "exp5-bfloat16"]
+    declared = {"tie_rules": ["highest", "hash:0"], "exploratory_controls": True, "length_branch_caps": [384, 1536]}
+    assert gpu_profile.profile_arms("paper", declared) == [
+        "exp1-bfloat16", "exp1-float32", "exp1_ties-bfloat16", "exp1_length-bfloat16", "exp2-bfloat16",
+        "exp2-float32", "exp2_controls-bfloat16", "exp3-bfloat16", "exp4-bfloat16", "exp5-bfloat16"]
+    import yaml
+
+    from kvreplay.paths import ROOT
+
+    recompute = yaml.safe_load((ROOT / "data" / "paper" / "recompute.yaml").read_text())
+    assert (ROOT / recompute.pop("role_adaptation")).is_file()
+    gpu_profile.arm_overrides("paper", recompute)  # every declared value is one the profile accepts
+
+
+def test_gpu_profile_measures_an_arm_from_its_run_log_and_its_floor():
+    """The per-arm table's numbers come from the chunk, gate and end events an arm logged in the call."""
+    gpu_profile = _gpu_profile_script()
+    events = [{"event": "chunk", "steps": 100, "seconds": 2.0, "slot_steps": 400, "busy_slot_steps": 300,
+               "kv_positions": 30_000, "capture_s": 1.5},
+              {"event": "gates", "checks": [{"gate": "composition", "problem_id": "a"},
+                                            {"gate": "live_equals_incremental", "seconds": 9.0}]},
+              {"event": "equivalence_sample", "checks": [{"seconds": 0.25}, {"seconds": 0.5}]},
+              {"event": "end", "compute_s": 7.0}]
+    layout = {"weights_bytes": 1_000_000, "kv_bytes_per_position": 100}
+    m = gpu_profile.arm_measures(events, layout, 1e9)  # 1 GB/s
+    assert (m["steps"], m["ms_per_step"], m["occupancy"], m["capture_s"], m["gate_s"], m["compute_s"]) == (
+        100, 20.0, 0.75, 1.5, 0.8, 7.0)
+    # per step: the weights once and 2 rows x 300 key positions x 100 bytes: 1.06 MB at 1 GB/s = 1.06 ms
+    assert m["floor_ms_per_step"] == 1.06 and m["x_floor"] == 18.9
+    assert "floor_ms_per_step" not in gpu_profile.arm_measures(events, None, None)

@@ -142,7 +142,7 @@ class _Timer:
         return time.perf_counter() - t
 
 
-def _layout(lm) -> dict:
+def memory_layout(lm) -> dict:
     """Bytes of the weights (once) and of one position's keys and values across layers, of ``lm``."""
     cfg = lm.model.config
     heads = cfg.num_attention_heads
@@ -153,7 +153,7 @@ def _layout(lm) -> dict:
     return {"weights_bytes": weights, "kv_bytes_per_position": cfg.num_hidden_layers * 2 * kv_heads * head_dim * size}
 
 
-def _floor_ms(layout: dict, positions: float, bandwidth: float) -> float:
+def floor_ms(layout: dict, positions: float, bandwidth: float) -> float:
     """Milliseconds to read the weights once and ``positions`` row-positions of K/V at ``bandwidth`` bytes/s."""
     return 1e3 * (layout["weights_bytes"] + positions * layout["kv_bytes_per_position"]) / bandwidth
 
@@ -288,7 +288,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
     if bad:
         raise ValueError(f"engine_vs_generate: unknown {bad}; attentions {engine.ATTENTIONS}, hf {HF_PATHS}, "
                          f"flags {FLAG_SETS}")
-    layout = _layout(lm)
+    layout = memory_layout(lm)
     timer = _Timer(lm.device)
     caps_s = "/".join(map(str, caps))
     out: list[dict] = []
@@ -311,7 +311,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
         zs = [len(z) for z in prefixes[:B]]
         middle = (short + long_) / 2
         filled = 2 * sum(n + middle for n in zs)  # row-positions read per step, both duplicates
-        floor = _floor_ms(layout, filled, bandwidth)
+        floor = floor_ms(layout, filled, bandwidth)
         base = {"B": B, "rows": 2 * B, "caps": caps_s, "new_tokens": long_, "timed_steps": long_ - short,
                 "mean_boundary": round(sum(zs) / B, 1), "floor_ms": round(floor, 6)}
         invariant = [("invariant", "sdpa")] if invariant_tokens is not None else []
@@ -334,7 +334,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
                                "step_path": path, "max_len": length, "new_tokens": tokens[1],
                                "timed_steps": tokens[1] - tokens[0], "ms_per_step": round(1e3 * sec, 4),
                                "ms_per_problem_step": round(1e3 * sec / B, 5),
-                               "floor_ms_layout": round(_floor_ms(layout, read, bandwidth), 6),
+                               "floor_ms_layout": round(floor_ms(layout, read, bandwidth), 6),
                                "x_floor": round(1e3 * sec / floor, 1), **_peak(lm),
                                "note": f"kernels invariant, reference kernels; first run ({tokens[0]} tokens) "
                                        f"{warm:.1f} s"})
@@ -347,7 +347,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
             record(base | {"path": "engine" if attention == "flex" else f"engine-{attention}", "attention": attention,
                            "flags": "engine", "step_path": step_path, "max_len": length,
                            "ms_per_step": round(1e3 * sec, 4), "ms_per_problem_step": round(1e3 * sec / B, 5),
-                           "floor_ms_layout": round(_floor_ms(layout, read, bandwidth), 6),
+                           "floor_ms_layout": round(floor_ms(layout, read, bandwidth), 6),
                            "x_floor": round(1e3 * sec / floor, 1), **_peak(lm),
                            "note": f"first run (capture, compile, {short} tokens) {warm:.1f} s; sdpa backends "
                                    f"{'+'.join(lm.sdpa_backends)} for the prefill"})
@@ -371,7 +371,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
                 width = max(zs)
                 read = 2 * B * (width + middle) if kind == "dynamic" else 2 * B * (width + long_)
                 record(rec | {"ms_per_step": round(1e3 * sec, 4), "ms_per_problem_step": round(1e3 * sec / B, 5),
-                              "floor_ms_layout": round(_floor_ms(layout, read, bandwidth), 6),
+                              "floor_ms_layout": round(floor_ms(layout, read, bandwidth), 6),
                               "x_floor": round(1e3 * sec / floor, 1),
                               "note": f"first run ({short} tokens, compile if any) {warm:.1f} s; left-padded to "
                                       f"{width}"})

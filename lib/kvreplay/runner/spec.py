@@ -543,12 +543,12 @@ def keep_models():
     and gives every later arm the same :class:`~kvreplay.models.LoadedModel` (the contract is applied again each
     time). A GPU profile runs its arms in one process this way (``scripts/gpu_profile.py``): one load and one
     self-check per model, and torch's compiled kernels are reused by every arm of one shape. Outside it (notebooks,
-    tests) each arm loads its own: a test that plants a fault in a model never reaches another arm.
-    No bit depends on it: the weights are the same, loaded from the same digest-checked file."""
+    tests) each arm loads its own: a test that plants a fault in a model never reaches another arm. Yields the
+    mapping of the models kept (a key -> :class:`~kvreplay.models.LoadedModel`). No bit depends on it: the weights are the same, loaded from the same digest-checked file."""
     global _KEPT
     outer, _KEPT = _KEPT, ({} if _KEPT is None else _KEPT)
     try:
-        yield
+        yield _KEPT
     finally:
         _KEPT = outer
 
