@@ -90,7 +90,8 @@ def test_rows_whose_sampled_check_never_ran_are_read_from_the_runners_run_log(tm
     missing = prov.sampled_check_missing(ledger.dir, {library_digest(): True})
     assert missing == {"p3": "not run (run log names no library)",
                        "p4": f"never ran (library {library_digest()[:12]})"}
-    assert prov.sampled_check_missing(ledger.dir, {})["p4"] == f"not run (library {library_digest()[:12]}, in no commit)"
+    assert prov.sampled_check_missing(ledger.dir, {})["p4"] == \
+        f"not run (library {library_digest()[:12]}, in no commit)"
     assert prov.sampled_check_missing(ledger.dir, {library_digest(): False})["p4"] == \
         f"not run (library {library_digest()[:12]})"
     # a failed sample checks nothing; a float32 ledger checks every row itself

@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--complete", action="store_true",
                     help="compare: also fail on an unfinished recomputed ledger and on a committed entry not recomputed")
     ap.add_argument("--check", action="store_true", help="libraries: change nothing; exit 1 when the file differs")
-    ap.add_argument("--out", type=Path, default=DATA / "libraries.json", help="libraries: the file (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=DATA / "libraries.json",
+                    help="libraries: the file (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.action == "compare":
         if len(args.folders) != 2:

@@ -234,6 +234,19 @@ def provenance_page(data: Path = DATA) -> str:
     ])
 
 
+def rows_of_unknown_libraries(folders: Mapping[str, Path], data: Path = DATA) -> dict[str, set[str]]:
+    """Per name of ``folders`` (ledger folders), the problem IDs whose run-log ``row`` event names a library digest
+    that no commit has (``null`` in ``data/libraries.json``, or absent from it).
+
+    Raises:
+        FileNotFoundError, LedgerFileError: ``data/libraries.json`` missing or damaged.
+    """
+    libraries = prov.read_library_commits(data / "libraries.json")
+    return {name: {e.get("key") or e.get("problem_id") for e in read_log(Path(folder) / "runlog.jsonl")
+                   if e.get("event") == "row" and e.get("library_sha256") and not libraries.get(e["library_sha256"])}
+            for name, folder in folders.items()}
+
+
 def kernel_paragraph(root: Path = ABLATION / "cpu", data: Path = DATA) -> str:
     """The README's paragraph on the kernel ablation (BF16), from its ledgers and ``data/libraries.json``.
 
@@ -339,7 +352,8 @@ def check(root: Path = ROOT, data: Path = DATA) -> list[str]:
             i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             x, y = (a[i] if i < len(a) else ""), (b[i] if i < len(b) else "")
             j = max(0, next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y))) - 40)
-            out.append(f"{path.relative_to(root)}: line {i + 1}: has {x[j:j + 100]!r}, the ledgers give {y[j:j + 100]!r}")
+            out.append(f"{path.relative_to(root)}: line {i + 1}: has {x[j:j + 100]!r}, "
+                       f"the ledgers give {y[j:j + 100]!r}")
     return out
 
 
