@@ -222,7 +222,7 @@ if length_fit.note is None:
                  f"{length_fit.odds_ratio:.3g} per 1,000 tokens [95% {length_fit.odds_ratio_ci[0]:.3g}, "
                  f"{length_fit.odds_ratio_ci[1]:.3g}], p = {length_fit.p_value:.2g}; fitted rate "
                  f"{100 * length_fit.at(lo).p:.0f}% at {lo} and {100 * length_fit.at(hi).p:.0f}% at {hi} tokens. "
-                 f"Beyond {hi} tokens (the paper reaches 5,080) the curve is an extrapolation, and across rows it is "
+                 f"Beyond {hi} tokens (the paper reaches 5,080) the curve is an extrapolation, and it is "
                  f"an association across problems, not an effect of length. {length_arm}")
 else:
     lines.append(f"- Divergence by prefix length: {length_fit.note}.")
