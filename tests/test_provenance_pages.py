@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from kvreplay.ledger import provenance as prov
+from kvreplay.ledger.__main__ import main as ledger_main
 from kvreplay.ledger.store import Ledger, library_digest, run_rows
 from kvreplay.paths import DATA, ROOT
 from kvreplay.report import provenance_pages as pp
@@ -115,10 +116,17 @@ def _full_clone() -> bool:
 
 
 @pytest.mark.skipif(not _full_clone(), reason="needs the repository's full git history")
-def test_the_committed_library_map_is_what_git_gives():
-    digests = {d for root in pp.ledger_roots() for d in prov.profile_library_digests(root)}
-    found = prov.library_commits(ROOT, digests)
-    assert (DATA / "libraries.json").read_text() == prov.library_commits_json(digests, found)
+def test_the_committed_library_map_is_what_git_gives(tmp_path, capsys):
+    roots = [str(r) for r in pp.ledger_roots()]
+    assert ledger_main(["libraries", "--check", *roots]) == 0
+    out = capsys.readouterr().out
+    committed = json.loads((DATA / "libraries.json").read_text())["libraries"]
+    assert all((f"{d[:12]}: in no commit" in out) == (c is None) for d, c in committed.items())
+    stale = tmp_path / "libraries.json"
+    stale.write_text((DATA / "libraries.json").read_text().replace('"sampled_check": true', '"sampled_check": false'))
+    assert ledger_main(["libraries", "--check", "--out", str(stale), *roots]) == 1
+    assert ledger_main(["libraries", "--out", str(stale), *roots]) == 0
+    assert stale.read_text() == (DATA / "libraries.json").read_text()
 
 
 def test_each_post_hoc_rule_follows_the_results_it_names():

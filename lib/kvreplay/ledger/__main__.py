@@ -25,7 +25,7 @@ from pathlib import Path
 
 from . import provenance
 from . import repair as repairing
-from ..paths import DATA
+from ..paths import DATA, ROOT
 from .compare import CompareError, agrees, compare_ledger_roots, describe
 from .store import LedgerError, seal, unseal
 
@@ -112,7 +112,7 @@ def _libraries(profiles: list[Path], out: Path, check: bool) -> int:
     """``libraries``: every digest of ``profiles`` with its first commit, written to (or checked against) ``out``."""
     try:
         digests = {d for root in profiles for d in provenance.profile_library_digests(root)}
-        found = provenance.library_commits(Path(__file__).resolve().parents[3], digests)
+        found = provenance.library_commits(ROOT, digests)
     except (FileNotFoundError, RuntimeError, LedgerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
