@@ -129,6 +129,13 @@ def test_the_committed_library_map_is_what_git_gives(tmp_path, capsys):
     assert stale.read_text() == (DATA / "libraries.json").read_text()
 
 
+@pytest.mark.skipif(not _full_clone(), reason="needs git")
+def test_every_committed_ledger_root_is_on_the_page():
+    tracked = {"/".join(Path(f).parts[1:3]) for f in _git("ls-files", "data/ledgers", "data/kernel_ablation").split()
+               if f.endswith("/manifest.json")}
+    assert tracked == set(pp.COMMITTED_ROOTS)
+
+
 def test_each_post_hoc_rule_follows_the_results_it_names():
     rules = pp.read_rules()
     git = _full_clone()

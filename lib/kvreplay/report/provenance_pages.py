@@ -42,10 +42,15 @@ PAGE = Path("docs") / "provenance.md"
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) [^\n]*-->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 
+COMMITTED_ROOTS = ("ledgers/cpu", "ledgers/gpu", "ledgers/gpu_eager", "ledgers/paper", "kernel_ablation/cpu")
+"""The committed folders of ledger folders, under ``data/``, that the page covers (named, not globbed: a user's own
+profile writes ``data/ledgers/<name>/`` beside them). ``tests/test_provenance_pages.py`` requires every folder git
+tracks there to be listed."""
+
+
 def ledger_roots(data: Path = DATA) -> list[Path]:
-    """Every folder holding ledger folders: ``ledgers/<profile>`` then ``kernel_ablation/<profile>``, by name."""
-    return [p for sub in ("ledgers", "kernel_ablation") for p in sorted((data / sub).glob("*"))
-            if p.is_dir() and any(p.glob("*/manifest.json"))]
+    """The folders of :data:`COMMITTED_ROOTS` under ``data`` that hold a ledger folder, in that order."""
+    return [data / r for r in COMMITTED_ROOTS if any((data / r).glob("*/manifest.json"))]
 
 
 def day(when: datetime | str) -> str:
@@ -168,8 +173,9 @@ def read_rules(path: Path = RULES) -> list[dict]:
 
 
 def rule_ledgers(patterns: list[str], data: Path = DATA) -> list[Path]:
-    """The ledger folders (holding ``manifest.json``) that globs under ``data`` match, by path."""
-    return sorted({f.parent for pat in patterns for f in data.glob(f"{pat}/manifest.json")})
+    """The ledger folders (holding ``manifest.json``) of :data:`COMMITTED_ROOTS` that globs under ``data`` match."""
+    roots = {data / r for r in COMMITTED_ROOTS}
+    return sorted({f.parent for pat in patterns for f in data.glob(f"{pat}/manifest.json") if f.parent.parent in roots})
 
 
 def first_event(folder: Path) -> datetime | None:
