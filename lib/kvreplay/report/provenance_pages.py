@@ -117,7 +117,8 @@ def roots_table(roots: list[Path], libraries: Mapping[str, Any], data: Path = DA
                  total["below"] - total["missing"], "", "", ""])
     return table(["ledger root", "ledger folders (experiments + checkpoint metric)", "library digests",
                   "run-log events", "of those, without a digest", "rows below FP32", "sampled FP32 check passed",
-                  "check not run: library without it, or none named", "check never ran: library with it",
+                  "check not run: library without it, of no known commit, or none named",
+                  "check never ran: library with it",
                   "Experiment 5's checkpoint recipe"], rows)
 
 
@@ -248,7 +249,7 @@ def rows_of_unknown_libraries(folders: Mapping[str, Path], data: Path = DATA) ->
         FileNotFoundError, LedgerFileError: ``data/libraries.json`` missing or damaged.
     """
     libraries = prov.read_library_commits(data / "libraries.json")
-    return {name: {e.get("key") or e.get("problem_id") for e in read_log(Path(folder) / "runlog.jsonl")
+    return {name: {str(e.get("key") or e.get("problem_id")) for e in read_log(Path(folder) / "runlog.jsonl")
                    if e.get("event") == "row" and e.get("library_sha256") and not libraries.get(e["library_sha256"])}
             for name, folder in folders.items()}
 
@@ -258,6 +259,7 @@ def kernel_paragraph(root: Path = ABLATION / "cpu", data: Path = DATA) -> str:
 
     Raises:
         LedgerError, LedgerLineError, RowSchemaError: as :func:`kvreplay.experiments.kernel_ablation.load_ablation`.
+        ValueError: no rows of ``default``, ``invariant`` or the attention or linear ablation value.
     """
     from ..experiments.kernel_ablation import load_ablation
 
@@ -285,6 +287,9 @@ def kernel_paragraph(root: Path = ABLATION / "cpu", data: Path = DATA) -> str:
         return both, mcnemar_exact([by[v][p]["diverged"] for p in both], [by[w][p]["diverged"] for p in both])
 
     d, inv, att, lin = "default", "invariant", "invariant-except-attention", "invariant-except-linear"
+    missing = [v for v in (d, inv, att, lin) if not by.get(v)]
+    if missing:
+        raise ValueError(f"{root}: no BF16 rows of kernels {missing}; the README's kernel-ablation paragraph needs them")
     both, test = paired(d, inv)
     same_inv = sum(by[d][p]["prefix"] == by[inv][p]["prefix"] for p in both)
     both_att, test_att = paired(d, att)
