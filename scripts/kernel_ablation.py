@@ -42,6 +42,7 @@ from kvreplay.ledger.store import Ledger  # noqa: E402
 from kvreplay.paths import ROOT  # noqa: E402
 from kvreplay.problems import load_bank  # noqa: E402
 from kvreplay.profiles import load_parameters  # noqa: E402
+from kvreplay.report.provenance_pages import rows_of_unknown_libraries  # noqa: E402
 from kvreplay.runner import ArmSettings, arm_environment  # noqa: E402
 
 VALUES = ("default", "invariant", *(kernels.EXCEPT + c for c in ("linear", "attention", "norm", "lm_head", "rope")),
@@ -97,10 +98,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def write_table() -> None:
         by_value = {v: led.records() for v, led in ledgers.items()}
-        table = ablation_table(by_value)
+        marked = rows_of_unknown_libraries({v: led.dir for v, led in ledgers.items()})
+        table = ablation_table(by_value, marked)
         if orders is not None:
             table += ("\nTwo fixed orders of the attention class at fixed precision, beside the default kernels' "
                       "prefill vs live:\n\n" + orders_table(orders.records(), by_value))
+            ids = {r["problem_id"] for r in orders.records()}
+            shared = sorted(ids & marked.get("default", set()))
+            if shared:
+                table += (f"\nOf the `default` rows on these problems, {len(shared)} of {len(ids)} were written by a "
+                          "library of no known commit.\n")
         (root / "table.md").write_text(
             f"Attribution control of the invariant-kernel contract, profile `{args.profile}` ({args.dtype}, caps "
             f"{caps.branch}/{caps.merge}/{caps.answer}, first {n} bank problems; rows done per value below).\n"

@@ -56,10 +56,10 @@ def test_every_profile_is_written_by_one_version_per_experiment():
 ONE_LIBRARY = {"cpu": "88dc0f9db0ef75b485a60a6a35776380d8309e8caedad68821b143ccdfe8d078",
                "gpu": "88dc0f9db0ef75b485a60a6a35776380d8309e8caedad68821b143ccdfe8d078",
                "gpu_eager": "88dc0f9db0ef75b485a60a6a35776380d8309e8caedad68821b143ccdfe8d078"}
-"""The library (``library_sha256``: the package's sources at commit aa77a87) that recomputed each profile from
-nothing, so that CPU and GPU numbers come from one code version. A refactor changes the digest without changing a
-bit (``make verify`` and the golden rows below show that), so this pins what the ledgers were written by, not what
-the code is now."""
+"""The library (``library_sha256``: the package's sources at commit aa77a87) that created each of these profiles'
+ledgers (their ``environment.json``). It is not a record of what resumed a ledger: their run logs name no library,
+and some were resumed (docs/provenance.md). A refactor changes the digest without changing a bit (``make verify``
+and the golden rows below show that), so this pins what created the ledgers, not what the code is now."""
 LIBRARY_PENDING: dict[str, set[str]] = {"cpu": {"adapt_eval", "exp5", "exp1_length"}, "gpu": set(), "gpu_eager": set()}
 """Experiments of each profile written by another library than the one ``ONE_LIBRARY`` names: ``cpu``'s checkpoint
 metric and Experiment 5 were recomputed on the family its recipe search chose (notebook 00), after the rest; its

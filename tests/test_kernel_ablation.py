@@ -61,6 +61,20 @@ def test_orders_table_sets_the_orders_beside_default():
     assert "(2/2 same boundary prefix) | 2 | - | - | 1/2 (-) | 1/2 |" in lines[4]
 
 
+def test_the_ablation_table_counts_rows_of_a_library_of_no_known_commit():
+    from kvreplay.report.provenance_pages import rows_of_unknown_libraries
+
+    found = ka.load_ablation(COMMITTED, "bfloat16")
+    marked = rows_of_unknown_libraries({v: found.folders[f"kernels-bfloat16-{v}"] for v in found.by_value})
+    assert ka.ablation_table(found.by_value) == ka.ablation_table(found.by_value, {})  # no column without marks
+    lines = ka.ablation_table(found.by_value, marked).splitlines()
+    assert lines[0].endswith("| rows by a library of no known commit (of them part) |") and lines[1].count("---") == 8
+    default = next(x for x in lines if x.startswith("| `default` |"))
+    parted = sum(r["diverged"] for r in found.by_value["default"] if r["problem_id"] in marked["default"])
+    assert default.endswith(f"| {len(marked['default'])} ({parted}) |")
+    assert (COMMITTED / "table.md").read_text().count(default) == 1  # the committed table carries the column
+
+
 def test_committed_ablation_ledgers_keep_their_keys_and_fit():
     """Every committed ablation ledger's folder is the key today's code computes for its value (so no existing
     value's key moved), and its rows fit their record."""

@@ -41,7 +41,7 @@ def test_the_headline_states_what_the_ledgers_say():
                  "(integrity check) (row failing the precondition left out) | 23/23 (100% [85.7, 100]) | 24/24 (100% [86.2, 100]) | yes |",
                  "(integrity check) (row failing the precondition counted as a failure) | 23/24 (95.8% [79.8, 99.3]) | 24/24 (100% [86.2, 100]) | no |",
                  "`mmlu-6bf0fb35afd9b0d6`",
-                 "caps 768 / 512 / 64", "all 7 ledgers on NVIDIA H200", "`step_path: graph`, 32 problems per step",
+                 "caps 768 / 512 / 64", "the 7 ledgers read here on NVIDIA H200", "`step_path: graph`, 32 problems per step",
                  "attention `sdpa`"):
         assert text in block, text
 

@@ -416,8 +416,8 @@ def load_model(
 
     Raises:
         ModelLoadError: unknown model, digest mismatch, or no offline copy; a
-            model whose KV cache the protocol cannot audit (sliding-window,
-            linear-attention or hybrid layers, see :func:`cache_refusal`); a
+            model whose KV cache the protocol cannot audit (chunked, linear or
+            recurrent attention, hybrid layers: :func:`cache_refusal`); a
             model that fails :func:`self_check` (ignores the explicit 4-D mask
             or position IDs). The self-check's distances are kept in
             ``identity["self_check"]``, so every ledger's environment records them.

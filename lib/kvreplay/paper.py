@@ -27,7 +27,9 @@ the same index for the HTML renderings, which show outputs with the code hidden.
 
 After a run of the profile's notebooks (not ``--only``), :func:`write_results` rewrites its results page from
 the ledgers: ``docs/results-<profile>.md`` for the committed profiles (and the README's headline block for
-``paper``), ``build/<profile>/results.md`` for any other.
+``paper``), ``build/<profile>/results.md`` for any other. For a committed profile it also rewrites
+``docs/provenance.md`` and the blocks of the README and ``docs/differences.md`` that
+:mod:`kvreplay.report.provenance_pages` generates (counts and provenance of every committed ledger).
 
 While a notebook runs, one progress bar counts its cells; rows that are
 computed (not read from a finished ledger) get a row bar with counts below it.
@@ -176,6 +178,12 @@ def write_results(label: str, params: ChainParameters, ledgers: Path) -> str:
     readme = committed and label == results_pages.HEADLINE_PROFILE
     targets = [page] + ([ROOT / "README.md"] if readme else [])
     stamp = BUILD / label / ".results.inputs"
+    if committed:  # every ledger root's run logs feed it, so it is never skipped (it reads no model: seconds)
+        from .report import provenance_pages
+        try:
+            provenance_pages.regenerate()
+        except (FileNotFoundError, ValueError) as e:
+            return f"no provenance page ({e})"
     if stamp.is_file() and stamp.read_text() == _results_inputs(label, ledgers, targets):
         return f"results page up to date: {page}"
     try:

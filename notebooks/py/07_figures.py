@@ -147,11 +147,14 @@ pd.DataFrame.from_dict(near_tie, orient="index").convert_dtypes()  # step and ti
 # Each Experiment 1 BF16 row is one observation: its boundary prefix length in tokens and whether the prefill and
 # live suffixes part. The paper's prefixes are 1,025-5,080 tokens, most of ours much shorter. Rows and divergences
 # per length bin (Wilson 95%), and a logistic regression of divergence on length (statsmodels, Wald 95% band)
-# drawn inside the observed range; dashed beyond it is an extrapolation, not evidence. No arm yet runs the same
-# problems at two or more branch caps (a manipulated length), so a longer prefix here is also another problem:
-# this is an association, not the effect of length.
+# drawn inside the observed range; dashed beyond it is an extrapolation, not evidence. Across rows a longer prefix
+# is also another problem, so this is an association, not the effect of length; only the manipulated-length arm
+# (`exp1_length`: the same problems at another branch cap) separates the two. The line printed first says, from
+# this profile's ledger folders, whether it ran that arm.
 
 # %%
+length_arm = prefix_length.length_arm_text(session.ledger_root / p.profile)
+print(length_arm)
 exp1_bf16 = profile_ledgers["exp1-bfloat16"]
 length_rows = prefix_length.prefix_length_frame(exp1_bf16.records, p.profile,
                                                 prefix_length.family_of(exp1_bf16.contract.get("model", {})))
@@ -219,8 +222,8 @@ if length_fit.note is None:
                  f"{length_fit.odds_ratio:.3g} per 1,000 tokens [95% {length_fit.odds_ratio_ci[0]:.3g}, "
                  f"{length_fit.odds_ratio_ci[1]:.3g}], p = {length_fit.p_value:.2g}; fitted rate "
                  f"{100 * length_fit.at(lo).p:.0f}% at {lo} and {100 * length_fit.at(hi).p:.0f}% at {hi} tokens. "
-                 f"Beyond {hi} tokens (the paper reaches 5,080) the curve is an extrapolation, and with no "
-                 "manipulated-length arm it is an association across problems, not an effect of length.")
+                 f"Beyond {hi} tokens (the paper reaches 5,080) the curve is an extrapolation, and it is "
+                 f"an association across problems, not an effect of length. {length_arm}")
 else:
     lines.append(f"- Divergence by prefix length: {length_fit.note}.")
 display(Markdown("\n".join(lines)))

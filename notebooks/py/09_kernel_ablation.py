@@ -43,6 +43,7 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from kvreplay.experiments.kernel_ablation import ORDER_A, ORDER_B, ablation_frame, ablation_table, load_ablation, orders_table
+from kvreplay.report.provenance_pages import rows_of_unknown_libraries
 from kvreplay.paths import ROOT
 from kvreplay.report.files import save_figure, save_table
 
@@ -73,11 +74,13 @@ save_table(frame.reset_index(names="comparison"), target / f"kernel_ablation_{dt
 frame
 
 # %% [markdown]
-# The same lines as `scripts/kernel_ablation.py` writes them into `table.md`, and the two orders beside the
-# default kernels on the problems each has.
+# The same lines as `scripts/kernel_ablation.py` writes them into `table.md` (its last column: rows written by a
+# library whose commit `data/libraries.json` does not know, and how many of them part), and the two orders beside
+# the default kernels on the problems each has.
 
 # %%
-display(Markdown(ablation_table(found.by_value)))
+unknown_library_rows = rows_of_unknown_libraries({v: found.folders[f"kernels-{dtype}-{v}"] for v in found.by_value})
+display(Markdown(ablation_table(found.by_value, unknown_library_rows)))
 display(Markdown(orders_table(found.orders, found.by_value) if found.orders or (
     ORDER_A in found.by_value and ORDER_B in found.by_value) else "No two-orders rows yet."))
 

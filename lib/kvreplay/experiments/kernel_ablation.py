@@ -229,11 +229,18 @@ def orders_row(lm: LoadedModel, fmt: BlockFormat, problem: Problem, caps: Caps, 
             "tie_initiated": common["tie_initiated"]}
 
 
-def ablation_table(rows_by_value: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+def ablation_table(rows_by_value: Mapping[str, Sequence[Mapping[str, Any]]],
+                   marked: Mapping[str, set[str]] | None = None) -> str:
     """A markdown table, one line per kernels value: rows, caches bit-identical, median (range) relative L2 of
-    prefill vs live, suffixes parted (of those begun at an exact tie), live and prefill accuracy."""
+    prefill vs live, suffixes parted (of those begun at an exact tie), live and prefill accuracy.
+
+    ``marked`` (kernels value -> problem IDs) adds a last column: the rows a library that no commit has wrote, and
+    how many of them part (:func:`kvreplay.report.provenance_pages.rows_of_unknown_libraries`)."""
+    extra = marked is not None and any(marked.values())
     head = ("| kernels | rows | prefill cache = live, bit for bit | rel. L2 prefill vs live, median [range] | "
-            "suffixes part (tie-initiated) | live correct | prefill correct |\n|---|---|---|---|---|---|---|\n")
+            "suffixes part (tie-initiated) | live correct | prefill correct |"
+            + (" rows by a library of no known commit (of them part) |" if extra else "")
+            + "\n|---|---|---|---|---|---|---|" + ("---|" if extra else "") + "\n")
     lines = []
     for value, rows in rows_by_value.items():
         n = len(rows)
@@ -246,6 +253,10 @@ def ablation_table(rows_by_value: Mapping[str, Sequence[Mapping[str, Any]]]) -> 
                      f"{statistics.median(rel):.2e} [{min(rel):.2e}, {max(rel):.2e}] | {parted}/{n} ({ties}) | "
                      f"{sum(bool(r['live']['correct']) for r in rows)}/{n} | "
                      f"{sum(bool(r['prefill']['correct']) for r in rows)}/{n} |")
+        if extra and marked is not None:
+            ids = marked.get(value, set())
+            lines[-1] += (f" {sum(r['problem_id'] in ids for r in rows)} "
+                          f"({sum(r['problem_id'] in ids and r['diverged'] for r in rows)}) |")
     return head + "\n".join(lines) + "\n"
 
 

@@ -1,18 +1,27 @@
 """Which library wrote a profile's ledgers, and each run's compute time (paper §3.9 reproducibility release).
 
 A ledger's ``environment.json`` records the library digest that created it (``library_sha256``,
-:func:`kvreplay.ledger.store.library_digest`); every event of its run log (``runlog.jsonl``) records the digest of
-the code that logged it, so rows appended by a resumed run are attributed too. A run's ``end`` or ``stopped`` event
+:func:`kvreplay.ledger.store.library_digest`). Run logs (``runlog.jsonl``) written since they recorded one give
+each event the digest of the code that logged it, so rows appended by a resumed run are attributed too. Older run
+logs name none: what resumed those ledgers is not recorded. A run's ``end`` or ``stopped`` event
 records its compute seconds (``compute_s``: model load, compiles and rows). ``python -m kvreplay.ledger digests
 data/ledgers/<profile>`` prints this and exits 1 unless the profile was written by one library.
+
+Which commit a digest is (:func:`library_commits`, from git) and which rows never had the sampled float32
+construction-equivalence check (:func:`sampled_check_missing`, from the run logs) feed the generated tables of
+``docs/provenance.md`` (:mod:`kvreplay.report.provenance_pages`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from .files import read_environment, read_log
+from .files import read_environment, read_json, read_log, read_manifest
 
 
 @dataclass(frozen=True)
@@ -115,3 +124,139 @@ def describe(p: LedgerProvenance) -> str:
     return (f"{p.name}: environment {env}; run log {logged}"
             + (f" ({p.unstamped} event(s) without a digest)" if p.unstamped else "")
             + f"; {p.runs} run(s), {p.compute_s:.1f} s compute recorded")
+
+
+SAMPLED_CHECK_EVENT = "equivalence_sample"
+"""The run-log event of the sampled float32 construction-equivalence check (:mod:`kvreplay.runner.row_checks`)."""
+
+
+def sampled_check_missing(folder: str | Path, has_check: Mapping[str, bool | None]) -> dict[str, str]:
+    """The rows of one ledger whose sampled float32 construction-equivalence check never ran, problem ID -> why.
+
+    Read from the run log alone. A ledger whose config's ``dtype`` is ``float32`` (or names none) has no such row:
+    a float32 row checks itself. Any other row counts as checked only when an ``equivalence_sample`` event with
+    ``passed: true`` lists it or covers its chunk: the rows logged since that run's ``start`` or its previous sample
+    event. ``has_check`` maps a library digest to whether its code had the check (``None``: unknown, e.g. a
+    digest no commit has). The reason names the digest of the row's ``row`` event (12 hex digits):
+    ``"never ran (library <d>)"`` when it had the check; ``"not run (library <d>)"`` when it had not;
+    ``"not run (library <d>, in no commit)"`` when unknown; ``"not run (run log names no library)"``.
+
+    Raises:
+        FileNotFoundError, LedgerLineError, LedgerFileError: as :func:`ledger_provenance`.
+    """
+    folder = Path(folder)
+    if read_manifest(folder).get("config", {}).get("dtype", "float32") == "float32":
+        return {}
+    checked: set[str] = set()
+    library: dict[str, str | None] = {}
+    chunk: list[str] = []
+    for event in read_log(folder / "runlog.jsonl"):
+        kind = event.get("event")
+        if kind == "start":
+            chunk = []
+        elif kind == "row" and (key := event.get("key") or event.get("problem_id")):
+            library[key] = event.get("library_sha256")
+            chunk.append(key)
+        elif kind == SAMPLED_CHECK_EVENT:
+            if event.get("passed") is True:
+                checked.update(chunk, (c.get("problem_id") for c in event.get("checks", [])))
+            chunk = []
+    out = {}
+    for key, digest in library.items():
+        if key in checked:
+            continue
+        known = has_check.get(digest) if digest else None
+        out[key] = ("not run (run log names no library)" if not digest else
+                    f"{'never ran' if known else 'not run'} (library {digest[:12]}"
+                    + (", in no commit)" if known is None else ")"))
+    return out
+
+
+@dataclass(frozen=True)
+class LibraryCommit:
+    """The first commit (in committer-date order) whose ``lib/kvreplay`` has a library digest.
+
+    Attributes:
+        commit: its full hash.
+        date: its committer date, ISO 8601 with offset.
+        sampled_check: whether its library logs the sampled float32 check (:data:`SAMPLED_CHECK_EVENT`).
+    """
+
+    commit: str
+    date: str
+    sampled_check: bool
+
+
+def library_commits(repo: str | Path, digests: set[str] | None = None) -> dict[str, LibraryCommit]:
+    """Library digest -> its first commit, over every commit git can reach in ``repo`` (``git rev-list --all``).
+
+    The digest is :func:`~kvreplay.ledger.store.library_digest` recomputed from each commit's tracked
+    ``lib/kvreplay`` files (``.py`` and ``.yaml``, in the same order). ``digests`` keeps only those; a digest no
+    commit has is absent.
+
+    Raises:
+        RuntimeError: ``repo`` is not a git checkout, or a shallow one (its early commits are missing).
+    """
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{repo}: git {args[0]} failed ({done.stderr.strip()}); a full git clone is needed")
+        return done.stdout
+
+    if git("rev-parse", "--is-shallow-repository").strip() == "true":
+        raise RuntimeError(f"{repo}: a shallow clone lacks early commits; `git fetch --unshallow` first")
+    commits = [line.split() for line in git("log", "--all", "--reverse", "--format=%H %cI").splitlines()]
+    blobs = subprocess.Popen(["git", "-C", str(repo), "cat-file", "--batch"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+    stdin, stdout = blobs.stdin, blobs.stdout
+    assert stdin is not None and stdout is not None
+    cache: dict[str, bytes] = {}
+
+    def blob(sha: str) -> bytes:
+        if sha not in cache:
+            stdin.write(sha.encode() + b"\n")
+            stdin.flush()
+            size = int(stdout.readline().split()[2])
+            cache[sha] = stdout.read(size + 1)[:-1]
+        return cache[sha]
+
+    out: dict[str, LibraryCommit] = {}
+    try:
+        for commit, date in commits:
+            files = []
+            for line in git("ls-tree", "-r", commit, "--", "lib/kvreplay").splitlines():
+                meta, path = line.split("\t", 1)
+                rel = PurePosixPath(path).relative_to("lib/kvreplay")
+                if rel.suffix in {".py", ".yaml"} and "__pycache__" not in rel.parts:
+                    files.append((rel.parts, str(rel), meta.split()[2]))
+            h = hashlib.sha256()
+            for _, rel_name, sha in sorted(files):
+                h.update(rel_name.encode())
+                h.update(blob(sha))
+            digest = h.hexdigest()
+            if digest not in out and (digests is None or digest in digests):
+                sampled = any(f'event="{SAMPLED_CHECK_EVENT}"'.encode() in blob(sha) for *_, sha in files)
+                out[digest] = LibraryCommit(commit, date, sampled)
+    finally:
+        stdin.close()
+        blobs.wait()
+    return out
+
+
+def read_library_commits(path: str | Path) -> dict[str, LibraryCommit | None]:
+    """The committed digest -> first-commit map (``data/libraries.json``; ``None``: a digest no commit has).
+
+    Raises:
+        LedgerFileError: a damaged file (naming it); FileNotFoundError: none.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file; `python -m kvreplay.ledger libraries` writes it")
+    data = read_json(path, "restore it from git or rewrite it with `python -m kvreplay.ledger libraries`")
+    return {d: (LibraryCommit(**v) if v else None) for d, v in data["libraries"].items()}
+
+
+def library_commits_json(digests: set[str], found: Mapping[str, LibraryCommit]) -> str:
+    """The text of ``data/libraries.json``: every digest of ``digests`` with its first commit, or null."""
+    rows = {d: (found[d].__dict__ if d in found else None) for d in sorted(digests)}
+    return json.dumps({"libraries": rows}, indent=1, sort_keys=True) + "\n"

@@ -4,15 +4,17 @@ An exploratory analysis, not a registered endpoint. The paper's boundary prefixe
 (:data:`PAPER_RANGE`); ours are far shorter. Each Experiment 1 BF16 row (prefill against live, paper §4.1) is one
 observation: its prefix length in tokens and whether the two suffixes part. The logistic regression of "suffixes
 part" on prefix length (statsmodels GLM, binomial family, logit link, Wald 95% intervals) is drawn only inside
-the observed range; its value over the paper's range is an extrapolation beyond the data and labelled so. No arm
-yet varies the length of the same problems (the same problems at two or more branch caps), so a longer prefix
-here is also another problem: the association says nothing about the effect of length itself.
+the observed range; its value over the paper's range is an extrapolation beyond the data and labelled so. Across
+rows a longer prefix is also another problem, so the association says nothing about the effect of length itself.
+The manipulated-length arm (``exp1_length``: the same problems at another branch cap) speaks to that where a
+profile ran it (:func:`length_arm_text` says which, from the ledgers).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -212,3 +214,33 @@ def prefix_length_figure(frame: pd.DataFrame, fit: LogisticFit, title: str,
     ax.legend(fontsize=7, loc="lower right", frameon=True)
     fig.tight_layout()
     return fig
+
+
+def length_arm_text(profile_root: str | Path) -> str:
+    """One sentence on whether a profile runs the same problems at two branch caps, read from its ledger folders.
+
+    ``profile_root`` is ``data/ledgers/<profile>``; the manipulated-length arm's folders are ``exp1_length-*``, the
+    chain's cap is Experiment 1 BF16's (``caps.branch`` of its manifest's config).
+
+    Raises:
+        LedgerFileError: a damaged manifest (naming it).
+    """
+    from ..ledger.files import read_manifest
+    from ..ledger.store import read_rows_text
+
+    root = Path(profile_root)
+    name = f"`{root.name}`"
+    chain = sorted(root.glob("exp1-bfloat16-*/manifest.json"))
+    caps = [read_manifest(f.parent)["config"]["caps"]["branch"] for f in chain]
+    arms = sorted(root.glob("exp1_length-*/manifest.json"))
+    if not arms:
+        return (f"{name} runs no arm at a second branch cap (no `exp1_length` ledger), so there a longer prefix is "
+                "also another problem.")
+    parts = []
+    for f in arms:
+        config = read_manifest(f.parent)["config"]
+        rows = len(read_rows_text(f.parent).splitlines())
+        parts.append(f"{rows} of its {len(config['problem_ids'])} problems at branch cap {config['caps']['branch']}")
+    beside = f" beside the chain's {caps[0]}" if caps else ""
+    return (f"{name} runs Experiment 1 BF16 on the same problems at a second branch cap (`exp1_length`: "
+            f"{'; '.join(parts)}{beside}; `figures/{root.name}/table_exp1_length`).")

@@ -166,6 +166,17 @@ def adapt_ledger(root: Path, profile: str) -> LoadedLedger | None:
     return read_ledger(folder, "adapt_eval-float32") if folder else None
 
 
+def length_ledgers(root: Path, profile: str) -> dict[str, LoadedLedger]:
+    """The profile's finished manipulated-length ledgers (``exp1_length``), keyed ``exp1_length-bfloat16-cap<N>`` by
+    branch cap; none when the profile did not run the arm."""
+    out = {}
+    for folder in sorted((root / profile).glob("exp1_length-bfloat16-*")):
+        if (folder / "manifest.json").is_file() and ledger_progress(folder)[0] == ledger_progress(folder)[1]:
+            cap = read_manifest(folder)["config"]["caps"]["branch"]
+            out[f"exp1_length-bfloat16-cap{cap}"] = read_ledger(folder, "exp1_length-bfloat16")
+    return out
+
+
 def cross_hardware_counts(root: Path, profile: str) -> list[dict]:
     """:func:`~kvreplay.report.cross_hardware.compare` counts for every pair of
     :data:`~kvreplay.report.cross_hardware.SETUPS` that share rows, per precision, when ``profile`` is one of them
@@ -219,6 +230,7 @@ def profile_results(profile: str, ledger_root: str | Path = LEDGERS, *, seed: in
     adapt = adapt_ledger(root, profile)
     if adapt is not None:
         ledgers["adapt_eval-float32"] = adapt
+    ledgers.update(length_ledgers(root, profile))
     exp1 = chain["exp1-bfloat16"]
     return ProfileResults(
         profile=profile, summary=summary, ledgers=ledgers, setups=group_setups(ledgers),

@@ -72,7 +72,7 @@ def where_text(res: ProfileResults) -> str:
     """One sentence: how many ledgers, at which caps, on which device and decode path (from the environment records)."""
     parts = []
     for s in res.setups:
-        whose = f"all {len(s.ledgers)} ledgers" if len(res.setups) == 1 else ", ".join(f"`{k}`" for k in s.ledgers)
+        whose = f"the {len(s.ledgers)} ledgers read here" if len(res.setups) == 1 else ", ".join(f"`{k}`" for k in s.ledgers)
         parts.append(f"{whose} on {s.device} through {_path(s.step_path, s.batch, s.attention)}, SDPA backend "
                      f"`{'/'.join(s.sdpa_backends)}`, {s.threads} threads, torch {s.torch}")
     return (f"{res.problems} {res.dataset} problems at caps {_caps(res.caps)} (branch / merge / answer), "
@@ -487,6 +487,8 @@ def relinked(text: str, page: Path, root: Path, profile: str) -> str:
     here = Path(page).resolve().parent
     if here == docs:
         return text
+    text = text.replace(f"`make paper PROFILE={profile}` rewrites this page and a test requires it byte for byte.",
+                        f"`make paper PROFILE={profile}` rewrites this page.")
     text = text.replace(f"[`executed/{profile}/`](../executed/{profile}/README.md)",
                         f"[`build/{profile}/`](./index.html) (executed notebooks and their HTML)")
     return _LINK.sub(lambda m: f"]({os.path.relpath(docs / m.group(1), here)}{m.group(2) or ''})", text)
