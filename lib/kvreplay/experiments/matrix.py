@@ -34,7 +34,6 @@ from ..gates import GateError
 from ..models import LoadedModel
 from ..problems import Problem
 from ..runner import RunSpec
-from ..runner.row_checks import register_equivalence_check
 from ..scoring import score_answer
 from .endpoints import divergence_endpoints
 from .matrix_summary import DRIFT_OUTLIER_FACTOR, drift_outliers, matrix_summary, matrix_table  # re-exported
@@ -163,7 +162,49 @@ def construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[i
     return dict(out)
 
 
-register_equivalence_check(construction_equivalence)  # the sampled check of run_arm's other rows
+EQUIVALENCE_BATCH = 16
+"""Slots of the engine call that rebuilds a chunk's sampled prefixes in float32 (:func:`construction_equivalences`):
+one fixed shape for every arm, so a process compiles (or captures) it once; idle slots are fine."""
+
+
+def construction_equivalences(spec: RunSpec, items: Sequence[tuple[Problem, Sequence[int]]]) -> list[dict | GateError]:
+    """:func:`construction_equivalence` of several prefixes at once: the sampled check of a chunk's rows.
+
+    Eager runs check one prefix after another. Batched runs rebuild every float32 incremental in one engine call
+    at :data:`EQUIVALENCE_BATCH` slots (more prefixes refill the slots), then build each prefill alone. At that
+    fixed shape a prefix's bits do not depend on its companions, so each row's ``rel_l2`` is the one it gets
+    checked alone at that shape.
+
+    Returns:
+        per item, in order, the record of :func:`construction_equivalence` or the ``GateError`` it raised.
+    """
+    out: list[dict | GateError | None] = [None] * len(items)
+    todo = []
+    for i, (problem, prefix) in enumerate(items):
+        key = (problem.problem_id, tuple(prefix), "sampled")
+        if key in spec.memo:
+            out[i] = spec.memo[key] if isinstance(spec.memo[key], GateError) else dict(spec.memo[key])
+        else:
+            todo.append(i)
+    lm32 = float32_copy(spec.lm) if todo else None
+    incs: list = []
+    if todo and spec.engine is not None:
+        run = dataclasses.replace(spec.batched(), batch=EQUIVALENCE_BATCH)
+        incs = engine.build_incrementals(lm32, spec.fmt, [items[i][1] for i in todo], run=run, on_gate_error="return")
+    for j, i in enumerate(todo):
+        problem, prefix = items[i]
+        try:
+            if spec.engine is None:
+                res: dict | GateError = _construction_equivalence(spec, problem, prefix)
+            elif isinstance(incs[j], GateError):
+                res = incs[j]
+            else:
+                res = _compare(lm32, spec, problem, prefix, incs[j])
+        except GateError as e:
+            res = e
+        spec.memo[(problem.problem_id, tuple(prefix), "sampled")] = res
+        out[i] = res if isinstance(res, GateError) else dict(res)
+    return [r for r in out if r is not None]
 
 
 def _construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
@@ -171,8 +212,12 @@ def _construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[
     if spec.engine is None:
         inc = decode.build_incremental(lm32, spec.fmt, prefix, where=problem.problem_id)
     else:
-
         inc = engine.build_incrementals(lm32, spec.fmt, [prefix], run=dataclasses.replace(spec.batched(), batch=1))[0]
+    return _compare(lm32, spec, problem, prefix, inc)
+
+
+def _compare(lm32: Any, spec: RunSpec, problem: Problem, prefix: Sequence[int], inc: Any) -> dict:
+    """The float32 prefill of ``prefix`` against its incremental rebuild ``inc``, through the ``equivalence`` gate."""
     pre = decode.build_prefill(lm32, spec.fmt, prefix, where=problem.problem_id)
     for name, s in (("incremental (float32 check)", inc), ("prefill (float32 check)", pre)):
         gates.check_finite(name, caches.boundary_tensors(s))

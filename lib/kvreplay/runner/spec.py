@@ -398,6 +398,13 @@ class ArmSettings:
         f = self.live_check_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ValueError(f"live_check_fraction must be a number in [0, 1], got {f!r}")
+        counts = {"preflight": (self.preflight, 0), "batch": (self.batch, 1), "workers": (self.workers, 1)}
+        counts |= {f"caps.{k}": (getattr(self.caps, k), 1) for k in ("branch", "merge", "answer")}
+        if self.chunk is not None:
+            counts["chunk"] = (self.chunk, 1)
+        for name, (value, least) in counts.items():  # values no profile could hold (profiles.ChainParameters)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"ArmSettings: {name} must be a whole number of at least {least}, got {value!r}")
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ArmSettings":
