@@ -317,3 +317,47 @@ def test_the_batched_float32_rebuild_gives_each_row_the_rel_l2_it_gets_alone(tin
     alone = [construction_equivalences(settings.run_spec(lm, fmt, run), [it])[0] for it in items]
     assert [r["rel_l2"] for r in together] == [r["rel_l2"] for r in alone]
     assert all(r["rel_l2"] < 1e-4 for r in together)
+
+
+def test_the_writer_lock_holds_against_a_writer_with_another_tmpdir(tmp_path):
+    from kvreplay.ledger import lock
+
+    folder = tmp_path / "t" / "exp1-bfloat16-000000000000"
+    lock.acquire(folder)
+    try:
+        script = ("import sys\nfrom kvreplay.ledger import lock\ntry:\n    lock.acquire(sys.argv[1])\n"
+                  "except lock.LedgerBusyError:\n    print('BUSY')\n")
+        other = tmp_path / "other-tmp"
+        other.mkdir()
+        env = os.environ | {"PYTHONPATH": str(HERE.parent / "lib"), "TMPDIR": str(other)}
+        proc = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, env=env,
+                              timeout=120)
+        assert proc.stdout.strip() == "BUSY", proc.stderr
+    finally:
+        lock.release(folder)
+
+
+def test_taking_the_lock_removes_temporaries_a_killed_writer_left(tmp_path):
+    from kvreplay.ledger import lock
+
+    folder = tmp_path / "exp1-bfloat16-000000000000"
+    folder.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = folder / f".manifest.json.tmp-{dead.stdout.strip()}"
+    mine = folder / f".environment.json.tmp-{os.getpid()}"
+    stale.write_text("{")
+    mine.write_text("{")
+    lock.acquire(folder)
+    lock.release(folder)
+    assert not stale.exists() and mine.exists()
+
+
+@pytest.mark.parametrize("fields", [{"preflight": -3}, {"caps": (0, 8, 4)}, {"caps": (8, -1, 4)}, {"caps": (8, 8, -5)},
+                                    {"batch": 0}, {"chunk": 0}, {"workers": 0}], ids=str)
+def test_arm_settings_refuse_values_no_profile_could_hold(tiny_arm, fields):
+    from kvreplay.contract import Caps
+
+    if "caps" in fields:
+        fields = {"caps": Caps(*fields["caps"])}
+    with pytest.raises(ValueError, match=next(iter(fields))):
+        tiny_arm(**fields)

@@ -143,9 +143,12 @@ def pending_rows(folder: str | Path) -> set[str]:
 NOT_RUN = "sampled check not run"
 """The start of the label of a row below float32 that no sampled check covers (:func:`sampled_check_labels`)."""
 
+UNRECORDED = "sampled check ran, its rows not recorded"
+"""The label's start where the library logged passing checks without naming the rows each covered."""
+
 
 def sampled_check_labels(folder: str | Path, records: Iterable[Mapping[str, Any]]) -> dict[str, str]:
-    """Problem ID -> ``"sampled check not run (library <digest12>)"`` for each row of an arm below float32 that
+    """Problem ID -> ``"sampled check not run (library <digest12>)"`` (or :data:`UNRECORDED`) for each row of an arm below float32 that
     carries a boundary ``prefix``, no gate failure and no in-row ``equivalence`` check, and that no sampled check
     covers: rows written by a library without the check (or by Ray row actors, which do not take it). The digest is
     the library that logged the row (its ``row`` event), else the folder's ``environment.json``."""
@@ -157,6 +160,8 @@ def sampled_check_labels(folder: str | Path, records: Iterable[Mapping[str, Any]
     covered = check_status(events)
     by_row = {e.get("key"): e.get("library_sha256") for e in events if e.get("event") == "row"}
     default = read_environment(folder).get("library_sha256") or "unknown"
-    return {r["problem_id"]: f"{NOT_RUN} (library {str(by_row.get(r['problem_id']) or default)[:12]})"
+    # a library that logged passing checks without naming their rows: the check ran, which rows it covered is unknown
+    what = UNRECORDED if any(e.get("event") == SAMPLE_EVENT and "rows" not in e for e in events) else NOT_RUN
+    return {r["problem_id"]: f"{what} (library {str(by_row.get(r['problem_id']) or default)[:12]})"
             for r in records if r.get("prefix") and not r.get("gate_failure") and not r.get("equivalence")
             and r["problem_id"] not in covered}

@@ -26,6 +26,8 @@ class LedgerProvenance:
         unstamped: run-log events with no ``library_sha256`` (written before run logs recorded one).
         runs: ``start`` events (one per run that had rows to consider).
         compute_s: the sum of the runs' ``compute_s`` (seconds), over the runs that recorded one.
+        unchecked: rows below float32 that no sampled float32 check covers, by label (``"sampled check not run
+            (library <digest12>)"``: :func:`~kvreplay.ledger.checked.sampled_check_labels`) -> count.
     """
 
     name: str
@@ -34,6 +36,7 @@ class LedgerProvenance:
     unstamped: int
     runs: int
     compute_s: float
+    unchecked: tuple[tuple[str, int], ...] = ()
 
     @property
     def digests(self) -> frozenset[str]:
@@ -66,7 +69,14 @@ def ledger_provenance(folder: str | Path) -> LedgerProvenance:
         runs += event.get("event") == "start"
         if event.get("event") in ("end", "stopped") and isinstance(event.get("compute_s"), (int, float)):
             compute += float(event["compute_s"])
-    return LedgerProvenance(folder.name, environment, frozenset(digests), unstamped, runs, round(compute, 3))
+    from collections import Counter
+
+    from .checked import sampled_check_labels
+    from .store import ledger_rows
+
+    labels = Counter(sampled_check_labels(folder, [r.record for r in ledger_rows(folder, None)]).values())
+    return LedgerProvenance(folder.name, environment, frozenset(digests), unstamped, runs, round(compute, 3),
+                            tuple(sorted(labels.items())))
 
 
 def profile_provenance(profile_root: str | Path) -> list[LedgerProvenance]:
@@ -114,4 +124,5 @@ def describe(p: LedgerProvenance) -> str:
     logged = ", ".join(sorted(d[:12] for d in p.run_log)) or "none"
     return (f"{p.name}: environment {env}; run log {logged}"
             + (f" ({p.unstamped} event(s) without a digest)" if p.unstamped else "")
-            + f"; {p.runs} run(s), {p.compute_s:.1f} s compute recorded")
+            + f"; {p.runs} run(s), {p.compute_s:.1f} s compute recorded"
+            + "".join(f"; {n} row(s): {label}" for label, n in p.unchecked))

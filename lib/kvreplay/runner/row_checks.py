@@ -52,6 +52,23 @@ def live_check_ids(problem_ids: Sequence[str], preflight: int, fraction: float) 
     return frozenset(list(problem_ids)[:preflight]) | frozenset(p for p in problem_ids if drawn(p))
 
 
+def check_counts(settings: Any) -> None:
+    """Refuse counts of an :class:`~kvreplay.runner.spec.ArmSettings` that no profile could hold
+    (:class:`kvreplay.profiles.ChainParameters`): ``preflight`` below 0; a cap, ``batch``, ``chunk`` or ``workers``
+    below 1; any of them not a whole number.
+
+    Raises:
+        ValueError: naming the field and its value.
+    """
+    caps = settings.caps
+    for name, value, least in (("preflight", settings.preflight, 0), ("batch", settings.batch, 1),
+                               ("workers", settings.workers, 1), ("chunk", 1 if settings.chunk is None else settings.chunk, 1),
+                               ("caps.branch", caps.branch, 1), ("caps.merge", caps.merge, 1),
+                               ("caps.answer", caps.answer, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"ArmSettings: {name} must be a whole number of at least {least}, got {value!r}")
+
+
 def check_prompts(
     fmt: BlockFormat, problems: Sequence[Problem], max_positions: int | None = None, *, caps: Caps | None = None,
 ) -> None:

@@ -45,7 +45,7 @@ from ..models import (
 )
 from ..paths import ROOT
 from ..problems import Problem
-from .row_checks import LIVE_CHECK_FRACTION, LIVE_CHECK_SALT, check_prompts, live_check_ids  # re-exported
+from .row_checks import LIVE_CHECK_FRACTION, LIVE_CHECK_SALT, check_counts, check_prompts, live_check_ids  # re-exported
 
 Hook = Callable[[dict[str, decode.Boundary]], None]
 
@@ -398,13 +398,7 @@ class ArmSettings:
         f = self.live_check_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ValueError(f"live_check_fraction must be a number in [0, 1], got {f!r}")
-        counts = {"preflight": (self.preflight, 0), "batch": (self.batch, 1), "workers": (self.workers, 1)}
-        counts |= {f"caps.{k}": (getattr(self.caps, k), 1) for k in ("branch", "merge", "answer")}
-        if self.chunk is not None:
-            counts["chunk"] = (self.chunk, 1)
-        for name, (value, least) in counts.items():  # values no profile could hold (profiles.ChainParameters)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"ArmSettings: {name} must be a whole number of at least {least}, got {value!r}")
+        check_counts(self)  # preflight, caps, batch, chunk, workers: values no profile could hold
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ArmSettings":
