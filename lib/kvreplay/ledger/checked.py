@@ -1,8 +1,8 @@
 """A ledger folder's rows as every reader takes them: the manifest matches the folder, every row fits its schema,
 and no row is read as clean before the sampled float32 check that covers it has passed.
 
-The sampled check's record lives in the folder's run log (``runlog.jsonl``, kept by sealing and packing): before
-the first row of a chunk is appended, an :data:`PENDING_EVENT` event names the chunk's rows; once the chunk's check
+The sampled check's record lives in the folder's run log (``runlog.jsonl``, kept by sealing and packing). Before
+the first row of a chunk is appended, an :data:`PENDING_EVENT` event names the chunk's rows. Once the chunk's check
 has run, an :data:`SAMPLE_EVENT` event names them again with ``passed`` true or false
 (:func:`kvreplay.runner.row_checks.sampled_equivalence`). A row is
 
@@ -27,6 +27,11 @@ PENDING_EVENT = "equivalence_pending"
 
 SAMPLE_EVENT = "equivalence_sample"
 """Run-log event of a chunk's sampled float32 check (``passed``, ``checks``, ``rows``)."""
+
+
+class MissingLedgerError(FileNotFoundError):
+    """A ledger the assembly needs is absent, unfinished or ambiguous, or a folder is not a ledger yet; the message
+    names what to run (re-exported by :mod:`kvreplay.ledger.lookup`)."""
 
 
 class UncheckedRowError(LedgerLineError):
@@ -67,14 +72,12 @@ def checked_manifest(folder: str | Path) -> dict:
     """A ledger folder's manifest, checked against the folder it sits in and the schema this code reads.
 
     Raises:
-        MissingLedgerError: no manifest (:class:`~kvreplay.ledger.lookup.MissingLedgerError`, a FileNotFoundError).
+        MissingLedgerError: no manifest (a FileNotFoundError).
         LedgerFileError: a damaged manifest; or one whose ``schema_version`` is not this code's, whose config does
             not hash to its ``config_digest``, or whose name and digest are not the folder's key (another arm's
             manifest), naming the file and the field.
     """
     from .store import SCHEMA_VERSION, config_digest
-
-    from .lookup import MissingLedgerError
 
     folder = Path(folder)
     path = folder / "manifest.json"

@@ -28,15 +28,17 @@ from .records import (
     TransplantRecord,
     validate_rows,
 )
-from .checked import checked_manifest, checked_rows, pending_rows, sampled_check_labels
+from .checked import (  # MissingLedgerError re-exported
+    MissingLedgerError,
+    checked_manifest,
+    checked_rows,
+    pending_rows,
+    sampled_check_labels,
+)
 from .files import read_environment, read_json
 from .store import ROWS, SEALED
 
 PREFIX_BANK = "prefix_bank_bf16.jsonl"
-
-
-class MissingLedgerError(FileNotFoundError):
-    """A ledger the assembly needs is absent, unfinished or ambiguous; the message names the notebook to run."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -153,18 +153,19 @@ def equivalence_sample(records: Sequence[Mapping[str, Any]], skip: frozenset[str
 
 def check_chunk(records: Sequence[Mapping[str, Any]], spec: Any, problems: Mapping[str, Any], skip: frozenset[str],
                 log: Callable[..., None]) -> None:
-    """The sampled float32 check of one chunk's ``records``, logged as a ``equivalence_sample`` event naming every
-    row of the chunk (``rows``) with ``passed`` and each sampled row's ``problem_id``, ``prefix_len``, ``rel_l2``
-    (or ``error``) and ``seconds`` (the rows checked together share the call's seconds).
+    """The sampled float32 check of one chunk's ``records``, logged as an ``equivalence_sample`` event.
 
-    The check is :func:`kvreplay.experiments.matrix.construction_equivalences` (imported here, never registered).
+    The event names every row of the chunk (``rows``), ``passed``, and each sampled row's ``problem_id``,
+    ``prefix_len``, ``rel_l2`` (or ``error``) and ``seconds`` (rows checked together share the call's seconds).
+
+    The check is :func:`kvreplay.runner.equivalence.construction_equivalences` (imported, never registered).
 
     Raises:
         GateError: the first sampled row's failure, after logging ``passed: false``.
     """
     import time
 
-    from ..experiments.matrix import construction_equivalences
+    from .equivalence import construction_equivalences
 
     rows = [r["problem_id"] for r in records]
     ids = equivalence_sample(records, skip)
@@ -188,8 +189,8 @@ def sampled_equivalence(mapper: Callable[[list[Any]], Iterable[Mapping[str, Any]
     """``mapper`` with the sampled float32 construction-equivalence check after each chunk of ``chunk`` records.
 
     Before the first record of a chunk is yielded (and so appended), the run log gets an ``equivalence_pending``
-    event naming the chunk's rows; until a passing ``equivalence_sample`` event names them again, every reader
-    refuses them and the arm's next run re-checks them (:mod:`kvreplay.ledger.checked`). Records pass through
+    event naming the chunk's rows. Until a passing ``equivalence_sample`` event names them again, every reader
+    refuses them, and the arm's next run re-checks them (:mod:`kvreplay.ledger.checked`). Records pass through
     unchanged, each yielded before its chunk is checked (:func:`check_chunk`), so a crash loses no more.
 
     Raises:
