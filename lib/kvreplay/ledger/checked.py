@@ -117,7 +117,7 @@ def checked_rows(folder: str | Path, *, pending: bool = False) -> list[RowLine]:
 
     folder = Path(folder)
     manifest = checked_manifest(folder)
-    experiment = manifest["config"].get("experiment") or str(manifest.get("name")).rsplit("-", 1)[0]
+    experiment = manifest["config"].get("experiment")  # the schema the manifest names (every arm's config does)
     rows = ledger_rows(folder)
     source = rows_file(folder)
     status = check_status(read_log(folder / "runlog.jsonl"))
