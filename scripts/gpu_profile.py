@@ -231,11 +231,22 @@ def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
 
 
 def ledger_gate_failures(folder: Path) -> list[tuple[str, dict]]:
-    """``(problem_id, gate_failure)`` of every finished row of a ledger folder that failed a gate (a last line cut
-    off by the time limit is left out, as :func:`kvreplay.ledger.lookup.finished_rows` reads it)."""
-    from kvreplay.ledger.lookup import finished_rows
+    """``(problem_id, gate_failure)`` of every finished row of a ledger folder that failed a gate, or whose chunk's
+    sampled float32 check failed or never ran (gate ``equivalence``; :mod:`kvreplay.ledger.checked`). A last line cut
+    off by the time limit is left out, as every reader leaves it out."""
+    from kvreplay.ledger.checked import check_status
+    from kvreplay.ledger.files import read_log
+    from kvreplay.ledger.store import ledger_rows
 
-    return [(r["problem_id"], r["gate_failure"]) for r in finished_rows(folder) if r.get("gate_failure")]
+    status = check_status(read_log(folder / "runlog.jsonl"))
+    out = []
+    for r in (row.record for row in ledger_rows(folder)):
+        if r.get("gate_failure"):
+            out.append((r["problem_id"], r["gate_failure"]))
+        elif status.get(r["problem_id"]) in ("failed", "pending"):
+            out.append((r["problem_id"], {"gate": "equivalence", "reason": f"its chunk's sampled float32 check "
+                                          f"{'failed' if status[r['problem_id']] == 'failed' else 'never ran'}"}))
+    return out
 
 
 def pack(folder: Path, out: Path) -> Path:

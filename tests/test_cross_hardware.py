@@ -12,9 +12,10 @@ def _row(pid, prefix, live, prefill, gate=None):
 
 
 def _ledger(root, profile, dtype, rows, tag="abc"):
-    d = root / profile / f"exp1-{dtype}-{tag}"
-    d.mkdir(parents=True)
-    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from kvreplay.ledger.store import Ledger
+
+    ledger = Ledger(root / profile, f"exp1-{dtype}", {"problem_ids": [r["problem_id"] for r in rows], "tag": tag})
+    (ledger.dir / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def test_counts_on_shared_rows(tmp_path):

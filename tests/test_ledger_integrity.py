@@ -323,7 +323,9 @@ def test_the_float32_check_runs_on_a_sample_of_the_other_rows_and_logs_without_c
     records, ledger = EXP1.run(tiny_arm(dtype="bfloat16"), tiny_problems(3), ledger_root=tmp_path, progress=False)
     assert [r["equivalence"] is None for r in records] == [False, True, True]  # rows as before: only preflight's
     events = [e for e in read_log(ledger.dir / "runlog.jsonl") if e["event"] == "equivalence_sample"]
-    assert [e["passed"] for e in events] == [True]
+    assert [(e["passed"], e["rows"]) for e in events] == [(True, ["tiny-00"]), (True, ["tiny-01", "tiny-02"])]
+    assert events[0]["checks"] == []  # the preflight row is checked inside its row
+    events = events[1:]
     assert [c["problem_id"] for c in events[0]["checks"]] == equivalence_sample(records[1:])
     assert len(events[0]["checks"]) == 2 and all(c["rel_l2"] < 1e-3 for c in events[0]["checks"])
     lengths = {r["problem_id"]: len(r["prefix"]) for r in records[1:]}

@@ -12,10 +12,14 @@ def _row(pid, differs, tie, gate=None):
 
 
 def _ledger(root, name, rows, wanted=None):
-    (root / name).mkdir(parents=True)
-    (root / name / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    """A ledger folder ``<arm>-<digest12>`` for ``name`` (``<arm>-<tag>``, the tag in its config); returns its name."""
+    from kvreplay.ledger.store import Ledger
+
+    arm, tag = name.rsplit("-", 1)
     ids = wanted or [r["problem_id"] for r in rows]
-    (root / name / "manifest.json").write_text(json.dumps({"config": {"problem_ids": ids}}))
+    ledger = Ledger(root, arm, {"problem_ids": ids, "tag": tag})
+    (ledger.dir / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ledger.dir.name
 
 
 def test_paired_rows_and_counts(tmp_path):
@@ -49,28 +53,28 @@ def test_missing_or_ambiguous_ledger(tmp_path):
 
 def test_cli_counts_finished_rows_against_the_manifest_and_skips_a_cut_off_line(tmp_path, capsys):
     ids = ["p1", "p2", "p3", "p4", "p5"]
-    _ledger(tmp_path / "paper", "exp1-bfloat16-aaaa", [_row("p1", True, True), _row("p2", False, None)], wanted=ids)
-    _ledger(tmp_path / "paper", "exp1-float32-bbbb", [_row("p1", False, None)], wanted=ids)
-    with open(tmp_path / "paper" / "exp1-bfloat16-aaaa" / "rows.jsonl", "a") as f:
+    bf16 = _ledger(tmp_path / "paper", "exp1-bfloat16-aaaa", [_row("p1", True, True), _row("p2", False, None)], wanted=ids)
+    fp32 = _ledger(tmp_path / "paper", "exp1-float32-bbbb", [_row("p1", False, None)], wanted=ids)
+    with open(tmp_path / "paper" / bf16 / "rows.jsonl", "a") as f:
         f.write('{"problem_id": "p3", "endpo')  # the time limit cut this row off mid-write
     assert main(["--ledger-root", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     out = captured.out
-    assert "exp1-bfloat16-aaaa: 2 of 5 rows finished" in captured.err
-    assert "exp1-float32-bbbb: 1 of 5 rows finished" in captured.err
+    assert f"{bf16}: 2 of 5 rows finished" in captured.err
+    assert f"{fp32}: 1 of 5 rows finished" in captured.err
     assert "BF16 only 1, FP32 only 0" in out
 
 
 def test_one_precision_only_has_no_pairing(tmp_path, capsys):
     ids = ["p1", "p2", "p3"]
-    _ledger(tmp_path / "paper", "exp2-bfloat16-aaaa", [_row("p1", True, True), _row("p2", False, None)], wanted=ids)
+    bf16 = _ledger(tmp_path / "paper", "exp2-bfloat16-aaaa", [_row("p1", True, True), _row("p2", False, None)], wanted=ids)
     s = suffix_summary({"bfloat16": arm_rows(tmp_path / "paper", "exp2", "bfloat16")[1]})
     assert list(s.rows) == ["all finished"] and s.suffix_differs[0].startswith("1/2 ")
     with pytest.raises(ValueError, match="neither"):
         suffix_summary({})
     assert main(["--ledger-root", str(tmp_path), "--experiments", "exp2"]) == 0
     captured = capsys.readouterr()
-    assert "exp2-float32: not started" in captured.err and "exp2-bfloat16-aaaa: 2 of 3 rows finished" in captured.err
+    assert "exp2-float32: not started" in captured.err and f"{bf16}: 2 of 3 rows finished" in captured.err
     assert "McNemar" not in captured.out
 
 
@@ -86,7 +90,7 @@ def test_an_arm_without_rows_or_manifest_is_not_started_and_errors_exit_without_
     """What a cut-off first call leaves (a manifest, no row), a folder with no manifest, two folders of one arm, an
     Experiment 5 manifest naming no checkpoint and a real gate failure: each a line naming it, never a traceback."""
     root = tmp_path / "paper"
-    _ledger(root, "exp5-bfloat16-aaaa", [], wanted=["p1", "p2"])  # the run was cut off in its first chunk
+    exp5 = _ledger(root, "exp5-bfloat16-aaaa", [], wanted=["p1", "p2"])  # the run was cut off in its first chunk
     (root / "exp3-bfloat16-bbbb").mkdir(parents=True)  # no manifest
     assert main(["--ledger-root", str(tmp_path), "--experiments", "exp3", "exp5"]) == 0
     captured = capsys.readouterr()
@@ -99,7 +103,7 @@ def test_an_arm_without_rows_or_manifest_is_not_started_and_errors_exit_without_
     assert main(["--ledger-root", str(tmp_path), "--experiments", "exp1"]) == 2
     assert "error: 2 ledgers exp1-bfloat16-* under" in capsys.readouterr().err
 
-    (root / "exp5-bfloat16-aaaa" / "rows.jsonl").write_text(json.dumps({"problem_id": "p1", "gate_failure": None}) + "\n")
+    (root / exp5 / "rows.jsonl").write_text(json.dumps({"problem_id": "p1", "gate_failure": None}) + "\n")
     assert main(["--ledger-root", str(tmp_path), "--experiments", "exp5"]) == 1
     captured = capsys.readouterr()
     assert "error: exp5: " in captured.err and "names no replication checkpoint" in captured.err
@@ -110,7 +114,7 @@ def test_an_unfinished_one_arm_table_says_its_rows_are_the_first_not_a_sample(tm
     from kvreplay.report import partial
 
     root = tmp_path / "paper"
-    _ledger(root, "exp3-bfloat16-aaaa", [{"problem_id": "p1"}], wanted=["p1", "p2"])
+    exp3 = _ledger(root, "exp3-bfloat16-aaaa", [{"problem_id": "p1"}], wanted=["p1", "p2"])
     seen = []
 
     def table(experiment, rows, folder=None):  # the bridge table itself is tested with the experiment
@@ -120,6 +124,6 @@ def test_an_unfinished_one_arm_table_says_its_rows_are_the_first_not_a_sample(tm
     monkeypatch.setattr(partial, "one_arm_table", table)
     assert main(["--ledger-root", str(tmp_path), "--experiments", "exp3"]) == 0
     out = capsys.readouterr().out
-    assert seen == [("exp3", ["p1"], "exp3-bfloat16-aaaa")]
+    assert seen == [("exp3", ["p1"], exp3)]
     assert out.startswith("## exp3: the incremental bridge (new live boundary vs its incremental rebuild)\n"
-                          "unfinished: exp3-bfloat16-aaaa: 1 of 2 rows, the first in the frozen order (not a sample)")
+                          f"unfinished: {exp3}: 1 of 2 rows, the first in the frozen order (not a sample)")

@@ -185,6 +185,9 @@ def test_gpu_profile_reads_gate_failures_from_the_ledger_also_for_a_stopped_arm(
     rows.write_text(json.dumps({"problem_id": "a", "gate_failure": None}) + "\n"
                     + json.dumps({"problem_id": "b", "gate_failure": failure}) + "\n" + '{"problem_id": "c", "gate_fa')
     assert gpu_profile.ledger_gate_failures(tmp_path) == [("b", failure)]
+    (tmp_path / "runlog.jsonl").write_text(json.dumps({"event": "equivalence_pending", "rows": ["a", "b", "c"]}) + "\n")
+    assert [(pid, f["gate"]) for pid, f in gpu_profile.ledger_gate_failures(tmp_path)] == [
+        ("a", "equivalence"), ("b", "argmax")]  # a row whose chunk's sampled check never ran is never counted clean
 
 
 def test_adapt_config_comes_from_the_profile_and_the_training_model_loads_only_when_asked():

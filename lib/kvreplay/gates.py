@@ -37,10 +37,10 @@ GATES: Mapping[str, Gate] = {g.name: g for g in (
          "gates.check_disjoint", "§3.5"),
     Gate("functional_state", "All arms share token IDs, roles, the position IDs passed to the model, sliding "
          "windows and cache lengths; the engine's padding beyond a row's valid length is untouched.",
-         "gates.check_functional_state, engine.step, caches.verify_transplant, experiments.matrix", "§3.5"),
+         "gates.check_functional_state, engine.step, caches.verify_transplant, experiments.matrix, runner.equivalence", "§3.5"),
     Gate("dtype", "Every boundary tensor has the run's dtype.", "gates.check_dtype, caches", "§3.5, Table 3"),
     Gate("equivalence", "Two constructions of one boundary, computed in float32, differ by no more than rounding "
-         "(whole-cache relative L2 at most 1e-4).", "gates.check_equivalence, experiments.matrix, runner.row_checks, runner.loop", "§3.5"),
+         "(whole-cache relative L2 at most 1e-4).", "gates.check_equivalence, experiments.matrix, runner.equivalence, runner.row_checks, runner.loop", "§3.5"),
     Gate("suffix_replica", "A replica's greedy suffix equals its source's suffix token for token.",
          "experiments.matrix, .bridge, .transplant", "§3.5"),
     Gate("readout", "Building the float32 readout leaves the boundary caches bit-identical to the plain build.",
@@ -106,13 +106,33 @@ incremental rebuild of each preflight row's boundary prefix against its prefill,
 that row (`equivalence`). `preflight: 0` is refused below float32, by the profile and by the library
 (`Arm.run`), so no run skips it. The same check also runs, in the process that loads the model, on a
 sample of every chunk's other rows: a chunk is the engine's chunk in a batched run, or 8 consecutive rows
-in an eager one. The sample is 2 rows: the chunk's longest boundary prefix (ties: the smaller problem ID),
-then one row drawn in the order of sha256(`"construction_equivalence:<problem_id>"`). Only rows with a
-`prefix` and no gate failure are drawn (`kvreplay.runner.row_checks.equivalence_sample`). The result goes
-to the run log (`equivalence_sample` events: each checked row's `prefix_len`, `rel_l2` and seconds), never
-into a row, so rows stay byte-identical. A failed sample stops the arm after its chunk's rows were
-appended. From then on the arm refuses that ledger, before any model is loaded: delete the folder and run
-it again once the construction is fixed. Runs on Ray row actors do not take the sample.
+in an eager one. The sample holds 2 rows per 32 rows of the chunk, rounded up, and at least 2 (a chunk of
+up to 32 rows: 2; of 200 rows: 13): the chunk's longest boundary prefix (ties: the smaller problem ID),
+then the others in the order of sha256(`"construction_equivalence:<problem_id>"`). Only rows with a
+`prefix` and no gate failure are drawn (`kvreplay.runner.row_checks.equivalence_sample`); the draw reads no
+outcome of the rows. In a batched run the sampled prefixes are rebuilt in float32 together, in one engine
+call of 16 slots (idle slots stay empty; more prefixes refill them), one fixed shape for every arm, so a
+process compiles or captures it once; each prefill is built alone. At that fixed shape a row's result does
+not depend on the rows beside it.
+
+The check's record lives in the ledger folder's run log, which sealing and packing keep. Before the first
+row of a chunk is appended, an `equivalence_pending` event names the chunk's rows; after the check, an
+`equivalence_sample` event names them again (`rows`) with `passed` and each checked row's `prefix_len`,
+`rel_l2` (or `error`) and seconds. Nothing goes into a row, so rows stay byte-identical. A row counts as
+clean only once a passing check names it:
+
+- a failed check stops the arm after its chunk's rows were appended. Every reader (the lookup the notebooks
+  and the explorer use, the tables, `make verify`) refuses those rows, naming the file, the line and why,
+  and the arm refuses that ledger before any model is loaded: delete the folder and run it again once the
+  construction is fixed;
+- rows whose check never ran (a kill, Ctrl-C or crash between the append and the check) are refused the
+  same way and not counted as finished; the arm's next run checks them, in chunks of the same size, before
+  it computes any new row (a failure then stops it as above);
+- rows below float32 that no check covers (written by a library without the sampled check, or on Ray row
+  actors, which do not take the sample) stay readable; every reader labels them `sampled check not run
+  (library <digest12>)` (`LoadedLedger.unchecked`), or `sampled check ran, its rows not recorded (library
+  <digest12>)` where a library logged passing checks without naming the rows each covered.
+  `python -m kvreplay.ledger digests data/ledgers/<profile>` counts them per folder.
 
 Cost, counted in model calls, not timed: a check replays the row's live call schedule and makes one prefill
 call, in float32 (`schedule_calls + 1` calls). On the committed `cpu` profile's Experiment 1 BF16 rows (the

@@ -48,7 +48,8 @@ from .gates import GateError
 from .ledger.lookup import PREFIX_BANK
 from .ledger.prefix_bank import read_prefix_bank
 from .ledger.files import LedgerError, read_environment, read_log, read_manifest
-from .ledger.store import canonical_json, ledger_rows
+from .ledger.checked import checked_rows
+from .ledger.store import canonical_json
 from .execution import gpu_record
 from .models import context_length, environment_record
 from .paths import LEDGERS, ROOT
@@ -244,7 +245,7 @@ def choose_rows(folder: str | Path, rows: int = 1, *, pick: str = "shortest", se
             and the missing IDs are named).
     """
     folder = Path(folder)
-    read = ledger_rows(folder)  # a damaged line or a duplicated ID: LedgerLineError naming file, line and ID
+    read = checked_rows(folder)  # a damaged, duplicated, malformed or unchecked row: named by file, line and ID
     lines, committed = [r.text for r in read], [r.record for r in read]
     if ids:
         where = {r["problem_id"]: i for i, r in enumerate(committed)}
@@ -320,7 +321,7 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
                              f"({config['model'].get('model')!r}: other files or digests)")
         settings = dataclasses.replace(settings, model=model)
     env = read_environment(folder)
-    read = ledger_rows(folder)
+    read = checked_rows(folder)
     lines, committed = [r.text for r in read], [r.record for r in read]
     chosen = choose_rows(folder, rows, pick=pick, seed=seed, ids=ids)
     if env.get("row_algorithm") != ROW_ALGORITHM.get(config["experiment"]):
@@ -424,7 +425,7 @@ def ids_by_ledger(ledgers: Sequence[Path], ids: Sequence[str]) -> dict[Path, lis
     Raises:
         ValueError: an ID no ledger holds, naming it and the ledgers searched.
     """
-    held = {f: {r.record["problem_id"] for r in ledger_rows(f)} for f in ledgers}
+    held = {f: {r.record["problem_id"] for r in checked_rows(f)} for f in ledgers}
     nowhere = [i for i in ids if not any(i in h for h in held.values())]
     if nowhere:
         raise ValueError(f"no row {', '.join(nowhere)} in ledger(s) {', '.join(str(f) for f in ledgers)}")

@@ -36,7 +36,8 @@ from ..gates import cache_tensors
 from ..kernels import KERNELS
 from ..ledger.files import LedgerError, read_environment, read_manifest
 from ..ledger.records import RowSchemaError
-from ..ledger.store import SCHEMA_VERSION, config_digest, ledger_rows
+from ..ledger.checked import checked_rows
+from ..ledger.store import SCHEMA_VERSION, config_digest
 from ..ledger.row_parts import _CONFIG, Float, Margins, TokenIds
 from ..models import LoadedModel
 from ..problems import Problem
@@ -356,7 +357,7 @@ def load_ablation(root: str | Path, dtype: str) -> AblationLedgers:
         algorithm = read_environment(folder).get("row_algorithm")
         if algorithm != ROW_ALGORITHM:
             raise LedgerError(f"{folder}: written by row algorithm {algorithm}, this code reads {ROW_ALGORITHM}")
-        rows = check_rows(kind, [r.record for r in ledger_rows(folder)])
+        rows = check_rows(kind, [r.record for r in checked_rows(folder)])  # refuses rows a sampled check failed or awaits
         if kind == "kernels":
             wrong = [r["problem_id"] for r in rows if r["kernels"] != value]
             if wrong:

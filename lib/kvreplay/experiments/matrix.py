@@ -21,9 +21,7 @@ for bit (:func:`check_live`).
 
 from __future__ import annotations
 
-import dataclasses
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -31,10 +29,16 @@ import torch
 
 from .. import caches, decode, drift, engine, gates
 from ..gates import GateError
-from ..models import LoadedModel
 from ..problems import Problem
 from ..runner import RunSpec
-from ..runner.row_checks import register_equivalence_check
+from ..runner.equivalence import (  # re-exported: the float32 construction-equivalence check lives in the runner
+    _FP32_COPIES,
+    EQUIVALENCE_BATCH,
+    construction_equivalence,
+    construction_equivalences,
+    float32_copy,
+)
+from ..runner.equivalence import boundary_windows as _windows
 from ..scoring import score_answer
 from .endpoints import divergence_endpoints
 from .matrix_summary import DRIFT_OUTLIER_FACTOR, drift_outliers, matrix_summary, matrix_table  # re-exported
@@ -96,91 +100,6 @@ def comparison(ref: decode.Boundary, other: decode.Boundary, per_tensor: bool) -
     if per_tensor:
         out["tensors"] = rows
     return out
-
-
-def _windows(a: decode.Boundary, b: decode.Boundary) -> tuple[int | None, ...] | None:
-    """The layers' sliding windows of two boundary states (the functional-state gate keeps them equal)."""
-    if a.windows != b.windows:
-        raise GateError("functional_state", f"{b.construction}: sliding windows per layer differ from {a.construction}")
-    return a.windows
-
-
-_FP32_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, LoadedModel]" = weakref.WeakKeyDictionary()
-
-
-def float32_copy(lm: LoadedModel) -> LoadedModel:
-    """A float32 copy of a loaded model (same weights, upcast exactly), made once per live model object and kept.
-
-    Keyed by the model object itself (weakly), not its ``id``, which a later model may reuse once this one is freed.
-    """
-    import copy
-
-    if lm.dtype == torch.float32:
-        return lm
-    if lm.model not in _FP32_COPIES:
-        _FP32_COPIES.clear()  # one model at a time
-        table = None if lm.role_table is None else lm.role_table.float()
-        _FP32_COPIES[lm.model] = dataclasses.replace(lm, model=copy.deepcopy(lm.model).to(dtype=torch.float32),
-                                                     dtype=torch.float32, role_table=table)
-    return _FP32_COPIES[lm.model]
-
-
-def construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
-    """Construction-equivalence gate in float32 for one prefix (a check that the constructions compute one function).
-
-    Builds the incremental (live call schedule, teacher-forced) and prefill
-    boundary caches of ``prefix`` with a float32 copy of the run's model and
-    requires their whole-cache relative L2 (a sliding layer: its attended
-    positions) to stay within
-    :data:`kvreplay.gates.EQUIVALENCE_TOLERANCE`. In float32 two correct
-    constructions differ only by rounding, so a larger drift is a bug in a
-    construction (wrong positions, roles or mask in one call), whatever the
-    run's precision.
-
-    In a batched run (``spec.engine`` set) the float32 incremental cache is
-    rebuilt through the engine (:func:`kvreplay.engine.build_incrementals`,
-    the run's step path and ``max_len``, one problem per step). That is the
-    construction the run's own live boundaries come from; the result is kept
-    in ``spec.memo``.
-
-    Returns:
-        ``{"dtype": "float32", "compared": "prefill_vs_incremental", "rel_l2", "tolerance"}`` for the ledger.
-
-    Raises:
-        GateError: gate ``equivalence`` (or ``nonfinite``, ``desync`` from the decoders).
-    """
-    key = (problem.problem_id, tuple(prefix))
-    if key in spec.memo:
-        if isinstance(spec.memo[key], GateError):
-            raise spec.memo[key]
-        return dict(spec.memo[key])
-    try:
-        out = _construction_equivalence(spec, problem, prefix)
-    except GateError as e:
-        spec.memo[key] = e
-        raise
-    spec.memo[key] = out
-    return dict(out)
-
-
-register_equivalence_check(construction_equivalence)  # the sampled check of run_arm's other rows
-
-
-def _construction_equivalence(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> dict:
-    lm32 = float32_copy(spec.lm)
-    if spec.engine is None:
-        inc = decode.build_incremental(lm32, spec.fmt, prefix, where=problem.problem_id)
-    else:
-
-        inc = engine.build_incrementals(lm32, spec.fmt, [prefix], run=dataclasses.replace(spec.batched(), batch=1))[0]
-    pre = decode.build_prefill(lm32, spec.fmt, prefix, where=problem.problem_id)
-    for name, s in (("incremental (float32 check)", inc), ("prefill (float32 check)", pre)):
-        gates.check_finite(name, caches.boundary_tensors(s))
-    rel = drift.aggregate(drift.cache_drift(gates.cache_tensors(inc.cache), gates.cache_tensors(pre.cache),
-                                            _windows(inc, pre)))["rel_l2"]
-    gates.check_equivalence("prefill vs incremental (float32 copy of the model)", rel)
-    return {"dtype": "float32", "compared": "prefill_vs_incremental", "rel_l2": rel,
-            "tolerance": gates.EQUIVALENCE_TOLERANCE}
 
 
 def equivalence_record(spec: RunSpec, problem: Problem, prefix: Sequence[int], own: dict | None = None,

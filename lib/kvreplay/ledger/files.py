@@ -123,8 +123,8 @@ def read_json(path: str | Path, todo: str) -> Any:
                                     f"left by a crash or an older version; {todo}") from None
 
 
-MANIFEST_TODO = ("run the arm's command again to rebuild it (its config is the folder's key), or delete the ledger "
-                 "folder and run the arm again")
+MANIFEST_TODO = ("restore it (e.g. git checkout), or delete the ledger folder and run the arm again (an empty one is "
+                 "rebuilt by the arm's command, from the config that keys the folder)")
 ENVIRONMENT_TODO = ("it records the environment the rows were computed in: restore it (e.g. git checkout), or delete "
                     "the ledger folder and run the arm again")
 

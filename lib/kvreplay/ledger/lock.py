@@ -1,7 +1,7 @@
 """One writer per ledger: an advisory ``fcntl.flock`` lock on a file named after the ledger folder.
 
-The lock file is ``<temporary folder>/kvreplay-ledger-locks/<ledger folder name>-<hash16>.lock``, where ``hash16``
-hashes the folder's resolved path: host-local, and nothing is created under the ledger root before the ledger
+The lock file is ``/tmp/kvreplay-ledger-locks/<ledger folder name>-<hash16>.lock`` (whatever ``TMPDIR`` is), where
+``hash16`` hashes the folder's resolved path: host-local, and nothing is created under the ledger root before the ledger
 folder itself. Its holder writes its PID, host, start time and the ledger folder into it. The kernel drops the lock when its holder exits, however it exits (``SIGKILL`` included), so a lock left
 by a killed process never wedges the arm: the file remains, the lock does not. Locks are **same-host only**: two
 machines writing one ledger over a network file system are not kept apart.
@@ -55,7 +55,41 @@ def lock_path(folder: str | Path) -> Path:
     host's temporary folder, ``hash16`` from the folder's resolved path."""
     folder = Path(folder).resolve()
     where = hashlib.sha256(str(folder).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "kvreplay-ledger-locks" / f"{folder.name}-{where}.lock"
+    return lock_root() / f"{folder.name}-{where}.lock"
+
+
+def lock_root() -> Path:
+    """The host's lock folder, the same whatever ``TMPDIR`` is: ``/tmp/kvreplay-ledger-locks`` (the system's own
+    temporary folder where ``/tmp`` does not exist)."""
+    base = Path("/tmp")
+    if not base.is_dir():
+        base = Path(tempfile.gettempdir())
+    return base / "kvreplay-ledger-locks"
+
+
+def remove_stale_temporaries(folder: str | Path) -> list[Path]:
+    """Remove the ``.<name>.tmp-<pid>`` files a killed writer left in a ledger folder (:func:`~.files.atomic_write`);
+    a temporary file of a process still alive on this host is kept. Returns the files removed."""
+    folder = Path(folder)
+    gone = []
+    for tmp in folder.glob(".*.tmp-*") if folder.is_dir() else []:
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (int(pid) == os.getpid() or _alive(int(pid))):
+            continue
+        tmp.unlink(missing_ok=True)
+        gone.append(tmp)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of that ID runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def wait_seconds(wait: float | None = None) -> float:
@@ -83,7 +117,8 @@ _mutex = threading.Lock()
 def acquire(folder: str | Path, wait: float | None = None) -> Path:
     """Take the writer lock of a ledger folder (re-entrant within this process); returns the lock file.
 
-    Nothing is created under the ledger root; the ledger folder need not exist yet.
+    Nothing is created under the ledger root; the ledger folder need not exist yet. Once taken, temporary files a
+    killed writer left in the folder are removed (:func:`remove_stale_temporaries`).
 
     Raises:
         LedgerBusyError: another process holds it and it was not released within ``wait`` seconds
@@ -120,6 +155,7 @@ def acquire(folder: str | Path, wait: float | None = None) -> Path:
                   f"ledger {folder}\n".encode(), 0)
     with _mutex:
         _held[path] = (fd, 1)
+    remove_stale_temporaries(folder)  # left by a writer killed inside an atomic write
     return path
 
 

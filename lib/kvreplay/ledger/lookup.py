@@ -28,14 +28,17 @@ from .records import (
     TransplantRecord,
     validate_rows,
 )
-from .files import read_environment, read_json, read_manifest
-from .store import ROWS, SEALED, ledger_rows
+from .checked import (  # MissingLedgerError re-exported
+    MissingLedgerError,
+    checked_manifest,
+    checked_rows,
+    pending_rows,
+    sampled_check_labels,
+)
+from .files import read_environment, read_json
+from .store import ROWS, SEALED
 
 PREFIX_BANK = "prefix_bank_bf16.jsonl"
-
-
-class MissingLedgerError(FileNotFoundError):
-    """A ledger the assembly needs is absent, unfinished or ambiguous; the message names the notebook to run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +81,15 @@ class LoadedLedger:
             record (:mod:`.records`). Typed ``Any``: which record depends on ``key``, known only at run time; a
             summary function that takes them (e.g. ``matrix_summary(records: Sequence[Exp1Record] | ...)``)
             reads them as its record.
+        unchecked: problem ID -> ``"sampled check not run (library <digest12>)"`` for rows below float32 that no
+            sampled float32 check covers (:func:`~kvreplay.ledger.checked.sampled_check_labels`).
     """
     key: str
     dir: Path
     manifest: dict
     environment: dict
     records: list[Any]
+    unchecked: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def config(self) -> dict:
@@ -100,25 +106,43 @@ class LoadedLedger:
         return self.dir / (SEALED if (self.dir / SEALED).exists() else ROWS)
 
 
+def _manifest(folder: Path) -> dict:
+    """:func:`~kvreplay.ledger.checked.checked_manifest` (a missing one: :class:`MissingLedgerError`)."""
+    return checked_manifest(folder)
+
+
 def finished_rows(folder: str | Path) -> list[dict]:
-    """The rows of a ledger folder as written (``rows.jsonl`` or sealed ``rows.jsonl.gz``), finished or not.
+    """The rows of a ledger folder as written (``rows.jsonl`` or sealed ``rows.jsonl.gz``), finished or not, each
+    checked (:func:`~kvreplay.ledger.checked.checked_rows`).
 
     A torn last line (an arm stopped mid-write) is left out with a warning: the ledger is unfinished, not corrupt.
 
     Raises:
-        LedgerLineError: a line other than the last is not JSON, or a problem ID is recorded twice (naming file,
-            line and problem ID).
+        MissingLedgerError: the folder has no manifest.
+        LedgerLineError: a line other than the last is not JSON, a problem ID is recorded twice, or a row does not
+            fit its schema (naming file, line, problem ID and field).
+        UncheckedRowError: a row whose sampled float32 check failed or has not run (naming file, line and why).
+        LedgerFileError: a damaged manifest, or one that is not the folder's (another arm's, another schema).
         LedgerError: the folder holds both the plain and the sealed rows file, with different rows.
     """
-    return [r.record for r in ledger_rows(folder)]
+    folder = Path(folder)
+    _manifest(folder)
+    return [r.record for r in checked_rows(folder)]
 
 
 def ledger_progress(folder: str | Path) -> tuple[int, int]:
-    """``(finished, expected)`` rows of a ledger folder: records present for the manifest's ``problem_ids``."""
+    """``(finished, expected)`` rows of a ledger folder: checked records present for the manifest's ``problem_ids``.
+
+    A row whose sampled float32 check has not run yet (an arm writing now, or stopped before the check) is not
+    counted: the arm's next run checks it.
+
+    Raises:
+        as :func:`finished_rows`, but for rows whose check has not run.
+    """
     folder = Path(folder)
-    manifest = read_manifest(folder)
-    ids = manifest["config"]["problem_ids"]
-    done = {r.get("problem_id") for r in finished_rows(folder)}
+    ids = _manifest(folder)["config"]["problem_ids"]
+    waiting = pending_rows(folder)
+    done = {r.record["problem_id"] for r in checked_rows(folder, pending=True)} - waiting
     return sum(i in done for i in ids), len(ids)
 
 
@@ -130,15 +154,15 @@ def read_ledger(folder: str | Path, key: str | None = None) -> LoadedLedger:
 
     Raises:
         MissingLedgerError: if the folder has no manifest or is unfinished.
-        RowSchemaError: a row that does not fit its experiment's row type (naming the row and the field).
-        LedgerLineError: a damaged line or a duplicated problem ID (naming file, line and problem ID).
-        LedgerFileError: an empty or partial manifest or environment (naming it and what to do).
+        RowSchemaError: a row that does not fit the record of ``key``'s experiment (naming the row and the field).
+        LedgerLineError: a damaged line, a duplicated problem ID, or a row that does not fit the manifest's
+            experiment (naming file, line, problem ID and field).
+        UncheckedRowError: a row whose sampled float32 check failed or has not run (naming file, line and why).
+        LedgerFileError: an empty or partial manifest or environment, or a manifest that is not the folder's
+            (naming it, the field and what to do).
     """
     folder = Path(folder)
-    mpath = folder / "manifest.json"
-    if not mpath.is_file():
-        raise MissingLedgerError(f"{folder} is not a ledger (no manifest.json)")
-    manifest = read_manifest(folder)
+    manifest = _manifest(folder)
     env = read_environment(folder)
     by_id = {r["problem_id"]: r for r in finished_rows(folder)}
     ids = manifest["config"]["problem_ids"]
@@ -150,7 +174,8 @@ def read_ledger(folder: str | Path, key: str | None = None) -> LoadedLedger:
     experiment = key.rsplit("-", 1)[0]
     if experiment in ROW_TYPES:
         validate_rows(experiment, records)
-    return LoadedLedger(key=key, dir=folder, manifest=manifest, environment=env, records=records)
+    return LoadedLedger(key=key, dir=folder, manifest=manifest, environment=env, records=records,
+                        unchecked=sampled_check_labels(folder, records))
 
 
 def _run_hint(spec: LedgerSpec, profile: str) -> str:
@@ -183,10 +208,12 @@ def find_ledger(
     progress = {p: ledger_progress(p) for p in folders}
     finished = [p for p in folders if progress[p][0] == progress[p][1]]
     if not finished:
+        for p in folders:  # a row refused (its sampled check failed or never ran) is named with its file and line
+            finished_rows(p)
         state = ", ".join(f"{p.name} {d}/{n} rows" for p, (d, n) in progress.items())
         raise MissingLedgerError(f"{spec.what} ledger under {base} is unfinished ({state}): {_run_hint(spec, profile)}")
     if match is not None:
-        finished = [p for p in finished if match(read_manifest(p))]
+        finished = [p for p in finished if match(_manifest(p))]
         if not finished:
             raise MissingLedgerError(
                 f"no finished {spec.what} ledger under {base} matches {why or 'the chain'} "

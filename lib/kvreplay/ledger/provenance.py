@@ -35,6 +35,8 @@ class LedgerProvenance:
         unstamped: run-log events with no ``library_sha256`` (written before run logs recorded one).
         runs: ``start`` events (one per run that had rows to consider).
         compute_s: the sum of the runs' ``compute_s`` (seconds), over the runs that recorded one.
+        unchecked: rows below float32 that no sampled float32 check covers, by label (``"sampled check not run
+            (library <digest12>)"``: :func:`~kvreplay.ledger.checked.sampled_check_labels`) -> count.
     """
 
     name: str
@@ -43,6 +45,7 @@ class LedgerProvenance:
     unstamped: int
     runs: int
     compute_s: float
+    unchecked: tuple[tuple[str, int], ...] = ()
 
     @property
     def digests(self) -> frozenset[str]:
@@ -75,7 +78,14 @@ def ledger_provenance(folder: str | Path) -> LedgerProvenance:
         runs += event.get("event") == "start"
         if event.get("event") in ("end", "stopped") and isinstance(event.get("compute_s"), (int, float)):
             compute += float(event["compute_s"])
-    return LedgerProvenance(folder.name, environment, frozenset(digests), unstamped, runs, round(compute, 3))
+    from collections import Counter
+
+    from .checked import sampled_check_labels
+    from .store import ledger_rows
+
+    labels = Counter(sampled_check_labels(folder, [r.record for r in ledger_rows(folder, None)]).values())
+    return LedgerProvenance(folder.name, environment, frozenset(digests), unstamped, runs, round(compute, 3),
+                            tuple(sorted(labels.items())))
 
 
 def profile_provenance(profile_root: str | Path) -> list[LedgerProvenance]:
@@ -123,7 +133,8 @@ def describe(p: LedgerProvenance) -> str:
     logged = ", ".join(sorted(d[:12] for d in p.run_log)) or "none"
     return (f"{p.name}: environment {env}; run log {logged}"
             + (f" ({p.unstamped} event(s) without a digest)" if p.unstamped else "")
-            + f"; {p.runs} run(s), {p.compute_s:.1f} s compute recorded")
+            + f"; {p.runs} run(s), {p.compute_s:.1f} s compute recorded"
+            + "".join(f"; {n} row(s): {label}" for label, n in p.unchecked))
 
 
 SAMPLED_CHECK_EVENT = "equivalence_sample"
@@ -135,8 +146,8 @@ def sampled_check_missing(folder: str | Path, has_check: Mapping[str, bool | Non
 
     Read from the run log alone. A ledger whose config's ``dtype`` is ``float32`` (or names none) has no such row:
     a float32 row checks itself. Any other row counts as checked only when an ``equivalence_sample`` event with
-    ``passed: true`` lists it or covers its chunk: the rows logged since that run's ``start`` or its previous sample
-    event. ``has_check`` maps a library digest to whether its code had the check (``None``: unknown, e.g. a
+    ``passed: true`` names it in its ``rows`` or covers its chunk: the rows logged since that run's ``start`` or its
+    previous sample event (a library that did not name the rows it covered). ``has_check`` maps a library digest to whether its code had the check (``None``: unknown, e.g. a
     digest no commit has). The reason names the digest of the row's ``row`` event (12 hex digits):
     ``"never ran (library <d>)"`` when it had the check; ``"not run (library <d>)"`` when it had not;
     ``"not run (library <d>, in no commit)"`` when unknown; ``"not run (run log names no library)"``.
@@ -158,8 +169,8 @@ def sampled_check_missing(folder: str | Path, has_check: Mapping[str, bool | Non
             library[key] = event.get("library_sha256")
             chunk.append(key)
         elif kind == SAMPLED_CHECK_EVENT:
-            if event.get("passed") is True:
-                checked.update(chunk, (c.get("problem_id") for c in event.get("checks", [])))
+            if event.get("passed") is True:  # the rows it names (a library that records them), else its chunk
+                checked.update(chunk, (c.get("problem_id") for c in event.get("checks", [])), event.get("rows") or [])
             chunk = []
     out = {}
     for key, digest in library.items():

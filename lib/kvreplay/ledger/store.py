@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 
 from ..gates import GateError
 from . import lock
-from .files import LedgerError, LedgerLineError, RowLine, atomic_write, cut_torn_tail, parse_rows, read_json
+from .files import MANIFEST_TODO, LedgerError, LedgerLineError, RowLine, atomic_write, cut_torn_tail, parse_rows, read_json
 
 SCHEMA_VERSION = 1
 
@@ -290,7 +290,7 @@ class Ledger:
             warnings.warn(f"{mpath} was empty (an interrupted write); rebuilt from the config that keys the folder")
             atomic_write(mpath, text)
         if mpath.exists():
-            old = read_json(mpath, "delete the ledger folder and run the arm again (its config is the folder's key)")
+            old = read_json(mpath, MANIFEST_TODO)
             if old.get("config_digest") != self.digest:
                 raise LedgerError(f"{mpath} belongs to config {old.get('config_digest')}, not {self.digest}")
             if old.get("schema_version") != SCHEMA_VERSION:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..ledger.records import Exp1Record, arm_of
-from ..ledger.store import ledger_rows
+from ..ledger.checked import checked_rows
 from ..paths import FIGURES, LEDGERS
 from .files import save_table
 
@@ -51,7 +51,7 @@ def exp1_records(ledger_root: str | Path, profile: str, dtype: str) -> dict[str,
     """
     out: dict[str, Exp1Record] = {}
     for folder in sorted(Path(ledger_root, profile).glob(f"exp1-{dtype}-*")):
-        for row in ledger_rows(folder):  # a damaged or duplicated line: LedgerLineError naming file, line and ID
+        for row in checked_rows(folder):  # a damaged, duplicated, malformed or unchecked row: named by file and line
             rec = row.record
             if rec["problem_id"] in out:
                 raise ValueError(f"{profile}: problem {rec['problem_id']} is in two exp1-{dtype} ledgers")

@@ -19,12 +19,13 @@ from ..ledger.records import validate_row
 from ..gates import GateError
 from ..ledger import lock
 from ..ledger.files import read_log
-from ..ledger.store import READ_ONLY_ENV, Ledger, ReadOnlyLedgerError, ledger_rows, row_bar, run_rows
+from ..ledger.checked import checked_rows, pending_rows
+from ..ledger.store import READ_ONLY_ENV, Ledger, ReadOnlyLedgerError, row_bar, run_rows
 from ..models import context_length
 from ..problems import Problem
 from .actors import RowActors
 from .batched import BatchedRows, gate_recorder
-from .row_checks import EAGER_SAMPLE_CHUNK, failed_equivalence_samples, sampled_equivalence
+from .row_checks import EAGER_SAMPLE_CHUNK, failed_equivalence_samples, recheck_pending, sampled_equivalence
 from .spec import (
     LIVE_CHECK_SALT,
     ROW_ALGORITHM,
@@ -141,6 +142,8 @@ def run_arm(
     done: set[str] = set()
     committed: list[str] = []  # the ledger's finished lines, for a resumed batched arm's gate
     parsed: list[Any] = []  # the same lines parsed
+    by_id: dict[str, Any] = {}
+    pending: list[str] = []  # committed rows whose sampled float32 check never ran: checked before any new row
     if os.environ.get(READ_ONLY_ENV) != "1":
         lock.acquire(Ledger.folder(root, label, config))  # one writer, before any model is loaded; released at return
     if Ledger.folder(root, label, config).is_dir():
@@ -150,16 +153,21 @@ def run_arm(
             raise GateError("equivalence", f"{probe.dir}: the sampled float32 construction-equivalence check failed on "
                             f"the chunk of rows {', '.join(failed)} (run log), so its rows may come from a broken "
                             "construction; fix it, delete the folder and run the arm again")
-        rows = ledger_rows(probe.dir, probe.key)  # read once: done keys and lines
+        rows = checked_rows(probe.dir, pending=True)  # read once: manifest, schema (file, line, field), done keys
         committed, parsed = [r.text for r in rows], [r.record for r in rows]
         by_id = {r[probe.key]: r for r in parsed}
-        if set(ids) <= by_id.keys():  # nothing to compute: no model, no actors; the one line a finished ledger gets
+        waiting = pending_rows(probe.dir)
+        pending = [i for i in ids if i in by_id and i in waiting]
+        if set(ids) <= by_id.keys() and not pending:  # nothing to compute or check: no model, no actors
             row_bar(len(ids), len(ids), f"{name} {settings.dtype}", progress)
             return [by_id[i] for i in ids], probe
         done = set(by_id)
     todo = [p for p in problems if p.problem_id not in done]
-    if todo and os.environ.get(READ_ONLY_ENV) == "1":
+    if (todo or pending) and os.environ.get(READ_ONLY_ENV) == "1":
         folder = Ledger.folder(root, label, config)
+        if not todo:
+            raise ReadOnlyLedgerError(folder, f"{len(pending)} rows ({', '.join(pending)}) wait for their sampled "
+                                      "float32 check, which the arm's command runs before any new row")
         others = _other_folders(root, label, folder)
         held = "; other folders of this arm: " + ", ".join(others) if others else "; no other folder of this arm"
         raise ReadOnlyLedgerError(folder, f"{len(todo)} of {len(ids)} rows of this arm are not in any ledger{held}",
@@ -180,7 +188,7 @@ def run_arm(
         lines = list(zip(committed, parsed))
         line, rec = min([x for x in lines if not x[1].get("gate_failure")] or lines, key=lambda x: len(x[0]))
         reference, first = (next(p for p in problems if p.problem_id == rec["problem_id"]), line), None
-    if settings.workers > 1 and groups > 1:
+    if settings.workers > 1 and groups > 1 and not pending:  # rows waiting for their check: in this process
         # the actors load the model; this process loads none (a second copy would sit on the first GPU)
 
         with RowActors(settings, row, chunk=chunk, workers=min(settings.workers, groups), faults=faults,
@@ -240,6 +248,9 @@ def run_arm(
         mapper, row_fn = sampled_equivalence(mapper, spec, {p.problem_id: p for p in problems}, equivalence_ids,
                                              EAGER_SAMPLE_CHUNK if run is None else settings.chunk or settings.batch,
                                              ledger.log), None
+    if pending:  # before any new row: the check a kill, Ctrl-C or crash kept from running on committed rows
+        recheck_pending([by_id[i] for i in pending], spec, {p.problem_id: p for p in problems}, equivalence_ids,
+                        EAGER_SAMPLE_CHUNK if run is None else settings.chunk or settings.batch, ledger.log)
     records = run_rows(
         ledger, list(problems), row_fn, key=lambda p: p.problem_id, mapper=mapper,
         preflight=settings.preflight, progress=progress, desc=f"{name} {settings.dtype}",

@@ -52,6 +52,23 @@ def live_check_ids(problem_ids: Sequence[str], preflight: int, fraction: float) 
     return frozenset(list(problem_ids)[:preflight]) | frozenset(p for p in problem_ids if drawn(p))
 
 
+def check_counts(settings: Any) -> None:
+    """Refuse counts of an :class:`~kvreplay.runner.spec.ArmSettings` that no profile could hold
+    (:class:`kvreplay.profiles.ChainParameters`): ``preflight`` below 0; a cap, ``batch``, ``chunk`` or ``workers``
+    below 1; any of them not a whole number.
+
+    Raises:
+        ValueError: naming the field and its value.
+    """
+    caps = settings.caps
+    for name, value, least in (("preflight", settings.preflight, 0), ("batch", settings.batch, 1),
+                               ("workers", settings.workers, 1), ("chunk", 1 if settings.chunk is None else settings.chunk, 1),
+                               ("caps.branch", caps.branch, 1), ("caps.merge", caps.merge, 1),
+                               ("caps.answer", caps.answer, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"ArmSettings: {name} must be a whole number of at least {least}, got {value!r}")
+
+
 def check_prompts(
     fmt: BlockFormat, problems: Sequence[Problem], max_positions: int | None = None, *, caps: Caps | None = None,
 ) -> None:
@@ -95,8 +112,11 @@ def check_prompts(
 
 
 EQUIVALENCE_SAMPLE_SIZE = 2
-"""Non-preflight rows per chunk whose boundary prefix gets the float32 construction-equivalence check in a run below
-float32: the chunk's longest prefix and one more drawn by :data:`EQUIVALENCE_SAMPLE_SALT` (docs/gates.md)."""
+"""Non-preflight rows per 32 rows of a chunk (and at least this many) whose boundary prefix gets the float32
+construction-equivalence check in a run below float32 (:func:`sample_size`; docs/gates.md)."""
+
+EQUIVALENCE_SAMPLE_PER = 32
+"""The chunk rows that each :data:`EQUIVALENCE_SAMPLE_SIZE` sampled rows cover."""
 
 EQUIVALENCE_SAMPLE_SALT = "construction_equivalence"
 """Salt (the seed) of the equivalence sample's draw (:func:`equivalence_sample`)."""
@@ -104,25 +124,24 @@ EQUIVALENCE_SAMPLE_SALT = "construction_equivalence"
 EAGER_SAMPLE_CHUNK = 8
 """Rows of an eager run that form one chunk of the equivalence sample (a batched run: its engine chunk)."""
 
-_EQUIVALENCE_CHECK: list[Callable[..., dict]] = []
 
-
-def register_equivalence_check(check: Callable[..., dict]) -> None:
-    """Name the float32 construction-equivalence check, ``check(spec, problem, prefix) -> {"rel_l2", ...}``
-    raising ``GateError``; :mod:`kvreplay.experiments.matrix` registers ``construction_equivalence`` on import."""
-    _EQUIVALENCE_CHECK[:] = [check]
+def sample_size(rows: int) -> int:
+    """Rows of a chunk of ``rows`` rows that get the sampled check: ceil(2 * rows / 32), at least 2 (200 rows: 13)."""
+    return max(EQUIVALENCE_SAMPLE_SIZE, -(-EQUIVALENCE_SAMPLE_SIZE * rows // EQUIVALENCE_SAMPLE_PER))
 
 
 def equivalence_sample(records: Sequence[Mapping[str, Any]], skip: frozenset[str] = frozenset(),
-                       size: int = EQUIVALENCE_SAMPLE_SIZE) -> list[str]:
+                       size: int | None = None) -> list[str]:
     """The problem IDs of one chunk's rows whose prefix gets the sampled float32 equivalence check.
 
     Candidates: rows with a ``prefix`` (token IDs), no ``gate_failure`` and an ID not in ``skip`` (the preflight
     rows, checked inside their rows). The longest prefix comes first (ties: the smaller ID), then the others in
-    the order of sha256(``"construction_equivalence:<problem_id>"``), up to ``size`` rows in all.
+    the order of sha256(``"construction_equivalence:<problem_id>"``), up to ``size`` rows in all (default
+    :func:`sample_size` of the chunk's rows).
     """
     import hashlib
 
+    size = sample_size(len(records)) if size is None else size
     rows = [r for r in records if r.get("prefix") and not r.get("gate_failure") and r["problem_id"] not in skip]
     if not rows or size < 1:
         return []
@@ -132,51 +151,78 @@ def equivalence_sample(records: Sequence[Mapping[str, Any]], skip: frozenset[str
     return [longest, *drawn[: size - 1]]
 
 
-def sampled_equivalence(mapper: Callable[[list[Any]], Iterable[Mapping[str, Any]]], spec: Any,
-                        problems: Mapping[str, Any], skip: frozenset[str], chunk: int,
-                        log: Callable[..., None]) -> Callable[[list[Any]], Iterator[Mapping[str, Any]]]:
-    """``mapper`` with the sampled float32 construction-equivalence check after each chunk of ``chunk`` records.
+def check_chunk(records: Sequence[Mapping[str, Any]], spec: Any, problems: Mapping[str, Any], skip: frozenset[str],
+                log: Callable[..., None]) -> None:
+    """The sampled float32 check of one chunk's ``records``, logged as an ``equivalence_sample`` event.
 
-    Records pass through unchanged, each yielded before its chunk is checked (so appended as before, and a crash
-    loses no more). After a chunk, :func:`equivalence_sample` rows are checked with the registered check; the run
-    log gets ``{"event": "equivalence_sample", "passed", "checks": [{problem_id, prefix_len, rel_l2, seconds}]}``.
+    The event names every row of the chunk (``rows``), ``passed``, and each sampled row's ``problem_id``,
+    ``prefix_len``, ``rel_l2`` (or ``error``) and ``seconds`` (rows checked together share the call's seconds).
+
+    The check is :func:`kvreplay.runner.equivalence.construction_equivalences` (imported, never registered).
 
     Raises:
-        GateError: the check's (``equivalence``), after logging ``passed: false``; the chunk's rows stay in the
-            ledger, and the arm refuses that ledger afterwards (:func:`failed_equivalence_samples`).
+        GateError: the first sampled row's failure, after logging ``passed: false``.
     """
     import time
 
-    def check(records: list[Mapping[str, Any]]) -> None:
-        ids = equivalence_sample(records, skip)
-        if not ids or not _EQUIVALENCE_CHECK:
-            return
-        by_id = {r["problem_id"]: r for r in records}
-        done: list[dict] = []
-        for pid in ids:
-            t0 = time.perf_counter()
-            entry = {"problem_id": pid, "prefix_len": len(by_id[pid]["prefix"])}
-            try:
-                out = _EQUIVALENCE_CHECK[0](spec, problems[pid], by_id[pid]["prefix"])
-            except Exception as e:
-                log(event="equivalence_sample", passed=False, checks=done + [entry | {"error": str(e)}],
-                    rows=[r["problem_id"] for r in records])
-                raise
-            done.append(entry | {"rel_l2": out["rel_l2"], "seconds": round(time.perf_counter() - t0, 3)})
-        log(event="equivalence_sample", passed=True, checks=done)
+    from .equivalence import construction_equivalences
 
+    rows = [r["problem_id"] for r in records]
+    ids = equivalence_sample(records, skip)
+    by_id = {r["problem_id"]: r for r in records}
+    t0 = time.perf_counter()
+    results = construction_equivalences(spec, [(problems[pid], by_id[pid]["prefix"]) for pid in ids]) if ids else []
+    seconds = round(time.perf_counter() - t0, 3)
+    checks = [{"problem_id": pid, "prefix_len": len(by_id[pid]["prefix"]), "seconds": seconds}
+              | ({"error": str(out)} if isinstance(out, Exception) else {"rel_l2": out["rel_l2"]})
+              for pid, out in zip(ids, results, strict=True)]
+    failed = [out for out in results if isinstance(out, Exception)]
+    log(event="equivalence_sample", passed=not failed, checks=checks, rows=rows)
+    if failed:
+        raise failed[0]
+
+
+def sampled_equivalence(mapper: Callable[[list[Any]], Iterable[Mapping[str, Any]]], spec: Any,
+                        problems: Mapping[str, Any], skip: frozenset[str], chunk: int,
+                        log: Callable[..., None], key: Callable[[Any], str] = lambda p: p.problem_id,
+                        ) -> Callable[[list[Any]], Iterator[Mapping[str, Any]]]:
+    """``mapper`` with the sampled float32 construction-equivalence check after each chunk of ``chunk`` records.
+
+    Before the first record of a chunk is yielded (and so appended), the run log gets an ``equivalence_pending``
+    event naming the chunk's rows. Until a passing ``equivalence_sample`` event names them again, every reader
+    refuses them, and the arm's next run re-checks them (:mod:`kvreplay.ledger.checked`). Records pass through
+    unchanged, each yielded before its chunk is checked (:func:`check_chunk`), so a crash loses no more.
+
+    Raises:
+        GateError: the check's (``equivalence``), after logging ``passed: false``; the chunk's rows stay in the
+            ledger, refused by every reader and by the arm.
+    """
     def mapped(items: list[Any]) -> Iterator[Mapping[str, Any]]:
         held: list[Mapping[str, Any]] = []
-        for rec in mapper(items):
+        for n, rec in enumerate(mapper(items)):
+            if n % chunk == 0:
+                log(event="equivalence_pending", rows=[key(it) for it in items[n: n + chunk]])
             yield rec
             held.append(rec)
             if len(held) == chunk:
-                check(held)
+                check_chunk(held, spec, problems, skip, log)
                 held = []
         if held:
-            check(held)
+            check_chunk(held, spec, problems, skip, log)
 
     return mapped
+
+
+def recheck_pending(records: Sequence[Mapping[str, Any]], spec: Any, problems: Mapping[str, Any],
+                    skip: frozenset[str], chunk: int, log: Callable[..., None]) -> None:
+    """The sampled check of committed rows whose check never ran (a kill, Ctrl-C or crash before it), in chunks of
+    ``chunk`` rows in ledger order, before any new row of the arm (:func:`check_chunk`).
+
+    Raises:
+        GateError: as :func:`check_chunk`; the chunk's rows are then failed for good.
+    """
+    for i in range(0, len(records), chunk):
+        check_chunk(records[i: i + chunk], spec, problems, skip, log)
 
 
 def failed_equivalence_samples(events: Iterable[Mapping[str, Any]]) -> list[str]:

@@ -46,7 +46,7 @@ from ..models import (
 )
 from ..paths import ROOT
 from ..problems import Problem
-from .row_checks import LIVE_CHECK_FRACTION, LIVE_CHECK_SALT, check_prompts, live_check_ids  # re-exported
+from .row_checks import LIVE_CHECK_FRACTION, LIVE_CHECK_SALT, check_counts, check_prompts, live_check_ids  # re-exported
 
 Hook = Callable[[dict[str, decode.Boundary]], None]
 
@@ -399,6 +399,7 @@ class ArmSettings:
         f = self.live_check_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise ValueError(f"live_check_fraction must be a number in [0, 1], got {f!r}")
+        check_counts(self)  # preflight, caps, batch, chunk, workers: values no profile could hold
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ArmSettings":
