@@ -227,8 +227,9 @@ def decode_chains(
         continue_with: ``(i, Boundary or GateError) -> boundary states`` (an empty list: nothing to decode; a
             ``GateError`` is the one that stopped the construction).
         finished: ``(i, [Suffix or GateError, ...])``, once per problem (an empty list when nothing was decoded).
-        hold: waiting suffix jobs from which they go before new boundaries (default ``4 * run.batch``: the states of
-            about ``batch`` problems wait; ``0``: suffixes always first). No bit depends on it.
+        hold: waiting suffix jobs from which they go before new boundaries (default ``run.batch``: the states of
+            about ``batch / 4`` problems of four arms wait beside those in the slots, which bounds the memory a
+            chunk of many more problems than slots holds; ``0``: suffixes always first). No bit depends on it.
         rebuild: ``(i, boundary) -> bool``: when true for a built boundary, the same engine also rebuilds it from
             its token IDs by teacher forcing (the incremental construction, ahead of new boundaries). Then
             ``continue_with(i, boundary, rebuilt)`` gets the rebuild (or the ``GateError`` that stopped it) as
@@ -258,7 +259,7 @@ def decode_chains(
         parsed = [fmt.boundary_parse(z, where=f"prefix {i}") for i, z in enumerate(starts)]
         longest = max(len(z) for z in starts)
     engine = new_engine(lm, fmt, run, longest + suffix_length_bound(fmt, d.caps), d)
-    scheduler = _Scheduler(engine, "return", run.tolerance_check, run.fill_from, 4 * run.batch if hold is None else hold)
+    scheduler = _Scheduler(engine, "return", run.tolerance_check, run.fill_from, run.batch if hold is None else hold)
     for i, start in enumerate(starts):  # jobs are tagged (stage, problem, ...): "built", "rebuilt" or "suffix"
         scheduler.submit(_live_work(engine, lm, fmt, d.caps, i, start, ("built", i)) if construction == "live"
                          else _incremental_work(engine, lm, fmt, i, start, parsed[i], None, ("built", i)))
