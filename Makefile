@@ -9,6 +9,7 @@
 #   make verify   recompute committed rows of each experiment and compare bit for bit
 #                 (PROFILE=gpu VERIFY_ARGS="--rows 1 --only exp1", "--rows 3 --pick random --seed 7",
 #                 "--ids mmlu-..."; see python -m kvreplay.verify -h)
+#   make gpu-profile  every arm of a GPU profile in one process on a CUDA machine (PROFILE=paper; docs/gpu.md)
 #   make bench    speed benchmark: suffix decoder vs HF generate, prefill, rows/hour
 #                 (BENCH_ARGS="--device cuda --workers 2": 2 Ray row actors; see python -m kvreplay.bench -h)
 #   make clean    remove build/ and caches   (keeps data/ and .venv)
@@ -38,6 +39,8 @@ XDIST_ARGS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loa
 PAPER_ARGS ?=
 BENCH_ARGS ?=
 VERIFY_ARGS ?=
+GPU_PROFILE_ARGS ?=
+GPU_PROFILE_BUDGET ?= 86400
 PIPFLAGS ?=
 MODELS  ?=
 LOCK_COMPILER ?= pip-compile
@@ -59,7 +62,7 @@ export PYTHONHASHSEED ?= 0
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .DEFAULT_GOAL := setup
-.PHONY: setup check-index test paper lab lab-copies bench verify clean distclean lock
+.PHONY: setup check-index test paper lab lab-copies bench verify gpu-profile clean distclean lock
 
 setup: $(STAMP) $(MODEL_STAMPS)
 
@@ -117,6 +120,12 @@ bench: setup
 
 verify: setup
 	$(PY) -m kvreplay.verify --profile $(PROFILE) $(VERIFY_ARGS)
+
+# every arm of a GPU profile from nothing, in one process, into build/gpu-profile/<profile>/ (packed ledgers and
+# gpu_profile.md); needs a CUDA build of torch in .venv. GPU_PROFILE_ARGS="--overrides data/paper/recompute.yaml"
+gpu-profile: setup
+	$(PY) scripts/gpu_profile.py build/gpu-profile/$(PROFILE) --all --profile $(PROFILE) --from-scratch \
+	  --budget $(GPU_PROFILE_BUDGET) $(GPU_PROFILE_ARGS)
 
 clean:
 	rm -rf build/ .pytest_cache/ lib/*.egg-info/
