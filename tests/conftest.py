@@ -52,7 +52,7 @@ TINY_FORMAT = {
     "answer_prefix": "Ans:",
 }
 
-COMMITTED_PROFILES = ("cpu", "gemma", "gemma_smoke", "gpu", "paper", "smoke")
+COMMITTED_PROFILES = ("cpu", "gemma", "gemma_smoke", "gpu", "own", "paper", "smoke")
 """The profile files committed under notebooks/params/ (tests/test_own_model.py writes a user's own there while it runs)."""
 
 TINY_CAPS = Caps(branch=5, merge=6, answer=3)
