@@ -2,9 +2,9 @@
 and the boundary's top-k logits. Conventions as in :mod:`kvreplay.report.figure_style`; re-exported by
 :mod:`kvreplay.report.figures`.
 
-Each figure is a :class:`matplotlib.figure.Figure` made without pyplot: no global current figure, no figure manager,
-so a widget callback that draws one can never have it shown elsewhere (an inline backend's end-of-cell display, a
-log console) or closed under it by another draw. Show it with ``display(fig)`` or as PNG bytes.
+Each figure is a :class:`matplotlib.figure.Figure` on its own Agg canvas, made without pyplot: no current figure,
+no figure manager. So a widget callback that draws one can never have it shown elsewhere (an inline backend's
+end-of-cell display, a log console) or closed under it by another draw. Show it as PNG bytes.
 """
 
 from __future__ import annotations
