@@ -41,3 +41,15 @@ def test_a_short_block_prints_nothing_and_the_interval_defaults_to_a_minute(monk
     assert interval() == 60
     monkeypatch.setenv(INTERVAL_ENV, "not a number")
     assert interval() == 60
+
+
+def test_an_arm_run_names_its_model_s_forward_calls_found_on_the_stack(tmp_path, tiny_arm):
+    """The form ``make paper`` prints on its terminal around each arm (kvreplay.session.Session.run)."""
+    out = io.StringIO()
+    with Heartbeat("exp1-float32", stream=out, every=0.05):
+        EXP1.run(tiny_arm(), tiny_problems(2), ledger_root=tmp_path, progress=False)
+    lines = out.getvalue().splitlines()
+    counted = [int(m.group(1)) for m in map(re.compile(r".*; step (\d+) \(forward calls of its model so far\)$").match,
+                                            lines) if m]
+    assert counted and counted == sorted(counted) and counted[-1] > 0, lines[:5]
+    assert all(line.startswith("  ... exp1-float32: still running after ") for line in lines)

@@ -50,12 +50,26 @@ def phase(thread_id: int) -> str:
     return outer if inner == outer else f"{outer} > {inner}"
 
 
+def model_calls(thread_id: int) -> int | None:
+    """Forward calls so far of the model the thread works with: the ``calls`` count of the innermost local ``lm`` (a
+    :class:`~kvreplay.models.LoadedModel`) or ``spec.lm`` on its stack; ``None`` before a model is loaded."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        local = frame.f_locals
+        for lm in (local.get("lm"), getattr(local.get("spec"), "lm", None)):
+            if isinstance(getattr(lm, "calls", None), int):
+                return lm.calls
+        frame = frame.f_back
+    return None
+
+
 class Heartbeat:
     """Print a line every :func:`interval` seconds while the ``with`` block runs (see the module docstring).
 
     Args:
         what: the work, as the line names it (e.g. ``"exp1-bfloat16-… mmlu-…"``).
-        step: returns the step count now (e.g. forward calls so far); ``None``: no step in the line.
+        step: returns the step count now (e.g. forward calls so far); ``None``: the forward calls of the model found
+            on the working thread's stack (:func:`model_calls`), counted from the first line that finds one.
         stream: where lines go (default ``sys.stdout``), each flushed.
         every: seconds between lines (default :func:`interval`).
     """
@@ -70,13 +84,19 @@ class Heartbeat:
 
     def __enter__(self) -> Heartbeat:
         worker, start = threading.get_ident(), time.perf_counter()
-        first = self.step() if self.step is not None else 0
+        first = self.step() if self.step is not None else None
 
         def beat() -> None:
+            nonlocal first
             while not self._stop.wait(self.every):
                 line = f"  ... {self.what}: still running after {time.perf_counter() - start:.0f} s; phase {phase(worker)}"
                 if self.step is not None:
-                    line += f"; step {self.step() - first} (forward calls in this row)"
+                    line += f"; step {self.step() - (first or 0)} (forward calls in this row)"
+                else:
+                    calls = model_calls(worker)
+                    first = calls if first is None else first
+                    if calls is not None:
+                        line += f"; step {calls} (forward calls of its model so far)"
                 print(line, file=self.stream or sys.stdout, flush=True)
                 self.lines += 1
 

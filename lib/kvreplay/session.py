@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,7 +39,8 @@ from .ledger.lookup import PREFIX_BANK, LoadedLedger, find_chain_ledger
 from .ledger.files import atomic_write, read_environment
 from .ledger.prefix_bank import write_prefix_bank
 from .ledger.records import Exp1Record
-from .ledger.store import Ledger, unchanged_when_read_only
+from .heartbeat import Heartbeat
+from .ledger.store import TERMINAL_PROGRESS, Ledger, unchanged_when_read_only
 from .models import EMBEDDED_MODELS, LoadedModel, ModelLoadError, check_model, context_length, load_model
 from .problems import Problem, load_bank, load_problems
 from .profiles import DEFAULT_PROFILE, AdaptRecipe, ChainParameters, describe, load_parameters
@@ -187,8 +190,15 @@ class Session:
         Raises:
             ValueError: a precision the arm does not run at; and the errors of :meth:`plan` and
                 :func:`~kvreplay.runner.run_arm` (gates, bad problems, read-only ledgers).
+
+        Under ``make paper`` (:data:`~kvreplay.ledger.store.TERMINAL_PROGRESS`) an arm still running after a minute
+        prints a line a minute on the terminal with its phase and step (:class:`~kvreplay.heartbeat.Heartbeat`).
         """
         plan = arm if isinstance(arm, ArmPlan) else self.plan(arm)
+        if progress and os.environ.get(TERMINAL_PROGRESS) == "1" and sys.__stderr__ is not None:
+            # make paper's terminal (never the notebook, whose executed copy stays byte-identical): a line a minute
+            with Heartbeat(f"{plan.arm.experiment}-{dtype}", stream=sys.__stderr__):
+                return plan.run(self.arm_settings(plan, dtype), ledger_root=self.ledger_root, progress=progress)
         return plan.run(self.arm_settings(plan, dtype), ledger_root=self.ledger_root, progress=progress)
 
     def write_prefix_bank(self, records: Sequence[Exp1Record], ledger: Ledger) -> tuple[Path, str]:
