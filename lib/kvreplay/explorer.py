@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pandas as pd
@@ -330,7 +331,8 @@ def row_status(row: dict, comparison: str, pair: tuple[str, str] | None = None) 
         from .experiments.endpoints import first_divergence
         from .ledger.records import arm_of
 
-        fd = first_divergence(arm_of(row, pair[0])["suffix"], arm_of(row, pair[1])["suffix"])
+        rec = cast("Exp1Row | Exp2Row", row)  # a ledger record, read as the ledger stores it
+        fd = first_divergence(arm_of(rec, pair[0])["suffix"], arm_of(rec, pair[1])["suffix"])
         differs = fd is not None
     else:
         ep = row.get("endpoints", {})
