@@ -160,3 +160,14 @@ def test_the_config_check_reads_no_weights(tmp_path):
 def test_a_gpt2_folder_loads_and_passes_the_self_check(tmp_path):
     lm = load_model(_save(tmp_path, "tiny-gpt2", _gpt2()), "float32")
     assert lm.identity["architecture"] == "GPT2LMHeadModel" and lm.identity["self_check"]
+
+
+def test_a_replication_model_is_checked_too(tmp_path):
+    good = _save(tmp_path, "tiny-llama", _family("llama"))
+    short = make_model("llama", len(make_tokenizer()))
+    short.config.max_position_embeddings = 512
+    folder = _save(tmp_path, "tiny-llama-512", config=short.config)
+    with pytest.raises(ModelLoadError, match=r"tiny-llama-512' has 512 positions"):
+        check_profile_model(load_parameters("smoke", {"model": good, "replication_model": folder}))
+    with pytest.raises(ModelLoadError, match=r"no-such' cannot|no-such': the path"):
+        check_profile_model(load_parameters("smoke", {"model": good, "replication_model": str(tmp_path / "no-such")}))

@@ -61,7 +61,6 @@ table (executed copies and their HTML are read, not scrolled in a kernel; pandas
 characters)."""
 
 
-
 @dataclasses.dataclass
 class Session:
     """What a notebook works with, built once from its parameters.
@@ -380,14 +379,24 @@ def check_profile_model(params: ChainParameters) -> str:
     branch = max((params.cap_branch, *params.length_branch_caps))
     caps = Caps(branch=branch, merge=params.cap_merge, answer=params.cap_answer)
     rows = bank[:max(params.n_rows, params.n_adapt_eval)]
-    need, what = _longest((fmt.max_sequence_length(len(fmt.prompt_ids(p.question, p.options)), caps),
-                           f"problem {p.problem_id} ({p.where})") for p in rows)
-    if need > limit:
-        raise ModelLoadError(
-            f"model {model!r} has {limit} positions (max_position_embeddings) but profile {params.profile!r} needs "
-            f"{need}: {what}, prompt + delimiters + 3 x branch cap {branch} + merge cap {params.cap_merge} + answer "
-            f"cap {params.cap_answer}. Lower the caps, use a problem set of shorter questions, or a model with a "
-            "longer context")
+    need = 0
+    for name in models:  # the chain's rows, and Experiment 5's on a replication model of your own
+        if name in EMBEDDED_MODELS:
+            continue
+        config = configs[name]
+        positions = limit if name == model else context_length(config) if config is not None else None
+        if positions is None:
+            continue
+        form = fmt if name == model else resolve_format(load_tokenizer(name), params.format)
+        longest_row, what = _longest((form.max_sequence_length(len(form.prompt_ids(p.question, p.options)), caps),
+                                      f"problem {p.problem_id} ({p.where})") for p in rows)
+        if longest_row > positions:
+            raise ModelLoadError(
+                f"model {name!r} has {positions} positions (max_position_embeddings) but profile {params.profile!r} "
+                f"needs {longest_row}: {what}, prompt + delimiters + 3 x branch cap {branch} + merge cap "
+                f"{params.cap_merge} + answer cap {params.cap_answer}. Lower the caps, use a problem set of shorter "
+                "questions, or a model with a longer context")
+        need = max(need, longest_row) if name == model else need
     trains = params.replication_model is None
     if trains:  # notebook 00 trains and scores role tables on whole staged sequences (no caps)
         source, _ = load_source(params.adapt_source)
@@ -399,7 +408,7 @@ def check_profile_model(params: ChainParameters) -> str:
         mmlu, _ = load_source("mmlu")
         mmlu_bank = bank if params.problems == "bank" else load_bank()  # notebook 00 scores the MMLU bank
         staged += [*heldout_rows(mmlu, mmlu_bank, params.adapt_selection.n_heldout), *mmlu_bank[:params.n_adapt_eval]]
-        seen = {p.problem_id: p for p in staged}
+        seen = {(p.problem_id, p.options): p for p in staged}  # a letter-balanced row: the same ID, options rotated
         longest, where = _longest((len(build_staged(fmt, p).ids), f"{p.problem_id} ({p.where})") for p in seen.values())
         if longest > limit:
             raise ModelLoadError(
