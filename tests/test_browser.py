@@ -214,7 +214,7 @@ def test_explorer_widgets_render_and_redraw(lab, browser, shots, progress):
     target = d.execute_script(f"""
         const sel = {rows};
         const others = [...sel.options].map((o, i) => [o, i]).filter(([o, i]) => i !== sel.selectedIndex);
-        const [o, k] = others.find(([o, i]) => o.text.includes('diverges at token')) || others[0];
+        const [o, k] = others.find(([o, i]) => o.text.replace(/\u00a0/g, ' ').includes('diverges at token')) || others[0];
         sel.selectedIndex = k; sel.dispatchEvent(new Event('change', {{bubbles: true}}));
         return o.text.trim().split(/\\s/)[0];""")
     progress(f"browser: row changed to {target} right after Run All (a rebuild)")
@@ -262,18 +262,24 @@ def test_explorer_widgets_render_and_redraw(lab, browser, shots, progress):
     def pick_pair(text):
         return lambda: d.execute_script(f"""
             const sel = {pairs};
-            const k = [...sel.options].findIndex(o => o.text.includes({text!r}));
+            const k = [...sel.options].findIndex(o => o.text.replace(/\u00a0/g, ' ') === {text!r});
+            if (k < 0) throw new Error('no arm pair ' + {text!r});
             sel.selectedIndex = k; sel.dispatchEvent(new Event('change', {{bubbles: true}}));""")
 
     progress(f"browser: {REDRAWS} arm-pair switches (live_replica vs live and back), {REDRAWS} K/V switches")
     # the first switch rebuilds the row for its replica pair (the model is loaded; minutes on busy cores)
-    pair_s = [change(pick_pair("exp1 bfloat16: live_replica vs live" if i % 2 == 0 else "exp1 bfloat16: prefill vs live"),
-                     f"arm-pair switch {i + 1}", 900 if i == 0 else 120) for i in range(REDRAWS)]
+    pair_s = []
     for i in range(REDRAWS):
-        label = "key" if i % 2 else "value"
+        pair = "exp1 bfloat16: live_replica vs live" if i % 2 == 0 else "exp1 bfloat16: prefill vs live"
+        pair_s.append(change(pick_pair(pair), f"arm-pair switch {i + 1} (to {pair})", 900 if i == 0 else 120))
+        if i % 8 == 7:
+            progress(f"browser: {i + 1} arm-pair switches, each a new non-blank figure")
+    for i in range(REDRAWS):  # each time to the kind not shown (the selected toggle button is marked mod-active)
         button = next(b for b in d.find_elements("css selector", ".kvreplay-explorer .widget-toggle-buttons button")
-                      if b.text.strip() == label)
-        change(button.click, f"K/V switch {i + 1}")
+                      if "mod-active" not in (b.get_attribute("class") or ""))
+        change(button.click, f"K/V switch {i + 1} (to {button.text.strip()}s)")
+        if i % 8 == 7:
+            progress(f"browser: {i + 1} K/V switches, each a new non-blank figure")
     assert _log_entries(d) == 0, "a figure or message went to JupyterLab's Log Console"
     d.save_screenshot(str(shots / "explorer_after_redraws.png"))
     status = _status(d)
