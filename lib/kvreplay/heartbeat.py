@@ -35,13 +35,13 @@ def interval() -> float:
 
 
 def phase(thread_id: int) -> str:
-    """The ``kvreplay`` functions a thread is in, as ``outer > inner`` (module without ``kvreplay.``, function), or
-    ``"outside kvreplay"`` (loading a model, say, inside ``transformers``)."""
+    """The ``kvreplay`` functions a thread is in, as ``outer > inner`` (module without ``kvreplay.``, function; lambdas
+    and comprehensions skipped), or ``"outside kvreplay"`` (loading a model, say, inside ``transformers``)."""
     frame = sys._current_frames().get(thread_id)
     names: list[str] = []
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if module.startswith("kvreplay.") and module not in _OWN:
+        if module.startswith("kvreplay.") and module not in _OWN and not frame.f_code.co_name.startswith("<"):
             names.append(f"{module.removeprefix('kvreplay.')}.{frame.f_code.co_name}")
         frame = frame.f_back
     if not names:
