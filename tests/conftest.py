@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from kvreplay.contract import Caps, resolve_format  # noqa: E402
 from kvreplay.models import LoadedModel  # noqa: E402
+from kvreplay.paths import LEDGERS as ROOT_LEDGERS  # noqa: E402
 from kvreplay.problems import Problem  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import (  # noqa: E402
@@ -51,10 +52,31 @@ TINY_FORMAT = {
     "answer_prefix": "Ans:",
 }
 
-COMMITTED_PROFILES = ("cpu", "gemma", "gemma_smoke", "gpu", "paper", "smoke")
+COMMITTED_PROFILES = ("cpu", "gemma", "gemma_smoke", "gpu", "own", "paper", "smoke")
 """The profile files committed under notebooks/params/ (tests/test_own_model.py writes a user's own there while it runs)."""
 
 TINY_CAPS = Caps(branch=5, merge=6, answer=3)
+
+
+def tracked(pattern: str) -> list[Path]:
+    """The files git tracks that match ``pattern`` (a glob relative to the repository, ``*`` within one folder), sorted.
+
+    Tests that read committed data go through this: a user's own profile, its ledgers and a refused run's leftovers
+    are untracked, so they never fail ``make test``. Outside a git checkout (an unpacked archive) every match counts.
+    """
+    import subprocess
+
+    from kvreplay.paths import ROOT
+
+    run = subprocess.run(["git", "ls-files", "-z", "--", f":(glob){pattern}"], cwd=ROOT, capture_output=True)
+    if run.returncode != 0:
+        return sorted(ROOT.glob(pattern))
+    return sorted(ROOT / name for name in run.stdout.decode().split("\0") if name)
+
+
+def committed_profiles() -> list[str]:
+    """The profile folders under ``data/ledgers/`` that hold a committed file (see :func:`tracked`)."""
+    return sorted({path.relative_to(ROOT_LEDGERS).parts[0] for path in tracked("data/ledgers/**")})
 
 TINY_WINDOW = 8
 """Sliding window of the tiny Gemma 3 and Mistral models: every boundary prefix of the tiny format is several times longer."""

@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_FORMAT, tiny_lm
+from conftest import TINY_FORMAT, tiny_lm, tracked
 from kvreplay import adapt
 from kvreplay.bank import select_bank
-from kvreplay.paths import LEDGERS
 from kvreplay.problems import Problem, load_bank
 
 LETTERS = "ABCD"
@@ -103,7 +102,7 @@ def test_the_mmlu_heldout_set_is_outside_the_bank_and_every_committed_experiment
     held = adapt.heldout_rows(rows, bank, 100)
     assert len(held) == 100 and all(p.source == "mmlu" for p in held)
     panels = {f.parent.name: [e["problem_id"] for e in json.loads(f.read_text())["panel"]]
-              for f in sorted(LEDGERS.glob("*/exp5_panel.json"))}
+              for f in tracked("data/ledgers/*/exp5_panel.json")}
     assert panels
     adapt.assert_heldout_disjoint(held, bank=bank, **{f"the {k} panel": v for k, v in panels.items()})
 

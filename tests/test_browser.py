@@ -5,7 +5,9 @@ The explorer: JupyterLab serves copies of the notebooks made as ``make lab`` mak
 "runs as is"), waits for the ipywidgets controls and at once, while the first row may still be drawing, picks
 another row, which is rebuilt (the server's cache of rebuilt rows is a temp folder): its figure must appear in the explorer, not blank (pixels read back), with its
 suffixes and the equality line; then it flips the K/V switch, moves the layer slider and the position window and waits for a new figure after each
-change, then saves the notebook: the copy holds the outputs, the tracked ``notebooks/`` stay byte for byte.
+change. The two redraws that once left a blank figure, an arm-pair switch to ``live_replica vs live`` (and back) and a
+K/V switch, are repeated 24 times each: every figure must change and be drawn (over 1% of its pixels not white), and
+JupyterLab's Log Console must stay empty. Then it saves the notebook: the copy holds the outputs, the tracked ``notebooks/`` stay byte for byte.
 The HTML: ``make paper``'s renderings of the committed executed notebooks and its index, read at 1,400 px:
 no page wider than the window, all 80 Experiment 4 localization rows there, counts as integers, no raw dict,
 no absolute path, and an index that opens with the headline and links its files and notebook 08.
@@ -22,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,7 +114,21 @@ def browser(lab):
     driver.quit()
 
 
-SHOTS = Path(os.environ.get("KVREPLAY_SCREENSHOTS") or Path(os.environ.get("TMPDIR", "/tmp")) / "kvreplay-browser")
+SHOTS_ENV = "KVREPLAY_SCREENSHOTS"
+"""Environment variable: a folder for the screenshots; unset, each run writes into its own temporary folder."""
+
+
+@pytest.fixture(scope="module")
+def shots() -> Path:
+    """Where this run's screenshots go: ``$KVREPLAY_SCREENSHOTS``, else a new temp folder of this run alone (never a
+    fixed path another checkout on the machine shares, nor pytest's temp folders, which other runs prune)."""
+    folder = Path(os.environ[SHOTS_ENV]) if os.environ.get(SHOTS_ENV) else Path(tempfile.mkdtemp(prefix="kvreplay-browser-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+SHOTS: list[Path] = []
+"""The current test's screenshot folder (set by the test), where :func:`_wait` saves one on a timeout."""
 
 
 def _wait(driver, what, timeout, message):
@@ -122,10 +139,10 @@ def _wait(driver, what, timeout, message):
     try:
         return WebDriverWait(driver, timeout, poll_frequency=0.5).until(what, message=message)
     except TimeoutException:
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        driver.save_screenshot(str(SHOTS / "failure.png"))
+        shot = (SHOTS[-1] if SHOTS else Path(tempfile.mkdtemp(prefix="kvreplay-browser-"))) / "failure.png"
+        driver.save_screenshot(str(shot))
         errors = [e.text[-1500:] for e in driver.find_elements("css selector", "[data-mime-type='application/vnd.jupyter.stderr']")]
-        raise AssertionError(f"{message} (screenshot {SHOTS / 'failure.png'}); notebook errors: {errors[-3:]}") from None
+        raise AssertionError(f"{message} (screenshot {shot}); notebook errors: {errors[-3:]}") from None
 
 
 # Both read the page in one script call: the explorer replaces its status line and figure while it redraws,
@@ -155,13 +172,28 @@ def _figure_ink(driver) -> float:
         return ink / n;""")
 
 
-def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
+def _log_entries(driver) -> int:
+    """Messages in JupyterLab's Log Console for the open notebook (output no cell owns: a figure a callback sent
+    elsewhere), from its status-bar item, which renders nothing while there are none."""
+    title = driver.execute_script(
+        "const e = document.querySelector('.jp-LogConsoleStatusItem [title]'); return e ? e.getAttribute('title') : '';")
+    import re
+
+    found = re.search(r"(\d+) log entries", title or "")
+    return int(found.group(1)) if found else 0
+
+
+REDRAWS = 24
+"""Times the test repeats each of the two redraws that once left a blank figure: an arm-pair switch to
+``live_replica vs live`` (and back) and a K/V switch (48 redraws in all)."""
+
+
+def test_explorer_widgets_render_and_redraw(lab, browser, shots, progress):
     import hashlib
 
     url, token, served = lab
     tracked = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (ROOT / "notebooks").glob("*.ipynb")}
-    shots = SHOTS
-    shots.mkdir(parents=True, exist_ok=True)
+    SHOTS.append(shots)
     d = browser
     d.get(f"{url}/lab/tree/08_drift_explorer.ipynb?token={token}")
     _wait(d, lambda d: d.execute_script("return !!(window.jupyterapp && document.querySelector('.jp-Notebook'))"), 120,
@@ -182,7 +214,7 @@ def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
     target = d.execute_script(f"""
         const sel = {rows};
         const others = [...sel.options].map((o, i) => [o, i]).filter(([o, i]) => i !== sel.selectedIndex);
-        const [o, k] = others.find(([o, i]) => o.text.includes('diverges at token')) || others[0];
+        const [o, k] = others.find(([o, i]) => o.text.replace(/\u00a0/g, ' ').includes('diverges at token')) || others[0];
         sel.selectedIndex = k; sel.dispatchEvent(new Event('change', {{bubbles: true}}));
         return o.text.trim().split(/\\s/)[0];""")
     progress(f"browser: row changed to {target} right after Run All (a rebuild)")
@@ -202,12 +234,12 @@ def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
     options = [o.text for o in d.find_elements("css selector", ".kvreplay-explorer .widget-dropdown select option")]
     assert any("diverges at token" in o or "same suffix" in o for o in options), options[:5]
 
-    def change(action, label):
+    def change(action, label, timeout=120):
         before_src = _figure_src(d)
         t = time.time()
         action()
         # the status line may read the same after two redraws ("drawn in 1.05 s" twice): the figure must change
-        _wait(d, lambda d: _figure_src(d) != before_src and "drawn in" in _status(d) and _figure_ink(d) > 0.01, 120,
+        _wait(d, lambda d: _figure_src(d) != before_src and "drawn in" in _status(d) and _figure_ink(d) > 0.01, timeout,
               f"no new figure after {label}")
         return time.time() - t
 
@@ -223,10 +255,38 @@ def test_explorer_widgets_render_and_redraw(lab, browser, tmp_path, progress):
     window = d.find_elements("css selector", ".kvreplay-explorer .widget-slider .noUi-handle")[-1]  # the range's upper end
     window_s = change(lambda: (window.click(), window.send_keys(Keys.HOME)), "narrowing the position window")
     d.save_screenshot(str(shots / "explorer_window.png"))
+    # the two redraws that once left a blank figure (or sent it to the Log Console), each repeated: every figure must
+    # be new and drawn (more than 1% of its pixels not white), and nothing may reach the Log Console
+    pairs = "document.querySelectorAll('.kvreplay-explorer .widget-dropdown select')[0]"
+
+    def pick_pair(text):
+        return lambda: d.execute_script(f"""
+            const sel = {pairs};
+            const k = [...sel.options].findIndex(o => o.text.replace(/\u00a0/g, ' ') === {text!r});
+            if (k < 0) throw new Error('no arm pair ' + {text!r});
+            sel.selectedIndex = k; sel.dispatchEvent(new Event('change', {{bubbles: true}}));""")
+
+    progress(f"browser: {REDRAWS} arm-pair switches (live_replica vs live and back), {REDRAWS} K/V switches")
+    # the first switch rebuilds the row for its replica pair (the model is loaded; minutes on busy cores)
+    pair_s = []
+    for i in range(REDRAWS):
+        pair = "exp1 bfloat16: live_replica vs live" if i % 2 == 0 else "exp1 bfloat16: prefill vs live"
+        pair_s.append(change(pick_pair(pair), f"arm-pair switch {i + 1} (to {pair})", 900 if i == 0 else 120))
+        if i % 8 == 7:
+            progress(f"browser: {i + 1} arm-pair switches, each a new non-blank figure")
+    for i in range(REDRAWS):  # each time to the kind not shown (the selected toggle button is marked mod-active)
+        button = next(b for b in d.find_elements("css selector", ".kvreplay-explorer .widget-toggle-buttons button")
+                      if "mod-active" not in (b.get_attribute("class") or ""))
+        change(button.click, f"K/V switch {i + 1} (to {button.text.strip()}s)")
+        if i % 8 == 7:
+            progress(f"browser: {i + 1} K/V switches, each a new non-blank figure")
+    assert _log_entries(d) == 0, "a figure or message went to JupyterLab's Log Console"
+    d.save_screenshot(str(shots / "explorer_after_redraws.png"))
     status = _status(d)
     (shots / "timings.txt").write_text(
         f"first draw {first:.1f} s; K/V switch {kv_s:.2f} s; layer slider {slider_s:.2f} s; window {window_s:.2f} s "
-        f"(browser round trip); kernel status: {status}\n")
+        f"(browser round trip); arm-pair switches: first {pair_s[0]:.1f} s (a rebuild), median "
+        f"{sorted(pair_s)[len(pair_s) // 2]:.2f} s; kernel status: {status}\n")
     print(f"first draw {first:.1f} s; K/V switch {kv_s:.2f} s; slider {slider_s:.2f} s; window {window_s:.2f} s; {status}")
     # a save writes the outputs into the served copy, never into the tracked notebooks
     d.execute_script("window.jupyterapp.commands.execute('docmanager:save')")

@@ -10,12 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY_CAPS
+from conftest import TINY_CAPS, tracked
 
 from kvreplay import decode, ties
 from kvreplay.contract import Caps
 from kvreplay.decoding import KEY_ENTRIES, Decoding
-from kvreplay.paths import LEDGERS
 from kvreplay.runner import ArmSettings, RunSpec
 
 
@@ -31,7 +30,7 @@ def test_the_key_is_read_back_by_its_inverse(rule, top):
 def test_every_committed_ledger_key_round_trips_unchanged():
     """Each committed manifest's decoding entries are exactly what its Decoding writes, and ArmSettings keys them
     so (the keys of committed ledgers do not change)."""
-    manifests = sorted(LEDGERS.glob("*/*/manifest.json"))
+    manifests = tracked("data/ledgers/*/*/manifest.json")
     assert manifests
     for path in manifests:
         config = json.loads(path.read_text())["config"]

@@ -166,3 +166,73 @@ def test_block_names_overlap_neither_each_other_nor_the_titles(cpu_exp1, no_mode
             clash = [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if boxes[i].overlaps(boxes[j])]
             assert not clash, f"{ax.get_title(loc='left')!r}, window {window}: labels overlap"
         matplotlib.pyplot.close(fig)
+
+
+def test_figures_are_made_without_pyplot_so_no_callback_can_send_one_elsewhere(cpu_exp1, no_model):
+    import matplotlib.pyplot as plt
+    from kvreplay.report import figures
+
+    ledger, row = cpu_exp1
+    plt.close("all")
+    ex = explorer.Explorer(LEDGERS, "cpu", problem=row["problem_id"], pair="exp1 bfloat16: prefill vs live")
+    ex.refresh()
+    ex.kind.value = "value"
+    drift = explorer.cached(ledger, row, "prefill_vs_live")
+    fig = figures.explorer_view(drift.maps, explorer.head_position_drift(drift, 0, 0, "key"), drift.tokens,
+                                drift.blocks, layer=0, head=0, kind="key", title="t")
+    assert fig.canvas.manager is None and plt.get_fignums() == [], "a figure is registered with pyplot"
+    assert bytes(ex.figure.value[:4]) == b"\x89PNG" and "values" in ex.status.value
+
+
+def test_a_pending_redraw_marks_the_old_figure_stale_and_sliders_take_the_new_range_first(cpu_exp1, no_model,
+                                                                                         monkeypatch):
+    ledger, row = cpu_exp1
+    ex = explorer.Explorer(LEDGERS, "cpu", problem=row["problem_id"], pair="exp1 bfloat16: prefill vs live")
+    ex.refresh()
+    assert "kvreplay-stale" not in ex.figure._dom_classes and "kvreplay-status'" in ex.status.value
+    seen = []
+
+    def fake_rebuild(ledger, other_row, comparison, model=None, progress=None):
+        seen.append((ex.window.max, ex.window.value, ex.layer.max, ex.head.max, list(ex.figure._dom_classes)))
+        return explorer.cached(*cpu_exp1, "prefill_vs_live")
+
+    monkeypatch.setattr(explorer, "rebuild", fake_rebuild)
+    other = next(r for r in ledger.records if r["problem_id"] != row["problem_id"] and not r["gate_failure"]
+                 and r["prefix_len"] != row["prefix_len"])
+    ex.row_picker.value = other["problem_id"]
+    n = other["prefix_len"]
+    assert seen[0][:4] == (n - 1, (0, n - 1), 29, 2), "the sliders kept the previous row's range during the rebuild"
+    drawn = []
+    real = explorer.png_bytes
+
+    def watch(fig, dpi=80):
+        drawn.append((ex.status.value, list(ex.figure._dom_classes)))
+        return real(fig, dpi)
+
+    monkeypatch.setattr(explorer, "png_bytes", watch)
+    ex.row_picker.value = row["problem_id"]  # back to the cached row
+    ex.kind.value = "value"  # while the new figure is being made, the old one is marked
+    status, classes = drawn[-1]
+    assert "updating" in status and "previous view" in status and "kvreplay-stale" in classes
+    assert "kvreplay-stale" not in ex.figure._dom_classes and "drawn in" in ex.status.value
+    assert "opacity" in ex.style.value
+
+
+def test_row_labels_follow_the_selected_arm_pair(cpu_exp1, no_model):
+    from kvreplay.experiments.endpoints import first_divergence
+
+    ledger, _ = cpu_exp1
+    ex = explorer.Explorer(LEDGERS, "cpu", pair="exp1 bfloat16: live_replica vs live")
+    for label, pid in ex.row_picker.options:
+        rec = next(r for r in ledger.records if r["problem_id"] == pid)
+        fd = first_divergence(rec["arms"]["live"]["suffix"], rec["arms"]["live_replica"]["suffix"])
+        assert ("same suffix" in label) == (fd is None) and (fd is None or f"diverges at token {fd}" in label), label
+    prefill = explorer.Explorer(LEDGERS, "cpu", pair="exp1 bfloat16: prefill vs live")
+    assert any("diverges at token" in label for label, _ in prefill.row_picker.options)
+    assert [label for label, _ in ex.row_picker.options] != [label for label, _ in prefill.row_picker.options]
+
+
+def test_the_suffix_heading_says_the_letters_are_predicted_answers(cpu_exp1, no_model):
+    ledger, row = cpu_exp1
+    heading, _ = explorer.suffix_table(explorer.tokenizer_for(ledger), row, "live", "prefill")
+    assert "(predicted answers: live " in heading and ", prefill " in heading

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import committed_profiles, tracked
 from kvreplay.paths import LEDGERS
 from kvreplay.runner import ROW_ALGORITHM
 
@@ -29,7 +30,7 @@ covers."""
 
 
 def _ledgers(profile: str):
-    for folder in sorted((LEDGERS / profile).iterdir()):
+    for folder in (m.parent for m in tracked(f"data/ledgers/{profile}/*/manifest.json")):  # committed ledgers only
         if (folder / "manifest.json").is_file():
             yield folder, json.loads((folder / "manifest.json").read_text())["config"]["experiment"], \
                 json.loads((folder / "environment.json").read_text())
@@ -48,7 +49,7 @@ def test_the_committed_profile_is_one_code_version_with_no_copied_rows():
 
 
 def test_every_profile_is_written_by_one_version_per_experiment():
-    for profile in (p.name for p in LEDGERS.iterdir() if p.is_dir()):
+    for profile in committed_profiles():
         states = {env.get("row_algorithm") == ROW_ALGORITHM.get(exp) for _, exp, env in _ledgers(profile)}
         assert len(states) <= 1, f"profile {profile} mixes current and stale ledgers"
 

@@ -277,7 +277,7 @@ def test_profiles_that_report_results_choose_their_recipe_on_at_least_100_held_o
         params = load_parameters(name)
         toy = params.n_adapt_eval < MIN_HELDOUT
         assert params.adapt_selection.n_heldout >= MIN_HELDOUT or toy, name
-        assert toy == (name in ("smoke", "gemma_smoke")), name
+        assert toy == (name in ("smoke", "gemma_smoke", "own")), name
         assert 0 < params.adapt_selection.max_letter_share <= 0.6, name
     small = load_parameters("smoke").adapt_selection.model_dump()
     with pytest.raises(ValueError, match=r"adapt_selection.n_heldout=4: a profile that scores the bank on 100 rows or "

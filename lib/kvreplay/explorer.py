@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pandas as pd
@@ -118,6 +119,18 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+STALE_CSS = (".kvreplay-explorer img.kvreplay-stale { opacity: 0.3; filter: grayscale(1); outline: 3px dashed #d08000; }"
+             " .kvreplay-status-stale { color: #b06000; font-weight: bold; }")
+"""How the explorer shows a figure that a pending redraw will replace: faded, grey, outlined; its status in orange."""
+
+
+def html_text(text: str) -> str:
+    """``text`` escaped for an HTML widget."""
+    import html
+
+    return html.escape(text)
+
+
 def origin(drift: RebuiltDrift) -> str:
     """Where a drawn row comes from, in words: a committed rebuild (:data:`COMMITTED_CACHE`), the cache of rebuilt rows
     (a file of :func:`cache_dir`) or a rebuild in this kernel, with the machine and the seconds that rebuild took."""
@@ -192,7 +205,8 @@ def suffix_table(tokenizer, row: Exp1Row | Exp2Row, ref: str, other: str, before
     frame = aligned[["reference", "other", "same"]].rename(columns={"reference": ref, "other": other}).T
     frame.columns = [f"step {i}" for i in frame.columns]
     heading = (f"suffixes identical ({len(a['suffix'])} tokens)" if first is None else
-               f"suffixes part at step {first} after the boundary ({ref}: {a['predicted']}, {other}: {b['predicted']})")
+               f"suffixes part at step {first} after the boundary (predicted answers: {ref} {a['predicted']}, "
+               f"{other} {b['predicted']})")
     return heading, frame
 
 
@@ -282,14 +296,16 @@ def zoom(fig, tokens: list[str], window: tuple[int, int] | None, max_labels: int
 
 
 def png_bytes(fig, dpi: int = 80) -> bytes:
-    """A figure as PNG bytes at ``dpi`` (closed afterwards): independent of the kernel's matplotlib backend."""
+    """A figure as PNG bytes at ``dpi``: independent of the kernel's matplotlib backend. The explorer's figures are
+    made without pyplot (:mod:`kvreplay.report.explorer_figures`); one pyplot made is closed afterwards."""
     import io
-
-    import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
+    if getattr(fig.canvas, "manager", None) is not None:  # a pyplot figure: release it from pyplot's registry
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
     return buf.getvalue()
 
 
@@ -300,13 +316,28 @@ def as_png(fig, dpi: int = 80):
     return Image(data=png_bytes(fig, dpi), format="png")
 
 
-def row_status(row: dict, comparison: str) -> str:
-    """One line naming a row and its outcome: first divergence (or same suffix) and whether the comparison's cache is exact."""
+def row_status(row: dict, comparison: str, pair: tuple[str, str] | None = None) -> str:
+    """One line naming a row and its outcome for an arm pair: where its two suffixes first differ (or the same suffix)
+    and whether the comparison's cache is exact.
+
+    Args:
+        row: a ledger record.
+        comparison: a key of ``row["boundary"]``.
+        pair: ``(reference arm, other arm)`` whose suffixes are compared; ``None``: the row's endpoints (prefill vs live).
+    """
     if row.get("gate_failure"):
         return f"{row['problem_id']} · gate failed ({row['gate_failure'].get('gate')})"
-    ep = row.get("endpoints", {})
-    fd = ep.get("first_divergence")
-    suffix = f"diverges at token {fd}" if ep.get("suffix_differs") else "same suffix"
+    if pair is not None:
+        from .experiments.endpoints import first_divergence
+        from .ledger.records import arm_of
+
+        rec = cast("Exp1Row | Exp2Row", row)  # a ledger record, read as the ledger stores it
+        fd = first_divergence(arm_of(rec, pair[0])["suffix"], arm_of(rec, pair[1])["suffix"])
+        differs = fd is not None
+    else:
+        ep = row.get("endpoints", {})
+        fd, differs = ep.get("first_divergence"), ep.get("suffix_differs")
+    suffix = f"diverges at token {fd}" if differs else "same suffix"
     cache = row.get("boundary", {}).get(comparison, {}).get("cache", {})
     exact = "cache exact" if cache.get("exact") else f"cache differs (rel L2 {cache.get('rel_l2', float('nan')):.2g})"
     return f"{row['problem_id']} · {suffix} · {exact}"
@@ -379,6 +410,7 @@ class Explorer:
         self.largest = w.HTML()
         self.suffixes = w.HTML()
         self.suffixes.add_class("kvreplay-suffixes")
+        self.style = w.HTML(f"<style>{STALE_CSS}</style>")  # how a figure marked stale looks
         self._fill_rows(problem)
         self.pair_picker.observe(self._on_pair, names="value")
         self.row_picker.observe(self._on_row, names="value")
@@ -387,7 +419,7 @@ class Explorer:
         self.widget = w.VBox([
             w.HBox([self.pair_picker, self.kind]), self.row_picker, w.HBox([self.layer, self.head]), self.window,
             w.HBox([self.progress, self.status]), self.source, self.summary_note, self.summary_image, self.notice,
-            self.figure, self.largest, self.suffixes,
+            self.figure, self.largest, self.suffixes, self.style,
         ])
         self.widget.add_class("kvreplay-explorer")
 
@@ -408,9 +440,10 @@ class Explorer:
     def _fill_rows(self, problem: str | None = None) -> None:
         keep = problem or self.row_picker.value
         recs = [r for r in self.ledger.records if not r.get("gate_failure")]
-        options = [(row_status(r, self.comparison), r["problem_id"]) for r in recs]
+        pair = comparison_arms(self.ledger.key.split("-")[0], self.comparison)  # labels follow the picked arm pair
+        options = [(row_status(r, self.comparison, pair), r["problem_id"]) for r in recs]
         ids = [v for _, v in options]
-        first_div = next((r["problem_id"] for r in recs if r.get("endpoints", {}).get("suffix_differs")), ids[0] if ids else None)
+        first_div = next((v for label, v in options if "diverges at token" in label), ids[0] if ids else None)
         self.row_picker.options = options  # resets the value to the first option; observers are quiet here
         self.row_picker.value = keep if keep in ids else first_div
 
@@ -445,6 +478,8 @@ class Explorer:
 
         row, comp = self.row, self.comparison
         ref, other = comparison_arms(self.ledger.key.split("-")[0], comp)
+        self._mark_stale(f"{row['problem_id']} ({other} vs {ref})")
+        self._fit_sliders(row)  # the new row's ranges before anything of it draws
         summary = comparison_of(row, comp)
         if "tensors" in summary:
             fig = figures.explorer_layers(layer_drift_frame(summary["tensors"]),
@@ -474,15 +509,31 @@ class Explorer:
         n_layers, n_heads = drift.maps[("key", "head")].shape
         n = len(drift.tokens)
         at = largest_view(drift, self.kind.value) or (0, 0)
+        self._set_ranges(n_layers, n_heads, n, at)
+        self.draw()
+
+    def _set_ranges(self, n_layers: int, n_heads: int, n: int, at: tuple[int, int] = (0, 0)) -> None:
+        """Slider ranges for ``n_layers`` layers, ``n_heads`` KV heads and ``n`` positions, at ``at``; no redraw."""
         self._quiet = True
         try:
-            self.layer.max, self.head.max = n_layers - 1, n_heads - 1
+            self.layer.max, self.head.max = max(1, n_layers - 1), max(1, n_heads - 1)
             self.layer.value, self.head.value = at
             self.window.max = max(1, n - 1)
-            self.window.value = (0, n - 1)
+            self.window.value = (0, max(1, n - 1))
         finally:
             self._quiet = False
-        self.draw()
+
+    def _fit_sliders(self, row) -> None:
+        """Give the sliders the row's ranges from its ledger (|z|, the model's layers and KV heads) before it draws."""
+        model = self.ledger.contract.get("model", {})
+        layers, heads = model.get("layers"), model.get("kv_heads")
+        if layers and heads:
+            self._set_ranges(int(layers), int(heads), len(row["prefix"]))
+
+    def _mark_stale(self, what: str) -> None:
+        """Mark the figure shown as the previous view's until the next one replaces it (status and a faded figure)."""
+        self.figure.add_class("kvreplay-stale")
+        self.status.value = f"<span class='kvreplay-status-stale'>updating: {html_text(what)}; the figure below is the previous view</span>"
 
     def draw(self) -> None:
         """Redraw the heatmaps, the selected layer/head's per-position drift and its largest positions from the cached
@@ -495,6 +546,7 @@ class Explorer:
         if drift is None:
             return
         ref, other = comparison_arms(self.ledger.key.split("-")[0], comp)
+        self._mark_stale(f"{row['problem_id']}, layer {self.layer.value}, KV head {self.head.value}, {self.kind.value}s")
         layer, head, kind = self.layer.value, self.head.value, self.kind.value
         exact = largest_view(drift, kind) is None
         detail = head_position_drift(drift, layer, head, kind)
@@ -505,6 +557,7 @@ class Explorer:
         zoom(fig, drift.tokens, (lo, hi) if (lo, hi) != (0, len(drift.tokens) - 1) else None)
         self.figure.value = png_bytes(fig)
         self.figure.layout.display = None
+        self.figure.remove_class("kvreplay-stale")
         self.notice.value = ""
         top = largest_drift(drift, layer, head, kind)
         self.largest.value = (f"<p>positions of largest drift, layer {layer}, KV head {head}, {kind}s"
@@ -513,7 +566,7 @@ class Explorer:
         self.source.value = (f"<span class='kvreplay-source'>{html.escape(origin(drift))} · "
                              f"{html.escape(equality_line(drift, self.ledger))}</span>")
         self.status.value = (f"<span class='kvreplay-status'>drawn in {self.last_draw_s:.2f} s · {row['problem_id']} · "
-                             f"layer {layer}, KV head {head}" + (" · bit-exact" if exact else "") + "</span>")
+                             f"layer {layer}, KV head {head}, {kind}s" + (" · bit-exact" if exact else "") + "</span>")
 
     def show(self):
         """Display the controls and draw the current row (rebuilding it if needed); returns the widget."""

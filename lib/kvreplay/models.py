@@ -40,6 +40,7 @@ from .layout import (  # re-exported: kvreplay.models is where users import them
     kv_cache,
     layer_masks,
 )
+from .model_checks import check_model, looks_like_path, model_source, read_config  # re-exported
 from .paths import BUILD
 from .self_check import (  # re-exported
     SELF_CHECK_FIRST_CALL,
@@ -291,11 +292,6 @@ def _check_saved_tokenizer(tok, folder: Path) -> None:
                          f"{want[:12]}...")
 
 
-def looks_like_path(model: str) -> bool:
-    """True for strings that can only mean a filesystem path (absolute, ``./``, ``../``, ``~``)."""
-    return model.startswith(("/", "./", "../", "~")) or model in (".", "..")
-
-
 @dataclasses.dataclass
 class LoadedModel:
     """A causal LM ready for the block contract.
@@ -415,8 +411,9 @@ def load_model(
             validated and applied before loading. Default: :func:`~kvreplay.execution.resolve_contract` (CPU, math SDPA).
 
     Raises:
-        ModelLoadError: unknown model, digest mismatch, or no offline copy; a
-            model whose KV cache the protocol cannot audit (chunked, linear or
+        ModelLoadError: unknown model, digest mismatch, or no offline copy. A model
+            :func:`~kvreplay.model_checks.check_model` refuses from its config before any weight is read (not a
+            causal decoder, no SDPA attention). A model whose KV cache the protocol cannot audit (chunked, linear or
             recurrent attention, hybrid layers: :func:`cache_refusal`); a
             model that fails :func:`self_check` (ignores the explicit 4-D mask
             or position IDs). The self-check's distances are kept in
@@ -439,19 +436,12 @@ def load_model(
         identity = {"model": em.name, "file": em.file, "file_sha256": em.sha256, "package": em.package}
     elif model_str.endswith(".gguf"):
         path = Path(model_str)
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file not found: {path}")
-        source, kwargs["gguf_file"] = str(path.parent), path.name
+        source, kwargs = model_source(model_str)
         identity = {"model": model_str, "file_sha256": file_sha256(path)}
     else:
-        path = Path(model_str).expanduser()
-        if path.exists():
-            if not (path / "config.json").is_file():
-                raise ModelLoadError(f"model folder {path} has no config.json; not a Hugging Face checkpoint")
-        elif looks_like_path(model_str):
-            raise ModelLoadError(f"model path {model_str!r} does not exist")
-        source = str(path) if path.exists() else model_str
+        source, _ = model_source(model_str)
         identity = {"model": model_str}
+    check_model(model_str)  # config alone: a model the protocol refuses stops here, before any weight is read
     try:
         with quiet_loading():
             tok = without_ignored_cleanup(AutoTokenizer.from_pretrained(source, **kwargs))
@@ -577,14 +567,23 @@ def without_ignored_cleanup(tok):
 
 
 def load_tokenizer(model: str):
-    """The tokenizer alone (no weights), for decoding ledger token IDs when nothing is rebuilt."""
+    """The tokenizer alone (no weights), for decoding ledger token IDs when nothing is rebuilt.
+
+    Raises:
+        ModelLoadError: the model is not found offline (:func:`~kvreplay.model_checks.model_source`), or its folder
+            holds no tokenizer ``transformers`` can load.
+    """
     from transformers import AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with quiet_loading():
         if model in EMBEDDED_MODELS:
             return without_ignored_cleanup(AutoTokenizer.from_pretrained(str(embedded_checkpoint(model))))
-        if str(model).endswith(".gguf"):
-            p = Path(model)
-            return without_ignored_cleanup(AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name))
-        return without_ignored_cleanup(AutoTokenizer.from_pretrained(model))
+        source, kwargs = model_source(str(model))  # a missing folder: the project's error, not the hub's
+        try:
+            return without_ignored_cleanup(AutoTokenizer.from_pretrained(source, **kwargs))
+        except (OSError, ValueError) as e:
+            read_config(str(model))  # a model that is not there at all is named as such
+            raise ModelLoadError(f"model {model!r}: its tokenizer cannot be loaded from {source} ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''}). Save the tokenizer into the folder "
+                                 "(tokenizer.save_pretrained)") from None

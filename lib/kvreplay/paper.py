@@ -59,6 +59,7 @@ from .paths import BUILD, EXECUTED, FIGURES, LEDGERS, NOTEBOOKS, ROOT
 from .profiles import ChainParameters, describe, load_parameters, profile_path, read_profile
 from .report.files import ARTIFACT_LOG
 from .runner import READ_ONLY_ENV
+from .session import check_profile_model
 from .paper_chain import (  # re-exported
     CHAIN, EXECUTED_PROFILES, RUN_PARAMETERS, assigned_names, code_cells, declared_parameters, inputs_digest,
     notebook_arms, run_inprocess, unfinished_arms,
@@ -249,6 +250,11 @@ def _main(argv: list[str] | None) -> int:
     except (FileNotFoundError, ValueError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:  # the model, from its config and tokenizer: refused here, before any notebook writes a file
+        checked = check_profile_model(params)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # ModelLoadError, ContractError, a bad problem file
+        print(f"error: profile {params.profile!r}: {e}", file=sys.stderr)
+        return 2
     # a profile given as a file is passed on as an absolute path (the notebooks run in notebooks/); its label,
     # the file's name, names the build, ledger and figure folders
     path = profile_path(args.profile)
@@ -285,6 +291,7 @@ def _main(argv: list[str] | None) -> int:
         os.environ[READ_ONLY_ENV] = "1"
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"== {describe(params, given, overrides)}", flush=True)  # the resolved values, before anything runs
+    print(f"== {checked}", flush=True)
     t0 = time.perf_counter()
     if args.engine == "inprocess":
         import matplotlib

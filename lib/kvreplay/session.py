@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,8 +39,9 @@ from .ledger.lookup import PREFIX_BANK, LoadedLedger, find_chain_ledger
 from .ledger.files import atomic_write, read_environment
 from .ledger.prefix_bank import write_prefix_bank
 from .ledger.records import Exp1Record
-from .ledger.store import Ledger, unchanged_when_read_only
-from .models import LoadedModel, load_model
+from .heartbeat import Heartbeat
+from .ledger.store import TERMINAL_PROGRESS, Ledger, unchanged_when_read_only
+from .models import EMBEDDED_MODELS, LoadedModel, ModelLoadError, check_model, context_length, load_model
 from .problems import Problem, load_bank, load_problems
 from .profiles import DEFAULT_PROFILE, AdaptRecipe, ChainParameters, describe, load_parameters
 from .report.files import contract_frame, save_figure, save_table
@@ -57,10 +59,6 @@ WHOLE_TABLES = {"display.max_rows": None, "display.max_columns": None, "display.
 """pandas display options :func:`open_session` sets: a notebook shows every row, column and whole cell text of a
 table (executed copies and their HTML are read, not scrolled in a kernel; pandas would cut at 60 rows and 50
 characters)."""
-
-# Processes a session starts (Ray row actors) load torch with idle OpenMP threads sleeping, not spinning (no bit
-# changes). The kernel's own torch read its policy when imported: the Makefile and `make paper` set it for kernels.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @dataclasses.dataclass
@@ -191,8 +189,15 @@ class Session:
         Raises:
             ValueError: a precision the arm does not run at; and the errors of :meth:`plan` and
                 :func:`~kvreplay.runner.run_arm` (gates, bad problems, read-only ledgers).
+
+        Under ``make paper`` (:data:`~kvreplay.ledger.store.TERMINAL_PROGRESS`) an arm still running after a minute
+        prints a line a minute on the terminal with its phase and step (:class:`~kvreplay.heartbeat.Heartbeat`).
         """
         plan = arm if isinstance(arm, ArmPlan) else self.plan(arm)
+        if progress and os.environ.get(TERMINAL_PROGRESS) == "1" and sys.__stderr__ is not None:
+            # make paper's terminal (never the notebook, whose executed copy stays byte-identical): a line a minute
+            with Heartbeat(f"{plan.arm.experiment}-{dtype}", stream=sys.__stderr__):
+                return plan.run(self.arm_settings(plan, dtype), ledger_root=self.ledger_root, progress=progress)
         return plan.run(self.arm_settings(plan, dtype), ledger_root=self.ledger_root, progress=progress)
 
     def write_prefix_bank(self, records: Sequence[Exp1Record], ledger: Ledger) -> tuple[Path, str]:
@@ -334,3 +339,82 @@ def open_session(notebook: str, profile: str | Path = DEFAULT_PROFILE, overrides
     if not quiet:
         print(describe(params, profile, overrides))
     return session
+
+
+def _longest(sequences) -> tuple[int, str]:
+    """The longest of ``(tokens, what)`` pairs (``(0, "")`` for none)."""
+    return max(sequences, default=(0, ""), key=lambda x: x[0])
+
+
+def check_profile_model(params: ChainParameters) -> str:
+    """Check a profile's models when the profile is read, before any weight is loaded or anything trains.
+
+    Each of ``model`` and ``replication_model`` must pass :func:`~kvreplay.models.check_model` (found offline, a
+    readable config, a causal decoder, a plain key/value cache, SDPA). A model that is not embedded must also hold
+    every sequence of the chain within ``max_position_embeddings``. Its tokenizer and the block format are built, and
+    every row's longest full sequence counted (prompt + delimiters + caps, the manipulated-length arm's largest
+    branch cap included). Notebook 00's role-table sequences of every recipe are counted as well.
+
+    Returns:
+        one line saying what was checked (model, positions needed and available).
+
+    Raises:
+        ModelLoadError: naming the model, the rule it breaks and what to change; or an error of the problem set or
+            block format (file and line, the format's rule).
+    """
+    from .adapt import balance_letters, build_staged, heldout_rows, load_source, split_problems
+    from .contract import resolve_format
+    from .models import load_tokenizer, read_config
+
+    models = [m for m in (params.model, params.replication_model) if m is not None]
+    configs = {m: check_model(m) for m in models}
+    model = params.model
+    if model in EMBEDDED_MODELS:
+        return f"model {model}: embedded, digest-checked at load"
+    limit = context_length(configs[model] if configs[model] is not None else read_config(model))
+    if limit is None:
+        return f"model {model}: a causal decoder with a plain KV cache (its config states no context length)"
+    fmt = resolve_format(load_tokenizer(model), params.format)
+    bank = load_bank() if params.problems == "bank" else load_problems(params.problems)
+    branch = max((params.cap_branch, *params.length_branch_caps))
+    caps = Caps(branch=branch, merge=params.cap_merge, answer=params.cap_answer)
+    rows = bank[:max(params.n_rows, params.n_adapt_eval)]
+    need = 0
+    for name in models:  # the chain's rows, and Experiment 5's on a replication model of your own
+        if name in EMBEDDED_MODELS:
+            continue
+        config = configs[name]
+        positions = limit if name == model else context_length(config) if config is not None else None
+        if positions is None:
+            continue
+        form = fmt if name == model else resolve_format(load_tokenizer(name), params.format)
+        longest_row, what = _longest((form.max_sequence_length(len(form.prompt_ids(p.question, p.options)), caps),
+                                      f"problem {p.problem_id} ({p.where})") for p in rows)
+        if longest_row > positions:
+            raise ModelLoadError(
+                f"model {name!r} has {positions} positions (max_position_embeddings) but profile {params.profile!r} "
+                f"needs {longest_row}: {what}, prompt + delimiters + 3 x branch cap {branch} + merge cap "
+                f"{params.cap_merge} + answer cap {params.cap_answer}. Lower the caps, use a problem set of shorter "
+                "questions, or a model with a longer context")
+        need = max(need, longest_row) if name == model else need
+    trains = params.replication_model is None
+    if trains:  # notebook 00 trains and scores role tables on whole staged sequences (no caps)
+        source, _ = load_source(params.adapt_source)
+        staged = []
+        for recipe in params.adapt_selection.recipes:
+            r = params.recipe(recipe)
+            train, held = split_problems(source, r["n_train"], params.adapt_n_heldout)
+            staged += [*(balance_letters(train) if r["letter_balanced"] else train), *held]
+        mmlu, _ = load_source("mmlu")
+        mmlu_bank = bank if params.problems == "bank" else load_bank()  # notebook 00 scores the MMLU bank
+        staged += [*heldout_rows(mmlu, mmlu_bank, params.adapt_selection.n_heldout), *mmlu_bank[:params.n_adapt_eval]]
+        seen = {(p.problem_id, p.options): p for p in staged}  # a letter-balanced row: the same ID, options rotated
+        longest, where = _longest((len(build_staged(fmt, p).ids), f"{p.problem_id} ({p.where})") for p in seen.values())
+        if longest > limit:
+            raise ModelLoadError(
+                f"model {model!r} has {limit} positions (max_position_embeddings) but notebook 00's role-table "
+                f"training of profile {params.profile!r} builds a {longest}-token sequence ({where}). Use a model with "
+                "a longer context, or give replication_model (and its role table) so that notebook 00 trains nothing")
+        need = max(need, longest)
+    return (f"model {model}: a causal decoder with a plain KV cache; the longest sequence needs {need} of its {limit} "
+            f"positions{' (notebook 00 included)' if trains else ''}")

@@ -20,7 +20,8 @@ must hold anywhere -- every gate passes, and in float32 the token IDs (prefix
 and every suffix) are identical -- and says what it skipped (mode
 ``portable``). The command says before the first model loads which ledgers'
 bits can be compared on this machine, and why not where they cannot; it prints
-each row's time and how many remain, and a summary also when interrupted.
+each row's time and how many remain, and a summary also when interrupted. A row still running after a minute
+prints a line every minute with its phase and step (:mod:`kvreplay.heartbeat`).
 
 Usage::
 
@@ -45,6 +46,7 @@ from typing import Any
 from . import kernels
 from .experiments import arms
 from .gates import GateError
+from .heartbeat import Heartbeat
 from .ledger.lookup import PREFIX_BANK
 from .ledger.prefix_bank import read_prefix_bank
 from .ledger.files import LedgerError, read_environment, read_log, read_manifest
@@ -360,7 +362,8 @@ def verify_ledger(folder: str | Path, rows: int = 1, *, pick: str = "shortest", 
     for i in chosen:
         old = committed[i]
         start = time.perf_counter()
-        new = fn(spec, by_id[old["problem_id"]])
+        with Heartbeat(f"{folder.name} {old['problem_id']}", lambda: lm.calls):  # a line a minute in a long row
+            new = fn(spec, by_id[old["problem_id"]])
         check = judge_row(folder.name, old, new, lines[i], comparison, float32=lm.dtype == torch.float32,
                           seconds=time.perf_counter() - start)
         out.append(dataclasses.replace(check, detail=f"{check.detail} (alone: B=1)") if alone else check)

@@ -39,6 +39,7 @@ profile = "smoke"  # which notebooks/params file: a profile name, or a path to a
 overrides = {}     # values replacing the profile's, e.g. {"n_rows": 4, "execution": {"device": "cuda"}}
 
 # %%
+import kvreplay  # first: importing it sets the thread policy, which OpenMP reads once, when torch loads
 
 import pandas as pd
 import torch
@@ -51,11 +52,12 @@ from kvreplay.models import load_tokenizer
 from kvreplay.problems import load_bank
 from kvreplay.report import figures
 from kvreplay.report.files import contract_frame
-from kvreplay.session import open_session
+from kvreplay.session import check_profile_model, open_session
 
 # %%
 session = open_session("notebooks/00_role_adaptation.ipynb", profile, overrides)
 p = session.params
+print(check_profile_model(p))  # the model, from its config and tokenizer, before anything loads or trains
 recipes = session.adapt_recipes()  # one training config per declared recipe (the contract's threads and SDPA backends)
 criterion = session.adapt_criterion()
 bank = load_bank()  # the MMLU bank: the training source must be disjoint from it, and the letter metric runs on it

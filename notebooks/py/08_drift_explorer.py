@@ -57,7 +57,6 @@ interactive = True            # draw the ipywidgets explorer at the end (make pa
 # %%
 import numpy as np
 import pandas as pd
-import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
 from kvreplay import explorer
@@ -87,11 +86,8 @@ def show(fig, name, dpi=None):
     shown[name] = fig
     if save_figures:
         save_figure(fig, session.out_dir / "explorer" / f"{stem}_{name}", source=session.notebook)
-    elif dpi:
-        display(explorer.as_png(fig, dpi))
-    else:
-        display(fig)
-        plt.close(fig)
+    else:  # the explorer's figures are made without pyplot: shown as PNG, whatever the kernel's backend
+        display(explorer.as_png(fig, dpi or fig.dpi))
 
 print(f"ledger {ledger.dir.name}: {len(ledger.records)} rows; exploring {row['problem_id']} "
       f"({experiment}, {precision}, {comparison}: {other_arm} against {ref_arm})")

@@ -1,6 +1,10 @@
 """The drift explorer's figures (notebook 08): one row's per-layer drift, per-position heatmaps, the detail view
 and the boundary's top-k logits. Conventions as in :mod:`kvreplay.report.figure_style`; re-exported by
 :mod:`kvreplay.report.figures`.
+
+Each figure is a :class:`matplotlib.figure.Figure` on its own Agg canvas, made without pyplot: no current figure,
+no figure manager. So a widget callback that draws one can never have it shown elsewhere (an inline backend's
+end-of-cell display, a log console) or closed under it by another draw. Show it as PNG bytes.
 """
 
 from __future__ import annotations
@@ -8,10 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-import matplotlib.pyplot as plt
+import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 
 from .figure_style import KIND_MARKERS, at_floor, integer_axis, log_with_exact, mark_layer_kinds
@@ -20,13 +27,21 @@ from .figure_style import KIND_MARKERS, at_floor, integer_axis, log_with_exact, 
 # ----------------------------------------------------------------------------- drift explorer
 
 
+def _figure(**kwargs) -> Figure:
+    """A figure outside pyplot (see the module docstring) on its own Agg canvas, so it draws and renders anywhere."""
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def explorer_layers(frame: pd.DataFrame, *, title: str):
     """One row's per-layer K/V drift: relative L2 and max |Δ|, each on its own log axis with a ``0 (exact)`` band.
 
     Args:
         frame: :func:`kvreplay.report.frames.layer_drift_frame` (``layer``, ``kind``, ``rel_l2``, ``max_abs``).
     """
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), constrained_layout=True)
+    fig = _figure(figsize=(11, 3.4), constrained_layout=True)
+    axes = fig.subplots(1, 2)
     for ax, col, label in ((axes[0], "rel_l2", "relative L2"), (axes[1], "max_abs", "max |Δ|")):
         floor = log_with_exact(ax, frame[col])
         for kind, sub in frame.sort_values("layer").groupby("kind"):
@@ -66,12 +81,12 @@ def drift_heatmaps(maps: Mapping[tuple[str, str], pd.DataFrame], tokens: Sequenc
     if vmax <= vmin:
         vmax = vmin * 10
     norm = LogNorm(vmin=vmin, vmax=vmax)
-    cmap = plt.get_cmap("magma").with_extremes(under="white", bad="0.85")
+    cmap = matplotlib.colormaps["magma"].with_extremes(under="white", bad="0.85")
     n_pos = maps[(kinds[0], "position")].shape[1]
     lo, hi = window if window else (0, n_pos)
     lo, hi = max(0, lo), min(n_pos, hi)
-    fig, axes = plt.subplots(len(kinds), 2, figsize=(13, 3.6 * len(kinds) + 1.2), gridspec_kw={"width_ratios": [1, 5]},
-                             constrained_layout=True, squeeze=False)
+    fig = _figure(figsize=(13, 3.6 * len(kinds) + 1.2), constrained_layout=True)
+    axes = fig.subplots(len(kinds), 2, gridspec_kw={"width_ratios": [1, 5]}, squeeze=False)
     im = None
     for i, k in enumerate(kinds):
         for j, axis in enumerate(("head", "position")):
@@ -90,7 +105,7 @@ def drift_heatmaps(maps: Mapping[tuple[str, str], pd.DataFrame], tokens: Sequenc
                 ax.set_xticks(range(m.shape[1]))
                 ax.set_xlabel("KV head")
                 if head is not None:
-                    ax.add_patch(plt.Rectangle((head - 0.5, -0.5), 1, m.shape[0], fill=False, ec="cyan", lw=1.5))
+                    ax.add_patch(Rectangle((head - 0.5, -0.5), 1, m.shape[0], fill=False, ec="cyan", lw=1.5))
             else:
                 ax.set_xlabel("token position in z (token text)")
                 for name, s in blocks.items():
@@ -150,16 +165,16 @@ def explorer_view(maps: Mapping[tuple[str, str], pd.DataFrame], detail: np.ndarr
     vmin, vmax = (good.min(), good.max()) if len(good) else (1e-12, 1e-11)
     vmax = vmax if vmax > vmin else vmin * 10
     norm = LogNorm(vmin=vmin, vmax=vmax)
-    cmap = plt.get_cmap("magma").with_extremes(under="white", bad="0.85")
+    cmap = matplotlib.colormaps["magma"].with_extremes(under="white", bad="0.85")
     n = pos_map.shape[1]
-    fig = plt.figure(figsize=(13, 7.6), constrained_layout=True)
+    fig = _figure(figsize=(13, 7.6), constrained_layout=True)
     gs = fig.add_gridspec(2, 2, width_ratios=[1, 5], height_ratios=[1.25, 1])
     ax_head, ax_pos, ax_det = fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[0, 1]), fig.add_subplot(gs[1, :])
     im = ax_pos.imshow(np.where(pos_map == 0, vmin / 10, pos_map), aspect="auto", origin="lower", cmap=cmap, norm=norm,
                        interpolation="nearest")
     ax_head.imshow(np.where(head_map == 0, vmin / 10, head_map), aspect="auto", origin="lower", cmap=cmap, norm=norm,
                    interpolation="nearest")
-    ax_head.add_patch(plt.Rectangle((head - 0.5, -0.5), 1, head_map.shape[0], fill=False, ec="cyan", lw=1.5))
+    ax_head.add_patch(Rectangle((head - 0.5, -0.5), 1, head_map.shape[0], fill=False, ec="cyan", lw=1.5))
     ax_head.set_xticks(range(head_map.shape[1]))
     ax_head.set_xlabel("KV head")
     ax_head.set_title(f"{kind}s: drift per head", fontsize=9, loc="left", pad=TITLE_PAD)
@@ -195,7 +210,8 @@ def topk_logits(topk: pd.DataFrame, ref: str, other: str, *, title: str):
         topk: :func:`kvreplay.rebuild.topk_frame` (``text``, ``reference``, ``other``, ``other - reference``).
         ref, other: arm names for the legend.
     """
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), constrained_layout=True)
+    fig = _figure(figsize=(12, 3.8), constrained_layout=True)
+    axes = fig.subplots(1, 2)
     x = np.arange(len(topk))
     axes[0].bar(x - 0.2, topk["reference"], width=0.4, label=ref)
     axes[0].bar(x + 0.2, topk["other"], width=0.4, label=other)
