@@ -227,9 +227,9 @@ def decode_chains(
         continue_with: ``(i, Boundary or GateError) -> boundary states`` (an empty list: nothing to decode; a
             ``GateError`` is the one that stopped the construction).
         finished: ``(i, [Suffix or GateError, ...])``, once per problem (an empty list when nothing was decoded).
-        hold: waiting suffix jobs from which they go before new boundaries (default ``run.batch``: the states of
-            about ``batch / 4`` problems of four arms wait beside those in the slots, which bounds the memory a
-            chunk of many more problems than slots holds; ``0``: suffixes always first). No bit depends on it.
+        hold: waiting suffix jobs from which they go before new boundaries (default ``run.batch``; ``0``:
+            suffixes always first). Its default bounds the states held beside those in the slots, also in a chunk
+            of many more problems than slots. No bit depends on it.
         rebuild: ``(i, boundary) -> bool``: when true for a built boundary, the same engine also rebuilds it from
             its token IDs by teacher forcing (the incremental construction, ahead of new boundaries). Then
             ``continue_with(i, boundary, rebuilt)`` gets the rebuild (or the ``GateError`` that stopped it) as

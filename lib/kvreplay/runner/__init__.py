@@ -28,6 +28,7 @@ from .batched import (
     leaves,
 )
 from .arms import Arm, ArmPlan, Chain
+from .kept import keep_models
 from .loop import READ_ONLY_ENV, ReadOnlyLedgerError, run_arm
 from .spec import (
     ARM_STEP_PATHS,
@@ -43,7 +44,6 @@ from .spec import (
     arm_environment,
     check_execution,
     check_prompts,
-    keep_models,
     model_key,
     problems_digest,
     resolve_execution,

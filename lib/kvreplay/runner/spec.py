@@ -12,7 +12,6 @@ experiment's row function: a change to any bit of a committed row bumps it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import functools
@@ -40,7 +39,6 @@ from ..models import (
     context_length,
     environment_record,
     file_sha256,
-    load_model,
     looks_like_path,
     self_check,
 )
@@ -516,42 +514,13 @@ class ArmSettings:
         return RunSpec(lm, fmt, self.decoding, engine=run, **kw)
 
     def load(self, device: str | None = None) -> tuple[LoadedModel, BlockFormat]:
-        """Fix the seed, load the model at this precision under the arm's execution contract, resolve the format.
+        """Fix the seed, load the model at this precision under the arm's contract (:func:`.kept.load_kept`: once
+        within :func:`~kvreplay.runner.keep_models`), resolve the format."""
+        from .kept import load_kept
 
-        :func:`~kvreplay.models.load_model` validates and applies the contract before loading.
-        """
         torch.manual_seed(0)
-        contract = self.contract(device)
-        key = None if _KEPT is None else canonical_json(
-            {"model": str(self.model), "dtype": self.dtype, "role_table": str(self.role_table), "contract": repr(contract)})
-        if key is not None and key in _KEPT:  # a later arm of the same process (keep_models): the same object
-            contract.apply()
-            lm = _KEPT[key]
-        else:
-            lm = load_model(self.model, self.dtype, role_table=self.role_table, contract=contract)
-            if key is not None and _KEPT is not None:
-                _KEPT[key] = lm
+        lm = load_kept(self.model, self.dtype, self.role_table, self.contract(device))
         return lm, resolve_format(lm.tokenizer, self.fmt)
-
-
-_KEPT: dict[str, LoadedModel] | None = None
-"""The models :func:`keep_models` keeps, by model, precision, role table and execution contract; ``None``: none."""
-
-
-@contextlib.contextmanager
-def keep_models():
-    """Within it, :meth:`ArmSettings.load` loads each model once per precision, role table and execution contract,
-    and gives every later arm the same :class:`~kvreplay.models.LoadedModel` (the contract is applied again each
-    time). A GPU profile runs its arms in one process this way (``scripts/gpu_profile.py``): one load and one
-    self-check per model, and torch's compiled kernels are reused by every arm of one shape. Outside it (notebooks,
-    tests) each arm loads its own: a test that plants a fault in a model never reaches another arm. Yields the
-    mapping of the models kept (a key -> :class:`~kvreplay.models.LoadedModel`). No bit depends on it: the weights are the same, loaded from the same digest-checked file."""
-    global _KEPT
-    outer, _KEPT = _KEPT, ({} if _KEPT is None else _KEPT)
-    try:
-        yield _KEPT
-    finally:
-        _KEPT = outer
 
 
 EXECUTION_DEFAULTS: Mapping[str, object] = MappingProxyType(
