@@ -98,11 +98,10 @@ class StepEngine:
             dtype and writes the same keys/values, the final norm and LM head run in
             float32 (``[rows, vocab]`` float32 logits; the exploratory control of
             Experiment 2). ``None``: the model's own head.
-        decoding: what each row chooses by (:class:`~kvreplay.decoding.Decoding`, the eager decoders' too): its
-            parsed tie rule (which of exactly tied eligible tokens is chosen; the ``hash`` rule hashes the chosen
-            token's position, the input position plus one) and ``top_logits`` (the choice statistics then carry
-            each row's top-1 eligible logit, row 4). Its caps are the scheduler's, not the step's. ``None``: the
-            ``lowest`` rule, no top logits.
+        decoding: what each row chooses by (:class:`~kvreplay.decoding.Decoding`, as the eager decoders). Its parsed
+            tie rule picks among exactly tied eligible tokens (``hash`` hashes the chosen token's position, the
+            input position plus one). With ``top_logits`` the choice statistics carry each row's top-1 eligible
+            logit (row 4). Its caps are the scheduler's. ``None``: the ``lowest`` rule, no top logits.
         stats: where the engine adds what it measures (steps, slot-steps, busy slot-steps, verified steps,
             attention checks); ``None``: a fresh :class:`~kvreplay.engine.run.EngineStats` of its own.
         attention: ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`ATTENTIONS`): the step's attention (prompt
