@@ -87,8 +87,8 @@ def test_forced_lengths_on_both_sides_and_the_saved_boundaries_are_reused(tiny, 
 
     lm, fmt, _, prefixes = tiny
     states = [decode.build_prefill(lm, fmt, z) for z in prefixes[:2]]
-    tokens, counted = engine.decode_forced(lm, fmt, states, 5, run=engine.EngineRun(batch=2, attention="flex"))
-    assert [len(t) for t in tokens] == [5, 5] and counted == {"steps": 4, "busy_slot_steps": 8, "batch": 2}
+    forced = engine.decode_forced(lm, fmt, states, 5, run=engine.EngineRun(batch=2, attention="flex"))
+    assert [len(t) for t in forced.tokens] == [5, 5] and (forced.steps, forced.busy_slot_steps, forced.batch) == (4, 8, 2)
     run = bench._hf_generate(lm, prefixes[:2], "dynamic", 5)
     out = run(5)
     assert out.shape[0] == 4 and out.shape[1] == max(map(len, prefixes[:2])) + 5  # 2 rows per problem, left-padded
