@@ -16,7 +16,7 @@ from kvreplay.ledger.__main__ import main as ledger_main
 from kvreplay.ledger.store import Ledger, library_digest, run_rows
 from kvreplay.paths import DATA, ROOT
 from kvreplay.report import provenance_pages as pp
-from kvreplay.runner import row_checks
+from kvreplay.runner import equivalence, row_checks
 
 
 def test_the_committed_provenance_docs_agree_with_the_ledgers():
@@ -63,7 +63,7 @@ def _ledger(root: Path, dtype: str) -> Ledger:
 def test_rows_whose_sampled_check_never_ran_are_read_from_the_runners_run_log(tmp_path, monkeypatch):
     """Chunks of 2 through :func:`kvreplay.runner.row_checks.sampled_equivalence` and :func:`run_rows`: a passing
     chunk counts its rows as checked; a run stopped before its last chunk was checked leaves that row unchecked."""
-    monkeypatch.setattr(row_checks, "_EQUIVALENCE_CHECK", [lambda spec, problem, prefix: {"rel_l2": 0.0}])
+    monkeypatch.setattr(equivalence, "construction_equivalences", lambda spec, items: [{"rel_l2": 0.0} for _ in items])
     ledger = _ledger(tmp_path, "bfloat16")
     ids = ["p1", "p2", "p3"]
 
@@ -73,7 +73,8 @@ def test_rows_whose_sampled_check_never_ran_are_read_from_the_runners_run_log(tm
                 raise KeyboardInterrupt
             yield {"problem_id": i, "prefix": [1] * (len(i) + ids.index(i))}
 
-    checked = row_checks.sampled_equivalence(mapper, None, {i: i for i in ids}, frozenset(), 2, ledger.log)
+    checked = row_checks.sampled_equivalence(mapper, None, {i: i for i in ids}, frozenset(), 2, ledger.log,
+                                             key=lambda k: k)
     stop = False
     run_rows(ledger, ids[:2], None, key=lambda k: k, mapper=checked, progress=False)
     stop = True
