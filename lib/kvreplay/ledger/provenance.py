@@ -146,8 +146,8 @@ def sampled_check_missing(folder: str | Path, has_check: Mapping[str, bool | Non
 
     Read from the run log alone. A ledger whose config's ``dtype`` is ``float32`` (or names none) has no such row:
     a float32 row checks itself. Any other row counts as checked only when an ``equivalence_sample`` event with
-    ``passed: true`` names it in its ``rows`` or covers its chunk: the rows logged since that run's ``start`` or its
-    previous sample event (a library that did not name the rows it covered). ``has_check`` maps a library digest to whether its code had the check (``None``: unknown, e.g. a
+    ``passed: true`` names it in its ``rows``, or covers its chunk. A library that did not name the rows it covered
+    covers those logged since that run's ``start`` or its previous sample event. ``has_check`` maps a library digest to whether its code had the check (``None``: unknown, e.g. a
     digest no commit has). The reason names the digest of the row's ``row`` event (12 hex digits):
     ``"never ran (library <d>)"`` when it had the check; ``"not run (library <d>)"`` when it had not;
     ``"not run (library <d>, in no commit)"`` when unknown; ``"not run (run log names no library)"``.

@@ -53,21 +53,23 @@ class BatchedRows:
     batch shape is the arm's), which the ``composition`` gate checks.
 
     Composition gate: when a chunk holds ``composition_id`` (the first problem a new arm computes, its first
-    preflight problem), that problem is decoded twice in the chunk: once in its place and once more as a copy
-    queued after every other problem. The copy starts when a slot frees late in the chunk, so it runs beside
-    other companions, at another time and, as the queue hands slots out, in other slots; with a chunk of more
-    problems than slots this costs about one problem's steps in the chunk's ragged tail. The two records must
-    agree byte for byte in canonical JSON: a problem's bits depend neither on its companions nor on its slot. The
-    same chunk also runs the first :data:`GRAPH_CHECK_STEPS` steps of its engines eagerly a second time on the
-    graph path (gate ``graph_equals_eager``) and, with an attention other than ``sdpa``, checks every layer's
-    attention output of its first step that holds a boundary against the math-SDPA reference (gate
-    ``attention_tolerance``, :meth:`kvreplay.engine.StepEngine.check_attention`). A run that resumes an arm is
-    given ``reference`` instead: a committed row of the ledger (computed inside a chunk by an earlier run, with
-    its own captured graph), computed alone before the first chunk (a chunk of one at the same ``B`` and
-    ``max_len``, the other slots idle, its jobs placed from the *last* slot down), which must equal its committed
-    line byte for byte. This checks the companions as above and also that this run's bits are the ledger's (a
-    code or machine change that moved them stops the arm before it appends a row); the graph and attention
-    checks run with it.
+    preflight problem), that problem is decoded twice in the chunk. One copy runs in its place, the other is queued
+    after every other problem. That copy starts when a slot frees late in the chunk, so it runs beside other
+    companions, at another time and, as the queue hands slots out, in other slots. With a chunk of more problems
+    than slots this costs about one problem's steps in the chunk's ragged tail. The two records must agree byte for
+    byte in canonical JSON: a problem's bits depend neither on its companions nor on its slot.
+
+    The same chunk also re-runs the first :data:`GRAPH_CHECK_STEPS` steps of its engines eagerly on the graph path
+    (gate ``graph_equals_eager``). With an attention other than ``sdpa`` it checks every layer's attention output
+    of its first step that holds a boundary against the math-SDPA reference (gate ``attention_tolerance``,
+    :meth:`kvreplay.engine.StepEngine.check_attention`).
+
+    A run that resumes an arm is given ``reference`` instead: a committed row of the ledger, computed inside a
+    chunk by an earlier run with its own captured graph. That row is computed alone before the first chunk (a
+    chunk of one at the same ``B`` and ``max_len``, the other slots idle, its jobs placed from the *last* slot
+    down) and must equal its committed line byte for byte. This checks the companions as above, and that this
+    run's bits are the ledger's: a code or machine change that moved them stops the arm before it appends a row.
+    The graph and attention checks run with it.
 
     Args:
         spec: the arm's run spec (``spec.engine`` set).
@@ -171,7 +173,7 @@ class BatchedRows:
     def check_composition(self, problem: Problem, record: dict, again: dict, size: int, run: EngineRun) -> None:
         """The composition gate on one problem decoded twice in one chunk (and the gates that ran with it).
 
-        ``again`` is the problem's record from its second copy, queued after every other problem of the chunk: it
+        ``again`` is the problem's record from its second copy, queued after every other problem of the chunk. It
         starts when a slot frees late in the chunk, so it is decoded beside other companions, at another time and,
         as the queue hands slots out, in other slots. Its record must equal ``record`` byte for byte in canonical
         JSON. Also recorded here: ``graph_equals_eager`` (the first :data:`GRAPH_CHECK_STEPS` steps of the chunk's
