@@ -287,12 +287,14 @@ BANDWIDTH_TBS = {"H100": 3.35, "H200": 4.8}
 def profile_arms(profile: str, overrides: dict) -> list[str]:
     """Every arm the profile's notebooks 01-05 compute, in chain order: Experiments 1-5 at the profile's precisions
     and the arms the profile turns on (tie rules, branch caps, the exploratory controls). Notebooks 06-08 compute
-    nothing."""
+    nothing; an arm of a notebook outside make paper's chain (09's ``exp2_kernels``) runs only when named."""
     from kvreplay.arm_facts import chain_facts
+    from kvreplay.paper_chain import CHAIN
     from kvreplay.profiles import load_parameters
 
     params = load_parameters(profile, overrides)
-    return [label for f in chain_facts() if f.enabled_by is None or getattr(params, f.enabled_by)
+    return [label for f in chain_facts()
+            if f.notebook in CHAIN and (f.enabled_by is None or getattr(params, f.enabled_by))
             for label in f.labels(tuple(params.precisions))]
 
 

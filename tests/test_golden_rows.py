@@ -23,10 +23,10 @@ PENDING: set[str] = set()
 """Experiments whose committed cpu ledgers await recomputation under the current row algorithm (README,
 "Results"): their superseded ledgers were removed, so none of the profile's ledgers is of another version.
 Empty this set when they are committed; the tests below then expect them."""
-OPTIONAL = {"exp1_ties", "exp1_length"}
+OPTIONAL = {"exp1_ties", "exp1_length", "exp2_kernels"}
 """Experiments a profile computes only when it asks for them (the tie-rule control: its ``tie_rules``; the
-manipulated-length arm: its ``length_branch_caps``). Both run Experiment 1's row function, which its golden row
-covers."""
+manipulated-length arm: its ``length_branch_caps``; the kernel attribution: its ``kernel_values``). The first two run
+Experiment 1's row function, the last Experiment 2's, which their golden rows cover."""
 
 
 def _ledgers(profile: str):

@@ -1,146 +1,120 @@
-"""The invariant-kernel attribution control (``experiments.kernel_ablation``): its rows on a tiny model fit their
-records, two fixed orders are compared on the same IDs, and the committed ablation ledgers keep their keys and fit."""
+"""The kernel attribution (``experiments.kernel_ablation``): an arm like every other, one ledger per kernels value of
+the profile, on pinned boundary prefixes, through Experiment 2's gates; its summary and declared contrasts."""
 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
-import torch
-from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
-from kvreplay import kernels
-from kvreplay.contract import Caps, resolve_format
-from kvreplay.execution import resolve_contract
-from kvreplay.experiments import kernel_ablation as ka
-from kvreplay.ledger.records import RowSchemaError
-from kvreplay.ledger.store import config_digest
-from kvreplay.paths import ROOT
-from kvreplay.problems import load_bank
-from kvreplay.profiles import load_parameters
-from kvreplay.runner import ArmSettings
+from conftest import tiny_problems
+from kvreplay.experiments.arms import ARMS
+from kvreplay.experiments.fixed_prefix import EXP2
+from kvreplay.experiments.kernel_ablation import EXP2_KERNELS, contrast_table, kernel_summary, kernel_table
+from kvreplay.experiments.live_vs_prefill import EXP1
+from kvreplay.gates import GateError
+from kvreplay.ledger.lookup import PREFIX_BANK
+from kvreplay.ledger.prefix_bank import write_prefix_bank
+from kvreplay.ledger.records import validate_rows
+from kvreplay.paper_chain import CHAIN
+from kvreplay.profiles import KERNEL_CONTRASTS, load_parameters
 
-COMMITTED = ROOT / "data" / "kernel_ablation" / "cpu"
-
-
-def _lm(value: str, dtype=torch.float32):
-    lm = tiny_lm("llama", dtype)
-    lm.contract = resolve_contract(kernels=value)
-    return lm, resolve_format(lm.tokenizer, TINY_FORMAT)
+TINY_ARM_DTYPE = "bfloat16"
+VALUES = ("default", "invariant", "invariant-except-attention")
 
 
-def test_ablation_and_orders_rows_fit_their_records():
-    lm, fmt = _lm("invariant")
-    p = tiny_problems(1)[0]
-    row = ka.ablation_row(lm, fmt, p, TINY_CAPS)
-    assert ka.check_rows("kernels", [row]) and row["drift"]["exact"] and not row["diverged"]  # by construction
-    same = ka.orders_row(lm, fmt, p, TINY_CAPS, "invariant", "invariant")
-    assert same["drift"]["exact"] and same["logits_exact"] and not same["diverged"]
-    assert same["order_a"] == row["live"] and same["prefix"] == row["prefix"]
-    two = ka.orders_row(lm, fmt, p, TINY_CAPS)
-    assert ka.check_rows("orders", [two]) and two["kernels"] == {"order_a": ka.ORDER_A, "order_b": ka.ORDER_B}
-    assert lm.contract.kernels == "invariant"  # restored
-    assert two["order_a"] == row["live"]
-    bad = dict(two, drift=dict(two["drift"], rel_l2=0))
-    with pytest.raises(RowSchemaError, match="drift.rel_l2"):
-        ka.check_rows("orders", [bad])
+def _chain(values, prefixes=None):
+    problems = tiny_problems(2)
+    fixed = types.SimpleNamespace(rows=problems, sha256="ab" * 32,
+                                  prefixes=prefixes or {p.problem_id: [1, 2, 3] for p in problems})
+    return types.SimpleNamespace(params=types.SimpleNamespace(kernel_values=values, preflight_fixed=1), fixed=fixed)
 
 
-def test_orders_table_sets_the_orders_beside_default():
-    def row(pid, exact, rel, div, tie, la, lb, key_a="live", key_b="prefill", prefix=(1, 2), suffix=(3,)):
-        return {"problem_id": pid, "drift": {"exact": exact, "rel_l2": rel}, "diverged": div, "tie_initiated": tie,
-                "prefix": list(prefix), key_a: {"predicted": la, "suffix": list(suffix)}, key_b: {"predicted": lb}}
-    orders = [row("p1", False, 1e-3, True, True, "A", "B", "order_a", "order_b"),
-              row("p2", True, 0.0, False, False, "C", "C", "order_a", "order_b")]
-    by_value = {"default": [row("p1", False, 8e-3, True, False, "A", "A"), row("p9", False, 1.0, True, True, "A", "B")],
-                "invariant": [row("p1", True, 0.0, False, False, "A", "A"), row("p2", True, 0.0, False, False, "C", "C")],
-                "invariant-attention-block-128": [row("p1", True, 0.0, False, False, "B", "B", suffix=(4,)),
-                                                  row("p2", True, 0.0, False, False, "C", "C")]}
-    lines = ka.orders_table(orders, by_value).splitlines()
-    assert lines[2].endswith("| 2 | 1/2 | 5.00e-04 [0.00e+00, 1.00e-03] | 1/2 (1) | 1/2 |")
-    assert lines[3].startswith("| `default` prefill vs live (same problems) | 1 | 0/1 | 8.00e-03")  # p9 left out
-    assert "(2/2 same boundary prefix) | 2 | - | - | 1/2 (-) | 1/2 |" in lines[4]
+def test_the_arm_is_planned_once_per_value_and_declared_in_the_profile():
+    plans = EXP2_KERNELS.plans(_chain(VALUES))
+    assert [dict(p.key) for p in plans] == [{"prefix_bank_sha256": "ab" * 32, "kernels": v} for v in VALUES]
+    assert all(p.prefixes == plans[0].prefixes and p.preflight == 1 for p in plans)  # the same pinned inputs
+    with pytest.raises(ValueError, match="once per value"):
+        EXP2_KERNELS.prepare(_chain(VALUES))
+    assert ARMS["exp2_kernels"] is EXP2_KERNELS and EXP2_KERNELS.row is EXP2.row and EXP2_KERNELS.prefixes
+    assert EXP2_KERNELS.facts.reads == ("exp1-bfloat16",) and EXP2_KERNELS.dtypes == ("bfloat16",)
+    smoke = load_parameters("smoke")
+    assert set(smoke.kernel_values) >= {v for pair in KERNEL_CONTRASTS for v in pair}
+    assert smoke.kernel_contrasts == KERNEL_CONTRASTS
+    assert load_parameters("cpu").kernel_values == smoke.kernel_values  # declared, but its notebook is off the chain
+    assert not [n for n in CHAIN if n.startswith("09")]  # so make paper computes nothing for it
+    for overrides, match in (({"kernel_values": ["fastest"]}, "unknown kernels value"),
+                             ({"kernel_values": ["default", "default"]}, "listed twice"),
+                             ({"kernel_values": ["default", "invariant"]}, "kernel_contrasts"),
+                             ({"kernel_values": ["default", "invariant"], "kernel_contrasts": [["default", "default"]]},
+                              "kernel_contrasts")):
+        with pytest.raises(ValueError, match=match):
+            load_parameters("smoke", overrides)
 
 
-def test_the_ablation_table_counts_rows_of_a_library_of_no_known_commit():
-    from kvreplay.report.provenance_pages import rows_of_unknown_libraries
+def test_a_tiny_kernel_arm_pins_its_inputs_passes_every_gate_and_verifies(tmp_path, tiny_arm):
+    problems = tiny_problems(3)
+    settings = tiny_arm()
+    live, source = EXP1.run(settings, problems, ledger_root=tmp_path, progress=False)  # the reference live decode
+    bank = write_prefix_bank(live, tmp_path / settings.profile / PREFIX_BANK, source.dir.name)  # as notebook 01 does
+    pinned = {r["problem_id"]: r["prefix"] for r in live}
+    records, ledgers = {}, {}
+    for v in VALUES:
+        plan = EXP2_KERNELS.plan(problems, key={"prefix_bank_sha256": bank, "kernels": v}, prefixes=pinned)
+        assert plan.bind(settings).kernels == v
+        records[v], ledgers[v] = plan.run(settings, ledger_root=tmp_path, progress=False)
+    assert len({led.dir for led in ledgers.values()}) == len(VALUES)
+    engine = EXP2_KERNELS.plan(problems, key={"prefix_bank_sha256": bank, "kernels": "invariant-except-linear"},
+                               prefixes=pinned)
+    with pytest.raises(ValueError, match="eager decoders only"):  # refused before any row: its bits would need B = 1
+        engine.run(tiny_arm(step_path="engine-eager"), ledger_root=tmp_path, progress=False)
+    for v, rows in records.items():
+        assert [r["gate_failure"] for r in rows] == [None] * 3, v
+        assert validate_rows("exp2_kernels", rows) == rows
+        assert [r["prefix"] for r in rows] == [pinned[p.problem_id] for p in problems]  # the same IDs in every value
+        folder = ledgers[v].dir
+        assert folder.name.startswith("exp2_kernels-bfloat16-")
+        config = json.loads((folder / "manifest.json").read_text())["config"]
+        assert config["kernels"] == v and config.get("execution", {}).get("kernels", "default") == v
+        env = json.loads((folder / "environment.json").read_text())
+        assert env["execution_contract"]["contract"].get("kernels", "default") == v and env["row_algorithm"] == 2
+        events = [json.loads(x) for x in (folder / "runlog.jsonl").read_text().splitlines()]
+        assert {"start", "end"} <= {e["event"] for e in events}
+        assert all(e["library_sha256"] == ledgers[v].library for e in events)
+    # under invariant kernels prefill equals the replay by construction, so no suffix parts
+    assert all(r["endpoints"]["boundary_exact"] and not r["endpoints"]["suffix_differs"] for r in records["invariant"])
+    from kvreplay.verify import verify_ledger  # make verify reloads the model under the ledger's kernels value
 
-    found = ka.load_ablation(COMMITTED, "bfloat16")
-    marked = rows_of_unknown_libraries({v: found.folders[f"kernels-bfloat16-{v}"] for v in found.by_value})
-    assert ka.ablation_table(found.by_value) == ka.ablation_table(found.by_value, {})  # no column without marks
-    lines = ka.ablation_table(found.by_value, marked).splitlines()
-    assert lines[0].endswith("| rows by a library of no known commit (of them part) |") and lines[1].count("---") == 8
-    default = next(x for x in lines if x.startswith("| `default` |"))
-    parted = sum(r["diverged"] for r in found.by_value["default"] if r["problem_id"] in marked["default"])
-    assert default.endswith(f"| {len(marked['default'])} ({parted}) |")
-    assert (COMMITTED / "table.md").read_text().count(default) == 1  # the committed table carries the column
-
-
-def test_committed_ablation_ledgers_keep_their_keys_and_fit():
-    """Every committed ablation ledger's folder is the key today's code computes for its value (so no existing
-    value's key moved), and its rows fit their record."""
-    folders = sorted(p for p in COMMITTED.iterdir() if p.is_dir())
-    assert folders, COMMITTED
-    params = load_parameters("cpu")
-    caps = Caps(params.cap_branch, params.cap_merge, params.cap_answer)
-    for folder in folders:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        config = manifest["config"]
-        problems = load_bank()[: len(config["problem_ids"])]
-        kind = folder.name.split("-", 1)[0]
-        value = config.get("execution", {}).get("kernels", kernels.DEFAULT)
-        settings = ArmSettings(profile="cpu", dtype=config["dtype"], caps=caps, threads=config["threads"], kernels=value)
-        ours = (settings.config("kernel_ablation", problems) if kind == "kernels"
-                else settings.config("kernel_orders", problems) | {"orders": [ka.ORDER_A, ka.ORDER_B]})
-        assert config_digest(ours) == manifest["config_digest"] and folder.name.endswith(manifest["config_digest"][:12])
-        rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines()]
-        ka.check_rows(kind, rows)
-        assert all(r["kernels"] == value for r in rows) if kind == "kernels" else True
-
-
-def _copy(tmp_path, *names):
-    import shutil
-
-    root = tmp_path / "cpu"
-    for name in names:
-        shutil.copytree(next(COMMITTED.glob(f"{name}-*")), root / next(COMMITTED.glob(f"{name}-*")).name)
-    return root
-
-
-def test_load_ablation_reads_the_committed_ledgers_and_refuses_damaged_ones(tmp_path):
-    found = ka.load_ablation(COMMITTED, "bfloat16")
-    assert list(found.by_value)[:2] == ["default", "invariant"] and all(found.by_value.values())
-    frame = ka.ablation_frame(found)
-    assert frame.loc["`default`: prefill vs live", "suffixes part"].startswith(
-        f"{sum(r['diverged'] for r in found.by_value['default'])}/{len(found.by_value['default'])} (")
-    from kvreplay.ledger.files import LedgerError
-
-    root = _copy(tmp_path, "kernels-bfloat16-default", "kernels-bfloat16-invariant-except-norm")
-    folder = next(root.glob("kernels-bfloat16-default-*"))
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["config"]["threads"] = 3  # the config no longer has the folder's digest
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(LedgerError, match="config digest does not match"):
-        ka.load_ablation(root, "bfloat16")
-    root = _copy(tmp_path / "b", "kernels-bfloat16-default")
-    rows = next(root.glob("*/rows.jsonl"))
-    lines = rows.read_text().splitlines()
-    rows.write_text("\n".join([lines[0].replace('"kernels":"default"', '"kernels":"invariant"'), *lines[1:]]) + "\n")
-    with pytest.raises(LedgerError, match="computed under other kernels"):
-        ka.load_ablation(root, "bfloat16")
-    rows.write_text("\n".join([lines[0].replace('"diverged":', '"parted":'), *lines[1:]]) + "\n")
-    with pytest.raises(RowSchemaError, match="kernel-ablation kernels ledger"):
-        ka.load_ablation(root, "bfloat16")
-    with pytest.raises(LedgerError, match="no ablation ledgers"):
-        ka.load_ablation(tmp_path / "nowhere", "bfloat16")
+    checks = verify_ledger(ledgers["invariant-except-attention"].dir, rows=1, pick="first", problems=problems,
+                           model=str(tmp_path / "tiny-llama"))
+    assert [(c.mode, c.ok) for c in checks] == [("bytes", True)]
+    summary, contrasts = kernel_summary(records, KERNEL_CONTRASTS)
+    assert list(summary) == list(VALUES) and summary["invariant"].replay_exact == 3
+    assert summary["invariant"].suffix.k == 0 and max(summary["invariant"].rel_l2) == 0
+    assert [(c.a, c.b, c.n) for c in contrasts] == [(*pair, 3) for pair in KERNEL_CONTRASTS]
+    assert list(kernel_table(summary).index) == [f"`{v}`" for v in VALUES]
+    assert len(contrast_table(contrasts)) == 3
 
 
-def test_notebook_reads_the_committed_ledgers(tmp_path):
-    """Notebook 09 (not part of make paper) runs on the committed ledgers: its table and figure are written."""
-    import papermill
+def _row(pid, differs, exact=False, tie=False, rel=1e-3):
+    return {"problem_id": pid, "gate_failure": None,
+            "boundary": {"prefill_vs_incremental": {"cache": {"rel_l2": 0.0 if exact else rel}}},
+            "endpoints": {"boundary_exact": exact, "suffix_differs": differs, "tie_initiated": tie if differs else None}}
 
-    out = papermill.execute_notebook(str(ROOT / "notebooks" / "09_kernel_ablation.ipynb"), str(tmp_path / "run.ipynb"),
-                                     parameters={"profile": "cpu", "out": str(tmp_path)}, cwd=str(ROOT),
-                                     progress_bar=False, kernel_name="python3")
-    text = json.dumps(out["cells"])
-    assert "prefill = live bit for bit on every row" in text and "[saved figure" in text
-    assert {p.name for p in tmp_path.iterdir()} >= {"kernel_ablation_bfloat16.md", "kernel_ablation_drift_bfloat16.png"}
+
+def test_the_summary_pairs_problems_and_counts_ties_on_hand_built_rows():
+    default = [_row("a", True, tie=True), _row("b", True), _row("c", False), _row("d", True, tie=True)]
+    invariant = [_row(x, False, exact=True) for x in "abcd"]
+    except_attention = [_row("a", True, tie=True), _row("b", False), _row("c", True), _row("d", False)]
+    by_value = {"default": default, "invariant": invariant, "invariant-except-attention": except_attention}
+    summary, contrasts = kernel_summary(by_value, KERNEL_CONTRASTS + (("default", "invariant-except-linear"),))
+    assert (summary["default"].suffix.k, summary["default"].tie, summary["default"].replay_exact) == (3, 2, 0)
+    assert (summary["invariant"].suffix.k, summary["invariant"].replay_exact) == (0, 4)
+    assert [(c.mcnemar.b, c.mcnemar.c) for c in contrasts] == [(3, 0), (2, 1), (2, 0)]  # a value without rows: left out
+    assert contrasts[0].mcnemar.pvalue == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="not the same problems"):
+        kernel_summary({"default": default, "invariant": invariant[:3]}, KERNEL_CONTRASTS)
+    failed = dict(default[0], gate_failure={"gate": "desync", "reason": "x"})
+    with pytest.raises(GateError):
+        kernel_summary({"default": [failed, *default[1:]]}, ())
+

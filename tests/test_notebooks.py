@@ -145,6 +145,27 @@ def test_experiments2_and_3_smoke(chain_run):
     assert json.loads((ledgers / "smoke" / "exp3_bridge_panel.json").read_text())["problem_ids"]
 
 
+def test_kernel_attribution_smoke(chain_run):
+    """Notebook 09 (off make paper's chain) on the chain's ledgers: one exp2_kernels ledger per kernels value of the
+    profile, every value on the prefix bank's IDs, its table and declared contrasts."""
+    root, ledgers, figures = chain_run
+    _execute("09_kernel_ablation.ipynb", root, ledgers, figures)
+    folders = sorted((ledgers / "smoke").glob("exp2_kernels-bfloat16-*"))
+    configs = [json.loads((f / "manifest.json").read_text())["config"] for f in folders]
+    assert sorted(c["kernels"] for c in configs) == sorted(SMOKE["kernel_values"])
+    bank = {json.loads(x)["problem_id"]: json.loads(x)["prefix"]
+            for x in (ledgers / "smoke" / "prefix_bank_bf16.jsonl").read_text().splitlines()}
+    for f in folders:
+        rows = [json.loads(x) for x in (f / "rows.jsonl").read_text().splitlines()]
+        assert {r["problem_id"]: r["prefix"] for r in rows} == bank, f.name  # pinned: the bank's IDs in every value
+    table = pd.read_csv(figures / "smoke" / "table_kernel_attribution.csv", index_col=0)
+    n = len(bank)
+    assert table.loc["`invariant`", "prefill cache = replay, bit for bit"] == f"{n}/{n}"  # by construction
+    contrasts = pd.read_csv(figures / "smoke" / "table_kernel_contrasts.csv", index_col=0)
+    assert list(contrasts.index) == [f"`{a}` vs `{b}`" for a, b in SMOKE["kernel_contrasts"]]
+    assert "exact McNemar p" in (root / "09_kernel_ablation.ipynb").read_text()
+
+
 def test_experiment4_smoke(chain_run):
     root, ledgers, figures = chain_run
     panel = json.loads((ledgers / "smoke" / "exp4_panel.json").read_text())["panel"]

@@ -49,8 +49,10 @@ class ArmFacts:
         per_precision: it runs at those of :attr:`dtypes` the chain's ``precisions`` lists (Experiments 1, 2 and
             the tie-rule control); else at all of :attr:`dtypes`.
         enabled_by: a chain parameter that must be non-empty for the chain to compute it (``None``: always).
-        variants: a chain parameter listing its variants, one ledger each (the tie rules); ``None``: one ledger.
-        variant_key: the ledger-key entry that tells its variants apart (``"tie_rule"``); ``None`` without variants.
+        variants: a chain parameter listing its variants, one ledger each (the tie rules, the kernels values);
+            ``None``: one ledger.
+        variant_key: the ledger-key entry that tells its variants apart (``"tie_rule"``, ``"kernels"``); ``None``
+            without variants.
         assembly: the paper assembly (notebooks 06 and 07, ``ledger.lookup.LEDGER_SPECS``) reads it.
         exploratory: not one of the paper's experiments (a control).
         chain: an arm of the notebook chain (``kvreplay.experiments.arms.ARMS`` declares its functions).
@@ -114,6 +116,10 @@ ARM_FACTS: dict[str, ArmFacts] = {f.experiment: f for f in (
              "Experiment 5, replication on a later checkpoint",
              title="whole-cache transplants on the later checkpoint", partial="one_arm", reads=("exp2-bfloat16",),
              read_by=("06", "07"), assembly=True),
+    ArmFacts("exp2_kernels", "09_kernel_ablation.ipynb", ("bfloat16",), 2, "Exp2Row",
+             "Experiment 2's fixed prefixes under another kernels value (exploratory, kernel attribution)",
+             reads=("exp1-bfloat16",), enabled_by="kernel_values", variants="kernel_values", variant_key="kernels",
+             exploratory=True),
     ArmFacts("adapt_eval", "00_role_adaptation.ipynb", ("float32",), 1, "AdaptEvalRow",
              "the checkpoint family's letter metric", chain=False),
 )}

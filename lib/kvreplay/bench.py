@@ -59,7 +59,7 @@ from .problems import load_bank
 from .runner import ArmSettings, RunSpec, resolve_execution
 from .runner.actors import RowActors, shutdown
 from .bench_generate import (  # noqa: F401  (re-exported: the --vs-generate section lives there)
-    FLAG_SETS, HF_PATHS, PAPER_CAPS, _floor_ms, _hf_generate, _layout, _sync, choice_stats_cost, engine_vs_generate,
+    FLAG_SETS, HF_PATHS, PAPER_CAPS, floor_ms, _hf_generate, memory_layout, _sync, choice_stats_cost, engine_vs_generate,
     exp1_end_to_end, load_boundaries, merge_records, profile_step,
 )
 

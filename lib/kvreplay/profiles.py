@@ -30,6 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import kernels
 from .decoding import parse_rule
 from .paths import PARAMS, ROOT
 from .runner import EXECUTION_KEYS, resolve_execution
@@ -54,6 +55,13 @@ DEFAULT_PROFILE = "smoke"
 
 SEED = 20260729
 
+KERNEL_VALUES = ("default", "invariant", "invariant-except-attention")
+"""The kernel attribution's values where a profile lists none (``kernel_values``' default): those of
+:data:`KERNEL_CONTRASTS`."""
+KERNEL_CONTRASTS = (("default", "invariant"), ("default", "invariant-except-attention"),
+                    ("invariant-except-attention", "invariant"))
+"""The kernel attribution's primary contrasts (``kernel_contrasts``' default): every class in its default order
+against none, attention alone in its default order against none, and every class against attention alone."""
 MIN_HELDOUT = 100
 """Held-out selection rows (``adapt_selection.n_heldout``) a profile's recipe search needs at least, when the profile
 scores the bank on that many rows or more (``n_adapt_eval``): a profile whose checkpoint numbers are results. A toy
@@ -170,6 +178,13 @@ class ChainParameters(BaseModel):
         (), description="the manipulated-length arm (exploratory): Experiment 1 BF16 rerun on the same problems with "
         "the branch cap set to each of these (content tokens per branch block), everything else as the chain's, "
         "contrasted with the chain's own cap_branch (kvreplay.experiments.prefix_length); empty: not run")
+    kernel_values: tuple[str, ...] = Field(
+        KERNEL_VALUES, description="the kernel attribution (exploratory, notebook 09): Experiment 2's fixed BF16 prefixes rebuilt "
+        "and prefilled under each of these execution-contract kernels values (kvreplay.kernels.KERNELS), one ledger "
+        "each, contrasted by kernel_contrasts; not in make paper's chain (docs/execution-contract.md); empty: none")
+    kernel_contrasts: tuple[tuple[str, str], ...] = Field(
+        KERNEL_CONTRASTS, description="the kernel attribution's primary contrasts, declared before any of its rows: "
+        "pairs of kernel_values whose suffix divergence is compared on the same problems (exact McNemar)")
     record_top_logits: bool = Field(
         False, description="every arm's suffix records its steps' top-1 eligible logits (top_logits; adds "
         "top_logits: true to each ledger key), which the tie-margin histogram needs; the tie-rule control always does")
@@ -217,11 +232,18 @@ class ChainParameters(BaseModel):
     figures_root: str | None = Field(None, description="the folder holding <profile>/ tables and figures (None: figures)")
     checkpoint_root: str | None = Field(None, description="the role-table checkpoint folders (None: data/checkpoints)")
 
-    @field_validator("precisions", "adapt_checkpoints", "tie_rules", "length_branch_caps", mode="before")
+    @field_validator("precisions", "adapt_checkpoints", "tie_rules", "length_branch_caps", "kernel_values",
+                     mode="before")
     @classmethod
     def _list_as_tuple(cls, value):
         """YAML and ``overrides`` give lists; the frozen model keeps tuples."""
         return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("kernel_contrasts", mode="before")
+    @classmethod
+    def _pairs_as_tuples(cls, value):
+        """YAML gives a list of two-item lists; the frozen model keeps tuples."""
+        return tuple(tuple(p) if isinstance(p, list) else p for p in value) if isinstance(value, list) else value
 
     @field_validator("execution", mode="before")
     @classmethod
@@ -262,6 +284,23 @@ class ChainParameters(BaseModel):
         if self.cap_branch in caps:
             raise ValueError(f"length_branch_caps lists {self.cap_branch}, the chain's own cap_branch: Experiment 1 "
                              "is that arm already")
+        return self
+
+    @model_validator(mode="after")
+    def _kernel_values_and_contrasts(self):
+        """The kernel attribution's values: known, each once; every contrast a pair of two of them. (Whether a value
+        runs on the profile's decode path is checked when its arm is planned, :meth:`kvreplay.runner.ArmPlan.bind`.)"""
+        values = self.kernel_values
+        if not values:
+            return self
+        for v in values:
+            kernels.parse_kernels(v)  # ValueError naming the known values
+        if len(set(values)) != len(values):
+            raise ValueError(f"kernel_values: a value is listed twice in {list(values)}")
+        for pair in self.kernel_contrasts:
+            if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(values):
+                raise ValueError(f"kernel_contrasts: {list(pair)} is not a pair of two of kernel_values "
+                                 f"{list(values)}; declare the contrasts among the values the arm runs")
         return self
 
     @model_validator(mode="after")

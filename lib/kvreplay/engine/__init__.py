@@ -69,6 +69,7 @@ from .attention import (
 from .cache import RowCache, RowLayer
 from .run import EngineRun, EngineStats, engine_max_len
 from .decoders import (
+    ForcedDecode,
     build_incrementals,
     decode_chains,
     decode_forced,
@@ -81,7 +82,7 @@ from .step import STEP_PATHS, StepEngine, choice_stats
 
 __all__ = [
     "ATTENTIONS", "FLEX_BLOCK", "STEP_PATHS", "TOLERANCE",
-    "EngineRun", "EngineStats", "engine_max_len", "FlexMask", "RowCache", "RowLayer", "StepEngine", "build_incrementals", "choice_stats", "decode_chains",
+    "EngineRun", "EngineStats", "engine_max_len", "FlexMask", "ForcedDecode", "RowCache", "RowLayer", "StepEngine", "build_incrementals", "choice_stats", "decode_chains",
     "decode_forced", "decode_lives", "decode_suffixes", "flex_attention_step", "flex_environment",
     "flex_kernel_options", "flex_reference", "grouped_attention", "live_length_bound", "reference_attention",
     "suffix_length_bound", "use_attention",

@@ -13,6 +13,7 @@ bit.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -288,6 +289,22 @@ def decode_chains(
                        [engine.attention_check] if engine.attention_check is not None else [])
 
 
+@dataclasses.dataclass(frozen=True)
+class ForcedDecode:
+    """What :func:`decode_forced` returns: the tokens and what this call's steps measured.
+
+    Attributes:
+        tokens: per boundary, in the order given, its ``new_tokens`` token IDs.
+        steps: batched steps this call ran.
+        busy_slot_steps: the slots that held a problem, summed over those steps.
+        batch: the engine's problems per step ``B`` (``busy_slot_steps / (steps * batch)`` is the occupancy).
+    """
+    tokens: list[list[int]]
+    steps: int
+    busy_slot_steps: int
+    batch: int
+
+
 @torch.inference_mode()
 def decode_forced(
     lm: LoadedModel,
@@ -297,7 +314,7 @@ def decode_forced(
     run: EngineRun = EngineRun(),
     *,
     engine: StepEngine | None = None,
-) -> tuple[list[list[int]], dict[str, int]]:
+) -> ForcedDecode:
     """Exactly ``new_tokens`` greedy tokens after each boundary, no blocks: the benchmark's like-for-like decode.
 
     The engine's step, scheduler and gates (``nonfinite``, ``desync``, ``functional_state``) as in
@@ -313,7 +330,7 @@ def decode_forced(
         engine: an engine to run in (its captured graph is reused; its slots must be free), else a new one.
 
     Returns:
-        ``(tokens per boundary, {"steps", "busy_slot_steps", "batch"})`` of this call.
+        A :class:`ForcedDecode`: the tokens per boundary, and the steps and busy slot-steps of this call.
 
     Raises:
         GateError: any gate (they all raise here).
@@ -329,5 +346,4 @@ def decode_forced(
     for i, b in enumerate(boundaries):
         scheduler.submit(_forced_work(engine, i, b, new_tokens))
     results = _in_order(scheduler, len(boundaries))
-    return results, {"steps": engine.steps - steps, "busy_slot_steps": engine.busy_slot_steps - busy,
-                     "batch": engine.batch}
+    return ForcedDecode(results, engine.steps - steps, engine.busy_slot_steps - busy, engine.batch)

@@ -99,9 +99,10 @@ class StepEngine:
             dtype and writes the same keys/values, the final norm and LM head run in
             float32 (``[rows, vocab]`` float32 logits; the exploratory control of
             Experiment 2). ``None``: the model's own head.
-        tie_rule: which of exactly tied eligible tokens each row chooses, parsed (:mod:`kvreplay.ties`; the ``hash``
-            rule hashes the chosen token's position, the input position plus one).
-        top_logits: the choice statistics carry each row's top-1 eligible logit (row 4).
+        decoding: what each row chooses by (:class:`~kvreplay.decoding.Decoding`, as the eager decoders). Its parsed
+            tie rule picks among exactly tied eligible tokens (``hash`` hashes the chosen token's position, the
+            input position plus one). With ``top_logits`` the choice statistics carry each row's top-1 eligible
+            logit (row 4). Its caps are the scheduler's. ``None``: the ``lowest`` rule, no top logits.
         stats: where the engine adds what it measures (steps, slot-steps, busy slot-steps, verified steps,
             attention checks); ``None``: a fresh :class:`~kvreplay.engine.run.EngineStats` of its own.
         attention: ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`ATTENTIONS`): the step's attention (prompt
@@ -126,19 +127,16 @@ class StepEngine:
     def for_run(cls, lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int,
                 readout: decode.FP32Readout | None = None, decoding: Decoding | None = None) -> "StepEngine":
         """An engine at ``run``'s settings for sequences of at most ``need`` positions (``max_len``:
-        :meth:`EngineRun.max_len_for`), adding what it measures to ``run.stats``, choosing by ``decoding``'s
-        parsed tie rule and top-logit recording (``None``: the ``lowest`` rule, no top logits).
+        :meth:`EngineRun.max_len_for`), adding what it measures to ``run.stats``, choosing by ``decoding``.
 
         Raises:
             ValueError: a fixed ``max_len`` below ``need``, or a setting the constructor refuses."""
-        rule, top = (decoding.tie_rule, decoding.top_logits) if decoding is not None else (ties.LOWEST, False)
         return cls(lm, fmt, run.batch, run.max_len_for(need), run.step_path, run.verify_steps, readout,
-                   run.attention, rule, top, run.stats)
+                   run.attention, decoding, run.stats)
 
     def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
                  verify_steps: int = 0, readout: decode.FP32Readout | None = None, attention: str = "sdpa",
-                 tie_rule: ties.TieRule = ties.LOWEST, top_logits: bool = False,
-                 stats: EngineStats | None = None):
+                 decoding: Decoding | None = None, stats: EngineStats | None = None):
         self.stats = stats if stats is not None else EngineStats()
         if step_path not in STEP_PATHS:
             raise ValueError(f"unknown step path {step_path!r}; use one of {STEP_PATHS}")
@@ -146,7 +144,11 @@ class StepEngine:
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r}; use one of {ATTENTIONS}")
         self.attention = attention
-        self.tie_rule, self.top_logits = ties.check_parsed(tie_rule, "StepEngine tie_rule"), top_logits
+        if decoding is not None and not isinstance(decoding, Decoding):
+            raise TypeError(f"StepEngine: decoding must be a Decoding (Decoding.of(caps, ...)) or None, got {decoding!r}")
+        self.decoding = decoding
+        self.tie_rule = decoding.tie_rule if decoding is not None else ties.LOWEST
+        self.top_logits = decoding.top_logits if decoding is not None else False
         if step_path == "graph" and lm.device.type != "cuda":
             raise ValueError(f"step path 'graph' needs a CUDA device, the model is on {lm.device}")
         if batch < 1 or max_len < 1:

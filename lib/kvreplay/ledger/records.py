@@ -31,6 +31,8 @@ Row kinds, keyed by the ledger folder's experiment prefix (:data:`ROW_TYPES`):
   caches (paper §3.8, §4.4);
 * ``exp5`` (:class:`ReplicationRow`): Experiment 5, the whole-cache transplant replicated on a later checkpoint
   (paper §4.5), with each baseline's answer score;
+* ``exp2_kernels`` (:class:`Exp2Row`): Experiment 2 under another kernels value (the exploratory kernel
+  attribution);
 * ``adapt_eval`` (:class:`AdaptEvalRow`): the answer-letter metric of each role-table checkpoint of the family
   Experiment 5's later checkpoint comes from (notebook 00; paper §3.1 role rows, §4.5).
 
@@ -437,6 +439,8 @@ def validate_rows(experiment: Literal["exp3"], rows: Iterable[Any]) -> list[Brid
 def validate_rows(experiment: Literal["exp4"], rows: Iterable[Any]) -> list[TransplantRecord]: ...
 @overload
 def validate_rows(experiment: Literal["exp5"], rows: Iterable[Any]) -> list[ReplicationRecord]: ...
+@overload
+def validate_rows(experiment: Literal["exp2_kernels"], rows: Iterable[Any]) -> list[Exp2Record]: ...
 @overload
 def validate_rows(experiment: Literal["adapt_eval"], rows: Iterable[Any]) -> list[AdaptEvalRow]: ...
 @overload

@@ -30,6 +30,7 @@ from ..ledger import provenance as prov
 from ..ledger.files import read_log, read_manifest
 from ..paths import DATA, ROOT
 from ..stats import mcnemar_exact
+from .kernel_ablation_legacy import load_ablation
 from .markdown import table
 from .prefix_length import length_arm_text
 from .summary import checkpoint_recipe
@@ -241,28 +242,13 @@ def provenance_page(data: Path = DATA) -> str:
     ])
 
 
-def rows_of_unknown_libraries(folders: Mapping[str, Path], data: Path = DATA) -> dict[str, set[str]]:
-    """Per name of ``folders`` (ledger folders), the problem IDs whose run-log ``row`` event names a library digest
-    that no commit has (``null`` in ``data/libraries.json``, or absent from it).
-
-    Raises:
-        FileNotFoundError, LedgerFileError: ``data/libraries.json`` missing or damaged.
-    """
-    libraries = prov.read_library_commits(data / "libraries.json")
-    return {name: {str(e.get("key") or e.get("problem_id")) for e in read_log(Path(folder) / "runlog.jsonl")
-                   if e.get("event") == "row" and e.get("library_sha256") and not libraries.get(e["library_sha256"])}
-            for name, folder in folders.items()}
-
-
 def kernel_paragraph(root: Path = ABLATION / "cpu", data: Path = DATA) -> str:
     """The README's paragraph on the kernel ablation (BF16), from its ledgers and ``data/libraries.json``.
 
     Raises:
-        LedgerError, LedgerLineError, RowSchemaError: as :func:`kvreplay.experiments.kernel_ablation.load_ablation`.
+        LedgerError, LedgerLineError, RowSchemaError: as :func:`kvreplay.report.kernel_ablation_legacy.load_ablation`.
         ValueError: no rows of ``default``, ``invariant`` or the attention or linear ablation value.
     """
-    from ..experiments.kernel_ablation import load_ablation
-
     libraries = prov.read_library_commits(data / "libraries.json")
     lab = load_ablation(root, "bfloat16")
     by = {v: {r["problem_id"]: r for r in rows} for v, rows in lab.by_value.items()}
@@ -305,7 +291,7 @@ def kernel_paragraph(root: Path = ABLATION / "cpu", data: Path = DATA) -> str:
                for j in [sum(by[v][p]["diverged"] and lib[v][p] in orphan for p in by[v])]]
     return (
         "Changing only the reduction order at fixed precision (`cpu`, BF16; [invariant "
-        "kernels](docs/execution-contract.md#invariant-kernels), `data/kernel_ablation/cpu/table.md`, notebook 09): "
+        "kernels](docs/execution-contract.md#invariant-kernels), `data/kernel_ablation/cpu/table.md`; notebook 09 repeats it on pinned inputs): "
         f"with every reducing operation in one fixed order (`{inv}`, {marked(inv)}) prefill equals live bit for bit "
         f"({sum(r['drift']['exact'] for r in by[inv].values())}/{n(inv)}) and {parted(inv)}/{n(inv)} suffixes part, "
         f"by construction, against {parted(d)}/{n(d)} under the default kernels ({marked(d)}; exact McNemar "

@@ -28,7 +28,7 @@ from .spec import ArmSettings, Hook, RunSpec
 R = TypeVar("R", bound=Mapping[str, Any])
 """An arm's row record (:mod:`kvreplay.ledger.records`, e.g. ``Exp1Record``)."""
 
-SETTING_ENTRIES = ("tie_rule", "top_logits")
+SETTING_ENTRIES = ("tie_rule", "top_logits", "kernels")
 """Ledger-key entries of an arm that are also :class:`ArmSettings` fields: a plan's entry sets the field
 (:meth:`ArmPlan.bind`)."""
 
@@ -196,7 +196,8 @@ class ArmPlan(Generic[R]):
     def bind(self, settings: ArmSettings) -> ArmSettings:
         """The settings this plan runs under: a key entry named in :data:`SETTING_ENTRIES` sets that field.
 
-        The tie-rule control keys ``tie_rule`` and ``top_logits``; its rows are decoded under them. An entry of
+        The tie-rule control keys ``tie_rule`` and ``top_logits``; its rows are decoded under them. The kernel
+        attribution keys ``kernels``: its model is loaded under that execution-contract value. An entry of
         :data:`CAP_ENTRIES` sets that cap (the manipulated-length arm's ``cap_branch``)."""
         given: dict[str, Any] = {k: self.key[k] for k in SETTING_ENTRIES if k in self.key}
         caps = {field: self.key[k] for k, field in CAP_ENTRIES.items() if k in self.key}
