@@ -145,9 +145,12 @@ def test_experiments2_and_3_smoke(chain_run):
     assert json.loads((ledgers / "smoke" / "exp3_bridge_panel.json").read_text())["problem_ids"]
 
 
+@pytest.mark.slow
 def test_kernel_attribution_smoke(chain_run):
     """Notebook 09 (off make paper's chain) on the chain's ledgers: one exp2_kernels ledger per kernels value of the
-    profile, every value on the prefix bank's IDs, its table and declared contrasts."""
+    profile, every value on the prefix bank's IDs, its table and declared contrasts. Slow (``KVREPLAY_SLOW=1``):
+    the invariant-kernel reference takes minutes a row on 2 CPU cores even at the smoke caps; the arm itself runs
+    through ``run_arm`` on a tiny model in ``tests/test_kernel_ablation.py``."""
     root, ledgers, figures = chain_run
     _execute("09_kernel_ablation.ipynb", root, ledgers, figures)
     folders = sorted((ledgers / "smoke").glob("exp2_kernels-bfloat16-*"))

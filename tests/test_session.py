@@ -360,7 +360,7 @@ def test_gpu_profile_measures_an_arm_from_its_run_log_and_its_floor():
                "kv_positions": 30_000, "capture_s": 1.5},
               {"event": "gates", "checks": [{"gate": "composition", "problem_id": "a"},
                                             {"gate": "live_equals_incremental", "seconds": 9.0}]},
-              {"event": "equivalence_sample", "checks": [{"seconds": 0.25}, {"seconds": 0.5}]},
+              {"event": "equivalence_sample", "checks": [{"seconds": 0.75}, {"seconds": 0.75}]},  # one shared call
               {"event": "end", "compute_s": 7.0}]
     layout = {"weights_bytes": 1_000_000, "kv_bytes_per_position": 100}
     m = gpu_profile.arm_measures(events, layout, 1e9)  # 1 GB/s
