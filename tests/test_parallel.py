@@ -199,7 +199,7 @@ def test_bad_worker_counts_and_an_actor_that_cannot_start(tmp_path, tiny_arm, cl
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
-    with pytest.raises(RuntimeError, match=r"row actor \(pid \d+, device cpu\) failed to start: ModelLoadError: cannot load the model at .*broken-model. \(it exists"):
+    with pytest.raises(RuntimeError, match=r"row actor \(pid \d+, device cpu\) failed to start: ModelLoadError: model .*broken-model.: its config .* cannot be read"):
         EXP1.run(tiny_arm(workers=2, model=str(broken)), tiny_problems(3), ledger_root=tmp_path, progress=False)
     assert not any((tmp_path / "t").glob("*/rows.jsonl"))  # nothing was computed
 

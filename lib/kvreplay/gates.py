@@ -56,10 +56,11 @@ GATES: Mapping[str, Gate] = {g.name: g for g in (
          "endpoint needs.", "experiments, ledger.prefix_bank", "§3.4"),
     Gate("live_equals_incremental", "A live boundary equals its teacher-forced incremental rebuild bit for bit.",
          "gates.check_live_equals_incremental", "§3.6"),
-    Gate("composition", "A problem's record computed alone at the arm's batch shape equals its record computed in "
-         "a chunk with other problems.", "runner.batched", "§3.9"),
-    Gate("graph_equals_eager", "The CUDA-graph step writes the same logits and keys/values as the eager step.",
-         "engine.step", "§3.9"),
+    Gate("composition", "A problem decoded twice at the arm's batch shape, beside different companions, gives one "
+         "record byte for byte: a new arm's first problem again as the last job of its first chunk; a resumed arm's "
+         "committed row alone, in a chunk of one, against its line.", "runner.batched", "§3.9"),
+    Gate("graph_equals_eager", "The CUDA-graph step writes the same logits and keys/values as the eager step (the "
+         "first 32 steps of every engine of an arm's first chunk, re-run eagerly).", "engine.step", "§3.9"),
     Gate("attention_tolerance", "The engine's attention stays within its tolerance of the math-SDPA reference on "
          "a step that holds a boundary.", "engine.step, runner.batched", "§3.9"),
 )}
