@@ -47,7 +47,7 @@ each entry records ``rows_before``, the rows it resumed from.
 
 After each arm its ledger folder is packed, rows sealed (gzip), into ``OUTDIR/<ledger folder>.tar.gz``, and two
 files are rewritten: ``OUTDIR/gpu_profile.json`` (per arm: wall time, rows done of rows wanted, gate failures,
-the exit status and what it measured, :func:`arm_measures`) and ``OUTDIR/gpu_profile.md``, the command on its
+the exit status, what it measured, :func:`arm_measures`, and the GPU memory it peaked at and left, :func:`release_memory`) and ``OUTDIR/gpu_profile.md``, the command on its
 first line, then one row per arm: rows, wall s, compute s, graph capture s, gate s, steps, ms per step, slot
 occupancy and the step's multiple of its memory floor (``--bandwidth-tbs``, by default the card's datasheet
 figure, :data:`BANDWIDTH_TBS`). Nothing about outcomes is asserted.
@@ -355,6 +355,26 @@ TABLE_COLUMNS = ("arm", "rows", "wall_s", "compute_s", "capture_s", "gate_s", "s
                  "floor_ms_per_step", "x_floor", "status")
 
 
+def release_memory(torch) -> dict | None:
+    """After an arm: collect what it left unreachable (engines, captured graphs' pools, suffix states) and hand the
+    cached blocks back to the driver, so the next arm of the process starts with only the kept models on the card.
+    Returns GiB: the arm's peak allocation, and what is still allocated and reserved afterwards (``None`` off CUDA);
+    the peak counter restarts for the next arm."""
+    import gc
+
+    gc.collect()
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    gib = 2.0 ** 30
+    out = {"peak": round(torch.cuda.max_memory_allocated() / gib, 2),
+           "allocated_after": round(torch.cuda.memory_allocated() / gib, 2),
+           "reserved_after": round(torch.cuda.memory_reserved() / gib, 2)}
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
 def write_table(report: dict, path: Path) -> None:
     """``gpu_profile.md``: the command on its first line, then one row per arm (:data:`TABLE_COLUMNS`)."""
     lines = [f"`{report['command']}`", "", f"{report.get('device', '?')}, torch {report.get('torch', '?')}, "
@@ -544,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copy2(panel, args.out / panel.name)
             if "stopped" in entry and sum(n or 0 for n in entry.get("packed", {}).values()) <= entry["rows_before"]:
                 entry["no_progress"] = True  # stopped before its first chunk: nothing computed in this call
+            entry["cuda_gib"] = release_memory(torch)  # nothing of this arm is kept for the next one
             report["arms"][arm] = entry
             print(arm, json.dumps(entry, default=str), flush=True)
             report["elapsed_s"] = round(time.perf_counter() - t0, 1)
