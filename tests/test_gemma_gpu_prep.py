@@ -53,22 +53,22 @@ def _pieces(tmp_path: Path, data: bytes | None, sizes: list[int]) -> None:
     """Carried pieces .gguf-gemma/<letter>/partN of ``data`` (zeros when None), in the script header's layout."""
     at = 0
     for i, n in enumerate(sizes):
-        folder = tmp_path / ".gguf-gemma" / "abcdefg"[i]
+        folder = tmp_path / ".gguf-gemma" / "abcdefghi"[i]
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"part{i}").write_bytes(bytes(n) if data is None else data[at:at + n])
         at += n
 
 
 def test_the_offline_script_waits_for_every_gemma_piece_and_refuses_wrong_bytes(tmp_path):
-    sizes = [GEMMA_BYTES // 7] * 6 + [GEMMA_BYTES - 6 * (GEMMA_BYTES // 7)]
-    assert max(sizes) <= 36 * 2**20  # each piece travels beside the tracked tree (24 MiB) within 64 MiB
+    sizes = [GEMMA_BYTES // 9] * 8 + [GEMMA_BYTES - 8 * (GEMMA_BYTES // 9)]
+    assert max(sizes) <= 27 * 2**20  # each piece travels beside the tracked tree (30 MiB) within 64 MiB
     _pieces(tmp_path, None, sizes[:2])
     out = _source(tmp_path)
     assert out.returncode == 3 and f"({2 * sizes[0]} of {GEMMA_BYTES} bytes" in out.stderr
     shutil.rmtree(tmp_path / ".gguf-gemma")  # the next call carries the other pieces; the first two were kept
     _pieces(tmp_path, None, sizes)
     for i in range(2):
-        shutil.rmtree(tmp_path / ".gguf-gemma" / "abcdefg"[i])
+        shutil.rmtree(tmp_path / ".gguf-gemma" / "abcdefghi"[i])
     out = _source(tmp_path)
     assert out.returncode == 3 and "joined Gemma GGUF has the wrong sha256" in out.stderr
     assert not (tmp_path / "kv" / "gemma-3-270m-q4_k_m.gguf").exists()
@@ -81,7 +81,7 @@ def test_the_offline_script_joins_the_real_gemma_pieces_for_kvreplay(tmp_path):
     parts = models.embedded_chunks("gemma3")
     data = b"".join(p.read_bytes() for p in parts)
     assert len(data) == GEMMA_BYTES
-    _pieces(tmp_path, data, [-(-GEMMA_BYTES // 7)] * 6 + [GEMMA_BYTES - 6 * -(-GEMMA_BYTES // 7)])
+    _pieces(tmp_path, data, [-(-GEMMA_BYTES // 9)] * 8 + [GEMMA_BYTES - 8 * -(-GEMMA_BYTES // 9)])
     out = _source(tmp_path)
     assert out.returncode == 0, out.stderr
     lines = dict(line.split("=", 1) for line in out.stdout.splitlines())

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACKED_LIMIT = 24 * 2**20
-"""Bytes the tracked files may take: a device call carries at most 64 MiB, and the embedded GGUF travels
-beside the tree in parts of at most 32 MiB (scripts/offline_gpu_env.sh)."""
+TRACKED_LIMIT = 30 * 2**20
+"""Bytes the tracked files may take: a device call carries at most 64 MiB, and a model travels beside the tree in
+parts of at most 27 MiB (the embedded GGUF in four, Gemma 3 in nine, scripts/offline_gpu_env.sh) with the carried
+wheels and a frozen library (about 5 MiB)."""
 
 
 def tracked_files() -> list[Path]:
