@@ -63,6 +63,27 @@ def check_status(events: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     return status
 
 
+def covered_rows(events: Iterable[Mapping[str, Any]]) -> set[str]:
+    """Problem IDs a passing sampled check covers: those :func:`check_status` reads as ``passed``, and, for a library
+    that logged passing :data:`SAMPLE_EVENT` events without naming their rows, the rows logged since that run's
+    ``start`` or its previous sample event (the chunk it checked), or named in its ``checks``. Used by the provenance
+    tables; readers go by :func:`check_status` alone."""
+    events = list(events)
+    covered = {k for k, v in check_status(events).items() if v == "passed"}
+    chunk: list[str] = []
+    for event in events:
+        kind = event.get("event")
+        if kind == "start":
+            chunk = []
+        elif kind == "row" and (key := event.get("key") or event.get("problem_id")):
+            chunk.append(key)
+        elif kind == SAMPLE_EVENT:
+            if event.get("passed") is True and not isinstance(event.get("rows"), list):
+                covered.update(chunk, (c.get("problem_id") for c in event.get("checks", [])))
+            chunk = []
+    return covered
+
+
 def ledger_key(manifest: Mapping[str, Any]) -> str:
     """The folder name a manifest keys: ``<name>-<config_digest[:12]>``."""
     return f"{manifest.get('name')}-{str(manifest.get('config_digest'))[:12]}"

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from .checked import SAMPLE_EVENT, covered_rows
 from .files import read_environment, read_json, read_log, read_manifest
 
 
@@ -137,18 +138,18 @@ def describe(p: LedgerProvenance) -> str:
             + "".join(f"; {n} row(s): {label}" for label, n in p.unchecked))
 
 
-SAMPLED_CHECK_EVENT = "equivalence_sample"
-"""The run-log event of the sampled float32 construction-equivalence check (:mod:`kvreplay.runner.row_checks`)."""
+SAMPLED_CHECK_EVENT = SAMPLE_EVENT
+"""The run-log event of the sampled float32 construction-equivalence check (:mod:`kvreplay.ledger.checked`)."""
 
 
 def sampled_check_missing(folder: str | Path, has_check: Mapping[str, bool | None]) -> dict[str, str]:
     """The rows of one ledger whose sampled float32 construction-equivalence check never ran, problem ID -> why.
 
     Read from the run log alone. A ledger whose config's ``dtype`` is ``float32`` (or names none) has no such row:
-    a float32 row checks itself. Any other row counts as checked only when an ``equivalence_sample`` event with
-    ``passed: true`` names it in its ``rows`` or covers its chunk. A chunk is the rows logged since that run's
-    ``start`` or its previous sample event (for a library that did not name the rows it covered). ``has_check`` maps a library digest to whether its code had the check (``None``: unknown, e.g. a
-    digest no commit has). The reason names the digest of the row's ``row`` event (12 hex digits):
+    a float32 row checks itself. Any other row counts as checked only when a passing sampled check covers it
+    (:func:`kvreplay.ledger.checked.covered_rows`, which also reads the checks of a library that did not name their
+    rows). ``has_check`` maps a library digest to whether its code had the check (``None``: unknown, e.g. a digest
+    no commit has). The reason names the digest of the row's ``row`` event (12 hex digits):
     ``"never ran (library <d>)"`` when it had the check; ``"not run (library <d>)"`` when it had not;
     ``"not run (library <d>, in no commit)"`` when unknown; ``"not run (run log names no library)"``.
 
@@ -158,20 +159,10 @@ def sampled_check_missing(folder: str | Path, has_check: Mapping[str, bool | Non
     folder = Path(folder)
     if read_manifest(folder).get("config", {}).get("dtype", "float32") == "float32":
         return {}
-    checked: set[str] = set()
-    library: dict[str, str | None] = {}
-    chunk: list[str] = []
-    for event in read_log(folder / "runlog.jsonl"):
-        kind = event.get("event")
-        if kind == "start":
-            chunk = []
-        elif kind == "row" and (key := event.get("key") or event.get("problem_id")):
-            library[key] = event.get("library_sha256")
-            chunk.append(key)
-        elif kind == SAMPLED_CHECK_EVENT:
-            if event.get("passed") is True:  # the rows it names (a library that records them), else its chunk
-                checked.update(chunk, (c.get("problem_id") for c in event.get("checks", [])), event.get("rows") or [])
-            chunk = []
+    events = read_log(folder / "runlog.jsonl")
+    checked = covered_rows(events)
+    library = {key: e.get("library_sha256") for e in events
+               if e.get("event") == "row" and (key := e.get("key") or e.get("problem_id"))}
     out = {}
     for key, digest in library.items():
         if key in checked:
