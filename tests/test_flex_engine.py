@@ -105,6 +105,25 @@ def test_flex_reference_is_torch_flex_attention_bit_for_bit(dtype):
     assert torch.equal(ours, torch_ref)
 
 
+def test_the_gates_reference_is_computed_in_row_blocks_each_row_on_its_own_inputs(monkeypatch):
+    """The float64 reference takes a few rows at a time (its repeated keys would otherwise need several times the
+    cache's memory); each row's output is the one it has computed alone, and the blocks cover every row once."""
+    g = torch.Generator().manual_seed(5)
+    rows, heads, kv_heads, keys, dim = 7, 6, 2, 40, 8
+    q = torch.randn(rows, heads, 1, dim, generator=g)
+    k, v = (torch.randn(rows, kv_heads, keys, dim, generator=g) for _ in range(2))
+    allowed = torch.rand(rows, 1, 1, keys, generator=g) < 0.7
+    allowed[..., 0] = True
+    monkeypatch.setattr(attn, "REFERENCE_ROWS", 3)  # blocks of 3, 3 and 1 rows
+    blocked = attn.reference_attention(q, k, v, allowed, 0.3)
+    alone = torch.cat([attn.reference_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], allowed[i:i + 1], 0.3)
+                       for i in range(rows)])
+    assert blocked.shape == (rows, 1, heads, dim) and blocked.dtype == torch.float64
+    assert torch.equal(blocked, alone)
+    shared = attn.reference_attention(q, k, v, allowed[:1], 0.3)  # one mask broadcast over every row
+    assert torch.equal(shared[:1], blocked[:1]) and shared.shape == blocked.shape
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flex_step_attention_is_math_sdpa_within_tolerance_and_ignores_what_the_mask_hides(dtype):
     g = torch.Generator().manual_seed(3)

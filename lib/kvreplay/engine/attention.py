@@ -382,13 +382,24 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
     Returns:
         ``[rows, q, heads, head_dim]`` float64 (the layout attention functions return).
+
+    Computed :data:`REFERENCE_ROWS` rows at a time, so the float64 keys and values repeated per query head take a
+    slice of the cache's memory, not four times all of it (a batch of 128 rows at 4,096 positions would need GiBs).
     """
     group = query.shape[1] // key.shape[1]
+    out = []
     with sdpa_kernel([SDPBackend.MATH]):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.double(), key.double().repeat_interleave(group, 1), value.double().repeat_interleave(group, 1),
-            attn_mask=allowed, scale=scaling)
-    return out.transpose(1, 2)
+        for r in range(0, query.shape[0], REFERENCE_ROWS):
+            s = slice(r, r + REFERENCE_ROWS)
+            out.append(torch.nn.functional.scaled_dot_product_attention(
+                query[s].double(), key[s].double().repeat_interleave(group, 1),
+                value[s].double().repeat_interleave(group, 1),
+                attn_mask=allowed[s] if allowed.shape[0] > 1 else allowed, scale=scaling))
+    return torch.cat(out).transpose(1, 2)
+
+
+REFERENCE_ROWS = 16
+"""Rows per call of :func:`reference_attention` (each row's reference is computed on its own inputs alone)."""
 
 
 def attention_function(attention: str):
