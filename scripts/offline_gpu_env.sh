@@ -25,7 +25,7 @@
 #             On the machine the pieces are joined in name order once their sizes add up, the sha256 is checked,
 #             and KVREPLAY_GEMMA3_GGUF names the file (kvreplay.models.gguf_env); the model is converted on its
 #             first load into $KVREPLAY_MODEL_CACHE (set to /tmp/kv/models here; about 1 GB, once per machine).
-#   .raywhl/  only for row actors (workers > 1, e.g. scripts/gpu_ray_bench.py): the CPython 3.12 Ray wheel
+#   .raywhl/  only for row actors (workers > 1, e.g. python3 -m kvreplay.bench ray): the CPython 3.12 Ray wheel
 #             (76 MiB) in two parts, and the binary and pure-Python wheels it needs, at the lock's versions:
 #             grep -E '^[A-Za-z0-9_.-]+==' requirements.txt | sed 's/ \\$//' | grep -v '^torch==' > /tmp/pins.txt
 #             python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \

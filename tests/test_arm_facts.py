@@ -1,7 +1,7 @@
 """An arm's facts are declared once (kvreplay.arm_facts.ARM_FACTS) and every table that lists arms reads them.
 
-A toy arm added in that one place is seen by the ledger lookup, the record types, the row-algorithm versions, the
-notebook chain, the partial-results report and the GPU script; the facts module and the GPU script's parent process
+A toy arm added in that one place is seen by the ledger lookup, the record types and their generated overloads, the
+row-algorithm versions, the notebook chain, the paper tables, the partial-results report and the GPU script; the facts module and the GPU script's parent process
 import no torch.
 """
 
@@ -15,17 +15,22 @@ import pytest
 
 from kvreplay import arm_facts
 from kvreplay.arm_facts import ARM_FACTS, ArmFacts
+from kvreplay.experiments import bridge
+from kvreplay.ledger import overloads
 from kvreplay.ledger.lookup import LEDGER_SPECS
 from kvreplay.ledger.records import FAILED_ROW_TYPES, ROW_TYPES, BridgeFailedRow, BridgeRow
 from kvreplay.paper_chain import CHAIN, notebook_arms
 from kvreplay.paths import ROOT
 from kvreplay.profiles import load_parameters
-from kvreplay.report import partial
+from kvreplay.report import paper_tables, partial
+from kvreplay.report.summary import TABLES_BY_EXPERIMENTS
 from kvreplay.runner import ROW_ALGORITHM
 
-TOY = ArmFacts("exp9", "03_experiment3_bridge_and_audit.ipynb", ("bfloat16",), 1, "BridgeRow", "Experiment 9, a toy",
+TOY = ArmFacts("exp9", "10_toy_arm.ipynb", ("bfloat16",), 1, "BridgeRow", "Experiment 9, a toy",
                title="a toy arm's bridge table", partial="one_arm", reads=("exp2-bfloat16",), read_by=("06", "07"),
-               assembly=True)
+               assembly=True, module="bridge", tables=("table_exp9_toy",), paper=9,
+               paper_rows=(("exp9", "toy", "exp9-bfloat16"), ("exp9_audit", "audit", "exp1-bfloat16")),
+               paper_note="a toy's note")
 
 
 def _gpu_profile():
@@ -45,21 +50,36 @@ def test_a_toy_arm_declared_in_one_place_is_seen_everywhere(monkeypatch, capsys)
     assert LEDGER_SPECS["exp9-bfloat16"].what == "Experiment 9, a toy, BF16"
     assert ROW_ALGORITHM["exp9"] == 1
     assert ROW_TYPES["exp9"] is BridgeRow and FAILED_ROW_TYPES["exp9"] is BridgeFailedRow
-    # the chain: its notebook computes it after its upstream, the tables notebooks read it
+    # the typed overloads: generated with the toy's record; the committed blocks are stale until regenerated
+    assert '@overload\ndef validate_rows(experiment: Literal["exp9"], rows: Iterable[Any]) -> list[BridgeRecord]' \
+        in overloads.validate_rows_block()
+    assert 'def records(self, key: Literal["exp9-bfloat16"]) -> list[BridgeRecord]: ...' in overloads.records_block()
+    assert overloads.stale() == ["validate_rows", "ProfileLedgers.records"]
+    # the chain: its notebook is in make paper's list and computes it after its upstream, the tables notebooks read it
+    assert CHAIN[-1] == "10_toy_arm.ipynb" and "10_toy_arm.ipynb" in CHAIN
     params = load_parameters("smoke")
-    assert notebook_arms("03_experiment3_bridge_and_audit.ipynb", params) == [
-        "exp1-bfloat16", "exp2-bfloat16", "exp3-bfloat16", "exp9-bfloat16"]
+    assert notebook_arms("10_toy_arm.ipynb", params) == ["exp2-bfloat16", "exp9-bfloat16"]
     assert notebook_arms("06_tables.ipynb", params)[-1] == "exp9-bfloat16"
     assert "exp9-bfloat16" not in notebook_arms("08_drift_explorer.ipynb", params)
+    # the paper tables: its results table is checked by notebook 06, its row counts and note in the setup tables
+    assert TABLES_BY_EXPERIMENTS["table_exp9_toy"] == "10_toy_arm.ipynb"
+    assert paper_tables.setup_rows()[-2:] == [("exp9", "rows, Exp 9 toy", "exp9-bfloat16"),
+                                              ("exp9_audit", "rows, Exp 9 audit", "exp1-bfloat16")]
+    run = {"model": "m", "dataset": "d", "caps": {}, "hardware": "h", "rows": {"exp9": 3, "exp9_audit": 4}}
+    assert paper_tables.what_differs(9, run, {**run, "model_short": "m", "rows": {"exp9": 3, "exp9_audit": 5}}) == (
+        "data (3 toy / 4 audit d vs 3 toy / 5 audit d rows); hardware (h vs h); a toy's note")
     # the partial-results report: its heading, and it is a choice of --experiments
     assert partial.title("exp9") == "a toy arm's bridge table"
     assert "exp9" in partial.ONE_ARM_TITLES
+    seen = []
+    monkeypatch.setattr(bridge, "partial_table", lambda rows, folder: seen.append((rows, folder)) or "table")
+    assert partial.one_arm_table("exp9", ["row"]) == "table" and seen == [(["row"], None)]  # its module's table
     with pytest.raises(SystemExit):
         partial.main(["--experiments", "exp9", "--help"])
     assert "exp9" in capsys.readouterr().out
     # the GPU script's arm list, its --list-arms and its check of the arms it is given
     assert gpu_profile.arm_labels()[-1] == "exp9-bfloat16"
-    assert gpu_profile.list_arms(["03"]) == ["exp3-bfloat16", "exp9-bfloat16"]
+    assert gpu_profile.list_arms(["10"]) == ["exp9-bfloat16"]
 
 
 def test_the_chain_reads_the_arms_it_read_before_the_facts():
@@ -94,6 +114,15 @@ def test_every_arm_with_functions_has_facts_and_the_reverse():
     assert arm_facts.PREFIX_BANK_SOURCE in arm_facts.arm_labels()
     with pytest.raises(ValueError, match="no arm is declared for experiment 'exp7'; arms: exp1, "):
         arm_facts.facts("exp7")
+    assert [arm_facts.declared_in(f"kvreplay.experiments.{f.module}") for f in arm_facts.chain_facts()] == list(ARMS)
+    with pytest.raises(ValueError, match="0 arms of ARM_FACTS name the module 'matrix'"):
+        arm_facts.declared_in("kvreplay.experiments.matrix")
+
+
+def test_the_generated_overloads_are_those_the_facts_give():
+    """``python -m kvreplay.ledger.overloads --check``: the committed blocks are what the facts generate now."""
+    assert overloads.stale() == []
+    assert overloads.main(["--check"]) == 0
 
 
 def test_the_facts_and_the_gpu_scripts_parent_import_no_torch():

@@ -2,7 +2,7 @@
 
 On the CPU the ``flex`` step runs torch's reference arithmetic of FlexAttention (:func:`kvreplay.engine.flex_reference`,
 checked here against torch's own uncompiled ``flex_attention`` bit for bit); the compiled kernels run on a GPU
-(``scripts/gpu_engine_suite.py``). Asserted here:
+(``python -m kvreplay.bench engine-suite``). Asserted here:
 - the block mask equals the boolean mask the other attentions get, for every pair of query and key roles, and
   its block counts cover every visible key;
 - the ``flex`` step stays within the ``attention_tolerance`` gate's bound of math SDPA, and a planted mask fault

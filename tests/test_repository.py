@@ -92,7 +92,9 @@ def architecture_layers() -> dict[str, int]:
     ``__init__`` is its modules' layer, and ``kvreplay.ledger.__main__`` the ledger's (it is that package's command)."""
     import re
 
-    rows = [line for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines()
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]  # the layer table, not the later ones
+    rows = [line for line in section.splitlines()
             if line.startswith("| ") and not line.startswith(("| layer ", "|---"))]
     layers: dict[str, int] = {}
     for i, row in enumerate(rows):

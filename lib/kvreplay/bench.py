@@ -1,6 +1,8 @@
 """``make bench``: decode speed of the shared suffix decoder against Hugging Face ``generate`` (CPU or GPU).
 
-Usage: ``python -m kvreplay.bench [--model embedded] [--dtype bfloat16] [--tokens 64] [--repeats 3]``.
+Usage: ``python -m kvreplay.bench [--model embedded] [--dtype bfloat16] [--tokens 64] [--repeats 3]``; the
+measurements on a device are subcommands (:data:`SUBCOMMANDS`): ``python -m kvreplay.bench invariance``,
+``engine-suite`` and ``ray``, each with its own ``--help``.
 
 Measured in one process, on one real MMLU problem decoded to its merge
 boundary: (1) per-token time of :func:`kvreplay.decode.decode_suffix` against
@@ -40,6 +42,7 @@ occupancy) and :func:`profile_step` (where a step's time goes).
 from __future__ import annotations
 
 import argparse
+import importlib
 import resource
 import statistics
 import sys
@@ -327,8 +330,20 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     return pd.DataFrame(out)
 
 
+SUBCOMMANDS = {"invariance": "bench_invariance", "engine-suite": "bench_engine_suite", "ray": "bench_ray"}
+"""``python -m kvreplay.bench <subcommand> ...`` -> the module whose ``main(argv)`` runs it: the invariant-kernel
+invariants on a device (``invariance``), the ``flex`` engine's guarantees on a GPU (``engine-suite``), Experiment 1
+on one GPU and on several (``ray``). Without a subcommand: the benchmark above."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvreplay.bench", description=__doc__.splitlines()[0])
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        sub = importlib.import_module(f"{__package__}.{SUBCOMMANDS[argv[0]]}")
+        status = sub.main(argv[1:])
+        return status if isinstance(status, int) else 0
+    ap = argparse.ArgumentParser(prog="python -m kvreplay.bench", description=__doc__.splitlines()[0],
+                                 epilog=f"subcommands, each with its own --help: {', '.join(SUBCOMMANDS)}")
     ap.add_argument("--model", default="embedded", help="the model (embedded: the bundled SmolLM2-135M; gemma3: Gemma 3 "
                     "270M, make setup MODELS=gemma3; or a folder)")
     ap.add_argument("--format", default="chat_multibranch",

@@ -7,7 +7,7 @@ lengths, in another slot, and compares its logits at every position and its cach
 :func:`engine_check` does the same through the batched engine. It compares a problem's live boundary and suffix
 from the eager decoders, from the engine alone (B = 1), and from the engine beside other problems of other lengths
 in another slot, bit for bit. All three report; the tests, the attribution control (:mod:`kvreplay.experiments.kernel_ablation`) and
-``scripts/gpu_invariance.py`` decide what to do with the report.
+``python -m kvreplay.bench invariance`` (:mod:`kvreplay.bench_invariance`) decide what to do with the report.
 """
 
 from __future__ import annotations

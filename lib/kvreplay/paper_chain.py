@@ -11,10 +11,11 @@ import ast
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from .adapt import read_pointer
-from .arm_facts import facts, notebook_labels
+from .arm_facts import DerivedList, chain_notebooks, facts, notebook_labels
 from .ledger.files import read_manifest
 from .ledger.lookup import ledger_progress
 from .ledger.store import canonical_json, library_digest
@@ -29,18 +30,9 @@ EXECUTED_PROFILES = ("cpu", "gpu", "paper", "gemma")
 RUN_PARAMETERS = {"interactive": False}
 """Parameters every headless run passes (to the notebooks that declare them): no widgets in executed copies."""
 
-CHAIN = [
-    "00_role_adaptation.ipynb",
-    "01_experiment1_live_vs_prefill.ipynb",
-    "02_experiment2_fixed_prefix_precision.ipynb",
-    "03_experiment3_bridge_and_audit.ipynb",
-    "04_experiment4_cache_transplant.ipynb",
-    "05_experiment5_replication.ipynb",
-    "06_tables.ipynb",
-    "07_figures.ipynb",
-    "08_drift_explorer.ipynb",
-]
-"""Notebooks in dependency order (the checkpoint family, experiments, then tables, then figures)."""
+CHAIN: Sequence[str] = DerivedList(chain_notebooks)
+"""Notebooks in dependency order (the checkpoint family, experiments, then tables, then figures), derived from
+:data:`kvreplay.arm_facts.ARM_FACTS` (:func:`~kvreplay.arm_facts.chain_notebooks`)."""
 
 
 def notebook_arms(name: str, params: ChainParameters) -> list[str]:

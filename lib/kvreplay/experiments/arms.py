@@ -1,26 +1,36 @@
 """Every experiment arm of the chain by name: the declarations of notebooks 01-05 and 09 (paper §3.9).
 
-Each arm is declared once, in its experiment's module (:class:`kvreplay.runner.Arm`); this table is what
-``make verify``, the ledger-key tests and ``scripts/gpu_profile.py`` look arms up in.
+Each arm is declared once, in the module its facts name (:attr:`kvreplay.arm_facts.ArmFacts.module`, a
+:class:`kvreplay.runner.Arm`); this table is what ``make verify``, the ledger-key tests and
+``scripts/gpu_profile.py`` look arms up in. It is derived from :data:`kvreplay.arm_facts.ARM_FACTS`: an arm's
+module is imported when it is first read.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
 from typing import Any
 
+from ..arm_facts import Derived, chain_facts
 from ..runner.arms import Arm
-from .bridge import EXP3
-from .controls import EXP2_CONTROLS
-from .fixed_prefix import EXP2
-from .kernel_ablation import EXP2_KERNELS
-from .length_arm import EXP1_LENGTH
-from .live_vs_prefill import EXP1
-from .replication import EXP5
-from .tie_rules import EXP1_TIES
-from .transplant import EXP4
 
-ARMS: dict[str, Arm[Any]] = {a.experiment: a for a in (EXP1, EXP1_TIES, EXP1_LENGTH, EXP2, EXP2_CONTROLS, EXP3, EXP4, EXP5,
-                                                      EXP2_KERNELS)}
+
+def _declared(module: str, experiment: str) -> Arm[Any]:
+    """The one :class:`Arm` of ``experiment`` among the module-level names of ``kvreplay.experiments.<module>``.
+
+    Raises:
+        ValueError: the module declares none, or more than one.
+    """
+    found = {id(v): v for v in vars(importlib.import_module(f"{__package__}.{module}")).values()
+             if isinstance(v, Arm) and v.experiment == experiment}
+    if len(found) != 1:
+        raise ValueError(f"kvreplay.experiments.{module} declares {len(found)} arms of {experiment!r} (expected one)")
+    return next(iter(found.values()))
+
+
+ARMS: Mapping[str, Arm[Any]] = Derived(lambda: {f.experiment: _declared(str(f.module), f.experiment)
+                                                for f in chain_facts()})
 """Experiment (the ledger label's first part) -> its arm, in chain order."""
 
 

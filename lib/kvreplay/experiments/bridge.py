@@ -11,10 +11,12 @@ Experiment 2 on the same prefixes).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import pandas as pd
 
+from ..arm_facts import declared_in
 from .. import caches, decode, engine, gates
 from ..gates import GateError
 from ..ledger.records import BridgeRecord, Exp1Record, Exp2Record, arm_of
@@ -254,6 +256,11 @@ def bridge_table(b: dict) -> pd.DataFrame:
     }})
 
 
+def partial_table(rows: list[Any], folder: Path | None = None) -> pd.DataFrame:
+    """The bridge table on the finished ``rows`` of a ledger (``python -m kvreplay.report.partial``; ``folder`` unused)."""
+    return bridge_table(bridge_summary(rows))
+
+
 def audit_table(audit: dict) -> pd.DataFrame:
     """Experiment 3 saved-ledger audit table (same rows as notebook 03 writes to ``table_exp3_audit``)."""
     n = audit["rows"]
@@ -291,7 +298,7 @@ def _prepare(chain: Chain) -> ArmPlan[BridgeRecord]:
 
 
 EXP3: Arm[BridgeRecord] = Arm(
-    "exp3", row=lambda spec, problem, plan: bridge_row(spec, problem, plan.prefix(problem)),
+    declared_in(__name__), row=lambda spec, problem, plan: bridge_row(spec, problem, plan.prefix(problem)),
     chunk=lambda spec, problems, plan: bridge_chunk(spec, problems, plan.prefixes_of(problems)),
     prepare=_prepare,
     key=("prefix_bank_sha256",), prefixes=True, preflight=None)

@@ -18,6 +18,7 @@ from typing import Any, cast
 import pandas as pd
 import torch
 
+from ..arm_facts import declared_in
 from .. import caches, decode, drift, engine, gates
 from ..gates import GateError
 from ..ledger.records import ControlsRecord, ControlsRow
@@ -291,7 +292,7 @@ def _prepare(chain: Chain) -> ArmPlan[ControlsRecord]:
 
 
 EXP2_CONTROLS: Arm[ControlsRecord] = Arm(
-    "exp2_controls",
+    declared_in(__name__),
     row=lambda spec, problem, plan: controls_row(spec, problem, plan.prefix(problem), plan.key["seed"]),
     chunk=lambda spec, problems, plan: controls_chunk(spec, problems, plan.prefixes_of(problems), plan.key["seed"]),
     prepare=_prepare,

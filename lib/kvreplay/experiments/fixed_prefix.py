@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import pandas as pd
 
+from ..arm_facts import declared_in
 from .. import decode, engine
 from ..gates import GateError
 from ..ledger.prefix_bank import read_prefix_bank
@@ -126,7 +127,7 @@ def _prepare(chain: Chain) -> ArmPlan[Exp2Record]:
 
 
 EXP2: Arm[Exp2Record] = Arm(
-    "exp2", row=lambda spec, problem, plan: fixed_prefix_row(spec, problem, plan.prefix(problem)),
+    declared_in(__name__), row=lambda spec, problem, plan: fixed_prefix_row(spec, problem, plan.prefix(problem)),
     chunk=lambda spec, problems, plan: fixed_prefix_chunk(spec, problems, plan.prefixes_of(problems)),
     prepare=_prepare,
     key=("prefix_bank_sha256",), prefixes=True, preflight="preflight_fixed")

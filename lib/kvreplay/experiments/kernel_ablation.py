@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from ..arm_facts import declared_in
 from ..ledger.records import Exp2Record, Exp2Row
 from ..runner.arms import Arm, ArmPlan, Chain
 from ..stats import McNemar, Proportion, mcnemar_exact, wilson
@@ -45,7 +46,7 @@ def _plans(chain: Chain) -> list[ArmPlan[Exp2Record]]:
 
 
 EXP2_KERNELS: Arm[Exp2Record] = dataclasses.replace(
-    EXP2, experiment="exp2_kernels", prepare=_no_single_plan, variants=_plans, key=("prefix_bank_sha256", "kernels"))
+    EXP2, experiment=declared_in(__name__), prepare=_no_single_plan, variants=_plans, key=("prefix_bank_sha256", "kernels"))
 """Experiment 2 BF16 on the prefix bank under one kernels value (exploratory), once per value of ``kernel_values``;
 ledger ``exp2_kernels``. The ``kernels`` entry sets the arm's execution contract
 (:meth:`kvreplay.runner.ArmPlan.bind`), so the model is loaded under that value."""

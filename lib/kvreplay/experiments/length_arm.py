@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from ..arm_facts import declared_in, facts
 from ..ledger.records import Exp1Record
 from ..runner.arms import Arm, ArmPlan, Chain
 from ..stats import mcnemar_exact, wilson
@@ -34,20 +35,25 @@ from .endpoints import require_gates
 from .live_vs_prefill import EXP1
 
 
+_EXPERIMENT = declared_in(__name__)
+_CAP_ENTRY = str(facts(_EXPERIMENT).variant_key)
+"""The ledger-key entry that holds the branch cap (its facts' :attr:`~kvreplay.arm_facts.ArmFacts.variant_key`)."""
+
+
 def _no_single_plan(chain: Chain) -> ArmPlan[Exp1Record]:
-    raise ValueError("arm exp1_length runs once per cap of the profile's length_branch_caps: plan it with "
+    raise ValueError(f"arm {_EXPERIMENT} runs once per cap of the profile's length_branch_caps: plan it with "
                      "Session.plans")
 
 
 def _plans(chain: Chain) -> list[ArmPlan[Exp1Record]]:
     """One plan per cap of ``length_branch_caps``: Experiment 1's problems and preflight rows, the cap keyed."""
     rows = chain.rows(chain.params.n_rows)
-    return [EXP1_LENGTH.plan(rows, key={"cap_branch": int(c)}, preflight=chain.params.preflight)
+    return [EXP1_LENGTH.plan(rows, key={_CAP_ENTRY: int(c)}, preflight=chain.params.preflight)
             for c in chain.params.length_branch_caps]
 
 
 EXP1_LENGTH: Arm[Exp1Record] = dataclasses.replace(
-    EXP1, experiment="exp1_length", prepare=_no_single_plan, variants=_plans, key=("cap_branch",))
+    EXP1, experiment=_EXPERIMENT, prepare=_no_single_plan, variants=_plans, key=(_CAP_ENTRY,))
 """Experiment 1 BF16 at another branch cap (exploratory), once per cap of ``length_branch_caps``; ledger
 ``exp1_length``. The key entry sets the arm's branch cap (:meth:`kvreplay.runner.ArmPlan.bind`)."""
 

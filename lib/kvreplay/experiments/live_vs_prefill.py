@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+from ..arm_facts import declared_in
 from .. import decode, engine
 from ..gates import GateError
 from ..ledger.records import Exp1Record
@@ -95,7 +96,7 @@ def _prepare(chain: Chain) -> ArmPlan[Exp1Record]:
 
 
 EXP1: Arm[Exp1Record] = Arm(
-    "exp1", row=lambda spec, problem, plan: live_vs_prefill_row(spec, problem),
+    declared_in(__name__), row=lambda spec, problem, plan: live_vs_prefill_row(spec, problem),
     chunk=lambda spec, problems, plan: live_vs_prefill_chunk(spec, problems),
     prepare=_prepare, live_check=True)
 """Experiment 1 (paper §3.5): live decoding, then the four-arm matrix; nothing added to the ledger key.

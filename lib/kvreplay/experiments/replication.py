@@ -38,6 +38,7 @@ from typing import Any, cast
 
 import pandas as pd
 
+from ..arm_facts import declared_in
 from .. import decode
 from ..adapt import POINTER, CheckpointError, checkpoint, read_pointer
 from ..contract import ANSWER, MERGE, ContractError, resolve_format
@@ -52,6 +53,7 @@ from ..experiments.transplant import (
     transplant_summary,
 )
 from ..gates import GateError
+from ..ledger.files import read_manifest
 from ..ledger.records import Exp2Record, ReplicationRecord, ReplicationRow, outcome_of
 from ..models import file_sha256, load_tokenizer
 from ..problems import Problem
@@ -399,6 +401,22 @@ def replication_table(s: dict, checkpoint: str) -> pd.DataFrame:
     }})
 
 
+def partial_table(rows: list[Any], folder: Path | None = None) -> pd.DataFrame:
+    """The replication table on the finished ``rows`` of the ledger ``folder``, its checkpoint named from the folder's
+    manifest (``python -m kvreplay.report.partial``).
+
+    Raises:
+        ValueError: no ``folder``, or its manifest's config names no replication checkpoint.
+        GateError: a row failed a gate other than the transplant's precondition.
+    """
+    if folder is None:
+        raise ValueError("Experiment 5's table names its checkpoint from the ledger folder's manifest: pass folder")
+    checkpoint = read_manifest(folder)["config"].get("checkpoint")
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{Path(folder) / 'manifest.json'}: its config names no replication checkpoint (`checkpoint`)")
+    return replication_table(replication_summary(rows), describe_checkpoint(checkpoint))
+
+
 def accuracy_vs_checkpoint0(exp2_bf16: Sequence[Exp2Record], exp5: Sequence[ReplicationRecord], *,
                             seed: int = 20260729,
                             n_resamples: int = 20000) -> dict:
@@ -511,7 +529,7 @@ def _prepare(chain: Chain) -> ArmPlan[ReplicationRecord]:
 
 
 EXP5: Arm[ReplicationRecord] = Arm(
-    "exp5", row=lambda spec, problem, plan: replication_row(spec, problem, plan.prefix(problem)),
+    declared_in(__name__), row=lambda spec, problem, plan: replication_row(spec, problem, plan.prefix(problem)),
     chunk=lambda spec, problems, plan: replication_chunk(spec, problems, plan.prefixes_of(problems)),
     prepare=_prepare,
     key=("prefix_bank_sha256", "panel", "checkpoint"), prefixes=True, preflight="preflight_fixed")

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from ..arm_facts import declared_in
 from ..ledger.records import Exp1Record, Exp1Row
 from ..runner.arms import Arm, ArmPlan, Chain
 from ..stats import Proportion, mcnemar_exact, wilson
@@ -42,7 +43,7 @@ def _plans(chain: Chain) -> list[ArmPlan[Exp1Record]]:
 
 
 EXP1_TIES: Arm[Exp1Record] = dataclasses.replace(
-    EXP1, experiment="exp1_ties", prepare=_no_single_plan, variants=_plans, key=("tie_rule", "top_logits"))
+    EXP1, experiment=declared_in(__name__), prepare=_no_single_plan, variants=_plans, key=("tie_rule", "top_logits"))
 """Experiment 1 under another tie rule (exploratory), BF16 only, once per rule of ``tie_rules``; ledger ``exp1_ties``.
 
 The key entries set the arm's settings (:meth:`kvreplay.runner.ArmPlan.bind`): rows are those of

@@ -11,10 +11,12 @@ partial transplants localise the effect.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import pandas as pd
 
+from ..arm_facts import declared_in
 from .. import caches, decode, engine, gates
 from ..gates import GateError
 from ..ledger.records import (
@@ -105,6 +107,16 @@ def transplant_table(s: dict, records: Sequence[TransplantRecord]) -> pd.DataFra
         "power note": (f"with {s['exact']} exact controls, 0 events would only exclude third-trajectory rates above "
                        f"{100 * ctl.high:.1f}% (Wilson upper bound)" if ctl else "no exact controls"),
     }})
+
+
+def partial_table(rows: list[Any], folder: Path | None = None) -> pd.DataFrame:
+    """The transplant table on the finished ``rows`` of a ledger (``python -m kvreplay.report.partial``; ``folder``
+    unused).
+
+    Raises:
+        GateError: a row failed a gate other than the transplant's precondition.
+    """
+    return transplant_table(transplant_summary(rows), rows)
 
 
 def freeze_transplant_panel(exp2_bf16: Sequence[Exp2Record], n_divergent: int, n_exact: int) -> list[dict]:
@@ -509,7 +521,7 @@ def _prepare(chain: Chain) -> ArmPlan[TransplantRecord]:
 
 
 EXP4: Arm[TransplantRecord] = Arm(
-    "exp4",
+    declared_in(__name__),
     row=lambda spec, problem, plan: transplant_row(spec, problem, plan.prefix(problem), _stratum(plan, problem),
                                                    problem.problem_id in plan.key["sweep"]),
     chunk=lambda spec, problems, plan: transplant_chunk(

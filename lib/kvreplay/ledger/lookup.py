@@ -248,6 +248,7 @@ class ProfileLedgers:
     def __getitem__(self, key: str) -> LoadedLedger:
         return self.ledgers[key]
 
+    # <generated: ProfileLedgers.records> by python -m kvreplay.ledger.overloads from kvreplay.arm_facts.ARM_FACTS
     @overload
     def records(self, key: Literal["exp1-bfloat16", "exp1-float32"]) -> list[Exp1Record]: ...
     @overload
@@ -258,6 +259,7 @@ class ProfileLedgers:
     def records(self, key: Literal["exp4-bfloat16"]) -> list[TransplantRecord]: ...
     @overload
     def records(self, key: Literal["exp5-bfloat16"]) -> list[ReplicationRecord]: ...
+    # </generated: ProfileLedgers.records>
     @overload
     def records(self, key: str) -> list[Any]: ...
     def records(self, key: str) -> list[Any]:

@@ -423,6 +423,7 @@ def validate_row(experiment: str, row: _Row) -> _Row:
 
 
 # A literal experiment types the rows as its record.
+# <generated: validate_rows> by python -m kvreplay.ledger.overloads from kvreplay.arm_facts.ARM_FACTS
 @overload
 def validate_rows(experiment: Literal["exp1"], rows: Iterable[Any]) -> list[Exp1Record]: ...
 @overload
@@ -443,6 +444,7 @@ def validate_rows(experiment: Literal["exp5"], rows: Iterable[Any]) -> list[Repl
 def validate_rows(experiment: Literal["exp2_kernels"], rows: Iterable[Any]) -> list[Exp2Record]: ...
 @overload
 def validate_rows(experiment: Literal["adapt_eval"], rows: Iterable[Any]) -> list[AdaptEvalRow]: ...
+# </generated: validate_rows>
 @overload
 def validate_rows(experiment: str, rows: Iterable[_Row]) -> list[_Row]: ...
 def validate_rows(experiment: str, rows: Iterable[Any]) -> list[Any]:

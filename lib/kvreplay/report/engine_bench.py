@@ -93,7 +93,7 @@ def side_by_side(records: Sequence[dict]) -> str:
 
 
 def suite_summary(suite: dict) -> str:
-    """One Markdown list of what ``scripts/gpu_engine_suite.py`` saw (its JSON: ``sections`` by name).
+    """One Markdown list of what ``python -m kvreplay.bench engine-suite`` saw (its JSON: ``sections`` by name).
 
     Raises:
         KeyError: a section the summary reads is missing from ``suite``.
@@ -104,7 +104,7 @@ def suite_summary(suite: dict) -> str:
     tol = ", ".join(f"{k} {v['max_rel_err']:.2g} (tolerance {v['tolerance']:g})" for k, v in sorted(t.items())
                     if isinstance(v, dict))
     return "\n".join([
-        f"On the {suite['device']} (`python3 scripts/gpu_engine_suite.py OUT`, attention `flex`, the compiled kernels "
+        f"On the {suite['device']} (`python3 -m kvreplay.bench engine-suite OUT`, attention `flex`, the compiled kernels "
         f"under the CUDA contract):",
         "",
         f"- graph step equal to the eager step bit for bit on {g['steps_checked_bit_for_bit']} checked steps; the whole "

@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from ..arm_facts import ARM_FACTS
 from ..contract import visibility_table
 from ..experiments.endpoints import rate_text
 from ..ledger.lookup import LEDGER_SPECS, LoadedLedger, ProfileLedgers
@@ -298,14 +299,7 @@ def setup_of_run(profile_ledgers: ProfileLedgers) -> dict:
         "caps": c["caps"],
         "hardware": f"{e.get('device', '?')} ({e.get('device_name', '?')}), {c['threads']} threads, SDPA {'/'.join(c['sdpa_backends'])}",
         "precisions": ", ".join(profile_ledgers.precisions),
-        "rows": {
-            "exp1": len(ledger.records),
-            "exp2": len(profile_ledgers.records("exp2-bfloat16")),
-            "exp3": len(profile_ledgers.records("exp3-bfloat16")),
-            "exp3_audit": len(ledger.records),
-            "exp4": len(profile_ledgers.records("exp4-bfloat16")),
-            "exp5": len(profile_ledgers.records("exp5-bfloat16")),
-        },
+        "rows": {key: len(profile_ledgers.records(label)) for key, _, label in setup_rows()},
     }
 
 
@@ -321,30 +315,44 @@ def setup_table(profile_ledgers: ProfileLedgers, reference: dict) -> pd.DataFram
         "hardware": (f"{paper['hardware']}; {paper['attention']}", run["hardware"]),
         "precisions": (paper["precisions"], run["precisions"]),
     }
-    for k, label in (("exp1", "rows, Exp 1"), ("exp2", "rows, Exp 2"), ("exp3", "rows, Exp 3 bridge"),
-                     ("exp3_audit", "rows, Exp 3 audit"), ("exp4", "rows, Exp 4 panel"), ("exp5", "rows, Exp 5")):
+    for k, label, _ in setup_rows():
         rows[label] = (str(paper["rows"].get(k, "—")), str(run["rows"].get(k, NOT_RUN)))
     return pd.DataFrame(rows, index=["paper", "this run"]).T
 
 
+def setup_rows() -> list[tuple[str, str, str]]:
+    """The setup table's row counts, ``(reference key, line label, ledger label)``, from each paper experiment's
+    :attr:`~kvreplay.arm_facts.ArmFacts.paper_rows` in chain order (``("exp3_audit", "rows, Exp 3 audit",
+    "exp1-bfloat16")``)."""
+    return [(key, f"rows, Exp {f.paper} {part}".rstrip(), label) for f in ARM_FACTS.values() if f.paper is not None
+            for key, part, label in f.paper_rows]
+
+
 def what_differs(experiment: int, run: dict, paper: dict) -> str:
-    """Short note of what separates this run from the paper for one experiment's endpoints."""
-    if experiment not in (1, 2, 3, 4, 5):
+    """Short note of what separates this run from the paper for one experiment's endpoints (by the paper's number,
+    :attr:`~kvreplay.arm_facts.ArmFacts.paper`)."""
+    declared = [f for f in ARM_FACTS.values() if f.paper == experiment]
+    if not declared:
         return f"experiment {experiment} not built yet"
-    key = f"exp{experiment}"
+    (f,) = declared
     parts = []
     if str(run["model"]) != paper["model"]:
         parts.append(f"model ({run['model']} vs {paper['model_short']})")
-    n_run = run["rows"][key] if experiment != 3 else f"{run['rows']['exp3']} bridge / {run['rows']['exp3_audit']} audit"
-    n_pap = paper["rows"][key] if experiment != 3 else f"{paper['rows']['exp3']} bridge / {paper['rows']['exp3_audit']} audit"
-    if run["dataset"] != paper["dataset"] or str(n_run) != str(n_pap):
+
+    def count(rows: dict) -> str:
+        if len(f.paper_rows) == 1:
+            return str(rows[f.paper_rows[0][0]])
+        return " / ".join(f"{rows[key]} {part}" for key, part, _ in f.paper_rows)
+
+    n_run, n_pap = count(run["rows"]), count(paper["rows"])
+    if run["dataset"] != paper["dataset"] or n_run != n_pap:
         parts.append(f"data ({n_run} {run['dataset']} vs {n_pap} {paper['dataset']} rows)")
     rc, pc = run["caps"], paper["caps"]
     if rc != pc:
         parts.append(f"caps ({rc['branch']}/{rc['merge']}/{rc['answer']} vs {pc['branch']}/{pc['merge']}/{pc['answer']})")
     parts.append(f"hardware ({run['hardware']} vs {paper['hardware']})")
-    if experiment == 5:
-        parts.append("later checkpoint (role rows trained here on OpenBookQA vs the paper's later training checkpoint)")
+    if f.paper_note is not None:
+        parts.append(f.paper_note)
     return "; ".join(parts)
 
 

@@ -21,19 +21,16 @@ rows each arm has finished goes to stderr.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pandas as pd
 
-from ..experiments.bridge import bridge_summary, bridge_table
-from ..experiments.replication import describe_checkpoint, replication_summary, replication_table
-from ..experiments.transplant import transplant_summary, transplant_table
 from ..arm_facts import ARM_FACTS, Derived
 from ..gates import GateError
-from ..ledger.files import read_manifest
 from ..ledger.lookup import finished_rows, ledger_progress
 from ..ledger.records import Exp1Record, Exp2Record
 from ..paths import LEDGERS
@@ -79,25 +76,19 @@ def title(experiment: str) -> str:
 
 
 def one_arm_table(experiment: str, rows: list[Any], folder: Path | None = None) -> pd.DataFrame:
-    """Experiment 3's bridge table, Experiment 4's transplant table or Experiment 5's replication table on the
-    finished ``rows`` of its BF16 arm. Experiment 5 names its checkpoint from the ledger ``folder``'s manifest.
+    """The summary table of a one-arm experiment (Experiment 3's bridge, 4's transplants, 5's replication) on the
+    finished ``rows`` of its BF16 arm: ``partial_table(rows, folder)`` of the module its facts name
+    (:attr:`~kvreplay.arm_facts.ArmFacts.module`). Experiment 5 names its checkpoint from the ledger ``folder``'s
+    manifest.
 
     Raises:
         GateError: a row failed a gate (Experiments 4 and 5: a gate other than the transplant's precondition).
         ValueError: ``experiment`` is not one of :data:`ONE_ARM_TITLES`, or Experiment 5 without its ``folder``.
     """
-    if experiment == "exp3":
-        return bridge_table(bridge_summary(rows))
-    if experiment == "exp4":
-        return transplant_table(transplant_summary(rows), rows)
-    if experiment == "exp5":
-        if folder is None:
-            raise ValueError("Experiment 5's table names its checkpoint from the ledger folder's manifest: pass folder")
-        checkpoint = read_manifest(folder)["config"].get("checkpoint")
-        if not isinstance(checkpoint, dict):
-            raise ValueError(f"{Path(folder) / 'manifest.json'}: its config names no replication checkpoint (`checkpoint`)")
-        return replication_table(replication_summary(rows), describe_checkpoint(checkpoint))
-    raise ValueError(f"{experiment!r} is not one of {list(ONE_ARM_TITLES)}")
+    if experiment not in ONE_ARM_TITLES:
+        raise ValueError(f"{experiment!r} is not one of {list(ONE_ARM_TITLES)}")
+    module = importlib.import_module(f"kvreplay.experiments.{ARM_FACTS[experiment].module}")
+    return cast(pd.DataFrame, module.partial_table(rows, folder))
 
 
 def suffix_frame(rows: Sequence[Exp1Record] | Sequence[Exp2Record]) -> pd.DataFrame:

@@ -8,10 +8,12 @@ The same summary functions the experiment notebooks call
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
 
+from ..arm_facts import ARM_FACTS, Derived
 from ..experiments.bridge import (
     audit_table,
     bridge_summary,
@@ -106,18 +108,9 @@ def results_tables(profile_ledgers: ProfileLedgers, results: dict) -> dict[str, 
     return out
 
 
-TABLES_BY_EXPERIMENTS = {
-    "table_exp1_matrix": "01_experiment1_live_vs_prefill.ipynb",
-    "table_exp2_matrix": "02_experiment2_fixed_prefix_precision.ipynb",
-    "table_exp2_crossing": "02_experiment2_fixed_prefix_precision.ipynb",
-    "table_exp3_bridge": "03_experiment3_bridge_and_audit.ipynb",
-    "table_exp3_audit": "03_experiment3_bridge_and_audit.ipynb",
-    "table5_exp4_transplant": "04_experiment4_cache_transplant.ipynb",
-    "table_exp4_localization": "04_experiment4_cache_transplant.ipynb",
-    "table_exp5_replication": "05_experiment5_replication.ipynb",
-    "table_exp5_accuracy": "05_experiment5_replication.ipynb",
-}
-"""Results table -> the experiment notebook that writes it (once). Notebook 06 recomputes each from the
+TABLES_BY_EXPERIMENTS: Mapping[str, str] = Derived(lambda: {t: f.notebook for f in ARM_FACTS.values() for t in f.tables})
+"""Results table -> the experiment notebook that writes it (once; each arm's
+:attr:`~kvreplay.arm_facts.ArmFacts.tables`). Notebook 06 recomputes each from the
 ledger rows and checks it is byte-identical to the written CSV; it writes only the tables not listed here."""
 
 

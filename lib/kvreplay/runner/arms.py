@@ -17,7 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..arm_facts import ArmFacts, facts
+from ..arm_facts import ARM_FACTS, ArmFacts, Derived, facts
 from ..gates import GateError
 from ..ledger.lookup import LoadedLedger
 from ..ledger.store import Ledger
@@ -32,9 +32,10 @@ SETTING_ENTRIES = ("tie_rule", "top_logits", "kernels")
 """Ledger-key entries of an arm that are also :class:`ArmSettings` fields: a plan's entry sets the field
 (:meth:`ArmPlan.bind`)."""
 
-CAP_ENTRIES = {"cap_branch": "branch"}
-"""Ledger-key entries of an arm that set one of the content caps (:class:`~kvreplay.contract.Caps` field): the
-manipulated-length arm keys ``cap_branch`` (:meth:`ArmPlan.bind`)."""
+CAP_ENTRIES: Mapping[str, str] = Derived(lambda: {str(f.variant_key): f.sets_cap for f in ARM_FACTS.values()
+                                                  if f.sets_cap is not None})
+"""Ledger-key entries of an arm that set one of the content caps (:class:`~kvreplay.contract.Caps` field), from each
+arm's :attr:`~kvreplay.arm_facts.ArmFacts.sets_cap`: the manipulated-length arm's branch cap (:meth:`ArmPlan.bind`)."""
 
 
 class Chain(Protocol):

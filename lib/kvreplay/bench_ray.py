@@ -2,20 +2,20 @@
 
 Usage (on a machine with N GPUs, after ``source scripts/offline_gpu_env.sh`` with the Ray wheel carried):
 
-    python3 scripts/gpu_ray_bench.py OUTDIR [ROWS [BATCH [GPUS]]]        (defaults: 80 rows, batch 16, 2 GPUs)
+    python -m kvreplay.bench ray OUTDIR [ROWS [BATCH [GPUS]]]        (defaults: 80 rows, batch 16, 2 GPUs)
 
 The arm: the embedded SmolLM2-135M in BF16 at the ``cpu``/``gpu`` profiles' caps 48 / 160 / 12, under the
-CUDA execution contract's defaults (math SDPA, deterministic algorithms, TF32 off), on the batched engine's
-graph path (``step_path="graph"``, ``batch=BATCH``, ``max_len`` the arm's longest possible sequence),
-preflight 1, the first ROWS bank problems. It runs twice, into fresh ledgers of the same key:
+CUDA execution contract's defaults (math SDPA, deterministic algorithms, TF32 off). It runs on the batched
+engine's graph path (``step_path="graph"``, ``batch=BATCH``, ``max_len`` the arm's longest possible sequence),
+preflight 1, on the first ROWS bank problems. It runs twice, into fresh ledgers of the same key:
 
 * on GPUS GPUs: ``workers=GPUS``, on a local Ray cluster started for it (one actor per GPU, each with its
   model and engine, fed whole chunks of BATCH problems);
 * on one GPU: ``workers=1``, in this process, without Ray (the default path).
 
-Steady-state rows per hour: the rows after the first chunk (the chunk of the preflight row, which also runs
-the ``composition`` and ``graph_equals_eager`` gates alone) over the time from that chunk's last append to
-the last row's append (the ledgers' ``runlog.jsonl`` ``row`` events). Start-up is reported apart: the Ray
+Steady-state rows per hour: the rows after the first chunk over the time from that chunk's last append to
+the last row's append (the ledgers' ``runlog.jsonl`` ``row`` events). The first chunk holds the preflight row,
+which also runs the ``composition`` and ``graph_equals_eager`` gates alone. Start-up is reported apart: the Ray
 cluster's start, the actors' start (model loaded), and the whole arm's wall time. Choose ROWS as BATCH
 times an odd number (e.g. 80 = 16 x 5: one chunk, then two per GPU on 2 GPUs), so the chunks after the first
 split evenly.
@@ -65,10 +65,10 @@ def steady(events: list[dict], skip: int) -> dict:
 
 
 def arm(label: str, workers: int, problems, batch: int, out: Path, scratch: Path) -> dict:
-    from kvreplay.runner import actors as parallel
-    from kvreplay.contract import Caps
-    from kvreplay.experiments.live_vs_prefill import EXP1
-    from kvreplay.runner import ArmSettings
+    from .runner import actors as parallel
+    from .contract import Caps
+    from .experiments.live_vs_prefill import EXP1
+    from .runner import ArmSettings
 
     settings = ArmSettings(profile="raybench", dtype="bfloat16", caps=Caps(*CAPS), device=DEVICE, step_path=STEP_PATH,
                            batch=batch, preflight=1, threads=1, workers=workers, **MODEL)
@@ -102,12 +102,17 @@ def arm(label: str, workers: int, problems, batch: int, out: Path, scratch: Path
     return r
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    args = [int(x) for x in sys.argv[2:5]]
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvreplay.bench ray OUTDIR [ROWS [BATCH [GPUS]]]``; exits with a message when fewer GPUs are
+    visible than asked for."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        raise SystemExit("usage: python -m kvreplay.bench ray OUTDIR [ROWS [BATCH [GPUS]]]")
+    out = Path(argv[0])
+    args = [int(x) for x in argv[1:4]]
     rows, batch, gpus = args + [80, 16, 2][len(args):]
     out.mkdir(parents=True, exist_ok=True)
-    from kvreplay.problems import load_bank
+    from .problems import load_bank
 
     found = torch.cuda.device_count() if DEVICE == "cuda" else gpus
     res: dict = {"device": DEVICE, "torch": torch.__version__, "gpus_visible": found, "rows": rows, "batch": batch,
@@ -139,7 +144,4 @@ def main() -> None:
     res["elapsed_s"] = round(time.perf_counter() - T0, 1)
     dump(path, res)
     print(json.dumps({k: res.get(k) for k in ("ratio_steady_rows_per_hour", "ledgers_identical", "elapsed_s")}), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

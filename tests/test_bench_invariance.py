@@ -1,4 +1,4 @@
-"""``scripts/gpu_invariance.py`` runs on the CPU at tiny sizes, unit by unit: each finished unit is written at once,
+"""``python -m kvreplay.bench invariance`` (:mod:`kvreplay.bench_invariance`) runs on the CPU at tiny sizes, unit by unit: each finished unit is written at once,
 a rerun keeps them, a unit file of other settings is refused, and ``--budget-s`` stops cleanly (outcomes are not
 asserted)."""
 
@@ -18,11 +18,9 @@ from kvreplay.paths import ROOT
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gpu_invariance", ROOT / "scripts/gpu_invariance.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_invariance"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    from kvreplay import bench_invariance
+
+    return bench_invariance
 
 
 def _loader(calls: list):

@@ -3,29 +3,29 @@ layer, and a row alone (B = 1) against the same row inside batches of other size
 
 Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``; cheapest first)::
 
-    python3 scripts/gpu_invariance.py --device cuda --out "$OUT" --rows 1 --sizes 2 --caps 4 4 2 --budget-s 500
-    python3 scripts/gpu_invariance.py --device cuda --out "$OUT" --rows 2 --sizes 2 7 64 --budget-s 500
+    python -m kvreplay.bench invariance --device cuda --out "$OUT" --rows 1 --sizes 2 --caps 4 4 2 --budget-s 500
+    python -m kvreplay.bench invariance --device cuda --out "$OUT" --rows 2 --sizes 2 7 64 --budget-s 500
 
-The work is split into units, one check of one problem under one dtype and kernels value: ``batch-<B>`` (the
-problem's prompt block alone against the same block in the last slot of a batch of ``B`` rows beside other
-prompts and a shortened copy of itself) and ``construction`` (live, incremental and prefill boundaries at
-``--caps``). A problem's batch units run first (cheapest), smallest ``B`` first, then its construction;
+The work is split into units, one check of one problem under one dtype and kernels value. ``batch-<B>``: the
+problem's prompt block alone against the same block in the last slot of a batch of ``B`` rows, beside other
+prompts and a shortened copy of itself. ``construction``: live, incremental and prefill boundaries at
+``--caps``. A problem's batch units run first (cheapest), smallest ``B`` first, then its construction;
 with ``--whole`` the construction runs first and the batch units use its whole live boundary prefix. Each unit
 prints a line when it starts and when it ends (flushed), and its JSON is written as soon as it finishes:
 ``<out>/units/<dtype>/<kernels>/<problem_id>/<check>.json`` (the settings it ran under, its result, seconds and
 the environment record). A
 rerun with the same settings keeps finished units and runs the rest; a unit file of other settings is refused.
 ``<out>/invariance.json`` gathers every finished unit, per dtype and kernels value, with the environment records,
-and is rewritten after each unit. ``--budget-s`` stops cleanly before that many seconds: no unit starts that the
-longest finished unit of its kind says would not end in time, and one still running at the limit is abandoned
-(its file is not written); the report says ``"stopped"``. Outcomes are printed and written, never asserted.
+and is rewritten after each unit. ``--budget-s`` stops cleanly before that many seconds. No unit starts that the
+longest finished unit of its kind says would not end in time; one still running at the limit is abandoned
+(its file is not written), and the report says ``"stopped"``. Outcomes are printed and written, never asserted.
 ``--engine-sizes 2 7 64`` adds a unit ``engine`` per problem, after its construction
-(:func:`kvreplay.invariance.engine_check`): the eager decoders' live boundary and suffix against the batched
-engine's row alone (B = 1), and the row alone against the row beside the other problems at each size, in another
-slot.
+(:func:`kvreplay.invariance.engine_check`). It compares the eager decoders' live boundary and suffix with the
+batched engine's row alone (B = 1), and the row alone with the row beside the other problems at each size, in
+another slot.
 
 On the CPU the same command runs at tiny sizes (``--device cpu --rows 1 --caps 4 4 2 --sizes 2``);
-``tests/test_gpu_invariance_script.py`` runs it on a tiny model. The invariant kernels are the slow reference (one
+``tests/test_bench_invariance.py`` runs it on a tiny model. The invariant kernels are the slow reference (one
 kernel call per row, query and key block), so on a GPU a construction unit at the ``cpu`` profile's caps takes far
 longer than a batch unit of a prompt.
 """
@@ -42,11 +42,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvreplay import invariance
-from kvreplay.contract import BlockFormat, Caps
-from kvreplay.engine import EngineRun
-from kvreplay.models import LoadedModel, environment_record
-from kvreplay.problems import Problem
+from . import invariance
+from .contract import BlockFormat, Caps
+from .engine import EngineRun
+from .models import LoadedModel, environment_record
+from .problems import Problem
 
 
 class BudgetExceeded(Exception):
@@ -231,7 +231,7 @@ def _summary(check: str, result: dict) -> str:
 
 def main(argv: list[str] | None = None, load: Callable[[str], tuple[LoadedModel, BlockFormat]] | None = None,
          problems: list[Problem] | None = None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvreplay.bench invariance", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of units/ and invariance.json "
                     "(default: $OUT, else the current folder)")
@@ -249,19 +249,19 @@ def main(argv: list[str] | None = None, load: Callable[[str], tuple[LoadedModel,
     if any(b < 2 for b in args.sizes):
         ap.error(f"--sizes are batch sizes of 2 or more (B = 1 is the row alone), got {args.sizes}")
     if load is None:
-        from kvreplay.runner import ArmSettings
+        from .runner import ArmSettings
 
         def load(dtype: str):
             return ArmSettings(profile="invariance", dtype=dtype, caps=Caps(*args.caps), device=args.device,
                                threads=args.threads, kernels="invariant").load()
     if problems is None:
-        from kvreplay.problems import load_bank
+        from .problems import load_bank
 
         problems = load_bank()[: args.rows]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     units = Units(out, Caps(*args.caps), sorted(args.sizes), args.whole, args.budget_s, list(args.engine_sizes))
-    units.report["command"] = " ".join(["scripts/gpu_invariance.py", *(argv if argv is not None else sys.argv[1:])])
+    units.report["command"] = " ".join(["python -m kvreplay.bench invariance", *(argv if argv is not None else sys.argv[1:])])
 
     def alarm(signum, frame):
         raise BudgetExceeded()
@@ -283,6 +283,3 @@ def main(argv: list[str] | None = None, load: Callable[[str], tuple[LoadedModel,
     _say(f"wrote {path} ({units.report['wall_s']} s{'; stopped' if units.report['stopped'] else ''})")
     return path
 
-
-if __name__ == "__main__":
-    main()

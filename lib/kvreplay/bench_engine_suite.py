@@ -2,7 +2,7 @@
 
 Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``)::
 
-    python3 scripts/gpu_engine_suite.py OUTDIR [--budget SECONDS] [--only SECTION ...]
+    python -m kvreplay.bench engine-suite OUTDIR [--budget SECONDS] [--only SECTION ...]
 
 (``--device cpu --batch 2 --rows 4 --only ...`` is a dry run of the code paths on the CPU, with the reference
 arithmetic instead of the compiled kernels and the engine's eager step instead of the graph.)
@@ -12,8 +12,8 @@ algorithms, TF32 off) and records what it saw in ``OUTDIR/engine_suite.json`` (w
 run cut off keeps what it did). A section that raises is recorded with its error and the next one runs.
 
 * ``graph_equals_eager``: BF16 suffixes of 50 real boundaries of the ``gpu`` profile's prefix bank at its caps
-  (48/160/12), B = 50, every step of the graph path re-run by the eager step (the same compiled kernels) and
-  required equal bit for bit; then the whole decode on the eager path against the graph path's.
+  (48/160/12), B = 50. Every step of the graph path is re-run by the eager step (the same compiled kernels) and
+  required equal bit for bit; then the whole decode on the eager path is compared with the graph path's.
 * ``determinism``: the same decode twice more on the graph path, each equal to the first bit for bit.
 * ``composition``: the first boundary decoded with 49 companions in slot 0, alone in the last slot, and with the
   other companions in reverse order: equal bit for bit (tokens and margins).
@@ -21,11 +21,12 @@ run cut off keeps what it did). A section that raises is recorded with its error
   and ``grouped``), with each layer's relative error against math SDPA in float64.
 * ``fp32_rows``: the ``gpu`` profile's committed FP32 Experiment 1 rows (``data/ledgers/gpu/exp1-float32-*``)
   recomputed by the ``flex`` engine (one chunk of all 200 problems through B = 50 slots, boundaries and suffixes
-  in one engine): live prefixes and the four arms' suffix tokens compared with the committed rows, matches out
-  of 200, and the chunk's slot occupancy.
-* ``bf16_arm``: the ``gpu`` profile's BF16 Experiment 1 arm under ``flex`` through ``run_arm`` (every gate: the
-  preflight ``composition`` run alone in the last slot, ``graph_equals_eager``, ``attention_tolerance``, float32
-  equivalence), in a ledger root of its own under ``OUTDIR``; its ``environment.json`` and run log are kept.
+  in one engine). Reported: live prefixes and the four arms' suffix tokens against the committed rows, matches
+  out of 200, and the chunk's slot occupancy.
+* ``bf16_arm``: the ``gpu`` profile's BF16 Experiment 1 arm under ``flex`` through ``run_arm``, with every gate
+  (the preflight ``composition`` run alone in the last slot, ``graph_equals_eager``, ``attention_tolerance``,
+  float32 equivalence). It writes a ledger root of its own under ``OUTDIR``; its ``environment.json`` and run
+  log are kept.
 
 Nothing about outcomes is asserted: gates raise and are recorded, every comparison is a count. Sized for one
 command of about 9 minutes on an H200 (``--budget``, default 520 s, skips the sections that would start after it).
@@ -62,7 +63,7 @@ def _same(a, b) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvreplay.bench engine-suite", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--budget", type=float, default=520.0, help="seconds; no section starts after it")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
@@ -77,16 +78,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import dataclasses
 
-    from kvreplay import engine
-    from kvreplay.contract import ANSWER, MERGE, Caps
-    from kvreplay.decode import build_prefill
-    from kvreplay.decoding import Decoding
-    from kvreplay.experiments.live_vs_prefill import live_vs_prefill_chunk, live_vs_prefill_row
-    from kvreplay.ledger.prefix_bank import read_prefix_bank
-    from kvreplay.ledger.store import read_rows_text, row_lines
-    from kvreplay.paths import LEDGERS
-    from kvreplay.problems import load_bank
-    from kvreplay.runner import ArmSettings, RunSpec, run_arm
+    from . import engine
+    from .contract import ANSWER, MERGE, Caps
+    from .decode import build_prefill
+    from .decoding import Decoding
+    from .experiments.live_vs_prefill import live_vs_prefill_chunk, live_vs_prefill_row
+    from .ledger.prefix_bank import read_prefix_bank
+    from .ledger.store import read_rows_text, row_lines
+    from .paths import LEDGERS
+    from .problems import load_bank
+    from .runner import ArmSettings, RunSpec, run_arm
 
     caps = Caps(*GPU_CAPS)
     settings = ArmSettings(profile="gpu", dtype="bfloat16", caps=caps, threads=4, device=args.device,
@@ -221,6 +222,3 @@ def main(argv: list[str] | None = None) -> int:
         dump()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
