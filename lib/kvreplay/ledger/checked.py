@@ -64,10 +64,10 @@ def check_status(events: Iterable[Mapping[str, Any]]) -> dict[str, str]:
 
 
 def covered_rows(events: Iterable[Mapping[str, Any]]) -> set[str]:
-    """Problem IDs a passing sampled check covers: those :func:`check_status` reads as ``passed``, and, for a library
-    that logged passing :data:`SAMPLE_EVENT` events without naming their rows, the rows logged since that run's
-    ``start`` or its previous sample event (the chunk it checked), or named in its ``checks``. Used by the provenance
-    tables; readers go by :func:`check_status` alone."""
+    """Problem IDs a passing sampled check covers: those :func:`check_status` reads as ``passed``. For a library that
+    logged passing :data:`SAMPLE_EVENT` events without naming their rows, also the chunk each checked (the rows
+    logged since the run's ``start`` or the previous sample event) and the rows its ``checks`` name. Used by the
+    provenance tables; readers go by :func:`check_status` alone."""
     events = list(events)
     covered = {k for k, v in check_status(events).items() if v == "passed"}
     chunk: list[str] = []
