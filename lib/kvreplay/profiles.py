@@ -193,7 +193,7 @@ class ChainParameters(BaseModel):
     exploratory_controls: bool = Field(True, description="run Experiment 2's exploratory controls (BF16, the "
                                        "profile's step path); False: skipped (a profile without their ledger)")
     # Experiments 3 and 4 (notebooks 03, 04)
-    n_bridge: int = Field(2, ge=1, description="Experiment 3 bridge rows (paper: 12)")
+    n_bridge: int = Field(1, ge=1, description="Experiment 3 bridge rows (paper: 12)")
     n_divergent: int = Field(1, ge=0, description="Experiment 4 panel: suffix-divergent rows (paper: 24)")
     n_exact: int = Field(1, ge=0, description="Experiment 4 panel: suffix-exact control rows (paper: 8)")
     n_sweep: int = Field(1, ge=0, description="divergent Experiment 4 rows that also get the single-layer sweep")
