@@ -5,6 +5,8 @@ Usage (on the GPU machine, after ``source scripts/offline_gpu_env.sh``; cheapest
 
     python3 scripts/gpu_invariance.py --device cuda --out "$OUT" --rows 1 --sizes 2 --caps 4 4 2 --budget-s 500
     python3 scripts/gpu_invariance.py --device cuda --out "$OUT" --rows 2 --sizes 2 7 64 --budget-s 500
+    python3 scripts/gpu_invariance.py --device cuda --out "$OUT" --values invariant-fused --rows 2 --sizes 2 7 64 \
+        --engine-sizes 2 64 --budget-s 500   # the fused Triton kernels (kvreplay.kernels_fused)
 
 The work is split into units, one check of one problem under one dtype and kernels value: ``batch-<B>`` (the
 problem's prompt block alone against the same block in the last slot of a batch of ``B`` rows beside other
@@ -27,7 +29,8 @@ slot.
 On the CPU the same command runs at tiny sizes (``--device cpu --rows 1 --caps 4 4 2 --sizes 2``);
 ``tests/test_gpu_invariance_script.py`` runs it on a tiny model. The invariant kernels are the slow reference (one
 kernel call per row, query and key block), so on a GPU a construction unit at the ``cpu`` profile's caps takes far
-longer than a batch unit of a prompt.
+longer than a batch unit of a prompt. ``--values invariant-fused`` runs the same checks under the fused Triton
+kernels (CUDA; on the CPU only with ``TRITON_INTERPRET=1``, slowly).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import torch
 
 from kvreplay import invariance
 from kvreplay.contract import BlockFormat, Caps
@@ -248,6 +253,16 @@ def main(argv: list[str] | None = None, load: Callable[[str], tuple[LoadedModel,
     args = ap.parse_args(argv)
     if any(b < 2 for b in args.sizes):
         ap.error(f"--sizes are batch sizes of 2 or more (B = 1 is the row alone), got {args.sizes}")
+    from kvreplay import kernels
+
+    for value in args.values:  # before the model loads: an unknown value, or fused kernels off their device
+        try:
+            if kernels.parse_kernels(value).fused:
+                from kvreplay import kernels_fused
+
+                kernels_fused.check_device(torch.device(args.device))
+        except ValueError as e:  # KernelContractError is a ValueError
+            ap.error(f"--values {value}: {e}")
     if load is None:
         from kvreplay.runner import ArmSettings
 

@@ -400,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     vs.add_argument("--invariant", type=int, nargs=2, default=None, metavar=("SHORT", "LONG"),
                     help="also time the engine's invariant-kernel step (kernels: invariant, eager step) over SHORT and "
                          "LONG new tokens per row, and the prefill of the first boundary under each kernels value")
+    vs.add_argument("--invariant-kernels", nargs="+", default=["invariant"], choices=["invariant", "invariant-fused"],
+                    metavar="VALUE", help="the kernels values --invariant times: invariant (the reference), "
+                                          "invariant-fused (the Triton kernels; CUDA), or both")
     vs.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="also profile N engine steps at the first of --batches (torch.profiler, top ops; 0: none)")
     vs.add_argument("--bandwidth-tbs", type=float, default=4.3, help="memory bandwidth for the floor, TB/s (default 4.3)")
@@ -491,7 +494,8 @@ def _vs_generate_main(ap: argparse.ArgumentParser, args, argv: list[str] | None)
                                  hf=tuple(args.hf),
                                  flag_sets=tuple(args.flags), repeats=args.repeats, step_path=step_path,
                                  bandwidth=args.bandwidth_tbs * 1e12, caps=tuple(args.vs_caps),
-                                 invariant_tokens=tuple(args.invariant) if args.invariant else None, emit=show)
+                                 invariant_tokens=tuple(args.invariant) if args.invariant else None,
+                                 invariant_values=tuple(args.invariant_kernels), emit=show)
     if args.choice_vocab:
         records += choice_stats_cost(lm.device, batches=batches, vocabs=args.choice_vocab, dtype=lm.dtype,
                                      repeats=args.repeats)
