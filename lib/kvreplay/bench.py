@@ -31,7 +31,7 @@ batched runner (:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chun
 the given caps sets.
 
 ``--vs-generate`` runs only the side-by-side section instead (``docs/engine.md``; :mod:`kvreplay.bench_generate`),
-written to ``--json`` and ``--md``; ``--invariant SHORT LONG`` adds the invariant-kernel step and prefill. It has :func:`engine_vs_generate` (the engine and ``generate`` continuing
+written to ``--json`` and ``--md``; ``--invariant SHORT LONG`` adds the invariant-kernel step and prefill (``--invariant-kernels`` picks the reference, the fused kernels or both). It has :func:`engine_vs_generate` (the engine and ``generate`` continuing
 the same saved boundaries by the same number of tokens, per batched step, with the memory floor).
 It also has :func:`exp1_end_to_end` (a real Experiment 1 chunk: useful problem-steps per second and slot
 occupancy) and :func:`profile_step` (where a step's time goes).
@@ -401,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time the engine's invariant-kernel step (kernels: invariant, eager step) over SHORT and "
                          "LONG new tokens per row, and the prefill of the first boundary under each kernels value")
     vs.add_argument("--invariant-kernels", nargs="+", default=["invariant"], choices=["invariant", "invariant-fused"],
-                    metavar="VALUE", help="the kernels values --invariant times: invariant (the reference), "
-                                          "invariant-fused (the Triton kernels; CUDA), or both")
+                    metavar="VALUE", help="the kernels values --invariant times: invariant (the reference, eager step), "
+                                          "invariant-fused (the Triton kernels; CUDA; on --step-path), or both")
     vs.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="also profile N engine steps at the first of --batches (torch.profiler, top ops; 0: none)")
     vs.add_argument("--bandwidth-tbs", type=float, default=4.3, help="memory bandwidth for the floor, TB/s (default 4.3)")

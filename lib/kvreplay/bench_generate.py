@@ -268,7 +268,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
             ``None``: not run. The reference is slow, so fewer tokens than ``new_tokens`` suit it.
         invariant_values: the invariant kernels values timed with ``invariant_tokens``: ``invariant`` (the
             reference; paths as above) and ``invariant-fused`` (:mod:`kvreplay.kernels_fused`; paths
-            ``engine-invariant-fused``, ``prefill-invariant-fused``).
+            ``engine-invariant-fused``, ``prefill-invariant-fused``), on ``step_path`` like ``default``.
         emit: called with each record as it is measured.
 
     Returns:
@@ -332,7 +332,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
             assert tokens is not None
             _reset_peak(lm)
             with _kernels(lm, value):
-                path = step_path if value == "default" else "eager"  # the reference runs on the eager step only
+                path = "eager" if value == kernels.INVARIANT else step_path  # the reference: the eager step only
                 eng = engine.StepEngine(lm, fmt, B, length, path, attention=attention)
                 run = lambda n: engine.decode_forced(lm, fmt, states[:B], n, engine=eng)  # noqa: E731
                 warm = timer(lambda: run(tokens[0]))  # capture, compile

@@ -142,7 +142,8 @@ def check_step_path(value: str, step_path: str, attention: str = "sdpa") -> None
     """Refuse a ``kernels`` value that is unknown, or that the arm's decode path does not run.
 
     ``default`` runs on every path. ``invariant`` and ``invariant-fused`` run on the eager decoders (``step_path``
-    ``eager``) and on the batched engine's eager step (``engine-eager``) with ``attention`` ``sdpa``, which the invariant attention
+    ``eager``) and on the batched engine's eager step (``engine-eager``; ``invariant-fused`` also on ``graph``) with
+    ``attention`` ``sdpa``, which the invariant attention
     replaces (:mod:`kvreplay.engine.invariant`). The ablation values ``invariant-except-<class>`` run on the eager
     decoders only: the class they leave default computes over the engine's batch shape, so a row's bits would depend
     on its batch.
@@ -158,7 +159,7 @@ def check_step_path(value: str, step_path: str, attention: str = "sdpa") -> None
         raise ValueError(f"kernels {value!r} runs on the eager decoders only (step_path 'eager'), not "
                          f"{step_path!r}: it leaves one class on the default path, whose bits would depend on the "
                          f"engine's batch (the engine takes kernels 'invariant' or 'invariant-fused')")
-    if step_path != "engine-eager":
+    if step_path != "engine-eager" and not (spec.fused and step_path == "graph"):
         raise ValueError(f"kernels {value!r} runs on step_path 'eager' or 'engine-eager', not {step_path!r} (the "
                          f"reference kernels cannot be captured in a CUDA graph)")
     if attention != "sdpa":

@@ -90,8 +90,8 @@ if triton is not None:
             x = bits.to(tl.float32, bitcast=True)
         return x.to(dtype)
 
-    @triton.jit(do_not_specialize=["M", "N", "K"])
-    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    @triton.jit(do_not_specialize=["M"])
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                        ROUND: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -142,13 +142,16 @@ if triton is not None:
         q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + t * sqt + di[None, :], mask=qmask, other=0.0)
         q = q.to(tl.float32)
         last = tl.max(tl.full((BLOCK,), -1, dtype=tl.int32), axis=0)  # the query's last visible key
-        for j in range(0, tl.cdiv(KLEN, BLOCK)):
-            keys = j * BLOCK + ni
+        start = 0
+        while start < KLEN:  # while loops: Triton 3.6's interpreter takes no runtime value as a range bound
+            keys = start + ni
             seen = tl.load(m_ptr + b * smb + t * smq + keys, mask=keys < KLEN, other=0) != 0
             last = tl.maximum(last, tl.max(tl.where(seen, keys, -1), axis=0))
+            start += BLOCK
         blocks = (last + BLOCK) // BLOCK  # up to the block holding it; 0 where the query sees no key
         top = tl.full((BG,), float("-inf"), dtype=tl.float32)
-        for j in range(0, blocks):
+        j = 0
+        while j < blocks:
             keys = j * BLOCK + ni
             inside = keys < KLEN
             seen = tl.load(m_ptr + b * smb + t * smq + keys, mask=inside, other=0) != 0
@@ -156,9 +159,11 @@ if triton is not None:
                         mask=inside[:, None] & (di[None, :] < D), other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
             top = tl.maximum(top, tl.max(tl.where(seen[None, :], s, float("-inf")), axis=1))
+            j += 1
         total = tl.zeros((BG,), dtype=tl.float32)
         acc = tl.zeros((BG, BD), dtype=tl.float32)
-        for j in range(0, blocks):
+        j = 0
+        while j < blocks:
             keys = j * BLOCK + ni
             inside = keys < KLEN
             seen = tl.load(m_ptr + b * smb + t * smq + keys, mask=inside, other=0) != 0
@@ -171,6 +176,7 @@ if triton is not None:
             v = tl.where(seen[:, None], v, 0.0)
             total = total + tl.sum(p, axis=1)
             acc = acc + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            j += 1
         out = acc / total[:, None]
         tl.store(o_ptr + b * sob + t * sot + heads[:, None] * soh + di[None, :], _to(out, o_ptr.dtype.element_ty, ROUND),
                  mask=qmask)
@@ -257,8 +263,7 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise KernelContractError(f"invariant-fused attention: {h_} query heads over {kv} key-value heads")
     if check and not bool(mask[:, 0].any(-1).all()):
         raise KernelContractError("invariant-fused attention: a query sees no key")
-    q = query.contiguous()
-    k, v = key.contiguous(), value.contiguous()
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))  # no copy of a static cache
     m = mask.to(torch.int8).contiguous()
     out = torch.empty(b_, q_, h_, d_, dtype=query.dtype, device=query.device)
     g = h_ // kv
