@@ -142,7 +142,7 @@ if triton is not None:
         q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + t * sqt + di[None, :], mask=qmask, other=0.0)
         q = q.to(tl.float32)
         last = tl.max(tl.full((BLOCK,), -1, dtype=tl.int32), axis=0)  # the query's last visible key
-        start = 0
+        start = tl.zeros_like(last)  # loop-carried int32 tensors, typed before the loops
         while start < KLEN:  # while loops: Triton 3.6's interpreter takes no runtime value as a range bound
             keys = start + ni
             seen = tl.load(m_ptr + b * smb + t * smq + keys, mask=keys < KLEN, other=0) != 0
@@ -150,7 +150,7 @@ if triton is not None:
             start += BLOCK
         blocks = (last + BLOCK) // BLOCK  # up to the block holding it; 0 where the query sees no key
         top = tl.full((BG,), float("-inf"), dtype=tl.float32)
-        j = 0
+        j = tl.zeros_like(blocks)
         while j < blocks:
             keys = j * BLOCK + ni
             inside = keys < KLEN
@@ -162,7 +162,7 @@ if triton is not None:
             j += 1
         total = tl.zeros((BG,), dtype=tl.float32)
         acc = tl.zeros((BG, BD), dtype=tl.float32)
-        j = 0
+        j = tl.zeros_like(blocks)
         while j < blocks:
             keys = j * BLOCK + ni
             inside = keys < KLEN
