@@ -82,6 +82,24 @@ def test_the_invariant_step_and_prefill_are_timed_beside_the_others(tiny):
         bench.engine_vs_generate(lm, fmt, prefixes, batches=(2,), invariant_tokens=(2, 2))
 
 
+def test_the_fused_invariant_step_and_prefill_are_timed_beside_the_others(tiny):
+    from kvreplay import kernels_fused
+
+    if not kernels_fused.interpreted():
+        pytest.skip("the fused kernels need TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it)")
+    lm, fmt, _, prefixes = tiny
+    records = bench.engine_vs_generate(lm, fmt, prefixes, batches=(1,), new_tokens=(2, 3), step_path="eager",
+                                       attentions=("sdpa",), hf=(), repeats=1, caps=CAPS, invariant_tokens=(1, 2),
+                                       invariant_values=("invariant-fused",))
+    assert [(r["path"], r["B"]) for r in records] == [("prefill", 1), ("prefill-invariant-fused", 1),
+                                                      ("engine-sdpa", 1), ("engine-invariant-fused", 1)]
+    assert "fused kernels" in records[-1]["note"] and records[-1]["step_path"] == "eager"
+    assert lm.contract.kernels == "default"  # restored
+    with pytest.raises(ValueError, match="invariant_values"):
+        bench.engine_vs_generate(lm, fmt, prefixes, batches=(1,), invariant_tokens=(1, 2),
+                                 invariant_values=("invariant-except-linear",))
+
+
 def test_forced_lengths_on_both_sides_and_the_saved_boundaries_are_reused(tiny, tmp_path):
     from kvreplay import engine
 

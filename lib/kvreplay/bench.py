@@ -33,7 +33,7 @@ batched runner (:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chun
 the given caps sets.
 
 ``--vs-generate`` runs only the side-by-side section instead (``docs/engine.md``; :mod:`kvreplay.bench_generate`),
-written to ``--json`` and ``--md``; ``--invariant SHORT LONG`` adds the invariant-kernel step and prefill. It has :func:`engine_vs_generate` (the engine and ``generate`` continuing
+written to ``--json`` and ``--md``; ``--invariant SHORT LONG`` adds the invariant-kernel step and prefill (``--invariant-kernels`` picks the reference, the fused kernels or both). It has :func:`engine_vs_generate` (the engine and ``generate`` continuing
 the same saved boundaries by the same number of tokens, per batched step, with the memory floor).
 It also has :func:`exp1_end_to_end` (a real Experiment 1 chunk: useful problem-steps per second and slot
 occupancy) and :func:`profile_step` (where a step's time goes).
@@ -415,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     vs.add_argument("--invariant", type=int, nargs=2, default=None, metavar=("SHORT", "LONG"),
                     help="also time the engine's invariant-kernel step (kernels: invariant, eager step) over SHORT and "
                          "LONG new tokens per row, and the prefill of the first boundary under each kernels value")
+    vs.add_argument("--invariant-kernels", nargs="+", default=["invariant"], choices=["invariant", "invariant-fused"],
+                    metavar="VALUE", help="the kernels values --invariant times: invariant (the reference, eager step), "
+                                          "invariant-fused (the Triton kernels; CUDA; on --step-path), or both")
     vs.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="also profile N engine steps at the first of --batches (torch.profiler, top ops; 0: none)")
     vs.add_argument("--bandwidth-tbs", type=float, default=4.3, help="memory bandwidth for the floor, TB/s (default 4.3)")
@@ -506,7 +509,8 @@ def _vs_generate_main(ap: argparse.ArgumentParser, args, argv: list[str] | None)
                                  hf=tuple(args.hf),
                                  flag_sets=tuple(args.flags), repeats=args.repeats, step_path=step_path,
                                  bandwidth=args.bandwidth_tbs * 1e12, caps=tuple(args.vs_caps),
-                                 invariant_tokens=tuple(args.invariant) if args.invariant else None, emit=show)
+                                 invariant_tokens=tuple(args.invariant) if args.invariant else None,
+                                 invariant_values=tuple(args.invariant_kernels), emit=show)
     if args.choice_vocab:
         records += choice_stats_cost(lm.device, batches=batches, vocabs=args.choice_vocab, dtype=lm.dtype,
                                      repeats=args.repeats)

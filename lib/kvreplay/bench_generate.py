@@ -231,6 +231,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
                        flag_sets: Sequence[str] = FLAG_SETS, repeats: int = 3, step_path: str = "graph",
                        bandwidth: float = 4.3e12, caps: tuple[int, int, int] = PAPER_CAPS,
                        invariant_tokens: tuple[int, int] | None = None,
+                       invariant_values: Sequence[str] = (kernels.INVARIANT,),
                        emit: Callable[[dict], None] = lambda record: None) -> list[dict]:
     """The engine and Hugging Face ``generate`` doing the same work, per batched step, and the memory floor.
 
@@ -265,6 +266,9 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
             ``engine-invariant``: ``kernels: invariant``, eager step, :mod:`kvreplay.engine.invariant`), and the
             prefill of ``prefixes[0]`` timed once under each kernels value (paths ``prefill``, ``prefill-invariant``);
             ``None``: not run. The reference is slow, so fewer tokens than ``new_tokens`` suit it.
+        invariant_values: the invariant kernels values timed with ``invariant_tokens``: ``invariant`` (the
+            reference; paths as above) and ``invariant-fused`` (:mod:`kvreplay.kernels_fused`; paths
+            ``engine-invariant-fused``, ``prefill-invariant-fused``), on ``step_path`` like ``default``.
         emit: called with each record as it is measured.
 
     Returns:
@@ -281,6 +285,9 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
         raise ValueError(f"new_tokens {new_tokens}: need 1 <= short < long")
     if invariant_tokens is not None and not 1 <= invariant_tokens[0] < invariant_tokens[1]:
         raise ValueError(f"invariant_tokens {invariant_tokens}: need 1 <= short < long")
+    wrong = [v for v in invariant_values if v not in (kernels.INVARIANT, kernels.FUSED)]
+    if wrong:
+        raise ValueError(f"invariant_values {wrong}: use {kernels.INVARIANT!r} or {kernels.FUSED!r}")
     if len(prefixes) < max(batches):
         raise ValueError(f"{len(prefixes)} boundary prefixes for a batch of {max(batches)}")
     bad = [a for a in attentions if a not in engine.ATTENTIONS] + [h for h in hf if h not in HF_PATHS] + \
@@ -300,10 +307,12 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
     states = [build_prefill(lm, fmt, z, where=f"boundary {i}")
               for i, z in enumerate(prefixes[: max(batches) if attentions or invariant_tokens else 0])]
     if invariant_tokens is not None:
-        for value in ("default", "invariant"):
+        for value in (kernels.DEFAULT, *invariant_values):
             with _kernels(lm, value):
+                if value == kernels.FUSED:  # the first call compiles the kernels: not timed
+                    build_prefill(lm, fmt, prefixes[0], where="boundary 0")
                 sec = timer(lambda: build_prefill(lm, fmt, prefixes[0], where="boundary 0"))
-            record({"path": "prefill" if value == "default" else "prefill-invariant", "B": 1, "rows": 2,
+            record({"path": "prefill" if value == "default" else f"prefill-{value}", "B": 1, "rows": 2,
                     "caps": caps_s, "prefix": len(prefixes[0]), "ms": round(1e3 * sec, 3), "flags": "engine",
                     "note": f"one forward call over boundary 0 ({len(prefixes[0])} positions), kernels {value}, "
                             f"timed once"})
@@ -314,7 +323,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
         floor = floor_ms(layout, filled, bandwidth)
         base = {"B": B, "rows": 2 * B, "caps": caps_s, "new_tokens": long_, "timed_steps": long_ - short,
                 "mean_boundary": round(sum(zs) / B, 1), "floor_ms": round(floor, 6)}
-        invariant = [("invariant", "sdpa")] if invariant_tokens is not None else []
+        invariant = [(v, "sdpa") for v in invariant_values] if invariant_tokens is not None else []
         for value, attention in [("default", a) for a in attentions] + invariant:
             length = max_len or max(zs) + long_
             if attention == "flex":  # whole blocks of 128 (the mask hides the padding)
@@ -323,20 +332,21 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
             assert tokens is not None
             _reset_peak(lm)
             with _kernels(lm, value):
-                path = step_path if value == "default" else "eager"  # the reference runs on the eager step only
+                path = "eager" if value == kernels.INVARIANT else step_path  # the reference: the eager step only
                 eng = engine.StepEngine(lm, fmt, B, length, path, attention=attention)
                 run = lambda n: engine.decode_forced(lm, fmt, states[:B], n, engine=eng)  # noqa: E731
                 warm = timer(lambda: run(tokens[0]))  # capture, compile
                 sec = _steady(timer, run, tokens, repeats)
-            if value == "invariant":
+            if value != "default":
                 read = 2 * sum(-(-(n + middle + 1) // kernels.ATTENTION_BLOCK) * kernels.ATTENTION_BLOCK for n in zs)
-                record(base | {"path": "engine-invariant", "attention": "invariant (64-key blocks)", "flags": "engine",
+                how = "fused kernels (Triton)" if value == kernels.FUSED else "reference kernels"
+                record(base | {"path": f"engine-{value}", "attention": "invariant (64-key blocks)", "flags": "engine",
                                "step_path": path, "max_len": length, "new_tokens": tokens[1],
                                "timed_steps": tokens[1] - tokens[0], "ms_per_step": round(1e3 * sec, 4),
                                "ms_per_problem_step": round(1e3 * sec / B, 5),
                                "floor_ms_layout": round(floor_ms(layout, read, bandwidth), 6),
                                "x_floor": round(1e3 * sec / floor, 1), **_peak(lm),
-                               "note": f"kernels invariant, reference kernels; first run ({tokens[0]} tokens) "
+                               "note": f"kernels {value}, {how}; first run ({tokens[0]} tokens) "
                                        f"{warm:.1f} s"})
                 del eng
                 continue

@@ -27,7 +27,11 @@ another slot.
 On the CPU the same command runs at tiny sizes (``--device cpu --rows 1 --caps 4 4 2 --sizes 2``);
 ``tests/test_bench_invariance.py`` runs it on a tiny model. The invariant kernels are the slow reference (one
 kernel call per row, query and key block), so on a GPU a construction unit at the ``cpu`` profile's caps takes far
-longer than a batch unit of a prompt.
+longer than a batch unit of a prompt. ``--values invariant-fused`` runs the same checks under the fused Triton
+kernels (CUDA; on the CPU only with ``TRITON_INTERPRET=1``, slowly). For example::
+
+    python -m kvreplay.bench invariance --device cuda --out "$OUT" --values invariant-fused --rows 2 \
+        --sizes 2 7 64 --engine-sizes 2 64 --budget-s 500
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import torch
 
 from . import invariance
 from .contract import BlockFormat, Caps
@@ -62,6 +68,7 @@ class Units:
     whole: bool
     budget_s: float | None
     engine_sizes: list[int] = dataclasses.field(default_factory=list)
+    engine_step_path: str = "eager"
     start: float = dataclasses.field(default_factory=time.perf_counter)
     report: dict = dataclasses.field(default_factory=dict)
     longest: dict = dataclasses.field(default_factory=dict)
@@ -74,6 +81,8 @@ class Units:
             out["caps"] = dataclasses.asdict(self.caps)
         if check == "engine":
             out["engine_sizes"] = list(self.engine_sizes)
+            if self.engine_step_path != "eager":  # an eager unit's settings stay as they were
+                out["engine_step_path"] = self.engine_step_path
         return out
 
     def path(self, dtype: str, value: str, problem_id: str, check: str) -> Path:
@@ -180,7 +189,7 @@ def measure(load: Callable[[str], tuple[LoadedModel, BlockFormat]], problems: li
                              f"({units.elapsed():.0f} s elapsed)")
                         t = time.perf_counter()
                         result = _run_check(lm, fmt, check, prompts, problems.index(p), units.caps, live_ids,
-                                            units.engine_sizes)
+                                            units.engine_sizes, units.engine_step_path)
                         unit = units.finish(settings, result, time.perf_counter() - t, environment_record(lm))
                         _say(f"[{done}/{total}] {dtype} {value} {p.problem_id} {check}: {_summary(check, result)} "
                              f"{unit['seconds']:.1f} s", )
@@ -201,12 +210,13 @@ def measure(load: Callable[[str], tuple[LoadedModel, BlockFormat]], problems: li
 
 
 def _run_check(lm: LoadedModel, fmt: BlockFormat, check: str, prompts: list[list[int]], i: int, caps: Caps,
-               live_ids: list[int] | None, engine_sizes: Sequence[int] = ()) -> dict:
+               live_ids: list[int] | None, engine_sizes: Sequence[int] = (), engine_step_path: str = "eager") -> dict:
     """One unit's result: the construction check (with the live boundary's IDs), one batch size, or the engine's
     check (``{"eager_vs_alone": [...], "<B>": [...]}``, what differs; empty: identical)."""
     if check == "engine":
         others = [q for j, q in enumerate(prompts) if j != i] or [prompts[i][:-5]]
-        e = invariance.engine_check(lm, fmt, prompts[i], others, caps, EngineRun(), engine_sizes)
+        e = invariance.engine_check(lm, fmt, prompts[i], others, caps, EngineRun(step_path=engine_step_path),
+                                    engine_sizes)
         return {str(k): v for k, v in e.items()}
     if check == "construction":
         c = invariance.construction_check(lm, fmt, prompts[i], caps)
@@ -243,11 +253,23 @@ def main(argv: list[str] | None = None, load: Callable[[str], tuple[LoadedModel,
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--whole", action="store_true", help="batch check on the whole boundary prefix, not the prompt")
     ap.add_argument("--budget-s", type=float, default=None, help="stop cleanly before this many seconds")
+    ap.add_argument("--engine-step-path", choices=["eager", "graph"], default="eager",
+                    help="the engine unit's step path (graph: CUDA, under kernels invariant-fused or default)")
     ap.add_argument("--engine-sizes", type=int, nargs="*", default=[],
                     help="batch sizes of the batched engine's check, one unit per problem (none: not run)")
     args = ap.parse_args(argv)
     if any(b < 2 for b in args.sizes):
         ap.error(f"--sizes are batch sizes of 2 or more (B = 1 is the row alone), got {args.sizes}")
+    from kvreplay import kernels
+
+    for value in args.values:  # before the model loads: an unknown value, or fused kernels off their device
+        try:
+            if kernels.parse_kernels(value).fused:
+                from kvreplay import kernels_fused
+
+                kernels_fused.check_device(torch.device(args.device))
+        except ValueError as e:  # KernelContractError is a ValueError
+            ap.error(f"--values {value}: {e}")
     if load is None:
         from .runner import ArmSettings
 
@@ -260,7 +282,8 @@ def main(argv: list[str] | None = None, load: Callable[[str], tuple[LoadedModel,
         problems = load_bank()[: args.rows]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    units = Units(out, Caps(*args.caps), sorted(args.sizes), args.whole, args.budget_s, list(args.engine_sizes))
+    units = Units(out, Caps(*args.caps), sorted(args.sizes), args.whole, args.budget_s, list(args.engine_sizes),
+                  args.engine_step_path)
     units.report["command"] = " ".join(["python -m kvreplay.bench invariance", *(argv if argv is not None else sys.argv[1:])])
 
     def alarm(signum, frame):

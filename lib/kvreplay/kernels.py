@@ -57,21 +57,25 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .kernels_contract import ATTENTION_BLOCK, KernelContractError
+
 DEFAULT = "default"
 INVARIANT = "invariant"
 CLASSES = ("linear", "attention", "norm", "lm_head", "rope")
 """The operation classes the invariant contract covers, each switchable on its own."""
 EXCEPT = "invariant-except-"
-ATTENTION_BLOCK = 64
-"""Key positions per attention block (anchored at key 0): pinned, part of the ``invariant`` contract's bits."""
 ATTENTION_ORDERS = {"invariant-attention-block-128": 128}
 """Values with every class invariant and attention over another fixed key-block size (a second fixed order of the
 attention class's key reductions): value -> key positions per block. 128 rather than a smaller block: the reference
 then makes half as many block calls, and 128 is the key-block size of FlexAttention's kernels."""
-KERNELS = (DEFAULT, INVARIANT, *(EXCEPT + c for c in CLASSES), *ATTENTION_ORDERS)
+FUSED = "invariant-fused"
+"""Every class invariant through the fused Triton kernels (:mod:`kvreplay.kernels_fused`): the fast path, its own bits."""
+KERNELS = (DEFAULT, INVARIANT, *(EXCEPT + c for c in CLASSES), *ATTENTION_ORDERS, FUSED)
 """Every value of the execution contract's ``kernels`` key."""
 ATTENTION_NAME = "kvreplay_invariant"
 """The attention function registered with ``transformers`` for the invariant attention."""
+FUSED_ATTENTION_NAME = "kvreplay_invariant_fused"
+"""The attention function registered for ``invariant-fused`` (:func:`kvreplay.kernels_fused.block_attention`)."""
 GUARDED_SDPA_NAME = "kvreplay_guarded_sdpa"
 """The model's own SDPA attention, registered under the guard (attention left on the default path)."""
 
@@ -82,10 +86,6 @@ COVERED_MODULES = frozenset({
     "Qwen2RMSNorm", "Qwen2RotaryEmbedding", "ModuleList", "Embedding", "Linear", "SiLU", "SiLUActivation",
 })
 """Module types the invariant contract knows (any other module in a model refuses it)."""
-
-
-class KernelContractError(ValueError):
-    """A model, an input or a value the invariant-kernel contract does not cover (raised before any row)."""
 
 
 class UncoveredOperationError(RuntimeError):
@@ -101,10 +101,12 @@ class KernelSpec:
         invariant: the classes (of :data:`CLASSES`) on the invariant path; empty for ``default``.
         attention_block: key positions per block of the invariant attention (:data:`ATTENTION_BLOCK` unless the
             value is one of :data:`ATTENTION_ORDERS`).
+        fused: the invariant classes run the fused Triton kernels (:data:`FUSED`), not the reference ones.
     """
     name: str
     invariant: frozenset
     attention_block: int = ATTENTION_BLOCK
+    fused: bool = False
 
     @property
     def default(self) -> bool:
@@ -125,6 +127,8 @@ def parse_kernels(value: "str | KernelSpec") -> KernelSpec:
         return KernelSpec(INVARIANT, frozenset(CLASSES))
     if isinstance(value, str) and value.startswith(EXCEPT) and value[len(EXCEPT):] in CLASSES:
         return KernelSpec(value, frozenset(CLASSES) - {value[len(EXCEPT):]})
+    if value == FUSED:
+        return KernelSpec(FUSED, frozenset(CLASSES), fused=True)
     if isinstance(value, str) and value in ATTENTION_ORDERS:
         return KernelSpec(value, frozenset(CLASSES), ATTENTION_ORDERS[value])
     raise ValueError(f"unknown kernels value {value!r}; use one of {list(KERNELS)}")
@@ -133,8 +137,9 @@ def parse_kernels(value: "str | KernelSpec") -> KernelSpec:
 def check_step_path(value: str, step_path: str, attention: str = "sdpa") -> None:
     """Refuse a ``kernels`` value that is unknown, or that the arm's decode path does not run.
 
-    ``default`` runs on every path. ``invariant`` runs on the eager decoders (``step_path`` ``eager``) and on the
-    batched engine's eager step (``engine-eager``) with ``attention`` ``sdpa``, which the invariant attention
+    ``default`` runs on every path. ``invariant`` and ``invariant-fused`` run on the eager decoders (``step_path``
+    ``eager``) and on the batched engine's eager step (``engine-eager``; ``invariant-fused`` also on ``graph``) with
+    ``attention`` ``sdpa``, which the invariant attention
     replaces (:mod:`kvreplay.engine.invariant`). The ablation values ``invariant-except-<class>`` run on the eager
     decoders only: the class they leave default computes over the engine's batch shape, so a row's bits would depend
     on its batch.
@@ -146,11 +151,11 @@ def check_step_path(value: str, step_path: str, attention: str = "sdpa") -> None
     spec = parse_kernels(value)
     if spec.default or step_path == "eager":
         return
-    if spec.name != INVARIANT:
+    if spec.name not in (INVARIANT, FUSED):
         raise ValueError(f"kernels {value!r} runs on the eager decoders only (step_path 'eager'), not "
                          f"{step_path!r}: it leaves one class on the default path, whose bits would depend on the "
-                         f"engine's batch (the engine takes kernels 'invariant')")
-    if step_path != "engine-eager":
+                         f"engine's batch (the engine takes kernels 'invariant' or 'invariant-fused')")
+    if step_path != "engine-eager" and not (spec.fused and step_path == "graph"):
         raise ValueError(f"kernels {value!r} runs on step_path 'eager' or 'engine-eager', not {step_path!r} (the "
                          f"reference kernels cannot be captured in a CUDA graph)")
     if attention != "sdpa":
@@ -346,7 +351,7 @@ def readout(value: "str | KernelSpec", norm: torch.nn.Module, head: torch.nn.Mod
     """A final norm and LM head outside the model (the FP32 readout control's float32 copies) under ``value``.
 
     Under ``default`` it is ``head(norm(hidden))``, bit for bit. Otherwise it runs as a covered operation, so the
-    guard lets it through. The norm runs one row at a time when ``norm`` is invariant, the head when ``lm_head`` is;
+    guard lets it through; under ``invariant-fused`` through the fused kernels. The norm runs one row at a time when ``norm`` is invariant, the head when ``lm_head`` is;
     a class left default runs its module's own code.
 
     Args:
@@ -359,6 +364,12 @@ def readout(value: "str | KernelSpec", norm: torch.nn.Module, head: torch.nn.Mod
     spec = parse_kernels(value)
     if spec.default:
         return head(norm(hidden))
+    if spec.fused:
+        from . import kernels_fused
+
+        kernels_fused.check_device(hidden.device)
+        with _covered():
+            return kernels_fused.linear(kernels_fused.rms_norm(norm, hidden), head.weight, head.bias)
     with _covered():
         x = row_rms_norm(norm, hidden) if "norm" in spec.invariant else norm(hidden)
         return row_linear(x, head.weight, head.bias) if "lm_head" in spec.invariant else head(x)
@@ -422,6 +433,62 @@ def _register_attention() -> None:
     AttentionInterface.register(GUARDED_SDPA_NAME, guarded_sdpa)
 
 
+def _register_fused_attention() -> None:
+    from transformers import AttentionInterface
+
+    from . import kernels_fused
+
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs):
+        if dropout or kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None:
+            raise KernelContractError("invariant attention covers no dropout, sliding window or attention sinks")
+        if not isinstance(attention_mask, torch.Tensor):
+            raise KernelContractError(f"invariant attention needs the explicit 4-D bool mask, got "
+                                      f"{type(attention_mask).__name__}")
+        with _covered():
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            check = getattr(module, "layer_idx", 0) == 0 and not (query.is_cuda and torch.cuda.is_current_stream_capturing())
+            return kernels_fused.block_attention(query, key, value, attention_mask, scale, check=check), None
+
+    AttentionInterface.register(FUSED_ATTENTION_NAME, attention)
+
+
+@contextlib.contextmanager
+def _installed_fused(model: torch.nn.Module) -> Iterator[None]:
+    """:func:`installed` for ``invariant-fused``: every class on its fused kernel, the model's rope batched."""
+    from . import kernels_fused
+
+    kernels_fused.check_device(next(model.parameters()).device)
+    _register_fused_attention()
+    head = model.get_output_embeddings()
+    patched: list[torch.nn.Module] = []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if module is head:
+            _wrap(module, lambda orig, x: kernels_fused.linear(x, head.weight, head.bias))
+        elif kind.endswith("MLP"):
+            _wrap(module, lambda orig, x, m=module: kernels_fused.mlp(m, x))
+        elif kind == "Linear" and ".mlp." not in f".{name}.":
+            _wrap(module, lambda orig, x, m=module: kernels_fused.linear(x, m.weight, m.bias))
+        elif kind.endswith("RMSNorm"):
+            _wrap(module, lambda orig, x, m=module: kernels_fused.rms_norm(m, x))
+        elif kind.endswith("RotaryEmbedding"):
+            _wrap(module, _default)  # one-term product and elementwise cos/sin: batched, it keeps each row's bits
+        else:
+            continue
+        patched.append(module)
+    cfg = model.config
+    before = cfg._attn_implementation
+    cfg._attn_implementation = FUSED_ATTENTION_NAME
+    try:
+        with _Guard():
+            yield
+    finally:
+        cfg._attn_implementation = before
+        for module in patched:
+            del module.forward
+
+
 _CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
@@ -459,6 +526,10 @@ def installed(model: torch.nn.Module, kernels: "str | KernelSpec") -> Iterator[N
     if model not in _CHECKED:
         check_model(model)
         _CHECKED[model] = True
+    if spec.fused:
+        with _installed_fused(model):
+            yield
+        return
     _register_attention()
     on = spec.invariant
     head = model.get_output_embeddings()

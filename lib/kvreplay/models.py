@@ -548,6 +548,10 @@ def environment_record(lm: LoadedModel | None = None, threads: int | None = None
                 del contract["contract"]["kernels"]
             else:
                 contract["contract"]["kernels_attention_block"] = kernels.parse_kernels(lm.contract.kernels).attention_block
+                if kernels.parse_kernels(lm.contract.kernels).fused:  # the fused kernels' bits are those of their
+                    from . import kernels_fused  # compiler and tile too
+
+                    contract["contract"]["kernels_fused"] = kernels_fused.record()
     return contract
 
 

@@ -1,7 +1,8 @@
 """The batched engine under the invariant-kernel contract (``kernels: invariant``): what it refuses, and its step.
 
 Under ``kernels`` other than ``default`` the engine's eager step runs the model inside
-:func:`kvreplay.kernels.installed`, the kernels the eager decoders run (:func:`kvreplay.decode.forward`). The linear
+:func:`kvreplay.kernels.installed`, the kernels the eager decoders run (:func:`kvreplay.decode.forward`). Under ``invariant-fused`` those are the fused Triton kernels (:mod:`kvreplay.kernels_fused`), same code for
+one query or many; what follows describes the reference, whose guarantees they share. The linear
 layers, the MLP, RMSNorm, the rotary embedding and the LM head run one token row at a time. Attention runs one query
 at a time over keys in blocks of :data:`kvreplay.kernels.ATTENTION_BLOCK` positions anchored at key 0. The static
 cache (:class:`~kvreplay.engine.cache.RowCache`) holds ``max_len`` positions per row; a row's keys beyond its
@@ -36,16 +37,18 @@ def check_engine(lm: LoadedModel, step_path: str, attention: str, readout: objec
 
     Raises:
         ContractError: under a ``kernels`` value other than ``default``, naming the setting: ``step_path`` other than
-            ``eager``, ``attention`` other than ``sdpa``, or an FP32 ``readout``.
+            ``eager``, ``attention`` other than ``sdpa``, or an FP32 ``readout``. Under ``invariant-fused`` the
+            ``graph`` path runs: its kernels read nothing on the host while a graph is captured.
         kvreplay.kernels.KernelContractError: a model the contract does not cover
             (:func:`kvreplay.kernels.check_model`).
     """
     value = decode.kernels_of(lm)
-    if kernels.parse_kernels(value).default:
+    spec = kernels.parse_kernels(value)
+    if spec.default:
         return
     where = (f"kernels {value!r}: the batched engine runs the invariant kernels on its eager step with the model's "
              f"attention call replaced by the invariant one")
-    if step_path != "eager":
+    if step_path != "eager" and not (spec.fused and step_path == "graph"):
         raise ContractError(f"{where}; step_path {step_path!r} is not covered (the reference kernels read each row's "
                             f"last visible key on the host, which a CUDA graph cannot replay): use step_path 'eager' "
                             f"('engine-eager' in a profile)")
