@@ -82,6 +82,7 @@ def test_the_invariant_step_and_prefill_are_timed_beside_the_others(tiny):
         bench.engine_vs_generate(lm, fmt, prefixes, batches=(2,), invariant_tokens=(2, 2))
 
 
+@pytest.mark.slow  # 75 s under Triton's interpreter on 2 cores; the kernels' own checks run in test_kernels_fused
 def test_the_fused_invariant_step_and_prefill_are_timed_beside_the_others(tiny):
     from kvreplay import kernels_fused
 
