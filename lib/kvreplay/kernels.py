@@ -308,26 +308,30 @@ def invariant_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     Raises:
         KernelContractError: dropout, a sliding window, attention sinks, or a mask that is not a bool tensor.
     """
+    scale = _call_scale(query, attention_mask, dropout, scaling, kwargs)
+    with _covered():
+        return block_attention(query, key, value, attention_mask, scale), None
+
+
+def _call_scale(query: torch.Tensor, attention_mask, dropout: float, scaling: float | None, kwargs: dict) -> float:
+    """The score scale of one attention call under the invariant contract (the module's, else ``head_dim ** -0.5``).
+
+    Raises:
+        KernelContractError: dropout, a sliding window, attention sinks, or a mask that is not a tensor.
+    """
     if dropout or kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None:
         raise KernelContractError("invariant attention covers no dropout, sliding window or attention sinks")
     if not isinstance(attention_mask, torch.Tensor):
         raise KernelContractError(f"invariant attention needs the explicit 4-D bool mask, got {type(attention_mask).__name__}")
-    with _covered():
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return block_attention(query, key, value, attention_mask, scale), None
+    return scaling if scaling is not None else query.shape[-1] ** -0.5
 
 
 def _attention_with_block(block: int):
     """:func:`invariant_attention` over key blocks of ``block`` positions (the function registered for that block)."""
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs):
-        if dropout or kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None:
-            raise KernelContractError("invariant attention covers no dropout, sliding window or attention sinks")
-        if not isinstance(attention_mask, torch.Tensor):
-            raise KernelContractError(f"invariant attention needs the explicit 4-D bool mask, got "
-                                      f"{type(attention_mask).__name__}")
+        scale = _call_scale(query, attention_mask, dropout, scaling, kwargs)
         with _covered():
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return block_attention(query, key, value, attention_mask, scale, block=block), None
     return attention
 
@@ -440,13 +444,8 @@ def _register_fused_attention() -> None:
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs):
-        if dropout or kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None:
-            raise KernelContractError("invariant attention covers no dropout, sliding window or attention sinks")
-        if not isinstance(attention_mask, torch.Tensor):
-            raise KernelContractError(f"invariant attention needs the explicit 4-D bool mask, got "
-                                      f"{type(attention_mask).__name__}")
+        scale = _call_scale(query, attention_mask, dropout, scaling, kwargs)
         with _covered():
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             check = getattr(module, "layer_idx", 0) == 0 and not (query.is_cuda and torch.cuda.is_current_stream_capturing())
             return kernels_fused.block_attention(query, key, value, attention_mask, scale, check=check), None
 
