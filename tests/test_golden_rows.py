@@ -88,12 +88,18 @@ four-arm matrix), each recomputing its row that took the least wall time when it
 
 @pytest.mark.notebook
 def test_one_committed_row_per_experiment_recomputes(capsys):
+    """The ledgers share their loads (``keep_models``, as a GPU profile's one process runs its arms): the four BF16
+    ledgers of the plain model load it once, Experiment 5 (its role table) and the FP32 one each once more."""
+    from kvreplay.runner import keep_models
     from kvreplay.verify import verify_profile
 
-    results = verify_profile(LEDGERS, COMMITTED, rows=1, only=[f"{g}-" for g in GOLDEN], pick="fastest")
+    with keep_models() as kept:
+        results = verify_profile(LEDGERS, COMMITTED, rows=1, only=[f"{g}-" for g in GOLDEN], pick="fastest")
     with capsys.disabled():
         for r in results:
-            print(f"\n  golden row {r.ledger} {r.problem_id}: {r.mode}, {r.detail}", end="")
+            print(f"\n  golden row {r.ledger} {r.problem_id} ({r.seconds:.0f} s): {r.mode}, {r.detail}",
+                  end="")
+    assert len(kept) < len(results), sorted(kept)  # a load per precision and role table, not one per ledger
     assert {r.ledger.rsplit("-", 1)[0] for r in results} == {g for g in GOLDEN if g.split("-")[0] not in PENDING}
     assert {g.split("-")[0] for g in GOLDEN} == set(ROW_ALGORITHM) - {"adapt_eval"} - OPTIONAL  # every experiment has one
     bad = [r for r in results if not r.ok]
