@@ -87,7 +87,7 @@ def lab(tmp_path_factory):
         except OSError:
             if proc.poll() is not None:
                 raise RuntimeError(f"jupyter lab exited: {(tmp / 'lab.log').read_text()[-3000:]}")
-            time.sleep(1)
+            time.sleep(0.2)
     else:
         proc.terminate()
         raise RuntimeError("jupyter lab did not start in 120 s")
@@ -132,12 +132,13 @@ SHOTS: list[Path] = []
 
 
 def _wait(driver, what, timeout, message):
-    """Wait for ``what``; on a timeout save a screenshot and name any error the notebook shows."""
+    """Wait for ``what`` (asked every 0.1 s: the test waits about 55 times, mostly for a redraw of about a second);
+    on a timeout save a screenshot and name any error the notebook shows."""
     from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
     try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.5).until(what, message=message)
+        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(what, message=message)
     except TimeoutException:
         shot = (SHOTS[-1] if SHOTS else Path(tempfile.mkdtemp(prefix="kvreplay-browser-"))) / "failure.png"
         driver.save_screenshot(str(shot))

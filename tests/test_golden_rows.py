@@ -88,28 +88,48 @@ four-arm matrix), each recomputing its row that took the least wall time when it
 
 @pytest.mark.notebook
 def test_one_committed_row_per_experiment_recomputes(capsys):
+    """The ledgers share their loads (``keep_models``, as a GPU profile's one process runs its arms): the four BF16
+    ledgers of the plain model load it once, Experiment 5 (its role table) and the FP32 one each once more."""
+    from kvreplay.runner import keep_models
     from kvreplay.verify import verify_profile
 
-    results = verify_profile(LEDGERS, COMMITTED, rows=1, only=[f"{g}-" for g in GOLDEN], pick="fastest")
+    with keep_models() as kept:
+        results = verify_profile(LEDGERS, COMMITTED, rows=1, only=[f"{g}-" for g in GOLDEN], pick="fastest")
     with capsys.disabled():
         for r in results:
-            print(f"\n  golden row {r.ledger} {r.problem_id}: {r.mode}, {r.detail}", end="")
+            print(f"\n  golden row {r.ledger} {r.problem_id} ({r.seconds:.0f} s): {r.mode}, {r.detail}",
+                  end="")
+    assert len(kept) < len(results), sorted(kept)  # a load per precision and role table, not one per ledger
     assert {r.ledger.rsplit("-", 1)[0] for r in results} == {g for g in GOLDEN if g.split("-")[0] not in PENDING}
     assert {g.split("-")[0] for g in GOLDEN} == set(ROW_ALGORITHM) - {"adapt_eval"} - OPTIONAL  # every experiment has one
     bad = [r for r in results if not r.ok]
     assert not bad, bad
 
 
+def _fewest_decoder_steps(folder) -> str:
+    """The problem ID of the ledger's row that decodes the fewest tokens (its boundary's generated tokens and its
+    arms' suffix tokens; ties by ID). On the CPU a row's time follows them; the wall time a GPU ledger logs (a
+    chunk's, on its first row) does not."""
+    from kvreplay.verify import checked_rows
+
+    def steps(row: dict) -> tuple[int, str]:
+        suffixes = sum(len(arm["suffix"]) for arm in row["arms"].values())
+        return row["prefix_len"] - row["prompt_len"] + suffixes, row["problem_id"]
+    return min((r.record for r in checked_rows(folder)), key=steps)["problem_id"]
+
+
 @pytest.mark.notebook
 def test_a_gpu_row_recomputes_on_this_cpu(capsys):
-    """A committed H200 row (graph engine, FP32) recomputed here on the CPU's eager path: gates and token IDs."""
+    """A committed H200 row (graph engine, FP32) recomputed here on the CPU's eager path: gates and token IDs. The row
+    is the one with the fewest decoder steps (:func:`_fewest_decoder_steps`)."""
     import torch
 
     from kvreplay.verify import verify_profile
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the row would be recomputed on it")
-    results = verify_profile(LEDGERS, "gpu", rows=1, only=["exp1-float32-"], pick="fastest")
+    (folder,) = [m.parent for m in tracked("data/ledgers/gpu/exp1-float32-*/manifest.json")]
+    results = verify_profile(LEDGERS, "gpu", only=["exp1-float32-"], ids=[_fewest_decoder_steps(folder)])
     with capsys.disabled():
         for r in results:
             print(f"\n  gpu row {r.ledger} {r.problem_id}: {r.mode}, {r.detail}", end="")

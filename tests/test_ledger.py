@@ -170,13 +170,26 @@ def test_reading_an_experiment_ledger_checks_every_row_against_its_row_type(tmp_
         read_ledger(ledger.dir)
 
 
-def test_compare_tells_identical_unfinished_and_parting_recomputations(tmp_path):
+def test_compare_tells_identical_unfinished_and_parting_recomputations(tmp_path, capsys):
     """`python -m kvreplay.ledger compare`: rows, manifest and plain files byte for byte; where rows first part; what
-    exit status each case gets (missing counterpart, nothing compared, --complete, folders that cannot be compared)."""
+    exit status each case gets (missing counterpart, nothing compared, --complete, folders that cannot be compared).
+    The first call runs the command itself; the others call its ``main`` in this process (each new process would
+    import torch again)."""
     import gzip
     import shutil
 
+    from kvreplay.ledger.__main__ import main
     from kvreplay.ledger.compare import compare_ledger_roots, compare_rows
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        """``python -m kvreplay.ledger ARGS`` in this process: its exit status (argparse's too) and what it printed."""
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code
+        said = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, said.out, said.err)
 
     committed, recomputed = tmp_path / "committed", tmp_path / "recomputed"
     config = {"a": 1, "problem_ids": ["p0", "p1", "p2"]}
@@ -190,7 +203,6 @@ def test_compare_tells_identical_unfinished_and_parting_recomputations(tmp_path)
         again.append({"problem_id": f"p{i}", "v": i})
     (recomputed / "panel.json").write_text("[1]\n")
     (recomputed / "tmp-x").mkdir()  # not a ledger: left out
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvreplay.ledger", *a], capture_output=True, text=True)  # noqa: E731
     by_name = {e["name"]: e for e in compare_ledger_roots(recomputed, committed)}
     assert "tmp-x" not in by_name
     entry = by_name[ledger.dir.name]
@@ -198,7 +210,8 @@ def test_compare_tells_identical_unfinished_and_parting_recomputations(tmp_path)
     assert entry["manifest"] == "identical" and entry["environment"] == ["execution_contract.library"]
     assert by_name["panel.json"] == {"name": "panel.json", "kind": "file", "file": "identical"}
     assert by_name["only_committed.json"]["not_recomputed"]
-    out = run("compare", str(recomputed), str(committed))
+    out = subprocess.run([sys.executable, "-m", "kvreplay.ledger", "compare", str(recomputed), str(committed)],
+                         capture_output=True, text=True)
     assert out.returncode == 0 and "identical so far (2 of 3 committed)" in out.stdout, out.stdout
     assert "1 ledger(s) compared, 0 identical, 1 committed entries not recomputed" in out.stdout
     assert run("compare", "--complete", str(recomputed), str(committed)).returncode == 1

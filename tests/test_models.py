@@ -263,15 +263,38 @@ def test_cache_refusal_reads_the_layer_types_and_the_cache_layers():
     assert "deepseek_sparse_attention" in cache_refusal(odd)
 
 
+def _read_each_gguf_once(monkeypatch) -> dict:
+    """Make ``transformers`` read each GGUF file once (model and tokenizer): a later ``from_pretrained`` of the same
+    file gets the objects of the first read. Returns the reads, by class, folder and file name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reads: dict = {}
+    for cls in (AutoModelForCausalLM, AutoTokenizer):
+        def from_pretrained(source, *args, _cls=cls, _real=cls.from_pretrained, **kwargs):
+            if "gguf_file" not in kwargs:
+                return _real(source, *args, **kwargs)
+            key = (_cls.__name__, str(source), kwargs["gguf_file"])
+            if key not in reads:
+                reads[key] = _real(source, *args, **kwargs)
+            return reads[key]
+        monkeypatch.setattr(cls, "from_pretrained", from_pretrained)
+    return reads
+
+
 def test_embedded_checkpoint_is_the_gguf_converted_once(tmp_path, monkeypatch):
-    """The cached folder gives the GGUF's weights, self-check, tokens and chat template; a damaged copy is rebuilt."""
+    """The cached folder gives the GGUF's weights, self-check, tokens and chat template; a damaged copy is rebuilt.
+
+    ``transformers`` reads the GGUF once (about 20 s on 2 cores): the GGUF load and the rebuild get what the
+    conversion's read made of it, so the folder is compared with the GGUF as ``transformers`` reads it."""
     import json
 
     from kvreplay import models
     from kvreplay.problems import load_bank
 
+    reads = _read_each_gguf_once(monkeypatch)
     monkeypatch.setenv(models.MODEL_CACHE_ENV, str(tmp_path))
     folder = models.embedded_checkpoint()
+    assert len(reads) == 2, sorted(reads)  # the conversion read the GGUF's model and tokenizer
     assert folder.parent == tmp_path and (folder / "model.safetensors").is_file()
     contract = ExecutionContract(threads=2)
     via_folder = load_model("embedded", "float32", contract=contract)
@@ -284,12 +307,16 @@ def test_embedded_checkpoint_is_the_gguf_converted_once(tmp_path, monkeypatch):
     assert via_folder.tokenizer.apply_chat_template(msgs, add_generation_prompt=True) == \
         via_gguf.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
 
+    assert len(reads) == 2, sorted(reads)  # the GGUF load was handed the conversion's read
+
     weights = folder / "model.safetensors"
+    converted = models.file_sha256(weights)
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0xFF  # a damaged cache is found by its digest and converted again
     weights.write_bytes(bytes(data))
     assert models.embedded_checkpoint() == folder
-    assert models.file_sha256(weights) == json.loads((folder / "conversion.json").read_text())["model_safetensors_sha256"]
+    assert models.file_sha256(weights) == converted == \
+        json.loads((folder / "conversion.json").read_text())["model_safetensors_sha256"]
     assert bytes(data) != weights.read_bytes()
 
 

@@ -95,12 +95,13 @@ def _exp5_recipe(root: Path, ledger_root: Path) -> str:
     return ", ".join(names)
 
 
-def roots_table(roots: list[Path], libraries: Mapping[str, Any], data: Path = DATA) -> str:
-    """One line per ledger root, then the totals of ``data/ledgers``: folders, digests, events, unchecked rows."""
+def roots_table(roots: Mapping[Path, list[prov.LedgerProvenance]], libraries: Mapping[str, Any],
+                data: Path = DATA) -> str:
+    """One line per ledger root (``roots``: each root's :func:`~kvreplay.ledger.provenance.profile_provenance`), then
+    the totals of ``data/ledgers``: folders, digests, events, unchecked rows."""
     rows: list[list[Any]] = []
     total: Counter[str] = Counter()
-    for root in roots:
-        ledgers = prov.profile_provenance(root)
+    for root, ledgers in roots.items():
         events = sum(len(read_log(root / p.name / "runlog.jsonl")) for p in ledgers)
         unstamped = sum(p.unstamped for p in ledgers)
         below = sum(_rows_below_fp32(root / p.name) for p in ledgers)
@@ -123,12 +124,14 @@ def roots_table(roots: list[Path], libraries: Mapping[str, Any], data: Path = DA
                   "Experiment 5's checkpoint recipe"], rows)
 
 
-def libraries_table(roots: list[Path], libraries: Mapping[str, Any], data: Path = DATA) -> str:
-    """One line per library digest: its first commit, whether it had the sampled check, what it created or appended."""
+def libraries_table(roots: Mapping[Path, list[prov.LedgerProvenance]], libraries: Mapping[str, Any],
+                    data: Path = DATA) -> str:
+    """One line per library digest: its first commit, whether it had the sampled check, what it created or appended
+    (``roots``: as :func:`roots_table`)."""
     created: dict[str, list[str]] = {}
     appended: Counter = Counter()
-    for root in roots:
-        for p in prov.profile_provenance(root):
+    for root, ledgers in roots.items():
+        for p in ledgers:
             if p.environment:
                 created.setdefault(p.environment, []).append(f"{root.relative_to(data)}/{p.name}")
             for d, n in _row_libraries(root / p.name).items():
@@ -144,11 +147,13 @@ def libraries_table(roots: list[Path], libraries: Mapping[str, Any], data: Path 
                   "ledger folders it created", "rows its run-log events name"], rows)
 
 
-def ledgers_table(roots: list[Path], libraries: Mapping[str, Any], data: Path = DATA) -> str:
-    """One line per ledger folder: the library that created it, the ones its rows name, events, unchecked rows."""
+def ledgers_table(roots: Mapping[Path, list[prov.LedgerProvenance]], libraries: Mapping[str, Any],
+                  data: Path = DATA) -> str:
+    """One line per ledger folder: the library that created it, the ones its rows name, events, unchecked rows
+    (``roots``: as :func:`roots_table`)."""
     rows = []
-    for root in roots:
-        for p in prov.profile_provenance(root):
+    for root, ledgers in roots.items():
+        for p in ledgers:
             folder = root / p.name
             by = _row_libraries(folder)
             missing = prov.sampled_check_missing(folder, _has_check(libraries))
@@ -210,7 +215,8 @@ def provenance_page(data: Path = DATA) -> str:
     """
     libraries = prov.read_library_commits(data / "libraries.json")
     roots = ledger_roots(data)
-    unknown = sorted({d for r in roots for d in prov.profile_library_digests(r)} - set(libraries))
+    read = {r: prov.profile_provenance(r) for r in roots}  # each ledger's rows parsed once for all the tables
+    unknown = sorted({d for ledgers in read.values() for p in ledgers for d in p.digests} - set(libraries))
     if unknown:
         raise ValueError(f"{data / 'libraries.json'} lacks digests {[d[:12] for d in unknown]}: run "
                          f"`python -m kvreplay.ledger libraries data/ledgers/* data/kernel_ablation/*`")
@@ -229,9 +235,9 @@ def provenance_page(data: Path = DATA) -> str:
         "A row below FP32 counts as checked by the sampled FP32 construction-equivalence check "
         "([gates.md](gates.md)) only when a passing `equivalence_sample` event of its run log lists it or covers its "
         "chunk (`kvreplay.ledger.provenance.sampled_check_missing`).", "",
-        "## Ledger roots", "", roots_table(roots, libraries, data), "",
-        "## Libraries", "", libraries_table(roots, libraries, data), "",
-        "## Ledger folders", "", ledgers_table(roots, libraries, data), "",
+        "## Ledger roots", "", roots_table(read, libraries, data), "",
+        "## Libraries", "", libraries_table(read, libraries, data), "",
+        "## Ledger folders", "", ledgers_table(read, libraries, data), "",
         "## The same problems at two branch caps", "", *(f"- {length_arm_text(r)}" for r in profiles), "",
         "## Rules set after results were seen", "",
         "From `data/post_hoc_rules.yaml`; [differences.md](differences.md#changes-made-after-results-were-seen) says "
