@@ -120,7 +120,7 @@ def test_slot_reuse_and_per_row_positions_equal_one_problem_runs():
 
 def test_step_writes_each_row_at_its_own_position():
     lm, fmt, _, lives = _setup("qwen2")
-    eng = engine.StepEngine(lm, fmt, batch=2, max_len=MAX_SUFFIX)
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=2, max_len=MAX_SUFFIX))
     lengths = [eng.admit(s, b.cache, b.roles) for s, b in enumerate(lives[1:5:3])]
     assert lengths[0] != lengths[1]
     for s, n in enumerate(lengths):

@@ -80,15 +80,16 @@ def test_a_planted_fault_is_caught(fault, monkeypatch):
 
 def test_settings_the_contract_does_not_cover_are_refused_before_any_row(windowed_arch):
     lm, fmt = _lm("llama", torch.float32)
-    for kwargs, named in (({"step_path": "graph"}, "step_path 'graph'"), ({"attention": "flex"}, "attention 'flex'"),
-                          ({"attention": "grouped"}, "attention 'grouped'"),
-                          ({"readout": decode.FP32Readout(lm)}, "FP32 readout")):
+    for (run, kwargs), named in (((dict(step_path="graph"), {}), "step_path 'graph'"),
+                                 ((dict(attention="flex"), {}), "attention 'flex'"),
+                                 ((dict(attention="grouped"), {}), "attention 'grouped'"),
+                                 (({}, {"readout": decode.FP32Readout(lm)}), "FP32 readout")):
         with pytest.raises(ContractError, match=named):
-            engine.StepEngine(lm, fmt, batch=1, max_len=128, **kwargs)
+            engine.StepEngine(lm, fmt, engine.EngineRun(batch=1, max_len=128, **run), **kwargs)
     other = tiny_lm(windowed_arch)
     other.contract = resolve_contract(kernels="invariant")
     with pytest.raises(kernels.KernelContractError, match="covers|not covered"):
-        engine.StepEngine(other, resolve_format(other.tokenizer, TINY_FORMAT), batch=1, max_len=64)
+        engine.StepEngine(other, resolve_format(other.tokenizer, TINY_FORMAT), engine.EngineRun(batch=1, max_len=64))
     base = dict(profile="smoke", dtype="float32", caps=TINY_CAPS, kernels="invariant")
     ArmSettings(**base, step_path="engine-eager", batch=4)  # taken
     with pytest.raises(ValueError, match="not 'graph'"):

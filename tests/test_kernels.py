@@ -137,11 +137,11 @@ def test_uncovered_models_and_values_are_refused(windowed_arch):
 
 
 def test_engine_refuses_the_graph_path_under_invariant_kernels():
-    from kvreplay.engine import StepEngine
+    from kvreplay.engine import EngineRun, StepEngine
 
     lm, fmt = _lm("llama", torch.float32, "invariant")
     with pytest.raises(ContractError, match="step_path 'graph' is not covered"):
-        StepEngine(lm, fmt, batch=1, max_len=64, step_path="graph")
+        StepEngine(lm, fmt, EngineRun(batch=1, max_len=64, step_path="graph"))
 
 
 def test_key_entry_only_when_not_default():

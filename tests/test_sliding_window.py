@@ -472,7 +472,7 @@ def test_engine_bits_do_not_depend_on_slot_or_companions_in_bf16(windowed_arch, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tolerance_gate_passes_on_a_windowed_model(windowed_arch, attention, dtype):
     lm, fmt, _, lives = _engine_setup(windowed_arch, dtype)
-    eng = engine.StepEngine(lm, fmt, batch=2, max_len=ENGINE_LEN, attention=attention)
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=2, max_len=ENGINE_LEN, attention=attention))
     n = eng.admit(1, lives[3].cache, lives[3].roles)
     eng.set_row_pair(1, 100, n, MERGE, MERGE)
     rec = eng.check_attention("a windowed boundary")
@@ -486,7 +486,7 @@ def test_tolerance_gate_catches_a_flex_mask_that_forgets_the_window():
     from torch.nn.attention.flex_attention import BlockMask
 
     lm, fmt, _, lives = _engine_setup("gemma3")
-    eng = engine.StepEngine(lm, fmt, batch=2, max_len=ENGINE_LEN, attention="flex")
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=2, max_len=ENGINE_LEN, attention="flex"))
     n = eng.admit(0, lives[2].cache, lives[2].roles)
     eng.set_row_pair(0, 100, n, MERGE, MERGE)
     eng.check_attention("clean")
@@ -496,7 +496,6 @@ def test_tolerance_gate_catches_a_flex_mask_that_forgets_the_window():
                                        mask_mod=full.mask_mod, seq_lengths=(2, ENGINE_LEN), compute_q_blocks=False)
     planted.kvreplay_window = TINY_WINDOW
     fm.block_mask = planted
-    eng.attention_check = None
     with pytest.raises(gates.GateError, match="attention_tolerance") as err:
         eng.check_attention("planted")
     assert "layer 0's output" in err.value.reason and "3 of 4 layers" in err.value.reason  # the sliding ones
@@ -505,7 +504,7 @@ def test_tolerance_gate_catches_a_flex_mask_that_forgets_the_window():
 def test_tolerance_gate_catches_a_dense_mask_that_forgets_the_window(monkeypatch):
     """Planted: ``grouped`` gets the full-attention mask on every layer; the gate's reference applies the window."""
     lm, fmt, _, lives = _engine_setup("mistral")
-    eng = engine.StepEngine(lm, fmt, batch=1, max_len=ENGINE_LEN, attention="grouped")
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=1, max_len=ENGINE_LEN, attention="grouped"))
     n = eng.admit(0, lives[1].cache, lives[1].roles)
     eng.set_row_pair(0, 100, n, MERGE, MERGE)
     monkeypatch.setattr(engine.StepEngine, "_dense_mask", lambda self: self._allowed()[:, None, None, :])

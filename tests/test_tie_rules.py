@@ -121,7 +121,7 @@ def test_each_rule_breaks_a_planted_tie_alike_in_the_eager_cursor_and_the_engine
         eligible = fmt.content_mask(MERGE, "cpu", vocab).expand(2, -1)
         stats = engine.choice_stats(logits.expand(2, -1), eligible, parsed, torch.full((2,), position), top=True)
         assert stats.tolist() == [[token] * 2, [margin] * 2, [1.0] * 2, [1.0] * 2, [7.0] * 2]
-        eng = engine.StepEngine(lm, fmt, 1, 64, decoding=Decoding.of(TINY_CAPS, rule, top_logits=True))
+        eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=1, max_len=64), decoding=Decoding.of(TINY_CAPS, rule, top_logits=True))
         assert eng.first_choice(logits.expand(2, -1), MERGE, position) == stats.tolist()
     if rule == "lowest":  # the default is torch.argmax itself
         assert token == int(logits.masked_fill(~eligible[0], float("-inf")).argmax())
@@ -150,7 +150,7 @@ def test_the_engine_step_breaks_every_planted_tie_as_the_eager_cursor_does(lm_fm
     with torch.inference_mode():
         lives = [dataclasses.replace(s, logits=plant(s.logits)) for s in lives]
     decoding = Decoding.of(TINY_CAPS, rule, top_logits=True)
-    eng = engine.StepEngine(lm, fmt, 3, 256, readout=readout, decoding=decoding)
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=3, max_len=256), readout=readout, decoding=decoding)
     for slot, s in enumerate(lives):
         n = eng.admit(slot, s.cache, s.roles)
         eng.set_row_pair(slot, a, n, MERGE, MERGE)  # feed a content token at the next position

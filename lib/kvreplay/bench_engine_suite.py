@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def graph_equals_eager() -> dict:
         t = time.perf_counter()
-        checked = dataclasses.replace(run, step_path=graph, verify_steps=10_000).measured()
+        checked = dataclasses.replace(run, step_path=graph, verify_steps=10_000)
         g = engine.decode_suffixes(lm, fmt, states, caps, run=checked)
-        steps = checked.stats.verified_steps
+        steps = g.stats.verified_steps
         seconds = time.perf_counter() - t
         e = engine.decode_suffixes(lm, fmt, states, caps, run=dataclasses.replace(run, step_path="eager"))
         first["graph"] = g
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {}
         for dtype_name, model in (("bfloat16", lm), ("float32", model32())):
             for attention in ("flex", "grouped"):
-                eng = engine.StepEngine(model, fmt, B, max_len, "eager", attention=attention)
+                eng = engine.StepEngine(model, fmt, engine.EngineRun("eager", B, max_len, attention=attention))
                 for slot in range(min(4, B)):  # real boundaries; an answer query must not see the branches
                     b = states[slot] if model is lm else build_prefill(model, fmt, prefixes[slot])
                     n = eng.admit(slot, b.cache, b.roles)
@@ -166,12 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         lm32 = model32()
         problems = [p for p in load_bank() if p.problem_id in committed][: args.rows]
         run32 = dataclasses.replace(settings, dtype="float32", chunk=len(problems)).engine_run(fmt, problems)
-        run32 = run32.measured()
         spec = RunSpec(lm=lm32, fmt=fmt, decoding=Decoding.of(caps), engine=run32)  # max_len: the longest sequence, whole flex blocks
         t = time.perf_counter()
         recs = live_vs_prefill_chunk(spec, problems)
         seconds = time.perf_counter() - t
-        busy, slots = run32.stats.busy_slot_steps, run32.stats.slot_steps
+        busy, slots = recs.stats.busy_slot_steps, recs.stats.slot_steps
         prefix = suffix = 0
         parted = []
         for r in recs:

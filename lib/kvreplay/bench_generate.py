@@ -333,7 +333,7 @@ def engine_vs_generate(lm, fmt, prefixes: Sequence[Sequence[int]], *, batches: S
             _reset_peak(lm)
             with _kernels(lm, value):
                 path = "eager" if value == kernels.INVARIANT else step_path  # the reference: the eager step only
-                eng = engine.StepEngine(lm, fmt, B, length, path, attention=attention)
+                eng = engine.StepEngine(lm, fmt, engine.EngineRun(path, B, length, attention=attention))
                 run = lambda n: engine.decode_forced(lm, fmt, states[:B], n, engine=eng)  # noqa: E731
                 warm = timer(lambda: run(tokens[0]))  # capture, compile
                 sec = _steady(timer, run, tokens, repeats)
@@ -505,7 +505,7 @@ def profile_step(lm, fmt, prefixes: Sequence[Sequence[int]], *, batch: int, atte
     length = max_len or max(len(z) for z in prefixes[:batch]) + steps + 4
     if attention == "flex":
         length = -(-length // engine.FLEX_BLOCK) * engine.FLEX_BLOCK
-    eng = engine.StepEngine(lm, fmt, batch, length, step_path, attention=attention)
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(step_path, batch, length, attention=attention))
     position = []
     with torch.inference_mode():
         for slot, b in enumerate(states):

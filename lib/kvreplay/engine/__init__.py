@@ -44,7 +44,8 @@ get the eager decoders' per-type masks (:func:`kvreplay.models.layer_masks`; for
 
 One slot scheduler drives every decoder: a free slot takes the next waiting job before each step.
 :func:`decode_chains` lets a problem's suffix jobs follow its boundary construction in the same engine, so the
-slots stay full (each run's :class:`EngineStats` counts the slot occupancy). ``docs/engine.md`` describes it all for users.
+slots stay full. Each decoder returns what its engine measured (:class:`EngineStats`, the slot occupancy
+among it) with its results, as a :class:`Measured` list. ``docs/engine.md`` describes it all for users.
 
 Host synchronisation: one device-to-host read per step (chosen tokens,
 margins, duplicate and finiteness flags of every row together), plus one per
@@ -67,7 +68,7 @@ from .attention import (
     use_attention,
 )
 from .cache import RowCache, RowLayer
-from .run import EngineRun, EngineStats, engine_max_len
+from .run import EngineRun, EngineStats, Measured, engine_max_len
 from .decoders import (
     ForcedDecode,
     build_incrementals,
@@ -82,7 +83,7 @@ from .step import STEP_PATHS, StepEngine, choice_stats
 
 __all__ = [
     "ATTENTIONS", "FLEX_BLOCK", "STEP_PATHS", "TOLERANCE",
-    "EngineRun", "EngineStats", "engine_max_len", "FlexMask", "ForcedDecode", "RowCache", "RowLayer", "StepEngine", "build_incrementals", "choice_stats", "decode_chains",
+    "EngineRun", "EngineStats", "Measured", "engine_max_len", "FlexMask", "ForcedDecode", "RowCache", "RowLayer", "StepEngine", "build_incrementals", "choice_stats", "decode_chains",
     "decode_forced", "decode_lives", "decode_suffixes", "flex_attention_step", "flex_environment",
     "flex_kernel_options", "flex_reference", "grouped_attention", "live_length_bound", "reference_attention",
     "suffix_length_bound", "use_attention",

@@ -218,7 +218,7 @@ class _Scheduler:
                     yield from self._yield_ended()
             if all(j is None for j in self.slots):
                 return
-            if self.tolerance_check and engine.attention_check is None:
+            if self.tolerance_check and not engine.stats.attention_checks:
                 held = [j for j in self.slots if j is not None and not j.work.builds]
                 if held:
                     engine.check_attention(f"problem {held[0].index}'s boundary in the engine")
@@ -243,14 +243,13 @@ def live_length_bound(fmt: BlockFormat, caps: Caps, prompt_len: int) -> int:
 
 def new_engine(lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int, decoding: Decoding | None = None,
                readout: decode.FP32Readout | None = None) -> StepEngine:
-    """A :class:`StepEngine` at ``run``'s settings choosing by ``decoding`` (:meth:`StepEngine.for_run`):
-    ``max_len`` defaults to ``need`` (whole blocks for ``flex``, :func:`~kvreplay.engine.run.engine_max_len`); it
-    adds to ``run.stats``.
+    """A :class:`StepEngine` at ``run``'s settings choosing by ``decoding``: ``max_len`` defaults to ``need`` (whole
+    blocks for ``flex``, :func:`~kvreplay.engine.run.engine_max_len`).
 
     Raises:
         ValueError: a fixed ``max_len`` below ``need``, or a setting :class:`StepEngine` refuses.
     """
-    return StepEngine.for_run(lm, fmt, run, need, readout, decoding)
+    return StepEngine(lm, fmt, run, need=need, decoding=decoding, readout=readout)
 
 
 # ------------------------------------------------------------------------------------------------ jobs

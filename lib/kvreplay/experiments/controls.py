@@ -20,6 +20,7 @@ import torch
 
 from ..arm_facts import declared_in
 from .. import caches, decode, drift, engine, gates
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.records import ControlsRecord, ControlsRow
 from ..problems import Problem
@@ -187,7 +188,7 @@ def _controls_record(rec: dict, plain: dict, fp32: dict, moved: decode.Suffix, n
 
 
 def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]],
-                   seed: int = 20260729) -> list[ControlsRecord]:
+                   seed: int = 20260729) -> Measured[ControlsRecord]:
     """The exploratory controls for a chunk of fixed prefixes through the batched engine (records of :func:`controls_row`).
 
     The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`,
@@ -199,7 +200,7 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
     another with the readout. A gate failure is recorded in its problem's record only.
 
     Returns:
-        One record per problem, in order.
+        One record per problem, in order, with what the engines measured.
     """
     lm, fmt = spec.lm, spec.fmt
     readout = _readout(lm)
@@ -223,7 +224,8 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
             _controls_record(recs[i], {"incremental": a, "prefill": b}, {"incremental": c, "prefill": d}, moved, null_rec)
         except GateError as e:
             recs[i]["gate_failure"] = gate_failure(e)
-    return cast(list[ControlsRecord], recs)  # as controls_row's
+    stats = incs.stats + incs_ro.stats + plain.stats + fp32.stats
+    return cast(Measured[ControlsRecord], Measured(recs, stats))  # as controls_row's
 
 
 def controls_summary(records: Sequence[ControlsRecord]) -> dict:

@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 
 from .. import caches, decode, drift, engine, gates
+from ..engine import Measured
 from ..gates import GateError
 from ..problems import Problem
 from ..runner import RunSpec
@@ -129,7 +130,7 @@ def live_check_due(spec: RunSpec, problem: Problem, ref: decode.Boundary) -> boo
     return ref.construction == "live" and spec.lm.dtype != torch.float32 and problem.problem_id in spec.live_check_ids
 
 
-def rebuild_lives(spec: RunSpec, problems: Sequence[Problem], lives: Sequence[decode.Boundary]) -> list:
+def rebuild_lives(spec: RunSpec, problems: Sequence[Problem], lives: Sequence[decode.Boundary]) -> Measured:
     """The incremental rebuild of live boundaries through the path that made them (paper §3.6, the bridge).
 
     Eager runs: :func:`kvreplay.decode.build_incremental`, one problem at a time. Batched runs
@@ -139,11 +140,12 @@ def rebuild_lives(spec: RunSpec, problems: Sequence[Problem], lives: Sequence[de
 
     Returns:
         Per live boundary, its ``"incremental"`` :class:`~kvreplay.decode.Boundary` (caches
-        ``[2, kv_heads, |z|, head_dim]``, logits ``[2, vocab]``, the run's dtype) or the ``GateError`` that stopped it.
+        ``[2, kv_heads, |z|, head_dim]``, logits ``[2, vocab]``, the run's dtype) or the ``GateError`` that stopped it,
+        with the engine's ``stats`` (none for an eager run).
     """
     if spec.engine is not None:
         return engine.build_incrementals(spec.lm, spec.fmt, [live.ids for live in lives], run=spec.batched(), on_gate_error="return")
-    out: list = []
+    out: Measured = Measured()
     for p, live in zip(problems, lives):
         try:
             out.append(decode.build_incremental(spec.lm, spec.fmt, live.ids, where=p.problem_id))
@@ -287,7 +289,7 @@ def raise_gate_errors(results: Sequence) -> None:
 
 
 def decode_groups(spec: RunSpec, groups: Sequence[Sequence[decode.Boundary]],
-                  readout: decode.FP32Readout | None = None) -> list[list]:
+                  readout: decode.FP32Readout | None = None) -> Measured[list]:
     """Every boundary of every group through one :func:`kvreplay.engine.decode_suffixes` (``spec.engine``), regrouped.
 
     Args:
@@ -295,17 +297,19 @@ def decode_groups(spec: RunSpec, groups: Sequence[Sequence[decode.Boundary]],
         readout: FP32 readout of every step's logits (the controls), else the model's head.
 
     Returns:
-        Per group, one :class:`~kvreplay.decode.Suffix` per boundary, or the ``GateError`` that stopped it.
+        Per group, one :class:`~kvreplay.decode.Suffix` per boundary, or the ``GateError`` that stopped it; with the
+        engine's ``stats``.
 
     Raises:
         ContractError: a suffix did not close its answer block.
     """
     flat = [b for g in groups for b in g]
-    out = iter(engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.decoding, run=spec.batched(), on_gate_error="return", readout=readout))
-    return [[next(out) for _ in g] for g in groups]
+    decoded = engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.decoding, run=spec.batched(), on_gate_error="return", readout=readout)
+    out = iter(decoded)
+    return Measured([[next(out) for _ in g] for g in groups], decoded.stats)
 
 
-def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, heads: Sequence[Callable]) -> list[dict]:
+def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, heads: Sequence[Callable]) -> Measured[dict]:
     """The four-arm matrix of a chunk of problems, phase by phase: boundaries given, then every suffix in one decode.
 
     The batched runners of Experiments 1 and 2 use :func:`matrix_pipeline` (one engine for boundaries and
@@ -324,7 +328,8 @@ def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, hea
     only, the first failing arm in the arms' order.
 
     Returns:
-        One record per problem, in order.
+        One record per problem, in order, with what this call's engines measured (the references given were
+        built before it: their engines' stats are the caller's to add).
 
     Raises:
         ContractError: a suffix did not close its answer block.
@@ -333,7 +338,8 @@ def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, hea
     due = [i for i, (p, ref) in enumerate(zip(problems, refs)) if not isinstance(ref, GateError)
            and live_check_due(spec, p, ref)]
     t0 = time.perf_counter()
-    rebuilt = dict(zip(due, rebuild_lives(spec, [problems[i] for i in due], [refs[i] for i in due])))
+    rebuilds = rebuild_lives(spec, [problems[i] for i in due], [refs[i] for i in due])
+    rebuilt = dict(zip(due, rebuilds))
     share = (time.perf_counter() - t0) / max(1, len(due))
     pending: list[tuple[int, dict]] = []
     for i, (p, ref, head, rec) in enumerate(zip(problems, refs, heads, recs)):
@@ -352,11 +358,11 @@ def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, hea
             matrix_arms(spec, problems[i], rec, refs[i].construction, dict(zip(states, suffixes)))
         except GateError as e:
             rec["gate_failure"] = gate_failure(e)
-    return recs
+    return Measured(recs, rebuilds.stats + decoded.stats)
 
 
 def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: str, starts: Sequence[Sequence[int]],
-                    heads: Sequence[Callable]) -> list[dict]:
+                    heads: Sequence[Callable]) -> Measured[dict]:
     """The four-arm matrix of a chunk with one engine for boundaries and suffixes, its slots kept full.
 
     The records of :func:`matrix_chunk`, bit for bit at the same batch shape, by another schedule
@@ -370,7 +376,7 @@ def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: st
     the first failing arm in the arms' order, as in :func:`matrix_chunk`.
 
     Returns:
-        One record per problem, in order.
+        One record per problem, in order, with what the engine measured (:func:`kvreplay.engine.decode_chains`).
 
     Raises:
         ContractError: a prompt or prefix that breaks the block contract, or an unclosed answer block.
@@ -402,5 +408,5 @@ def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: st
         except GateError as e:
             rec["gate_failure"] = gate_failure(e)
 
-    engine.decode_chains(spec.lm, spec.fmt, spec.decoding, construction, starts, continue_with, finished, run=spec.batched(), rebuild=lambda i, ref: live_check_due(spec, problems[i], ref))
-    return recs
+    stats = engine.decode_chains(spec.lm, spec.fmt, spec.decoding, construction, starts, continue_with, finished, run=spec.batched(), rebuild=lambda i, ref: live_check_due(spec, problems[i], ref))
+    return Measured(recs, stats)

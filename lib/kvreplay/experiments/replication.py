@@ -52,6 +52,7 @@ from ..experiments.transplant import (
     transplant_row,
     transplant_summary,
 )
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.files import read_manifest
 from ..ledger.records import Exp2Record, ReplicationRecord, ReplicationRow, outcome_of
@@ -306,18 +307,18 @@ def replication_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> R
 
 
 def replication_chunk(spec: RunSpec, problems: Sequence[Problem],
-                      prefixes: Sequence[Sequence[int]]) -> list[ReplicationRecord]:
+                      prefixes: Sequence[Sequence[int]]) -> Measured[ReplicationRecord]:
     """Experiment 5 for a chunk of panel rows through the batched engine (the records of :func:`replication_row`).
 
     :func:`~kvreplay.experiments.transplant.transplant_chunk` with the whole-cache transplant only, then each
-    clean row's baseline scores.
+    clean row's baseline scores; with what the engines measured.
     """
-    recs = cast(list[dict[str, Any]], transplant_chunk(spec, problems, prefixes, ["panel"] * len(problems),
+    recs = cast(Measured[dict[str, Any]], transplant_chunk(spec, problems, prefixes, ["panel"] * len(problems),
                                                         [False] * len(problems), primary_only=True))
     for rec, p, z in zip(recs, problems, prefixes):
         if rec["gate_failure"] is None:
             rec["scores"] = {arm: score_suffix(spec, p, z, rec["baseline"][arm]) for arm in ("incremental", "prefill")}
-    return cast(list[ReplicationRecord], recs)  # as replication_row's
+    return cast(Measured[ReplicationRecord], recs)  # as replication_row's
 
 
 def score_suffix(spec: RunSpec, problem: Problem, prefix: Sequence[int], suffix: Sequence[int]) -> dict:

@@ -18,6 +18,7 @@ import pandas as pd
 
 from ..arm_facts import declared_in
 from .. import caches, decode, engine, gates
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.records import (
     Exp2Record,
@@ -316,7 +317,7 @@ def _record_intervention(rec: dict, name: str, recipient: str, donor: str, suffi
 
 def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]],
                      strata: Sequence[str], sweeps: Sequence[bool],
-                     primary_only: bool = False) -> list[TransplantRecord]:
+                     primary_only: bool = False) -> Measured[TransplantRecord]:
     """Experiment 4 for a chunk of panel rows through the batched engine (the records of :func:`transplant_row`).
 
     The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`
@@ -332,7 +333,7 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
         primary_only: only the whole-cache transplant (Experiment 5).
 
     Returns:
-        One record per problem, in order.
+        One record per problem, in order, with what the engines measured.
 
     Raises:
         ContractError: a suffix did not close its answer block.
@@ -359,7 +360,7 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
                 _record_intervention(rec, name, recipient, donor, x.tokens, base, prov)
         except GateError as e:
             _failed(rec, e)
-    return cast(list[TransplantRecord], recs)  # as transplant_row's
+    return cast(Measured[TransplantRecord], Measured(recs, incs.stats + decoded.stats))  # as transplant_row's
 
 
 def _failed(rec: dict, e: GateError) -> None:

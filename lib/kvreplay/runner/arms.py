@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..arm_facts import ARM_FACTS, ArmFacts, Derived, facts
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.lookup import LoadedLedger
 from ..ledger.store import Ledger
@@ -67,7 +68,8 @@ class Arm(Generic[R]):
     Attributes:
         experiment: the ledger label's experiment (``exp1``, ``exp2``, ``exp2_controls``, ``exp3``-``exp5``).
         row: ``(spec, problem, plan) -> record``, the per-row function on the eager path.
-        chunk: ``(spec, problems, plan) -> records``, the batched engine's per-chunk function.
+        chunk: ``(spec, problems, plan) -> records``, the batched engine's per-chunk function (a
+            :class:`~kvreplay.engine.Measured` list: the records with what the chunk's engines measured).
         key: the names of the entries the arm adds to its ledger key, beyond :meth:`ArmSettings.config`.
         prefixes: each problem needs its fixed BF16 boundary prefix (Experiments 2-5).
         live_check: below float32, sampled rows carry the ``live_equals_incremental`` gate (:func:`run_arm`).
@@ -78,7 +80,7 @@ class Arm(Generic[R]):
     """
     experiment: str
     row: Callable[[RunSpec, Problem, "ArmPlan[R]"], R]
-    chunk: Callable[[RunSpec, Sequence[Problem], "ArmPlan[R]"], list[R]]
+    chunk: Callable[[RunSpec, Sequence[Problem], "ArmPlan[R]"], Measured[R]]
     prepare: Callable[[Chain], "ArmPlan[R]"]
     key: tuple[str, ...] = ()
     prefixes: bool = False
@@ -189,7 +191,7 @@ class ArmPlan(Generic[R]):
         arm, plan = self.arm, self._bare()
         return lambda spec, problem: arm.row(spec, problem, plan)
 
-    def chunk_function(self) -> Callable[[RunSpec, Sequence[Problem]], list[R]]:
+    def chunk_function(self) -> Callable[[RunSpec, Sequence[Problem]], Measured[R]]:
         """``(spec, problems) -> records``, the arm's chunk function bound to these inputs."""
         arm, plan = self.arm, self._bare()
         return lambda spec, problems: arm.chunk(spec, problems, plan)
