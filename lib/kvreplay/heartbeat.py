@@ -57,8 +57,9 @@ def model_calls(thread_id: int) -> int | None:
     while frame is not None:
         local = frame.f_locals
         for lm in (local.get("lm"), getattr(local.get("spec"), "lm", None)):
-            if isinstance(getattr(lm, "calls", None), int):
-                return lm.calls
+            calls = getattr(lm, "calls", None)
+            if isinstance(calls, int):
+                return calls
         frame = frame.f_back
     return None
 
