@@ -27,15 +27,16 @@ from conftest import (
     tiny_lm,
     tiny_problems,
 )
-from kvreplay import caches, engine, gates
-from kvreplay.contract import MERGE, resolve_format
+from kvreplay.decoding import caches
+from kvreplay import engine, gates
+from kvreplay.decoding.contract import MERGE, resolve_format
 from kvreplay.experiments.bridge import bridge_row
 from kvreplay.experiments.fixed_prefix import EXP2
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.gates import GateError
 from kvreplay.ledger.records import RowSchemaError
 from kvreplay.ledger.store import config_digest
-from kvreplay.problems import Problem
+from kvreplay.data.problems import Problem
 from kvreplay.engine import EngineRun, Measured
 from kvreplay.runner import CHUNK_DEADLINE_ENV, ArmSettings, ChunkDeadline, run_arm
 

@@ -2,7 +2,7 @@
 
 What must hold and is asserted here:
 - at batch shape B=1 (two rows) the engine chooses the same tokens as the ``DynamicCache`` decoders of
-  :mod:`kvreplay.decode` (FP32); margins, logits and caches are compared within a tolerance, since the
+  :mod:`kvreplay.decoding.decode` (FP32); margins, logits and caches are compared within a tolerance, since the
   static cache's key dimension (``max_len``) may change the kernels' reduction order;
 - at a fixed batch shape (rows, ``max_len``) a problem's tokens, margins, boundary caches and logits are
   bit-identical whatever its companions and its slot, with slots reused, and from run to run;
@@ -17,8 +17,9 @@ import functools
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
-from kvreplay import caches, decode, engine, gates
-from kvreplay.contract import MERGE, PROMPT, resolve_format
+from kvreplay.decoding import caches, decode
+from kvreplay import engine, gates
+from kvreplay.decoding.contract import MERGE, PROMPT, resolve_format
 from kvreplay.gates import GateError
 
 MAX_SUFFIX = 200  # fixed max_len of the suffix runs compared bit for bit (batch shape = rows x MAX_SUFFIX)

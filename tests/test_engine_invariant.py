@@ -15,9 +15,12 @@ import json
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
-from kvreplay import decode, engine, invariance, kernels, verify
-from kvreplay.contract import ContractError, resolve_format
-from kvreplay.execution import resolve_contract
+from kvreplay.decoding import decode
+from kvreplay import engine, verify
+from kvreplay.bench import invariance_checks as invariance
+from kvreplay.model import kernels
+from kvreplay.decoding.contract import ContractError, resolve_format
+from kvreplay.model.execution import resolve_contract
 from kvreplay.gates import cache_tensors
 from kvreplay.runner import ArmSettings
 
@@ -105,7 +108,7 @@ def test_verify_recomputes_a_row_of_an_invariant_batched_ledger_alone(tmp_path, 
     kernel fault that only a batch of more than one problem shows (it reproduces at the recorded B = 3, so a check
     at the recorded shape would pass) is caught."""
     from kvreplay.experiments.live_vs_prefill import EXP1
-    from kvreplay.problems import Problem
+    from kvreplay.data.problems import Problem
 
     problems = [Problem(f"p-{i:02d}", "test", i + 1, "Q" + "xyz"[i % 3] * (3 * i) + "?", ("x", "y", "z", "w"), "A")
                 for i in range(3)]

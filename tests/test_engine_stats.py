@@ -17,8 +17,8 @@ import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
 
 from kvreplay import engine
-from kvreplay.contract import Caps, resolve_format
-from kvreplay.decoding import Decoding
+from kvreplay.decoding.contract import Caps, resolve_format
+from kvreplay.decoding.settings import Decoding
 from kvreplay.engine import EngineRun, EngineStats, Measured, engine_max_len
 from kvreplay.paths import ROOT
 

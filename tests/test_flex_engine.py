@@ -24,14 +24,15 @@ import pytest
 import torch
 import yaml
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm
-from kvreplay import caches, decode, engine, gates
-from kvreplay.contract import ANSWER, MERGE, PROMPT, resolve_format, visibility_matrix
-from kvreplay.decoding import Decoding
+from kvreplay.decoding import caches, decode
+from kvreplay import engine, gates
+from kvreplay.decoding.contract import ANSWER, MERGE, PROMPT, resolve_format, visibility_matrix
+from kvreplay.decoding.settings import Decoding
 from kvreplay.engine import attention as attn
 from kvreplay.experiments import fixed_prefix, live_vs_prefill
 from kvreplay.gates import GateError
 from kvreplay.ledger.store import canonical_json
-from kvreplay.problems import Problem
+from kvreplay.data.problems import Problem
 from kvreplay.runner import ArmSettings, EngineRun, RunSpec, run_arm
 
 MAX_LEN = 256  # a multiple of the flex block (128)

@@ -12,10 +12,12 @@ import dataclasses
 import pytest
 import torch
 from conftest import GEMMA3_LAYER_TYPES, TINY_CAPS, TINY_FORMAT, TINY_WINDOW, key_paths, tiny_lm, tiny_problems
-from kvreplay import caches, decode, drift, engine, gates
-from kvreplay.contract import BRANCH1, BRANCH2, BRANCH3, MERGE, ContractError, resolve_format, visibility_matrix
+from kvreplay.decoding import caches, decode
+from kvreplay.analysis import drift
+from kvreplay import engine, gates
+from kvreplay.decoding.contract import BRANCH1, BRANCH2, BRANCH3, MERGE, ContractError, resolve_format, visibility_matrix
 from kvreplay.experiments.matrix import comparison
-from kvreplay.models import ModelLoadError, attention_layout, cache_refusal, kv_cache, self_check
+from kvreplay.model.models import ModelLoadError, attention_layout, cache_refusal, kv_cache, self_check
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -341,7 +343,7 @@ def _same(a: decode.Suffix, b: decode.Suffix) -> bool:
 @pytest.mark.parametrize("window", [TINY_WINDOW, 1, 130])
 def test_flex_window_mask_is_the_boolean_window_mask_and_reads_only_blocks_it_needs(window):
     from kvreplay.engine import attention as attn
-    from kvreplay.models import AttentionLayout, layer_masks
+    from kvreplay.model.models import AttentionLayout, layer_masks
 
     rows, max_len, group = 10, 384, 2
     g = torch.Generator().manual_seed(4)

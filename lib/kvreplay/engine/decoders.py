@@ -1,12 +1,12 @@
 """The batched decoders: live decoding, incremental rebuilds and suffixes of many problems through one engine.
 
 :func:`decode_lives`, :func:`build_incrementals` and :func:`decode_suffixes` are the batched counterparts of
-:mod:`kvreplay.decode`'s one-problem constructions. :func:`decode_chains` runs a problem's boundary construction
+:mod:`kvreplay.decoding.decode`'s one-problem constructions. :func:`decode_chains` runs a problem's boundary construction
 and then its suffixes in the same engine: boundary jobs and suffix jobs share the slots, and a freed slot takes
 the next job at once. :func:`decode_forced` decodes a fixed number of tokens per boundary for the benchmark.
 Each admits jobs into free slots of a :class:`~kvreplay.engine.step.StepEngine` and advances them one token per
 step with the block state machine. The decoders that choose tokens take the run's
-:class:`~kvreplay.decoding.Decoding` whole (caps, the parsed tie rule, top-logit recording), as the eager ones do.
+:class:`~kvreplay.decoding.settings.Decoding` whole (caps, the parsed tie rule, top-logit recording), as the eager ones do.
 A problem's bits do not depend on its slot or its companions, so the order in which jobs enter the slots changes no
 bit.
 """
@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import decode
-from ..contract import BlockFormat, Caps
-from ..decode import Boundary
-from ..decoding import Decoding
+from ..decoding import decode
+from ..decoding.contract import BlockFormat, Caps
+from ..decoding.decode import Boundary
+from ..decoding.settings import Decoding
 from ..gates import GateError
-from ..models import LoadedModel
+from ..model.models import LoadedModel
 from .run import EngineRun, EngineStats, Measured
 from .scheduler import (
     _forced_work,
@@ -51,22 +51,22 @@ def decode_suffixes(
     on_gate_error: str = "raise",
     readout: decode.FP32Readout | None = None,
 ) -> Measured:
-    """The shared suffix decoder for many boundary states at once (batched :func:`kvreplay.decode.decode_suffix`).
+    """The shared suffix decoder for many boundary states at once (batched :func:`kvreplay.decoding.decode.decode_suffix`).
 
     Every boundary continues through merge and answer with the block state
     machine, caps, forced delimiters and structural mask of
-    :func:`~kvreplay.decode.decode_suffix`, one token per step, ``batch``
+    :func:`~kvreplay.decoding.decode.decode_suffix`, one token per step, ``batch``
     problems per step. A boundary's cache is copied into the engine (it is
-    not consumed, unlike :func:`~kvreplay.decode.decode_suffix`).
+    not consumed, unlike :func:`~kvreplay.decoding.decode.decode_suffix`).
 
     Args:
         lm: the loaded model.
         fmt: the block format.
-        boundaries: states from :func:`~kvreplay.decode.build_incremental`,
-            :func:`~kvreplay.decode.build_prefill`, :func:`~kvreplay.decode.decode_live`
+        boundaries: states from :func:`~kvreplay.decoding.decode.build_incremental`,
+            :func:`~kvreplay.decoding.decode.build_prefill`, :func:`~kvreplay.decoding.decode.decode_live`
             or :func:`decode_lives`: caches ``[2, kv_heads, |z|, head_dim]`` in
             the model dtype, roles ``[2, |z|]``, logits ``[2, vocab]``.
-        decoding: the run's :class:`~kvreplay.decoding.Decoding` (merge and answer caps, tie rule, top logits), or
+        decoding: the run's :class:`~kvreplay.decoding.settings.Decoding` (merge and answer caps, tie rule, top logits), or
             content caps alone (the ``lowest`` rule).
         run: the engine's settings (:class:`~kvreplay.engine.EngineRun`: step path, batch shape, attention,
             checks, slot order). ``run.max_len`` defaults to the longest ``|z|`` plus :func:`suffix_length_bound`
@@ -79,7 +79,7 @@ def decode_suffixes(
             boundaries' logits should come from constructions built with it.
 
     Returns:
-        One :class:`~kvreplay.decode.Suffix` per boundary, in order (or a
+        One :class:`~kvreplay.decoding.decode.Suffix` per boundary, in order (or a
         ``GateError`` with ``on_gate_error="return"``), as a
         :class:`~kvreplay.engine.run.Measured` list whose ``stats`` is what the call's engine measured.
 
@@ -112,12 +112,12 @@ def decode_lives(
     *,
     on_gate_error: str = "raise",
 ) -> Measured:
-    """Live multi-branch decoding of many prompts at once (batched :func:`kvreplay.decode.decode_live`).
+    """Live multi-branch decoding of many prompts at once (batched :func:`kvreplay.decoding.decode.decode_live`).
 
     Each prompt block is processed in one forward call of its duplicate pair
-    (:func:`kvreplay.decode.forward`, ``DynamicCache``) and copied into the
+    (:func:`kvreplay.decoding.decode.forward`, ``DynamicCache``) and copied into the
     problem's rows; branches 1-3 and the merge opener then advance one token
-    per batched step, as :func:`~kvreplay.decode.decode_live` schedules them.
+    per batched step, as :func:`~kvreplay.decoding.decode.decode_live` schedules them.
 
     Args:
         prompts: token IDs of each prompt block (role 0).
@@ -127,7 +127,7 @@ def decode_lives(
             nothing).
 
     Returns:
-        One live :class:`~kvreplay.decode.Boundary` per prompt: ``ids`` z,
+        One live :class:`~kvreplay.decoding.decode.Boundary` per prompt: ``ids`` z,
         ``roles`` ``[2, |z|]``, a ``DynamicCache`` of copies ``[2, kv_heads,
         |z|, head_dim]``, the boundary ``logits`` ``[2, vocab]``, ``schedule``
         ``[prompt_len, 1, 1, ...]`` and ``positions`` ``[2, |z|]`` (0..|z|-1).
@@ -177,7 +177,7 @@ def build_incrementals(
             step give FP32-readout logits and write the same keys/values as without it.
 
     Returns:
-        One ``"incremental"`` :class:`~kvreplay.decode.Boundary` per prefix,
+        One ``"incremental"`` :class:`~kvreplay.decoding.decode.Boundary` per prefix,
         laid out as :func:`decode_lives` lays out its boundaries (a
         ``GateError`` in its place with ``on_gate_error="return"``), with the engine's ``stats`` as in
         :func:`decode_suffixes`.

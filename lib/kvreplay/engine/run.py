@@ -1,6 +1,6 @@
 """The batched engine's settings as one object (:class:`EngineRun`), passed through every batched decoder, and what
 its engines measured (:class:`EngineStats`), returned with their results (:class:`Measured`). What the decoders choose
-by (caps, tie rule, top logits) is not here: they take it as one :class:`~kvreplay.decoding.Decoding`, as the eager
+by (caps, tie rule, top logits) is not here: they take it as one :class:`~kvreplay.decoding.settings.Decoding`, as the eager
 decoders do."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TypeVar
 
-from ..decoding import Decoding
+from ..decoding.settings import Decoding
 
 FLEX_BLOCK = 128
 """Positions per block of the ``flex`` attention's block mask (:mod:`kvreplay.engine.attention` reads the cache in

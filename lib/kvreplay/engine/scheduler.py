@@ -2,7 +2,7 @@
 
 A job (a live decode, an incremental rebuild, a suffix, a forced decode) waits for a free slot of a
 :class:`~kvreplay.engine.step.StepEngine` and enters it. It advances one token per step with the block state machine
-(:class:`~kvreplay.decode.BlockCursor`); when it ends, :meth:`_Scheduler.run` yields its tag with its result or the
+(:class:`~kvreplay.decoding.decode.BlockCursor`); when it ends, :meth:`_Scheduler.run` yields its tag with its result or the
 :class:`~kvreplay.gates.GateError` that stopped it. A problem's bits do not depend on its slot or its companions, so
 the order of entry changes no bit.
 """
@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .. import decode
-from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, BlockFormat, Caps, ContractError
-from ..decode import BlockCursor, Boundary, Suffix
-from ..decoding import Decoding
+from ..decoding import decode
+from ..decoding.contract import ANSWER, BRANCH1, MERGE, PROMPT, BlockFormat, Caps, ContractError
+from ..decoding.decode import BlockCursor, Boundary, Suffix
+from ..decoding.settings import Decoding
 from ..gates import GateError
-from ..models import LoadedModel
+from ..model.models import LoadedModel
 from .run import EngineRun
 from .step import StepEngine
 

@@ -16,11 +16,11 @@ import torch
 from torch.nn.attention import sdpa_kernel
 from transformers import AttentionInterface, DynamicCache
 
-from .. import decode, ties
-from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, ContractError, visibility_matrix
-from ..decoding import Decoding
+from ..decoding import decode, ties
+from ..decoding.contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, ContractError, visibility_matrix
+from ..decoding.settings import Decoding
 from ..gates import GateError
-from ..models import LoadedModel, layer_masks
+from ..model.models import LoadedModel, layer_masks
 from . import attention as attn
 from . import cache as row_cache
 from . import invariant
@@ -42,7 +42,7 @@ def choice_stats(logits: torch.Tensor, eligible: torch.Tensor, tie_rule: ties.Ti
     Args:
         logits: ``[rows, vocab]`` next-token logits (model dtype), rows in duplicate pairs ``(2s, 2s + 1)``.
         eligible: ``[rows, vocab]`` bool structural mask (true = may be chosen).
-        tie_rule: which of exactly tied eligible tokens is chosen (:func:`kvreplay.ties.choose`, the eager
+        tie_rule: which of exactly tied eligible tokens is chosen (:func:`kvreplay.decoding.ties.choose`, the eager
             decoders' function); ``position``: ``[rows]`` int64 position IDs of the tokens chosen (``hash`` only).
         top: add row 4, the top-1 eligible logit.
 
@@ -79,7 +79,7 @@ class StepEngine:
 
     A model with sliding-window layers (``lm.layout``, docs/models.md) gets its masks as the eager decoders
     give them: the sliding layers' mask also hides keys ``window`` or more positions back
-    (:func:`kvreplay.models.layer_masks`), one mask per layer type when the model mixes them
+    (:func:`kvreplay.model.models.layer_masks`), one mask per layer type when the model mixes them
     (``{"full_attention", "sliding_attention"}``), one windowed mask when every layer slides. The static cache
     keeps every position of every layer.
 
@@ -100,11 +100,11 @@ class StepEngine:
               ``"flex"`` needs ``max_len`` a multiple of :data:`~kvreplay.engine.attention.FLEX_BLOCK`; it builds
               a :class:`~kvreplay.engine.attention.FlexMask` per layer type (the sliding one with the window).
         need: the positions the longest sequence may take (checked against a fixed ``run.max_len``).
-        decoding: what each row chooses by (:class:`~kvreplay.decoding.Decoding`, as the eager decoders). Its parsed
+        decoding: what each row chooses by (:class:`~kvreplay.decoding.settings.Decoding`, as the eager decoders). Its parsed
             tie rule picks among exactly tied eligible tokens (``hash`` hashes the chosen token's position, the
             input position plus one). With ``top_logits`` the choice statistics carry each row's top-1 eligible
             logit (row 4). Its caps are the scheduler's. ``None``: the ``lowest`` rule, no top logits.
-        readout: a :class:`kvreplay.decode.FP32Readout`: the body runs in the model
+        readout: a :class:`kvreplay.decoding.decode.FP32Readout`: the body runs in the model
             dtype and writes the same keys/values, the final norm and LM head run in
             float32 (``[rows, vocab]`` float32 logits; the exploratory control of
             Experiment 2). ``None``: the model's own head.
@@ -235,7 +235,7 @@ class StepEngine:
 
     def _dense_mask(self) -> "torch.Tensor | dict[str, torch.Tensor]":
         """The model's ``attention_mask`` for ``sdpa`` and ``grouped``: ``[rows, 1, 1, max_len]`` bool, or per layer
-        type for a model mixing them (:func:`kvreplay.models.layer_masks`, each row's one query at its position)."""
+        type for a model mixing them (:func:`kvreplay.model.models.layer_masks`, each row's one query at its position)."""
         allowed = self._allowed()
         if not self.layout.windowed:
             return allowed[:, None, None, :]

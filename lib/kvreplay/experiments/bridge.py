@@ -17,11 +17,12 @@ from typing import Any, cast
 import pandas as pd
 
 from ..arm_facts import declared_in
-from .. import caches, decode, engine, gates
+from ..decoding import caches, decode
+from .. import engine, gates
 from ..engine import Measured
 from ..gates import GateError
 from ..ledger.records import BridgeRecord, Exp1Record, Exp2Record, arm_of
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec, leaves
 from ..runner.arms import Arm, ArmPlan, Chain
 from .endpoints import require_gates

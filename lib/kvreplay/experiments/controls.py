@@ -19,14 +19,16 @@ import pandas as pd
 import torch
 
 from ..arm_facts import declared_in
-from .. import caches, decode, drift, engine, gates
+from ..decoding import caches, decode
+from ..analysis import drift
+from .. import engine, gates
 from ..engine import Measured
 from ..gates import GateError
 from ..ledger.records import ControlsRecord, ControlsRow
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import wilson
+from ..analysis.stats import wilson
 from .endpoints import first_divergence, rate_text, require_gates, tie_initiated
 from .matrix import decode_groups, gate_failure, raise_gate_errors
 
@@ -45,7 +47,7 @@ def null_perturbation(state: decode.Boundary, reference: decode.Boundary, seed: 
     boundary caches differ, and ``|Δ|`` their absolute differences (float32).
     The copy gets ``n`` uniformly random element positions, drawn with replacement
     over all K and V tensors of one row (a sliding-window layer counts
-    and draws over its attended positions only, :func:`kvreplay.drift.attended`).
+    and draws over its attended positions only, :func:`kvreplay.analysis.drift.attended`).
     Each is shifted by a magnitude drawn from ``|Δ|`` with a random sign, computed in float32 and rounded to
     the cache dtype. Both duplicate rows get the same change. The boundary
     logits stay ``state``'s. Seeded (``torch.Generator``), so reruns are identical.
@@ -101,7 +103,7 @@ def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: i
     """Two exploratory controls on one fixed BF16 prefix that separate causes of a divergence.
 
     * **FP32 readout**: incremental and prefill are built again with
-      :class:`~kvreplay.decode.FP32Readout` (their caches must equal the plain
+      :class:`~kvreplay.decoding.decode.FP32Readout` (their caches must equal the plain
       builds' bit for bit, gate ``readout``) and continued with the final norm
       and LM head in float32: does the suffix still part once BF16 logit
       granularity (and its exact ties) is taken away, on the same BF16 caches?
@@ -141,7 +143,7 @@ _READOUTS: "weakref.WeakKeyDictionary[torch.nn.Module, decode.FP32Readout]" = we
 
 
 def _readout(lm) -> decode.FP32Readout:
-    """The model's :class:`~kvreplay.decode.FP32Readout`, made once per live model object (float32 copies of norm
+    """The model's :class:`~kvreplay.decoding.decode.FP32Readout`, made once per live model object (float32 copies of norm
     and head); keyed by the object itself, not its ``id``, which a later model may reuse once this one is freed."""
     if lm.model not in _READOUTS:
         _READOUTS[lm.model] = decode.FP32Readout(lm)

@@ -17,15 +17,16 @@ from typing import Any, cast
 import pandas as pd
 
 from ..arm_facts import declared_in
-from .. import decode, engine
+from ..decoding import decode
+from .. import engine
 from ..engine import Measured
 from ..gates import GateError
 from ..ledger.prefix_bank import read_prefix_bank
 from ..ledger.records import Endpoints, Exp2Record, arm_of
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import mcnemar_exact, paired_bootstrap
+from ..analysis.stats import mcnemar_exact, paired_bootstrap
 from .endpoints import require_gates, with_derived_endpoints
 from .matrix import gate_failure, matrix_chunk, matrix_pipeline, matrix_row
 

@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from ..arm_facts import declared_in
-from .. import decode, engine
+from ..decoding import decode
+from .. import engine
 from ..engine import Measured
 from ..gates import GateError
 from ..ledger.records import Exp1Record
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec
 from ..runner.arms import Arm, ArmPlan, Chain
 from .matrix import gate_failure, matrix_chunk, matrix_pipeline, matrix_row

@@ -27,10 +27,12 @@ from typing import Any, cast
 
 import torch
 
-from .. import caches, decode, drift, engine, gates
+from ..decoding import caches, decode
+from ..analysis import drift
+from .. import engine, gates
 from ..engine import Measured
 from ..gates import GateError
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec
 from ..runner.equivalence import (  # re-exported: the float32 construction-equivalence check lives in the runner
     _FP32_COPIES,
@@ -40,7 +42,7 @@ from ..runner.equivalence import (  # re-exported: the float32 construction-equi
     float32_copy,
 )
 from ..runner.equivalence import boundary_windows as _windows
-from ..scoring import score_answer
+from ..analysis.scoring import score_answer
 from .endpoints import divergence_endpoints
 from .matrix_summary import DRIFT_OUTLIER_FACTOR, drift_outliers, matrix_summary, matrix_table  # re-exported
 
@@ -94,7 +96,7 @@ def boundary_gates(states: dict[str, decode.Boundary], dtype: torch.dtype, pairs
 def comparison(ref: decode.Boundary, other: decode.Boundary, per_tensor: bool) -> dict[str, Any]:
     """Drift of ``other`` against ``ref``: whole-cache aggregate, boundary logits, optionally every tensor.
 
-    With sliding-window layers (``ref.windows``) the drift is the attended state's (:func:`kvreplay.drift.cache_drift`).
+    With sliding-window layers (``ref.windows``) the drift is the attended state's (:func:`kvreplay.analysis.drift.cache_drift`).
     """
     rows = drift.cache_drift(gates.cache_tensors(ref.cache), gates.cache_tensors(other.cache), _windows(ref, other))
     out: dict[str, Any] = {"cache": drift.aggregate(rows), "logits": drift.logit_summary(ref.logits, other.logits)}
@@ -133,13 +135,13 @@ def live_check_due(spec: RunSpec, problem: Problem, ref: decode.Boundary) -> boo
 def rebuild_lives(spec: RunSpec, problems: Sequence[Problem], lives: Sequence[decode.Boundary]) -> Measured:
     """The incremental rebuild of live boundaries through the path that made them (paper §3.6, the bridge).
 
-    Eager runs: :func:`kvreplay.decode.build_incremental`, one problem at a time. Batched runs
+    Eager runs: :func:`kvreplay.decoding.decode.build_incremental`, one problem at a time. Batched runs
     (``spec.engine``): :func:`kvreplay.engine.build_incrementals` at the run's batch shape
     (``spec.engine``, :meth:`~kvreplay.runner.RunSpec.batched`), every prefix in one call. A problem's bits
     do not depend on its slot or companions (the ``composition`` gate), so the rebuild's bits are live's when both compute one function.
 
     Returns:
-        Per live boundary, its ``"incremental"`` :class:`~kvreplay.decode.Boundary` (caches
+        Per live boundary, its ``"incremental"`` :class:`~kvreplay.decoding.decode.Boundary` (caches
         ``[2, kv_heads, |z|, head_dim]``, logits ``[2, vocab]``, the run's dtype) or the ``GateError`` that stopped it,
         with the engine's ``stats`` (none for an eager run).
     """
@@ -188,7 +190,7 @@ def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary)
     Arms: the reference (``live`` in Experiment 1, ``incremental`` in
     Experiment 2), its deep-copy replica (verified), ``prefill`` (one call over
     z) and ``prefill_replica`` (an independent second call). Every arm
-    continues through :func:`kvreplay.decode.decode_suffix`.
+    continues through :func:`kvreplay.decoding.decode.decode_suffix`.
 
     Fills ``rec`` with ``boundary`` (drift of prefill against the reference,
     per tensor, and of each replica pair), ``first_token``, ``raw_argmax``,
@@ -255,7 +257,7 @@ def matrix_arms(spec: RunSpec, problem: Problem, rec: dict, r: str, arms: dict[s
 
     Args:
         r: the reference construction (``live`` or ``incremental``).
-        arms: arm name -> its :class:`~kvreplay.decode.Suffix`, in the arms' order.
+        arms: arm name -> its :class:`~kvreplay.decoding.decode.Suffix`, in the arms' order.
 
     Returns:
         ``rec``, with ``arms`` and ``endpoints``.
@@ -297,7 +299,7 @@ def decode_groups(spec: RunSpec, groups: Sequence[Sequence[decode.Boundary]],
         readout: FP32 readout of every step's logits (the controls), else the model's head.
 
     Returns:
-        Per group, one :class:`~kvreplay.decode.Suffix` per boundary, or the ``GateError`` that stopped it; with the
+        Per group, one :class:`~kvreplay.decoding.decode.Suffix` per boundary, or the ``GateError`` that stopped it; with the
         engine's ``stats``.
 
     Raises:

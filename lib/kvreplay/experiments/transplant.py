@@ -17,7 +17,8 @@ from typing import Any, TypeVar, cast
 import pandas as pd
 
 from ..arm_facts import declared_in
-from .. import caches, decode, engine, gates
+from ..decoding import caches, decode
+from .. import engine, gates
 from ..engine import Measured
 from ..gates import GateError
 from ..ledger.records import (
@@ -30,10 +31,10 @@ from ..ledger.records import (
     TransplantRow,
     outcome_of,
 )
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import Proportion, wilson
+from ..analysis.stats import Proportion, wilson
 from .endpoints import first_divergence, rate_text, require_gates, tie_initiated
 from .matrix import (
     boundary_gates,

@@ -22,7 +22,7 @@ from ..engine import EngineStats, Measured
 from ..gates import GateError
 from ..ledger.files import ENVIRONMENT_TODO, atomic_write, read_json
 from ..ledger.store import canonical_json
-from ..problems import Problem
+from ..data.problems import Problem
 from .spec import EngineRun, RunSpec
 
 GRAPH_CHECK_STEPS = 32
