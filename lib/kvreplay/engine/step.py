@@ -122,7 +122,7 @@ class StepEngine:
             step path, an attention other than ``sdpa`` or a readout (:func:`kvreplay.engine.invariant.check_engine`;
             the eager step then runs the invariant kernels, :mod:`kvreplay.engine.invariant`).
     """
-    def __init__(self, lm: LoadedModel, fmt: BlockFormat, run: EngineRun = EngineRun(), *, need: int = 0,
+    def __init__(self, lm: LoadedModel, fmt: BlockFormat, run: EngineRun, *, need: int = 0,
                  decoding: Decoding | None = None, readout: decode.FP32Readout | None = None):
         self.stats = EngineStats()
         batch, max_len, step_path, attention = run.batch, run.max_len_for(need), run.step_path, run.attention
