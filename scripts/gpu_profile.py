@@ -18,8 +18,8 @@ does). ``--list-arms`` prints the paper's arms (no exploratory control) of the n
 (``01``; default: all), BF16 arms first, space-separated, for a shell script's default arm list.
 
 Each arm is run through its one declaration (:data:`kvreplay.experiments.arms.ARMS`), under the notebook's own two
-parameters, ``profile`` and ``overrides``, handed to :func:`kvreplay.session.open_session` as the notebook's setup
-cell hands them, and :meth:`~kvreplay.session.Session.run`, the call of the notebook's run cell; Experiments 3-5
+parameters, ``profile`` and ``overrides``, handed to :func:`kvreplay.notebook.session.open_session` as the notebook's setup
+cell hands them, and :meth:`~kvreplay.notebook.session.Session.run`, the call of the notebook's run cell; Experiments 3-5
 freeze and write their panels as their notebooks do. So the ledgers written here have the config digests the
 notebooks look for, and ``make paper PROFILE=<profile>`` later reads them without computing anything. (``--set
 NAME=VALUE`` adds an override, checked against the chain's parameters before any arm starts; a key of the
@@ -177,17 +177,17 @@ def arm_overrides(profile: str, sets: dict) -> dict:
 
     Raises:
         ValueError: a name that is not a chain parameter (with the closest one), or a value
-            :func:`kvreplay.profiles.load_parameters` refuses.
+            :func:`kvreplay.notebook.profiles.load_parameters` refuses.
     """
     import difflib
 
-    from kvreplay.profiles import FIELDS, load_parameters
+    from kvreplay.notebook.profiles import FIELDS, load_parameters
     from kvreplay.runner import EXECUTION_KEYS
 
     for name in sets:
         if name not in FIELDS and name not in EXECUTION_KEYS:
             near = difflib.get_close_matches(name, [*FIELDS, *EXECUTION_KEYS], n=1)
-            raise ValueError(f"--set {name}=...: {name!r} is neither a chain parameter (kvreplay.profiles.ChainParameters) "
+            raise ValueError(f"--set {name}=...: {name!r} is neither a chain parameter (kvreplay.notebook.profiles.ChainParameters) "
                              f"nor an execution-contract key (kvreplay.runner.EXECUTION_KEYS)"
                              + (f"; did you mean {near[0]!r}?" if near else ""))
     overrides = {k: v for k, v in sets.items() if k not in EXECUTION_KEYS}
@@ -205,12 +205,12 @@ def arm_overrides(profile: str, sets: dict) -> dict:
 def run_one(arm: str, profile: str, ledger_root: Path, overrides: dict) -> dict:
     """Compute one arm in this process through its declaration, as its notebook does; returns what it did.
 
-    The arm is planned by :meth:`kvreplay.session.Session.plan` (its panel frozen and written as the notebook writes
-    it) and run by :meth:`~kvreplay.session.Session.run`; Experiment 1's BF16 arm also writes the prefix bank.
+    The arm is planned by :meth:`kvreplay.notebook.session.Session.plan` (its panel frozen and written as the notebook writes
+    it) and run by :meth:`~kvreplay.notebook.session.Session.run`; Experiment 1's BF16 arm also writes the prefix bank.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from kvreplay.experiments.arms import ARMS
-    from kvreplay.session import open_session
+    from kvreplay.notebook.session import open_session
 
     experiment, dtype = arm.rsplit("-", 1)
     declared = ARMS[experiment]
@@ -289,8 +289,8 @@ def profile_arms(profile: str, overrides: dict) -> list[str]:
     and the arms the profile turns on (tie rules, branch caps, the exploratory controls). Notebooks 06-08 compute
     nothing; an arm of a notebook outside make paper's chain (09's ``exp2_kernels``) runs only when named."""
     from kvreplay.arm_facts import chain_facts
-    from kvreplay.paper_chain import CHAIN
-    from kvreplay.profiles import load_parameters
+    from kvreplay.paper.chain import CHAIN
+    from kvreplay.notebook.profiles import load_parameters
 
     params = load_parameters(profile, overrides)
     return [label for f in chain_facts()
@@ -322,7 +322,7 @@ def arm_measures(events: list[dict], layout: dict | None, bandwidth: float | Non
     every boundary's prefill calls and gates), ``occupancy`` (busy slot-steps over slot-steps), ``capture_s`` (CUDA
     graph captures, a new shape's compile included), ``gate_s`` (the sampled float32 equivalence checks and a resumed
     arm's reference row, which run outside the chunks), ``compute_s`` (the arms' own count: model load included) and,
-    with the model's ``layout`` (:func:`kvreplay.bench_generate.memory_layout`) and a ``bandwidth`` (bytes/s), the
+    with the model's ``layout`` (:func:`kvreplay.bench.generate.memory_layout`) and a ``bandwidth`` (bytes/s), the
     memory floor of the mean step (the weights read once and every busy row's keys and values once:
     ``floor_ms_per_step``) and the measured step's multiple of it.
     """
@@ -343,7 +343,7 @@ def arm_measures(events: list[dict], layout: dict | None, bandwidth: float | Non
                  "capture_s": round(sum(e.get("capture_s", 0.0) for e in chunks), 1), "gate_s": round(gate_s, 1),
                  "compute_s": round(sum(e.get("compute_s", 0.0) for e in events if e.get("event") == "end"), 1)}
     if layout and bandwidth and steps:
-        from kvreplay.bench_generate import floor_ms
+        from kvreplay.bench.generate import floor_ms
 
         floor = floor_ms(layout, 2 * positions / steps, bandwidth)  # both rows of each duplicate pair are read
         out["floor_ms_per_step"] = round(floor, 4)
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ledger_root = Path(os.environ.get("KV_LEDGERS", "/tmp/kv/ledgers"))
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    from kvreplay.profiles import load_parameters
+    from kvreplay.notebook.profiles import load_parameters
 
     params = load_parameters(args.profile, overrides)
     profile = params.profile  # the ledger folder (an override may relabel it)
@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["rows_wanted"] = sum(len(_json_file(f / "manifest.json").get("config", {}).get("problem_ids", []))
                                        for f in folders if (f / "manifest.json").is_file())
             lm = next((m for m in kept.values() if str(m.dtype).endswith(dtype)), None)
-            from kvreplay.bench_generate import memory_layout
+            from kvreplay.bench.generate import memory_layout
 
             entry["measures"] = arm_measures(events, memory_layout(lm) if lm is not None else None,
                                              bandwidth * 1e12 if bandwidth else None)

@@ -11,7 +11,7 @@
 #               typing-inspection==0.4.5
 #             (the row schema, kvreplay.ledger.records, needs pydantic; 3 MiB in all. IPython is optional:
 #             scripts/gpu_profile.py stands in for IPython.display where it is missing)
-#   .gguf/    G=$(.venv/bin/python -c "from kvreplay.models import embedded_model_path as p; print(p())")
+#   .gguf/    G=$(.venv/bin/python -c "from kvreplay.model.models import embedded_model_path as p; print(p())")
 #             for i in 1 2 3 4; do d=.gguf/$(echo abcd | cut -c$i); mkdir -p $d
 #               tail -c +$(( (i - 1) * 24590608 + 1 )) $G | head -c 24590608 > $d/part$i; done
 #             (four parts of 23.5 MiB: one of them, the tracked tree (at most 30 MiB, a test keeps it so)
@@ -19,11 +19,11 @@
 #   .gguf-gemma/  only for KV_MODELS with gemma3 (`make setup MODELS=gemma3` here first): Gemma 3 270M's GGUF
 #             (253,113,024 bytes) in nine pieces of 26.9 MiB, one a transfer (with .whl beside any one of them):
 #             J=/tmp/gemma-3-270m-q4_k_m.gguf
-#             .venv/bin/python -c "from kvreplay.models import embedded_chunks as c; print(*c('gemma3'))" | xargs cat > $J
+#             .venv/bin/python -c "from kvreplay.model.models import embedded_chunks as c; print(*c('gemma3'))" | xargs cat > $J
 #             split -n 9 -d -a 1 $J /tmp/gemma-piece; for i in 0 1 2 3 4 5 6 7 8; do
 #               d=.gguf-gemma/$(echo abcdefghi | cut -c$((i + 1))); mkdir -p $d; mv /tmp/gemma-piece$i $d/part$i; done
 #             On the machine the pieces are joined in name order once their sizes add up, the sha256 is checked,
-#             and KVREPLAY_GEMMA3_GGUF names the file (kvreplay.models.gguf_env); the model is converted on its
+#             and KVREPLAY_GEMMA3_GGUF names the file (kvreplay.model.models.gguf_env); the model is converted on its
 #             first load into $KVREPLAY_MODEL_CACHE (set to /tmp/kv/models here; about 1 GB, once per machine).
 #   .raywhl/  only for row actors (workers > 1, e.g. python3 -m kvreplay.bench ray): the CPython 3.12 Ray wheel
 #             (76 MiB) in two parts, and the binary and pure-Python wheels it needs, at the lock's versions:

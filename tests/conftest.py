@@ -10,7 +10,7 @@ import sys
 # below). The Makefile exports the same for `make test`; this covers a plain pytest, and the notebook kernels, Ray
 # workers and subprocesses the tests start inherit it. It changes no bit (tests/test_golden_rows.py passes under it).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# The fused invariant kernels (kvreplay.kernels_fused, tests/test_kernels_fused.py) run under Triton's CPU
+# The fused invariant kernels (kvreplay.model.kernels_fused, tests/test_kernels_fused.py) run under Triton's CPU
 # interpreter, which triton reads when it is first imported (some import below may bring it in): set here, first.
 # TRITON_INTERPRET=0 in the environment keeps compiled kernels (a CUDA machine).
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -18,10 +18,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from kvreplay.contract import Caps, resolve_format  # noqa: E402
-from kvreplay.models import LoadedModel  # noqa: E402
+from kvreplay.decoding.contract import Caps, resolve_format  # noqa: E402
+from kvreplay.model.models import LoadedModel  # noqa: E402
 from kvreplay.paths import LEDGERS as ROOT_LEDGERS  # noqa: E402
-from kvreplay.problems import Problem  # noqa: E402
+from kvreplay.data.problems import Problem  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import (  # noqa: E402
     Gemma3ForCausalLM,

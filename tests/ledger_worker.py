@@ -13,8 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems  # noqa: E402
-from kvreplay.contract import resolve_format  # noqa: E402
-from kvreplay.decoding import Decoding
+from kvreplay.decoding.contract import resolve_format  # noqa: E402
+from kvreplay.decoding.settings import Decoding
 from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.ledger.store import Ledger, run_rows  # noqa: E402
 from kvreplay.runner import RunSpec  # noqa: E402

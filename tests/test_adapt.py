@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 import torch
 from conftest import TINY_FORMAT, tiny_lm, tiny_problems
-from kvreplay import adapt, decode
-from kvreplay.contract import ANSWER, BRANCH1, MERGE, ContractError, resolve_format
-from kvreplay.models import weights_sha256
-from kvreplay.problems import Problem
+from kvreplay import adapt
+from kvreplay.decoding import decode
+from kvreplay.decoding.contract import ANSWER, BRANCH1, MERGE, ContractError, resolve_format
+from kvreplay.model.models import weights_sha256
+from kvreplay.data.problems import Problem
 from transformers import DynamicCache
 
 CFG = adapt.AdaptConfig(name="test", model="tiny", fmt=TINY_FORMAT, n_train=4, n_heldout=2, steps=4, checkpoints=(2, 4),
@@ -135,7 +136,7 @@ def test_training_data_must_be_disjoint_from_the_bank():
 
 
 def test_openbookqa_split_is_outcome_blind_and_disjoint_from_the_mmlu_bank():
-    from kvreplay.problems import load_bank
+    from kvreplay.data.problems import load_bank
 
     rows, sha = adapt.load_source("openbookqa")
     assert len(rows) == 500 and len(sha) == 64
@@ -181,7 +182,7 @@ def test_letter_tokens_refuses_an_ambiguous_tokenizer():
 
 
 def test_load_checkpoint_model_checks_the_table_and_the_base(tmp_path, monkeypatch):
-    import kvreplay.models as models
+    import kvreplay.model.models as models
 
     folder, manifest, _ = _train(tmp_path)
     later = adapt.checkpoint(folder, "later")

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import TINY_FORMAT, tiny_lm, tracked
 from kvreplay import adapt
-from kvreplay.bank import select_bank
-from kvreplay.problems import Problem, load_bank
+from kvreplay.data.bank import select_bank
+from kvreplay.data.problems import Problem, load_bank
 
 LETTERS = "ABCD"
 

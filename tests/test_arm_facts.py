@@ -19,9 +19,9 @@ from kvreplay.experiments import bridge
 from kvreplay.ledger import overloads
 from kvreplay.ledger.lookup import LEDGER_SPECS
 from kvreplay.ledger.records import FAILED_ROW_TYPES, ROW_TYPES, BridgeFailedRow, BridgeRow
-from kvreplay.paper_chain import CHAIN, notebook_arms
+from kvreplay.paper.chain import CHAIN, notebook_arms
 from kvreplay.paths import ROOT
-from kvreplay.profiles import load_parameters
+from kvreplay.notebook.profiles import load_parameters
 from kvreplay.report import paper_tables, partial
 from kvreplay.report.summary import TABLES_BY_EXPERIMENTS
 from kvreplay.runner import ROW_ALGORITHM
@@ -100,7 +100,7 @@ def test_the_chain_reads_the_arms_it_read_before_the_facts():
 
 
 def test_the_explorer_rebuilds_the_experiments_its_notebook_reads():
-    from kvreplay.rebuild import COMPARISONS
+    from kvreplay.report.rebuild import COMPARISONS
 
     assert set(COMPARISONS) == {f.experiment for f in ARM_FACTS.values() if "08" in f.read_by}
 

@@ -18,7 +18,7 @@ from kvreplay.gates import GateError
 from kvreplay.ledger.lookup import PREFIX_BANK
 from kvreplay.paths import LEDGERS, ROOT
 from kvreplay.runner import READ_ONLY_ENV
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 from conftest import tiny_problems
 
@@ -92,8 +92,8 @@ def test_no_notebook_script_or_command_wires_an_arm_itself():
              "controls_row", "controls_chunk", "bridge_row", "bridge_chunk", "transplant_row", "transplant_chunk",
              "replication_row", "replication_chunk"}
     files = [*sorted((ROOT / "notebooks" / "py").glob("0[0-5]_*.py")), ROOT / "lib/kvreplay/verify.py",
-             ROOT / "lib/kvreplay/bench.py", ROOT / "lib/kvreplay/bench_generate.py",
-             ROOT / "lib/kvreplay/rebuild.py", ROOT / "scripts/gpu_profile.py"]
+             ROOT / "lib/kvreplay/bench/__init__.py", ROOT / "lib/kvreplay/bench/generate.py",
+             ROOT / "lib/kvreplay/report/rebuild.py", ROOT / "scripts/gpu_profile.py"]
     for path in files:
         tree = ast.parse(path.read_text())
         called = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr for n in ast.walk(tree)
@@ -122,7 +122,7 @@ def test_a_plan_refuses_other_key_entries_and_a_problem_without_its_prefix():
 
 
 def test_a_bf16_only_arm_refuses_float32(tmp_path):
-    from kvreplay.contract import Caps
+    from kvreplay.decoding.contract import Caps
     from kvreplay.runner import ArmSettings
 
     plan = ARMS["exp3"].plan(tiny_problems(1), key={"prefix_bank_sha256": "x"}, prefixes={"tiny-00": [1]})
@@ -136,7 +136,7 @@ def test_verify_binds_a_ledger_to_its_arm_from_the_manifest(tmp_path):
 
     folder = next((LEDGERS / "cpu").glob("exp4-bfloat16-*"))
     config = json.loads((folder / "manifest.json").read_text())["config"]
-    from kvreplay.problems import load_bank
+    from kvreplay.data.problems import load_bank
 
     bank = load_bank()
     plan = ledger_plan(folder, config, bank)

@@ -13,7 +13,7 @@ import math
 import pandas as pd
 import pytest
 import torch
-from kvreplay.contract import VISIBILITY
+from kvreplay.decoding.contract import VISIBILITY
 from kvreplay.gates import GateError
 from kvreplay.ledger.lookup import (
     LEDGER_SPECS,
@@ -23,7 +23,7 @@ from kvreplay.ledger.lookup import (
 )
 from kvreplay.ledger.prefix_bank import write_prefix_bank
 from kvreplay.ledger.store import Ledger
-from kvreplay.rebuild import (
+from kvreplay.report.rebuild import (
     comparison_arms,
     drift_maps,
     fingerprint_matches,

@@ -16,13 +16,14 @@ import torch
 import yaml
 from conftest import TINY_CAPS, TINY_FORMAT, key_paths, make_model, make_tokenizer
 
-from kvreplay import decode, engine, gates
+from kvreplay.decoding import decode
+from kvreplay import engine, gates
 from kvreplay.experiments import replication
 from kvreplay.experiments.bridge import EXP3, bridge_chunk, bridge_row, bridge_summary
 from kvreplay.experiments.controls import EXP2_CONTROLS, controls_summary
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.experiments.transplant import EXP4, transplant_chunk, transplant_row, transplant_summary
-from kvreplay.problems import Problem
+from kvreplay.data.problems import Problem
 from kvreplay.runner import ArmSettings, run_arm
 
 

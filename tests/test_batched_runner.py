@@ -27,16 +27,17 @@ from conftest import (
     tiny_lm,
     tiny_problems,
 )
-from kvreplay import caches, engine, gates
-from kvreplay.contract import MERGE, resolve_format
+from kvreplay.decoding import caches
+from kvreplay import engine, gates
+from kvreplay.decoding.contract import MERGE, resolve_format
 from kvreplay.experiments.bridge import bridge_row
 from kvreplay.experiments.fixed_prefix import EXP2
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.gates import GateError
 from kvreplay.ledger.records import RowSchemaError
 from kvreplay.ledger.store import config_digest
-from kvreplay.problems import Problem
-from kvreplay.engine import EngineRun
+from kvreplay.data.problems import Problem
+from kvreplay.engine import EngineRun, Measured
 from kvreplay.runner import CHUNK_DEADLINE_ENV, ArmSettings, ChunkDeadline, run_arm
 
 
@@ -269,11 +270,11 @@ def test_bridge_under_the_engine_incremental_equals_live_bit_for_bit(lives):
 @pytest.mark.gate("functional_state")
 def test_per_step_eager_check_and_valid_length_gate_catch_planted_faults(lives, monkeypatch):
     lm, fmt, prompts, live = lives
-    eng = engine.StepEngine(lm, fmt, batch=2, max_len=200, verify_steps=3)
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=2, max_len=200, verify_steps=3))
     n = eng.admit(0, live[1].cache, live[1].roles)
     eng.set_row_pair(0, 100, n, MERGE, MERGE)
     eng.step()
-    assert eng.verified == 1
+    assert eng.stats.verified_steps == 1
     roles = live[1].roles[0].tolist() + [MERGE]
     eng.check_valid_length(0, n + 1, roles, "clean")
     with pytest.raises(GateError, match="functional_state"):
@@ -336,7 +337,7 @@ def test_the_chunk_deadline_leaves_the_preflight_gates_out_of_a_chunks_time(monk
 
     problems = _problems(4)
     spec = _ChunkSpec(EngineRun(batch=2))  # two problems per chunk
-    mapper = BatchedRows(spec, lambda _spec, group: [{"problem_id": p.problem_id} for p in group], problems,
+    mapper = BatchedRows(spec, lambda _spec, group: Measured({"problem_id": p.problem_id} for p in group), problems,
                          composition_id="p-00")
     monkeypatch.setattr(BatchedRows, "check_composition", lambda *_: time.sleep(0.5))  # a slow gate, a fast chunk
     monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time() + 60:.3f}")
@@ -346,7 +347,7 @@ def test_the_chunk_deadline_leaves_the_preflight_gates_out_of_a_chunks_time(monk
     monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time() + 0.3:.3f}")  # room for the chunk, not for the gate
     assert [r["problem_id"] for r in rows] == ["p-02", "p-03"]
     monkeypatch.setattr(BatchedRows, "check_composition", lambda *_: None)
-    mapper = BatchedRows(spec, lambda _spec, group: time.sleep(0.5) or [{"problem_id": p.problem_id} for p in group],
+    mapper = BatchedRows(spec, lambda _spec, group: time.sleep(0.5) or Measured({"problem_id": p.problem_id} for p in group),
                          problems)
     rows = mapper(iter(problems))
     next(rows)
@@ -365,7 +366,7 @@ def test_a_first_chunk_is_not_started_when_its_estimate_passes_the_deadline(monk
     problems = _problems(4)
     spec = _ChunkSpec(EngineRun(batch=2))  # two problems per chunk
     calls = []
-    chunk = lambda _spec, group: calls.append(len(group)) or [{"problem_id": p.problem_id} for p in group]  # noqa: E731
+    chunk = lambda _spec, group: calls.append(len(group)) or Measured({"problem_id": p.problem_id} for p in group)  # noqa: E731
     monkeypatch.setenv(CHUNK_DEADLINE_ENV, f"{time.time() + 30:.3f}")
     monkeypatch.setenv(FIRST_CHUNK_ESTIMATE_ENV, "45")
     with pytest.raises(ChunkDeadline, match=r"first chunk of 2 problems at p-00: KV_FIRST_CHUNK_ESTIMATE says 45 s"):

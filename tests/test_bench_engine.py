@@ -12,9 +12,10 @@ import json
 import pytest
 import yaml
 from conftest import TINY_FORMAT, make_model, make_tokenizer
-from kvreplay import bench, decode
-from kvreplay.contract import Caps
-from kvreplay.problems import Problem
+from kvreplay import bench
+from kvreplay.decoding import decode
+from kvreplay.decoding.contract import Caps
+from kvreplay.data.problems import Problem
 from kvreplay.runner import ArmSettings
 
 CAPS = (3, 4, 2)
@@ -84,7 +85,7 @@ def test_the_invariant_step_and_prefill_are_timed_beside_the_others(tiny):
 
 @pytest.mark.slow  # 75 s under Triton's interpreter on 2 cores; the kernels' own checks run in test_kernels_fused
 def test_the_fused_invariant_step_and_prefill_are_timed_beside_the_others(tiny):
-    from kvreplay import kernels_fused
+    from kvreplay.model import kernels_fused
 
     if not kernels_fused.interpreted():
         pytest.skip("the fused kernels need TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it)")

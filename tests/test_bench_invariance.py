@@ -1,4 +1,4 @@
-"""``python -m kvreplay.bench invariance`` (:mod:`kvreplay.bench_invariance`) runs on the CPU at tiny sizes, unit by unit: each finished unit is written at once,
+"""``python -m kvreplay.bench invariance`` (:mod:`kvreplay.bench.invariance`) runs on the CPU at tiny sizes, unit by unit: each finished unit is written at once,
 a rerun keeps them, a unit file of other settings is refused, and ``--budget-s`` stops cleanly (outcomes are not
 asserted)."""
 
@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 from conftest import TINY_FORMAT, tiny_lm, tiny_problems
-from kvreplay.contract import Caps, resolve_format
-from kvreplay.execution import resolve_contract
+from kvreplay.decoding.contract import Caps, resolve_format
+from kvreplay.model.execution import resolve_contract
 from kvreplay.paths import ROOT
 
 
 def _script():
-    from kvreplay import bench_invariance
+    from kvreplay.bench import invariance as bench_invariance
 
     return bench_invariance
 

@@ -26,7 +26,7 @@ from kvreplay.ledger.checked import PENDING_EVENT, SAMPLE_EVENT, UncheckedRowErr
 from kvreplay.ledger.files import LedgerFileError, LedgerLineError, read_log
 from kvreplay.ledger.lookup import find_chain_ledger, finished_rows, ledger_progress, read_ledger
 from kvreplay.ledger.store import Ledger, LedgerError, seal
-from kvreplay.problems import Problem
+from kvreplay.data.problems import Problem
 from kvreplay.runner import ArmSettings
 from kvreplay.runner.row_checks import equivalence_sample, sample_size
 from kvreplay.verify import choose_rows
@@ -46,7 +46,7 @@ def growing_problems(n: int) -> list[Problem]:
 def long_prefix_fault(monkeypatch):
     """A prefill fault that fires only on prefixes longer than the first prefix built: its position IDs are shifted
     by one while the positions it records stay right (any precision; the float32 check sees it)."""
-    from kvreplay import decode
+    from kvreplay.decoding import decode
 
     state: dict = {"on": False, "limit": None}
     inputs, prefill = decode.model_inputs, decode.build_prefill
@@ -162,7 +162,7 @@ def test_a_resume_checks_rows_a_kill_left_unchecked_and_then_reads_them_as_clean
 WRITER = """
 import json, os, signal, sys
 sys.path.insert(0, sys.argv[1])
-from kvreplay.contract import Caps
+from kvreplay.decoding.contract import Caps
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.ledger.store import Ledger
 from kvreplay.runner import ArmSettings
@@ -271,8 +271,8 @@ def test_the_check_runs_with_only_kvreplay_runner_imported(tmp_path, tiny_arm):
 import sys
 import kvreplay.runner as runner
 from kvreplay.runner.row_checks import check_chunk
-from kvreplay import decode
-from kvreplay.contract import Caps
+from kvreplay.decoding import decode
+from kvreplay.decoding.contract import Caps
 assert "kvreplay.experiments.matrix" not in sys.modules
 settings = runner.ArmSettings(profile="t", dtype="bfloat16", caps=Caps{tuple(vars(settings.caps).values())!r},
                               model={settings.model!r}, fmt={settings.fmt!r}, threads=1, preflight=1)
@@ -304,7 +304,7 @@ def test_the_sample_grows_with_the_chunk_and_stays_outcome_blind():
 def test_the_batched_float32_rebuild_gives_each_row_the_rel_l2_it_gets_alone(tiny_arm):
     """The sampled rows rebuilt together at the fixed shape get the bits each gets alone at that shape."""
     from conftest import tiny_problems
-    from kvreplay import decode
+    from kvreplay.decoding import decode
     from kvreplay.experiments.matrix import construction_equivalences
 
     settings = tiny_arm(step_path="engine-eager", batch=2)
@@ -355,7 +355,7 @@ def test_taking_the_lock_removes_temporaries_a_killed_writer_left(tmp_path):
 @pytest.mark.parametrize("fields", [{"preflight": -3}, {"caps": (0, 8, 4)}, {"caps": (8, -1, 4)}, {"caps": (8, 8, -5)},
                                     {"batch": 0}, {"chunk": 0}, {"workers": 0}], ids=str)
 def test_arm_settings_refuse_values_no_profile_could_hold(tiny_arm, fields):
-    from kvreplay.contract import Caps
+    from kvreplay.decoding.contract import Caps
 
     if "caps" in fields:
         fields = {"caps": Caps(*fields["caps"])}

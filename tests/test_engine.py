@@ -2,7 +2,7 @@
 
 What must hold and is asserted here:
 - at batch shape B=1 (two rows) the engine chooses the same tokens as the ``DynamicCache`` decoders of
-  :mod:`kvreplay.decode` (FP32); margins, logits and caches are compared within a tolerance, since the
+  :mod:`kvreplay.decoding.decode` (FP32); margins, logits and caches are compared within a tolerance, since the
   static cache's key dimension (``max_len``) may change the kernels' reduction order;
 - at a fixed batch shape (rows, ``max_len``) a problem's tokens, margins, boundary caches and logits are
   bit-identical whatever its companions and its slot, with slots reused, and from run to run;
@@ -17,8 +17,9 @@ import functools
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
-from kvreplay import caches, decode, engine, gates
-from kvreplay.contract import MERGE, PROMPT, resolve_format
+from kvreplay.decoding import caches, decode
+from kvreplay import engine, gates
+from kvreplay.decoding.contract import MERGE, PROMPT, resolve_format
 from kvreplay.gates import GateError
 
 MAX_SUFFIX = 200  # fixed max_len of the suffix runs compared bit for bit (batch shape = rows x MAX_SUFFIX)
@@ -120,7 +121,7 @@ def test_slot_reuse_and_per_row_positions_equal_one_problem_runs():
 
 def test_step_writes_each_row_at_its_own_position():
     lm, fmt, _, lives = _setup("qwen2")
-    eng = engine.StepEngine(lm, fmt, batch=2, max_len=MAX_SUFFIX)
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=2, max_len=MAX_SUFFIX))
     lengths = [eng.admit(s, b.cache, b.roles) for s, b in enumerate(lives[1:5:3])]
     assert lengths[0] != lengths[1]
     for s, n in enumerate(lengths):

@@ -15,9 +15,12 @@ import json
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
-from kvreplay import decode, engine, invariance, kernels, verify
-from kvreplay.contract import ContractError, resolve_format
-from kvreplay.execution import resolve_contract
+from kvreplay.decoding import decode
+from kvreplay import engine, verify
+from kvreplay.bench import invariance_checks as invariance
+from kvreplay.model import kernels
+from kvreplay.decoding.contract import ContractError, resolve_format
+from kvreplay.model.execution import resolve_contract
 from kvreplay.gates import cache_tensors
 from kvreplay.runner import ArmSettings
 
@@ -80,15 +83,16 @@ def test_a_planted_fault_is_caught(fault, monkeypatch):
 
 def test_settings_the_contract_does_not_cover_are_refused_before_any_row(windowed_arch):
     lm, fmt = _lm("llama", torch.float32)
-    for kwargs, named in (({"step_path": "graph"}, "step_path 'graph'"), ({"attention": "flex"}, "attention 'flex'"),
-                          ({"attention": "grouped"}, "attention 'grouped'"),
-                          ({"readout": decode.FP32Readout(lm)}, "FP32 readout")):
+    for (run, kwargs), named in (((dict(step_path="graph"), {}), "step_path 'graph'"),
+                                 ((dict(attention="flex"), {}), "attention 'flex'"),
+                                 ((dict(attention="grouped"), {}), "attention 'grouped'"),
+                                 (({}, {"readout": decode.FP32Readout(lm)}), "FP32 readout")):
         with pytest.raises(ContractError, match=named):
-            engine.StepEngine(lm, fmt, batch=1, max_len=128, **kwargs)
+            engine.StepEngine(lm, fmt, engine.EngineRun(batch=1, max_len=128, **run), **kwargs)
     other = tiny_lm(windowed_arch)
     other.contract = resolve_contract(kernels="invariant")
     with pytest.raises(kernels.KernelContractError, match="covers|not covered"):
-        engine.StepEngine(other, resolve_format(other.tokenizer, TINY_FORMAT), batch=1, max_len=64)
+        engine.StepEngine(other, resolve_format(other.tokenizer, TINY_FORMAT), engine.EngineRun(batch=1, max_len=64))
     base = dict(profile="smoke", dtype="float32", caps=TINY_CAPS, kernels="invariant")
     ArmSettings(**base, step_path="engine-eager", batch=4)  # taken
     with pytest.raises(ValueError, match="not 'graph'"):
@@ -104,7 +108,7 @@ def test_verify_recomputes_a_row_of_an_invariant_batched_ledger_alone(tmp_path, 
     kernel fault that only a batch of more than one problem shows (it reproduces at the recorded B = 3, so a check
     at the recorded shape would pass) is caught."""
     from kvreplay.experiments.live_vs_prefill import EXP1
-    from kvreplay.problems import Problem
+    from kvreplay.data.problems import Problem
 
     problems = [Problem(f"p-{i:02d}", "test", i + 1, "Q" + "xyz"[i % 3] * (3 * i) + "?", ("x", "y", "z", "w"), "A")
                 for i in range(3)]

@@ -20,8 +20,8 @@ from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer
 
 from kvreplay.experiments.arms import ARMS
 from kvreplay.ledger.store import canonical_json
-from kvreplay.models import cpu_isa_flags
-from kvreplay.problems import Problem
+from kvreplay.model.models import cpu_isa_flags
+from kvreplay.data.problems import Problem
 from kvreplay.runner import ArmSettings
 
 PROBLEMS = [Problem(f"p-{i:02d}", "test", i + 1, "Q" + "xyz"[i % 3] * (3 * i) + "?", ("x", "y", f"z{i}", "w"),

@@ -1,13 +1,15 @@
-"""The engine reports what it measured through the run it was given, never through process-wide counters.
+"""The engine reports what it measured one way: returned by the call that ran it, never through shared counters.
 
-Each engine adds its steps, slot-steps, verified steps and attention checks to its run's
-:class:`kvreplay.engine.EngineStats` (``EngineRun.measured()``); two runs measured side by side do not see each
-other's steps, and no module of ``kvreplay.engine`` keeps state of its own that a step changes.
+Each engine counts its steps, slot-steps, verified steps and attention checks in its own
+:class:`kvreplay.engine.EngineStats`; a batched decoder returns them with its results (:class:`kvreplay.engine.Measured`).
+Two calls do not see each other's steps, the settings object holds no statistics, and no module of
+``kvreplay.engine`` keeps state of its own that a step changes.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 
 import pytest
@@ -15,9 +17,9 @@ import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm
 
 from kvreplay import engine
-from kvreplay.contract import Caps, resolve_format
-from kvreplay.decoding import Decoding
-from kvreplay.engine import EngineRun, EngineStats, engine_max_len
+from kvreplay.decoding.contract import Caps, resolve_format
+from kvreplay.decoding.settings import Decoding
+from kvreplay.engine import EngineRun, EngineStats, Measured, engine_max_len
 from kvreplay.paths import ROOT
 
 
@@ -53,28 +55,30 @@ def test_no_engine_module_keeps_state_that_a_step_changes():
     assert not found, found
 
 
-def test_two_measured_runs_count_their_own_steps():
+def test_each_decoder_returns_what_its_own_engine_measured():
     lm = tiny_lm(dtype=torch.float32)
     fmt = resolve_format(lm.tokenizer, TINY_FORMAT)
     prompts = [fmt.prompt_ids("Q" + "x" * i + "?", ("a", "b", "c", "d")) for i in range(3)]
-    a, b = EngineRun(batch=2).measured(), EngineRun(batch=3).measured()
-    engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=a)
-    assert a.stats is not None and b.stats is not None
-    assert a.stats.steps > 0 and a.stats.slot_steps == 2 * a.stats.steps and b.stats == EngineStats()
-    lives = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=b)
-    assert b.stats.slot_steps == 3 * b.stats.steps and 0 < b.stats.busy_slot_steps <= b.stats.slot_steps
-    steps_a = a.stats.steps
-    engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=b)  # a second decoder adds to the same run's stats
-    assert a.stats.steps == steps_a and b.stats.steps > 0
-    event = b.stats.chunk_event(3, 1.23456)
+    a = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=EngineRun(batch=2))
+    assert isinstance(a, Measured) and a.stats.steps > 0 and a.stats.slot_steps == 2 * a.stats.steps
+    lives = engine.decode_lives(lm, fmt, prompts, TINY_CAPS, run=EngineRun(batch=3))
+    b = lives.stats
+    assert b.slot_steps == 3 * b.steps and 0 < b.busy_slot_steps <= b.slot_steps
+    steps_a, steps_b = a.stats.steps, b.steps
+    suffixes = engine.decode_suffixes(lm, fmt, lives, TINY_CAPS, run=EngineRun(batch=3))  # another call, its own engine
+    assert a.stats.steps == steps_a and b.steps == steps_b and suffixes.stats.steps > 0
+    total = b + suffixes.stats
+    assert total.steps == b.steps + suffixes.stats.steps and b.steps == steps_b  # a sum is a new object
+    assert engine.decode_suffixes(lm, fmt, [], TINY_CAPS).stats == EngineStats()
+    event = b.chunk_event(3, 1.23456)
     assert list(event) == ["problems", "seconds", "steps", "slot_steps", "busy_slot_steps", "occupancy",
                            "kv_positions", "capture_s"]
     # every busy slot-step attends to at least one key position and at most max_len of them
-    assert b.stats.busy_slot_steps <= event["kv_positions"] and event["capture_s"] == 0.0  # eager: no graph captured
-    assert event["seconds"] == 1.235 and event["occupancy"] == round(b.stats.busy_slot_steps / b.stats.slot_steps, 4)
-    unmeasured = EngineRun(batch=2)
-    logged = unmeasured.settings(Decoding.of(Caps(1, 1, 1), "hash:3"))
-    assert unmeasured.stats is None and "stats" not in logged and unmeasured == a
+    assert b.busy_slot_steps <= event["kv_positions"] and event["capture_s"] == 0.0  # eager: no graph captured
+    assert event["seconds"] == 1.235 and event["occupancy"] == round(b.busy_slot_steps / b.slot_steps, 4)
+    run = EngineRun(batch=2)
+    logged = run.settings(Decoding.of(Caps(1, 1, 1), "hash:3"))
+    assert "stats" not in {f.name for f in dataclasses.fields(EngineRun)}
     assert json.dumps(logged) == (  # the run log's engine entry, byte for byte as before EngineRun lost the rule
         '{"step_path": "eager", "batch": 2, "max_len": null, "verify_steps": 0, "chunk": null, "attention": "sdpa", '
         '"tolerance_check": false, "fill_from": "first", "tie_rule": "hash:3", "top_logits": false}')

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
-from kvreplay.decoding import Decoding
+from kvreplay.decoding.settings import Decoding
 from kvreplay.experiments.bridge import bridge_row, saved_ledger_audit
 from kvreplay.experiments.endpoints import first_divergence
 from kvreplay.experiments.fixed_prefix import fixed_prefix_row, precision_crossing
@@ -167,8 +167,8 @@ def test_fixed_prefixes_are_digest_and_order_checked(tmp_path):
 
 
 def test_max_sequence_length_bounds_a_decoded_sequence(tiny_format):
-    from kvreplay import decode
-    from kvreplay.contract import ANSWER, BRANCH1
+    from kvreplay.decoding import decode
+    from kvreplay.decoding.contract import ANSWER, BRANCH1
 
     lm = tiny_lm("llama")
     fmt = tiny_format(lm)
@@ -183,8 +183,8 @@ def test_max_sequence_length_bounds_a_decoded_sequence(tiny_format):
 
 
 def test_check_prompts_refuses_a_sequence_longer_than_the_context(tiny_format):
-    from kvreplay.contract import ContractError
-    from kvreplay.problems import Problem
+    from kvreplay.decoding.contract import ContractError
+    from kvreplay.data.problems import Problem
     from kvreplay.runner import check_prompts
 
     fmt = tiny_format(tiny_lm("llama"))
@@ -223,9 +223,9 @@ def short_context_arm(tmp_path):
 
 
 def test_run_arm_refuses_a_too_long_problem_before_any_ledger_exists(tmp_path, short_context_arm):
-    from kvreplay.contract import ContractError
+    from kvreplay.decoding.contract import ContractError
     from kvreplay.experiments.live_vs_prefill import EXP1
-    from kvreplay.problems import Problem
+    from kvreplay.data.problems import Problem
 
     long = Problem("long-1", "test", 3, " ".join(["word"] * 400) + "?", ("x", "y"), "A")
     with pytest.raises(ContractError, match=r"problem long-1 \(test line 3\): its full sequence can need \d+ positions"
@@ -299,7 +299,7 @@ def test_experiment4_reports_a_precondition_failure_by_the_profiles_rule():
     from kvreplay.experiments.transplant import DEFAULT_PRECONDITION_RULE, PRECONDITION_RULES, transplant_summary, transplant_table
     from kvreplay.ledger.lookup import finished_rows
     from kvreplay.paths import LEDGERS
-    from kvreplay.profiles import ChainParameters, load_parameters
+    from kvreplay.notebook.profiles import ChainParameters, load_parameters
 
     field = ChainParameters.model_fields["exp4_precondition_failures"]
     assert field.default == DEFAULT_PRECONDITION_RULE and set(field.annotation.__args__) == set(PRECONDITION_RULES)

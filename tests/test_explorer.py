@@ -1,4 +1,4 @@
-"""The drift explorer's cache of rebuilt rows (kvreplay.rebuild.RebuiltDrift on disk) and its widget logic, on the
+"""The drift explorer's cache of rebuilt rows (kvreplay.report.rebuild.RebuiltDrift on disk) and its widget logic, on the
 committed cpu ledgers: a row rebuilt once draws again from disk without loading a model; a row that must be rebuilt
 is marked as rebuilding before the rebuild starts; keys change with the row and the versions."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from kvreplay import explorer, rebuild
+from kvreplay.notebook import explorer
+from kvreplay.report import rebuild
 from kvreplay.ledger.lookup import find_chain_ledger
 from kvreplay.paths import LEDGERS
 

@@ -24,14 +24,15 @@ import pytest
 import torch
 import yaml
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm
-from kvreplay import caches, decode, engine, gates
-from kvreplay.contract import ANSWER, MERGE, PROMPT, resolve_format, visibility_matrix
-from kvreplay.decoding import Decoding
+from kvreplay.decoding import caches, decode
+from kvreplay import engine, gates
+from kvreplay.decoding.contract import ANSWER, MERGE, PROMPT, resolve_format, visibility_matrix
+from kvreplay.decoding.settings import Decoding
 from kvreplay.engine import attention as attn
 from kvreplay.experiments import fixed_prefix, live_vs_prefill
 from kvreplay.gates import GateError
 from kvreplay.ledger.store import canonical_json
-from kvreplay.problems import Problem
+from kvreplay.data.problems import Problem
 from kvreplay.runner import ArmSettings, EngineRun, RunSpec, run_arm
 
 MAX_LEN = 256  # a multiple of the flex block (128)
@@ -172,15 +173,15 @@ def test_kernel_options_are_pinned_and_recorded():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tolerance_gate_passes_on_a_real_boundary_and_records_every_layer(attention, dtype):
     lm, fmt, _, lives = _setup(dtype)
-    eng = engine.StepEngine(lm, fmt, batch=3, max_len=MAX_LEN, attention=attention)
+    eng = engine.StepEngine(lm, fmt, EngineRun(batch=3, max_len=MAX_LEN, attention=attention))
     n = eng.admit(1, lives[2].cache, lives[2].roles)
     eng.set_row_pair(1, 100, n, ANSWER, ANSWER)  # an answer query: it must not see the branches
     rec = eng.check_attention("problem 2")
     assert rec["gate"] == "attention_tolerance" and len(rec["rel_err_by_layer"]) == lm.model.config.num_hidden_layers
     assert rec["max_rel_err"] == max(rec["rel_err_by_layer"]) <= engine.TOLERANCE[dtype] and rec["rows"] == 2
-    assert eng.stats.attention_checks == [rec] and eng.attention_check == rec
+    assert eng.stats.attention_checks == [rec]
     with pytest.raises(ValueError, match="sdpa"):
-        engine.StepEngine(lm, fmt, batch=1, max_len=MAX_LEN).check_attention()
+        engine.StepEngine(lm, fmt, EngineRun(batch=1, max_len=MAX_LEN)).check_attention()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -189,7 +190,7 @@ def test_tolerance_gate_catches_a_mask_that_ignores_roles(dtype):
     from torch.nn.attention.flex_attention import BlockMask
 
     lm, fmt, _, lives = _setup(dtype)
-    eng = engine.StepEngine(lm, fmt, batch=2, max_len=MAX_LEN, attention="flex")
+    eng = engine.StepEngine(lm, fmt, EngineRun(batch=2, max_len=MAX_LEN, attention="flex"))
     n = eng.admit(0, lives[3].cache, lives[3].roles)
     eng.set_row_pair(0, 100, n, ANSWER, ANSWER)
     fm = eng._flex["full_attention"]
@@ -200,7 +201,7 @@ def test_tolerance_gate_catches_a_mask_that_ignores_roles(dtype):
         seq_lengths=(2, MAX_LEN), compute_q_blocks=False)
     with pytest.raises(GateError, match="attention_tolerance") as err:
         eng.check_attention("planted")
-    assert "layer 0" in err.value.reason and eng.attention_check is None
+    assert "layer 0" in err.value.reason and eng.stats.attention_checks == []
 
 
 # ------------------------------------------------------------------------------------ flex in the engine
@@ -247,10 +248,10 @@ def test_flex_bridge_incremental_rebuilt_equals_engine_live_bit_for_bit():
 def test_one_engine_for_boundaries_and_suffixes_gives_the_phase_wise_records(attention):
     lm, fmt, _, lives = _setup(torch.bfloat16)
     problems = _problems(5)
-    run = EngineRun("eager", 2, MAX_LEN, attention=attention).measured()
+    run = EngineRun("eager", 2, MAX_LEN, attention=attention)
     spec = RunSpec(lm=lm, fmt=fmt, decoding=Decoding.of(TINY_CAPS), engine=run)
     one = live_vs_prefill.live_vs_prefill_chunk(spec, problems)
-    steps = {k: getattr(run.stats, k) for k in ("steps", "slot_steps", "busy_slot_steps")}
+    steps = {k: getattr(one.stats, k) for k in ("steps", "slot_steps", "busy_slot_steps")}
     phased = live_vs_prefill.live_vs_prefill_chunk_phased(spec, problems)
     assert [canonical_json(r) for r in one] == [canonical_json(r) for r in phased]
     assert all(r["gate_failure"] is None for r in one)

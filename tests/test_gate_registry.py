@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
-from kvreplay import decode, gates
-from kvreplay.decoding import Decoding
+from kvreplay.decoding import decode
+from kvreplay import gates
+from kvreplay.decoding.settings import Decoding
 from kvreplay.gates import GATES, GateError
 from kvreplay.paths import ROOT
 from kvreplay.runner import RunSpec

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
-from kvreplay import caches, decode
-from kvreplay.decoding import Decoding
+from kvreplay.decoding import caches, decode
+from kvreplay.decoding.settings import Decoding
 from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.experiments.matrix import matrix_summary
 from kvreplay.gates import GateError, cache_tensors

@@ -67,8 +67,8 @@ def test_audit_your_own_sliding_window_model(tmp_path):
 def test_gemma3_is_what_the_issue_says():
     """Every fact of the embedded Gemma 3 270M, read from the converted folder's config and tokenizer: the GGUF header
     gives layers, heads, widths, window and the global RoPE base; transformers' Gemma 3 defaults the rest."""
-    from kvreplay.contract import resolve_format
-    from kvreplay.models import embedded_checkpoint, load_tokenizer
+    from kvreplay.decoding.contract import resolve_format
+    from kvreplay.model.models import embedded_checkpoint, load_tokenizer
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(embedded_checkpoint("gemma3"))
@@ -121,7 +121,7 @@ def test_gemma_smoke_chain(tmp_path):
 
 
 def test_model_keys_name_the_embedded_models():
-    from kvreplay.models import EMBEDDED_MODELS, GEMMA3_SHA256
+    from kvreplay.model.models import EMBEDDED_MODELS, GEMMA3_SHA256
     from kvreplay.runner import model_key
 
     assert model_key("embedded") == {"model": "embedded", "sha256": EMBEDDED_MODELS["embedded"].sha256}
@@ -129,7 +129,7 @@ def test_model_keys_name_the_embedded_models():
 
 
 def test_a_missing_gemma_package_names_the_setup_command(monkeypatch):
-    from kvreplay import models
+    from kvreplay.model import models
 
     real = importlib.util.find_spec
     monkeypatch.setattr(models.importlib.util, "find_spec",
@@ -140,7 +140,7 @@ def test_a_missing_gemma_package_names_the_setup_command(monkeypatch):
 
 def test_a_damaged_gemma_part_fails_the_digest(tmp_path, monkeypatch):
     """The parts are checked joined, against the pinned digest of the whole GGUF, before anything is converted."""
-    from kvreplay import models
+    from kvreplay.model import models
 
     parts = []
     for i in range(4):
@@ -156,8 +156,8 @@ def test_a_damaged_gemma_part_fails_the_digest(tmp_path, monkeypatch):
 def test_gemma_layout_in_bf16_keeps_full_length_caches():
     """A Gemma 3 text model in BF16 (tiny, random): every cache layer is a plain full-length one."""
     from conftest import tiny_lm
-    from kvreplay import decode
-    from kvreplay.contract import resolve_format
+    from kvreplay.decoding import decode
+    from kvreplay.decoding.contract import resolve_format
     from conftest import TINY_CAPS, TINY_FORMAT, tiny_problems
 
     lm = tiny_lm("gemma3", torch.bfloat16)

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm
-from kvreplay import bench, decode, models
-from kvreplay.contract import resolve_format
+from kvreplay import bench
+from kvreplay.decoding import decode
+from kvreplay.model import models
+from kvreplay.decoding.contract import resolve_format
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "offline_gpu_env.sh"
@@ -151,7 +153,7 @@ def test_the_bench_runs_a_windowed_model_on_its_own_boundaries(tiny_gemma_folder
 
 
 def test_the_gemma_profile_runs_on_the_engine_with_flex():
-    from kvreplay.profiles import load_parameters
+    from kvreplay.notebook.profiles import load_parameters
 
     p = load_parameters("gemma")
     assert p.model == "gemma3" and p.execution["attention"] == "flex" and p.execution["step_path"] == "graph"

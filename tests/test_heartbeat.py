@@ -8,7 +8,7 @@ import time
 
 from conftest import tiny_problems
 from kvreplay.experiments.live_vs_prefill import EXP1
-from kvreplay.heartbeat import INTERVAL_ENV, Heartbeat, interval
+from kvreplay.runner.heartbeat import INTERVAL_ENV, Heartbeat, interval
 
 
 def test_a_recomputed_row_prints_its_phase_and_step_while_it_runs(tmp_path, tiny_arm, monkeypatch, capsys):
@@ -44,7 +44,7 @@ def test_a_short_block_prints_nothing_and_the_interval_defaults_to_a_minute(monk
 
 
 def test_an_arm_run_names_its_model_s_forward_calls_found_on_the_stack(tmp_path, tiny_arm):
-    """The form ``make paper`` prints on its terminal around each arm (kvreplay.session.Session.run)."""
+    """The form ``make paper`` prints on its terminal around each arm (kvreplay.notebook.session.Session.run)."""
     out = io.StringIO()
     with Heartbeat("exp1-float32", stream=out, every=0.05):
         EXP1.run(tiny_arm(), tiny_problems(2), ledger_root=tmp_path, progress=False)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, tiny_lm, tiny_problems
-from kvreplay import decode
-from kvreplay.contract import BRANCH1, Caps, resolve_format
-from kvreplay.decoding import Decoding
+from kvreplay.decoding import decode
+from kvreplay.decoding.contract import BRANCH1, Caps, resolve_format
+from kvreplay.decoding.settings import Decoding
 from kvreplay.experiments.controls import controls_row, controls_summary, controls_table
 from kvreplay.experiments.endpoints import is_tie, tie_initiated
 from kvreplay.experiments.fixed_prefix import fixed_prefix_row
@@ -80,8 +80,8 @@ def test_live_branch1_equals_hf_greedy_generate_on_a_tiny_model(arch, tiny_forma
 
 @pytest.mark.notebook
 def test_live_branch1_equals_hf_greedy_generate_on_the_embedded_model():
-    from kvreplay.models import load_model
-    from kvreplay.problems import load_bank
+    from kvreplay.model.models import load_model
+    from kvreplay.data.problems import load_bank
 
     lm = load_model("embedded", "float32")
     fmt = resolve_format(lm.tokenizer, "chat_multibranch")
@@ -251,7 +251,7 @@ def test_controls_row_fp32_readout_and_null_perturbation(tiny_format):
 
 
 def test_null_perturbation_matches_the_count_and_sizes_of_a_real_difference(tiny_format):
-    from kvreplay import caches
+    from kvreplay.decoding import caches
     from kvreplay.experiments.controls import null_perturbation
     from kvreplay.gates import cache_tensors
 

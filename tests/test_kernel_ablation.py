@@ -16,8 +16,8 @@ from kvreplay.gates import GateError
 from kvreplay.ledger.lookup import PREFIX_BANK
 from kvreplay.ledger.prefix_bank import write_prefix_bank
 from kvreplay.ledger.records import validate_rows
-from kvreplay.paper_chain import CHAIN
-from kvreplay.profiles import KERNEL_CONTRASTS, load_parameters
+from kvreplay.paper.chain import CHAIN
+from kvreplay.notebook.profiles import KERNEL_CONTRASTS, load_parameters
 
 TINY_ARM_DTYPE = "bfloat16"
 VALUES = ("default", "invariant", "invariant-except-attention")

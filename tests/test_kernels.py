@@ -13,9 +13,12 @@ import os
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
-from kvreplay import caches, decode, gates, invariance, kernels
-from kvreplay.contract import ContractError, resolve_format
-from kvreplay.execution import resolve_contract
+from kvreplay.decoding import caches, decode
+from kvreplay import gates
+from kvreplay.bench import invariance_checks as invariance
+from kvreplay.model import kernels
+from kvreplay.decoding.contract import ContractError, resolve_format
+from kvreplay.model.execution import resolve_contract
 from kvreplay.runner import ArmSettings, resolve_execution
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -137,11 +140,11 @@ def test_uncovered_models_and_values_are_refused(windowed_arch):
 
 
 def test_engine_refuses_the_graph_path_under_invariant_kernels():
-    from kvreplay.engine import StepEngine
+    from kvreplay.engine import EngineRun, StepEngine
 
     lm, fmt = _lm("llama", torch.float32, "invariant")
     with pytest.raises(ContractError, match="step_path 'graph' is not covered"):
-        StepEngine(lm, fmt, batch=1, max_len=64, step_path="graph")
+        StepEngine(lm, fmt, EngineRun(batch=1, max_len=64, step_path="graph"))
 
 
 def test_key_entry_only_when_not_default():
@@ -157,7 +160,7 @@ def test_key_entry_only_when_not_default():
 
 
 def test_environment_records_kernels_only_when_not_default():
-    from kvreplay.models import environment_record
+    from kvreplay.model.models import environment_record
 
     lm = tiny_lm("llama")
     lm.contract = resolve_contract()
@@ -207,7 +210,7 @@ def test_second_attention_order_is_its_own_value(monkeypatch):
     assert r["live_vs_incremental"] == [] and r["live_vs_prefill"] == [], r
     assert blocks and set(blocks) == {128}
     assert resolve_contract(kernels=value).key() == {"kernels": value}
-    from kvreplay.models import environment_record
+    from kvreplay.model.models import environment_record
     assert environment_record(lm)["contract"]["kernels_attention_block"] == 128
     with pytest.raises(ValueError, match="eager decoders only"):
         ArmSettings(profile="smoke", dtype="float32", caps=TINY_CAPS, kernels=value, step_path="engine-eager")

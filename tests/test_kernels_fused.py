@@ -1,6 +1,6 @@
-"""The fused invariant kernels (``kernels: invariant-fused``, :mod:`kvreplay.kernels_fused`) under Triton's CPU
+"""The fused invariant kernels (``kernels: invariant-fused``, :mod:`kvreplay.model.kernels_fused`) under Triton's CPU
 interpreter: each kernel gives a row the same bits alone, in a batch, in another slot, among one query or many
-and over a longer padded cache; its values stay within rounding of the reference kernels (:mod:`kvreplay.kernels`);
+and over a longer padded cache; its values stay within rounding of the reference kernels (:mod:`kvreplay.model.kernels`);
 rope keeps the reference's bits; off a CUDA device without the interpreter the value is refused.
 
 The interpreter is a correctness check of the kernels' logic, not of a GPU's bits: ``tl.dot`` runs as numpy's
@@ -19,13 +19,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # also set by conftest.py, befor
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
-from kvreplay import decode, invariance, kernels
-from kvreplay.contract import ContractError, resolve_format
+from kvreplay.decoding import decode
+from kvreplay.bench import invariance_checks as invariance
+from kvreplay.model import kernels
+from kvreplay.decoding.contract import ContractError, resolve_format
 from kvreplay.engine import EngineRun
 from kvreplay.engine.invariant import check_engine
-from kvreplay.execution import resolve_contract
+from kvreplay.model.execution import resolve_contract
 
-kf = pytest.importorskip("kvreplay.kernels_fused")
+kf = pytest.importorskip("kvreplay.model.kernels_fused")
 DEVICE = torch.device("cpu" if kf.interpreted() else "cuda")
 """The CPU under the interpreter; with ``TRITON_INTERPRET=0`` on a CUDA machine, the compiled kernels on the GPU."""
 if DEVICE.type == "cuda" and not torch.cuda.is_available():

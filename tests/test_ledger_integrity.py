@@ -29,7 +29,7 @@ from kvreplay.ledger.lookup import finished_rows, ledger_progress, read_ledger
 from kvreplay.ledger.provenance import ledger_provenance
 from kvreplay.ledger.store import Ledger, LedgerError, read_rows_text, run_rows, seal, unseal
 from kvreplay.runner import ArmSettings
-from kvreplay.ties import parse_tie_rule
+from kvreplay.decoding.ties import parse_tie_rule
 from kvreplay.verify import choose_rows
 
 HERE = Path(__file__).parent
@@ -294,7 +294,7 @@ def test_a_tie_rule_enters_the_ledger_key_in_one_canonical_spelling(tiny_arm):
 def prefill_shifted_after_the_first_problem(monkeypatch):
     """A construction fault that shows only on some rows: the prefill call of every problem but ``tiny-00`` (the
     preflight row) sees its position IDs shifted by one, while the positions it records stay correct."""
-    from kvreplay import decode
+    from kvreplay.decoding import decode
 
     state = {"on": False}
     inputs, prefill = decode.model_inputs, decode.build_prefill

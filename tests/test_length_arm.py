@@ -12,7 +12,7 @@ from kvreplay.experiments.arms import ARMS
 from kvreplay.experiments.length_arm import EXP1_LENGTH, length_summary, length_table
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.ledger.records import validate_rows
-from kvreplay.profiles import load_parameters
+from kvreplay.notebook.profiles import load_parameters
 
 from conftest import TINY_CAPS, tiny_problems
 
@@ -32,7 +32,7 @@ def test_the_arm_is_planned_once_per_cap_and_the_caps_are_checked_in_the_profile
     for bad, match in (([8], "the chain's own cap_branch"), ([16, 16], "listed twice"), ([0], ">= 1")):
         with pytest.raises(ValueError, match=match):
             load_parameters("smoke", {"length_branch_caps": bad})  # smoke's cap_branch is 8
-    from kvreplay.paper_chain import notebook_arms
+    from kvreplay.paper.chain import notebook_arms
 
     name = "01_experiment1_live_vs_prefill.ipynb"
     assert "exp1_length-bfloat16" not in notebook_arms(name, load_parameters("smoke"))

@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, make_tokenizer, tiny_lm, tiny_problems
-from kvreplay import decode, engine
-from kvreplay.contract import resolve_format
-from kvreplay.decoding import Decoding
+from kvreplay.decoding import decode
+from kvreplay import engine
+from kvreplay.decoding.contract import resolve_format
+from kvreplay.decoding.settings import Decoding
 from kvreplay.experiments.live_vs_prefill import EXP1, live_vs_prefill_row
 from kvreplay.experiments.matrix import DRIFT_OUTLIER_FACTOR, drift_outliers, matrix_summary, matrix_table
 from kvreplay.gates import GateError, check_live_equals_incremental

@@ -15,10 +15,10 @@ import torch
 import yaml
 from conftest import make_model, make_tokenizer
 from kvreplay import paper
-from kvreplay.models import ModelLoadError, check_model, load_model, load_tokenizer
+from kvreplay.model.models import ModelLoadError, check_model, load_model, load_tokenizer
 from kvreplay.paths import BUILD, CHECKPOINTS, FIGURES, LEDGERS
-from kvreplay.profiles import load_parameters
-from kvreplay.session import check_profile_model
+from kvreplay.notebook.profiles import load_parameters
+from kvreplay.notebook.session import check_profile_model
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, MambaConfig
 
 LONG = 8192

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, make_model, make_tokenizer, tiny_lm
-from kvreplay import decode
-from kvreplay.contract import Caps, resolve_format
-from kvreplay.execution import ExecutionContract
-from kvreplay.models import (
+from kvreplay.decoding import decode
+from kvreplay.decoding.contract import Caps, resolve_format
+from kvreplay.model.execution import ExecutionContract
+from kvreplay.model.models import (
     SELF_CHECK_RATIO,
     ModelLoadError,
     cache_refusal,
@@ -288,8 +288,8 @@ def test_embedded_checkpoint_is_the_gguf_converted_once(tmp_path, monkeypatch):
     conversion's read made of it, so the folder is compared with the GGUF as ``transformers`` reads it."""
     import json
 
-    from kvreplay import models
-    from kvreplay.problems import load_bank
+    from kvreplay.model import models
+    from kvreplay.data.problems import load_bank
 
     reads = _read_each_gguf_once(monkeypatch)
     monkeypatch.setenv(models.MODEL_CACHE_ENV, str(tmp_path))
@@ -324,7 +324,7 @@ def test_a_bpe_tokenizer_decodes_without_the_ignored_cleanup_warning(capsys):
     """transformers ignores clean_up_tokenization_spaces for BPE and warns on every decode: it is turned off there
     (same text), and kept on for a WordPiece tokenizer, where it changes the text."""
     from conftest import make_tokenizer
-    from kvreplay.models import without_ignored_cleanup
+    from kvreplay.model.models import without_ignored_cleanup
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -62,7 +62,7 @@ def test_every_notebook_has_a_parameters_cell():
 @pytest.fixture(scope="module")
 def explorer_cache(tmp_path_factory):
     """The explorer's cache of rebuilt rows in a temp folder (the kernels inherit it), not the checkout's build/."""
-    from kvreplay.explorer import CACHE_ENV
+    from kvreplay.notebook.explorer import CACHE_ENV
 
     with pytest.MonkeyPatch.context() as mp:
         folder = tmp_path_factory.mktemp("explorer-cache")

@@ -28,7 +28,8 @@ def test_a_profile_given_as_a_file_is_passed_on_absolute_and_labels_the_build(tm
 
 
 def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
-    from kvreplay import paper, profiles
+    from kvreplay import paper
+    from kvreplay.notebook import profiles
 
     params = tmp_path / "params"
     params.mkdir()
@@ -77,7 +78,8 @@ def test_up_to_date_notebooks_are_skipped(tmp_path, monkeypatch, capsys):
 def test_a_stopped_chain_resumes_at_the_notebook_that_stopped(tmp_path, monkeypatch, capsys, stop):
     """A chain that fails (or is interrupted) in 03 keeps 01 and 02 done: the same command skips them, even though
     03 wrote ledger rows before it stopped, and runs 03 (then the rest) again."""
-    from kvreplay import paper, profiles
+    from kvreplay import paper
+    from kvreplay.notebook import profiles
 
     params = tmp_path / "params"
     params.mkdir()
@@ -134,7 +136,7 @@ def test_inprocess_engine_injects_parameters_and_names_the_failing_cell(tmp_path
 
 def test_chain_order_and_checkpoint_files_enter_the_stamp(tmp_path):
     from kvreplay import adapt, paper
-    from kvreplay.profiles import ChainParameters
+    from kvreplay.notebook.profiles import ChainParameters
 
     assert [n[:2] for n in paper.CHAIN] == [f"{i:02d}" for i in range(9)]
     ledger = tmp_path / "ledgers"
@@ -156,7 +158,8 @@ def test_chain_order_and_checkpoint_files_enter_the_stamp(tmp_path):
 
 
 def test_a_malformed_notebooks_key_is_refused(tmp_path, monkeypatch, capsys):
-    from kvreplay import paper, profiles
+    from kvreplay import paper
+    from kvreplay.notebook import profiles
 
     params = tmp_path / "params"
     params.mkdir()
@@ -204,7 +207,8 @@ def test_the_index_names_notebooks_outside_the_profile_list_apart(tmp_path):
 def _refused_profile(tmp_path, monkeypatch, text: str) -> None:
     """Write profile `mini` with ``text`` into a scratch params folder; `make paper` must refuse it (exit 2) before any
     notebook runs."""
-    from kvreplay import paper, profiles
+    from kvreplay import paper
+    from kvreplay.notebook import profiles
 
     params = tmp_path / "params"
     params.mkdir()
@@ -233,7 +237,7 @@ def test_the_inprocess_engine_injects_profile_and_overrides(tmp_path):
     nb = {"cells": [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": "profile = 'smoke'\noverrides = {}\n",
                      "outputs": [], "execution_count": None},
                     {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
-                     "source": "from kvreplay.profiles import load_parameters\n"
+                     "source": "from kvreplay.notebook.profiles import load_parameters\n"
                                "open('seen', 'w').write(repr(load_parameters(profile, overrides).execution))\n"}],
           "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
     path = tmp_path / "nb.ipynb"
@@ -261,7 +265,7 @@ def test_a_profile_computed_on_a_gpu_refuses_notebooks_whose_arms_are_unfinished
     notebooks 02 and 06 need an arm it does not have."""
     import kvreplay.paper as paper
     from kvreplay.paths import LEDGERS
-    from kvreplay.profiles import load_parameters, profile_path
+    from kvreplay.notebook.profiles import load_parameters, profile_path
 
     ran = []
     monkeypatch.setattr(paper, "run_notebook", lambda *a, **k: ran.append(a[0]))
@@ -310,7 +314,7 @@ def test_a_read_only_session_keeps_its_frozen_panels(monkeypatch, tmp_path):
     (parameters that choose other problems) is refused before it is written."""
     import pytest
     from kvreplay.runner import READ_ONLY_ENV, ReadOnlyLedgerError
-    from kvreplay.session import open_session
+    from kvreplay.notebook.session import open_session
 
     session = open_session("notebooks/04_experiment4_cache_transplant.ipynb", "smoke", {"ledger_root": str(tmp_path)})
     path = session.write_panel("exp4_panel", rule="r", panel=[1, 2])

@@ -16,10 +16,10 @@ from conftest import tiny_problems
 from kvreplay.experiments.live_vs_prefill import EXP1, live_vs_prefill_row
 from kvreplay.gates import GateError
 from kvreplay.ledger.store import Ledger, run_rows
-from kvreplay.execution import DeviceUnavailableError, ExecutionContract
-from kvreplay.models import environment_record, load_model
+from kvreplay.model.execution import DeviceUnavailableError, ExecutionContract
+from kvreplay.model.models import environment_record, load_model
 from kvreplay.paths import LEDGERS
-from kvreplay.problems import load_bank
+from kvreplay.data.problems import load_bank
 from kvreplay.runner import ROW_ALGORITHM, ArmSettings, run_arm
 from kvreplay.runner import actors as parallel
 from kvreplay.runner.actors import RowActors, actor_resources
@@ -148,7 +148,7 @@ def test_actor_resources_and_cluster_limits(tmp_path, tiny_arm, cluster):
 
 def test_cpu_contract_adds_nothing_to_committed_ledger_keys():
     """The CUDA parameters must not move CPU ledgers: the committed cpu ledger's folder is found again."""
-    from kvreplay.contract import Caps
+    from kvreplay.decoding.contract import Caps
 
     params = yaml.safe_load((LEDGERS.parent.parent / "notebooks" / "params" / "cpu.yaml").read_text())
     rows = load_bank()[: params["n_rows"]]
@@ -205,8 +205,8 @@ def test_bad_worker_counts_and_an_actor_that_cannot_start(tmp_path, tiny_arm, cl
 
 
 def test_actors_refuse_a_problem_longer_than_the_context_before_any_ledger_exists(tmp_path, tiny_arm, cluster):
-    from kvreplay.contract import ContractError
-    from kvreplay.problems import Problem
+    from kvreplay.decoding.contract import ContractError
+    from kvreplay.data.problems import Problem
 
     long = Problem("long-1", "test", 9, " ".join(["word"] * 450) + "?", ("x", "y"), "A")  # > 2048 byte tokens
     with pytest.raises(ContractError, match=r"problem long-1 \(test line 9\).*only 2048 \(max_position_embeddings\)"):

@@ -1,4 +1,4 @@
-"""The chain's parameters (kvreplay.profiles): one typed definition, the profiles that set them, bad input refused."""
+"""The chain's parameters (kvreplay.notebook.profiles): one typed definition, the profiles that set them, bad input refused."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pydantic
 import pytest
 import yaml
 from kvreplay.paths import PARAMS
-from kvreplay.profiles import (
+from kvreplay.notebook.profiles import (
     MIN_HELDOUT, PROFILE_KEYS, AdaptSelection, ChainParameters, base_of, describe, load_parameters,
     profile_path,
 )
@@ -215,7 +215,7 @@ def _constructions(name: str) -> list[str]:
     out = []
     for path in sorted((ROOT / "lib" / "kvreplay").rglob("*.py")):
         tree = ast.parse(path.read_text())
-        module = ".".join(path.relative_to(ROOT / "lib").with_suffix("").parts)
+        module = ".".join(path.relative_to(ROOT / "lib").with_suffix("").parts).removesuffix(".__init__")
         owner: dict[ast.AST, str] = {}
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -231,9 +231,10 @@ def test_the_execution_contract_and_the_engine_run_are_each_built_in_one_functio
     """The contract is resolved once: every ExecutionContract comes from execution.resolve_contract (arms through
     ArmSettings.contract), every arm's EngineRun from ArmSettings.engine_run; nothing else constructs either. (The
     engine's decoders default to ``EngineRun()`` for direct calls, and the benchmarks time shapes no arm has.)"""
-    assert _constructions("ExecutionContract") == ["kvreplay.execution.resolve_contract"]
+    assert _constructions("ExecutionContract") == ["kvreplay.model.execution.resolve_contract"]
     runs = [c for c in _constructions("EngineRun") if not c.startswith("kvreplay.engine.decoders.")]
-    benches = {"kvreplay.bench.engine_table", "kvreplay.bench_engine_suite.main", "kvreplay.bench_invariance._run_check"}
+    benches = {"kvreplay.bench.engine_table", "kvreplay.bench.engine_suite.main", "kvreplay.bench.invariance._run_check",
+               "kvreplay.bench.generate.engine_vs_generate", "kvreplay.bench.generate.profile_step"}
     assert sorted(set(runs) - benches) == ["kvreplay.runner.spec.engine_run"], runs  # benchmarks time shapes of their own
     assert {c.rsplit(".", 1)[1] for c in _constructions("EngineRun") if c.startswith("kvreplay.engine.")} == {
         "decode_suffixes", "decode_lives", "build_incrementals", "decode_chains", "decode_forced"}  # the defaults
@@ -241,7 +242,7 @@ def test_the_execution_contract_and_the_engine_run_are_each_built_in_one_functio
 
 
 def test_resolve_contract_checks_before_anything_is_loaded():
-    from kvreplay.execution import resolve_contract
+    from kvreplay.model.execution import resolve_contract
 
     assert resolve_contract().sdpa_backends == ("math",) and resolve_contract(threads=3).threads == 3
     with pytest.raises(ValueError, match="unknown SDPA backend"):
@@ -258,7 +259,7 @@ def test_settings_come_back_from_a_ledger_key():
     """ArmSettings.from_config (make verify, the drift explorer) gives back the settings whose key it is."""
     import dataclasses
 
-    from kvreplay.contract import Caps
+    from kvreplay.decoding.contract import Caps
     from kvreplay.runner import ArmSettings
 
     base = ArmSettings(profile="t", dtype="bfloat16", caps=Caps(4, 4, 4), threads=3, preflight=2)

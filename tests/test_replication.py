@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
-from kvreplay import adapt, decode
-from kvreplay.decoding import Decoding
+from kvreplay import adapt
+from kvreplay.decoding import decode
+from kvreplay.decoding.settings import Decoding
 from kvreplay.experiments import replication
 from kvreplay.experiments.fixed_prefix import load_fixed_prefixes
 from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
@@ -196,7 +197,7 @@ def test_resolve_checkpoint(tmp_path):
 
 
 def test_role_table_ledger_key_is_location_independent(tmp_path):
-    from kvreplay.models import ModelLoadError
+    from kvreplay.model.models import ModelLoadError
     from kvreplay.paths import ROOT
     from kvreplay.runner import role_table_key
 

@@ -128,6 +128,28 @@ def test_imports_only_go_down_the_architecture_layers():
     assert not upward, f"imports that go up a layer: {upward}"
 
 
+def folder_layers(layers: dict[str, int]) -> dict[str, set[int]]:
+    """Folder of ``lib/kvreplay`` -> the layers its modules sit on (docs/ARCHITECTURE.md's table)."""
+    out: dict[str, set[int]] = {}
+    for module, layer in layers.items():
+        parts = module.split(".")
+        if len(parts) > 2:  # kvreplay.<folder>.<module>
+            out.setdefault(parts[1], set()).add(layer)
+    return out
+
+
+def test_each_folder_of_the_library_is_one_layer():
+    """The folders show the layers: every module of a folder sits on the same row of the layer table, so a folder's
+    imports go down as its modules' do (a module placed in the wrong folder fails here, naming the folder)."""
+    folders = folder_layers(architecture_layers())
+    assert {"data", "analysis", "model", "decoding", "engine", "ledger", "runner", "experiments", "report", "notebook",
+            "bench", "paper"} <= set(folders)
+    spread = {f: sorted(v) for f, v in folders.items() if len(v) > 1}
+    assert not spread, f"folders whose modules sit on more than one layer: {spread}"
+    layers = architecture_layers() | {"kvreplay.model.planted": architecture_layers()["kvreplay.verify"]}
+    assert folder_layers(layers)["model"] == {layers["kvreplay.model.models"], layers["kvreplay.verify"]}
+
+
 def test_the_layer_check_can_fail(tmp_path):
     """An import planted inside a function of a core module, in a copy of the library, is found going up."""
     import shutil

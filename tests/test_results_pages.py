@@ -11,7 +11,7 @@ import pytest
 from kvreplay.paths import LEDGERS, ROOT
 from kvreplay.report import results_pages as rp
 from kvreplay.report.results import REFERENCE, load_reference, profile_results
-from kvreplay.stats import wilson
+from kvreplay.analysis.stats import wilson
 
 PROFILES = ("cpu", "gpu", "paper")
 _CACHE: dict = {}
@@ -100,7 +100,7 @@ def test_table_labels_and_formatted_text_are_never_read(monkeypatch):
     """The pages come from summary objects: the labelled results tables and their formatted cells can change (or
     break) without changing a page."""
     from kvreplay.experiments import bridge, controls, fixed_prefix, matrix, replication, transplant
-    from kvreplay.stats import Proportion
+    from kvreplay.analysis.stats import Proportion
 
     def broken(*a, **k):
         raise AssertionError("a labelled table or formatted cell was read")
@@ -150,7 +150,7 @@ def test_make_paper_writes_the_page_of_another_ledger_root_into_build(tmp_path, 
     """A committed profile's label on another ledger root never touches docs/ or the README: its page goes to
     build/<profile>/results.md, and an unchanged rerun is skipped."""
     from kvreplay import paper
-    from kvreplay.profiles import load_parameters
+    from kvreplay.notebook.profiles import load_parameters
 
     monkeypatch.setattr(paper, "BUILD", tmp_path / "build")
     readme = (ROOT / "README.md").read_text()

@@ -7,16 +7,17 @@ import pytest
 import torch
 import yaml
 from conftest import COMMITTED_PROFILES, TINY_CAPS, TINY_FORMAT, make_tokenizer, tiny_lm, tiny_problems
-from kvreplay import decode, models
-from kvreplay.contract import ContractError, resolve_format
-from kvreplay.decoding import Decoding
+from kvreplay.decoding import decode
+from kvreplay.model import models
+from kvreplay.decoding.contract import ContractError, resolve_format
+from kvreplay.decoding.settings import Decoding
 from kvreplay.experiments.fixed_prefix import fixed_prefix_row
 from kvreplay.experiments.live_vs_prefill import live_vs_prefill_row
 from kvreplay.ledger.store import Ledger
-from kvreplay.models import LoadedModel, ModelLoadError
+from kvreplay.model.models import LoadedModel, ModelLoadError
 from kvreplay.paths import LEDGERS, PARAMS
-from kvreplay.problems import Problem
-from kvreplay.profiles import load_parameters
+from kvreplay.data.problems import Problem
+from kvreplay.notebook.profiles import load_parameters
 from kvreplay.runner import RunSpec
 
 
@@ -152,7 +153,7 @@ def test_preflight_zero_is_refused_naming_the_key_and_why(tmp_path):
 @pytest.mark.parametrize("profile", ["cpu", "gpu", "paper"])
 def test_the_committed_exp1_ledgers_keep_their_keys(profile):
     """The live check's fraction is not part of the key: a profile that does not set it finds its ledgers."""
-    from kvreplay.session import open_session
+    from kvreplay.notebook.session import open_session
 
     s = open_session("notebooks/01_experiment1_live_vs_prefill.ipynb", profile)
     rows = s.rows(s.params.n_rows)

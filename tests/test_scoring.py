@@ -1,9 +1,9 @@
-"""Tests for kvreplay.scoring (paper §3.8 answer scoring)."""
+"""Tests for kvreplay.analysis.scoring (paper §3.8 answer scoring)."""
 
 from __future__ import annotations
 
 import pytest
-from kvreplay.scoring import Score, score_answer, score_multiple_choice, score_numeric
+from kvreplay.analysis.scoring import Score, score_answer, score_multiple_choice, score_numeric
 
 OPTIONS = ["London", "Paris", "Berlin", "Rome"]
 

@@ -1,4 +1,4 @@
-"""The notebooks' one setup call (kvreplay.session): `profile` and `overrides` in, settings and paths out; no model."""
+"""The notebooks' one setup call (kvreplay.notebook.session): `profile` and `overrides` in, settings and paths out; no model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import yaml
 from kvreplay import adapt
 from kvreplay.paths import PARAMS
 from kvreplay.runner import EXECUTION_DEFAULTS, ArmSettings, resolve_execution
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 NB = "notebooks/02_experiment2_fixed_prefix_precision.ipynb"
 
@@ -85,7 +85,7 @@ def test_execution_defaults_are_the_arm_settings_defaults():
     (["threads", 2], r"execution: Input should be a valid dictionary"),
 ])
 def test_a_bad_execution_contract_is_refused_before_anything_is_read(monkeypatch, execution, match):
-    import kvreplay.session as session_module
+    import kvreplay.notebook.session as session_module
 
     def no_bank(*a, **k):
         raise AssertionError("the problem bank was read before the execution contract was checked")
@@ -109,11 +109,11 @@ def test_bad_parameters_and_bad_paths_are_named():
 
 
 def test_every_notebook_takes_profile_and_overrides_and_opens_a_session():
-    """The parameters are defined once (kvreplay.profiles); a notebook's parameters cell only names the profile and
+    """The parameters are defined once (kvreplay.notebook.profiles); a notebook's parameters cell only names the profile and
     the overrides (the drift explorer adds its own explorer parameters), and its setup call takes both."""
     from kvreplay.paper import CHAIN, assigned_names, code_cells
     from kvreplay.paths import NOTEBOOKS
-    from kvreplay.profiles import FIELDS
+    from kvreplay.notebook.profiles import FIELDS
 
     for name in CHAIN:
         cells = code_cells(NOTEBOOKS / name)

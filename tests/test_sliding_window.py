@@ -12,10 +12,12 @@ import dataclasses
 import pytest
 import torch
 from conftest import GEMMA3_LAYER_TYPES, TINY_CAPS, TINY_FORMAT, TINY_WINDOW, key_paths, tiny_lm, tiny_problems
-from kvreplay import caches, decode, drift, engine, gates
-from kvreplay.contract import BRANCH1, BRANCH2, BRANCH3, MERGE, ContractError, resolve_format, visibility_matrix
+from kvreplay.decoding import caches, decode
+from kvreplay.analysis import drift
+from kvreplay import engine, gates
+from kvreplay.decoding.contract import BRANCH1, BRANCH2, BRANCH3, MERGE, ContractError, resolve_format, visibility_matrix
 from kvreplay.experiments.matrix import comparison
-from kvreplay.models import ModelLoadError, attention_layout, cache_refusal, kv_cache, self_check
+from kvreplay.model.models import ModelLoadError, attention_layout, cache_refusal, kv_cache, self_check
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -341,7 +343,7 @@ def _same(a: decode.Suffix, b: decode.Suffix) -> bool:
 @pytest.mark.parametrize("window", [TINY_WINDOW, 1, 130])
 def test_flex_window_mask_is_the_boolean_window_mask_and_reads_only_blocks_it_needs(window):
     from kvreplay.engine import attention as attn
-    from kvreplay.models import AttentionLayout, layer_masks
+    from kvreplay.model.models import AttentionLayout, layer_masks
 
     rows, max_len, group = 10, 384, 2
     g = torch.Generator().manual_seed(4)
@@ -472,7 +474,7 @@ def test_engine_bits_do_not_depend_on_slot_or_companions_in_bf16(windowed_arch, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tolerance_gate_passes_on_a_windowed_model(windowed_arch, attention, dtype):
     lm, fmt, _, lives = _engine_setup(windowed_arch, dtype)
-    eng = engine.StepEngine(lm, fmt, batch=2, max_len=ENGINE_LEN, attention=attention)
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=2, max_len=ENGINE_LEN, attention=attention))
     n = eng.admit(1, lives[3].cache, lives[3].roles)
     eng.set_row_pair(1, 100, n, MERGE, MERGE)
     rec = eng.check_attention("a windowed boundary")
@@ -486,7 +488,7 @@ def test_tolerance_gate_catches_a_flex_mask_that_forgets_the_window():
     from torch.nn.attention.flex_attention import BlockMask
 
     lm, fmt, _, lives = _engine_setup("gemma3")
-    eng = engine.StepEngine(lm, fmt, batch=2, max_len=ENGINE_LEN, attention="flex")
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=2, max_len=ENGINE_LEN, attention="flex"))
     n = eng.admit(0, lives[2].cache, lives[2].roles)
     eng.set_row_pair(0, 100, n, MERGE, MERGE)
     eng.check_attention("clean")
@@ -496,7 +498,6 @@ def test_tolerance_gate_catches_a_flex_mask_that_forgets_the_window():
                                        mask_mod=full.mask_mod, seq_lengths=(2, ENGINE_LEN), compute_q_blocks=False)
     planted.kvreplay_window = TINY_WINDOW
     fm.block_mask = planted
-    eng.attention_check = None
     with pytest.raises(gates.GateError, match="attention_tolerance") as err:
         eng.check_attention("planted")
     assert "layer 0's output" in err.value.reason and "3 of 4 layers" in err.value.reason  # the sliding ones
@@ -505,7 +506,7 @@ def test_tolerance_gate_catches_a_flex_mask_that_forgets_the_window():
 def test_tolerance_gate_catches_a_dense_mask_that_forgets_the_window(monkeypatch):
     """Planted: ``grouped`` gets the full-attention mask on every layer; the gate's reference applies the window."""
     lm, fmt, _, lives = _engine_setup("mistral")
-    eng = engine.StepEngine(lm, fmt, batch=1, max_len=ENGINE_LEN, attention="grouped")
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=1, max_len=ENGINE_LEN, attention="grouped"))
     n = eng.admit(0, lives[1].cache, lives[1].roles)
     eng.set_row_pair(0, 100, n, MERGE, MERGE)
     monkeypatch.setattr(engine.StepEngine, "_dense_mask", lambda self: self._allowed()[:, None, None, :])

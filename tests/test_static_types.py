@@ -40,8 +40,8 @@ def test_the_check_covers_the_row_code():
     """The configured files still hold the code that builds and reads rows, and nothing switches errors off."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
     for path in ("lib/kvreplay/ledger", "lib/kvreplay/experiments", "lib/kvreplay/report", "lib/kvreplay/runner",
-                 "lib/kvreplay/adapt/metric.py", "lib/kvreplay/session.py", "lib/kvreplay/explorer.py",
-                 "lib/kvreplay/rebuild.py", "lib/kvreplay/verify.py", "lib/kvreplay/probe.py", "notebooks/py"):
+                 "lib/kvreplay/adapt/metric.py", "lib/kvreplay/notebook/session.py", "lib/kvreplay/notebook/explorer.py",
+                 "lib/kvreplay/report/rebuild.py", "lib/kvreplay/verify.py", "lib/kvreplay/probe.py", "notebooks/py"):
         assert path in config["files"], path
     assert config.get("check_untyped_defs") is True
     overrides = config.get("overrides", [])

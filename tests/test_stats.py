@@ -1,4 +1,4 @@
-"""Tests for kvreplay.stats (paper §3.4 endpoints and statistics)."""
+"""Tests for kvreplay.analysis.stats (paper §3.4 endpoints and statistics)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import warnings
 
 import numpy as np
 import pytest
-from kvreplay.stats import (
+from kvreplay.analysis.stats import (
     McNemar,
     PairedDifference,
     Proportion,

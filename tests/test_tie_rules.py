@@ -1,4 +1,4 @@
-"""The greedy tie rule (kvreplay.ties) in every decoder, on planted exact ties, and the tie-rule control."""
+"""The greedy tie rule (kvreplay.decoding.ties) in every decoder, on planted exact ties, and the tie-rule control."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import types
 import pytest
 import torch
 
-from kvreplay import caches, decode, engine, ties
-from kvreplay.contract import ANSWER, MERGE, resolve_format
-from kvreplay.decoding import Decoding
+from kvreplay.decoding import caches, decode, ties
+from kvreplay import engine
+from kvreplay.decoding.contract import ANSWER, MERGE, resolve_format
+from kvreplay.decoding.settings import Decoding
 from kvreplay.experiments.arms import ARMS
 from kvreplay.experiments.live_vs_prefill import EXP1
 from kvreplay.experiments.tie_rules import (
@@ -24,9 +25,9 @@ from kvreplay.experiments.tie_rules import (
     tie_steps,
 )
 from kvreplay.ledger.records import validate_rows
-from kvreplay.profiles import load_parameters
+from kvreplay.notebook.profiles import load_parameters
 from kvreplay.runner import ArmSettings, arm_environment
-from kvreplay.stats import mcnemar_exact, wilson
+from kvreplay.analysis.stats import mcnemar_exact, wilson
 
 from conftest import TINY_CAPS, TINY_FORMAT, tiny_lm, tiny_problems
 
@@ -121,7 +122,7 @@ def test_each_rule_breaks_a_planted_tie_alike_in_the_eager_cursor_and_the_engine
         eligible = fmt.content_mask(MERGE, "cpu", vocab).expand(2, -1)
         stats = engine.choice_stats(logits.expand(2, -1), eligible, parsed, torch.full((2,), position), top=True)
         assert stats.tolist() == [[token] * 2, [margin] * 2, [1.0] * 2, [1.0] * 2, [7.0] * 2]
-        eng = engine.StepEngine(lm, fmt, 1, 64, decoding=Decoding.of(TINY_CAPS, rule, top_logits=True))
+        eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=1, max_len=64), decoding=Decoding.of(TINY_CAPS, rule, top_logits=True))
         assert eng.first_choice(logits.expand(2, -1), MERGE, position) == stats.tolist()
     if rule == "lowest":  # the default is torch.argmax itself
         assert token == int(logits.masked_fill(~eligible[0], float("-inf")).argmax())
@@ -150,7 +151,7 @@ def test_the_engine_step_breaks_every_planted_tie_as_the_eager_cursor_does(lm_fm
     with torch.inference_mode():
         lives = [dataclasses.replace(s, logits=plant(s.logits)) for s in lives]
     decoding = Decoding.of(TINY_CAPS, rule, top_logits=True)
-    eng = engine.StepEngine(lm, fmt, 3, 256, readout=readout, decoding=decoding)
+    eng = engine.StepEngine(lm, fmt, engine.EngineRun(batch=3, max_len=256), readout=readout, decoding=decoding)
     for slot, s in enumerate(lives):
         n = eng.admit(slot, s.cache, s.roles)
         eng.set_row_pair(slot, a, n, MERGE, MERGE)  # feed a content token at the next position
@@ -238,7 +239,7 @@ def test_a_tiny_control_arm_passes_every_gate_and_keys_its_rule(tmp_path, tiny_a
 
     checks = verify_ledger(ledger.dir, rows=3, pick="first", problems=problems, model=str(tmp_path / "tiny-llama"))
     assert [(c.mode, c.ok) for c in checks] == [("bytes", True)] * 3
-    from kvreplay.paper_chain import unfinished_arms
+    from kvreplay.paper.chain import unfinished_arms
 
     params = load_parameters("smoke", {"tie_rules": ["hash:0", "highest"], "precisions": ["bfloat16"]})
     assert [x for x in unfinished_arms(["01_experiment1_live_vs_prefill.ipynb"], params, ledger.dir.parent)
@@ -316,7 +317,7 @@ def test_the_margin_histogram_draws_one_bar_group_per_arm():
 
 
 def test_notebook_01_computes_the_control_only_when_the_profile_lists_rules():
-    from kvreplay.paper_chain import notebook_arms
+    from kvreplay.paper.chain import notebook_arms
 
     name = "01_experiment1_live_vs_prefill.ipynb"
     assert notebook_arms(name, load_parameters("smoke")) == ["exp1-bfloat16", "exp1-float32"]

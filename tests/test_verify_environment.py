@@ -208,7 +208,7 @@ def test_the_summary_counts_bits_that_differ_apart_from_failures():
 
 def test_gpu_ledgers_record_sm_count_and_cublas(monkeypatch):
     import torch
-    from kvreplay import models
+    from kvreplay.model import models
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
@@ -222,7 +222,7 @@ def test_a_recomputed_tiny_row_carries_its_time_and_a_bit_difference_on_another_
                                                                                           monkeypatch):
     from kvreplay.experiments.live_vs_prefill import EXP1
     from kvreplay.ledger.store import ROWS
-    from kvreplay.problems import Problem
+    from kvreplay.data.problems import Problem
 
     problems = [Problem(f"p-{i:02d}", "test", i + 1, "Q" + "xyz"[i % 3] * (2 * i) + "?", ("x", "y", "z", "w"), "A")
                 for i in range(2)]

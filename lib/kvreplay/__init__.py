@@ -1,16 +1,15 @@
 """kvreplay: reproduce and extend *Stage-Replay Divergence Follows the KV Cache*.
 
-Every notebook calls into this package. Each module is one concept and imports
-only the layers below it (docs/ARCHITECTURE.md, which a test keeps true). The
-core is ``paths``, ``contract``, ``execution``, ``models``, ``problems``, ``bank``, ``decode``,
-``caches``, ``engine``, ``gates``, ``drift``, ``scoring`` and ``stats``. Above it sit
-``ledger`` (append-only, resumable results and their lookup by provenance) and
-``runner`` (arm settings, the run loop, Ray row actors). Then come ``experiments`` (one
-module per experiment) with ``adapt`` (the checkpoint family), and ``report``
-(tables and figures from ledgers) with ``rebuild`` (one row's caches for
-inspection). On top are the notebooks' glue (``profiles``, ``session``, ``explorer``)
-and the command lines ``paper``, ``bench``, ``probe`` and ``verify``.
-
+Every notebook calls into this package. Each folder is one layer of concepts and imports
+only the layers below it (docs/ARCHITECTURE.md, which a test keeps true). At the root sit ``paths``,
+``arm_facts`` and ``gates``; then ``data`` (the problems and the bank) and ``analysis`` (statistics,
+scoring, drift); ``model`` (loading under the execution contract, the invariant kernels); ``decoding``
+(the block contract, the tie rule, the constructions and the suffix decoder, replicas); ``engine`` (the
+batched decoder). Above them sit ``ledger`` (append-only, resumable results and their lookup by provenance)
+and ``runner`` (arm settings, the run loop, Ray row actors). Then come ``experiments`` (one module per
+experiment) with ``adapt`` (the checkpoint family), and ``report`` (tables, figures, one row's caches
+rebuilt for inspection). On top are the notebooks' glue (``notebook``) and the command lines ``paper``,
+``bench``, ``probe`` and ``verify``.
 Importing the package sets the thread policy of every entry point (``python -m kvreplay.…``, a notebook kernel,
 the explorer) before torch loads: ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it. OpenMP reads it once,
 when torch loads its runtime; idle threads then sleep instead of spinning, which on a shared or busy machine keeps a

@@ -28,17 +28,17 @@ class Gate:
 GATES: Mapping[str, Gate] = {g.name: g for g in (
     Gate("nonfinite", "Every element of every boundary cache tensor and every step's logits is finite (no NaN, no "
          "infinity); checked before the duplicate and replica gates, since NaN never equals NaN.",
-         "decode, engine.scheduler, gates.check_finite", "§3.5"),
+         "decoding.decode, engine.scheduler, gates.check_finite", "§3.5"),
     Gate("desync", "The two physical duplicate rows of a problem hold bit-identical logits after every model call "
-         "and bit-identical boundary caches.", "decode, engine.scheduler, gates.check_duplicates", "§3.5"),
+         "and bit-identical boundary caches.", "decoding.decode, engine.scheduler, gates.check_duplicates", "§3.5"),
     Gate("replica", "A replica equals its source in tensor inventory, geometry (shape, stride, dtype, device, "
-         "inference status) and every bit.", "caches.verify_replica", "§3.5"),
+         "inference status) and every bit.", "decoding.caches.verify_replica", "§3.5"),
     Gate("storage", "Every compared cache or logit tensor uses storage no other arm's tensor uses.",
          "gates.check_disjoint", "§3.5"),
     Gate("functional_state", "All arms share token IDs, roles, the position IDs passed to the model, sliding "
          "windows and cache lengths; the engine's padding beyond a row's valid length is untouched.",
-         "gates.check_functional_state, engine.step, caches.verify_transplant, experiments.matrix, runner.equivalence", "§3.5"),
-    Gate("dtype", "Every boundary tensor has the run's dtype.", "gates.check_dtype, caches", "§3.5, Table 3"),
+         "gates.check_functional_state, engine.step, decoding.caches.verify_transplant, experiments.matrix, runner.equivalence", "§3.5"),
+    Gate("dtype", "Every boundary tensor has the run's dtype.", "gates.check_dtype, decoding.caches", "§3.5, Table 3"),
     Gate("equivalence", "Two constructions of one boundary, computed in float32, differ by no more than rounding "
          "(whole-cache relative L2 at most 1e-4).", "gates.check_equivalence, experiments.matrix, runner.equivalence, runner.row_checks, runner.loop", "§3.5"),
     Gate("suffix_replica", "A replica's greedy suffix equals its source's suffix token for token.",
@@ -48,7 +48,7 @@ GATES: Mapping[str, Gate] = {g.name: g for g in (
     Gate("argmax", "Before a transplant, the raw next-token argmax already agrees between the two constructions.",
          "experiments.transplant, .replication", "§3.8"),
     Gate("provenance", "A row is computed from the inputs its ledger key names: the prefix bank, role table, "
-         "format and transplanted layers, checked by digest.", "caches, ledger.prefix_bank, experiments.fixed_prefix, runner.arms, verify, rebuild",
+         "format and transplanted layers, checked by digest.", "decoding.caches, ledger.prefix_bank, experiments.fixed_prefix, runner.arms, verify, report.rebuild",
          "§3.8, §3.9"),
     Gate("preflight", "The first rows of an arm pass every gate; a failing preflight row aborts the arm before any "
          "other row runs.", "ledger.store.run_rows", "§3.5"),
@@ -243,7 +243,7 @@ def check_equivalence(name: str, rel_l2: float, tolerance: float = EQUIVALENCE_T
 
     Args:
         name: what was compared (e.g. ``"prefill vs live (float32)"``).
-        rel_l2: whole-cache relative L2 of the difference (:func:`kvreplay.drift.aggregate`), float32 states.
+        rel_l2: whole-cache relative L2 of the difference (:func:`kvreplay.analysis.drift.aggregate`), float32 states.
         tolerance: see :data:`EQUIVALENCE_TOLERANCE`.
 
     Raises:
@@ -288,7 +288,7 @@ def check_live_equals_incremental(live: Any, incremental: Any, where: str = "") 
     decoder that computes another function (e.g. a dropped 4-D mask) does not.
 
     Args:
-        live, incremental: boundary states (:class:`~kvreplay.decode.Boundary`) of one prefix z at the
+        live, incremental: boundary states (:class:`~kvreplay.decoding.decode.Boundary`) of one prefix z at the
             run's dtype: caches ``[2, kv_heads, |z|, head_dim]`` and logits ``[2, vocab]``.
         where: the row, for the message (e.g. its problem ID).
 
@@ -324,7 +324,7 @@ def check_functional_state(states: Mapping[str, Any]) -> None:
     (roles and untouched zero keys/values beyond it).
 
     Args:
-        states: arm name -> :class:`~kvreplay.decode.Boundary`.
+        states: arm name -> :class:`~kvreplay.decoding.decode.Boundary`.
 
     Raises:
         GateError: gate ``functional_state``, naming the arm and the field.

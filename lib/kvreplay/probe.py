@@ -20,11 +20,11 @@ import sys
 import time
 from typing import Any
 
-from .contract import Caps
-from .execution import device_or_exit
+from .decoding.contract import Caps
+from .model.execution import device_or_exit
 from .ledger.records import Exp1Record, GateFailure
 from .experiments.live_vs_prefill import live_vs_prefill_row
-from .problems import load_bank
+from .data.problems import load_bank
 from .runner import ArmSettings, RunSpec
 
 SETTINGS: dict[str, dict[str, Any]] = {

@@ -21,7 +21,7 @@ and every suffix) are identical -- and says what it skipped (mode
 ``portable``). The command says before the first model loads which ledgers'
 bits can be compared on this machine, and why not where they cannot; it prints
 each row's time and how many remain, and a summary also when interrupted. A row still running after a minute
-prints a line every minute with its phase and step (:mod:`kvreplay.heartbeat`).
+prints a line every minute with its phase and step (:mod:`kvreplay.runner.heartbeat`).
 
 Usage::
 
@@ -43,19 +43,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import kernels
+from .model import kernels
 from .experiments import arms
 from .gates import GateError
-from .heartbeat import Heartbeat
+from .runner.heartbeat import Heartbeat
 from .ledger.lookup import PREFIX_BANK
 from .ledger.prefix_bank import read_prefix_bank
 from .ledger.files import LedgerError, read_environment, read_log, read_manifest
 from .ledger.checked import checked_rows
 from .ledger.store import canonical_json
-from .execution import gpu_record
-from .models import context_length, environment_record
+from .model.execution import gpu_record
+from .model.models import context_length, environment_record
 from .paths import LEDGERS, ROOT
-from .problems import Problem, load_bank
+from .data.problems import Problem, load_bank
 from .runner import ROW_ALGORITHM, ArmPlan, ArmSettings, RunSpec, arm_environment, check_prompts
 from .runner.batched import first_difference, leaves
 from .runner.spec import model_key
@@ -66,7 +66,7 @@ ENVIRONMENT_KEYS = ("device_name", "cpu_capability", "cpu_isa_flags", "torch", "
 GPU_BIT_KEYS = ("gpu_capability", "gpu_sm_count", "cuda_runtime", "cublas", "torch", "engine.step_path", "engine.batch")
 """What must match for a GPU ledger's bits to be compared: compute capability, SM count, CUDA runtime, cuBLAS,
 torch, step path and batch shape (dotted: inside the record's ``engine``). Ledgers written before
-:func:`kvreplay.execution.gpu_record` existed lack ``gpu_sm_count`` and ``cublas``: those are named as not recorded."""
+:func:`kvreplay.model.execution.gpu_record` existed lack ``gpu_sm_count`` and ``cublas``: those are named as not recorded."""
 
 MODES = ("bytes", "bits", "portable", "stale")
 """How a row is checked: ``bytes`` (the ledger's environment: identical records owed), ``bits`` (another GPU with
@@ -138,7 +138,7 @@ def _path(record: dict) -> str:
 def compare_environments(recorded: dict, current: dict) -> Comparison:
     """Whether rows of a ledger written under ``recorded`` can be compared bit for bit under ``current``.
 
-    Both are execution-contract records (:func:`kvreplay.models.environment_record`, plus ``engine`` for a batched
+    Both are execution-contract records (:func:`kvreplay.model.models.environment_record`, plus ``engine`` for a batched
     arm). A CPU ledger: bytes where every :data:`ENVIRONMENT_KEYS` field matches, else portable. A GPU ledger
     recomputed on a GPU: where every recorded :data:`GPU_BIT_KEYS` field matches, bytes on the same device name
     and bits on another; else portable, naming the first field that differs. A GPU ledger recomputed on a CPU

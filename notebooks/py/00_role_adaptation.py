@@ -46,13 +46,13 @@ import torch
 from IPython.display import Markdown, display
 
 from kvreplay import adapt
-from kvreplay.contract import ROLE_NAMES, resolve_format
+from kvreplay.decoding.contract import ROLE_NAMES, resolve_format
 from kvreplay.ledger.files import read_environment, read_json
-from kvreplay.models import load_tokenizer
-from kvreplay.problems import load_bank
+from kvreplay.model.models import load_tokenizer
+from kvreplay.data.problems import load_bank
 from kvreplay.report import figures
 from kvreplay.report.files import contract_frame
-from kvreplay.session import check_profile_model, open_session
+from kvreplay.notebook.session import check_profile_model, open_session
 
 # %%
 session = open_session("notebooks/00_role_adaptation.ipynb", profile, overrides)

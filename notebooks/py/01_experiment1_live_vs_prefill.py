@@ -45,7 +45,7 @@ from kvreplay.experiments.tie_rules import BINS, EXP1_TIES, margin_units, tie_ru
 from kvreplay.ledger.files import read_environment
 from kvreplay.report import figures
 from kvreplay.report.files import drift_by_layer
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 session = open_session("notebooks/01_experiment1_live_vs_prefill.ipynb", profile, overrides)
 p = session.params

@@ -37,7 +37,7 @@ from kvreplay.experiments.fixed_prefix import EXP2, crossing_table, precision_cr
 from kvreplay.experiments.matrix import matrix_summary, matrix_table
 from kvreplay.report import figures
 from kvreplay.report.files import drift_by_layer
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 session = open_session("notebooks/02_experiment2_fixed_prefix_precision.ipynb", profile, overrides)
 p = session.params

@@ -33,7 +33,7 @@ import json
 from IPython.display import Markdown, display
 
 from kvreplay.experiments.bridge import EXP3, audit_table, bridge_summary, bridge_table, replay_setting, saved_ledger_audit
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 session = open_session("notebooks/03_experiment3_bridge_and_audit.ipynb", profile, overrides)
 p = session.params

@@ -37,7 +37,7 @@ from IPython.display import Markdown, display
 from kvreplay.experiments.endpoints import rate_text
 from kvreplay.experiments.transplant import EXP4, localization_table, transplant_summary, transplant_table
 from kvreplay.report import figures
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 session = open_session("notebooks/04_experiment4_cache_transplant.ipynb", profile, overrides)
 p = session.params

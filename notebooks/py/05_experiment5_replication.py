@@ -46,7 +46,7 @@ from kvreplay.experiments.transplant import DIRECTIONS, split_precondition
 from kvreplay.ledger.files import read_environment, read_json
 from kvreplay.ledger.records import outcome_of
 from kvreplay.report import figures
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 session = open_session("notebooks/05_experiment5_replication.ipynb", profile, overrides)
 p = session.params

@@ -19,7 +19,7 @@
 # contract), §4.1–4.5 (results; Table 5 is the transplant table); the referee's minor comments 3–4.*
 # The claim this notebook carries is about the release, not the model: **every reported number is
 # recomputed from the released ledger rows alone.** No model is loaded. Table 2 is generated from the
-# library's contract (`kvreplay.contract.VISIBILITY`), so it cannot disagree with the masks the code
+# library's contract (`kvreplay.decoding.contract.VISIBILITY`), so it cannot disagree with the masks the code
 # applies; Table 3 is read from each ledger's `manifest.json` and `environment.json`; the results are
 # recomputed from the ledgers' rows (`rows.jsonl`, or `rows.jsonl.gz` when sealed) with the same summary
 # functions the experiment notebooks call, and must equal the tables those notebooks wrote. The paper's own
@@ -40,7 +40,7 @@ from kvreplay.ledger.lookup import LEDGER_SPECS, load_profile_ledgers
 from kvreplay.report.paper_tables import (NOT_RUN, artifact_map, contract_table, load_reference, related_work_table,
                                           run_value, setup_table, visibility_frame, vs_paper_table)
 from kvreplay.report.summary import results_tables, same_as_saved, summarize, TABLE_CAPTIONS, TABLES_BY_EXPERIMENTS
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 # %%
 session = open_session("notebooks/06_tables.ipynb", profile, overrides)
@@ -85,7 +85,7 @@ table1
 
 # %%
 table2 = save(visibility_frame(), "table2_role_visibility",
-              "Table 2: role visibility (from kvreplay.contract.VISIBILITY)")
+              "Table 2: role visibility (from kvreplay.decoding.contract.VISIBILITY)")
 table2
 
 # %% [markdown]

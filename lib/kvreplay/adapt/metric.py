@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from ..contract import (
+from ..decoding.contract import (
     BlockFormat,
     load_spec,
     resolve_format,
 )
 from ..ledger.records import AdaptEvalRow, validate_row
 from ..ledger.store import Ledger, run_rows
-from ..models import LoadedModel, environment_record, load_model, load_role_table
-from ..problems import Problem
+from ..model.models import LoadedModel, environment_record, load_model, load_role_table
+from ..data.problems import Problem
 from ..runner import ROW_ALGORITHM, model_key, problems_digest
-from ..stats import mcnemar_exact, paired_bootstrap, wilson
+from ..analysis.stats import mcnemar_exact, paired_bootstrap, wilson
 from .training import CONSTRUCTION, LETTER_METRIC, letter_choice, training_contract
 
 if TYPE_CHECKING:

@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..bank import DEFAULT_SALT, select_bank
+from ..data.bank import DEFAULT_SALT, select_bank
 from ..ledger.records import AdaptEvalRow
 from ..ledger.store import Ledger
-from ..models import LoadedModel
-from ..problems import Problem
-from ..stats import Proportion, wilson
+from ..model.models import LoadedModel
+from ..data.problems import Problem
+from ..analysis.stats import Proportion, wilson
 from .checkpoints import checkpoint, ensure_checkpoints
 from .metric import run_letter_eval
 from .training import AdaptConfig, _norm

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import decode
-from ..contract import (
+from ..decoding import decode
+from ..decoding.contract import (
     ANSWER,
     BRANCH1,
     BRANCH2,
@@ -21,11 +21,11 @@ from ..contract import (
     ContractError,
     load_spec,
 )
-from ..execution import ExecutionContract, resolve_contract, sdpa_backend_list
+from ..model.execution import ExecutionContract, resolve_contract, sdpa_backend_list
 from ..ledger.records import LetterChoice
-from ..models import LoadedModel, weights_sha256
-from ..bank import SOURCES, locate_source, read_source_file, select_bank
-from ..problems import Problem
+from ..model.models import LoadedModel, weights_sha256
+from ..data.bank import SOURCES, locate_source, read_source_file, select_bank
+from ..data.problems import Problem
 
 SCHEMA_VERSION = 1
 CONSTRUCTION = "staged-obqa-v1"
@@ -65,7 +65,7 @@ class AdaptConfig:
             ``smoke`` profile uses ``smoke`` so its folders can be ignored by git).
         model: base model (``"embedded"``, a local folder, ``.gguf`` or cached hub id).
         fmt: block format name or YAML path (or a spec dict, for tests).
-        source: ``kvreplay.bank.SOURCES`` key of the training data.
+        source: ``kvreplay.data.bank.SOURCES`` key of the training data.
         n_train, n_heldout: training and held-out rows (held-out first in hash order).
         steps: optimizer steps; ``batch`` sequences per step (gradients averaged).
         lr: Adam learning rate; ``grad_clip``: max gradient norm.
@@ -132,7 +132,7 @@ class AdaptConfig:
 def training_contract(threads: int, sdpa_backends: Sequence[str], *, deterministic: bool | None = None) -> ExecutionContract:
     """The CPU execution contract role-table training and the letter metric run under, whatever a profile's device:
     ``threads`` intra-op threads, ``sdpa_backends``, TF32 off; ``deterministic`` as in
-    :class:`~kvreplay.execution.ExecutionContract` (training asks for ``True``)."""
+    :class:`~kvreplay.model.execution.ExecutionContract` (training asks for ``True``)."""
     return resolve_contract(device="cpu", sdpa_backends=tuple(sdpa_backends), threads=threads, deterministic=deterministic)
 
 
@@ -159,7 +159,7 @@ def assert_disjoint(source: Sequence[Problem], bank: Sequence[Problem]) -> None:
 def split_problems(problems: Sequence[Problem], n_train: int, n_heldout: int) -> tuple[list[Problem], list[Problem]]:
     """Outcome-blind split: order by ``sha256(SPLIT_SALT + problem_id)``; the first ``n_heldout`` are held out, the next ``n_train`` train.
 
-    Only problem IDs are read (via :func:`kvreplay.bank.select_bank`).
+    Only problem IDs are read (via :func:`kvreplay.data.bank.select_bank`).
     """
     picked = select_bank(problems, n_train + n_heldout, salt=SPLIT_SALT)
     return picked[n_heldout:], picked[:n_heldout]

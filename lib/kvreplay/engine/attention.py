@@ -84,7 +84,7 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         attention_mask: boolean ``[rows, 1, q, keys]`` (``True``: attend). A query row whose keys are all
             masked gets NaN (the math backend gives 0); in the engine every row sees at least its own key, and
             the ``nonfinite`` gate would stop a NaN. A sliding-window layer's mask already hides the keys
-            outside its window (:func:`kvreplay.models.layer_masks`).
+            outside its window (:func:`kvreplay.model.models.layer_masks`).
         dropout: must be 0 (inference only).
         scaling: the score scale (default ``head_dim ** -0.5``).
         sliding_window: the layer's window (positions) or ``None``, as Gemma 2/3, Mistral and Qwen2 layers pass it.
@@ -228,7 +228,7 @@ class FlexMask:
         position: ``[rows]`` int64, each row's position this step (the engine's input buffer).
         query_role: ``[rows]`` int64 raw role of each row's token this step.
         roles: ``[rows, max_len]`` int64 raw roles of every position of every row.
-        visibility: ``[6, 6]`` bool (:func:`kvreplay.contract.visibility_matrix`).
+        visibility: ``[6, 6]`` bool (:func:`kvreplay.decoding.contract.visibility_matrix`).
         group: query heads per key/value head (the stacked query length).
         window: the sliding window in positions, or ``None`` (full attention).
 

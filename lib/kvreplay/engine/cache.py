@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..models import LoadedModel, kv_cache
+from ..model.models import LoadedModel, kv_cache
 
 
 @contextlib.contextmanager
@@ -159,7 +159,7 @@ class RowCache(Cache):
     def to_dynamic(self, first: int, n: int, config) -> DynamicCache:
         """A ``DynamicCache`` of copies of rows ``first, first + 1``, positions ``0..n-1``.
 
-        Every layer keeps all ``n`` positions, a sliding-window layer's too (:func:`kvreplay.models.kv_cache`),
+        Every layer keeps all ``n`` positions, a sliding-window layer's too (:func:`kvreplay.model.models.kv_cache`),
         as the eager decoders' caches do.
 
         Returns:

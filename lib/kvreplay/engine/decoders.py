@@ -1,12 +1,12 @@
 """The batched decoders: live decoding, incremental rebuilds and suffixes of many problems through one engine.
 
 :func:`decode_lives`, :func:`build_incrementals` and :func:`decode_suffixes` are the batched counterparts of
-:mod:`kvreplay.decode`'s one-problem constructions. :func:`decode_chains` runs a problem's boundary construction
+:mod:`kvreplay.decoding.decode`'s one-problem constructions. :func:`decode_chains` runs a problem's boundary construction
 and then its suffixes in the same engine: boundary jobs and suffix jobs share the slots, and a freed slot takes
 the next job at once. :func:`decode_forced` decodes a fixed number of tokens per boundary for the benchmark.
 Each admits jobs into free slots of a :class:`~kvreplay.engine.step.StepEngine` and advances them one token per
 step with the block state machine. The decoders that choose tokens take the run's
-:class:`~kvreplay.decoding.Decoding` whole (caps, the parsed tie rule, top-logit recording), as the eager ones do.
+:class:`~kvreplay.decoding.settings.Decoding` whole (caps, the parsed tie rule, top-logit recording), as the eager ones do.
 A problem's bits do not depend on its slot or its companions, so the order in which jobs enter the slots changes no
 bit.
 """
@@ -18,13 +18,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import decode
-from ..contract import BlockFormat, Caps
-from ..decode import Boundary
-from ..decoding import Decoding
+from ..decoding import decode
+from ..decoding.contract import BlockFormat, Caps
+from ..decoding.decode import Boundary
+from ..decoding.settings import Decoding
 from ..gates import GateError
-from ..models import LoadedModel
-from .run import EngineRun, EngineStats
+from ..model.models import LoadedModel
+from .run import EngineRun, EngineStats, Measured
 from .scheduler import (
     _forced_work,
     _in_order,
@@ -50,23 +50,23 @@ def decode_suffixes(
     *,
     on_gate_error: str = "raise",
     readout: decode.FP32Readout | None = None,
-) -> list:
-    """The shared suffix decoder for many boundary states at once (batched :func:`kvreplay.decode.decode_suffix`).
+) -> Measured:
+    """The shared suffix decoder for many boundary states at once (batched :func:`kvreplay.decoding.decode.decode_suffix`).
 
     Every boundary continues through merge and answer with the block state
     machine, caps, forced delimiters and structural mask of
-    :func:`~kvreplay.decode.decode_suffix`, one token per step, ``batch``
+    :func:`~kvreplay.decoding.decode.decode_suffix`, one token per step, ``batch``
     problems per step. A boundary's cache is copied into the engine (it is
-    not consumed, unlike :func:`~kvreplay.decode.decode_suffix`).
+    not consumed, unlike :func:`~kvreplay.decoding.decode.decode_suffix`).
 
     Args:
         lm: the loaded model.
         fmt: the block format.
-        boundaries: states from :func:`~kvreplay.decode.build_incremental`,
-            :func:`~kvreplay.decode.build_prefill`, :func:`~kvreplay.decode.decode_live`
+        boundaries: states from :func:`~kvreplay.decoding.decode.build_incremental`,
+            :func:`~kvreplay.decoding.decode.build_prefill`, :func:`~kvreplay.decoding.decode.decode_live`
             or :func:`decode_lives`: caches ``[2, kv_heads, |z|, head_dim]`` in
             the model dtype, roles ``[2, |z|]``, logits ``[2, vocab]``.
-        decoding: the run's :class:`~kvreplay.decoding.Decoding` (merge and answer caps, tie rule, top logits), or
+        decoding: the run's :class:`~kvreplay.decoding.settings.Decoding` (merge and answer caps, tie rule, top logits), or
             content caps alone (the ``lowest`` rule).
         run: the engine's settings (:class:`~kvreplay.engine.EngineRun`: step path, batch shape, attention,
             checks, slot order). ``run.max_len`` defaults to the longest ``|z|`` plus :func:`suffix_length_bound`
@@ -79,8 +79,9 @@ def decode_suffixes(
             boundaries' logits should come from constructions built with it.
 
     Returns:
-        One :class:`~kvreplay.decode.Suffix` per boundary, in order (or a
-        ``GateError`` with ``on_gate_error="return"``).
+        One :class:`~kvreplay.decoding.decode.Suffix` per boundary, in order (or a
+        ``GateError`` with ``on_gate_error="return"``), as a
+        :class:`~kvreplay.engine.run.Measured` list whose ``stats`` is what the call's engine measured.
 
     Raises:
         GateError: ``desync`` (a problem's duplicate rows' logits differ),
@@ -91,14 +92,14 @@ def decode_suffixes(
         ValueError: a bad ``run`` (batch, step path, ``max_len``, attention) or cache geometry.
     """
     if not boundaries:
-        return []
+        return Measured()
     d = Decoding.given(decoding)
     need = max(len(b.ids) for b in boundaries) + suffix_length_bound(fmt, d.caps)
     engine = new_engine(lm, fmt, run, need, d, readout)
     scheduler = _Scheduler(engine, on_gate_error, run.tolerance_check, run.fill_from)
     for i, b in enumerate(boundaries):
         scheduler.submit(_suffix_work(engine, fmt, d.caps, i, b))
-    return _in_order(scheduler, len(boundaries))
+    return Measured(_in_order(scheduler, len(boundaries)), engine.stats)
 
 
 @torch.inference_mode()
@@ -110,13 +111,13 @@ def decode_lives(
     run: EngineRun = EngineRun(),
     *,
     on_gate_error: str = "raise",
-) -> list:
-    """Live multi-branch decoding of many prompts at once (batched :func:`kvreplay.decode.decode_live`).
+) -> Measured:
+    """Live multi-branch decoding of many prompts at once (batched :func:`kvreplay.decoding.decode.decode_live`).
 
     Each prompt block is processed in one forward call of its duplicate pair
-    (:func:`kvreplay.decode.forward`, ``DynamicCache``) and copied into the
+    (:func:`kvreplay.decoding.decode.forward`, ``DynamicCache``) and copied into the
     problem's rows; branches 1-3 and the merge opener then advance one token
-    per batched step, as :func:`~kvreplay.decode.decode_live` schedules them.
+    per batched step, as :func:`~kvreplay.decoding.decode.decode_live` schedules them.
 
     Args:
         prompts: token IDs of each prompt block (role 0).
@@ -126,25 +127,26 @@ def decode_lives(
             nothing).
 
     Returns:
-        One live :class:`~kvreplay.decode.Boundary` per prompt: ``ids`` z,
+        One live :class:`~kvreplay.decoding.decode.Boundary` per prompt: ``ids`` z,
         ``roles`` ``[2, |z|]``, a ``DynamicCache`` of copies ``[2, kv_heads,
         |z|, head_dim]``, the boundary ``logits`` ``[2, vocab]``, ``schedule``
         ``[prompt_len, 1, 1, ...]`` and ``positions`` ``[2, |z|]`` (0..|z|-1).
-        A ``GateError`` in a prompt's place with ``on_gate_error="return"``.
+        A ``GateError`` in a prompt's place with ``on_gate_error="return"``. With the engine's ``stats``, as in
+        :func:`decode_suffixes`.
 
     Raises:
         GateError: as in :func:`decode_suffixes`.
         ValueError: as in :func:`decode_suffixes`.
     """
     if not prompts:
-        return []
+        return Measured()
     d = Decoding.given(decoding)
     need = live_length_bound(fmt, d.caps, max(len(p) for p in prompts)) + 1
     engine = new_engine(lm, fmt, run, need, d)
     scheduler = _Scheduler(engine, on_gate_error, fill_from=run.fill_from)
     for i, p in enumerate(prompts):
         scheduler.submit(_live_work(engine, lm, fmt, d.caps, i, p))
-    return _in_order(scheduler, len(prompts))
+    return Measured(_in_order(scheduler, len(prompts)), engine.stats)
 
 
 @torch.inference_mode()
@@ -156,7 +158,7 @@ def build_incrementals(
     *,
     on_gate_error: str = "raise",
     readout: decode.FP32Readout | None = None,
-) -> list:
+) -> Measured:
     """Teacher-forced replay of the live call schedule through the engine (batched incremental construction).
 
     Each prefix z is rebuilt exactly as :func:`decode_lives` built it. The
@@ -175,23 +177,24 @@ def build_incrementals(
             step give FP32-readout logits and write the same keys/values as without it.
 
     Returns:
-        One ``"incremental"`` :class:`~kvreplay.decode.Boundary` per prefix,
+        One ``"incremental"`` :class:`~kvreplay.decoding.decode.Boundary` per prefix,
         laid out as :func:`decode_lives` lays out its boundaries (a
-        ``GateError`` in its place with ``on_gate_error="return"``).
+        ``GateError`` in its place with ``on_gate_error="return"``), with the engine's ``stats`` as in
+        :func:`decode_suffixes`.
 
     Raises:
         ContractError: a prefix that does not end at the boundary.
         GateError, ValueError: as in :func:`decode_suffixes`.
     """
     if not prefixes:
-        return []
+        return Measured()
     parsed = [fmt.boundary_parse(z, where=f"prefix {i}") for i, z in enumerate(prefixes)]
     need = max(len(z) for z in prefixes) + 1
     engine = new_engine(lm, fmt, run, need, readout=readout)  # teacher forced: no token is chosen, no tie rule
     scheduler = _Scheduler(engine, on_gate_error, fill_from=run.fill_from)
     for i, (z, p) in enumerate(zip(prefixes, parsed)):
         scheduler.submit(_incremental_work(engine, lm, fmt, i, z, p, readout))
-    return _in_order(scheduler, len(prefixes))
+    return Measured(_in_order(scheduler, len(prefixes)), engine.stats)
 
 
 @torch.inference_mode()
@@ -240,7 +243,7 @@ def decode_chains(
 
     Returns:
         What this call's engine measured (:class:`~kvreplay.engine.run.EngineStats`: steps, slot-steps, busy
-        slot-steps, verified steps, attention checks); ``run.stats``, when set, also sums them.
+        slot-steps, verified steps, attention checks, key positions, graph capture time).
 
     Raises:
         ContractError: a prefix that does not end at the boundary, or a suffix that did not close its answer block.
@@ -285,8 +288,7 @@ def decode_chains(
             suffixes[i] = [None] * len(states)
             for k, b in enumerate(states):
                 scheduler.submit(_suffix_work(engine, fmt, d.caps, i, b, ("suffix", i, k)), urgent=True)
-    return EngineStats(engine.steps, engine.steps * engine.batch, engine.busy_slot_steps, engine.verified,
-                       [engine.attention_check] if engine.attention_check is not None else [])
+    return engine.stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,9 +343,9 @@ def decode_forced(
     if engine is None:
         need = max(len(b.ids) for b in boundaries) + new_tokens
         engine = new_engine(lm, fmt, run, need)
-    steps, busy = engine.steps, engine.busy_slot_steps
+    steps, busy = engine.stats.steps, engine.stats.busy_slot_steps
     scheduler = _Scheduler(engine, "raise")
     for i, b in enumerate(boundaries):
         scheduler.submit(_forced_work(engine, i, b, new_tokens))
     results = _in_order(scheduler, len(boundaries))
-    return ForcedDecode(results, engine.steps - steps, engine.busy_slot_steps - busy, engine.batch)
+    return ForcedDecode(results, engine.stats.steps - steps, engine.stats.busy_slot_steps - busy, engine.batch)

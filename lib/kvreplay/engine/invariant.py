@@ -1,10 +1,10 @@
 """The batched engine under the invariant-kernel contract (``kernels: invariant``): what it refuses, and its step.
 
 Under ``kernels`` other than ``default`` the engine's eager step runs the model inside
-:func:`kvreplay.kernels.installed`, the kernels the eager decoders run (:func:`kvreplay.decode.forward`). Under ``invariant-fused`` those are the fused Triton kernels (:mod:`kvreplay.kernels_fused`), same code for
+:func:`kvreplay.model.kernels.installed`, the kernels the eager decoders run (:func:`kvreplay.decoding.decode.forward`). Under ``invariant-fused`` those are the fused Triton kernels (:mod:`kvreplay.model.kernels_fused`), same code for
 one query or many; what follows describes the reference, whose guarantees they share. The linear
 layers, the MLP, RMSNorm, the rotary embedding and the LM head run one token row at a time. Attention runs one query
-at a time over keys in blocks of :data:`kvreplay.kernels.ATTENTION_BLOCK` positions anchored at key 0. The static
+at a time over keys in blocks of :data:`kvreplay.model.kernels.ATTENTION_BLOCK` positions anchored at key 0. The static
 cache (:class:`~kvreplay.engine.cache.RowCache`) holds ``max_len`` positions per row; a row's keys beyond its
 position are zero padding that its mask hides, and the invariant attention reads them as exact zeros. So it reads
 the blocks up to the one holding the row's last visible key, as over the eager decoders' cache of the row's own
@@ -13,13 +13,13 @@ subtraction per row, exact as they are. So under ``invariant`` a row's logits, c
 those the eager decoders give it alone. Its companions, their lengths, its slot, ``B`` and ``max_len`` change no bit.
 
 :func:`check_engine` refuses, before any row, what the engine does not run under the contract
-(:class:`~kvreplay.contract.ContractError`). The ``graph`` step path: the reference kernels read each row's last
+(:class:`~kvreplay.decoding.contract.ContractError`). The ``graph`` step path: the reference kernels read each row's last
 visible key on the host, which a captured graph cannot do. An attention other than ``sdpa``: ``flex`` and
 ``grouped`` are other reduction orders, and the invariant attention replaces the step's attention. The FP32
 readout: copies of the norm and head outside the covered modules, which the eager decoders refuse too. The
 ablation values (``invariant-except-<class>``) run; the class left default computes as the model's own kernels do
 over the engine's shapes. So such a row may depend on its batch: a diagnostic, and the runner allows only
-``invariant`` on the engine (:func:`kvreplay.kernels.check_step_path`).
+``invariant`` on the engine (:func:`kvreplay.model.kernels.check_step_path`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from .. import decode, kernels
-from ..contract import ContractError
-from ..models import LoadedModel
+from ..decoding import decode
+from ..model import kernels
+from ..decoding.contract import ContractError
+from ..model.models import LoadedModel
 
 
 def check_engine(lm: LoadedModel, step_path: str, attention: str, readout: object | None) -> None:
@@ -39,8 +40,8 @@ def check_engine(lm: LoadedModel, step_path: str, attention: str, readout: objec
         ContractError: under a ``kernels`` value other than ``default``, naming the setting: ``step_path`` other than
             ``eager``, ``attention`` other than ``sdpa``, or an FP32 ``readout``. Under ``invariant-fused`` the
             ``graph`` path runs: its kernels read nothing on the host while a graph is captured.
-        kvreplay.kernels.KernelContractError: a model the contract does not cover
-            (:func:`kvreplay.kernels.check_model`).
+        kvreplay.model.kernels.KernelContractError: a model the contract does not cover
+            (:func:`kvreplay.model.kernels.check_model`).
     """
     value = decode.kernels_of(lm)
     spec = kernels.parse_kernels(value)
@@ -63,11 +64,11 @@ def check_engine(lm: LoadedModel, step_path: str, attention: str, readout: objec
 
 @contextlib.contextmanager
 def step_kernels(lm: LoadedModel) -> Iterator[None]:
-    """Within the block ``lm``'s model runs under its ``kernels`` value (:func:`kvreplay.kernels.installed`;
+    """Within the block ``lm``'s model runs under its ``kernels`` value (:func:`kvreplay.model.kernels.installed`;
     nothing changes under ``default``).
 
     Raises:
-        kvreplay.kernels.UncoveredOperationError: (inside the block) an operation the contract does not cover ran.
+        kvreplay.model.kernels.UncoveredOperationError: (inside the block) an operation the contract does not cover ran.
     """
     with kernels.installed(lm.model, decode.kernels_of(lm)):
         yield

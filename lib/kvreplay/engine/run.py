@@ -1,12 +1,15 @@
 """The batched engine's settings as one object (:class:`EngineRun`), passed through every batched decoder, and what
-its engines measured (:class:`EngineStats`). What the decoders choose by (caps, tie rule, top logits) is not here:
-they take it as one :class:`~kvreplay.decoding.Decoding`, as the eager decoders do."""
+its engines measured (:class:`EngineStats`), returned with their results (:class:`Measured`). What the decoders choose
+by (caps, tie rule, top logits) is not here: they take it as one :class:`~kvreplay.decoding.settings.Decoding`, as the eager
+decoders do."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from typing import TypeVar
 
-from ..decoding import Decoding
+from ..decoding.settings import Decoding
 
 FLEX_BLOCK = 128
 """Positions per block of the ``flex`` attention's block mask (:mod:`kvreplay.engine.attention` reads the cache in
@@ -21,7 +24,10 @@ def engine_max_len(need: int, attention: str) -> int:
 
 @dataclasses.dataclass
 class EngineStats:
-    """What the engines of one run measured, summed over them (a :class:`EngineRun`'s :attr:`EngineRun.stats`).
+    """What an engine measured; ``a + b`` sums two (a chunk's engines, the calls of a run).
+
+    An engine keeps its own (:attr:`kvreplay.engine.StepEngine.stats`); a batched decoder returns its engine's with
+    its results (:class:`Measured`), and a chunk function returns the sum of its decoders'.
 
     Attributes:
         steps: batched steps run.
@@ -48,6 +54,12 @@ class EngineStats:
         """``busy_slot_steps / slot_steps`` (the share of the batch's slots that held a problem), ``None`` without
         steps."""
         return self.busy_slot_steps / self.slot_steps if self.slot_steps else None
+
+    def __add__(self, other: "EngineStats") -> "EngineStats":
+        """The two summed field by field (attention checks: ``self``'s, then ``other``'s)."""
+        if not isinstance(other, EngineStats):
+            return NotImplemented
+        return EngineStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
 
     def chunk_event(self, problems: int, seconds: float) -> dict:
         """A chunk's run-log entry: ``{"problems", "seconds", "steps", "slot_steps", "busy_slot_steps",
@@ -81,9 +93,6 @@ class EngineRun:
         fill_from: ``"first"`` or ``"last"``: which free slot a waiting job takes first. The ``composition``
             gate's run alone fills from the last, so its problem sits in another slot than in its chunk. Not in
             the ledger key: no bit depends on the slot.
-        stats: where every engine built from this run adds what it measured (:meth:`measured` gives a run with a
-            fresh one); ``None``: each engine keeps its own only. Not a setting: left out of comparisons,
-            :meth:`settings` and the run log.
     """
     step_path: str = "eager"
     batch: int = 8
@@ -93,18 +102,11 @@ class EngineRun:
     attention: str = "sdpa"
     tolerance_check: bool = False
     fill_from: str = "first"
-    stats: EngineStats | None = dataclasses.field(default=None, compare=False, repr=False)
-
-    def measured(self) -> "EngineRun":
-        """This run with a fresh :class:`EngineStats` that its engines fill (read it from :attr:`stats` after the
-        decoders return)."""
-        return dataclasses.replace(self, stats=EngineStats())
 
     def settings(self, decoding: Decoding) -> dict:
-        """The run log's ``engine`` entry: every field but :attr:`stats`, then the tie rule's name and ``top_logits``
-        of the ``decoding`` the decoders were given."""
-        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "stats"}
-        return own | {"tie_rule": decoding.tie_rule.name, "top_logits": decoding.top_logits}
+        """The run log's ``engine`` entry: every field, then the tie rule's name and ``top_logits`` of the
+        ``decoding`` the decoders were given."""
+        return dataclasses.asdict(self) | {"tie_rule": decoding.tie_rule.name, "top_logits": decoding.top_logits}
 
     def max_len_for(self, need: int) -> int:
         """:attr:`max_len`, else what sequences of ``need`` positions take (:func:`engine_max_len`).
@@ -120,3 +122,21 @@ class EngineRun:
     def problems_per_chunk(self) -> int:
         """Problems handed to the engine at once by :class:`BatchedRows` (``chunk``, else ``batch``)."""
         return self.chunk or self.batch
+
+
+T = TypeVar("T")
+
+
+class Measured(list[T]):
+    """A batched call's results, in the order given, with what the engines that computed them measured.
+
+    A list (indexing, iteration and comparison as a list's; a slice or ``list(...)`` drops :attr:`stats`).
+    The batched decoders return one (:func:`kvreplay.engine.decode_suffixes` and the others), and so does a
+    chunk function (:class:`kvreplay.runner.BatchedRows` logs its :attr:`stats` per chunk).
+
+    Attributes:
+        stats: the :class:`EngineStats` of the call's engines, summed.
+    """
+    def __init__(self, results: Iterable[T] = (), stats: EngineStats | None = None):
+        super().__init__(results)
+        self.stats = stats if stats is not None else EngineStats()

@@ -2,7 +2,7 @@
 
 A job (a live decode, an incremental rebuild, a suffix, a forced decode) waits for a free slot of a
 :class:`~kvreplay.engine.step.StepEngine` and enters it. It advances one token per step with the block state machine
-(:class:`~kvreplay.decode.BlockCursor`); when it ends, :meth:`_Scheduler.run` yields its tag with its result or the
+(:class:`~kvreplay.decoding.decode.BlockCursor`); when it ends, :meth:`_Scheduler.run` yields its tag with its result or the
 :class:`~kvreplay.gates.GateError` that stopped it. A problem's bits do not depend on its slot or its companions, so
 the order of entry changes no bit.
 """
@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .. import decode
-from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, BlockFormat, Caps, ContractError
-from ..decode import BlockCursor, Boundary, Suffix
-from ..decoding import Decoding
+from ..decoding import decode
+from ..decoding.contract import ANSWER, BRANCH1, MERGE, PROMPT, BlockFormat, Caps, ContractError
+from ..decoding.decode import BlockCursor, Boundary, Suffix
+from ..decoding.settings import Decoding
 from ..gates import GateError
-from ..models import LoadedModel
+from ..model.models import LoadedModel
 from .run import EngineRun
 from .step import StepEngine
 
@@ -218,7 +218,7 @@ class _Scheduler:
                     yield from self._yield_ended()
             if all(j is None for j in self.slots):
                 return
-            if self.tolerance_check and engine.attention_check is None:
+            if self.tolerance_check and not engine.stats.attention_checks:
                 held = [j for j in self.slots if j is not None and not j.work.builds]
                 if held:
                     engine.check_attention(f"problem {held[0].index}'s boundary in the engine")
@@ -243,14 +243,13 @@ def live_length_bound(fmt: BlockFormat, caps: Caps, prompt_len: int) -> int:
 
 def new_engine(lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int, decoding: Decoding | None = None,
                readout: decode.FP32Readout | None = None) -> StepEngine:
-    """A :class:`StepEngine` at ``run``'s settings choosing by ``decoding`` (:meth:`StepEngine.for_run`):
-    ``max_len`` defaults to ``need`` (whole blocks for ``flex``, :func:`~kvreplay.engine.run.engine_max_len`); it
-    adds to ``run.stats``.
+    """A :class:`StepEngine` at ``run``'s settings choosing by ``decoding``: ``max_len`` defaults to ``need`` (whole
+    blocks for ``flex``, :func:`~kvreplay.engine.run.engine_max_len`).
 
     Raises:
         ValueError: a fixed ``max_len`` below ``need``, or a setting :class:`StepEngine` refuses.
     """
-    return StepEngine.for_run(lm, fmt, run, need, readout, decoding)
+    return StepEngine(lm, fmt, run, need=need, decoding=decoding, readout=readout)
 
 
 # ------------------------------------------------------------------------------------------------ jobs

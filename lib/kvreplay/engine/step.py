@@ -16,11 +16,11 @@ import torch
 from torch.nn.attention import sdpa_kernel
 from transformers import AttentionInterface, DynamicCache
 
-from .. import decode, ties
-from ..contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, ContractError, visibility_matrix
-from ..decoding import Decoding
+from ..decoding import decode, ties
+from ..decoding.contract import ANSWER, BRANCH1, MERGE, PROMPT, ROLE_OFFSET, BlockFormat, ContractError, visibility_matrix
+from ..decoding.settings import Decoding
 from ..gates import GateError
-from ..models import LoadedModel, layer_masks
+from ..model.models import LoadedModel, layer_masks
 from . import attention as attn
 from . import cache as row_cache
 from . import invariant
@@ -42,7 +42,7 @@ def choice_stats(logits: torch.Tensor, eligible: torch.Tensor, tie_rule: ties.Ti
     Args:
         logits: ``[rows, vocab]`` next-token logits (model dtype), rows in duplicate pairs ``(2s, 2s + 1)``.
         eligible: ``[rows, vocab]`` bool structural mask (true = may be chosen).
-        tie_rule: which of exactly tied eligible tokens is chosen (:func:`kvreplay.ties.choose`, the eager
+        tie_rule: which of exactly tied eligible tokens is chosen (:func:`kvreplay.decoding.ties.choose`, the eager
             decoders' function); ``position``: ``[rows]`` int64 position IDs of the tokens chosen (``hash`` only).
         top: add row 4, the top-1 eligible logit.
 
@@ -79,65 +79,53 @@ class StepEngine:
 
     A model with sliding-window layers (``lm.layout``, docs/models.md) gets its masks as the eager decoders
     give them: the sliding layers' mask also hides keys ``window`` or more positions back
-    (:func:`kvreplay.models.layer_masks`), one mask per layer type when the model mixes them
+    (:func:`kvreplay.model.models.layer_masks`), one mask per layer type when the model mixes them
     (``{"full_attention", "sliding_attention"}``), one windowed mask when every layer slides. The static cache
     keeps every position of every layer.
 
     Args:
         lm: the loaded model (its ``sdpa_backends`` are used in every step).
         fmt: block format (structural masks per role).
-        batch: problems per step ``B`` (``2B`` rows).
-        max_len: positions per row (the cache's key dimension).
-        step_path: ``"eager"`` or ``"graph"`` (CUDA only; captured at the first step).
-        verify_steps: the first ``verify_steps`` steps are each computed a second
-            time by the eager step on the same inputs. The two must agree bit
-            for bit in every row's logits, choice statistics and the keys/values
-            written (gate ``graph_equals_eager``; on the graph path this checks the
-            replayed graph against the op-by-op step). The step is idempotent for
-            fixed inputs, so a passing check changes no bit of the run.
-        readout: a :class:`kvreplay.decode.FP32Readout`: the body runs in the model
-            dtype and writes the same keys/values, the final norm and LM head run in
-            float32 (``[rows, vocab]`` float32 logits; the exploratory control of
-            Experiment 2). ``None``: the model's own head.
-        decoding: what each row chooses by (:class:`~kvreplay.decoding.Decoding`, as the eager decoders). Its parsed
+        run: the engine's settings (:class:`~kvreplay.engine.run.EngineRun`); the engine reads these:
+
+            - ``batch``: problems per step ``B`` (``2B`` rows).
+            - ``max_len``: positions per row (the cache's key dimension); ``None``: what ``need`` positions take
+              (:meth:`~kvreplay.engine.run.EngineRun.max_len_for`).
+            - ``step_path``: ``"eager"`` or ``"graph"`` (CUDA only; captured at the first step).
+            - ``verify_steps``: the first ``verify_steps`` steps are each computed a second time by the eager step
+              on the same inputs. Logits, choice statistics and keys/values written must agree bit for bit (gate
+              ``graph_equals_eager``). The step is idempotent for fixed inputs, so a passing check changes no bit.
+            - ``attention``: ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`ATTENTIONS`), the step's attention.
+              Prompt blocks and prefills, one call per problem outside the step, always use the model's own SDPA.
+              ``"flex"`` needs ``max_len`` a multiple of :data:`~kvreplay.engine.attention.FLEX_BLOCK`; it builds
+              a :class:`~kvreplay.engine.attention.FlexMask` per layer type (the sliding one with the window).
+        need: the positions the longest sequence may take (checked against a fixed ``run.max_len``).
+        decoding: what each row chooses by (:class:`~kvreplay.decoding.settings.Decoding`, as the eager decoders). Its parsed
             tie rule picks among exactly tied eligible tokens (``hash`` hashes the chosen token's position, the
             input position plus one). With ``top_logits`` the choice statistics carry each row's top-1 eligible
             logit (row 4). Its caps are the scheduler's. ``None``: the ``lowest`` rule, no top logits.
-        stats: where the engine adds what it measures (steps, slot-steps, busy slot-steps, verified steps,
-            attention checks); ``None``: a fresh :class:`~kvreplay.engine.run.EngineStats` of its own.
-        attention: ``"sdpa"``, ``"grouped"`` or ``"flex"`` (:data:`ATTENTIONS`): the step's attention (prompt
-            blocks and prefills, one call per problem outside the step, always use the model's own SDPA).
-            ``"flex"`` needs ``max_len`` a multiple of :data:`~kvreplay.engine.attention.FLEX_BLOCK`; it builds a
-            :class:`~kvreplay.engine.attention.FlexMask` per layer type (the sliding one with the window).
+        readout: a :class:`kvreplay.decoding.decode.FP32Readout`: the body runs in the model
+            dtype and writes the same keys/values, the final norm and LM head run in
+            float32 (``[rows, vocab]`` float32 logits; the exploratory control of
+            Experiment 2). ``None``: the model's own head.
 
     Attributes:
-        steps, busy_slot_steps: steps run, and slots that held a problem summed over them (slot occupancy:
-            ``busy_slot_steps / (steps * batch)``); :attr:`stats` sums them with the other engines of its run.
-        stats: the :class:`~kvreplay.engine.run.EngineStats` it adds to.
-        attention_check: the ``attention_tolerance`` record of :meth:`check_attention`, once run.
+        stats: what this engine measured (:class:`~kvreplay.engine.run.EngineStats`: steps, slot-steps, busy
+            slot-steps, verified steps, attention checks, key positions read, graph capture time). The batched
+            decoders return it with their results.
 
     Raises:
         ValueError: unknown step path or attention, ``graph`` off CUDA, ``batch < 1``, ``max_len < 1``,
-            ``verify_steps < 0``, or ``"flex"`` with a ``max_len`` that is not a multiple of 128.
+            ``verify_steps < 0``, a fixed ``max_len`` below ``need``, or ``"flex"`` with a ``max_len`` that is not
+            a multiple of 128.
         ContractError: a vocabulary of 2**24 tokens or more; under ``kernels`` other than ``default``, the ``graph``
             step path, an attention other than ``sdpa`` or a readout (:func:`kvreplay.engine.invariant.check_engine`;
             the eager step then runs the invariant kernels, :mod:`kvreplay.engine.invariant`).
     """
-    @classmethod
-    def for_run(cls, lm: LoadedModel, fmt: BlockFormat, run: EngineRun, need: int,
-                readout: decode.FP32Readout | None = None, decoding: Decoding | None = None) -> "StepEngine":
-        """An engine at ``run``'s settings for sequences of at most ``need`` positions (``max_len``:
-        :meth:`EngineRun.max_len_for`), adding what it measures to ``run.stats``, choosing by ``decoding``.
-
-        Raises:
-            ValueError: a fixed ``max_len`` below ``need``, or a setting the constructor refuses."""
-        return cls(lm, fmt, run.batch, run.max_len_for(need), run.step_path, run.verify_steps, readout,
-                   run.attention, decoding, run.stats)
-
-    def __init__(self, lm: LoadedModel, fmt: BlockFormat, batch: int, max_len: int, step_path: str = "eager",
-                 verify_steps: int = 0, readout: decode.FP32Readout | None = None, attention: str = "sdpa",
-                 decoding: Decoding | None = None, stats: EngineStats | None = None):
-        self.stats = stats if stats is not None else EngineStats()
+    def __init__(self, lm: LoadedModel, fmt: BlockFormat, run: EngineRun, *, need: int = 0,
+                 decoding: Decoding | None = None, readout: decode.FP32Readout | None = None):
+        self.stats = EngineStats()
+        batch, max_len, step_path, attention = run.batch, run.max_len_for(need), run.step_path, run.attention
         if step_path not in STEP_PATHS:
             raise ValueError(f"unknown step path {step_path!r}; use one of {STEP_PATHS}")
         invariant.check_engine(lm, step_path, attention, readout)  # ContractError: a setting `kernels` does not cover
@@ -153,9 +141,9 @@ class StepEngine:
             raise ValueError(f"step path 'graph' needs a CUDA device, the model is on {lm.device}")
         if batch < 1 or max_len < 1:
             raise ValueError(f"batch and max_len must be at least 1, got {batch} and {max_len}")
-        if verify_steps < 0:
-            raise ValueError(f"verify_steps must be at least 0, got {verify_steps}")
-        self.verify_steps, self.verified = verify_steps, 0
+        if run.verify_steps < 0:
+            raise ValueError(f"verify_steps must be at least 0, got {run.verify_steps}")
+        self.verify_steps = run.verify_steps
         self.readout = readout
         self.lm, self.fmt, self.batch, self.max_len, self.step_path = lm, fmt, batch, max_len, step_path
         self.rows = rows = 2 * batch
@@ -169,7 +157,6 @@ class StepEngine:
         self._staged = self._host.numpy()  # the same memory, written once per step from the per-slot lists below
         self._next: list[list[int]] = [[0] * batch, [0] * batch, [PROMPT] * batch, [MERGE] * batch]
         self._busy = [False] * batch
-        self.busy_slot_steps = 0
         self.cache = RowCache.for_model(lm, rows, max_len, write_pos=self.inputs[1])
         self.roles = torch.zeros(rows, max_len, dtype=torch.long, device=dev)
         self._vis = visibility_matrix(dev)
@@ -181,7 +168,6 @@ class StepEngine:
             self._flex = {kind: FlexMask(self.inputs[1], self.inputs[2], self.roles, self._vis, group,
                                          self.layout.window if kind == "sliding_attention" else None)
                           for kind in sorted(set(self.layout.layer_types))}
-        self.attention_check: dict | None = None
         eligible = torch.ones(6, vocab, dtype=torch.bool, device=dev)
         for role in range(BRANCH1, ANSWER + 1):
             eligible[role] = fmt.content_mask(role, dev, vocab)
@@ -189,7 +175,6 @@ class StepEngine:
         self._k = torch.arange(max_len, device=dev)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.steps = 0
         self.idle_all()
 
     # ---- buffers
@@ -250,7 +235,7 @@ class StepEngine:
 
     def _dense_mask(self) -> "torch.Tensor | dict[str, torch.Tensor]":
         """The model's ``attention_mask`` for ``sdpa`` and ``grouped``: ``[rows, 1, 1, max_len]`` bool, or per layer
-        type for a model mixing them (:func:`kvreplay.models.layer_masks`, each row's one query at its position)."""
+        type for a model mixing them (:func:`kvreplay.model.models.layer_masks`, each row's one query at its position)."""
         allowed = self._allowed()
         if not self.layout.windowed:
             return allowed[:, None, None, :]
@@ -321,7 +306,7 @@ class StepEngine:
         self._stage()
         self.inputs.copy_(self._host, non_blocking=True)
         busy = sum(self._busy)
-        self.busy_slot_steps += busy
+        step = self.stats.steps  # this step's index
         self.stats.steps += 1
         self.stats.slot_steps += self.batch
         self.stats.busy_slot_steps += busy
@@ -335,18 +320,17 @@ class StepEngine:
             logits, stats = self._out
         else:
             logits, stats = self._compute()
-        if self.steps < self.verify_steps:
-            self._verify(logits, stats)
+        if step < self.verify_steps:
+            self._verify(logits, stats, step)
         self.lm.calls += 1
-        self.steps += 1
         return logits, stats.tolist()
 
     def _written(self) -> list[torch.Tensor]:
         """Keys and values at every row's current write position: per layer ``[rows, kv_heads, 1, head_dim]``."""
         return [t.gather(2, layer._index) for layer in self.cache.layers for t in (layer.keys, layer.values)]
 
-    def _verify(self, logits: torch.Tensor, stats: torch.Tensor) -> None:
-        """Recompute this step eagerly on the same inputs; require identical logits, statistics and keys/values.
+    def _verify(self, logits: torch.Tensor, stats: torch.Tensor, step: int) -> None:
+        """Recompute step ``step`` eagerly on the same inputs; require identical logits, statistics and keys/values.
 
         Raises:
             GateError: gate ``graph_equals_eager``, naming the step and what differed.
@@ -356,11 +340,10 @@ class StepEngine:
         second = (again[0], again[1], self._written())
         for name, a, b in zip(("logits", "choice statistics"), first[:2], second[:2]):
             if not torch.equal(a, b):
-                raise GateError("graph_equals_eager", f"step {self.steps} ({self.step_path} vs eager): {name} differ")
+                raise GateError("graph_equals_eager", f"step {step} ({self.step_path} vs eager): {name} differ")
         if not all(torch.equal(a, b) for a, b in zip(first[2], second[2])):
             raise GateError("graph_equals_eager",
-                            f"step {self.steps} ({self.step_path} vs eager): keys/values written differ")
-        self.verified += 1
+                            f"step {step} ({self.step_path} vs eager): keys/values written differ")
         self.stats.verified_steps += 1
 
     @torch.inference_mode()
@@ -381,7 +364,7 @@ class StepEngine:
             where: named in the record and in a failure (e.g. the problem whose boundary is in a slot).
 
         Returns:
-            The record (also kept in :attr:`attention_check` and appended to ``stats.attention_checks``):
+            The record (also appended to ``stats.attention_checks``):
             ``{"gate", "attention", "dtype", "reference", "tolerance", "max_rel_err", "rel_err_by_layer",
             "rows", "step", "where"}``.
 
@@ -418,14 +401,13 @@ class StepEngine:
         worst = max(errors)
         record = {"gate": "attention_tolerance", "attention": self.attention, "dtype": str(self.lm.dtype).split(".")[-1],
                   "reference": "math SDPA, float64, same inputs", "tolerance": tolerance, "max_rel_err": worst,
-                  "rel_err_by_layer": errors, "rows": int(rows.numel()), "step": self.steps, "where": where}
+                  "rel_err_by_layer": errors, "rows": int(rows.numel()), "step": self.stats.steps, "where": where}
         bad = [i for i, e in enumerate(errors) if not e <= tolerance]  # NaN fails too
         if bad:
             raise GateError("attention_tolerance",
-                            f"{where}: attention {self.attention!r} at step {self.steps}: layer {bad[0]}'s output "
+                            f"{where}: attention {self.attention!r} at step {self.stats.steps}: layer {bad[0]}'s output "
                             f"differs from the math-SDPA reference by a relative L2 error of {errors[bad[0]]:.3g} > "
                             f"{tolerance:g} ({self.lm.dtype}); {len(bad)} of {len(errors)} layers beyond it")
-        self.attention_check = record
         self.stats.attention_checks.append(record)
         return record
 

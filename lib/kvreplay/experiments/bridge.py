@@ -17,10 +17,12 @@ from typing import Any, cast
 import pandas as pd
 
 from ..arm_facts import declared_in
-from .. import caches, decode, engine, gates
+from ..decoding import caches, decode
+from .. import engine, gates
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.records import BridgeRecord, Exp1Record, Exp2Record, arm_of
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec, leaves
 from ..runner.arms import Arm, ArmPlan, Chain
 from .endpoints import require_gates
@@ -62,7 +64,7 @@ def bridge_row(spec: RunSpec, problem: Problem, saved_prefix: Sequence[int]) -> 
     return cast(BridgeRecord, rec)  # built stage by stage; run_arm checks it against the record before appending
 
 
-def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Sequence[Sequence[int]]) -> list[BridgeRecord]:
+def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Sequence[Sequence[int]]) -> Measured[BridgeRecord]:
     """Experiment 3 bridge for a chunk of problems through the batched engine (the records of :func:`bridge_row`).
 
     The live boundaries come from :func:`kvreplay.engine.decode_lives` and the
@@ -74,7 +76,7 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
     continue through one :func:`kvreplay.engine.decode_suffixes`.
 
     Returns:
-        One record per problem, in order (``gate_failure`` set on a gate failure).
+        One record per problem, in order (``gate_failure`` set on a gate failure), with what the engines measured.
 
     Raises:
         ContractError: a prompt that breaks the block contract, or an unclosed answer block.
@@ -109,7 +111,7 @@ def bridge_chunk(spec: RunSpec, problems: Sequence[Problem], saved_prefixes: Seq
             _bridge_endpoints(spec, problems[i], recs[i], cmp, dict(zip(states, suffixes)))
         except GateError as e:
             recs[i]["gate_failure"] = gate_failure(e)
-    return cast(list[BridgeRecord], recs)  # as bridge_row's
+    return cast(Measured[BridgeRecord], Measured(recs, lives.stats + rebuilt.stats + decoded.stats))  # as bridge_row's
 
 
 def _bridge_states(spec: RunSpec, live: decode.Boundary, inc: decode.Boundary) -> dict[str, decode.Boundary]:

@@ -19,13 +19,16 @@ import pandas as pd
 import torch
 
 from ..arm_facts import declared_in
-from .. import caches, decode, drift, engine, gates
+from ..decoding import caches, decode
+from ..analysis import drift
+from .. import engine, gates
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.records import ControlsRecord, ControlsRow
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import wilson
+from ..analysis.stats import wilson
 from .endpoints import first_divergence, rate_text, require_gates, tie_initiated
 from .matrix import decode_groups, gate_failure, raise_gate_errors
 
@@ -44,7 +47,7 @@ def null_perturbation(state: decode.Boundary, reference: decode.Boundary, seed: 
     boundary caches differ, and ``|Δ|`` their absolute differences (float32).
     The copy gets ``n`` uniformly random element positions, drawn with replacement
     over all K and V tensors of one row (a sliding-window layer counts
-    and draws over its attended positions only, :func:`kvreplay.drift.attended`).
+    and draws over its attended positions only, :func:`kvreplay.analysis.drift.attended`).
     Each is shifted by a magnitude drawn from ``|Δ|`` with a random sign, computed in float32 and rounded to
     the cache dtype. Both duplicate rows get the same change. The boundary
     logits stay ``state``'s. Seeded (``torch.Generator``), so reruns are identical.
@@ -100,7 +103,7 @@ def controls_row(spec: RunSpec, problem: Problem, prefix: Sequence[int], seed: i
     """Two exploratory controls on one fixed BF16 prefix that separate causes of a divergence.
 
     * **FP32 readout**: incremental and prefill are built again with
-      :class:`~kvreplay.decode.FP32Readout` (their caches must equal the plain
+      :class:`~kvreplay.decoding.decode.FP32Readout` (their caches must equal the plain
       builds' bit for bit, gate ``readout``) and continued with the final norm
       and LM head in float32: does the suffix still part once BF16 logit
       granularity (and its exact ties) is taken away, on the same BF16 caches?
@@ -140,7 +143,7 @@ _READOUTS: "weakref.WeakKeyDictionary[torch.nn.Module, decode.FP32Readout]" = we
 
 
 def _readout(lm) -> decode.FP32Readout:
-    """The model's :class:`~kvreplay.decode.FP32Readout`, made once per live model object (float32 copies of norm
+    """The model's :class:`~kvreplay.decoding.decode.FP32Readout`, made once per live model object (float32 copies of norm
     and head); keyed by the object itself, not its ``id``, which a later model may reuse once this one is freed."""
     if lm.model not in _READOUTS:
         _READOUTS[lm.model] = decode.FP32Readout(lm)
@@ -187,7 +190,7 @@ def _controls_record(rec: dict, plain: dict, fp32: dict, moved: decode.Suffix, n
 
 
 def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]],
-                   seed: int = 20260729) -> list[ControlsRecord]:
+                   seed: int = 20260729) -> Measured[ControlsRecord]:
     """The exploratory controls for a chunk of fixed prefixes through the batched engine (records of :func:`controls_row`).
 
     The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`,
@@ -199,7 +202,7 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
     another with the readout. A gate failure is recorded in its problem's record only.
 
     Returns:
-        One record per problem, in order.
+        One record per problem, in order, with what the engines measured.
     """
     lm, fmt = spec.lm, spec.fmt
     readout = _readout(lm)
@@ -223,7 +226,8 @@ def controls_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequenc
             _controls_record(recs[i], {"incremental": a, "prefill": b}, {"incremental": c, "prefill": d}, moved, null_rec)
         except GateError as e:
             recs[i]["gate_failure"] = gate_failure(e)
-    return cast(list[ControlsRecord], recs)  # as controls_row's
+    stats = incs.stats + incs_ro.stats + plain.stats + fp32.stats
+    return cast(Measured[ControlsRecord], Measured(recs, stats))  # as controls_row's
 
 
 def controls_summary(records: Sequence[ControlsRecord]) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, overload
 
-from .. import decode
+from ..decoding import decode
 from ..gates import GateError
 from ..ledger.records import (
     AdaptEvalRow,

@@ -17,14 +17,16 @@ from typing import Any, cast
 import pandas as pd
 
 from ..arm_facts import declared_in
-from .. import decode, engine
+from ..decoding import decode
+from .. import engine
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.prefix_bank import read_prefix_bank
 from ..ledger.records import Endpoints, Exp2Record, arm_of
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import mcnemar_exact, paired_bootstrap
+from ..analysis.stats import mcnemar_exact, paired_bootstrap
 from .endpoints import require_gates, with_derived_endpoints
 from .matrix import gate_failure, matrix_chunk, matrix_pipeline, matrix_row
 
@@ -52,19 +54,20 @@ def fixed_prefix_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> 
     return cast(Exp2Record, rec)  # built stage by stage; run_arm checks it against the record before appending
 
 
-def fixed_prefix_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> list[Exp2Record]:
+def fixed_prefix_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]]) -> Measured[Exp2Record]:
     """Experiment 2 for a chunk of fixed prefixes through the batched engine (the records of :func:`fixed_prefix_row`).
 
     Each incremental cache is rebuilt in the engine (teacher forcing of the live call schedule). Its matrix's
     suffixes decode in the same engine as soon as it is done (:func:`matrix_pipeline`). The records equal the
     phase-wise schedule's (:func:`kvreplay.engine.build_incrementals`, then :func:`matrix_chunk`) bit for bit.
+    The records come with what the engine measured.
 
     Raises:
         ContractError: a prefix that does not end at the boundary.
         GateError: the engine's own gates (``graph_equals_eager``, ``attention_tolerance``).
     """
     heads = [_head(spec, z, p.problem_id) for z, p in zip(prefixes, problems)]
-    return cast(list[Exp2Record], matrix_pipeline(spec, problems, "incremental", prefixes, heads))
+    return cast(Measured[Exp2Record], matrix_pipeline(spec, problems, "incremental", prefixes, heads))
 
 
 def _head(spec: RunSpec, prefix: Sequence[int], pid: str):
@@ -77,11 +80,12 @@ def _head(spec: RunSpec, prefix: Sequence[int], pid: str):
 
 
 def fixed_prefix_chunk_phased(spec: RunSpec, problems: Sequence[Problem],
-                              prefixes: Sequence[Sequence[int]]) -> list[Exp2Record]:
+                              prefixes: Sequence[Sequence[int]]) -> Measured[Exp2Record]:
     """:func:`fixed_prefix_chunk` phase by phase (every rebuild, then every suffix): the same records."""
     incs = engine.build_incrementals(spec.lm, spec.fmt, prefixes, run=spec.batched(), on_gate_error="return")
     heads = [_head(spec, z, p.problem_id) for z, p in zip(prefixes, problems)]
-    return cast(list[Exp2Record], matrix_chunk(spec, problems, incs, heads))
+    recs = matrix_chunk(spec, problems, incs, heads)
+    return cast(Measured[Exp2Record], Measured(recs, incs.stats + recs.stats))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The kernel attribution (exploratory): which operation class, left in its default reduction order, brings back the
 prefill-versus-replay cache drift and the BF16 suffix divergence, on pinned inputs.
 
-Each kernels value of the profile's ``kernel_values`` (:data:`kvreplay.kernels.KERNELS`: ``default``,
+Each kernels value of the profile's ``kernel_values`` (:data:`kvreplay.model.kernels.KERNELS`: ``default``,
 ``invariant``, every ``invariant-except-<class>`` and the second attention order) is one variant of
 :data:`EXP2_KERNELS`, with its own ledger (``exp2_kernels-bfloat16``, key entry ``kernels``). A row is Experiment 2's
 fixed-prefix row under that value: the boundary token IDs are pinned, taken from the profile's prefix bank (the
@@ -12,7 +12,7 @@ construction-equivalence checks, ``desync``, ``nonfinite``).
 
 Under ``invariant`` the two caches coincide by construction (the contract's test, not a finding). The finding is
 which value brings drift and divergence back. The primary contrasts are declared in the profile before any row
-(``kernel_contrasts``, default :data:`kvreplay.profiles.KERNEL_CONTRASTS`): suffix divergence of two values on the same
+(``kernel_contrasts``, default :data:`kvreplay.notebook.profiles.KERNEL_CONTRASTS`): suffix divergence of two values on the same
 problems, each with its exact McNemar test (:func:`kernel_summary`). Outcomes are tabulated, never asserted; a row that
 failed a gate stops the summary (``report`` gate).
 """
@@ -28,7 +28,7 @@ import pandas as pd
 from ..arm_facts import declared_in
 from ..ledger.records import Exp2Record, Exp2Row
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import McNemar, Proportion, mcnemar_exact, wilson
+from ..analysis.stats import McNemar, Proportion, mcnemar_exact, wilson
 from .endpoints import require_gates
 from .fixed_prefix import EXP2
 

@@ -30,7 +30,7 @@ import pandas as pd
 from ..arm_facts import declared_in, facts
 from ..ledger.records import Exp1Record
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import mcnemar_exact, wilson
+from ..analysis.stats import mcnemar_exact, wilson
 from .endpoints import require_gates
 from .live_vs_prefill import EXP1
 
@@ -68,7 +68,7 @@ def length_summary(reference: Sequence[Exp1Record], by_cap: Mapping[int, Sequenc
 
     Returns:
         cap -> ``n``, ``prefix_len`` (median and range of the boundary prefix, tokens), ``suffix``
-        (:class:`~kvreplay.stats.Proportion`, live vs prefill suffix differs), ``tie`` (of those, begun at an exact
+        (:class:`~kvreplay.analysis.stats.Proportion`, live vs prefill suffix differs), ``tie`` (of those, begun at an exact
         tie), ``moved`` (problems whose prefix moved in the cap's direction; ``None`` for the reference),
         ``moved_suffix`` (divergence among them; ``None`` when none moved), ``moved_reference`` (the same problems'
         divergence at the reference cap), ``mcnemar`` (exact, against the reference; ``None`` for it).

@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from ..arm_facts import declared_in
-from .. import decode, engine
+from ..decoding import decode
+from .. import engine
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.records import Exp1Record
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec
 from ..runner.arms import Arm, ArmPlan, Chain
 from .matrix import gate_failure, matrix_chunk, matrix_pipeline, matrix_row
@@ -47,7 +49,7 @@ def live_vs_prefill_row(spec: RunSpec, problem: Problem) -> Exp1Record:
     return cast(Exp1Record, rec)  # built stage by stage; run_arm checks it against the record before appending
 
 
-def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[Exp1Record]:
+def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> Measured[Exp1Record]:
     """Experiment 1 for a chunk of problems through the batched engine (the records of :func:`live_vs_prefill_row`).
 
     Live boundaries and the four arms' suffixes run in one engine (:func:`matrix_pipeline`). A problem whose
@@ -55,7 +57,7 @@ def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[Ex
     slot a job leaves takes the next one at once. The records equal those of the phase-wise schedule
     (:func:`kvreplay.engine.decode_lives`, then :func:`matrix_chunk`) bit for bit. Bits may differ
     from :func:`live_vs_prefill_row` (another cache layout and batch shape: the ledger key says which), the
-    layout does not.
+    layout does not. The records come with what the engine measured.
 
     Raises:
         ContractError: a prompt that breaks the block contract or needs more positions than the model has
@@ -65,7 +67,7 @@ def live_vs_prefill_chunk(spec: RunSpec, problems: Sequence[Problem]) -> list[Ex
     for p in problems:
         spec.check_problem(p)
     prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
-    return cast(list[Exp1Record], matrix_pipeline(spec, problems, "live", prompts, [_head(x) for x in prompts]))
+    return cast(Measured[Exp1Record], matrix_pipeline(spec, problems, "live", prompts, [_head(x) for x in prompts]))
 
 
 def _head(prompt: Sequence[int]):
@@ -74,7 +76,7 @@ def _head(prompt: Sequence[int]):
                                         schedule_calls=len(live.schedule))
 
 
-def live_vs_prefill_chunk_phased(spec: RunSpec, problems: Sequence[Problem]) -> list[Exp1Record]:
+def live_vs_prefill_chunk_phased(spec: RunSpec, problems: Sequence[Problem]) -> Measured[Exp1Record]:
     """:func:`live_vs_prefill_chunk` phase by phase (every live boundary, then every suffix): the same records.
 
     The schedule the engine had before boundaries and suffixes shared its slots; the tests compare the two.
@@ -87,7 +89,8 @@ def live_vs_prefill_chunk_phased(spec: RunSpec, problems: Sequence[Problem]) -> 
         spec.check_problem(p)
     prompts = [spec.fmt.prompt_ids(p.question, p.options) for p in problems]
     lives = engine.decode_lives(spec.lm, spec.fmt, prompts, spec.decoding, run=spec.batched(), on_gate_error="return")
-    return cast(list[Exp1Record], matrix_chunk(spec, problems, lives, [_head(x) for x in prompts]))
+    recs = matrix_chunk(spec, problems, lives, [_head(x) for x in prompts])
+    return cast(Measured[Exp1Record], Measured(recs, lives.stats + recs.stats))
 
 
 def _prepare(chain: Chain) -> ArmPlan[Exp1Record]:

@@ -27,9 +27,12 @@ from typing import Any, cast
 
 import torch
 
-from .. import caches, decode, drift, engine, gates
+from ..decoding import caches, decode
+from ..analysis import drift
+from .. import engine, gates
+from ..engine import Measured
 from ..gates import GateError
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec
 from ..runner.equivalence import (  # re-exported: the float32 construction-equivalence check lives in the runner
     _FP32_COPIES,
@@ -39,7 +42,7 @@ from ..runner.equivalence import (  # re-exported: the float32 construction-equi
     float32_copy,
 )
 from ..runner.equivalence import boundary_windows as _windows
-from ..scoring import score_answer
+from ..analysis.scoring import score_answer
 from .endpoints import divergence_endpoints
 from .matrix_summary import DRIFT_OUTLIER_FACTOR, drift_outliers, matrix_summary, matrix_table  # re-exported
 
@@ -93,7 +96,7 @@ def boundary_gates(states: dict[str, decode.Boundary], dtype: torch.dtype, pairs
 def comparison(ref: decode.Boundary, other: decode.Boundary, per_tensor: bool) -> dict[str, Any]:
     """Drift of ``other`` against ``ref``: whole-cache aggregate, boundary logits, optionally every tensor.
 
-    With sliding-window layers (``ref.windows``) the drift is the attended state's (:func:`kvreplay.drift.cache_drift`).
+    With sliding-window layers (``ref.windows``) the drift is the attended state's (:func:`kvreplay.analysis.drift.cache_drift`).
     """
     rows = drift.cache_drift(gates.cache_tensors(ref.cache), gates.cache_tensors(other.cache), _windows(ref, other))
     out: dict[str, Any] = {"cache": drift.aggregate(rows), "logits": drift.logit_summary(ref.logits, other.logits)}
@@ -129,21 +132,22 @@ def live_check_due(spec: RunSpec, problem: Problem, ref: decode.Boundary) -> boo
     return ref.construction == "live" and spec.lm.dtype != torch.float32 and problem.problem_id in spec.live_check_ids
 
 
-def rebuild_lives(spec: RunSpec, problems: Sequence[Problem], lives: Sequence[decode.Boundary]) -> list:
+def rebuild_lives(spec: RunSpec, problems: Sequence[Problem], lives: Sequence[decode.Boundary]) -> Measured:
     """The incremental rebuild of live boundaries through the path that made them (paper §3.6, the bridge).
 
-    Eager runs: :func:`kvreplay.decode.build_incremental`, one problem at a time. Batched runs
+    Eager runs: :func:`kvreplay.decoding.decode.build_incremental`, one problem at a time. Batched runs
     (``spec.engine``): :func:`kvreplay.engine.build_incrementals` at the run's batch shape
     (``spec.engine``, :meth:`~kvreplay.runner.RunSpec.batched`), every prefix in one call. A problem's bits
     do not depend on its slot or companions (the ``composition`` gate), so the rebuild's bits are live's when both compute one function.
 
     Returns:
-        Per live boundary, its ``"incremental"`` :class:`~kvreplay.decode.Boundary` (caches
-        ``[2, kv_heads, |z|, head_dim]``, logits ``[2, vocab]``, the run's dtype) or the ``GateError`` that stopped it.
+        Per live boundary, its ``"incremental"`` :class:`~kvreplay.decoding.decode.Boundary` (caches
+        ``[2, kv_heads, |z|, head_dim]``, logits ``[2, vocab]``, the run's dtype) or the ``GateError`` that stopped it,
+        with the engine's ``stats`` (none for an eager run).
     """
     if spec.engine is not None:
         return engine.build_incrementals(spec.lm, spec.fmt, [live.ids for live in lives], run=spec.batched(), on_gate_error="return")
-    out: list = []
+    out: Measured = Measured()
     for p, live in zip(problems, lives):
         try:
             out.append(decode.build_incremental(spec.lm, spec.fmt, live.ids, where=p.problem_id))
@@ -186,7 +190,7 @@ def matrix_row(spec: RunSpec, problem: Problem, rec: dict, ref: decode.Boundary)
     Arms: the reference (``live`` in Experiment 1, ``incremental`` in
     Experiment 2), its deep-copy replica (verified), ``prefill`` (one call over
     z) and ``prefill_replica`` (an independent second call). Every arm
-    continues through :func:`kvreplay.decode.decode_suffix`.
+    continues through :func:`kvreplay.decoding.decode.decode_suffix`.
 
     Fills ``rec`` with ``boundary`` (drift of prefill against the reference,
     per tensor, and of each replica pair), ``first_token``, ``raw_argmax``,
@@ -253,7 +257,7 @@ def matrix_arms(spec: RunSpec, problem: Problem, rec: dict, r: str, arms: dict[s
 
     Args:
         r: the reference construction (``live`` or ``incremental``).
-        arms: arm name -> its :class:`~kvreplay.decode.Suffix`, in the arms' order.
+        arms: arm name -> its :class:`~kvreplay.decoding.decode.Suffix`, in the arms' order.
 
     Returns:
         ``rec``, with ``arms`` and ``endpoints``.
@@ -287,7 +291,7 @@ def raise_gate_errors(results: Sequence) -> None:
 
 
 def decode_groups(spec: RunSpec, groups: Sequence[Sequence[decode.Boundary]],
-                  readout: decode.FP32Readout | None = None) -> list[list]:
+                  readout: decode.FP32Readout | None = None) -> Measured[list]:
     """Every boundary of every group through one :func:`kvreplay.engine.decode_suffixes` (``spec.engine``), regrouped.
 
     Args:
@@ -295,17 +299,19 @@ def decode_groups(spec: RunSpec, groups: Sequence[Sequence[decode.Boundary]],
         readout: FP32 readout of every step's logits (the controls), else the model's head.
 
     Returns:
-        Per group, one :class:`~kvreplay.decode.Suffix` per boundary, or the ``GateError`` that stopped it.
+        Per group, one :class:`~kvreplay.decoding.decode.Suffix` per boundary, or the ``GateError`` that stopped it; with the
+        engine's ``stats``.
 
     Raises:
         ContractError: a suffix did not close its answer block.
     """
     flat = [b for g in groups for b in g]
-    out = iter(engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.decoding, run=spec.batched(), on_gate_error="return", readout=readout))
-    return [[next(out) for _ in g] for g in groups]
+    decoded = engine.decode_suffixes(spec.lm, spec.fmt, flat, spec.decoding, run=spec.batched(), on_gate_error="return", readout=readout)
+    out = iter(decoded)
+    return Measured([[next(out) for _ in g] for g in groups], decoded.stats)
 
 
-def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, heads: Sequence[Callable]) -> list[dict]:
+def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, heads: Sequence[Callable]) -> Measured[dict]:
     """The four-arm matrix of a chunk of problems, phase by phase: boundaries given, then every suffix in one decode.
 
     The batched runners of Experiments 1 and 2 use :func:`matrix_pipeline` (one engine for boundaries and
@@ -324,7 +330,8 @@ def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, hea
     only, the first failing arm in the arms' order.
 
     Returns:
-        One record per problem, in order.
+        One record per problem, in order, with what this call's engines measured (the references given were
+        built before it: their engines' stats are the caller's to add).
 
     Raises:
         ContractError: a suffix did not close its answer block.
@@ -333,7 +340,8 @@ def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, hea
     due = [i for i, (p, ref) in enumerate(zip(problems, refs)) if not isinstance(ref, GateError)
            and live_check_due(spec, p, ref)]
     t0 = time.perf_counter()
-    rebuilt = dict(zip(due, rebuild_lives(spec, [problems[i] for i in due], [refs[i] for i in due])))
+    rebuilds = rebuild_lives(spec, [problems[i] for i in due], [refs[i] for i in due])
+    rebuilt = dict(zip(due, rebuilds))
     share = (time.perf_counter() - t0) / max(1, len(due))
     pending: list[tuple[int, dict]] = []
     for i, (p, ref, head, rec) in enumerate(zip(problems, refs, heads, recs)):
@@ -352,11 +360,11 @@ def matrix_chunk(spec: RunSpec, problems: Sequence[Problem], refs: Sequence, hea
             matrix_arms(spec, problems[i], rec, refs[i].construction, dict(zip(states, suffixes)))
         except GateError as e:
             rec["gate_failure"] = gate_failure(e)
-    return recs
+    return Measured(recs, rebuilds.stats + decoded.stats)
 
 
 def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: str, starts: Sequence[Sequence[int]],
-                    heads: Sequence[Callable]) -> list[dict]:
+                    heads: Sequence[Callable]) -> Measured[dict]:
     """The four-arm matrix of a chunk with one engine for boundaries and suffixes, its slots kept full.
 
     The records of :func:`matrix_chunk`, bit for bit at the same batch shape, by another schedule
@@ -370,7 +378,7 @@ def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: st
     the first failing arm in the arms' order, as in :func:`matrix_chunk`.
 
     Returns:
-        One record per problem, in order.
+        One record per problem, in order, with what the engine measured (:func:`kvreplay.engine.decode_chains`).
 
     Raises:
         ContractError: a prompt or prefix that breaks the block contract, or an unclosed answer block.
@@ -402,5 +410,5 @@ def matrix_pipeline(spec: RunSpec, problems: Sequence[Problem], construction: st
         except GateError as e:
             rec["gate_failure"] = gate_failure(e)
 
-    engine.decode_chains(spec.lm, spec.fmt, spec.decoding, construction, starts, continue_with, finished, run=spec.batched(), rebuild=lambda i, ref: live_check_due(spec, problems[i], ref))
-    return recs
+    stats = engine.decode_chains(spec.lm, spec.fmt, spec.decoding, construction, starts, continue_with, finished, run=spec.batched(), rebuild=lambda i, ref: live_check_due(spec, problems[i], ref))
+    return Measured(recs, stats)

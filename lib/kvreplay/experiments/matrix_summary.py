@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from ..ledger.records import Exp1Record, Exp2Record, arm_of, comparison_of
-from ..stats import mcnemar_exact, paired_bootstrap, wilson
+from ..analysis.stats import mcnemar_exact, paired_bootstrap, wilson
 from .endpoints import require_gates, with_derived_endpoints
 
 
@@ -55,7 +55,7 @@ def matrix_summary(
     ``ref`` is the reference construction (``live`` or ``incremental``); prefill is compared against it.
 
     Returns:
-        dict of counts, Wilson intervals (as :class:`~kvreplay.stats.Proportion`)
+        dict of counts, Wilson intervals (as :class:`~kvreplay.analysis.stats.Proportion`)
         for suffix, merge, answer-block, predicted-letter and label
         disagreement, ``tie_initiated`` (divergent rows whose first divergence
         is tie-initiated). Also the live-vs-prefill accuracy difference (prefill minus live, bootstrap),

@@ -39,12 +39,12 @@ from typing import Any, cast
 import pandas as pd
 
 from ..arm_facts import declared_in
-from .. import decode
+from ..decoding import decode
 from ..adapt import POINTER, CheckpointError, checkpoint, read_pointer
-from ..contract import ANSWER, MERGE, ContractError, resolve_format
-from ..experiments.endpoints import rate_text, require_gates
-from ..experiments.matrix import arm_record
-from ..experiments.transplant import (
+from ..decoding.contract import ANSWER, MERGE, ContractError, resolve_format
+from .endpoints import rate_text, require_gates
+from .matrix import arm_record
+from .transplant import (
     DIRECTIONS,
     order_statistics,
     split_precondition,
@@ -52,14 +52,15 @@ from ..experiments.transplant import (
     transplant_row,
     transplant_summary,
 )
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.files import read_manifest
 from ..ledger.records import Exp2Record, ReplicationRecord, ReplicationRow, outcome_of
-from ..models import file_sha256, load_tokenizer
-from ..problems import Problem
+from ..model.models import file_sha256, load_tokenizer
+from ..data.problems import Problem
 from ..runner import RunSpec, model_key
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import mcnemar_exact, paired_bootstrap, wilson
+from ..analysis.stats import mcnemar_exact, paired_bootstrap, wilson
 
 # ----------------------------------------------------------------------------- the frozen interpretation matrix
 
@@ -204,7 +205,7 @@ def freeze_replication_panel(candidates: Sequence[tuple[str, int]], n: int) -> l
 
 def panel_doc(panel: Sequence[dict], *, n_requested: int, prefix_bank_sha256: str, checkpoint: dict) -> dict:
     """What the frozen panel file holds: rule, requested and frozen size, prefix-bank digest, the replication
-    checkpoint's record and the rows (written by :meth:`kvreplay.session.Session.write_panel` with sorted keys)."""
+    checkpoint's record and the rows (written by :meth:`kvreplay.notebook.session.Session.write_panel` with sorted keys)."""
     return {"rule": PANEL_RULE, "n_requested": n_requested, "n": len(panel), "prefix_bank_sha256": prefix_bank_sha256,
             "checkpoint": checkpoint, "panel": list(panel)}
 
@@ -306,18 +307,18 @@ def replication_row(spec: RunSpec, problem: Problem, prefix: Sequence[int]) -> R
 
 
 def replication_chunk(spec: RunSpec, problems: Sequence[Problem],
-                      prefixes: Sequence[Sequence[int]]) -> list[ReplicationRecord]:
+                      prefixes: Sequence[Sequence[int]]) -> Measured[ReplicationRecord]:
     """Experiment 5 for a chunk of panel rows through the batched engine (the records of :func:`replication_row`).
 
     :func:`~kvreplay.experiments.transplant.transplant_chunk` with the whole-cache transplant only, then each
-    clean row's baseline scores.
+    clean row's baseline scores; with what the engines measured.
     """
-    recs = cast(list[dict[str, Any]], transplant_chunk(spec, problems, prefixes, ["panel"] * len(problems),
+    recs = cast(Measured[dict[str, Any]], transplant_chunk(spec, problems, prefixes, ["panel"] * len(problems),
                                                         [False] * len(problems), primary_only=True))
     for rec, p, z in zip(recs, problems, prefixes):
         if rec["gate_failure"] is None:
             rec["scores"] = {arm: score_suffix(spec, p, z, rec["baseline"][arm]) for arm in ("incremental", "prefill")}
-    return cast(list[ReplicationRecord], recs)  # as replication_row's
+    return cast(Measured[ReplicationRecord], recs)  # as replication_row's
 
 
 def score_suffix(spec: RunSpec, problem: Problem, prefix: Sequence[int], suffix: Sequence[int]) -> dict:

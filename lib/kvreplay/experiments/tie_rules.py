@@ -16,8 +16,8 @@ import pandas as pd
 from ..arm_facts import declared_in
 from ..ledger.records import Exp1Record, Exp1Row
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import Proportion, mcnemar_exact, wilson
-from ..ties import DEFAULT_TIE_RULE
+from ..analysis.stats import Proportion, mcnemar_exact, wilson
+from ..decoding.ties import DEFAULT_TIE_RULE
 from .endpoints import is_tie, require_gates
 from .live_vs_prefill import EXP1
 
@@ -36,7 +36,7 @@ def _plans(chain: Chain) -> list[ArmPlan[Exp1Record]]:
     """One plan per rule of ``tie_rules``: Experiment 1's problems and preflight rows, the rule and top logits keyed.
 
     The profile holds each rule parsed once and written as the ledger key writes it
-    (:func:`kvreplay.profiles.ChainParameters`' check, :func:`kvreplay.decoding.parse_rule`)."""
+    (:func:`kvreplay.notebook.profiles.ChainParameters`' check, :func:`kvreplay.decoding.settings.parse_rule`)."""
     rows = chain.rows(chain.params.n_rows)
     return [EXP1_TIES.plan(rows, key={"tie_rule": r, "top_logits": True},
                            preflight=chain.params.preflight) for r in chain.params.tie_rules]
@@ -105,10 +105,10 @@ def tie_rule_summary(reference: Sequence[Exp1Record], by_rule: Mapping[str, Sequ
         by_rule: rule -> the :data:`EXP1_TIES` rows of that rule (same problems, same order).
 
     Returns:
-        rule -> ``n``, ``suffix`` (:class:`~kvreplay.stats.Proportion`, live vs prefill suffix differs), ``tie``
+        rule -> ``n``, ``suffix`` (:class:`~kvreplay.analysis.stats.Proportion`, live vs prefill suffix differs), ``tie``
         (divergences whose first divergent step is an exact tie in either arm), ``nonzero`` (the others),
         ``one_spacing`` (of those, the smaller margin is one BF16 spacing; ``None`` without top logits), and
-        ``mcnemar`` (:func:`~kvreplay.stats.mcnemar_exact` of suffix divergence against the reference; ``None``
+        ``mcnemar`` (:func:`~kvreplay.analysis.stats.mcnemar_exact` of suffix divergence against the reference; ``None``
         for the reference). The reference comes first.
 
     Raises:

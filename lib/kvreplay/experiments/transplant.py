@@ -17,7 +17,9 @@ from typing import Any, TypeVar, cast
 import pandas as pd
 
 from ..arm_facts import declared_in
-from .. import caches, decode, engine, gates
+from ..decoding import caches, decode
+from .. import engine, gates
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.records import (
     Exp2Record,
@@ -29,10 +31,10 @@ from ..ledger.records import (
     TransplantRow,
     outcome_of,
 )
-from ..problems import Problem
+from ..data.problems import Problem
 from ..runner import RunSpec
 from ..runner.arms import Arm, ArmPlan, Chain
-from ..stats import Proportion, wilson
+from ..analysis.stats import Proportion, wilson
 from .endpoints import first_divergence, rate_text, require_gates, tie_initiated
 from .matrix import (
     boundary_gates,
@@ -316,7 +318,7 @@ def _record_intervention(rec: dict, name: str, recipient: str, donor: str, suffi
 
 def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Sequence[Sequence[int]],
                      strata: Sequence[str], sweeps: Sequence[bool],
-                     primary_only: bool = False) -> list[TransplantRecord]:
+                     primary_only: bool = False) -> Measured[TransplantRecord]:
     """Experiment 4 for a chunk of panel rows through the batched engine (the records of :func:`transplant_row`).
 
     The incremental caches are rebuilt through :func:`kvreplay.engine.build_incrementals`
@@ -332,7 +334,7 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
         primary_only: only the whole-cache transplant (Experiment 5).
 
     Returns:
-        One record per problem, in order.
+        One record per problem, in order, with what the engines measured.
 
     Raises:
         ContractError: a suffix did not close its answer block.
@@ -359,7 +361,7 @@ def transplant_chunk(spec: RunSpec, problems: Sequence[Problem], prefixes: Seque
                 _record_intervention(rec, name, recipient, donor, x.tokens, base, prov)
         except GateError as e:
             _failed(rec, e)
-    return cast(list[TransplantRecord], recs)  # as transplant_row's
+    return cast(Measured[TransplantRecord], Measured(recs, incs.stats + decoded.stats))  # as transplant_row's
 
 
 def _failed(rec: dict, e: GateError) -> None:

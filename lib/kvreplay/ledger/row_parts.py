@@ -36,7 +36,7 @@ a tie), ``None`` for a token the block format forced."""
 Letter = Annotated[str, StringConstraints(pattern=r"^[A-Z]$")]
 """An answer letter."""
 Rule = Literal["boxed", "answer_is", "leading_letter", "option_text", "numeric", "none"]
-"""The answer matcher's rule that produced the prediction (``kvreplay.scoring``)."""
+"""The answer matcher's rule that produced the prediction (``kvreplay.analysis.scoring``)."""
 InterventionName = Annotated[
     str, StringConstraints(pattern=r"^(whole|keys_only|values_only|first_half|second_half|layer_\d{2,})$")]
 """A transplant intervention: ``whole`` (primary), ``keys_only``, ``values_only``, ``first_half``, ``second_half``,
@@ -75,11 +75,11 @@ class WholeTensorDiff(TypedDict):
 
 @with_config(_CONFIG)
 class TensorDiff(TypedDict):
-    """Drift of one tensor of ``other`` against ``ref`` (``kvreplay.drift.tensor_drift``), computed in float64.
+    """Drift of one tensor of ``other`` against ``ref`` (``kvreplay.analysis.drift.tensor_drift``), computed in float64.
 
     A model with sliding-window layers adds ``layer_kind`` to every K/V tensor; a sliding layer's drift fields
     describe its attended positions (``positions``, the last ``window - 1``), and ``full_tensor`` the whole tensor
-    (``kvreplay.drift.cache_drift``). Rows of full-attention models have none of these keys."""
+    (``kvreplay.analysis.drift.cache_drift``). Rows of full-attention models have none of these keys."""
     tensor: str  # inventory name, e.g. "L00.key", "L27.value", "logits"
     exact: bool  # bit-identical
     max_abs: Float  # largest absolute difference
@@ -98,7 +98,7 @@ class TensorDiff(TypedDict):
 
 @with_config(_CONFIG)
 class LogitsDiff(TensorDiff):
-    """Drift of the boundary next-token logits ``[2, vocab]`` (``kvreplay.drift.logit_summary``); ``tensor`` is
+    """Drift of the boundary next-token logits ``[2, vocab]`` (``kvreplay.analysis.drift.logit_summary``); ``tensor`` is
     ``"logits"``. Argmax, margin and top-k read row 0; the argmax takes the lowest token ID on an exact tie."""
     argmax_ref: int  # token ID
     argmax_other: int
@@ -111,7 +111,7 @@ class LogitsDiff(TensorDiff):
 
 @with_config(_CONFIG)
 class CacheDiff(TypedDict):
-    """Whole-cache drift over every K and V tensor (``kvreplay.drift.aggregate``)."""
+    """Whole-cache drift over every K and V tensor (``kvreplay.analysis.drift.aggregate``)."""
     exact: bool  # every tensor bit-identical
     rel_l2: Float  # relative L2 over all tensors concatenated, dimensionless
     max_abs: Float
@@ -168,7 +168,7 @@ class Equivalence(TypedDict):
 
 @with_config(_CONFIG)
 class AnswerScore(TypedDict):
-    """The answer matcher's verdict on a decoded suffix (``kvreplay.scoring``)."""
+    """The answer matcher's verdict on a decoded suffix (``kvreplay.analysis.scoring``)."""
     merge_len: int  # merge content tokens
     answer_len: int  # answer content tokens
     answer_text: str  # the format's answer prefix + the decoded answer content

@@ -205,7 +205,7 @@ READ_ONLY_ENV = "KV_LEDGERS_READ_ONLY"
 """Set to ``1`` (``make paper`` does, for a profile whose file lists ``done:``: one computed on a GPU across device
 sessions), the ledger root is read, never written: :func:`kvreplay.runner.run_arm` computes no row (an arm with
 any row left raises :class:`ReadOnlyLedgerError` before a model is loaded or a ledger folder created), and a frozen
-panel (:meth:`kvreplay.session.Session.write_panel`) or the prefix bank
+panel (:meth:`kvreplay.notebook.session.Session.write_panel`) or the prefix bank
 (:func:`kvreplay.ledger.prefix_bank.write_prefix_bank`) is left as it is when it already holds the same bytes and
 refused when it would change or be created."""
 

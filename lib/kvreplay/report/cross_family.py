@@ -3,7 +3,7 @@
 :func:`family_table` joins two profiles' :class:`~kvreplay.report.results.ProfileResults` into one row per endpoint,
 beside the paper's value from ``data/paper/reference.yaml``. The endpoints are Experiment 1's suffix divergence with
 its tie split, its FP32 rate, cache drift per layer kind, the Experiment 3 bridge, Experiment 4's recovery and
-Experiment 5's verdict. A cell is a summary object (:class:`~kvreplay.stats.Proportion`, :class:`Count`, a float, a
+Experiment 5's verdict. A cell is a summary object (:class:`~kvreplay.analysis.stats.Proportion`, :class:`Count`, a float, a
 label), never formatted text. The two profiles must hold the same problems (:func:`same_problems`).
 
 :data:`FAMILY_PAIRS` names the profiles compared. The results page of a pair's second profile shows the table once
@@ -25,14 +25,14 @@ from typing import Any, TypeAlias
 
 import pandas as pd
 
-from ..drift import aggregate
+from ..analysis.drift import aggregate
 from ..experiments.endpoints import require_gates
 from ..experiments.transplant import reported_ways
 from ..ledger.lookup import MissingLedgerError
 from ..ledger.provenance import ledger_provenance
 from ..ledger.records import comparison_of
 from ..paths import LEDGERS
-from ..stats import Proportion, wilson
+from ..analysis.stats import Proportion, wilson
 from .markdown import caps_text, dtype_label, rate, table
 from .results import ProfileResults, profile_results, profile_stats
 
@@ -161,7 +161,7 @@ def drift_by_kind(records: Sequence[Any], comparison: str = "prefill_vs_live") -
     """Median over rows of each attention layer kind's cache drift.
 
     A row's drift of one kind is the relative L2 over that kind's K and V tensors concatenated
-    (:func:`kvreplay.drift.aggregate`); a sliding layer's covers its attended positions. Rows without ``layer_kind``
+    (:func:`kvreplay.analysis.drift.aggregate`); a sliding layer's covers its attended positions. Rows without ``layer_kind``
     come from a model whose every layer is full attention.
 
     Args:

@@ -61,7 +61,7 @@ def drift_heatmaps(maps: Mapping[tuple[str, str], pd.DataFrame], tokens: Sequenc
     """Per-head and per-position drift maps (layers x heads, layers x positions) on a log colour scale.
 
     Args:
-        maps: :func:`kvreplay.rebuild.drift_maps` output: ``{(kind, "head"): [layers, heads],
+        maps: :func:`kvreplay.report.rebuild.drift_maps` output: ``{(kind, "head"): [layers, heads],
             (kind, "position"): [layers, |z|]}`` relative L2 (NaN where the reference is 0).
         tokens: the token text of each position of z (``len(tokens) == |z|``), shown on the position axis.
         blocks: block name -> first position of that block in z (dotted boundaries).
@@ -127,7 +127,7 @@ TITLE_PAD = 24
 def block_labels(ax, blocks: Mapping[str, int], lo: int = 0, hi: int | None = None) -> None:
     """Name each block of z above a position axis at its first position (``lo <= start < hi``), alternating between
     two heights so that the names of neighbouring blocks do not overlap; the axes' title sits above both rows
-    (:data:`TITLE_PAD`). Each name is an annotation whose ``xy`` is ``(start, 1)`` (:func:`kvreplay.explorer.zoom`
+    (:data:`TITLE_PAD`). Each name is an annotation whose ``xy`` is ``(start, 1)`` (:func:`kvreplay.notebook.explorer.zoom`
     hides those outside a window)."""
     shown = sorted((s, name) for name, s in blocks.items() if lo <= s < (hi if hi is not None else s + 1))
     for i, (s, name) in enumerate(shown):
@@ -148,7 +148,7 @@ def explorer_view(maps: Mapping[tuple[str, str], pd.DataFrame], detail: np.ndarr
     """The explorer's main view for one kind (K or V): layers x positions, layers x heads, and one layer/head per position.
 
     Args:
-        maps: :func:`kvreplay.rebuild.drift_maps` output.
+        maps: :func:`kvreplay.report.rebuild.drift_maps` output.
         detail: relative L2 per position ``[|z|]`` of the selected layer and head (NaN where the reference is 0).
         tokens: token text per position of z.
         blocks: block name -> first position in z.
@@ -207,7 +207,7 @@ def topk_logits(topk: pd.DataFrame, ref: str, other: str, *, title: str):
     """Boundary logits of two states on the union of their top-k tokens, and their difference.
 
     Args:
-        topk: :func:`kvreplay.rebuild.topk_frame` (``text``, ``reference``, ``other``, ``other - reference``).
+        topk: :func:`kvreplay.report.rebuild.topk_frame` (``text``, ``reference``, ``other``, ``other - reference``).
         ref, other: arm names for the legend.
     """
     fig = _figure(figsize=(12, 3.8), constrained_layout=True)

@@ -42,7 +42,7 @@ def design_figure(caps: Mapping[str, int], batch: int, profile: str):
 
     Args:
         caps: ``{"branch", "merge", "answer"}`` token caps of the profile.
-        batch: duplicate rows of the shared suffix decoder (``kvreplay.decode.BATCH``).
+        batch: duplicate rows of the shared suffix decoder (``kvreplay.decoding.decode.BATCH``).
         profile: profile name, for the title.
 
     Returns:

@@ -86,8 +86,8 @@ def save_table(df: pd.DataFrame, stem: str | Path, *, caption: str, source: str)
 
 ARTIFACT_LOG = "KVREPLAY_ARTIFACT_LOG"
 """Environment variable naming the file where :func:`save_table` and :func:`save_figure` record what they write, one
-JSON line each (``make paper`` sets it per notebook, :func:`kvreplay.paper_pages.artifact_log`; unset: nothing
-recorded). The index of executed notebooks reads these records (:func:`kvreplay.paper_pages.artifact_index`)."""
+JSON line each (``make paper`` sets it per notebook, :func:`kvreplay.paper.pages.artifact_log`; unset: nothing
+recorded). The index of executed notebooks reads these records (:func:`kvreplay.paper.pages.artifact_index`)."""
 
 
 def _saved(kind: str, stem: Path, files: str) -> None:
@@ -195,7 +195,7 @@ def drift_by_layer(records: Sequence[Exp1Record] | Sequence[Exp2Record],
     Returns:
         DataFrame with columns ``layer`` (int), ``kind`` (``key``/``value``), ``rel_l2``; for a model
         with sliding-window layers also ``layer_kind`` (``full``/``sliding``; a sliding layer's drift
-        is over its attended positions, :func:`kvreplay.drift.cache_drift`).
+        is over its attended positions, :func:`kvreplay.analysis.drift.cache_drift`).
 
     Raises:
         GateError: a row failed a gate.

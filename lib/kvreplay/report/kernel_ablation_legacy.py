@@ -27,7 +27,7 @@ from typing import Any, cast
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
-from ..kernels import KERNELS
+from ..model.kernels import KERNELS
 from ..ledger import provenance as prov
 from ..ledger.checked import checked_rows
 from ..ledger.files import LedgerError, read_environment, read_log, read_manifest
@@ -132,7 +132,7 @@ class AblationLedgers:
     """A root's ablation ledgers of one dtype, checked (:func:`load_ablation`).
 
     Attributes:
-        by_value: kernels value -> its rows (:class:`AblationRow`), in :data:`kvreplay.kernels.KERNELS` order.
+        by_value: kernels value -> its rows (:class:`AblationRow`), in :data:`kvreplay.model.kernels.KERNELS` order.
         orders: the two-orders rows (:class:`OrdersRow`), empty when there is no such ledger.
         folders: ledger name (folder name without its digest) -> its folder.
         configs: ledger name -> its manifest's config.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..stats import PairedDifference, Proportion
+from ..analysis.stats import PairedDifference, Proportion
 
 
 def pct(x: float) -> str:

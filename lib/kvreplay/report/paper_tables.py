@@ -16,7 +16,7 @@ import pandas as pd
 import yaml
 
 from ..arm_facts import ARM_FACTS
-from ..contract import visibility_table
+from ..decoding.contract import visibility_table
 from ..experiments.endpoints import rate_text
 from ..ledger.lookup import LEDGER_SPECS, LoadedLedger, ProfileLedgers
 from ..paths import DATA
@@ -42,7 +42,7 @@ def related_work_table(path: str | Path = RELATED_WORK) -> pd.DataFrame:
 
 
 def visibility_frame() -> pd.DataFrame:
-    """Table 2: role visibility, generated from :func:`kvreplay.contract.visibility_table` (never typed)."""
+    """Table 2: role visibility, generated from :func:`kvreplay.decoding.contract.visibility_table` (never typed)."""
     return pd.DataFrame(visibility_table()).set_index("query role")
 
 

@@ -34,7 +34,7 @@ from ..gates import GateError
 from ..ledger.lookup import finished_rows, ledger_progress
 from ..ledger.records import Exp1Record, Exp2Record
 from ..paths import LEDGERS
-from ..stats import mcnemar_exact, wilson
+from ..analysis.stats import mcnemar_exact, wilson
 
 
 def arm_rows(root: Path, experiment: str, dtype: str) -> tuple[Path, list[Any]]:

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from ..stats import wilson
+from ..analysis.stats import wilson
 from .figure_style import PRECISION_COLORS, integer_axis
 
 BIN_EDGES = (0, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144)

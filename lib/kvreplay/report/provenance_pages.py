@@ -29,7 +29,7 @@ import yaml
 from ..ledger import provenance as prov
 from ..ledger.files import read_log, read_manifest
 from ..paths import DATA, ROOT
-from ..stats import mcnemar_exact
+from ..analysis.stats import mcnemar_exact
 from .kernel_ablation_legacy import load_ablation
 from .markdown import table
 from .prefix_length import length_arm_text

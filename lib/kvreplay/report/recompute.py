@@ -4,7 +4,7 @@ When a profile is recomputed under another execution contract (another attention
 branch cap), its BF16 rows change where an exact top-1/top-2 tie or a last-bit difference moved a trajectory.
 :func:`old_vs_new` counts, on the problems both ledgers hold, whether prefill and live suffixes part under each:
 under both, under the old only, under the new only, under neither, with the exact McNemar test on the two
-discordant counts (:func:`kvreplay.stats.mcnemar_exact`). Rows with a gate failure in either ledger are counted
+discordant counts (:func:`kvreplay.analysis.stats.mcnemar_exact`). Rows with a gate failure in either ledger are counted
 apart, never as divergent or not. Nothing is asserted about the outcome.
 
 Command line::
@@ -22,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from ..stats import mcnemar_exact, wilson
+from ..analysis.stats import mcnemar_exact, wilson
 
 
 def parts(record: Mapping[str, Any], a: str = "prefill", b: str = "live") -> bool:
@@ -40,7 +40,7 @@ def old_vs_new(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]
     Returns:
         ``{"problems", "gate_failures", "both", "old_only", "new_only", "neither", "old_rate", "new_rate",
         "mcnemar_p"}``: counts over the common problems without a gate failure in either; each rate is a
-        :class:`~kvreplay.stats.Proportion` (Wilson 95%).
+        :class:`~kvreplay.analysis.stats.Proportion` (Wilson 95%).
 
     Raises:
         ValueError: the two share no problem.

@@ -25,7 +25,7 @@ from pathlib import Path
 from ..experiments.transplant import RULE_TEXT, reported_ways
 from ..ledger.lookup import MissingLedgerError
 from ..paths import LEDGERS, ROOT
-from ..stats import Proportion, wilson
+from ..analysis.stats import Proportion, wilson
 from .cross_family import Families, families_section, family_results
 from .markdown import caps_text as _caps, dtype_label as _dtype, pct as _pct, pts, pval, rate, table  # re-exported
 from .results import ProfileResults, profile_results, profile_stats

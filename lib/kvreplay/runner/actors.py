@@ -4,7 +4,7 @@ Rows of an experiment are independent pure functions of (model, contract,
 problem), so they can be computed in any process, on any host. With
 ``ArmSettings.workers > 1``, :func:`kvreplay.runner.run_arm` runs an arm
 on :class:`RowActors`. Each actor applies the arm's
-:class:`~kvreplay.execution.ExecutionContract` before it loads the model (intra-op
+:class:`~kvreplay.model.execution.ExecutionContract` before it loads the model (intra-op
 threads, deterministic algorithms, TF32, SDPA backends, exactly as a
 sequential run does). It loads the model once and then computes groups of rows
 on request: one problem at a time on the eager path, or a chunk of ``batch``
@@ -46,8 +46,8 @@ from pathlib import Path
 
 import torch
 
-from ..execution import device_type
-from ..models import context_length
+from ..model.execution import device_type
+from ..model.models import context_length
 from .batched import BatchedRows
 from .spec import EngineRun, arm_environment, check_prompts
 

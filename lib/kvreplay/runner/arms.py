@@ -5,7 +5,7 @@ An :class:`Arm` is the one declaration of an experiment's arm, made in its modul
 per-row and per-chunk functions, the entries it adds to the ledger key, whether each problem needs a fixed
 prefix, and how a notebook's session prepares it (panels frozen, upstream ledgers read). An
 :class:`ArmPlan` is an arm bound to its inputs: the problems in frozen order, the fixed prefixes and the key
-entries. Notebooks (:meth:`kvreplay.session.Session.run`), ``make verify``, ``make bench`` and
+entries. Notebooks (:meth:`kvreplay.notebook.session.Session.run`), ``make verify``, ``make bench`` and
 ``scripts/gpu_profile.py`` all run an arm through its plan, so each arm is wired in one place.
 """
 
@@ -18,10 +18,11 @@ from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..arm_facts import ARM_FACTS, ArmFacts, Derived, facts
+from ..engine import Measured
 from ..gates import GateError
 from ..ledger.lookup import LoadedLedger
 from ..ledger.store import Ledger
-from ..problems import Problem
+from ..data.problems import Problem
 from .loop import run_arm
 from .spec import ArmSettings, Hook, RunSpec
 
@@ -34,15 +35,15 @@ SETTING_ENTRIES = ("tie_rule", "top_logits", "kernels")
 
 CAP_ENTRIES: Mapping[str, str] = Derived(lambda: {str(f.variant_key): f.sets_cap for f in ARM_FACTS.values()
                                                   if f.sets_cap is not None})
-"""Ledger-key entries of an arm that set one of the content caps (:class:`~kvreplay.contract.Caps` field), from each
+"""Ledger-key entries of an arm that set one of the content caps (:class:`~kvreplay.decoding.contract.Caps` field), from each
 arm's :attr:`~kvreplay.arm_facts.ArmFacts.sets_cap`: the manipulated-length arm's branch cap (:meth:`ArmPlan.bind`)."""
 
 
 class Chain(Protocol):
-    """What an arm's ``prepare`` reads from a notebook's session (:class:`kvreplay.session.Session` is one)."""
+    """What an arm's ``prepare`` reads from a notebook's session (:class:`kvreplay.notebook.session.Session` is one)."""
 
     @property
-    def params(self) -> Any: ...  # noqa: D102 (the chain's parameters, kvreplay.profiles.ChainParameters)
+    def params(self) -> Any: ...  # noqa: D102 (the chain's parameters, kvreplay.notebook.profiles.ChainParameters)
 
     @property
     def fixed(self) -> Any: ...  # noqa: D102 (the BF16 prefix bank, kvreplay.experiments.fixed_prefix.FixedPrefixes)
@@ -67,7 +68,8 @@ class Arm(Generic[R]):
     Attributes:
         experiment: the ledger label's experiment (``exp1``, ``exp2``, ``exp2_controls``, ``exp3``-``exp5``).
         row: ``(spec, problem, plan) -> record``, the per-row function on the eager path.
-        chunk: ``(spec, problems, plan) -> records``, the batched engine's per-chunk function.
+        chunk: ``(spec, problems, plan) -> records``, the batched engine's per-chunk function (a
+            :class:`~kvreplay.engine.Measured` list: the records with what the chunk's engines measured).
         key: the names of the entries the arm adds to its ledger key, beyond :meth:`ArmSettings.config`.
         prefixes: each problem needs its fixed BF16 boundary prefix (Experiments 2-5).
         live_check: below float32, sampled rows carry the ``live_equals_incremental`` gate (:func:`run_arm`).
@@ -78,7 +80,7 @@ class Arm(Generic[R]):
     """
     experiment: str
     row: Callable[[RunSpec, Problem, "ArmPlan[R]"], R]
-    chunk: Callable[[RunSpec, Sequence[Problem], "ArmPlan[R]"], list[R]]
+    chunk: Callable[[RunSpec, Sequence[Problem], "ArmPlan[R]"], Measured[R]]
     prepare: Callable[[Chain], "ArmPlan[R]"]
     key: tuple[str, ...] = ()
     prefixes: bool = False
@@ -189,7 +191,7 @@ class ArmPlan(Generic[R]):
         arm, plan = self.arm, self._bare()
         return lambda spec, problem: arm.row(spec, problem, plan)
 
-    def chunk_function(self) -> Callable[[RunSpec, Sequence[Problem]], list[R]]:
+    def chunk_function(self) -> Callable[[RunSpec, Sequence[Problem]], Measured[R]]:
         """``(spec, problems) -> records``, the arm's chunk function bound to these inputs."""
         arm, plan = self.arm, self._bare()
         return lambda spec, problems: arm.chunk(spec, problems, plan)

@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from ..engine import EngineStats, Measured
 from ..gates import GateError
 from ..ledger.files import ENVIRONMENT_TODO, atomic_write, read_json
 from ..ledger.store import canonical_json
-from ..problems import Problem
+from ..data.problems import Problem
 from .spec import EngineRun, RunSpec
 
 GRAPH_CHECK_STEPS = 32
@@ -71,7 +72,8 @@ class BatchedRows:
 
     Args:
         spec: the arm's run spec (``spec.engine`` set).
-        chunk: ``(spec, problems) -> records`` (:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`, ...).
+        chunk: ``(spec, problems) -> records``, a :class:`~kvreplay.engine.Measured` list whose ``stats`` sum the
+            chunk's engines (:func:`kvreplay.experiments.live_vs_prefill.live_vs_prefill_chunk`, ...).
         todo: the problems to compute, in order.
         composition_id: problem ID of the composition gate, or ``None``.
         reference: ``(problem, committed line)`` of a resumed arm (the line as in ``rows.jsonl``, without its
@@ -79,8 +81,8 @@ class BatchedRows:
         on_checks: called with the preflight gates just passed (``checks`` entries), as soon as they pass,
             so that an arm stopped later still has them in its run log.
         on_chunk: called after each chunk with ``{"chunk", "problems", "seconds", "steps", "slot_steps",
-            "busy_slot_steps", "occupancy"}`` (the engines' step counts of the chunk: its run's
-            :class:`~kvreplay.engine.EngineStats`, :meth:`~kvreplay.engine.EngineStats.chunk_event`).
+            "busy_slot_steps", "occupancy"}`` (the engines' step counts of the chunk: the ``stats`` its chunk
+            function returned, :meth:`~kvreplay.engine.EngineStats.chunk_event`).
 
     Deadline: when the environment variable :data:`CHUNK_DEADLINE_ENV` holds
     a wall-clock time (seconds since the epoch, as ``time.time()``), a chunk
@@ -94,6 +96,7 @@ class BatchedRows:
 
     Raises (while iterating):
         GateError: ``composition``, ``graph_equals_eager`` or ``attention_tolerance``.
+        TypeError: a chunk function that returned no :class:`~kvreplay.engine.Measured` list.
         ChunkDeadline: the next chunk (or, by its estimate, the first) would end after the deadline.
     """
     def __init__(self, spec: RunSpec, chunk: Callable, todo: Sequence[Problem], composition_id: str | None = None,
@@ -145,36 +148,48 @@ class BatchedRows:
                         self.on_checks(self.checks[before:])
                 ids = [p.problem_id for p in group]
                 probe = ids.index(self.composition_id) if self.composition_id in ids else None
-                t0, run = time.perf_counter(), self._run.measured()
+                t0, run = time.perf_counter(), self._run
                 if probe is not None:  # the preflight gates ride along in this chunk: composition probe queued last
                     run = dataclasses.replace(run, verify_steps=self._verify_steps, tolerance_check=True)
                 members = group + [group[probe]] if probe is not None else group
-                records = self.chunk(dataclasses.replace(self.spec, engine=run), members)
+                records, stats = self._computed(dataclasses.replace(self.spec, engine=run), members)
                 self.seconds.append(time.perf_counter() - t0)  # its gates included: they ride in the chunk
                 self.chunks.append(ids)
-                if self.on_chunk is not None and run.stats is not None:
-                    self.on_chunk(run.stats.chunk_event(len(group), self.seconds[-1]) | {"chunk": len(self.chunks)})
+                if self.on_chunk is not None:
+                    self.on_chunk(stats.chunk_event(len(group), self.seconds[-1]) | {"chunk": len(self.chunks)})
                 if probe is not None:
                     before = len(self.checks)
-                    self.check_composition(group[probe], records[probe], records[-1], len(group), run)
+                    self.check_composition(group[probe], records[probe], records[-1], len(group), run, stats)
                     records = records[:-1]
                     if self.on_checks is not None:
                         self.on_checks(self.checks[before:])
                 self.held.update(zip(ids, records))
             yield self.held.pop(it.problem_id)
 
+    def _computed(self, spec: RunSpec, problems: Sequence[Problem]) -> tuple[list[dict], EngineStats]:
+        """The chunk function's records of ``problems`` at ``spec`` and what its engines measured.
+
+        Raises:
+            TypeError: the chunk function returned no :class:`~kvreplay.engine.Measured` list."""
+        records = self.chunk(spec, problems)
+        if not isinstance(records, Measured):
+            raise TypeError(f"BatchedRows: the chunk function returned a {type(records).__name__}, not the "
+                            "kvreplay.engine.Measured list (records with their engines' stats) it must return")
+        return list(records), records.stats
+
     @property
     def _verify_steps(self) -> int:
         """Steps of each engine checked against the eager step: :data:`GRAPH_CHECK_STEPS` on the graph path, else 0."""
         return GRAPH_CHECK_STEPS if self._run.step_path == "graph" else 0
 
-    def check_composition(self, problem: Problem, record: dict, again: dict, size: int, run: EngineRun) -> None:
+    def check_composition(self, problem: Problem, record: dict, again: dict, size: int, run: EngineRun,
+                          stats: EngineStats) -> None:
         """The composition gate on one problem decoded twice in one chunk (and the gates that ran with it).
 
         ``again`` is the record of its second copy, queued after every other problem of the chunk. That copy
         starts when a slot frees late in the chunk: beside other companions, at another time and, as the queue hands
         slots out, in other slots. Its record must equal ``record`` byte for byte in canonical JSON. Also recorded
-        here, as they ran inside the chunk (``run``'s stats): ``graph_equals_eager`` (the chunk's first
+        here, as they ran inside the chunk (its engines' ``stats``): ``graph_equals_eager`` (the chunk's first
         :data:`GRAPH_CHECK_STEPS` steps of each engine re-run eagerly) and the first ``attention_tolerance`` check.
 
         Raises:
@@ -189,16 +204,15 @@ class BatchedRows:
                             "depend on its companions or its slot")
         self.checks.append({"gate": "composition", "problem_id": problem.problem_id, "chunk": size,
                             "batch": run.batch, "max_len": run.max_len, "probe": "second copy queued last in its chunk"})
-        self._ran_with(problem, record, run)
+        self._ran_with(problem, record, run, stats)
 
-    def _ran_with(self, problem: Problem, record: dict, run: EngineRun) -> None:
-        """Record the ``graph_equals_eager`` and ``attention_tolerance`` checks that ran in ``run``'s engines.
+    def _ran_with(self, problem: Problem, record: dict, run: EngineRun, measured: EngineStats) -> None:
+        """Record the ``graph_equals_eager`` and ``attention_tolerance`` checks that ran in engines at ``run``, as
+        their ``measured`` stats give them.
 
         Raises:
             GateError: ``attention_tolerance`` when an attention of the engine's own checked no boundary.
         """
-        measured = run.stats
-        assert measured is not None  # measured() set it
         if run.verify_steps:
             self.checks.append({"gate": "graph_equals_eager", "problem_id": problem.problem_id,
                                 "steps_checked": measured.verified_steps})
@@ -239,13 +253,12 @@ class BatchedRows:
             GateError: ``graph_equals_eager`` or ``attention_tolerance``.
         """
         run = self._run
-        alone_run = dataclasses.replace(run, verify_steps=self._verify_steps, tolerance_check=True,
-                                        fill_from="last").measured()
+        alone_run = dataclasses.replace(run, verify_steps=self._verify_steps, tolerance_check=True, fill_from="last")
         spec = dataclasses.replace(self.spec, engine=alone_run, memo=self.spec.memo)
         t0 = time.perf_counter()
-        alone = self.chunk(spec, [problem])[0]
+        (alone,), stats = self._computed(spec, [problem])
         seconds = round(time.perf_counter() - t0, 3)
-        self._ran_with(problem, alone, alone_run)
+        self._ran_with(problem, alone, alone_run, stats)
         return alone, seconds
 
 

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
-from .. import caches, decode, drift, engine, gates
+from ..decoding import caches, decode
+from ..analysis import drift
+from .. import engine, gates
 from ..gates import GateError
-from ..models import LoadedModel
-from ..problems import Problem
+from ..model.models import LoadedModel
+from ..data.problems import Problem
 
 
 def boundary_windows(a: decode.Boundary, b: decode.Boundary) -> tuple[int | None, ...] | None:

@@ -2,7 +2,7 @@
 
 :func:`keep_models` opens a scope in which :func:`load_kept` (what :meth:`kvreplay.runner.ArmSettings.load` calls)
 loads each model once per precision, role table and execution contract and hands the same
-:class:`~kvreplay.models.LoadedModel` to every later arm. Outside it each call loads its own.
+:class:`~kvreplay.model.models.LoadedModel` to every later arm. Outside it each call loads its own.
 """
 
 from __future__ import annotations
@@ -11,20 +11,20 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..execution import ExecutionContract
+from ..model.execution import ExecutionContract
 from ..ledger.store import canonical_json
-from ..models import LoadedModel, load_model
+from ..model.models import LoadedModel, load_model
 
 _KEPT: dict[str, LoadedModel] | None = None
 """The models :func:`keep_models` keeps, by model, precision, role table and execution contract; ``None``: none."""
 
 
 def load_kept(model: str | Path, dtype: str, role_table: str | Path | None, contract: ExecutionContract) -> LoadedModel:
-    """:func:`~kvreplay.models.load_model`, or inside :func:`keep_models` the model it loaded before for the same
+    """:func:`~kvreplay.model.models.load_model`, or inside :func:`keep_models` the model it loaded before for the same
     model, precision, role table and contract (the contract applied again, as a load applies it).
 
     Raises:
-        ModelLoadError: as :func:`~kvreplay.models.load_model`.
+        ModelLoadError: as :func:`~kvreplay.model.models.load_model`.
     """
     kept = _KEPT
     key = canonical_json({"model": str(model), "dtype": dtype, "role_table": str(role_table), "contract": repr(contract)})
@@ -47,7 +47,7 @@ def keep_models() -> Iterator[dict[str, LoadedModel]]:
     weights are loaded from the same digest-checked file.
 
     Yields:
-        the mapping of the models kept (a key -> :class:`~kvreplay.models.LoadedModel`).
+        the mapping of the models kept (a key -> :class:`~kvreplay.model.models.LoadedModel`).
     """
     global _KEPT
     outer = _KEPT

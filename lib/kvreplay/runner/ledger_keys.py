@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..ledger.store import canonical_json
-from ..models import EMBEDDED_MODELS, ModelLoadError, file_sha256, looks_like_path
+from ..model.models import EMBEDDED_MODELS, ModelLoadError, file_sha256, looks_like_path
 from ..paths import ROOT
-from ..problems import Problem
+from ..data.problems import Problem
 
 
 def model_key(model: str) -> dict:

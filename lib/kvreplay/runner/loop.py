@@ -89,8 +89,8 @@ from ..ledger.files import read_log
 from ..ledger.checked import checked_rows, pending_rows
 from ..ledger.store import READ_ONLY_ENV, Ledger, ReadOnlyLedgerError, row_bar, run_rows
 from ..engine.run import EngineRun
-from ..models import context_length
-from ..problems import Problem
+from ..model.models import context_length
+from ..data.problems import Problem
 from .actors import RowActors
 from .batched import BatchedRows, gate_recorder
 from .row_checks import EAGER_SAMPLE_CHUNK, failed_equivalence_samples, recheck_pending, sampled_equivalence

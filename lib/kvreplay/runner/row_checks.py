@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ..contract import BlockFormat, Caps, ContractError
-from ..problems import Problem
+from ..decoding.contract import BlockFormat, Caps, ContractError
+from ..data.problems import Problem
 
 
 LIVE_CHECK_FRACTION = 1.0
@@ -54,7 +54,7 @@ def live_check_ids(problem_ids: Sequence[str], preflight: int, fraction: float) 
 
 def check_counts(settings: Any) -> None:
     """Refuse counts of an :class:`~kvreplay.runner.spec.ArmSettings` that no profile could hold
-    (:class:`kvreplay.profiles.ChainParameters`): ``preflight`` below 0; a cap, ``batch``, ``chunk`` or ``workers``
+    (:class:`kvreplay.notebook.profiles.ChainParameters`): ``preflight`` below 0; a cap, ``batch``, ``chunk`` or ``workers``
     below 1; any of them not a whole number.
 
     Raises:
@@ -86,7 +86,7 @@ def check_prompts(
         caps: content caps; required when ``max_positions`` is given.
 
     Raises:
-        ContractError: naming the problem ID, its file and line (:attr:`~kvreplay.problems.Problem.where`)
+        ContractError: naming the problem ID, its file and line (:attr:`~kvreplay.data.problems.Problem.where`)
             and, for the length check, the positions needed and available.
         ValueError: ``max_positions`` given without ``caps``.
     """

@@ -23,14 +23,16 @@ from typing import Any, TypeGuard
 
 import torch
 
-from .. import decode, engine, kernels, ties
+from ..decoding import decode, ties
+from .. import engine
+from ..model import kernels
 from ..arm_facts import ARM_FACTS, Derived
 from ..engine import EngineRun
-from ..contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
-from ..decoding import Decoding, parse_rule
+from ..decoding.contract import BlockFormat, Caps, ContractError, load_spec, resolve_format
+from ..decoding.settings import Decoding, parse_rule
 from ..ledger.store import canonical_json
-from ..execution import ExecutionContract, check_sdpa_on_device, device_type, resolve_contract
-from ..models import (
+from ..model.execution import ExecutionContract, check_sdpa_on_device, device_type, resolve_contract
+from ..model.models import (
     LoadedModel,
     ModelLoadError,
     attention_layout,
@@ -40,7 +42,7 @@ from ..models import (
     self_check,
 )
 from ..paths import ROOT
-from ..problems import Problem
+from ..data.problems import Problem
 from .ledger_keys import model_key, problems_digest, role_table_key  # noqa: F401  (re-exported)
 from .row_checks import LIVE_CHECK_FRACTION, LIVE_CHECK_SALT, check_counts, check_prompts, live_check_ids  # re-exported
 
@@ -55,7 +57,7 @@ class RunSpec:
         lm: loaded model (its dtype is the run's precision).
         fmt: resolved block format.
         decoding: caps, the parsed tie rule and top-logit recording as one value
-            (:class:`~kvreplay.decoding.Decoding`, :attr:`ArmSettings.decoding`); row and chunk functions pass it
+            (:class:`~kvreplay.decoding.settings.Decoding`, :attr:`ArmSettings.decoding`); row and chunk functions pass it
             whole to the eager and the batched decoders.
         faults: optional hook called with the boundary states right after
             they are built and before any gate runs; tests use it to plant
@@ -69,7 +71,7 @@ class RunSpec:
             every row from the row's own comparison.
         engine: the batch shape and step path of a batched runner
             (:class:`EngineRun`); ``None`` for the one-problem decoders of
-            :mod:`kvreplay.decode`.
+            :mod:`kvreplay.decoding.decode`.
         memo: float32 construction-equivalence records already computed in
             this run, by problem ID and prefix (a batched runner computes a
             preflight problem twice for the composition gate; the check does
@@ -83,11 +85,11 @@ class RunSpec:
             ``seconds``), for the arm's run log (:func:`kvreplay.runner.run_arm` empties it).
 
     Building a RunSpec checks the model (:func:`check_model`): a model that did not come through
-    :func:`~kvreplay.models.load_model` gets the same checks here, once per model object.
+    :func:`~kvreplay.model.models.load_model` gets the same checks here, once per model object.
 
     Raises:
         ModelLoadError: a model whose KV cache the protocol cannot audit, or that ignores the explicit
-            4-D mask or position IDs (the messages of :func:`~kvreplay.models.load_model`).
+            4-D mask or position IDs (the messages of :func:`~kvreplay.model.models.load_model`).
     """
     lm: LoadedModel
     fmt: BlockFormat
@@ -153,18 +155,18 @@ _MODEL_CHECKS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.Weak
 
 
 def check_model(lm: LoadedModel) -> dict:
-    """The checks :func:`~kvreplay.models.load_model` makes, for a model however it was built; once per model object.
+    """The checks :func:`~kvreplay.model.models.load_model` makes, for a model however it was built; once per model object.
 
-    Refuses a KV cache the protocol cannot audit (:func:`~kvreplay.models.check_cache_auditable`: sliding-window,
+    Refuses a KV cache the protocol cannot audit (:func:`~kvreplay.model.models.check_cache_auditable`: sliding-window,
     chunked, linear-attention or hybrid layers). Reuses the load self-check record a loaded model carries
-    (``identity["self_check"]``), else runs :func:`~kvreplay.models.self_check` (the explicit 4-D mask and
+    (``identity["self_check"]``), else runs :func:`~kvreplay.model.models.self_check` (the explicit 4-D mask and
     position IDs obeyed; five decodes of 8 tokens).
 
     Returns:
         The self-check record.
 
     Raises:
-        ModelLoadError: the messages of :func:`~kvreplay.models.load_model`.
+        ModelLoadError: the messages of :func:`~kvreplay.model.models.load_model`.
     """
     if lm.model in _MODEL_CHECKS:
         return _MODEL_CHECKS[lm.model]
@@ -177,7 +179,7 @@ def check_model(lm: LoadedModel) -> dict:
 
 
 ARM_STEP_PATHS = ("eager", "engine-eager", "graph")
-"""Decode paths of an arm: :mod:`kvreplay.decode` (reference), the engine's op-by-op step, its CUDA graph."""
+"""Decode paths of an arm: :mod:`kvreplay.decoding.decode` (reference), the engine's op-by-op step, its CUDA graph."""
 
 
 def _whole(v: object) -> TypeGuard[int]:
@@ -220,7 +222,7 @@ def check_execution(contract: dict) -> None:
             ``batch`` below 1; ``max_len`` below 2; ``chunk`` below 1; a batch shape, chunk or an attention other than
             ``"sdpa"`` given with ``step_path="eager"``; an unknown attention; ``attention="flex"`` with a ``max_len``
             that is not a multiple of 128; an unknown ``tie_rule``; a ``kernels`` value unknown or off its paths
-            (:func:`kvreplay.kernels.check_step_path`).
+            (:func:`kvreplay.model.kernels.check_step_path`).
     """
     c = contract
     parse_rule(c.get("tie_rule", ties.DEFAULT_TIE_RULE))  # ValueError naming the rules
@@ -266,8 +268,8 @@ class ArmSettings:
     the rows after the preflight ones whose live boundary a run below float32 checks (gate
     ``live_equals_incremental``; :func:`live_check_ids`). It is not part of the key: a row that passes records nothing
     more. The execution contract: ``threads`` (intra-op threads), ``sdpa_backends``, the CUDA side
-    (:class:`~kvreplay.execution.ExecutionContract`: ``device``, ``deterministic``, ``allow_tf32``, ``kernels``:
-    :mod:`kvreplay.kernels`), and the fields below. The notebooks take the contract as one mapping
+    (:class:`~kvreplay.model.execution.ExecutionContract`: ``device``, ``deterministic``, ``allow_tf32``, ``kernels``:
+    :mod:`kvreplay.model.kernels`), and the fields below. The notebooks take the contract as one mapping
     parameter, ``execution``, over these fields' defaults (:data:`EXECUTION_DEFAULTS`, checked by
     :func:`resolve_execution`).
 
@@ -279,13 +281,13 @@ class ArmSettings:
 
     The decode path is part of the contract too:
 
-    * ``step_path``: ``"eager"`` (default, the reference): one problem at a time through :mod:`kvreplay.decode`
+    * ``step_path``: ``"eager"`` (default, the reference): one problem at a time through :mod:`kvreplay.decoding.decode`
       (``DynamicCache``, one forward call per token); ``"engine-eager"``: the batched engine (:mod:`kvreplay.engine`)
       with its op-by-op step (runs on the CPU); ``"graph"``: the engine with its step replayed as a CUDA graph.
     * ``batch``: problems per batched step ``B`` (the engine's ``2B`` rows);
     * ``max_len``: positions per row of the engine's static cache, or ``None``
       for the arm's bound. That bound is the longest full sequence any of its problems
-      can reach (:meth:`~kvreplay.contract.BlockFormat.max_sequence_length`
+      can reach (:meth:`~kvreplay.decoding.contract.BlockFormat.max_sequence_length`
       of its prompt at the caps), so one arm has one batch shape.
     * ``chunk``: problems the batched runner gives the engine at once, ``None``
       for ``batch``. More problems than slots keep the slots busy (a finished
@@ -311,7 +313,7 @@ class ArmSettings:
     be used). Every arm of an experiment should run under the same contract.
 
     ``caps``, ``tie_rule`` and ``top_logits`` (parameter ``record_top_logits``) key the ledger as their
-    :attr:`decoding` writes them (:meth:`kvreplay.decoding.Decoding.key`: at their defaults, nothing).
+    :attr:`decoding` writes them (:meth:`kvreplay.decoding.settings.Decoding.key`: at their defaults, nothing).
 
     Raises:
         ValueError: an execution contract :func:`check_execution` refuses; ``live_check_fraction`` outside
@@ -381,7 +383,7 @@ class ArmSettings:
                    **engine_keys, tie_rule=decoding.tie_rule.name, top_logits=decoding.top_logits)
 
     def eager(self) -> "ArmSettings":
-        """These settings on the eager reference path (:mod:`kvreplay.decode`): the engine keys at their defaults."""
+        """These settings on the eager reference path (:mod:`kvreplay.decoding.decode`): the engine keys at their defaults."""
         defaults: dict[str, Any] = {k: EXECUTION_DEFAULTS[k] for k in ENGINE_KEYS}
         return dataclasses.replace(self, **defaults)
 
@@ -403,7 +405,7 @@ class ArmSettings:
 
         Args:
             config: the loaded model's ``transformers`` config, when known: its layers must be full or
-                sliding-window attention (:func:`kvreplay.models.attention_layout`), which the engine masks as
+                sliding-window attention (:func:`kvreplay.model.models.attention_layout`), which the engine masks as
                 the eager decoders do.
 
         Raises:
@@ -457,7 +459,7 @@ class ArmSettings:
 
     @functools.cached_property
     def decoding(self) -> Decoding:
-        """Its :class:`~kvreplay.decoding.Decoding`, built once (:meth:`Decoding.of` checks each setting); its
+        """Its :class:`~kvreplay.decoding.settings.Decoding`, built once (:meth:`Decoding.of` checks each setting); its
         entries key the ledger and its rows are decoded by it."""
         return Decoding.of(self.caps, self.tie_rule, self.top_logits)
 
