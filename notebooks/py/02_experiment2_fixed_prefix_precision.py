@@ -150,9 +150,10 @@ for d in p.precisions:
                  f"{s['drift_median']:.3g}; accuracy incremental {s['accuracy_ref']}/{s['n']} "
                  f"vs prefill {s['accuracy_prefill']}/{s['n']}.")
 if cross:
-    c = cross["suffix"]["change"]
-    lines.append(f"- Paired FP32 − BF16 change in suffix disagreement: {100 * c.estimate:+.1f} pts "
-                 f"[{100 * c.low:+.1f}, {100 * c.high:+.1f}] (McNemar p = {cross['suffix']['mcnemar'].pvalue:.3g}); "
+    c = cross["suffix"]["change"]  # None on fewer than two rows: no paired bootstrap
+    ci = f"{100 * c.estimate:+.1f} pts [{100 * c.low:+.1f}, {100 * c.high:+.1f}]" if c else "n/a (one row)"
+    lines.append(f"- Paired FP32 − BF16 change in suffix disagreement: {ci} "
+                 f"(McNemar p = {cross['suffix']['mcnemar'].pvalue:.3g}); "
                  f"prefixes identical across precision {cross['prefix_identical']}/{cross['n']}.")
 if cross:
     e = cross["accuracy_effect"]["change"]

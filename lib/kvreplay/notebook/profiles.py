@@ -131,7 +131,7 @@ class AdaptSelection(_Block):
         return self
 
 
-SMOKE_SELECTION = AdaptSelection(n_heldout=4, max_letter_share=0.6, recipes=(
+SMOKE_SELECTION = AdaptSelection(n_heldout=2, max_letter_share=0.6, recipes=(
     AdaptRecipe(name="smoke"), AdaptRecipe(name="smoke-balanced", letter_balanced=True)))
 """The ``smoke`` profile's recipe search (the field default): the base recipe, and the same letter-balanced."""
 
@@ -165,7 +165,7 @@ class ChainParameters(BaseModel):
         'kvreplay.runner.EXECUTION_DEFAULTS, e.g. {"device": "cuda", "step_path": "graph", "batch": 32}. Notebook 00 '
         "trains and scores in FP32 on the CPU under its threads and sdpa_backends only")
     # Experiment 1 (notebook 01)
-    n_rows: int = Field(2, ge=1, description="Experiment 1 problems, the first of the bank (paper: 200)")
+    n_rows: int = Field(1, ge=1, description="Experiment 1 problems, the first of the bank (paper: 200)")
     preflight: int = Field(1, description="Experiment 1 preflight rows per precision, at least 1 (paper: 8)")
     live_check_fraction: float = Field(
         LIVE_CHECK_FRACTION, ge=0, le=1, description="share of Experiment 1's rows after the preflight ones whose "
@@ -201,19 +201,19 @@ class ChainParameters(BaseModel):
         "report_both", description="Experiment 4 panel rows that fail the transplant's argmax precondition: left out "
         "of the endpoints, counted as failures, or both counts in the table (a reporting rule, not in the ledger key)")
     # Experiment 5 (notebook 05)
-    n_exp5: int = Field(2, ge=1, description="Experiment 5 panel rows (paper: 48)")
+    n_exp5: int = Field(1, ge=1, description="Experiment 5 panel rows (paper: 48)")
     replication_model: str | None = Field(None, description="None: the chain's model + the later role table of "
                                           "notebook 00; or any HF folder / .gguf / cached hub id")
     replication_role_table: str | None = Field(None, description="optional role-table file for the replication checkpoint")
     # the role-table adaptation (notebook 00)
     adapt_source: str = Field("openbookqa", description="training data (a kvreplay.data.bank.SOURCES key), disjoint "
                               "from the MMLU bank")
-    adapt_n_train: int = Field(4, ge=1, description="training rows (of a recipe that does not set n_train)")
-    adapt_n_heldout: int = Field(2, ge=1, description="held-out OpenBookQA rows of the training curve (every recipe)")
-    adapt_steps: int = Field(4, ge=1, description="optimizer steps (of a recipe that does not set steps)")
+    adapt_n_train: int = Field(2, ge=1, description="training rows (of a recipe that does not set n_train)")
+    adapt_n_heldout: int = Field(1, ge=1, description="held-out OpenBookQA rows of the training curve (every recipe)")
+    adapt_steps: int = Field(2, ge=1, description="optimizer steps (of a recipe that does not set steps)")
     adapt_batch: int = Field(1, ge=1, description="sequences per step (of a recipe that does not set batch)")
     adapt_lr: float = Field(0.005, gt=0, description="learning rate (of a recipe that does not set lr)")
-    adapt_checkpoints: tuple[int, int] = Field((2, 4), description="[early, later] steps whose role tables are saved "
+    adapt_checkpoints: tuple[int, int] = Field((1, 2), description="[early, later] steps whose role tables are saved "
                                                "(of a recipe that does not set checkpoints)")
     adapt_eval_every: int = Field(2, ge=1, description="held-out evaluation every this many steps")
     adapt_seed: int = Field(SEED, description="seed of the training run")
@@ -223,7 +223,7 @@ class ChainParameters(BaseModel):
         default_factory=lambda: SMOKE_SELECTION, description="notebook 00's recipe search: a criterion and the recipes "
         "tried on held-out MMLU rows, one chosen by a fixed rule (kvreplay.adapt.selection); each recipe's values over "
         "the adapt_* ones")
-    n_adapt_eval: int = Field(4, ge=1, description="MMLU bank rows of the checkpoint-0 vs later accuracy table")
+    n_adapt_eval: int = Field(2, ge=1, description="MMLU bank rows of the checkpoint-0 vs later accuracy table")
     # statistics
     n_resamples: int = Field(20000, ge=1, description="bootstrap replicates of every interval (paper: 20,000)")
     seed: int = Field(SEED, description="seed of the bootstrap and of the controls' null perturbation")
