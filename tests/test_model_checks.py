@@ -130,7 +130,9 @@ def test_role_table_sequences_count_against_the_context(tmp_path):
     """Caps small enough for the rows: notebook 00's staged training sequences (no caps) are what overflow."""
     m = make_model("llama", len(make_tokenizer()))
     params = load_parameters("smoke", {"n_rows": 1, "n_adapt_eval": 1, "problems": "bank"})
-    m.config.max_position_embeddings = 1400  # above the first bank row's capped sequence, below a training row
+    # the recipe search's four held-out MMLU rows (the smoke profile now scores two): one of them overflows 1400
+    params = params.model_copy(update={"adapt_selection": params.adapt_selection.model_copy(update={"n_heldout": 4})})
+    m.config.max_position_embeddings = 1400  # above the first bank row's capped sequence, below a held-out row's
     folder = _save(tmp_path, "tiny-llama-1400", config=m.config)
     with pytest.raises(ModelLoadError, match=r"has 1400 positions.*notebook 00's role-table training.*-token "
                                              r"sequence.*give replication_model"):
