@@ -29,7 +29,7 @@ def _gpu_profile_script():
 def test_session_builds_the_arm_settings_the_notebooks_use(tmp_path, capsys):
     s = open_session(NB, "smoke", {"ledger_root": str(tmp_path / "l"), "figures_root": str(tmp_path / "f")})
     assert capsys.readouterr().out.startswith("profile smoke (notebooks/params/smoke.yaml, sha256 ")  # what the notebook shows
-    assert s.params.n_rows == 2 and s.profile == "smoke"
+    assert s.params.n_rows == 1 and s.profile == "smoke"
     assert s.ledger_root == tmp_path / "l" and s.out_dir == tmp_path / "f" / "smoke"
     assert (s.caps.branch, s.caps.merge, s.caps.answer) == (8, 8, 4) and len(s.bank) == 200
     a = s.settings("bfloat16", 1)
@@ -197,7 +197,7 @@ def test_adapt_config_comes_from_the_profile_and_the_training_model_loads_only_w
     assert (balanced.name, balanced.letter_balanced, plain.letter_balanced) == ("smoke-balanced", True, False)
     assert dataclasses.replace(balanced, name="smoke", letter_balanced=False) == plain  # nothing else differs
     assert (plain.threads, plain.sdpa_backends) == (s.execution["threads"], tuple(s.execution["sdpa_backends"]))
-    assert s.adapt_criterion() == adapt.Criterion(4, 0.6)
+    assert s.adapt_criterion() == adapt.Criterion(2, 0.6)  # smoke.yaml: adapt_selection.n_heldout 2
     assert s._training_model is None  # nothing loaded until a loader call
     with pytest.raises(ValueError, match="checkpoints"):
         open_session("notebooks/00_role_adaptation.ipynb", "smoke", {"adapt_steps": 4, "adapt_checkpoints": [2, 8]})
