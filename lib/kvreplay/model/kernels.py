@@ -476,9 +476,17 @@ def _installed_fused(model: torch.nn.Module) -> Iterator[None]:
         else:
             continue
         patched.append(module)
+    with _guarded(model, patched, FUSED_ATTENTION_NAME):
+        yield
+
+
+@contextlib.contextmanager
+def _guarded(model: torch.nn.Module, patched: list[torch.nn.Module], attention: str) -> Iterator[None]:
+    """Run ``model`` with its attention function registered as ``attention`` under the guard; on exit restore its
+    attention and drop the instance-level forwards of ``patched`` (:func:`_wrap`)."""
     cfg = model.config
     before = cfg._attn_implementation
-    cfg._attn_implementation = FUSED_ATTENTION_NAME
+    cfg._attn_implementation = attention
     try:
         with _Guard():
             yield
@@ -548,13 +556,5 @@ def installed(model: torch.nn.Module, kernels: "str | KernelSpec") -> Iterator[N
         else:
             continue
         patched.append(module)
-    cfg = model.config
-    before = cfg._attn_implementation
-    cfg._attn_implementation = attention_name(spec.attention_block) if "attention" in on else GUARDED_SDPA_NAME
-    try:
-        with _Guard():
-            yield
-    finally:
-        cfg._attn_implementation = before
-        for module in patched:
-            del module.forward
+    with _guarded(model, patched, attention_name(spec.attention_block) if "attention" in on else GUARDED_SDPA_NAME):
+        yield
