@@ -108,7 +108,8 @@ precisions: [bfloat16, float32]
 execution:
   threads: 2
 """
-"""The README's example of a user's own profile ("Audit your own model")."""
+"""A user's own profile that names no ``base:`` (README, "Audit your own model", writes ``base: own``): what it leaves
+out comes from ``cpu``."""
 
 
 def test_a_users_profile_takes_what_it_leaves_out_from_cpu_not_smoke(tmp_path, capsys):
