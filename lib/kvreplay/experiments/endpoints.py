@@ -8,8 +8,8 @@ change of the cache can flip it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, overload
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, TypeVar, overload
 
 from ..decoding import decode
 from ..gates import GateError
@@ -118,6 +118,33 @@ def require_gates(records: Sequence[Any]) -> list[Any]:
     if failed:
         raise GateError("report", f"{len(failed)} row(s) failed integrity gates, endpoints withheld: {failed}")
     return list(records)
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def paired_with_reference(reference: Sequence[Exp1Record], others: Mapping[K, Sequence[Exp1Record]], reference_key: K,
+                          what: str) -> dict[K, list[Exp1Row]]:
+    """Experiment 1's rows and those of the arms rerun beside it (a tie rule, a branch cap), gated and paired.
+
+    Returns:
+        ``reference_key`` -> the reference's rows, then each key of ``others`` -> its rows: every arm on the
+        reference's problems in the reference's order, so a row pairs with its reference row (exact McNemar).
+
+    Raises:
+        GateError: a row failed a gate (``report``).
+        ValueError: ``others`` holds ``reference_key`` (its arm is Experiment 1 itself), or an arm's problems
+            differ from the reference's; ``what`` names the key in the message (e.g. ``"tie rule"``).
+    """
+    if reference_key in others:
+        raise ValueError(f"{what} {reference_key!r} is the chain's own: its arm is Experiment 1 itself")
+    ids = [r["problem_id"] for r in reference]
+    out: dict[K, list[Exp1Row]] = {}
+    for key, records in {reference_key: reference, **others}.items():
+        out[key] = require_gates(records)
+        if [r["problem_id"] for r in out[key]] != ids:
+            raise ValueError(f"{what} {key!r}: its rows are not the reference's problems in the same order")
+    return out
 
 
 def with_derived_endpoints(rec: Exp1Row | Exp2Row, ref: str) -> Endpoints:

@@ -31,7 +31,7 @@ from ..arm_facts import declared_in, facts
 from ..ledger.records import Exp1Record
 from ..runner.arms import Arm, ArmPlan, Chain
 from ..analysis.stats import mcnemar_exact, wilson
-from .endpoints import require_gates
+from .endpoints import paired_with_reference
 from .live_vs_prefill import EXP1
 
 
@@ -78,15 +78,10 @@ def length_summary(reference: Sequence[Exp1Record], by_cap: Mapping[int, Sequenc
         GateError: a row failed a gate (``report``).
         ValueError: a cap's problems differ from the reference's, or ``by_cap`` holds the reference's cap.
     """
-    if reference_cap in by_cap:
-        raise ValueError(f"branch cap {reference_cap} is the chain's own: its arm is Experiment 1 itself")
-    ref = require_gates(reference)
-    ids = [r["problem_id"] for r in ref]
+    paired = paired_with_reference(reference, by_cap, reference_cap, "branch cap")
+    ref = paired[reference_cap]
     out: dict[int, dict] = {}
-    for cap, records in sorted({reference_cap: reference, **by_cap}.items()):
-        rows = require_gates(records)
-        if [r["problem_id"] for r in rows] != ids:
-            raise ValueError(f"branch cap {cap}: its rows are not the reference's problems in the same order")
+    for cap, rows in sorted(paired.items()):
         lengths = [r["prefix_len"] for r in rows]
         div = [r["endpoints"]["suffix_differs"] for r in rows]
         moved = None if cap == reference_cap else [

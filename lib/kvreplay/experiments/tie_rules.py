@@ -18,7 +18,7 @@ from ..ledger.records import Exp1Record, Exp1Row
 from ..runner.arms import Arm, ArmPlan, Chain
 from ..analysis.stats import Proportion, mcnemar_exact, wilson
 from ..decoding.ties import DEFAULT_TIE_RULE
-from .endpoints import is_tie, require_gates
+from .endpoints import is_tie, paired_with_reference, require_gates
 from .live_vs_prefill import EXP1
 
 ARMS = ("live", "prefill")
@@ -115,22 +115,17 @@ def tie_rule_summary(reference: Sequence[Exp1Record], by_rule: Mapping[str, Sequ
         GateError: a row failed a gate (``report``).
         ValueError: a rule's problems differ from the reference's, or ``by_rule`` holds the reference's rule.
     """
-    if reference_rule in by_rule:
-        raise ValueError(f"tie rule {reference_rule!r} is the reference's own: its arm is Experiment 1 itself")
-    ref = require_gates(reference)
-    ids = [r["problem_id"] for r in ref]
+    paired = paired_with_reference(reference, by_rule, reference_rule, "tie rule")
+    ref = paired[reference_rule]
     out: dict[str, dict] = {}
-    for rule, records in {reference_rule: reference, **by_rule}.items():
-        rows = require_gates(records)
-        if [r["problem_id"] for r in rows] != ids:
-            raise ValueError(f"tie rule {rule!r}: its rows are not the reference's problems in the same order")
+    for rule, rows in paired.items():
         div = [r for r in rows if r["endpoints"]["suffix_differs"]]
         tie = sum(bool(r["endpoints"]["tie_initiated"]) for r in div)
         gaps = [_first_gap_units(r) for r in div if not r["endpoints"]["tie_initiated"]]
         out[rule] = {
             "n": len(rows), "suffix": wilson(len(div), len(rows)), "tie": tie, "nonzero": len(div) - tie,
             "one_spacing": None if any(g is None for g in gaps) else sum(g == 1 for g in gaps),
-            "mcnemar": None if records is reference else mcnemar_exact(
+            "mcnemar": None if rule == reference_rule else mcnemar_exact(
                 [r["endpoints"]["suffix_differs"] for r in ref], [r["endpoints"]["suffix_differs"] for r in rows]),
         }
     return out
