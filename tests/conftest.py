@@ -275,12 +275,13 @@ def progress(pytestconfig):
     return say
 
 
-FIRST = ("test_notebooks.py", "test_golden_rows.py", "test_own_model.py", "test_models.py", "test_browser.py",
-         "test_parallel.py", "test_live_check.py", "test_provenance_pages.py", "test_ledger.py", "test_static_types.py",
+FIRST = ("test_notebooks.py", "test_browser.py", "test_own_model.py", "test_parallel.py", "test_models.py",
+         "test_golden_rows.py", "test_live_check.py", "test_provenance_pages.py", "test_ledger.py", "test_static_types.py",
          "test_progress.py", "test_gemma.py", "test_engine_row_digests.py", "test_batched_experiments.py",
          "test_honest_endpoints.py", "test_paper_cli.py", "test_kernel_ablation.py")
 """Test files that run first, longest first (the files that took longest in a full run): the notebook chain (by far the
-longest), the golden rows, the README's own-model example through `make paper`, then the other long ones. ``make test``
+longest), the explorer in a browser, the README's own-model example through `make paper`, then the other long
+ones. ``make test``
 spreads files over two pytest-xdist workers in this order (``--dist loadfile``). So the chain starts at once on one
 worker while the other takes everything else, and the run ends on short files, not on a long one with a worker idle."""
 

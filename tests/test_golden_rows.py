@@ -81,29 +81,36 @@ def test_each_recomputed_profile_was_written_by_one_library():
             "take them out of LIBRARY_PENDING")
 
 
-GOLDEN = ("exp1-bfloat16", "exp2-float32", "exp2_controls-bfloat16", "exp3-bfloat16", "exp4-bfloat16", "exp5-bfloat16")
-"""One ledger per experiment (both precisions covered: Experiment 1 in BF16, Experiment 2 in FP32, which share the
-four-arm matrix), each recomputing its row that took the least wall time when it was computed."""
+GOLDEN = ("exp1-bfloat16",)
+"""The committed cpu ledger whose fastest row is recomputed here: the anchor that the committed profile, not only
+the code, recomputes (``make verify`` recomputes the others). Every experiment's row function, at both precisions,
+is compared byte for byte with committed golden rows by the smoke chain (tests/golden_smoke.py, run in
+tests/test_notebooks.py), at no extra cost."""
 
 
 @pytest.mark.notebook
-def test_one_committed_row_per_experiment_recomputes(capsys):
-    """The ledgers share their loads (``keep_models``, as a GPU profile's one process runs its arms): the four BF16
-    ledgers of the plain model load it once, Experiment 5 (its role table) and the FP32 one each once more."""
-    from kvreplay.runner import keep_models
+def test_a_committed_row_recomputes(capsys):
     from kvreplay.verify import verify_profile
 
-    with keep_models() as kept:
-        results = verify_profile(LEDGERS, COMMITTED, rows=1, only=[f"{g}-" for g in GOLDEN], pick="fastest")
+    results = verify_profile(LEDGERS, COMMITTED, rows=1, only=[f"{g}-" for g in GOLDEN], pick="fastest")
     with capsys.disabled():
         for r in results:
             print(f"\n  golden row {r.ledger} {r.problem_id} ({r.seconds:.0f} s): {r.mode}, {r.detail}",
                   end="")
-    assert len(kept) < len(results), sorted(kept)  # a load per precision and role table, not one per ledger
-    assert {r.ledger.rsplit("-", 1)[0] for r in results} == {g for g in GOLDEN if g.split("-")[0] not in PENDING}
-    assert {g.split("-")[0] for g in GOLDEN} == set(ROW_ALGORITHM) - {"adapt_eval"} - OPTIONAL  # every experiment has one
+    assert {r.ledger.rsplit("-", 1)[0] for r in results} == set(GOLDEN)
     bad = [r for r in results if not r.ok]
     assert not bad, bad
+
+
+def test_every_experiment_has_golden_smoke_rows():
+    """Every experiment a profile always computes has its rows among the golden smoke rows, at each precision the
+    smoke profile runs it (the optional arms run Experiment 1's or 2's row function)."""
+    from golden_smoke import GOLDEN as SMOKE_GOLDEN
+
+    keys = {p.name.split(".")[0].split("-")[0] for p in SMOKE_GOLDEN.glob("*-*.jsonl")}
+    assert keys == set(ROW_ALGORITHM) - OPTIONAL, keys
+    assert {"exp1-bfloat16.jsonl", "exp1-float32.jsonl", "exp2-bfloat16.jsonl", "exp2-float32.jsonl"} <= {
+        p.name for p in SMOKE_GOLDEN.iterdir()}
 
 
 def _fewest_decoder_steps(folder) -> str:
@@ -146,3 +153,22 @@ def test_verify_refuses_an_unknown_profile_and_a_selection_of_nothing(capsys):
     assert "profiles with ledgers" in capsys.readouterr().err
     assert main(["--profile", COMMITTED, "--only", "exp9"]) == 2
     assert "matches --only exp9" in capsys.readouterr().err
+
+
+def test_kept_models_load_once_per_precision_role_table_and_contract(monkeypatch):
+    """Inside ``keep_models`` (a GPU profile's one process) a second arm of the same model, precision, role table and
+    contract gets the first one's model; any of the four changed loads anew, and outside the scope every call loads."""
+    from kvreplay.model.execution import ExecutionContract
+    from kvreplay.runner import kept
+
+    loads = []
+    monkeypatch.setattr(kept, "load_model", lambda *a, **k: loads.append((a, k)) or object())
+    math, other = ExecutionContract(sdpa_backends=("math",)), ExecutionContract(sdpa_backends=("math",), threads=2)
+    with kept.keep_models() as models:
+        first = kept.load_kept("m", "bfloat16", None, math)
+        assert kept.load_kept("m", "bfloat16", None, ExecutionContract(sdpa_backends=("math",))) is first
+        others = [kept.load_kept("m", "float32", None, math), kept.load_kept("m", "bfloat16", "t.pt", math),
+                  kept.load_kept("m", "bfloat16", None, other), kept.load_kept("n", "bfloat16", None, math)]
+        assert len({id(x) for x in [first, *others]}) == 5 and len(models) == 5 and len(loads) == 5
+    kept.load_kept("m", "bfloat16", None, math)
+    assert len(loads) == 6

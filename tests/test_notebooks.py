@@ -262,6 +262,18 @@ def test_explorer_rebuild_reproduces_the_ledger(chain_run):
     assert "differs" not in text.split("rebuilt values against the ledger row's", 1)[1].split("bit for bit", 1)[0]
 
 
+def test_the_chain_computes_the_golden_rows(chain_run, capsys):
+    """Every row, the fixed-prefix bank and the panels the chain computed are byte for byte the committed golden
+    copies (tests/golden_smoke.py) where the environment is the one that wrote them (CI's); elsewhere skipped."""
+    from golden_smoke import differences
+
+    _, ledgers, _ = chain_run
+    skipped, differ = differences(ledgers / "smoke")
+    if skipped:
+        pytest.skip(skipped)
+    assert not differ, "\n".join(differ)
+
+
 def test_tables_notebook_names_the_missing_notebook(tmp_path):
     with pytest.raises(pm.PapermillExecutionError, match="01_experiment1_live_vs_prefill"):
         _execute("06_tables.ipynb", tmp_path, tmp_path / "none", tmp_path / "figs")
