@@ -191,8 +191,11 @@ def test_checkpoints_outside_the_training_are_refused_before_anything_runs(check
 
 
 def test_the_paper_profiles_done_list_is_what_its_committed_ledgers_hold():
-    """`done:` in notebooks/params/paper.yaml names every started arm of data/ledgers/paper with its finished rows."""
+    """`done:` in notebooks/params/paper.yaml names every started arm of data/ledgers/paper with its finished rows
+    (an arm with variants, one ledger each, by variant as make paper names it: `exp1_ties-bfloat16 (highest)`,
+    `exp1_length-bfloat16 (384)`)."""
 
+    from kvreplay.arm_facts import facts
     from kvreplay.ledger.lookup import ledger_progress
     from kvreplay.paths import LEDGERS, ROOT
 
@@ -200,8 +203,9 @@ def test_the_paper_profiles_done_list_is_what_its_committed_ledgers_hold():
     held = {}
     for folder in sorted(p for p in (LEDGERS / "paper").iterdir() if p.is_dir()):
         arm = folder.name.rsplit("-", 1)[0]
-        if arm.startswith("exp1_ties-"):  # the tie-rule control: one ledger per rule, `exp1_ties-bfloat16 (highest)`
-            arm += f" ({json.loads((folder / 'manifest.json').read_text())['config']['tie_rule']})"
+        key = facts(arm.rsplit("-", 1)[0]).variant_key
+        if key:
+            arm += f" ({json.loads((folder / 'manifest.json').read_text())['config'][key]})"
         assert arm not in held, f"two ledgers of {arm} under data/ledgers/paper"
         held[arm] = ledger_progress(folder)[0]
     assert done == held
