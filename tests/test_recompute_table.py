@@ -22,3 +22,12 @@ def test_old_vs_new_counts_each_cell_on_the_common_clean_problems():
     assert list(table(r, "sdpa-32", "flex-128").columns)[1:3] == ["part under sdpa-32", "part under flex-128"]
     with pytest.raises(ValueError, match="share no problem"):
         old_vs_new(old, [_rec("z", [1], [1])])
+
+
+def test_another_pair_of_arms_is_compared_where_asked():
+    """Experiment 2's fixed prefixes compare prefill with incremental: a record whose prefill and live agree but
+    whose incremental parts counts as parting there."""
+    rec = {"problem_id": "a", "gate_failure": None,
+           "arms": {"live": {"suffix": [1]}, "prefill": {"suffix": [1]}, "incremental": {"suffix": [2]}}}
+    assert old_vs_new([rec], [rec])["both"] == 0
+    assert old_vs_new([rec], [rec], ("prefill", "incremental"))["both"] == 1

@@ -1,15 +1,16 @@
-"""Two computations of one Experiment 1-like arm set side by side on the same problems (paper §4.1).
+"""Two computations of one arm side by side on the same problems (paper §4.1, §4.2).
 
 When a profile is recomputed under another execution contract (another attention, batch shape, tie rule or
 branch cap), its BF16 rows change where an exact top-1/top-2 tie or a last-bit difference moved a trajectory.
-:func:`old_vs_new` counts, on the problems both ledgers hold, whether prefill and live suffixes part under each:
+:func:`old_vs_new` counts, on the problems both ledgers hold, whether two constructions' suffixes part under each
+(prefill and live in Experiment 1 and its controls, prefill and incremental in Experiment 2's fixed prefixes):
 under both, under the old only, under the new only, under neither, with the exact McNemar test on the two
 discordant counts (:func:`kvreplay.analysis.stats.mcnemar_exact`). Rows with a gate failure in either ledger are counted
 apart, never as divergent or not. Nothing is asserted about the outcome.
 
 Command line::
 
-    python -m kvreplay.report.recompute OLD_LEDGER NEW_LEDGER [--md FILE]
+    python -m kvreplay.report.recompute OLD_LEDGER NEW_LEDGER [--arms A B] [--md FILE]
 """
 
 from __future__ import annotations
@@ -31,11 +32,17 @@ def parts(record: Mapping[str, Any], a: str = "prefill", b: str = "live") -> boo
     return list(arms[a]["suffix"]) != list(arms[b]["suffix"])
 
 
-def old_vs_new(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The 2x2 of "prefill and live suffixes part" under two computations, on the problems both hold.
+COMPARED = {"exp2": ("prefill", "incremental")}
+"""The two constructions whose suffixes are compared, by experiment, where not prefill and live."""
+
+
+def old_vs_new(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]],
+               arms: tuple[str, str] = ("prefill", "live")) -> dict[str, Any]:
+    """The 2x2 of "the two arms' suffixes part" under two computations, on the problems both hold.
 
     Args:
-        old, new: Experiment 1-like records (``problem_id``, ``gate_failure``, ``arms`` with suffixes).
+        old, new: records with ``problem_id``, ``gate_failure`` and ``arms`` holding suffixes.
+        arms: the two arms compared in each record.
 
     Returns:
         ``{"problems", "gate_failures", "both", "old_only", "new_only", "neither", "old_rate", "new_rate",
@@ -50,8 +57,8 @@ def old_vs_new(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]
     if not common:
         raise ValueError("old_vs_new: the two ledgers share no problem")
     clean = [(o, n) for o, n in common if not o.get("gate_failure") and not n.get("gate_failure")]
-    a = [parts(o) for o, _ in clean]
-    b = [parts(n) for _, n in clean]
+    a = [parts(o, *arms) for o, _ in clean]
+    b = [parts(n, *arms) for _, n in clean]
     both = sum(x and y for x, y in zip(a, b))
     return {"problems": len(clean), "gate_failures": len(common) - len(clean), "both": both,
             "old_only": sum(a) - both, "new_only": sum(b) - both, "neither": len(clean) - sum(a) - sum(b) + both,
@@ -76,18 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     from ..ledger.lookup import read_ledger
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("old", type=Path, help="the earlier ledger folder (Experiment 1-like rows)")
+    ap.add_argument("old", type=Path, help="the earlier ledger folder")
     ap.add_argument("new", type=Path, help="the recomputed ledger folder")
+    ap.add_argument("--arms", nargs=2, default=None, metavar=("A", "B"),
+                    help="the two arms compared (default: prefill and live; Experiment 2: prefill and incremental)")
     ap.add_argument("--md", type=Path, default=None, help="write the table (with the command) to this Markdown file")
     args = ap.parse_args(argv)
     old, new = read_ledger(args.old), read_ledger(args.new)
-    res = old_vs_new(old.records, new.records)
+    config = old.manifest["config"]
+    arms = tuple(args.arms) if args.arms else COMPARED.get(config["experiment"], ("prefill", "live"))
+    res = old_vs_new(old.records, new.records, arms)
     text = table(res, args.old.name, args.new.name).to_markdown(index=False)
     print(text)
     if args.md:
         command = "python -m kvreplay.report.recompute " + " ".join(argv if argv is not None else sys.argv[1:])
-        args.md.write_text(f"`{command}`\n\nPrefill and live suffixes part (Experiment 1 BF16), the same problems "
-                           f"under two computations.\n\n{text}\n")
+        args.md.write_text(f"`{command}`\n\n{arms[0].capitalize()} and {arms[1]} suffixes part ({config['experiment']} "
+                           f"{config['dtype']}), the same problems under two computations.\n\n{text}\n")
     return 0
 
 
