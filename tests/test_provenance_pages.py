@@ -154,10 +154,12 @@ def test_each_post_hoc_rule_follows_the_results_it_names():
         else:
             when_last = when
         seen = pp.rule_ledgers(r["seen"])
-        assert seen or r["replaced"], f"{r['rule']}: names no ledger seen before it and none replaced"
-        for folder in seen:
-            first = pp.first_event(folder)
-            assert first is not None and first < when, f"{r['rule']}: {folder.name} begins {first}, after the rule"
+        removed = pp.removed_ledgers(r) if git else []
+        assert seen or r["replaced"] or r.get("seen_removed"), (
+            f"{r['rule']}: names no ledger seen before it and none replaced")
+        assert removed or not (git and r.get("seen_removed")), f"{r['rule']}: seen_removed matches no ledger there"
+        for folder, first in [(f.name, pp.first_event(f)) for f in seen] + removed:
+            assert first is not None and first < when, f"{r['rule']}: {folder} begins {first}, after the rule"
         for pattern in r["seen"] + r["governs"]:
             assert pp.rule_ledgers([pattern]), f"{r['rule']}: {pattern!r} matches no ledger folder under data/"
         if r["replaced"]:
@@ -165,6 +167,27 @@ def test_each_post_hoc_rule_follows_the_results_it_names():
                 first = pp.first_event(folder)
                 assert first is not None and first > when_last, (
                     f"{r['rule']}: {folder.name} begins {first}, before the rule that replaced what was seen")
+
+
+def test_ledgers_seen_and_removed_are_read_from_the_commit_that_held_them(tmp_path):
+    """A rule's ``seen_removed`` globs are matched in a commit's tree and dated by the first run-log event there."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    folder = tmp_path / "data" / "ledgers" / "p" / "exp1-bfloat16-abc"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+    (folder / "runlog.jsonl").write_text('{"event": "start", "time": "2026-12-01T00:00:00+00:00"}\n')
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    git("rm", "-rq", "data")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "y")
+    rule = {"seen_removed": {"commit": "HEAD~1", "ledgers": ["ledgers/p/exp1-*"]}}
+    assert pp.removed_ledgers(rule, tmp_path) == [("ledgers/p/exp1-bfloat16-abc",
+                                                   datetime.fromisoformat("2026-12-01T00:00:00+00:00"))]
+    assert pp.removed_ledgers({"seen_removed": {"commit": "HEAD", "ledgers": ["ledgers/p/*"]}}, tmp_path) == []
+    assert pp.removed_ledgers({}, tmp_path) == []
 
 
 def test_a_rule_entry_missing_a_field_is_named(tmp_path):

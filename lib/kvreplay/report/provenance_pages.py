@@ -176,7 +176,40 @@ def read_rules(path: Path = RULES) -> list[dict]:
         for field, kind in want.items():
             if not isinstance(r, dict) or not isinstance(r.get(field), kind):
                 raise ValueError(f"{path}: entry {i}: field {field!r} missing or not a {kind.__name__}")
+        removed = r.get("seen_removed")
+        if removed is not None and not (isinstance(removed, dict) and isinstance(removed.get("commit"), str)
+                                        and isinstance(removed.get("ledgers"), list)):
+            raise ValueError(f"{path}: entry {i}: field 'seen_removed' is not {{commit: str, ledgers: list}}")
     return rules
+
+
+def removed_ledgers(entry: Mapping[str, Any], root: Path = ROOT) -> list[tuple[str, datetime | None]]:
+    """A rule's ``seen_removed`` ledgers: ``(folder under data/, time of its first run-log event)`` for each folder
+    that its globs match in the tree of its commit (ledgers seen before the rule and removed later, e.g. replaced
+    by a recomputation; git history holds them). ``[]`` for a rule without the field.
+
+    Raises:
+        subprocess.CalledProcessError, OSError: no git, or a commit this clone lacks (a shallow clone)."""
+    import fnmatch
+    import json
+    import subprocess
+
+    removed = entry.get("seen_removed")
+    if not removed:
+        return []
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
+
+    files = git("ls-tree", "-r", "--name-only", removed["commit"], "--", "data").split()
+    out = []
+    for path in sorted(f for f in files if any(fnmatch.fnmatch(f, f"data/{g}/manifest.json")
+                                             for g in removed["ledgers"])):
+        folder = path.rsplit("/", 1)[0]
+        first = git("show", f"{removed['commit']}:{folder}/runlog.jsonl").split("\n", 1)[0]
+        time = json.loads(first).get("time") if first.strip() else None
+        out.append((folder.removeprefix("data/"), datetime.fromisoformat(time) if time else None))
+    return out
 
 
 def rule_ledgers(patterns: list[str], data: Path = DATA) -> list[Path]:
@@ -199,9 +232,12 @@ def rules_table(rules: list[dict], data: Path = DATA) -> str:
         when = datetime.fromisoformat(r["date"])
         before = sum((first_event(f) or when) < when for f in governs)
         starts = [t for t in map(first_event, seen) if t]
+        removed = r.get("seen_removed")
+        gone = (f"{', '.join(f'`{g}`' for g in removed['ledgers'])} in `{removed['commit']}` (since removed; git "
+                "history)") if removed else ""
         rows.append([r["rule"], ", ".join(f"`{c}`" for c in r["commits"]), day(r["date"]),
-                     (f"{len(seen)}, from {day(min(starts))}" if starts
-                      else "since replaced (git history)" if r["replaced"] else "—"),
+                     "; ".join(x for x in [f"{len(seen)}, from {day(min(starts))}" if starts else "", gone] if x)
+                     or ("since replaced (git history)" if r["replaced"] else "—"),
                      f"{len(governs)}: {before} begun before the rule, {len(governs) - before} after"
                      if governs else "none committed"])
     return table(["rule", "commits", "date", "ledgers seen before it", "ledgers it governs"], rows)
