@@ -185,8 +185,8 @@ def read_rules(path: Path = RULES) -> list[dict]:
 
 def removed_ledgers(entry: Mapping[str, Any], root: Path = ROOT) -> list[tuple[str, datetime | None]]:
     """A rule's ``seen_removed`` ledgers: ``(folder under data/, time of its first run-log event)`` for each folder
-    that its globs match in the tree of its commit (ledgers seen before the rule and removed later, e.g. replaced
-    by a recomputation; git history holds them). ``[]`` for a rule without the field.
+    its globs match in its commit's tree. These are ledgers seen before the rule and removed later (e.g. replaced
+    by a recomputation), which git history holds. ``[]`` for a rule without the field.
 
     Raises:
         subprocess.CalledProcessError, OSError: no git, or a commit this clone lacks (a shallow clone)."""

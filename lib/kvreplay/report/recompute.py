@@ -2,10 +2,9 @@
 
 When a profile is recomputed under another execution contract (another attention, batch shape, tie rule or
 branch cap), its BF16 rows change where an exact top-1/top-2 tie or a last-bit difference moved a trajectory.
-:func:`old_vs_new` counts, on the problems both ledgers hold, whether two constructions' suffixes part under each
-(prefill and live in Experiment 1 and its controls, prefill and incremental in Experiment 2's fixed prefixes):
-under both, under the old only, under the new only, under neither, with the exact McNemar test on the two
-discordant counts (:func:`kvreplay.analysis.stats.mcnemar_exact`). Rows with a gate failure in either ledger are counted
+:func:`old_vs_new` counts, on the problems both ledgers hold, whether two constructions' suffixes part
+(:data:`COMPARED`). It counts under both, under the old only, under the new only and under neither, with the exact
+McNemar test on the two discordant counts (:func:`kvreplay.analysis.stats.mcnemar_exact`). Rows with a gate failure in either ledger are counted
 apart, never as divergent or not. Nothing is asserted about the outcome.
 
 Command line::
@@ -33,7 +32,8 @@ def parts(record: Mapping[str, Any], a: str = "prefill", b: str = "live") -> boo
 
 
 COMPARED = {"exp2": ("prefill", "incremental")}
-"""The two constructions whose suffixes are compared, by experiment, where not prefill and live."""
+"""The two constructions whose suffixes are compared, by experiment, where not prefill and live (Experiment 1 and
+its controls): Experiment 2 compares prefill with incremental on its fixed prefixes."""
 
 
 def old_vs_new(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]],
