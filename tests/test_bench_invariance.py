@@ -92,3 +92,13 @@ def test_engine_sizes_add_the_batched_engines_check_as_a_unit(tmp_path):
     row = json.loads(path.read_text())["runs"][0]["rows"][0]
     assert row["engine"] == {"eager_vs_alone": [], "2": []}  # the engine's check, under invariant kernels
     assert (tmp_path / "units" / "float32" / "invariant" / tiny_problems(1)[0].problem_id / "engine.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["invariance", "engine-suite", "ray"])
+def test_every_bench_subcommand_reaches_its_module(name, capsys):
+    """`python -m kvreplay.bench <subcommand> --help` prints the subcommand's own help (its module imports)."""
+    from kvreplay.bench import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([name, "--help"])
+    assert stop.value.code == 0 and "usage:" in capsys.readouterr().out

@@ -330,7 +330,7 @@ def engine_table(lm, fmt, *, tokens: int = 64, batches: tuple[int, ...] = (1, 8,
     return pd.DataFrame(out)
 
 
-SUBCOMMANDS = {"invariance": "bench_invariance", "engine-suite": "bench_engine_suite", "ray": "bench_ray"}
+SUBCOMMANDS = {"invariance": "invariance", "engine-suite": "engine_suite", "ray": "ray"}
 """``python -m kvreplay.bench <subcommand> ...`` -> the module whose ``main(argv)`` runs it: the invariant-kernel
 invariants on a device (``invariance``), the ``flex`` engine's guarantees on a GPU (``engine-suite``), Experiment 1
 on one GPU and on several (``ray``). Without a subcommand: the benchmark above."""

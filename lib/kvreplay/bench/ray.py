@@ -106,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m kvreplay.bench ray OUTDIR [ROWS [BATCH [GPUS]]]``; exits with a message when fewer GPUs are
     visible than asked for."""
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        raise SystemExit("usage: python -m kvreplay.bench ray OUTDIR [ROWS [BATCH [GPUS]]]")
+    usage = "usage: python -m kvreplay.bench ray OUTDIR [ROWS [BATCH [GPUS]]]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage + "\n\n" + (__doc__ or "").strip().split("\n\n")[0])
+        raise SystemExit(0)
+    if not argv or argv[0].startswith("-"):  # an option is not an output folder
+        raise SystemExit(usage)
     out = Path(argv[0])
     args = [int(x) for x in argv[1:4]]
     rows, batch, gpus = args + [80, 16, 2][len(args):]
